@@ -1,0 +1,66 @@
+"""Paged K/V buffers shared by the radix cache and running requests.
+
+Each layer has one K and one V buffer in FlashInfer's paged layout
+``[num_pages, page_size, num_kv_heads, head_dim]`` (the "NHD" layout). Which
+pages are free is tracked by a :class:`~mmserve.cache.page_allocator.PageAllocator`;
+pages not free are owned either by the radix tree or by a running request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.cache.page_allocator import PageAllocator
+
+
+class KVPool:
+    """K/V page buffers for every decoder layer plus their page allocator.
+
+    Args:
+        num_pages: pages in the pool.
+        page_size: tokens per page ``P``.
+        num_layers: decoder layers.
+        num_kv_heads: K/V heads per layer.
+        head_dim: dimension per head.
+        dtype: buffer dtype (fp32 on CPU; bf16/fp16 on GPU).
+        device: buffer device.
+
+    Raises:
+        ValueError: if ``num_pages`` or ``page_size`` is < 1.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1 ({num_pages}, {page_size})")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = PageAllocator(num_pages)
+
+    @property
+    def size_tokens(self) -> int:
+        """Capacity in tokens (``num_pages * page_size``)."""
+        return self.num_pages * self.page_size
+
+    def flat_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of layer ``layer_id``'s K and V as ``[num_pages * P, Hkv, D]`` slots."""
+        k = self.k_buffers[layer_id]
+        v = self.v_buffers[layer_id]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def bytes_per_token(self) -> int:
+        """K+V bytes one token occupies across all layers."""
+        k = self.k_buffers[0]
+        return 2 * self.num_layers * k.shape[2] * k.shape[3] * k.element_size()

@@ -1,0 +1,54 @@
+"""Engine knobs in one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmserve.vision.image import ImageLimits
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one :class:`~mmserve.engine.engine.Engine`.
+
+    Attributes:
+        model_path: checkpoint directory (None: build/use the bundled tiny model).
+        device: torch device ("cpu" or "cuda").
+        page_size: tokens per KV page.
+        max_total_tokens: KV pool capacity in tokens (rounded down to whole pages).
+        max_running_requests: most requests decoding at once.
+        max_prefill_tokens: new-token budget of one prefill batch (tokens); a
+            single longer prompt still runs alone.
+        disable_radix_cache: never reuse KV across requests (SGLang's flag).
+        policy: waiting-queue order: "lpm" (longest prefix match first) or "fcfs".
+        vision_cache_size: projected image embeddings kept (images).
+        max_images_per_request: most images in one prompt.
+        dedup_min_tokens: two waiting requests whose uncached parts share this many
+            leading tokens are not prefilled in the same batch; the second waits
+            one step and hits the cache instead.
+        image_limits: byte and pixel limits for decoded images.
+    """
+
+    model_path: str | None = None
+    device: str = "cpu"
+    page_size: int = 1
+    max_total_tokens: int = 32768
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192
+    disable_radix_cache: bool = False
+    policy: str = "lpm"
+    vision_cache_size: int = 64
+    max_images_per_request: int = 8
+    dedup_min_tokens: int = 32
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+
+    def validate(self) -> None:
+        """Raises ValueError for a setting out of range."""
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.max_total_tokens < self.page_size:
+            raise ValueError("max_total_tokens must hold at least one page")
+        if self.policy not in ("lpm", "fcfs"):
+            raise ValueError(f"unknown policy {self.policy!r}; choose lpm or fcfs")
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")

@@ -1,0 +1,283 @@
+"""The engine: continuous batching over a shared paged KV pool and radix cache.
+
+Each :meth:`Engine.step` either prefills a batch of newly admitted requests or
+decodes one token for every running request (prefill first, as in SGLang and
+vLLM's default). The engine is single-threaded; :mod:`mmserve.engine.async_engine`
+drives it from a background thread for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.cache.radix_cache import RadixCache
+from mmserve.config import EngineConfig
+from mmserve.engine.model_runner import ModelRunner
+from mmserve.engine.prompt import PromptBuilder, PromptError
+from mmserve.engine.request import GenerateResult, ImageInput, Request, SamplingParams
+from mmserve.engine.sampling import make_generator, sample_token
+from mmserve.engine.scheduler import Scheduler
+from mmserve.model.loader import LoadedModel, load_model
+from mmserve.vision.embedding_cache import EmbeddingCache
+from mmserve.vision.hashing import image_key, processor_fingerprint
+from mmserve.vision.image import decode_image
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message says why (HTTP 400)."""
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters (tokens, requests, images) since start."""
+
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+
+
+class Engine:
+    """Offline and step-wise generation with LLaVA on a paged KV pool.
+
+    Args:
+        config: engine settings; ``config.model_path`` names the checkpoint.
+        model: an already loaded model (skips loading; for tests).
+
+    Raises:
+        ValueError: for invalid settings; CheckpointError for a bad checkpoint.
+    """
+
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None) -> None:
+        config.validate()
+        self.config = config
+        if model is None:
+            if config.model_path is None:
+                from mmserve.model.make_checkpoint import ensure_model
+
+                config.model_path = str(ensure_model("tiny"))
+            model = load_model(config.model_path, device=config.device)
+        self.model = model
+        shape = model.decoder.shape
+        self.max_context = shape.max_position_embeddings
+        num_pages = config.max_total_tokens // config.page_size
+        self.pool = KVPool(
+            num_pages,
+            config.page_size,
+            shape.num_layers,
+            shape.num_kv_heads,
+            shape.head_dim,
+            dtype=model.decoder.embed_tokens.weight.dtype,
+            device=config.device,
+        )
+        self.tree = RadixCache(
+            config.page_size, self.pool.allocator.free, disable=config.disable_radix_cache
+        )
+        self.scheduler = Scheduler(config, self.pool, self.tree)
+        self.embedding_cache = EmbeddingCache(config.vision_cache_size)
+        self.runner = ModelRunner(model, self.pool, self.embedding_cache, config.device)
+        self.prompts = PromptBuilder(model, config.max_images_per_request)
+        self.fingerprint = processor_fingerprint(model.processor.image_processor)
+        self.shortest_edge = _shortest_edge(model.processor.image_processor)
+        self.stats = EngineStats()
+        self._by_rid: dict[str, Request] = {}
+
+    # ---- inputs -----------------------------------------------------------
+    def prepare_image(self, data: bytes) -> ImageInput:
+        """Decode and hash an encoded image (no preprocessing).
+
+        Raises:
+            ImageError: for empty, corrupt, over-size or degenerate images.
+        """
+        im = decode_image(data, self.config.image_limits, self.shortest_edge)
+        return ImageInput(image_key(im, self.fingerprint), im)
+
+    def make_request(
+        self,
+        *,
+        messages: Sequence[dict] | None = None,
+        prompt: str | None = None,
+        images: Sequence[ImageInput] = (),
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+    ) -> Request:
+        """Build a validated request from chat ``messages`` or a raw ``prompt``.
+
+        Raises:
+            RequestError: bad sampling parameters, placeholder/image mismatch, or a
+                prompt plus ``max_tokens`` beyond the context or the KV pool.
+        """
+        params = params or SamplingParams()
+        try:
+            params.validate()
+            if (messages is None) == (prompt is None):
+                raise RequestError("give exactly one of messages or prompt")
+            if messages is not None:
+                ids, spans = self.prompts.from_messages(messages, list(images))
+            else:
+                ids, spans = self.prompts.from_text(prompt, list(images))
+        except PromptError as e:
+            raise RequestError(str(e)) from None
+        except RequestError:
+            raise
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        total = len(ids) + params.max_tokens
+        if total > self.max_context:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} "
+                f"tokens; the model's context is {self.max_context}"
+            )
+        if total > self.pool.size_tokens:
+            raise RequestError(
+                f"prompt plus max_tokens is {total} tokens; the KV pool holds "
+                f"{self.pool.size_tokens} tokens"
+            )
+        req = Request(ids, spans, params, rid=rid)
+        req.generator = make_generator(params, self.config.device)
+        return req
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request built by :meth:`make_request`."""
+        self._by_rid[req.rid] = req
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request; its computed KV goes to the tree and its pages are freed.
+
+        Returns:
+            True if the request was found waiting or running.
+        """
+        req = self._by_rid.pop(rid, None)
+        if req is None or req.finished:
+            return False
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        else:
+            self.scheduler.release(req)
+        self._finish(req, "abort")
+        return True
+
+    # ---- stepping ---------------------------------------------------------
+    def has_work(self) -> bool:
+        """Whether any request waits or runs."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[Request]:
+        """Run one prefill or decode batch.
+
+        Returns:
+            Requests that got a token this step (finished ones included).
+        """
+        sched = self.scheduler
+        batch = sched.schedule_prefill()
+        if batch:
+            logits = self.runner.prefill(batch)
+            self.stats.prefill_steps += 1
+            for req in batch:
+                req.computed_len = req.prompt_len
+                sched.on_prefilled(req)
+                sched.running.append(req)
+                self.stats.prompt_tokens += req.prompt_len
+                self.stats.cached_tokens += req.cached_len
+        elif sched.running:
+            batch = list(sched.running)
+            for req in batch:
+                sched.ensure_decode_page(req)
+            logits = self.runner.decode(batch)
+            self.stats.decode_steps += 1
+            for req in batch:
+                req.computed_len += 1
+        else:
+            return []
+        now = time.perf_counter()
+        for req, row in zip(batch, logits, strict=True):
+            self._append_token(req, row, now)
+        return batch
+
+    def _append_token(self, req: Request, logits: torch.Tensor, now: float) -> None:
+        if req.logits is not None:
+            req.logits.append(logits.detach().cpu().clone())
+        tok = sample_token(logits, req.params, req.generator)
+        req.output_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        p = req.params
+        reason = None
+        if tok in self.model.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        text = self.model.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        for s in p.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+        req.text = text
+        if reason is None and len(req.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.release(req)
+            self._finish(req, reason)
+        elif req.on_update is not None:
+            req.on_update(req)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        self._by_rid.pop(req.rid, None)
+        self.stats.requests_finished += 1
+        self.stats.completion_tokens += len(req.output_ids)
+        if req.on_update is not None:
+            req.on_update(req)
+
+    # ---- offline API ------------------------------------------------------
+    def generate(self, requests: Sequence[Request]) -> list[GenerateResult]:
+        """Run ``requests`` to completion together (continuous batching).
+
+        Returns:
+            One :class:`GenerateResult` per request, in input order.
+        """
+        for req in requests:
+            self.add_request(req)
+        while any(not r.finished for r in requests):
+            if not self.step() and not self.has_work():
+                break
+        return [r.result() for r in requests]
+
+    def cache_stats(self) -> dict[str, float]:
+        """Pool, tree and hit-rate figures for metrics and ``/v1/cache/stats``."""
+        s = self.stats
+        P = self.pool.page_size
+        tree_pages = self.tree.num_pages() if not self.tree.disable else 0
+        return {
+            "page_size": P,
+            "pool_pages": self.pool.num_pages,
+            "free_pages": self.pool.allocator.num_free,
+            "tree_pages": tree_pages,
+            "evictable_pages": self.tree.evictable_size() // P if not self.tree.disable else 0,
+            "tree_nodes": self.tree.node_count() if not self.tree.disable else 0,
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens,
+            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "completion_tokens": s.completion_tokens,
+            "requests_finished": s.requests_finished,
+            "vision_tower_images": self.runner.vision_tower_images,
+            "vision_cache_hits": self.embedding_cache.hits,
+            "vision_cache_misses": self.embedding_cache.misses,
+            "tree_seconds": self.scheduler.tree_seconds,
+        }
+
+
+def _shortest_edge(image_processor: object) -> int:
+    size = getattr(image_processor, "size", None) or {}
+    if isinstance(size, dict):
+        return int(size.get("shortest_edge") or min(size.get("height", 336), size.get("width", 336)))
+    return int(getattr(size, "shortest_edge", None) or 336)

@@ -1,0 +1,129 @@
+"""Runs one forward batch: input embeddings (text + image features), metadata, decoder.
+
+Image features come from the embedding cache when present; otherwise the
+images a batch still needs are preprocessed and encoded together in one vision
+tower call. Only positions a request actually computes need features, so an
+image fully covered by the prefix match costs nothing, and a match that ends
+inside an image takes the tail of that image's features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.engine.request import ImageInput, Request
+from mmserve.kernels.metadata import build_metadata
+from mmserve.kernels.torch_backend import TorchAttentionBackend
+from mmserve.model.loader import LoadedModel
+from mmserve.vision.embedding_cache import EmbeddingCache
+
+
+class ModelRunner:
+    """Executes prefill and decode batches against the KV pool.
+
+    Args:
+        model: loaded checkpoint.
+        pool: KV pool.
+        embedding_cache: LRU of projected image features.
+        device: torch device of the model.
+
+    Attributes:
+        vision_tower_images: images encoded by the vision tower so far.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        pool: KVPool,
+        embedding_cache: EmbeddingCache,
+        device: str = "cpu",
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.cache = embedding_cache
+        self.device = torch.device(device)
+        self.backend = TorchAttentionBackend()
+        self.vision_tower_images = 0
+        self.dtype = model.decoder.embed_tokens.weight.dtype
+        mask = torch.zeros(model.decoder.shape.vocab_size, dtype=torch.float32)
+        mask[model.never_sample_ids] = float("-inf")
+        self.logit_mask = mask.to(self.device)
+
+    def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
+        """Features ``[N_img_tokens, hidden]`` for each distinct image, tower-encoded once."""
+        proc = self.model.processor.image_processor
+        pixels = proc(images=[im.image for im in images], return_tensors="pt")["pixel_values"]
+        feats = self.model.vision(pixels.to(self.device, self.dtype))
+        self.vision_tower_images += len(images)
+        out = {}
+        for im, f in zip(images, feats, strict=True):
+            self.cache.put(im.key, f)
+            out[im.key] = f
+        return out
+
+    def _features(self, reqs: list[Request], starts: list[int]) -> dict[bytes, torch.Tensor]:
+        found: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, ImageInput] = {}
+        for req, start in zip(reqs, starts, strict=True):
+            for span in req.spans:
+                if span.end <= start:
+                    continue
+                req.images_needing_vision += 1
+                key = span.image.key
+                if key in found or key in missing:
+                    continue
+                f = self.cache.get(key)
+                if f is None:
+                    missing[key] = span.image
+                    req.vision_tower_runs += 1
+                else:
+                    found[key] = f
+        if missing:
+            found.update(self._encode(list(missing.values())))
+        return found
+
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Request]) -> torch.Tensor:
+        """Compute every uncached prompt token of ``reqs``.
+
+        Returns:
+            fp32 logits ``[B, vocab]`` of each request's last prompt token, with
+            never-sampled ids at ``-inf``.
+        """
+        starts = [r.computed_len for r in reqs]
+        feats = self._features(reqs, starts)
+        ids_all, rows, extend = [], [], []
+        for r, s in zip(reqs, starts, strict=True):
+            ids_all.extend(r.input_ids[s:])
+            extend.append(r.prompt_len - s)
+        ids = torch.tensor(ids_all, dtype=torch.int64, device=self.device)
+        embeds = self.model.decoder.embed_tokens(ids.clamp(min=0))
+        offset = 0
+        for r, s, e in zip(reqs, starts, extend, strict=True):
+            for span in r.spans:
+                lo, hi = max(span.start, s), min(span.end, r.prompt_len)
+                if lo < hi:
+                    f = feats[span.image.key][lo - span.start : hi - span.start]
+                    embeds[offset + lo - s : offset + hi - s] = f.to(embeds.dtype)
+            offset += e
+            rows.append(offset - 1)
+        return self._run([r.pages for r in reqs], starts, extend, embeds, rows)
+
+    @torch.inference_mode()
+    def decode(self, reqs: list[Request]) -> torch.Tensor:
+        """One token for each request; returns logits ``[B, vocab]``."""
+        ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
+        embeds = self.model.decoder.embed_tokens(ids)
+        prefix = [r.computed_len for r in reqs]
+        return self._run([r.pages for r in reqs], prefix, [1] * len(reqs), embeds, None)
+
+    def _run(self, pages, prefix, extend, embeds, rows) -> torch.Tensor:  # noqa: ANN001
+        meta = build_metadata(pages, prefix, extend, self.pool.page_size, self.device)
+        self.backend.plan(meta)
+        if rows is None:
+            rows_t = torch.arange(len(extend), device=self.device)
+        else:
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        logits = self.model.decoder(embeds, meta.positions, self.backend, self.pool, rows_t)
+        return logits + self.logit_mask

@@ -1,0 +1,197 @@
+"""Requests, their sampling parameters and their results."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+
+@dataclass
+class SamplingParams:
+    """How to pick output tokens.
+
+    Attributes:
+        max_tokens: most output tokens (>= 1).
+        temperature: 0 means greedy; otherwise logits are divided by it (>= 0).
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; -1 keeps all.
+        seed: per-request sampling seed (None: random).
+        stop: strings that end generation; the text is cut before them.
+        ignore_eos: keep going after an end-of-sequence token.
+        return_logits: keep each step's fp32 logits ``[vocab]`` (tests, debugging).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    return_logits: bool = False
+
+    def validate(self) -> None:
+        """Check ranges.
+
+        Raises:
+            ValueError: naming the parameter that is out of range.
+        """
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+
+
+@dataclass
+class ImageInput:
+    """A decoded image and its content key (see :mod:`mmserve.vision.hashing`).
+
+    Attributes:
+        key: 16-byte xxh3-128 image key.
+        image: the decoded PIL image (original mode, EXIF-rotated).
+    """
+
+    key: bytes
+    image: Image.Image
+
+    @property
+    def id(self) -> str:
+        """Hex form of the key, used as the public image id."""
+        return "img-" + self.key.hex()
+
+
+@dataclass
+class ImageSpan:
+    """Positions ``[start, start + length)`` of a prompt filled by one image's features."""
+
+    start: int
+    length: int
+    image: ImageInput
+
+    @property
+    def end(self) -> int:
+        """One past the last position."""
+        return self.start + self.length
+
+
+@dataclass
+class GenerateResult:
+    """What a finished request reports.
+
+    Attributes:
+        rid: request id.
+        text: decoded output (cut before a matched stop string).
+        output_ids: generated token ids.
+        finish_reason: "stop" (EOS or stop string), "length" or "abort".
+        prompt_tokens: prompt length in tokens (each image counts its pseudo-tokens).
+        cached_tokens: prompt tokens whose KV came from the radix cache.
+        completion_tokens: ``len(output_ids)``.
+        images_needing_vision: images whose positions the prefix match did not cover.
+        vision_tower_runs: images actually encoded by the tower (embedding-cache misses).
+        ttft: seconds from arrival to the first token.
+        latency: seconds from arrival to finish.
+        logits: per-step fp32 logits ``[vocab]`` if ``return_logits`` was set.
+    """
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    images_needing_vision: int
+    vision_tower_runs: int
+    ttft: float
+    latency: float
+    logits: list[torch.Tensor] | None = None
+
+
+_rid_counter = itertools.count()
+
+
+class Request:
+    """One generation request as the scheduler tracks it.
+
+    Token bookkeeping (all in tokens): ``cached_len`` came from the radix cache
+    at admission; ``computed_len`` have K/V in the pool; ``tree_len`` leading
+    positions are backed by tree-owned pages locked through ``last_node``.
+    ``pages`` lists the request's page ids in order; ``reserved_pages`` are
+    promised for future decode steps.
+    """
+
+    def __init__(
+        self,
+        input_ids: list[int],
+        spans: list[ImageSpan],
+        params: SamplingParams,
+        rid: str | None = None,
+        on_update: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.rid = rid or f"req-{next(_rid_counter)}"
+        self.input_ids = input_ids
+        self.spans = spans
+        self.params = params
+        self.on_update = on_update
+        self.arrival = time.perf_counter()
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.pages: list[int] = []
+        self.reserved_pages = 0
+        self.cached_len = 0
+        self.computed_len = 0
+        self.tree_len = 0
+        self.last_node = None
+        self.finish_reason: str | None = None
+        self.images_needing_vision = 0
+        self.vision_tower_runs = 0
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.logits: list[torch.Tensor] | None = [] if params.return_logits else None
+        self.generator: torch.Generator | None = None
+        self.abort_requested = False
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        """Whether a finish reason is set."""
+        return self.finish_reason is not None
+
+    def all_ids(self) -> list[int]:
+        """Prompt followed by output ids."""
+        return self.input_ids + self.output_ids
+
+    def result(self) -> GenerateResult:
+        """Snapshot of the request as a :class:`GenerateResult`."""
+        end = self.finish_time or time.perf_counter()
+        first = self.first_token_time or end
+        return GenerateResult(
+            rid=self.rid,
+            text=self.text,
+            output_ids=list(self.output_ids),
+            finish_reason=self.finish_reason or "",
+            prompt_tokens=self.prompt_len,
+            cached_tokens=self.cached_len,
+            completion_tokens=len(self.output_ids),
+            images_needing_vision=self.images_needing_vision,
+            vision_tower_runs=self.vision_tower_runs,
+            ttft=first - self.arrival,
+            latency=end - self.arrival,
+            logits=self.logits,
+        )

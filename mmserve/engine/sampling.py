@@ -1,0 +1,52 @@
+"""Token sampling: greedy, temperature, top-k and top-p with per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.engine.request import SamplingParams
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """A seeded generator for sampled requests; None for greedy ones."""
+    if params.temperature == 0:
+        return None
+    g = torch.Generator(device=device)
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
+
+
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> int:
+    """Pick one token.
+
+    Args:
+        logits: fp32 ``[vocab]`` with never-sampled ids already at ``-inf``.
+        params: the request's sampling parameters.
+        generator: the request's seeded generator (unused when greedy).
+
+    Returns:
+        The chosen token id. Top-k then top-p (Holtzman et al., "The Curious
+        Case of Neural Text Degeneration", arXiv 1904.09751, Section 3.1).
+    """
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = cum - sorted_p >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,113 @@
+"""Reference attention backend in plain torch, for any device.
+
+It executes :class:`~mmserve.kernels.metadata.AttentionMetadata` literally:
+gather each request's pages by ``kv_indices``, keep ``seq_len`` tokens, and run
+causal attention in which query row ``j`` of a request with ``q_len`` new tokens
+sees keys ``0 .. seq_len - q_len + j`` (the new tokens are the tail of the
+sequence). Grouped-query attention maps ``Hq / Hkv`` query heads to each K/V head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.kernels.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Call :meth:`plan` once per batch, then :meth:`forward` once per layer.
+    """
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._slots: list[torch.Tensor] = []
+        self._masks: list[torch.Tensor | None] = []
+        self._decode_index: torch.Tensor | None = None
+        self._decode_mask: torch.Tensor | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Precompute per-request slot indices and masks shared by every layer."""
+        self._meta = meta
+        P = meta.page_size
+        kv_indptr = meta.kv_indptr.tolist()
+        offsets = torch.arange(P, device=meta.kv_indices.device, dtype=torch.int64)
+        self._slots, self._masks = [], []
+        for i, seq in enumerate(meta.seq_lens):
+            pages = meta.kv_indices[kv_indptr[i] : kv_indptr[i + 1]].to(torch.int64)
+            slots = (pages[:, None] * P + offsets[None, :]).reshape(-1)[:seq]
+            self._slots.append(slots)
+            q_len = meta.extend_lens[i]
+            if q_len == 1:
+                self._masks.append(None)  # one query sees the whole sequence
+            else:
+                rows = torch.arange(q_len, device=slots.device)[:, None] + (seq - q_len)
+                cols = torch.arange(seq, device=slots.device)[None, :]
+                self._masks.append(cols <= rows)
+        if meta.is_decode and meta.batch_size > 1:
+            max_len = max(meta.seq_lens)
+            index = torch.zeros(meta.batch_size, max_len, dtype=torch.int64)
+            mask = torch.zeros(meta.batch_size, 1, 1, max_len, dtype=torch.bool)
+            for i, slots in enumerate(self._slots):
+                index[i, : slots.numel()] = slots
+                mask[i, ..., : slots.numel()] = True
+            self._decode_index = index.to(meta.kv_indices.device)
+            self._decode_mask = mask.to(meta.kv_indices.device)
+        else:
+            self._decode_index = self._decode_mask = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """Write the new K/V into the pool, then attend.
+
+        Args:
+            q: ``[T, Hq, D]`` queries of the batch's new tokens (packed by ``qo_indptr``).
+            k, v: ``[T, Hkv, D]`` keys/values of the same tokens.
+            layer_id: decoder layer index into the pool.
+            pool: the KV pool (pages ``[num_pages, P, Hkv, D]`` per layer).
+
+        Returns:
+            ``[T, Hq, D]`` attention output, same dtype as ``q``.
+        """
+        meta = self._meta
+        assert meta is not None, "plan() must be called before forward()"
+        k_flat, v_flat = pool.flat_kv(layer_id)
+        k_flat[meta.out_cache_loc] = k.to(k_flat.dtype)
+        v_flat[meta.out_cache_loc] = v.to(v_flat.dtype)
+        if self._decode_index is not None:
+            return self._decode_batched(q, k_flat, v_flat)
+        out = torch.empty_like(q)
+        qo = meta.qo_indptr.tolist()
+        for i, slots in enumerate(self._slots):
+            qi = q[qo[i] : qo[i + 1]].transpose(0, 1)  # [Hq, q_len, D]
+            ki = k_flat[slots].transpose(0, 1).to(q.dtype)  # [Hkv, seq, D]
+            vi = v_flat[slots].transpose(0, 1).to(q.dtype)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=self._masks[i], enable_gqa=True
+            )
+            out[qo[i] : qo[i + 1]] = oi.transpose(0, 1)
+        return out
+
+    def _decode_batched(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
+    ) -> torch.Tensor:
+        # One padded gather for the whole decode batch instead of B small calls.
+        idx = self._decode_index
+        kb = k_flat[idx].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
+        vb = v_flat[idx].permute(0, 2, 1, 3).to(q.dtype)
+        qb = q[:, :, None, :]  # [B, Hq, 1, D]
+        ob = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=self._decode_mask, enable_gqa=True
+        )
+        return ob[:, :, 0, :]
