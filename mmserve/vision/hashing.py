@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from collections import OrderedDict
 
 import xxhash
@@ -93,15 +94,18 @@ class PseudoIdCache:
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
         self._ids: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._lock = threading.Lock()  # HTTP handlers tokenize on worker threads
 
     def get(self, key: bytes, num_tokens: int) -> list[int]:
         """Pseudo-ids for ``key``, computed once per key while it stays cached."""
-        ids = self._ids.get(key)
-        if ids is None or len(ids) != num_tokens:
-            ids = pseudo_token_ids(key, num_tokens)
+        with self._lock:
+            ids = self._ids.get(key)
+            if ids is not None and len(ids) == num_tokens:
+                self._ids.move_to_end(key)
+                return ids
+        ids = pseudo_token_ids(key, num_tokens)
+        with self._lock:
             self._ids[key] = ids
-            if len(self._ids) > self.capacity:
+            while len(self._ids) > self.capacity:
                 self._ids.popitem(last=False)
-        else:
-            self._ids.move_to_end(key)
         return ids

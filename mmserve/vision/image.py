@@ -10,7 +10,6 @@ resize to is checked before resizing.
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -58,10 +57,10 @@ def decode_image(data: bytes, limits: ImageLimits, shortest_edge: int = 336) -> 
     if len(data) > limits.max_bytes:
         raise ImageError(f"image is {len(data)} bytes; the limit is {limits.max_bytes} bytes")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+        im = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:  # header alone claims far too many pixels
+        raise ImageError(f"image refused before decoding: {e}") from None
+    except UnidentifiedImageError:
         raise ImageError("data is not a decodable image (unknown or corrupt format)") from None
     except Exception as e:  # Pillow raises many types for corrupt headers
         raise ImageError(f"cannot read image header: {e}") from None

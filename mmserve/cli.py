@@ -1,0 +1,90 @@
+"""``mmserve`` command line: ``serve`` and ``make-model``.
+
+``serve`` hands uvicorn the app factory ``api.app:app_from_env`` by its import
+string, with the settings in the ``MMSERVE_SERVER_CONFIG`` environment
+variable, so nothing in :mod:`mmserve` imports :mod:`api`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+from mmserve.config import EngineConfig
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from mmserve.model.make_checkpoint import ensure_model
+
+    model = args.model or str(ensure_model("tiny"))
+    cfg = EngineConfig(
+        model_path=model,
+        device=args.device,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        disable_radix_cache=args.disable_radix_cache,
+        policy=args.policy,
+    )
+    cfg.validate()
+    settings = asdict(cfg)
+    settings["server"] = {"served_model_name": args.served_model_name}
+    os.environ["MMSERVE_SERVER_CONFIG"] = json.dumps(settings)
+    uvicorn.run(
+        "api.app:app_from_env", factory=True, host=args.host, port=args.port, log_level="info"
+    )
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from mmserve.model.make_checkpoint import make_checkpoint
+
+    path = make_checkpoint(args.dir, size=args.size, seed=args.seed)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also used by tests)."""
+    p = argparse.ArgumentParser(prog="mmserve", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    d = EngineConfig()
+
+    s = sub.add_parser("serve", help="run the HTTP server")
+    s.add_argument("--model", help="checkpoint directory (default: build the tiny model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--device", default=d.device)
+    s.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    s.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
+                   help="KV pool size in tokens")
+    s.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    s.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    s.add_argument("--disable-radix-cache", action="store_true",
+                   help="never reuse KV across requests")
+    s.add_argument("--policy", choices=["lpm", "fcfs"], default=d.policy)
+    s.add_argument("--served-model-name", default=None)
+    s.set_defaults(func=_serve)
+
+    m = sub.add_parser("make-model", help="write a seeded random LLaVA-1.5 checkpoint")
+    m.add_argument("dir")
+    m.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=_make_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mmserve`` console script."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Drives an :class:`~mmserve.engine.engine.Engine` from a background thread for asyncio callers.
+
+Requests from many HTTP handlers land in one inbox; the engine thread drains it
+before every step, so their tokens share batches. Updates go back to each
+caller's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from mmserve.engine.engine import Engine
+from mmserve.engine.request import GenerateResult, Request
+
+
+@dataclass
+class StreamUpdate:
+    """Text so far of one request; ``result`` is set on the last update."""
+
+    text: str
+    output_ids: list[int]
+    result: GenerateResult | None = None
+
+
+class AsyncEngine:
+    """Thread-safe front of an engine.
+
+    Args:
+        engine: the engine to drive; only the engine thread touches it after :meth:`start`.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: list[Callable[[], None]] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine thread and wait for it (seconds: up to 30)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread before its next step."""
+        with self._cv:
+            self._inbox.append(fn)
+            self._cv.notify()
+
+    async def run_on_engine(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` on the engine thread and await its return value (or exception)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def task() -> None:
+            try:
+                value = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(_set_exc, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, value)
+
+        self.call(task)
+        return await fut
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not self._stop and not eng.has_work():
+                    self._cv.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for fn in inbox:
+                fn()
+            if eng.has_work():
+                try:
+                    eng.step()
+                except BaseException as e:  # a bug must not hang every client
+                    self.error = e
+                    for rid in [r.rid for r in list(eng.scheduler.running)] + [
+                        r.rid for r in list(eng.scheduler.waiting)
+                    ]:
+                        eng.abort(rid)
+
+    async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
+        """Submit ``req`` and yield its updates; the last one carries the result.
+
+        If the consumer stops early (client disconnect), the request is aborted.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StreamUpdate] = asyncio.Queue()
+
+        def on_update(r: Request) -> None:
+            upd = StreamUpdate(r.text, list(r.output_ids), r.result() if r.finished else None)
+            loop.call_soon_threadsafe(queue.put_nowait, upd)
+
+        req.on_update = on_update
+        self.call(lambda: self.engine.add_request(req))
+        done = False
+        try:
+            while True:
+                upd = await queue.get()
+                if upd.result is not None:
+                    done = True
+                    yield upd
+                    return
+                yield upd
+        finally:
+            if not done:
+                self.call(lambda: self.engine.abort(req.rid))
+
+    async def generate(self, req: Request) -> GenerateResult:
+        """Submit ``req`` and wait for its result."""
+        result = None
+        async for upd in self.stream(req):
+            result = upd.result
+        assert result is not None
+        return result
+
+
+def _set_result(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exc(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
