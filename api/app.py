@@ -19,9 +19,10 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, File, UploadFile
+from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from starlette.datastructures import UploadFile
 
 from api.errors import APIError, install_error_handlers
 from api.image_store import ImageStore
@@ -91,10 +92,33 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         }
 
     @app.post("/v1/images")
-    async def upload_image(file: UploadFile = File(...)) -> dict:  # noqa: B008
-        """Upload an image (multipart field ``file``); identical pixels give the same id."""
-        data = await file.read(limits.max_bytes + 1)
-        image = await store_bytes(data, "file")
+    async def upload_image(request: Request) -> dict:
+        """Upload an image: multipart field ``file``, or JSON ``{"data": "<base64>"}``.
+
+        Identical pixels give the same id, whatever the file name or container.
+        """
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith("multipart/form-data"):
+            form = await request.form()
+            file = form.get("file")
+            if not isinstance(file, UploadFile):
+                raise APIError(400, "multipart upload needs a file field named 'file'", param="file")
+            data = await file.read(limits.max_bytes + 1)
+            param = "file"
+        elif ctype.startswith("application/json"):
+            try:
+                body = json.loads(await request.body())
+                data = base64.b64decode(body["data"], validate=True)
+            except (ValueError, KeyError, TypeError, binascii.Error):
+                raise APIError(
+                    400, 'JSON upload must be {"data": "<base64 image bytes>"}', param="data"
+                ) from None
+            param = "data"
+        else:
+            raise APIError(
+                415, "send multipart/form-data (field 'file') or application/json ({'data': ...})"
+            )
+        image = await store_bytes(data, param)
         return _image_info(image, engine.model.num_image_tokens)
 
     @app.get("/v1/images/{image_id}")

@@ -1,0 +1,152 @@
+"""The HTTP API in-process: uploads, chat completions, and 4xx errors that leave it healthy."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import ServerSettings, create_app
+
+MODEL = "llava-tiny"
+
+
+@pytest.fixture(scope="module")
+def client(make_engine):  # noqa: ANN001, ANN201
+    engine = make_engine(max_total_tokens=8192)
+    app = create_app(engine, ServerSettings(served_model_name=MODEL))
+    with TestClient(app) as c:
+        c.engine = engine
+        yield c
+
+
+def chat(client, content, **kw):  # noqa: ANN001, ANN201
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **kw,
+    }
+    return client.post("/v1/chat/completions", json=body)
+
+
+def ask(image_id: str, q: str) -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": image_id}}, {"type": "text", "text": q}]
+
+
+def assert_healthy(client) -> None:  # noqa: ANN001
+    r = chat(client, "Say hello.")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    stats = client.get("/v1/cache/stats").json()
+    assert stats["running_requests"] == 0
+    assert stats["free_pages"] + stats["tree_pages"] == stats["pool_pages"]
+
+
+def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
+    return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
+
+
+def test_upload_same_pixels_same_id(client, photos) -> None:  # noqa: ANN001
+    a = upload(client, photos["cat.png"], "cat.png").json()
+    b = upload(client, photos["cat.png"], "renamed.png").json()
+    assert a["id"] == b["id"] and a["id"].startswith("img-")
+    assert (a["width"], a["height"], a["num_image_tokens"]) == (451, 300, 576)
+    assert client.get(f"/v1/images/{a['id']}").json()["id"] == a["id"]
+
+
+def test_three_questions_reuse_the_image(client, photos) -> None:  # noqa: ANN001
+    image_id = upload(client, photos["coffee.png"]).json()["id"]
+    usages = []
+    for q in ["What is this?", "What colour is the cup?", "Is it hot?"]:
+        r = chat(client, ask(image_id, q))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+        usages.append(body["usage"])
+    assert usages[0]["prompt_tokens"] > 576
+    for u in usages[1:]:
+        assert u["prompt_tokens_details"]["cached_tokens"] >= 576
+
+
+def test_data_url_equals_upload(client, photos) -> None:  # noqa: ANN001
+    image_id = upload(client, photos["rocket.jpg"]).json()["id"]
+    url = "data:image/jpeg;base64," + base64.b64encode(photos["rocket.jpg"]).decode()
+    a = chat(client, ask(image_id, "What is this?")).json()
+    b = chat(client, ask(url, "What is this?")).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576
+
+
+def test_streaming_sse(client, photos) -> None:  # noqa: ANN001
+    image_id = upload(client, photos["cat.png"]).json()["id"]
+    plain = chat(client, ask(image_id, "Stream?")).json()["choices"][0]["message"]["content"]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": ask(image_id, "Stream?")}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == plain
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576
+    assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)
+
+
+@pytest.mark.parametrize(
+    "content, kw, status, words",
+    [
+        (ask("img-" + "0" * 32, "hi"), {}, 400, "unknown image id"),
+        (ask("https://example.com/a.png", "hi"), {}, 400, "POST /v1/images"),
+        (ask("data:image/png;base64,@@@not-base64", "hi"), {}, 400, "not valid base64"),
+        (ask("data:image/png;base64,", "hi"), {}, 400, "empty"),
+        ("hello", {"max_tokens": -1}, 400, "max_tokens"),
+        ("hello", {"max_tokens": 10**6}, 400, "context"),
+        ("hello", {"temperature": -0.5}, 400, "temperature"),
+        ("hello", {"model": "gpt-4"}, 404, "does not exist"),
+        ("what is <image> this", {}, 400, "placeholder"),
+    ],
+)
+def test_bad_requests_get_clear_errors(client, content, kw, status, words) -> None:  # noqa: ANN001
+    r = chat(client, content, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert_healthy(client)
+
+
+def test_malformed_json(client) -> None:  # noqa: ANN001
+    r = client.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert_healthy(client)
+
+
+@pytest.mark.parametrize("name", ["empty.png", "truncated.png", "not-an-image.jpg",
+                                  "bomb-header-50000.png"])
+def test_bad_uploads(client, cases_dir, name) -> None:  # noqa: ANN001
+    r = upload(client, (cases_dir / name).read_bytes(), name)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_image"
+    assert_healthy(client)
+
+
+def test_unknown_image_get_is_404(client) -> None:  # noqa: ANN001
+    r = client.get("/v1/images/img-" + "1" * 32)
+    assert r.status_code == 404 and "no image" in r.json()["error"]["message"]
+
+
+def test_models_and_health(client) -> None:  # noqa: ANN001
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL

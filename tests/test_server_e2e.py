@@ -1,0 +1,79 @@
+"""End to end: a real ``mmserve serve`` process on 127.0.0.1, a photo, three questions."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SAMPLES
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path):  # noqa: ANN201
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmserve.cli", "serve", "--model", str(model_dir),
+         "--port", str(port), "--served-model-name", "tiny", "--max-total-tokens", "8192"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stdout.read().decode()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy in 120 s")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_sample_client_against_real_server(server: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(SAMPLES.parent / "ask.py"), "--url", server, "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout
+    per_photo = [b for b in out.split("\n\n") if "id=img-" in b]
+    assert len(per_photo) == 4, out
+    for block in per_photo:
+        cached = [int(line.split("cached=")[1].split()[0]) for line in block.splitlines()
+                  if "cached=" in line]
+        assert len(cached) == 3, block
+        assert cached[0] < 576 and all(c >= 576 for c in cached[1:]), block
+    frac = float(out.rsplit("cached fraction of prompt tokens: ", 1)[1])
+    assert frac > 0.6
+
+
+def test_stats_after_questions(server: str) -> None:
+    with urllib.request.urlopen(f"{server}/v1/cache/stats", timeout=10) as r:
+        stats = json.loads(r.read())
+    assert stats["running_requests"] == 0
+    assert stats["free_pages"] + stats["tree_pages"] == stats["pool_pages"]
+    assert stats["vision_tower_images"] == 4
