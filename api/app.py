@@ -102,7 +102,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             form = await request.form()
             file = form.get("file")
             if not isinstance(file, UploadFile):
-                raise APIError(400, "multipart upload needs a file field named 'file'", param="file")
+                raise APIError(
+                    400, "multipart upload needs a file field named 'file'", param="file"
+                )
             data = await file.read(limits.max_bytes + 1)
             param = "file"
         elif ctype.startswith("application/json"):
@@ -284,7 +286,11 @@ async def _sse(
         text = upd.text
         final = upd.result is not None
         # hold back a partial UTF-8 character until it completes
-        if text.startswith(sent) and (final or not text.endswith("\ufffd")) and len(text) > len(sent):
+        if (
+            text.startswith(sent)
+            and (final or not text.endswith("\ufffd"))
+            and len(text) > len(sent)
+        ):
             yield chunk({"content": text[len(sent) :]})
             sent = text
         if final:

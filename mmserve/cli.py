@@ -62,12 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", default=d.device)
     s.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    s.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
-                   help="KV pool size in tokens")
+    s.add_argument(
+        "--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens"
+    )
     s.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     s.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
-    s.add_argument("--disable-radix-cache", action="store_true",
-                   help="never reuse KV across requests")
+    s.add_argument(
+        "--disable-radix-cache", action="store_true", help="never reuse KV across requests"
+    )
     s.add_argument("--policy", choices=["lpm", "fcfs"], default=d.policy)
     s.add_argument("--served-model-name", default=None)
     s.set_defaults(func=_serve)

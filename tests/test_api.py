@@ -133,8 +133,9 @@ def test_malformed_json(client) -> None:  # noqa: ANN001
     assert_healthy(client)
 
 
-@pytest.mark.parametrize("name", ["empty.png", "truncated.png", "not-an-image.jpg",
-                                  "bomb-header-50000.png"])
+@pytest.mark.parametrize(
+    "name", ["empty.png", "truncated.png", "not-an-image.jpg", "bomb-header-50000.png"]
+)
 def test_bad_uploads(client, cases_dir, name) -> None:  # noqa: ANN001
     r = upload(client, (cases_dir / name).read_bytes(), name)
     assert r.status_code == 400, r.text

@@ -93,8 +93,9 @@ def test_page_size_16_match_ends_inside_image(make_engine, imgs) -> None:
     cases = [(user(None, q), [imgs[2]]) for q in QUESTIONS[:2]]
     _, base = run(make_engine, cases, disable_radix_cache=True)
     eng = make_engine(page_size=16, vision_cache_size=0)
-    first = eng.generate([eng.make_request(messages=cases[0][0], images=cases[0][1],
-                                           params=greedy(6))])[0]
+    first = eng.generate(
+        [eng.make_request(messages=cases[0][0], images=cases[0][1], params=greedy(6))]
+    )[0]
     req = eng.make_request(messages=cases[1][0], images=cases[1][1], params=greedy(6))
     second = eng.generate([req])[0]
     span = req.spans[0]
@@ -129,8 +130,9 @@ def test_small_pool_completes_50_requests_without_leaks(make_engine, imgs) -> No
     for k in range(50):
         img = imgs[k % len(imgs)]
         cases.append((user(None, QUESTIONS[k % 3] + f" ({k % 7})"), [img]))
-    _, base = run(make_engine, cases, max_tokens=4, disable_radix_cache=True,
-                  max_total_tokens=32768)
+    _, base = run(
+        make_engine, cases, max_tokens=4, disable_radix_cache=True, max_total_tokens=32768
+    )
     # room for about three requests at a time
     eng, res = run(make_engine, cases, max_tokens=4, page_size=4, max_total_tokens=4 * 460)
     for k, (a, b) in enumerate(zip(res, base, strict=True)):

@@ -1,4 +1,4 @@
-"""FlashInfer-layout metadata against hand-computed layouts; torch backend against dense attention."""
+"""Paged metadata against hand-computed layouts; torch backend against dense attention."""
 
 from __future__ import annotations
 

@@ -27,8 +27,20 @@ def server(model_dir: Path):  # noqa: ANN201
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mmserve.cli", "serve", "--model", str(model_dir),
-         "--port", str(port), "--served-model-name", "tiny", "--max-total-tokens", "8192"],
+        [
+            sys.executable,
+            "-m",
+            "mmserve.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--max-total-tokens",
+            "8192",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -58,13 +70,19 @@ def server(model_dir: Path):  # noqa: ANN201
 def test_sample_client_against_real_server(server: str) -> None:
     out = subprocess.run(
         [sys.executable, str(SAMPLES.parent / "ask.py"), "--url", server, "--max-tokens", "4"],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     ).stdout
     per_photo = [b for b in out.split("\n\n") if "id=img-" in b]
     assert len(per_photo) == 4, out
     for block in per_photo:
-        cached = [int(line.split("cached=")[1].split()[0]) for line in block.splitlines()
-                  if "cached=" in line]
+        cached = [
+            int(line.split("cached=")[1].split()[0])
+            for line in block.splitlines()
+            if "cached=" in line
+        ]
         assert len(cached) == 3, block
         assert cached[0] < 576 and all(c >= 576 for c in cached[1:]), block
     frac = float(out.rsplit("cached fraction of prompt tokens: ", 1)[1])

@@ -106,8 +106,16 @@ def test_byte_limit() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["gray-224.jpg", "palette.png", "rgba-64.png", "cmyk.jpg", "gray16.png", "animated.gif",
-     "one-by-one.png", "exif-orientation-6.jpg"],
+    [
+        "gray-224.jpg",
+        "palette.png",
+        "rgba-64.png",
+        "cmyk.jpg",
+        "gray16.png",
+        "animated.gif",
+        "one-by-one.png",
+        "exif-orientation-6.jpg",
+    ],
 )
 def test_odd_modes_are_answered_like_transformers(eng, ref_model, cases_dir, name) -> None:  # noqa: ANN001
     img = eng.prepare_image(read(cases_dir, name))
@@ -127,8 +135,9 @@ def test_similar_image_after_another_gets_no_wrong_hit(make_engine, cases_dir) -
         out = []
         for name in ("same-size-a.png", "same-size-b.png"):
             img = e.prepare_image(read(cases_dir, name))
-            out.append(e.generate([e.make_request(messages=msgs, images=[img],
-                                                  params=greedy(6))])[0])
+            out.append(
+                e.generate([e.make_request(messages=msgs, images=[img], params=greedy(6))])[0]
+            )
         answers[disable] = out
     cached_b = answers[False][1]
     assert cached_b.cached_tokens < 10  # only the text before the image

@@ -279,5 +279,7 @@ class Engine:
 def _shortest_edge(image_processor: object) -> int:
     size = getattr(image_processor, "size", None) or {}
     if isinstance(size, dict):
-        return int(size.get("shortest_edge") or min(size.get("height", 336), size.get("width", 336)))
+        return int(
+            size.get("shortest_edge") or min(size.get("height", 336), size.get("width", 336))
+        )
     return int(getattr(size, "shortest_edge", None) or 336)

@@ -80,8 +80,7 @@ def pseudo_token_ids(key: bytes, num_tokens: int) -> list[int]:
         ValueError: if two positions collide (probability ~ N^2 / 2^64).
     """
     ids = [
-        -1 - (xxhash.xxh3_64_intdigest(key + struct.pack("<I", i)) >> 1)
-        for i in range(num_tokens)
+        -1 - (xxhash.xxh3_64_intdigest(key + struct.pack("<I", i)) >> 1) for i in range(num_tokens)
     ]
     if len(set(ids)) != num_tokens:
         raise ValueError("pseudo-token id collision within one image")
