@@ -1,0 +1,311 @@
+"""Build small, deterministic, randomly initialised LLaVA-1.5-shaped checkpoints.
+
+The checkpoint directory written by :func:`make_checkpoint` loads offline with
+``transformers.LlavaForConditionalGeneration.from_pretrained(dir)`` and
+``transformers.AutoProcessor.from_pretrained(dir)`` (a ``LlavaProcessor``). It has the
+real LLaVA-1.5 layout -- CLIP vision tower at 336 px / patch 14 (576 image tokens, CLS
+dropped, features from layer -2), a two-layer GELU projector and a Llama text model
+with grouped-query attention and head_dim 64 -- but tiny widths, so that the serving
+stack can be exercised on CPU. The tokenizer is a byte-level BPE trained at build time
+on ``assets/corpus.txt``; the chat template is ``assets/chat_template.jinja``.
+
+Weights are seeded random values, scaled (not the usual 0.02 std) so that different
+images produce clearly different greedy answers. Same seed and same library versions
+give byte-identical files.
+
+Command line: ``python -m mmserve.model.make_checkpoint OUT_DIR [--size tiny|small]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    from transformers import LlavaConfig, PreTrainedTokenizerFast
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+CORPUS_PATH = ASSETS_DIR / "corpus.txt"
+CHAT_TEMPLATE_PATH = ASSETS_DIR / "chat_template.jinja"
+
+#: Special tokens, in id order (``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<pad>`` = 3,
+#: ``<image>`` = 4).
+SPECIAL_TOKENS: tuple[str, ...] = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+VOCAB_SIZE = 2000
+IMAGE_SIZE = 336
+PATCH_SIZE = 14
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+#: Width/depth per size. ``v_*``: CLIP vision tower, ``t_*``: Llama text model.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(
+        v_hidden=64, v_layers=2, v_heads=4, v_inter=128,
+        t_hidden=128, t_layers=2, t_heads=2, t_kv_heads=1, t_inter=256,
+    ),
+    "small": dict(
+        v_hidden=256, v_layers=4, v_heads=4, v_inter=1024,
+        t_hidden=512, t_layers=8, t_heads=8, t_kv_heads=2, t_inter=1408,
+    ),
+}  # fmt: skip
+
+
+def build_tokenizer(
+    corpus_path: str | Path = CORPUS_PATH, vocab_size: int = VOCAB_SIZE
+) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer and wrap it for transformers.
+
+    Args:
+        corpus_path: UTF-8 text file, one sentence per line.
+        vocab_size: target vocabulary size including the special tokens.
+
+    Returns:
+        A ``transformers`` fast tokenizer (``TokenizersBackend``) that prepends ``<s>``
+        to every encoded sequence, with ``<image>`` as a single special token.
+
+    Raises:
+        FileNotFoundError: if ``corpus_path`` does not exist.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    corpus_path = Path(corpus_path)
+    if not corpus_path.is_file():
+        raise FileNotFoundError(f"tokenizer corpus not found: {corpus_path}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(corpus_path)], trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+        model_max_length=8192,
+        chat_template=CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
+    )
+
+
+def build_config(size: str, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
+    """Return the ``LlavaConfig`` for ``size`` (see :data:`SIZES`) and ``tokenizer``.
+
+    Raises:
+        ValueError: if ``size`` is not a key of :data:`SIZES`.
+    """
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    if size not in SIZES:
+        raise ValueError(f"unknown checkpoint size {size!r}; expected one of {sorted(SIZES)}")
+    s = SIZES[size]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vision = CLIPVisionConfig(
+        hidden_size=s["v_hidden"],
+        intermediate_size=s["v_inter"],
+        num_hidden_layers=s["v_layers"],
+        num_attention_heads=s["v_heads"],
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        projection_dim=s["v_hidden"],
+        hidden_act="quick_gelu",
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=s["t_hidden"],
+        intermediate_size=s["t_inter"],
+        num_hidden_layers=s["t_layers"],
+        num_attention_heads=s["t_heads"],
+        num_key_value_heads=s["t_kv_heads"],
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-5,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+        pad_token_id=ids["<pad>"],
+        tie_word_embeddings=False,
+    )
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["<image>"],
+        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
+        pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"],
+    )
+
+
+def _init_std(name: str, shape: torch.Size) -> float | None:
+    """Std of the normal init for parameter ``name``; ``None`` means norm (ones/zeros)."""
+    if len(shape) == 1 and "norm" in name:
+        return None
+    if name.endswith("bias"):
+        return 0.0
+    if "position_embedding" in name:
+        return 0.02  # small, so patch content (not position) dominates image features
+    if "class_embedding" in name:
+        return 1.0
+    if "embed_tokens" in name:
+        return 1.0
+    fan_in = math.prod(shape[1:])
+    gain = 1.0
+    if "multi_modal_projector" in name:
+        gain = 2.0  # amplify image features entering the language model
+    elif "q_proj" in name or "k_proj" in name:
+        gain = 2.0  # peaky attention, so image content changes what tokens attend to
+    elif "lm_head" in name:
+        gain = 3.0  # logits std ~3, so sampling at temperature 1 is not near-uniform
+    return gain / math.sqrt(fan_in)
+
+
+@torch.no_grad()
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    """Deterministically overwrite every parameter (sorted by name) from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name in sorted(params):
+        p = params[name]
+        std = _init_std(name, p.shape)
+        if std is None:
+            p.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif std == 0.0:
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def make_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Write a complete LLaVA-1.5-shaped checkpoint directory.
+
+    Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32),
+    ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
+    ``processor_config.json`` and ``preprocessor_config.json``. Existing files of the
+    same names are overwritten.
+
+    Args:
+        out_dir: target directory; created (with parents) if missing.
+        size: ``"tiny"`` (~1.0M parameters, for tests) or ``"small"`` (~28M parameters,
+            for CPU benchmarks).
+        seed: weight seed; the same seed and library versions give byte-identical files.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        ValueError: if ``size`` is unknown.
+    """
+    from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration, LlavaProcessor
+
+    if size not in SIZES:
+        raise ValueError(f"unknown checkpoint size {size!r}; expected one of {sorted(SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = build_config(size, tokenizer)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    _reinit(model, seed)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+        do_convert_rgb=True,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tokenizer.chat_template,
+    )
+    processor.save_pretrained(out)
+    image_processor.save_pretrained(out)  # standalone preprocessor_config.json too
+    return out
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Total number of parameters stored in ``model_dir/model.safetensors``."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def default_model_dir(size: str = "tiny") -> Path:
+    """Return the cache path of the seed-0 ``size`` checkpoint (nothing is created).
+
+    The path is ``$MMSERVE_CACHE_DIR/llava-{size}-seed0``, with ``~/.cache/mmserve`` when the
+    environment variable is unset or empty.
+    """
+    root = os.environ.get("MMSERVE_CACHE_DIR") or Path.home() / ".cache" / "mmserve"
+    return Path(root) / f"llava-{size}-seed0"
+
+
+def ensure_model(size: str = "tiny") -> Path:
+    """Return :func:`default_model_dir`, building the seed-0 checkpoint there if missing.
+
+    The build goes to a temporary sibling directory that is renamed into place, so a
+    concurrent or interrupted build never leaves a half-written checkpoint behind.
+
+    Raises:
+        ValueError: if ``size`` is unknown.
+    """
+    target = default_model_dir(size)
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        make_checkpoint(tmp, size=size, seed=0)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race (target exists and is non-empty)
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main_make_model(argv: list[str] | None = None) -> int:
+    """CLI: ``make-model OUT_DIR [--size tiny|small] [--seed N]``; prints the param count."""
+    parser = argparse.ArgumentParser(prog="make-model", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = make_checkpoint(args.out_dir, size=args.size, seed=args.seed)
+    print(f"wrote {args.size} checkpoint to {out} ({count_parameters(out):,} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_make_model())

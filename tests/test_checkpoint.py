@@ -1,0 +1,153 @@
+"""Tests for mmserve.model.make_checkpoint (the synthetic LLaVA-1.5 checkpoint builder)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
+
+from mmserve.model import make_checkpoint as mc
+
+SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "images"
+PHOTOS = ("astronaut.png", "cat.png", "coffee.png", "rocket.jpg")
+CONVERSATION = [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+    {"role": "assistant", "content": "A cat."},
+    {"role": "user", "content": "And the colour?"},
+]
+RENDERED = "USER: <image>\nWhat is this? ASSISTANT: A cat.</s>USER: And the colour?"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return mc.make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def model(tiny_dir: Path) -> LlavaForConditionalGeneration:
+    return LlavaForConditionalGeneration.from_pretrained(tiny_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def processor(tiny_dir: Path):
+    return AutoProcessor.from_pretrained(tiny_dir)
+
+
+def _digests(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def test_files_present(tiny_dir: Path) -> None:
+    names = {p.name for p in tiny_dir.iterdir()}
+    expected = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    expected |= {"chat_template.jinja", "processor_config.json", "preprocessor_config.json"}
+    assert expected <= names
+
+
+def test_config_shape(model: LlavaForConditionalGeneration, processor) -> None:
+    cfg = model.config
+    tok = processor.tokenizer
+    assert cfg.vision_config.image_size == 336 and cfg.vision_config.patch_size == 14
+    assert cfg.vision_feature_layer == -2
+    assert cfg.vision_feature_select_strategy == "default"
+    assert cfg.projector_hidden_act == "gelu"
+    assert not cfg.tie_word_embeddings
+    text = cfg.text_config
+    assert text.vocab_size == len(tok)
+    assert text.head_dim == 64
+    assert text.num_key_value_heads < text.num_attention_heads
+    assert text.max_position_embeddings >= 8192
+    assert text.rope_parameters["rope_theta"] == 10000.0
+    assert cfg.image_token_index == tok.convert_tokens_to_ids("<image>")
+    assert text.pad_token_id == tok.pad_token_id
+    assert text.bos_token_id == tok.bos_token_id and text.eos_token_id == tok.eos_token_id
+    assert not torch.equal(model.lm_head.weight, model.get_input_embeddings().weight)
+
+
+def test_tokenizer(tiny_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    assert 1900 <= len(tok) <= 2100
+    ids = {t: tok.convert_tokens_to_ids(t) for t in mc.SPECIAL_TOKENS}
+    assert ids == {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, "<image>": 4}
+    assert tok("<image>", add_special_tokens=False).input_ids == [ids["<image>"]]
+    text = "A grey cat sits on a red chair, doesn't it?\n  Ünïcödé 日本 ok."
+    enc = tok(text).input_ids
+    assert enc[0] == ids["<s>"] and enc.count(ids["<s>"]) == 1
+    assert tok.decode(enc, skip_special_tokens=True) == text
+    assert tok.chat_template == mc.CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+def test_processor_expands_image(processor) -> None:
+    assert isinstance(processor, LlavaProcessor)
+    image = Image.open(SAMPLES / "cat.png")
+    out = processor(
+        images=image, text="USER: <image>\nWhat is this? ASSISTANT:", return_tensors="pt"
+    )
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert int((out["input_ids"] == image_id).sum()) == 576
+    assert tuple(out["pixel_values"].shape) == (1, 3, 336, 336)
+
+
+@pytest.mark.parametrize("source", ["tokenizer", "processor"])
+def test_chat_template(processor, source: str) -> None:
+    obj = processor if source == "processor" else processor.tokenizer
+    render = obj.apply_chat_template
+    assert render(CONVERSATION, tokenize=False, add_generation_prompt=True) == (
+        RENDERED + " ASSISTANT:"
+    )
+    assert render(CONVERSATION, tokenize=False, add_generation_prompt=False) == RENDERED
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render(system, tokenize=False, add_generation_prompt=True) == (
+        "Be brief. USER: Hi ASSISTANT:"
+    )
+
+
+def test_deterministic_build(tiny_dir: Path, tmp_path: Path) -> None:
+    again = mc.make_checkpoint(tmp_path / "again", size="tiny", seed=0)
+    assert _digests(again) == _digests(tiny_dir)
+    other = mc.make_checkpoint(tmp_path / "seed1", size="tiny", seed=1)
+    assert _digests(other)["model.safetensors"] != _digests(tiny_dir)["model.safetensors"]
+
+
+def test_images_change_greedy_answers(model: LlavaForConditionalGeneration, processor) -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
+    ]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    answers = set()
+    for name in PHOTOS:
+        inputs = processor(images=Image.open(SAMPLES / name), text=prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, do_sample=False, max_new_tokens=12)
+        answers.add(tuple(out[0, inputs["input_ids"].shape[1] :].tolist()))
+    assert len(answers) >= 3
+
+
+def test_small_size_is_in_range() -> None:
+    tok = mc.build_tokenizer()
+    config = mc.build_config("small", tok)
+    with torch.device("meta"):
+        small = LlavaForConditionalGeneration(config)
+    n = sum(p.numel() for p in small.parameters())
+    assert 20_000_000 <= n <= 60_000_000
+
+
+def test_unknown_size() -> None:
+    with pytest.raises(ValueError):
+        mc.build_config("huge", mc.build_tokenizer())
+
+
+def test_ensure_model_uses_cache_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path))
+    target = mc.default_model_dir("tiny")
+    assert target == tmp_path / "llava-tiny-seed0"
+    assert mc.ensure_model("tiny") == target
+    assert _digests(target) == _digests(tiny_dir)
+    assert [p.name for p in tmp_path.iterdir()] == ["llava-tiny-seed0"]  # no temp left over
+    assert mc.ensure_model("tiny") == target  # second call is a cache hit
