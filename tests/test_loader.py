@@ -1,0 +1,86 @@
+"""Checkpoint loading: clear errors naming what is missing; both weight-name layouts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mmserve.model.loader import CheckpointError, load_model
+
+
+@pytest.fixture()
+def copy_dir(model_dir: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(model_dir, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("config.json", "config.json is missing"),
+        ("tokenizer.json", "tokenizer.json is missing"),
+        ("preprocessor_config.json", "preprocessor_config.json is missing"),
+        ("model.safetensors", "no \\*.safetensors weights"),
+    ],
+)
+def test_missing_file_is_named(copy_dir: Path, name: str, words: str) -> None:
+    (copy_dir / name).unlink()
+    with pytest.raises(CheckpointError, match=words):
+        load_model(copy_dir)
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_unsupported_architecture(copy_dir: Path) -> None:
+    cfg = json.loads((copy_dir / "config.json").read_text())
+    cfg["model_type"] = "qwen2_vl"
+    (copy_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unsupported architecture 'qwen2_vl'"):
+        load_model(copy_dir)
+
+
+def test_missing_tensor_is_named(copy_dir: Path) -> None:
+    w = load_file(str(copy_dir / "model.safetensors"))
+    victim = next(k for k in w if k.endswith("layers.1.mlp.up_proj.weight"))
+    del w[victim]
+    save_file(w, str(copy_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layers.1.mlp.up_proj.weight"):
+        load_model(copy_dir)
+
+
+def release_name(k: str) -> str:
+    """llava-hf release layout: CLIP weights under ``vision_tower.vision_model.``."""
+    if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model."):
+        return "vision_tower.vision_model." + k.removeprefix("vision_tower.")
+    return k
+
+
+def in_memory_name(k: str) -> str:
+    """transformers 5 module names: ``model.language_model.*``, ``lm_head.weight``."""
+    if k == "language_model.lm_head.weight":
+        return "lm_head.weight"
+    if k.startswith("language_model.model."):
+        return "model.language_model." + k.removeprefix("language_model.model.")
+    return "model." + k
+
+
+@pytest.mark.parametrize("rename", [release_name, in_memory_name])
+def test_both_name_layouts_load_the_same_weights(copy_dir: Path, loaded, rename) -> None:  # noqa: ANN001
+    w = load_file(str(copy_dir / "model.safetensors"))
+    renamed = {rename(k): t for k, t in w.items()}
+    assert renamed.keys() != w.keys()
+    save_file(renamed, str(copy_dir / "model.safetensors"))
+    other = load_model(copy_dir)
+    for a, b in [(other.decoder, loaded.decoder), (other.vision, loaded.vision)]:
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
