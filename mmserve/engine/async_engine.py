@@ -87,12 +87,22 @@ class AsyncEngine:
             if eng.has_work():
                 try:
                     eng.step()
-                except BaseException as e:  # a bug must not hang every client
+                except Exception as e:  # a bug must not hang every client
                     self.error = e
-                    for rid in [r.rid for r in list(eng.scheduler.running)] + [
-                        r.rid for r in list(eng.scheduler.waiting)
-                    ]:
-                        eng.abort(rid)
+                    self._abort_all()
+
+    def _abort_all(self) -> None:
+        eng = self.engine
+        for req in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+            try:
+                eng.abort(req.rid)
+            except Exception:  # noqa: BLE001 - state may be broken; still answer the client
+                req.finish_reason = "abort"
+                if req.on_update is not None:
+                    req.on_update(req)
+        # whatever could not be released cleanly must not be stepped again
+        eng.scheduler.running.clear()
+        eng.scheduler.waiting.clear()
 
     async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
         """Submit ``req`` and yield its updates; the last one carries the result.
