@@ -211,6 +211,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                 media_type="text/event-stream",
             )
         result = await aengine.generate(req)
+        if result.finish_reason == "abort" and aengine.error is not None:
+            raise APIError(500, f"engine failed: {aengine.error!r}", "server_error")
         return {
             "id": cid,
             "object": "chat.completion",

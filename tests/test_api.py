@@ -151,3 +151,18 @@ def test_unknown_image_get_is_404(client) -> None:  # noqa: ANN001
 def test_models_and_health(client) -> None:  # noqa: ANN001
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_engine_failure_answers_500_not_a_hang(make_engine) -> None:  # noqa: ANN001
+    engine = make_engine(max_total_tokens=4096)
+
+    def boom(reqs):  # noqa: ANN001, ANN202
+        raise RuntimeError("injected")
+
+    engine.runner.prefill = boom
+    app = create_app(engine, ServerSettings(served_model_name=MODEL))
+    with TestClient(app) as c:
+        r = chat(c, "hello")
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 500
+        assert engine.pool.allocator.num_free == engine.pool.num_pages

@@ -93,7 +93,7 @@ class AsyncEngine:
 
     def _abort_all(self) -> None:
         eng = self.engine
-        for req in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+        for req in eng.live_requests():
             try:
                 eng.abort(req.rid)
             except Exception:  # noqa: BLE001 - state may be broken; still answer the client

@@ -165,6 +165,10 @@ class Engine:
         self._finish(req, "abort")
         return True
 
+    def live_requests(self) -> list[Request]:
+        """Every request added and not yet finished (waiting, running or mid-step)."""
+        return list(self._by_rid.values())
+
     # ---- stepping ---------------------------------------------------------
     def has_work(self) -> bool:
         """Whether any request waits or runs."""
