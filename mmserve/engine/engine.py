@@ -20,7 +20,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.prompt import PromptBuilder, PromptError
 from mmserve.engine.request import GenerateResult, ImageInput, Request, SamplingParams
-from mmserve.engine.sampling import make_generator, sample_token
+from mmserve.engine.sampling import make_generator, sample_token, token_logprob
 from mmserve.engine.scheduler import Scheduler
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.vision.embedding_cache import EmbeddingCache
@@ -216,6 +216,8 @@ class Engine:
         p = req.params
         reason = None
         if tok in self.model.eos_token_ids and not p.ignore_eos:
+        if req.logprobs is not None:
+            req.logprobs.append(token_logprob(logits, tok, req.params.logprobs))
             reason = "stop"
         text = self.model.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         for s in p.stop:

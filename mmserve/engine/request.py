@@ -25,6 +25,8 @@ class SamplingParams:
         stop: strings that end generation; the text is cut before them.
         ignore_eos: keep going after an end-of-sequence token.
         return_logits: keep each step's fp32 logits ``[vocab]`` (tests, debugging).
+        logprobs: None (off) or how many top alternatives (0..20) to report with each
+            output token's log-probability (natural log, of the unscaled distribution).
     """
 
     max_tokens: int = 16
@@ -35,6 +37,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     return_logits: bool = False
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Check ranges.
@@ -52,6 +55,31 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
+            )
+
+
+#: Most alternatives ``SamplingParams.logprobs`` may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """One output token's log-probability and the most likely alternatives.
+
+    Attributes:
+        token_id: the chosen token.
+        logprob: its natural-log probability under the model's (unscaled) distribution.
+        top: ``(token_id, logprob)`` of the most likely tokens, best first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -103,6 +131,7 @@ class GenerateResult:
         ttft: seconds from arrival to the first token.
         latency: seconds from arrival to finish.
         logits: per-step fp32 logits ``[vocab]`` if ``return_logits`` was set.
+        logprobs: one :class:`TokenLogprob` per output token if ``logprobs`` was set.
     """
 
     rid: str
@@ -117,6 +146,7 @@ class GenerateResult:
     ttft: float
     latency: float
     logits: list[torch.Tensor] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 _rid_counter = itertools.count()
@@ -164,6 +194,7 @@ class Request:
         self.abort_requested = False
 
     @property
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
     def prompt_len(self) -> int:
         """Prompt length in tokens."""
         return len(self.input_ids)
@@ -195,3 +226,4 @@ class Request:
             latency=end - self.arrival,
             logits=self.logits,
         )
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,

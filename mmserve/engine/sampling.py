@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.engine.request import SamplingParams
+from mmserve.engine.request import SamplingParams, TokenLogprob
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -15,7 +15,7 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     if params.seed is None:
         g.seed()
     else:
-        g.manual_seed(params.seed)
+        g.manual_seed(params.seed % (1 << 64))  # any int; torch takes 64 bits
     return g
 
 
@@ -50,3 +50,23 @@ def sample_token(
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """Log-probability of ``token`` and the ``top`` most likely alternatives.
+
+    Args:
+        logits: fp32 ``[vocab]`` as given to :func:`sample_token` (masked ids at ``-inf``);
+            the distribution is the unscaled softmax, whatever the temperature.
+        token: the chosen token id.
+        top: how many alternatives to report (0..20).
+
+    Returns:
+        A :class:`TokenLogprob` with natural-log probabilities.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    alts: list[tuple[int, float]] = []
+    if top > 0:
+        values, ids = torch.topk(logp, min(top, logp.numel()))
+        alts = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return TokenLogprob(token, float(logp[token]), alts)
