@@ -1,22 +1,29 @@
-"""Admission, page budgeting and radix-cache bookkeeping for running requests.
+"""Admission, page budgeting, retraction and radix-cache bookkeeping.
 
-Waiting requests are ordered longest-prefix-match first (SGLang paper,
-arXiv 2312.07104, Section 3, "cache-aware scheduling") or FCFS. Admission
-reserves pages for the prompt plus ``max_tokens`` (so an admitted request always
-finishes) against free pages plus evictable tree pages; eviction is lazy, only
-the shortfall, leaf-first LRU. After prefill the prompt's full pages go into the
-tree so that followers hit before the first request finishes; at finish the
-prompt and output go in and the request's lock is dropped.
+The waiting queue is ordered by a policy (:mod:`mmserve.engine.policy`).
+Admission follows the SGLang paper's Algorithm 1 (arXiv 2312.07104, Section 3):
+a request fits if the pages of its uncached prompt plus a reservation for its
+future decode tokens fit in free pages plus evictable tree pages, minus what
+running requests have reserved; eviction is lazy (only the shortfall,
+leaf-first LRU). A prompt longer than the per-step token budget is prefilled in
+chunks. After each prefill the computed full pages go into the tree, so
+followers hit before the first request finishes; at finish the prompt and
+output go in and the request's lock is dropped. When decode runs out of pages,
+the newest running requests are retracted: their computed prefix goes to the
+tree and they wait again, to resume with identical output.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections import deque
 
 from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.radix_cache import RadixCache
 from mmserve.config import EngineConfig
+from mmserve.engine.policy import order_waiting
 from mmserve.engine.request import Request
 
 
@@ -33,7 +40,7 @@ def _common_prefix(a: list[int], b: list[int], start: int) -> int:
 
 
 class Scheduler:
-    """Owns the waiting and running sets and every page a request holds.
+    """Owns the waiting, prefilling and running requests and every page they hold.
 
     Args:
         config: engine settings (page size, budgets, policy, cache switch).
@@ -41,7 +48,9 @@ class Scheduler:
         tree: the radix cache over that pool.
 
     Attributes:
+        prefilling: the request whose prompt is being prefilled in chunks, if any.
         tree_seconds: wall time spent inside radix-tree calls (seconds).
+        retractions: requests put back in the queue for lack of pages.
     """
 
     def __init__(self, config: EngineConfig, pool: KVPool, tree: RadixCache) -> None:
@@ -52,78 +61,122 @@ class Scheduler:
         self.page_size = pool.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefilling: Request | None = None
         self.tree_seconds = 0.0
+        self.retractions = 0
+        self._rng = random.Random(config.policy_seed)
 
     # ---- queue ------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a request for admission."""
         self.waiting.append(req)
 
-    def pages_for(self, req: Request) -> int:
-        """Pages a request needs over its whole life (prompt + max_tokens)."""
-        return _ceil_div(req.prompt_len + req.params.max_tokens, self.page_size)
+    def active(self) -> list[Request]:
+        """Running requests plus the one being prefilled in chunks."""
+        return self.running + ([self.prefilling] if self.prefilling else [])
 
     def reserved_pages(self) -> int:
-        """Pages promised to running requests' future decode steps."""
-        return sum(r.reserved_pages for r in self.running)
+        """Pages promised to admitted requests' future decode steps."""
+        return sum(r.reserved_pages for r in self.active())
 
-    def _ordered_waiting(self) -> list[tuple[Request, object]]:
+    def _match(self, req: Request):  # noqa: ANN202
         t0 = time.perf_counter()
-        matched = []
-        for req in self.waiting:
-            # keep one prompt token to compute: its logits give the first output token
-            m = self.tree.match_prefix(req.input_ids[: req.prompt_len - 1])
-            matched.append((req, m))
+        ids = req.all_ids()
+        # keep one token to compute: its logits give the next output token
+        m = self.tree.match_prefix(ids[: len(ids) - 1])
         self.tree_seconds += time.perf_counter() - t0
-        if self.config.policy == "lpm" and not self.tree.disable:
-            matched.sort(key=lambda rm: -rm[1].length)  # stable: FCFS among equals
-        return matched
+        return m
 
     # ---- admission --------------------------------------------------------
-    def schedule_prefill(self) -> list[Request]:
-        """Admit waiting requests into one prefill batch.
+    def schedule_prefill(self) -> list[tuple[Request, int]]:
+        """Pick this step's prefill batch.
 
         Returns:
-            Admitted requests with ``pages`` covering their prompt and
-            ``cached_len`` set; empty if nothing fits.
+            ``(request, extend_len)`` pairs: each request computes tokens
+            ``[computed_len, computed_len + extend_len)``; a request whose prompt is
+            not finished after that stays in :attr:`prefilling`. Empty if nothing fits.
         """
-        if not self.waiting:
-            return []
-        batch: list[Request] = []
+        batch: list[tuple[Request, int]] = []
         budget = self.config.max_prefill_tokens
+        if self.prefilling is not None:
+            req = self.prefilling
+            n = self._chunk(req, req.computed_len, budget)
+            batch.append((req, n))
+            budget -= n
+        if not self.waiting or budget <= 0:
+            return batch
         P = self.page_size
-        for req, _ in self._ordered_waiting():
-            if len(self.running) + len(batch) >= self.config.max_running_requests:
+        items = [(r, self._match(r)) for r in self.waiting]
+        order = order_waiting(
+            items,
+            self.config.policy,
+            time.perf_counter(),
+            self.config.max_wait_seconds,
+            self._rng,
+            not self.tree.disable,
+        )
+        admitted: list[Request] = []
+        for req, _ in order:
+            if len(self.active()) + len(admitted) >= self.config.max_running_requests:
                 break
             # match again: an eviction for an earlier admission may have cut the old match
-            m = self.tree.match_prefix(req.input_ids[: req.prompt_len - 1])
-            extend = req.prompt_len - m.length
-            if batch and extend > budget:
+            m = self._match(req)
+            fill = len(req.all_ids())
+            extend = fill - m.length
+            if extend > budget and (admitted or self.prefilling or batch):
                 break
-            if self._shares_uncached_prefix(req, m.length, batch):
+            if self._shares_uncached_prefix(req, m.length, admitted):
                 continue
             self._lock(m.last_node)
-            need = self.pages_for(req) - len(m.pages)
+            prompt_pages = _ceil_div(fill, P) - len(m.pages)
+            reserve = self._decode_reserve(req, fill)
             available = (
                 self.alloc.num_free
                 + self.tree.evictable_size() // P
                 - self.reserved_pages()
-                - sum(r.reserved_pages for r in batch)
+                - sum(r.reserved_pages for r in admitted)
             )
-            if need > available:
+            if prompt_pages + reserve > available:
                 self._unlock(m.last_node)
                 break  # keep order: a big request is not overtaken forever
-            prompt_pages = _ceil_div(req.prompt_len, P) - len(m.pages)
-            new_pages = self._alloc(prompt_pages)
-            req.pages = list(m.pages) + new_pages
-            req.reserved_pages = need - prompt_pages
-            req.cached_len = req.tree_len = req.computed_len = m.length
+            req.pages = list(m.pages) + self._alloc(prompt_pages)
+            req.reserved_pages = reserve
+            req.tree_len = req.computed_len = req.admit_len = m.length
+            if req.admissions == 0:
+                req.cached_len = m.length
+            req.admissions += 1
+            req.admitted_at = time.perf_counter()
             req.last_node = m.last_node
-            budget -= extend
-            batch.append(req)
-        for req in batch:
+            n = self._chunk(req, m.length, budget)
+            if n < extend:
+                self.prefilling = req
+            budget -= n
+            admitted.append(req)
+            batch.append((req, n))
+            if self.prefilling is req or budget <= 0:
+                break
+        for req in admitted:
             self.waiting.remove(req)
         return batch
+
+    def _decode_reserve(self, req: Request, fill: int) -> int:
+        # a retracted request reserves everything, so it cannot be retracted again
+        remaining = req.params.max_tokens - len(req.output_ids)
+        ratio = 1.0 if req.admissions else self.config.decode_reserve_ratio
+        last = fill + max(0, remaining - 1)  # tokens with KV when it finishes
+        full = _ceil_div(last, self.page_size) - _ceil_div(fill, self.page_size)
+        return min(full, math.ceil(full * ratio))
+
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """Tokens to prefill from ``start``: all of them, or up to ``budget`` without
+        ending inside an image when an earlier boundary exists."""
+        fill = len(req.all_ids())
+        end = min(fill, start + max(budget, 1))
+        if end < fill:
+            for span in req.spans:
+                if span.start < end < span.end and span.start > start:
+                    end = span.start
+        return end - start
 
     def _shares_uncached_prefix(self, req: Request, cached: int, batch: list[Request]) -> bool:
         # Two requests about the same new image in one batch would both prefill it;
@@ -151,12 +204,39 @@ class Scheduler:
             raise RuntimeError(f"KV pool exhausted: needed {n} pages (accounting bug)")
         return pages
 
-    def ensure_decode_page(self, req: Request) -> None:
-        """Give ``req`` a page for its next token if the current one is full."""
-        pos = req.computed_len
-        if pos // self.page_size >= len(req.pages):
-            req.pages.extend(self._alloc(1))
-            req.reserved_pages = max(0, req.reserved_pages - 1)
+    def prepare_decode(self) -> list[Request]:
+        """Give every running request a page for its next token, retracting if needed.
+
+        Returns:
+            Requests retracted this step (already back in the waiting queue).
+        """
+        P = self.page_size
+        retracted: list[Request] = []
+
+        def needs(r: Request) -> bool:
+            return r.computed_len // P >= len(r.pages)
+
+        while True:
+            short = sum(needs(r) for r in self.running)
+            have = self.alloc.num_free + self.tree.evictable_size() // P
+            candidates = self.active()
+            if short <= have or len(candidates) <= 1:
+                break
+            victim = max(candidates, key=lambda r: (r.admitted_at, r.arrival))
+            self.retract(victim)
+            retracted.append(victim)
+        for r in self.running:
+            if needs(r):
+                r.pages.extend(self._alloc(1))
+                r.reserved_pages = max(0, r.reserved_pages - 1)
+        return retracted
+
+    def retract(self, req: Request) -> None:
+        """Put a running request back in the queue; its computed KV stays in the tree."""
+        self.release(req)
+        req.tree_len = req.computed_len = 0
+        self.retractions += 1
+        self.waiting.appendleft(req)
 
     def _lock(self, node: object) -> None:
         if not self.tree.disable:
@@ -182,7 +262,7 @@ class Scheduler:
         return n
 
     def on_prefilled(self, req: Request) -> None:
-        """Hand the prompt's full pages to the tree and lock them for ``req``."""
+        """Hand the computed full pages to the tree and lock them for ``req``."""
         if self.tree.disable:
             return
         n = self._insert(req, req.computed_len)
@@ -198,12 +278,9 @@ class Scheduler:
         req.tree_len = n
 
     def release(self, req: Request) -> None:
-        """Finish or abort ``req``: cache its computed KV, free the rest, unlock.
-
-        Removes ``req`` from the running set if it is there.
-        """
+        """Finish, abort or retract ``req``: cache its computed KV, free the rest, unlock."""
         keep = 0
-        if not self.tree.disable:
+        if req.last_node is not None and not self.tree.disable:
             keep = self._insert(req, req.computed_len) // self.page_size
             self.tree.dec_lock_ref(req.last_node)
         rest = req.pages[keep:]
@@ -214,6 +291,8 @@ class Scheduler:
         req.last_node = None
         if req in self.running:
             self.running.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
 
     def check_accounting(self) -> dict[str, int]:
         """Pool accounting at a quiescent point (DESIGN.md invariant 3).
@@ -226,7 +305,7 @@ class Scheduler:
             AssertionError: if free + tree + running != pool size.
         """
         P = self.page_size
-        running = sum(len(r.pages) - r.tree_len // P for r in self.running)
+        running = sum(len(r.pages) - r.tree_len // P for r in self.active())
         out = {
             "free": self.alloc.num_free,
             "tree": self.tree.num_pages() if not self.tree.disable else 0,

@@ -1,0 +1,72 @@
+"""Orders of the waiting queue.
+
+``lpm`` and ``dfs-weight`` are the cache-aware orders of the SGLang paper
+(arXiv 2312.07104, Section 3, "Cache-aware scheduling" and Appendix A.3's
+DFS-weight); ``fcfs`` and ``random`` ignore the cache. A request that has
+waited longer than the starvation bound goes first whatever the policy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from mmserve.cache.radix_cache import MatchResult, TreeNode
+from mmserve.engine.request import Request
+
+
+def order_waiting(
+    items: Sequence[tuple[Request, MatchResult]],
+    policy: str,
+    now: float,
+    max_wait: float,
+    rng: random.Random,
+    cache_on: bool,
+) -> list[tuple[Request, MatchResult]]:
+    """Sort waiting requests for admission.
+
+    Args:
+        items: ``(request, its current prefix match)`` in arrival order.
+        policy: "lpm", "dfs-weight", "fcfs" or "random".
+        now: current ``time.perf_counter()`` (seconds).
+        max_wait: starvation bound (seconds); older requests come first, oldest first.
+        rng: source of the "random" order.
+        cache_on: cache-aware policies fall back to FCFS when False.
+
+    Returns:
+        The items in admission order.
+    """
+    starved = [it for it in items if now - it[0].arrival > max_wait]
+    rest = [it for it in items if now - it[0].arrival <= max_wait]
+    if policy == "random":
+        rng.shuffle(rest)
+    elif cache_on and policy == "lpm":
+        rest.sort(key=lambda it: -it[1].length)  # stable: FCFS among equal matches
+    elif cache_on and policy == "dfs-weight":
+        rest = _dfs_weight(rest)
+    return starved + rest
+
+
+def _dfs_weight(items: list[tuple[Request, MatchResult]]) -> list[tuple[Request, MatchResult]]:
+    # weight(node) = waiting requests whose match ends in node's subtree
+    weight: dict[int, int] = {}
+    at_node: dict[int, list[tuple[Request, MatchResult]]] = {}
+    root: TreeNode | None = None
+    for it in items:
+        node = it[1].last_node
+        at_node.setdefault(id(node), []).append(it)
+        while node is not None:
+            weight[id(node)] = weight.get(id(node), 0) + 1
+            root = node
+            node = node.parent
+    if root is None:
+        return items
+    out: list[tuple[Request, MatchResult]] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        out.extend(at_node.get(id(node), ()))
+        kids = [c for c in node.children.values() if id(c) in weight]
+        kids.sort(key=lambda c: weight[id(c)])  # heaviest popped first
+        stack.extend(kids)
+    return out
