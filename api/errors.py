@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+log = logging.getLogger(__name__)
+
 
 class APIError(Exception):
-    """An error answered with ``status`` and an OpenAI-shaped body."""
+    """An error answered with ``status`` and an OpenAI-shaped body.
+
+    Args:
+        status: HTTP status code.
+        message: what went wrong and, where it helps, how to fix it.
+        type_: OpenAI error type ("invalid_request_error", "not_found_error", ...).
+        param: the request field at fault, if any.
+        code: a short machine-readable code, if any.
+        headers: extra response headers (``Retry-After``, ``WWW-Authenticate``).
+    """
 
     def __init__(
         self,
@@ -18,6 +31,7 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -27,6 +41,7 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers = headers
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -39,7 +54,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+        return JSONResponse(
+            error_body(e.message, e.type, e.param, e.code),
+            status_code=e.status,
+            headers=e.headers,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -60,3 +79,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             error_body(str(e.detail), type_), status_code=e.status_code, headers=e.headers
         )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {e!r}", "server_error"), status_code=500)

@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict
 
 from mmserve.config import EngineConfig
+from mmserve.server_flags import add_server_args, apply_server_args
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -34,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     cfg.validate()
     settings = asdict(cfg)
-    settings["server"] = {"served_model_name": args.served_model_name}
+    apply_server_args(args, settings)
     os.environ["MMSERVE_SERVER_CONFIG"] = json.dumps(settings)
     uvicorn.run(
         "api.app:app_from_env", factory=True, host=args.host, port=args.port, log_level="info"
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-radix-cache", action="store_true", help="never reuse KV across requests"
     )
     s.add_argument("--policy", choices=["lpm", "fcfs"], default=d.policy)
-    s.add_argument("--served-model-name", default=None)
+    add_server_args(s)
     s.set_defaults(func=_serve)
 
     m = sub.add_parser("make-model", help="write a seeded random LLaVA-1.5 checkpoint")

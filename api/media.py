@@ -1,0 +1,176 @@
+"""Turn an ``image_url`` value into a decoded, hashed image.
+
+Accepted: an uploaded image id (``img-...`` or ``mmserve://images/img-...``)
+and ``data:<mime>;base64,...`` URLs. ``http(s)://`` URLs only when the
+operator passed ``--allow-remote-images``; ``file://`` URLs only inside
+``--allowed-local-media-path``. Everything else is a 400 that says how to
+upload instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from fastapi.concurrency import run_in_threadpool
+
+from api.errors import APIError
+from api.image_store import ImageStore
+from api.settings import ServerSettings
+from mmserve.engine.request import ImageInput
+from mmserve.vision.image import ImageError, ImageLimits
+
+IMAGE_ID = re.compile(r"^(?:mmserve://images/)?(img-[0-9a-f]{32})$")
+UPLOAD_HINT = (
+    "upload the image with POST /v1/images (multipart field 'file', or JSON "
+    '{"data": "<base64>"}) and pass its id (img-...) as the url, or send a '
+    "data:image/...;base64,... URL"
+)
+
+
+class MediaResolver:
+    """Resolves image URLs against the store and the operator's permissions.
+
+    Args:
+        store: uploaded images; data URLs and fetched images enter it too (not persisted).
+        limits: image limits (the byte limit bounds downloads and local files).
+        settings: which remote and local sources are allowed.
+    """
+
+    def __init__(self, store: ImageStore, limits: ImageLimits, settings: ServerSettings) -> None:
+        self.store = store
+        self.limits = limits
+        self.settings = settings
+        local = settings.allowed_local_media_path
+        self.local_root = Path(local).resolve() if local else None
+
+    async def resolve(self, url: str, param: str) -> ImageInput:
+        """The image that ``url`` names.
+
+        Raises:
+            APIError: 400 for an unknown id, a bad data URL, an undecodable or over-limit
+                image, or a source the operator has not allowed.
+        """
+        url = url.strip()
+        m = IMAGE_ID.match(url)
+        if m:
+            image = self.store.get(m.group(1))
+            if image is None:
+                raise APIError(
+                    400,
+                    f"{param}: unknown image id {m.group(1)!r} (never uploaded, deleted or "
+                    "evicted); upload it with POST /v1/images",
+                    param=param,
+                    code="image_not_found",
+                )
+            return image
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            data = decode_data_url(url, param)
+        elif scheme in ("http", "https"):
+            if not self.settings.allow_remote_images:
+                raise APIError(
+                    400,
+                    f"{param}: remote image URLs are disabled on this server (the operator "
+                    f"can allow them with --allow-remote-images); {UPLOAD_HINT}",
+                    param=param,
+                    code="unsupported_image_url",
+                )
+            data = await run_in_threadpool(self._fetch, url, param)
+        elif scheme == "file" or url.startswith(("/", "./", "~")):
+            data = await run_in_threadpool(self._read_local, url, param)
+        else:
+            raise APIError(
+                400,
+                f"{param}: unsupported image url; {UPLOAD_HINT}",
+                param=param,
+                code="unsupported_image_url",
+            )
+        return await self.store_bytes(data, param, persist=False)
+
+    async def store_bytes(self, data: bytes, param: str, persist: bool = True) -> ImageInput:
+        """Decode, hash and store ``data``.
+
+        Raises:
+            APIError: 400 ``invalid_image`` naming the problem.
+        """
+        try:
+            return await run_in_threadpool(self.store.put, data, persist)
+        except ImageError as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_image") from None
+
+    def _fetch(self, url: str, param: str) -> bytes:
+        limit = self.limits.max_bytes
+        req = urllib.request.Request(url, headers={"User-Agent": "mmserve"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.settings.remote_image_timeout) as r:
+                data = r.read(limit + 1)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise APIError(
+                400, f"{param}: could not fetch image: {e}", param=param, code="image_fetch_failed"
+            ) from None
+        if len(data) > limit:
+            raise APIError(
+                400,
+                f"{param}: remote image is over {limit} bytes",
+                param=param,
+                code="invalid_image",
+            )
+        return data
+
+    def _read_local(self, url: str, param: str) -> bytes:
+        if self.local_root is None:
+            raise APIError(
+                400,
+                f"{param}: local file paths are disabled on this server (the operator can "
+                f"allow a directory with --allowed-local-media-path); {UPLOAD_HINT}",
+                param=param,
+                code="unsupported_image_url",
+            )
+        raw = urllib.parse.unquote(urllib.parse.urlparse(url).path) if "://" in url else url
+        path = Path(raw).expanduser().resolve()
+        if not path.is_relative_to(self.local_root) or not path.is_file():
+            raise APIError(
+                400,
+                f"{param}: {raw!r} is not a file inside the allowed media directory",
+                param=param,
+                code="unsupported_image_url",
+            )
+        if path.stat().st_size > self.limits.max_bytes:
+            raise APIError(
+                400,
+                f"{param}: file is over {self.limits.max_bytes} bytes",
+                param=param,
+                code="invalid_image",
+            )
+        return path.read_bytes()
+
+
+def decode_data_url(url: str, param: str) -> bytes:
+    """The bytes of a ``data:<mime>;base64,<payload>`` URL.
+
+    Raises:
+        APIError: 400 if it is not base64 or not in that form.
+    """
+    head, sep, payload = url.partition(",")
+    if not sep or not head.lower().endswith(";base64"):
+        raise APIError(
+            400,
+            f"{param}: data URL must be data:<mime>;base64,<data>",
+            param=param,
+            code="invalid_data_url",
+        )
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(
+            400,
+            f"{param}: data URL payload is not valid base64",
+            param=param,
+            code="invalid_data_url",
+        ) from None

@@ -1,0 +1,180 @@
+"""Prometheus metrics: HTTP-side counters and latency histograms, engine figures at scrape time.
+
+Engine figures (tokens, cache, KV pool, vision tower) come from one
+``Engine.cache_stats()`` snapshot taken on the engine thread per scrape, so a
+scrape never reads the radix tree while a step changes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mmserve.engine.request import GenerateResult
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# (metric name, cache_stats key, help) for cumulative engine counters
+_COUNTERS = (
+    ("mmserve_prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests."),
+    ("mmserve_generation_tokens", "completion_tokens", "Generated tokens."),
+    (
+        "mmserve_cached_prompt_tokens",
+        "cached_tokens",
+        "Prompt tokens whose KV came from the prefix cache.",
+    ),
+    ("mmserve_engine_requests_finished", "requests_finished", "Requests the engine finished."),
+    (
+        "mmserve_vision_tower_runs",
+        "vision_tower_images",
+        "Images encoded by the vision tower.",
+    ),
+    (
+        "mmserve_vision_embedding_cache_hits",
+        "vision_cache_hits",
+        "Image embeddings served from the vision-embedding cache.",
+    ),
+    (
+        "mmserve_vision_embedding_cache_misses",
+        "vision_cache_misses",
+        "Image embeddings not in the vision-embedding cache.",
+    ),
+)
+
+
+class Metrics:
+    """The collectors of one app, in their own registry.
+
+    Attributes:
+        registry: what ``GET /metrics`` renders.
+        requests: finished requests by finish reason.
+        rejected: requests refused with 503 because the queue was full.
+        ttft: time to first token (seconds).
+        tpot: time per output token after the first (seconds).
+        e2e: request latency from arrival to finish (seconds).
+        queue_length: requests submitted and still waiting for their first token.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "mmserve_requests", "Finished requests.", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "mmserve_requests_rejected", "Requests refused because the queue was full.", registry=r
+        )
+        self.ttft = Histogram(
+            "mmserve_time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "mmserve_time_per_output_token_seconds",
+            "Time per output token after the first.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "mmserve_e2e_request_latency_seconds",
+            "Request latency from arrival to finish.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_length = Gauge(
+            "mmserve_queue_length",
+            "Requests submitted and still waiting for their first token.",
+            registry=r,
+        )
+        self._engine = _EngineCollector()
+        r.register(self._engine)
+
+    def observe(self, result: GenerateResult) -> None:
+        """Count a finished request and its latencies."""
+        self.requests.labels(result.finish_reason or "unknown").inc()
+        if result.completion_tokens >= 1:
+            self.ttft.observe(result.ttft)
+            self.e2e.observe(result.latency)
+        if result.completion_tokens >= 2:
+            self.tpot.observe((result.latency - result.ttft) / (result.completion_tokens - 1))
+
+    def render(self, engine_stats: dict) -> bytes:
+        """Prometheus text exposition, with ``engine_stats`` from ``Engine.cache_stats()``."""
+        self._engine.stats = engine_stats
+        return generate_latest(self.registry)
+
+    def summary(self) -> dict:
+        """HTTP-side figures as JSON (for ``/v1/cache/stats``)."""
+        get = self.registry.get_sample_value
+
+        def hist(name: str) -> dict:
+            count = get(f"{name}_count") or 0.0
+            total = get(f"{name}_sum") or 0.0
+            return {"count": int(count), "sum": total, "mean": total / count if count else 0.0}
+
+        by_reason = {
+            s.labels["finish_reason"]: int(s.value)
+            for metric in self.requests.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        }
+        return {
+            "queue_length": int(get("mmserve_queue_length") or 0),
+            "requests_rejected": int(get("mmserve_requests_rejected_total") or 0),
+            "requests_by_finish_reason": by_reason,
+            "ttft_seconds": hist("mmserve_time_to_first_token_seconds"),
+            "tpot_seconds": hist("mmserve_time_per_output_token_seconds"),
+            "e2e_latency_seconds": hist("mmserve_e2e_request_latency_seconds"),
+        }
+
+
+class _EngineCollector(Collector):
+    """Engine figures from the latest ``cache_stats()`` snapshot."""
+
+    def __init__(self) -> None:
+        self.stats: dict = {}
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if not s:
+            return
+        for name, key, help_ in _COUNTERS:
+            yield CounterMetricFamily(name, help_, value=s.get(key, 0))
+        yield GaugeMetricFamily(
+            "mmserve_cache_hit_rate",
+            "Cached prompt tokens / prompt tokens since start.",
+            value=s["cache_hit_rate"],
+        )
+        pages = GaugeMetricFamily(
+            "mmserve_kv_pages",
+            "KV pool pages: used (not free; includes evictable), evictable (tree pages no "
+            "request holds), free.",
+            labels=["state"],
+        )
+        pages.add_metric(["used"], s["pool_pages"] - s["free_pages"])
+        pages.add_metric(["evictable"], s["evictable_pages"])
+        pages.add_metric(["free"], s["free_pages"])
+        yield pages
+        yield GaugeMetricFamily("mmserve_kv_pool_pages", "KV pool size.", value=s["pool_pages"])
+        yield GaugeMetricFamily(
+            "mmserve_kv_usage_ratio",
+            "Fraction of KV pages not free.",
+            value=1 - s["free_pages"] / s["pool_pages"] if s["pool_pages"] else 0.0,
+        )
+        yield GaugeMetricFamily("mmserve_radix_tree_nodes", "Radix tree nodes.", s["tree_nodes"])
+        yield GaugeMetricFamily(
+            "mmserve_num_requests_running", "Requests decoding.", value=s["running_requests"]
+        )
+        yield GaugeMetricFamily(
+            "mmserve_num_requests_waiting",
+            "Requests in the engine's waiting queue.",
+            value=s["waiting_requests"],
+        )

@@ -1,0 +1,74 @@
+"""``/metrics`` (Prometheus), ``/v1/cache/stats`` (JSON) and ``/v1/cache/flush``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from api.errors import APIError
+from api.state import State
+
+router = APIRouter()
+
+
+class _Busy(Exception):
+    pass
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(st: State) -> Response:
+    """Prometheus text format: requests, tokens, cache, vision tower, KV pool, latencies."""
+    stats = await st.aengine.run_on_engine(st.engine.cache_stats)
+    return Response(st.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/cache/stats")
+async def cache_stats(st: State) -> dict:
+    """Pool, tree, hit-rate and latency figures as JSON.
+
+    ``accounting`` is the pool check of DESIGN.md invariant 3 (free + tree + running
+    pages = pool size) when no request is live, else null.
+    """
+
+    def snapshot() -> dict:
+        eng = st.engine
+        stats = dict(eng.cache_stats())
+        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"]
+        stats["live_requests"] = len(eng.live_requests())
+        stats["accounting"] = None
+        if not eng.live_requests() and not eng.has_work():
+            try:
+                stats["accounting"] = {"ok": True, **eng.scheduler.check_accounting()}
+            except AssertionError as e:
+                stats["accounting"] = {"ok": False, "error": str(e)}
+        return stats
+
+    stats = await st.aengine.run_on_engine(snapshot)
+    return {**stats, **st.metrics.summary(), "stored_images": len(st.store)}
+
+
+@router.post("/v1/cache/flush")
+async def flush_cache(st: State) -> dict:
+    """Drop the radix tree (all its KV pages) and the vision-embedding cache.
+
+    Refused with 409 while any request waits or runs.
+    """
+
+    def flush() -> dict:
+        eng = st.engine
+        if eng.live_requests() or eng.has_work():
+            raise _Busy
+        before = eng.pool.allocator.num_free
+        eng.tree.reset()
+        eng.embedding_cache.clear()
+        return {"flushed": True, "freed_pages": eng.pool.allocator.num_free - before}
+
+    try:
+        return await st.aengine.run_on_engine(flush)
+    except _Busy:
+        raise APIError(
+            409,
+            "cannot flush the cache while requests are running; retry when idle",
+            code="requests_running",
+        ) from None

@@ -1,0 +1,190 @@
+"""``/v1/images``: upload, list, get, delete, and ask several questions about one image."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.datastructures import UploadFile
+
+from api.errors import APIError
+from api.generation import make_requests, sampling_params
+from api.image_store import StoredImage
+from api.openai_format import usage
+from api.schemas import AskRequest
+from api.state import ServerState, State
+from api.submit import ClientDisconnected
+
+router = APIRouter()
+
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            },
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string", "description": "base64 bytes"}},
+                    "required": ["data"],
+                }
+            },
+        },
+    }
+}
+
+
+@router.post("/v1/images", openapi_extra=_UPLOAD_BODY)
+async def upload_image(request: Request, st: State) -> dict:
+    """Upload an image: multipart field ``file``, or JSON ``{"data": "<base64>"}``.
+
+    Identical pixels give the same id, whatever the file name or container, and a
+    second upload of them changes nothing (idempotent).
+    """
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith("multipart/form-data"):
+        try:
+            form = await request.form()
+        except ValueError as e:  # starlette's MultiPartException, bad boundaries, ...
+            raise APIError(400, f"malformed multipart body: {e}", param="file") from None
+        file = form.get("file")
+        if not isinstance(file, UploadFile):
+            raise APIError(400, "multipart upload needs a file field named 'file'", param="file")
+        data = await file.read(st.engine.config.image_limits.max_bytes + 1)
+        param = "file"
+    elif ctype.startswith("application/json"):
+        try:
+            body = json.loads(await request.body())
+            data = base64.b64decode(body["data"], validate=True)
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            raise APIError(
+                400, 'JSON upload must be {"data": "<base64 image bytes>"}', param="data"
+            ) from None
+        param = "data"
+    else:
+        raise APIError(
+            415,
+            'send multipart/form-data (field \'file\') or application/json ({"data": "<base64>"})',
+            code="unsupported_media_type",
+        )
+    image = await st.media.store_bytes(data, param)
+    # (under heavy churn a tiny store may already have evicted it again)
+    entry = st.store.info(image.id) or StoredImage(image, 0, len(data), time.time())
+    return _info(st, entry)
+
+
+@router.get("/v1/images")
+async def list_images(st: State) -> dict:
+    """Stored images, most recently used first."""
+    return {"object": "list", "data": [_info(st, e) for e in st.store.list()]}
+
+
+@router.get("/v1/images/{image_id}")
+async def get_image(image_id: str, st: State) -> dict:
+    """Metadata of a stored image; 404 if unknown, deleted or evicted."""
+    return _info(st, _entry(st, image_id))
+
+
+@router.delete("/v1/images/{image_id}")
+async def delete_image(image_id: str, st: State) -> dict:
+    """Remove an image from the store (and its directory); 404 if unknown."""
+    if not st.store.delete(image_id):
+        _entry(st, image_id)
+    return {"id": image_id, "object": "image.deleted", "deleted": True}
+
+
+@router.post("/v1/images/{image_id}/ask", response_model=None)
+async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> dict | Response:
+    """Answer every question about one stored image in one call.
+
+    All questions are submitted together; the scheduler prefills the image once
+    (one question's request) and runs the others right after, as cache hits.
+    """
+    st.check_model(body.model)
+    image = _entry(st, image_id).image
+    if len(body.questions) > st.settings.max_questions:
+        raise APIError(
+            400,
+            f"{len(body.questions)} questions; the limit is {st.settings.max_questions}",
+            param="questions",
+        )
+    params = sampling_params(body)
+    system = [{"role": "system", "content": body.system}] if body.system else []
+    reqs = []
+    for q in body.questions:
+        content = [{"type": "image"}, {"type": "text", "text": q}]
+        msgs = [*system, {"role": "user", "content": content}]
+        reqs += await make_requests(
+            st.engine, msgs, [image], params, 1, st.settings.default_max_tokens
+        )
+    sub = st.client.submit(reqs)
+    try:
+        results = await sub.wait(request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    if any(st.client.engine_failed(r) for r in results):
+        raise st.client.failure()
+    answers = [
+        {
+            "index": i,
+            "question": q,
+            "answer": r.text,
+            "finish_reason": r.finish_reason,
+            "usage": usage([r]),
+        }
+        for i, (q, r) in enumerate(zip(body.questions, results, strict=True))
+    ]
+    total = {
+        k: sum(a["usage"][k] for a in answers)
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    total["prompt_tokens_details"] = {
+        "cached_tokens": sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+    }
+    return {
+        "id": f"ask-{uuid.uuid4().hex}",
+        "object": "image.answers",
+        "created": int(time.time()),
+        "model": st.model_name,
+        "image_id": image_id,
+        "answers": answers,
+        "usage": total,
+    }
+
+
+def _entry(st: ServerState, image_id: str) -> StoredImage:
+    entry = st.store.info(image_id, touch=True)
+    if entry is None:
+        raise APIError(
+            404,
+            f"no image with id {image_id!r} (never uploaded, deleted or evicted)",
+            "not_found_error",
+            "image_id",
+            code="image_not_found",
+        )
+    return entry
+
+
+def _info(st: ServerState, entry: StoredImage) -> dict:
+    im = entry.image.image
+    return {
+        "id": entry.image.id,
+        "object": "image",
+        "created_at": int(entry.created),
+        "width": im.width,
+        "height": im.height,
+        "mode": im.mode,
+        "bytes": entry.file_bytes,
+        "num_image_tokens": st.engine.model.num_image_tokens,
+    }

@@ -1,0 +1,71 @@
+"""HTTP-level settings of the server (the engine's are :class:`mmserve.config.EngineConfig`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: Environment variable read for the API key when ``--api-key`` is not given.
+API_KEY_ENV = "MMSERVE_API_KEY"
+
+
+@dataclass
+class ServerSettings:
+    """Settings of the HTTP layer.
+
+    Attributes:
+        served_model_name: the name clients pass as ``model`` (default: the model dir name).
+        api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <key>``
+            (None: read ``MMSERVE_API_KEY``; empty: no key).
+        max_stored_images: most images the upload store keeps (LRU beyond it).
+        max_stored_image_bytes: most decoded pixel bytes the upload store keeps (bytes).
+        image_store_dir: directory where uploads are kept across restarts (None: memory only).
+        allow_remote_images: fetch ``http(s)://`` image URLs (default: refused).
+        allowed_local_media_path: directory whose files ``file://`` image URLs may name
+            (None: local paths refused).
+        remote_image_timeout: seconds allowed for fetching one remote image.
+        max_queued_requests: most requests submitted to the engine and still waiting for
+            their first token; beyond it the server answers 503 with ``Retry-After``.
+        retry_after_seconds: the ``Retry-After`` value sent with a 503 (seconds).
+        max_request_bytes: largest request body (bytes); larger gets 413.
+        max_questions: most questions in one ``/v1/images/{id}/ask`` call.
+        max_n: most choices (``n``) in one chat completion.
+        default_max_tokens: ``max_tokens`` when the client gives none (tokens; capped at
+            what the context leaves).
+    """
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_stored_images: int = 256
+    max_stored_image_bytes: int = 1 << 30
+    image_store_dir: str | None = None
+    allow_remote_images: bool = False
+    allowed_local_media_path: str | None = None
+    remote_image_timeout: float = 10.0
+    max_queued_requests: int = 256
+    retry_after_seconds: int = 1
+    max_request_bytes: int = 64 << 20
+    max_questions: int = 32
+    max_n: int = 16
+    default_max_tokens: int = 256
+
+    def resolved_api_key(self) -> str | None:
+        """The key to require: ``api_key``, else ``$MMSERVE_API_KEY``; None when neither is set."""
+        key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)
+        return key or None
+
+    def validate(self) -> None:
+        """Raises ValueError for a setting out of range."""
+        for name in (
+            "max_stored_images",
+            "max_stored_image_bytes",
+            "max_queued_requests",
+            "max_request_bytes",
+            "max_questions",
+            "max_n",
+            "default_max_tokens",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.retry_after_seconds < 0 or self.remote_image_timeout <= 0:
+            raise ValueError("retry_after_seconds must be >= 0 and remote_image_timeout > 0")

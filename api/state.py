@@ -1,0 +1,65 @@
+"""What every route needs, built once per app: engine, store, media resolver, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from api.errors import APIError
+from api.image_store import ImageStore
+from api.media import MediaResolver
+from api.metrics import Metrics
+from api.settings import ServerSettings
+from api.submit import EngineClient
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.engine import Engine
+
+
+@dataclass
+class ServerState:
+    """The objects behind one app (``app.state.mm``).
+
+    Attributes:
+        engine: the engine (touched only on its thread, or through ``aengine``).
+        aengine: the thread that drives it.
+        client: submission with the queue limit and metrics.
+        store: uploaded images.
+        media: turns ``image_url`` values into images.
+        metrics: Prometheus collectors.
+        settings: HTTP-level settings.
+        model_name: the served model's name.
+    """
+
+    engine: Engine
+    aengine: AsyncEngine
+    client: EngineClient
+    store: ImageStore
+    media: MediaResolver
+    metrics: Metrics
+    settings: ServerSettings
+    model_name: str
+
+    def check_model(self, name: str | None) -> None:
+        """Accept ``None`` (the served model) or the served model's name.
+
+        Raises:
+            APIError: 404 ``model_not_found`` for any other name.
+        """
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def get_state(request: Request) -> ServerState:
+    """FastAPI dependency: the app's :class:`ServerState`."""
+    return request.app.state.mm
+
+
+#: Route parameter type that injects the app's :class:`ServerState`.
+State = Annotated[ServerState, Depends(get_state)]

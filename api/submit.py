@@ -1,0 +1,162 @@
+"""Submitting requests to the engine: the queue limit, metrics, disconnects.
+
+Each submitted request is pumped by its own asyncio task into one queue per
+:class:`Submission`, so ``n`` choices (or the questions of one ``/ask``) can
+be merged into one stream, and cancelling the submission (client gone) aborts
+every request in it: the engine hands their KV to the tree and frees the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request as HTTPRequest
+
+from api.errors import APIError
+from api.metrics import Metrics
+from mmserve.engine.async_engine import AsyncEngine, StreamUpdate
+from mmserve.engine.request import GenerateResult, Request
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the answer was ready."""
+
+
+class EngineClient:
+    """Front of the async engine for the routes.
+
+    Args:
+        aengine: the running async engine.
+        metrics: where finished requests are counted.
+        max_queued: most requests waiting for their first token (beyond: 503).
+        retry_after: ``Retry-After`` seconds sent with the 503.
+    """
+
+    def __init__(
+        self, aengine: AsyncEngine, metrics: Metrics, max_queued: int, retry_after: int
+    ) -> None:
+        self.aengine = aengine
+        self.metrics = metrics
+        self.max_queued = max_queued
+        self.retry_after = retry_after
+        self.queued = 0
+
+    def submit(self, reqs: Sequence[Request]) -> Submission:
+        """Start ``reqs`` (all or none).
+
+        One call is always admitted into an empty queue, so a large ``n`` or many
+        questions cannot be refused forever.
+
+        Raises:
+            APIError: 503 with ``Retry-After`` when the queue is full.
+        """
+        if self.queued and self.queued + len(reqs) > self.max_queued:
+            self.metrics.rejected.inc()
+            raise APIError(
+                503,
+                f"server busy: {self.queued} requests are waiting (limit "
+                f"{self.max_queued}); retry after {self.retry_after} s",
+                "server_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after)},
+            )
+        self._set_queued(self.queued + len(reqs))
+        return Submission(self, reqs)
+
+    def _set_queued(self, n: int) -> None:
+        self.queued = n
+        self.metrics.queue_length.set(n)
+
+    def engine_failed(self, result: GenerateResult) -> bool:
+        """Whether ``result`` was cut short by an engine failure."""
+        return result.finish_reason == "abort" and self.aengine.error is not None
+
+    def failure(self) -> APIError:
+        """The 500 answered after an engine failure."""
+        return APIError(500, f"engine failed: {self.aengine.error!r}", "server_error")
+
+
+class Submission:
+    """Requests running together; their updates arrive as ``(index, StreamUpdate)``."""
+
+    def __init__(self, client: EngineClient, reqs: Sequence[Request]) -> None:
+        self.client = client
+        self.reqs = list(reqs)
+        self.results: list[GenerateResult | None] = [None] * len(reqs)
+        self._queue: asyncio.Queue[tuple[int, StreamUpdate | BaseException]] = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._pump(i, r)) for i, r in enumerate(reqs)]
+
+    async def _pump(self, index: int, req: Request) -> None:
+        waiting = True
+        try:
+            async for upd in self.client.aengine.stream(req):
+                if waiting:
+                    waiting = False
+                    self.client._set_queued(self.client.queued - 1)
+                if upd.result is not None:
+                    self.results[index] = upd.result
+                    self.client.metrics.observe(upd.result)
+                self._queue.put_nowait((index, upd))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self._queue.put_nowait((index, e))
+        finally:
+            if waiting:
+                self.client._set_queued(self.client.queued - 1)
+
+    async def updates(self) -> AsyncIterator[tuple[int, StreamUpdate]]:
+        """Every update of every request, in arrival order, until all have finished.
+
+        Closing the iterator early cancels the submission.
+        """
+        remaining = len(self.reqs)
+        try:
+            while remaining:
+                index, upd = await self._queue.get()
+                if isinstance(upd, BaseException):
+                    raise upd
+                if upd.result is not None:
+                    remaining -= 1
+                yield index, upd
+        finally:
+            if remaining:
+                self.cancel()
+
+    async def wait(self, http: HTTPRequest | None = None) -> list[GenerateResult]:
+        """All results, in request order; cancels everything if ``http``'s client disconnects.
+
+        Raises:
+            ClientDisconnected: the client went away first.
+        """
+
+        async def collect() -> None:
+            async for _ in self.updates():
+                pass
+
+        gather = asyncio.ensure_future(collect())
+        if http is None:
+            await gather
+        else:
+            gone = asyncio.ensure_future(_disconnected(http))
+            try:
+                await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not gather.done():
+                gather.cancel()
+                self.cancel()
+                raise ClientDisconnected
+            gather.result()
+        return [r for r in self.results if r is not None]
+
+    def cancel(self) -> None:
+        """Abort every request still running (their pages go to the tree or the free list)."""
+        for t in self._tasks:
+            t.cancel()
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    while True:
+        msg = await http.receive()
+        if msg["type"] == "http.disconnect":
+            return
