@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from mmserve.config import EngineConfig
+from mmserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from mmserve.server_flags import add_server_args, apply_server_args
 
 
@@ -26,6 +26,8 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = EngineConfig(
         model_path=model,
         device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
@@ -34,6 +36,13 @@ def _serve(args: argparse.Namespace) -> int:
         policy=args.policy,
     )
     cfg.validate()
+    from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
+
+    try:  # fail here, with the fix in the message, not inside the server's startup
+        resolve_attention_backend(cfg.attention_backend, cfg.device, cfg.torch_dtype())
+    except BackendUnavailableError as e:
+        print(f"mmserve serve: error: {e}", file=sys.stderr)
+        return 2
     settings = asdict(cfg)
     apply_server_args(args, settings)
     os.environ["MMSERVE_SERVER_CONFIG"] = json.dumps(settings)
@@ -62,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", default=d.device)
+    s.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=d.dtype,
+        help="model and KV dtype (auto: float32 on cpu, bfloat16 on cuda)",
+    )
+    s.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=d.attention_backend,
+        help="auto: flashinfer on cuda when installed (fp16/bf16), else torch",
+    )
     s.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
     s.add_argument(
         "--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens"

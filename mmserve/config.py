@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mmserve.vision.image import ImageLimits
+
+if TYPE_CHECKING:
+    import torch
+
+#: Accepted values of ``EngineConfig.dtype`` / ``--dtype``.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
+#: (resolved by :func:`mmserve.kernels.select.resolve_attention_backend`).
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
 @dataclass
@@ -14,6 +24,10 @@ class EngineConfig:
     Attributes:
         model_path: checkpoint directory (None: build/use the bundled tiny model).
         device: torch device ("cpu" or "cuda").
+        dtype: weights, activations and KV pool dtype: "auto" (float32 on CPU,
+            bfloat16 on CUDA), "float32", "bfloat16" or "float16".
+        attention_backend: "auto" (FlashInfer where it can run, else torch),
+            "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
         page_size: tokens per KV page.
         max_total_tokens: KV pool capacity in tokens (rounded down to whole pages).
         max_running_requests: most requests decoding at once.
@@ -31,6 +45,8 @@ class EngineConfig:
 
     model_path: str | None = None
     device: str = "cpu"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
     page_size: int = 1
     max_total_tokens: int = 32768
     max_running_requests: int = 64
@@ -52,3 +68,24 @@ class EngineConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose lpm or fcfs")
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {self.attention_backend!r}; "
+                f"choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+
+    def torch_dtype(self) -> torch.dtype:
+        """The resolved model dtype: ``dtype``, with "auto" meaning fp32 on CPU, bf16 on CUDA.
+
+        Raises:
+            ValueError: for an unknown ``dtype`` string.
+        """
+        import torch  # here, so that importing the config (and the CLI) stays light
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        return getattr(torch, self.dtype)

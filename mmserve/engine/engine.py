@@ -63,7 +63,7 @@ class Engine:
                 from mmserve.model.make_checkpoint import ensure_model
 
                 config.model_path = str(ensure_model("tiny"))
-            model = load_model(config.model_path, device=config.device)
+            model = load_model(config.model_path, device=config.device, dtype=config.torch_dtype())
         self.model = model
         shape = model.decoder.shape
         self.max_context = shape.max_position_embeddings
@@ -82,7 +82,9 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.pool, self.tree)
         self.embedding_cache = EmbeddingCache(config.vision_cache_size)
-        self.runner = ModelRunner(model, self.pool, self.embedding_cache, config.device)
+        self.runner = ModelRunner(
+            model, self.pool, self.embedding_cache, config.device, config.attention_backend
+        )
         self.prompts = PromptBuilder(model, config.max_images_per_request)
         self.fingerprint = processor_fingerprint(model.processor.image_processor)
         self.shortest_edge = _shortest_edge(model.processor.image_processor)

@@ -14,7 +14,7 @@ import torch
 from mmserve.cache.kv_pool import KVPool
 from mmserve.engine.request import ImageInput, Request
 from mmserve.kernels.metadata import build_metadata
-from mmserve.kernels.torch_backend import TorchAttentionBackend
+from mmserve.kernels.select import make_attention_backend
 from mmserve.model.loader import LoadedModel
 from mmserve.vision.embedding_cache import EmbeddingCache
 
@@ -27,6 +27,12 @@ class ModelRunner:
         pool: KV pool.
         embedding_cache: LRU of projected image features.
         device: torch device of the model.
+        attention_backend: "auto", "torch" or "flashinfer" (see
+            :func:`~mmserve.kernels.select.make_attention_backend`).
+
+    Raises:
+        ValueError, BackendUnavailableError: if ``attention_backend`` is unknown
+            or cannot run on this device/dtype.
 
     Attributes:
         vision_tower_images: images encoded by the vision tower so far.
@@ -38,14 +44,24 @@ class ModelRunner:
         pool: KVPool,
         embedding_cache: EmbeddingCache,
         device: str = "cpu",
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.pool = pool
         self.cache = embedding_cache
         self.device = torch.device(device)
-        self.backend = TorchAttentionBackend()
         self.vision_tower_images = 0
         self.dtype = model.decoder.embed_tokens.weight.dtype
+        shape = model.decoder.shape
+        # The model's actual dtype, not the config's: tests hand in pre-loaded models.
+        self.backend = make_attention_backend(
+            attention_backend,
+            device,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            self.dtype,
+        )
         mask = torch.zeros(model.decoder.shape.vocab_size, dtype=torch.float32)
         mask[model.never_sample_ids] = float("-inf")
         self.logit_mask = mask.to(self.device)

@@ -50,14 +50,17 @@ class TorchAttentionBackend:
                 cols = torch.arange(seq, device=slots.device)[None, :]
                 self._masks.append(cols <= rows)
         if meta.is_decode and meta.batch_size > 1:
+            # Built where the slots live: on CUDA, filling a host tensor from device
+            # slots would cost one synchronising copy per request.
+            dev = meta.kv_indices.device
             max_len = max(meta.seq_lens)
-            index = torch.zeros(meta.batch_size, max_len, dtype=torch.int64)
-            mask = torch.zeros(meta.batch_size, 1, 1, max_len, dtype=torch.bool)
+            index = torch.zeros(meta.batch_size, max_len, dtype=torch.int64, device=dev)
             for i, slots in enumerate(self._slots):
                 index[i, : slots.numel()] = slots
-                mask[i, ..., : slots.numel()] = True
-            self._decode_index = index.to(meta.kv_indices.device)
-            self._decode_mask = mask.to(meta.kv_indices.device)
+            lens = torch.tensor(meta.seq_lens, dtype=torch.int64, device=dev)
+            mask = torch.arange(max_len, device=dev)[None, :] < lens[:, None]
+            self._decode_index = index
+            self._decode_mask = mask[:, None, None, :]  # [B, 1, 1, L]
         else:
             self._decode_index = self._decode_mask = None
 

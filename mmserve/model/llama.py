@@ -135,10 +135,15 @@ class LlamaDecoder(nn.Module):
             ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim)
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain attribute, so ``.to(dtype=bfloat16)`` cannot round it: bf16 inverse
+        # frequencies put RoPE angles off by ~pos * 2**-9 rad. transformers keeps them fp32.
+        self._inv_freq_fp32 = inv_freq
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and sin tables ``[T, head_dim]`` for int64 ``positions`` ``[T]``."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :].to(positions.device)
+        if self._inv_freq_fp32.device != positions.device:
+            self._inv_freq_fp32 = self._inv_freq_fp32.to(positions.device)
+        freqs = positions[:, None].float() * self._inv_freq_fp32[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

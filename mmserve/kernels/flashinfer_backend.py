@@ -1,0 +1,217 @@
+"""FlashInfer paged attention for CUDA, over the same metadata as the torch backend.
+
+The KV pool already stores each layer's K and V as ``[num_pages, P, Hkv, D]``
+("NHD" paged layout), and :class:`~mmserve.kernels.metadata.AttentionMetadata`
+holds FlashInfer's page-table arrays verbatim, so this backend only plans the
+wrappers once per batch and runs them once per layer:
+
+* a batch in which every request has exactly one new token goes through
+  ``BatchDecodeWithPagedKVCacheWrapper``;
+* any other batch (prefill with or without a cached prefix) goes through
+  ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``, whose mask is
+  aligned to the *end* of each KV sequence, as the torch backend's is.
+
+API used (FlashInfer docs, "flashinfer.prefill" and "flashinfer.decode";
+``flashinfer/prefill.py`` and ``flashinfer/decode.py`` in flashinfer-ai/flashinfer):
+``Wrapper(float_workspace_buffer, kv_layout)``, ``plan(indptr..., num_qo_heads,
+num_kv_heads, head_dim, page_size, ..., q_data_type=, kv_data_type=)`` and
+``run(q, (k_cache, v_cache))``.
+
+``flashinfer`` is imported lazily (in :func:`import_flashinfer`) so that
+importing :mod:`mmserve` never requires it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.kernels.metadata import AttentionMetadata
+
+#: Bytes of the float workspace shared by both wrappers (FlashInfer's recommended size).
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+#: Data types FlashInfer's attention kernels accept for Q and K/V (no fp32 kernels).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+# Grouped-query ratios above this use the tensor-core decode kernel: the CUDA-core
+# decode kernel is specialised for small groups only (SGLang uses the same cut-off).
+_TENSOR_CORE_DECODE_MIN_GROUP = 5
+
+
+class BackendUnavailableError(RuntimeError):
+    """An attention backend cannot run here; the message says what is missing and the fix."""
+
+
+#: The fix for a missing or broken flashinfer install.
+INSTALL_HINT = (
+    'install it with `pip install -e ".[gpu]"` (or `pip install flashinfer-python` '
+    "built for your torch and CUDA versions)"
+)
+#: The way out that always works.
+FALLBACK_HINT = "Or run with `--attention-backend torch` (works on any device)."
+
+
+def flashinfer_import_problem() -> str | None:
+    """Why ``import flashinfer`` fails (with the fix), or None when it works."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken install raises OSError/RuntimeError too
+        return (
+            f"the flashinfer-python package cannot be imported ({type(e).__name__}: {e}); "
+            + INSTALL_HINT
+        )
+    return None
+
+
+def import_flashinfer():  # noqa: ANN201
+    """Import and return the ``flashinfer`` module.
+
+    Raises:
+        BackendUnavailableError: when the import fails for any reason (package
+            not installed, or built against another CUDA/torch); the message
+            names the install command and the torch fallback.
+    """
+    problem = flashinfer_import_problem()
+    if problem is not None:
+        raise BackendUnavailableError(
+            f"attention backend 'flashinfer' cannot run here: {problem}. {FALLBACK_HINT}"
+        )
+    import flashinfer
+
+    return flashinfer
+
+
+class FlashInferAttentionBackend:
+    """Paged attention with FlashInfer's batch prefill/decode wrappers (CUDA only).
+
+    Same interface as :class:`~mmserve.kernels.torch_backend.TorchAttentionBackend`:
+    call :meth:`plan` once per batch, then :meth:`forward` once per layer.
+
+    Args:
+        num_qo_heads: query heads ``Hq`` (a multiple of ``num_kv_heads``).
+        num_kv_heads: K/V heads ``Hkv``.
+        head_dim: dimension per head ``D``.
+        device: CUDA device of the model and the KV pool.
+        dtype: dtype of queries and of the KV pool (fp16 or bf16).
+        workspace_bytes: size of the float workspace buffer (bytes).
+
+    Raises:
+        BackendUnavailableError: if ``flashinfer`` cannot be imported.
+        ValueError: for an unsupported dtype or a head count that is not a
+            multiple of ``num_kv_heads``.
+    """
+
+    name = "flashinfer"
+
+    def __init__(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        workspace_bytes: int = WORKSPACE_BYTES,
+    ) -> None:
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"FlashInfer attention needs float16 or bfloat16, got {dtype}; "
+                "use --dtype bfloat16 or --attention-backend torch"
+            )
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        flashinfer = import_flashinfer()
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # FlashInfer requires the workspace zeroed before its first use; one buffer
+        # serves both wrappers because only one of them runs per batch.
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD"
+        )
+        group = num_qo_heads // num_kv_heads
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace,
+            kv_layout="NHD",
+            use_tensor_cores=group >= _TENSOR_CORE_DECODE_MIN_GROUP,
+        )
+        self._meta: AttentionMetadata | None = None
+        self._wrapper = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Plan the decode or prefill wrapper for this batch; every layer reuses the plan.
+
+        Args:
+            meta: the batch's metadata, with index tensors on this backend's device.
+        """
+        self._meta = meta
+        if meta.is_decode:
+            self._decode.plan(
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+                self.num_qo_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                meta.page_size,
+                pos_encoding_mode="NONE",  # RoPE is applied by the model before attention
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+            self._wrapper = self._decode
+        else:
+            self._prefill.plan(
+                meta.qo_indptr,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+                self.num_qo_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                meta.page_size,
+                causal=True,
+                pos_encoding_mode="NONE",
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+            self._wrapper = self._prefill
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """Write the new K/V into the pool, then attend over each request's pages.
+
+        Args:
+            q: ``[T, Hq, D]`` queries of the batch's new tokens (packed by ``qo_indptr``).
+            k, v: ``[T, Hkv, D]`` keys/values of the same tokens.
+            layer_id: decoder layer index into the pool.
+            pool: the KV pool (pages ``[num_pages, P, Hkv, D]`` per layer, dtype
+                equal to this backend's).
+
+        Returns:
+            ``[T, Hq, D]`` attention output, same dtype as ``q``.
+
+        Raises:
+            ValueError: if the pool's dtype is not the planned K/V dtype.
+        """
+        meta = self._meta
+        assert meta is not None and self._wrapper is not None, "plan() before forward()"
+        k_buf, v_buf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
+        if k_buf.dtype != self.dtype:
+            raise ValueError(f"KV pool dtype {k_buf.dtype} differs from the planned {self.dtype}")
+        # Same write as the torch backend: flat slot = page * P + offset (out_cache_loc).
+        k_flat, v_flat = pool.flat_kv(layer_id)
+        k_flat[meta.out_cache_loc] = k.to(k_flat.dtype)
+        v_flat[meta.out_cache_loc] = v.to(v_flat.dtype)
+        out = self._wrapper.run(q.to(self.dtype).contiguous(), (k_buf, v_buf))
+        return out.to(q.dtype)

@@ -1,0 +1,392 @@
+"""Attention backend selection, its error messages, dtype/backend config, and the
+FlashInfer backend's plumbing checked on CPU against a stand-in ``flashinfer`` module.
+
+The stand-in's wrapper signatures copy FlashInfer's (``flashinfer/prefill.py`` and
+``flashinfer/decode.py``: ``plan(...)`` positional order and keywords, ``run(q,
+(k_cache, v_cache))``), and its attention follows FlashInfer's documented paged
+layout and end-aligned causal mask, written independently of the torch backend.
+The real kernels are compared in ``tests/gpu/test_flashinfer.py``.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.cli import build_parser, main
+from mmserve.config import EngineConfig
+from mmserve.engine.engine import Engine
+from mmserve.kernels import (
+    BackendUnavailableError,
+    make_attention_backend,
+    resolve_attention_backend,
+)
+from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend
+from mmserve.kernels.metadata import build_metadata
+from mmserve.kernels.torch_backend import TorchAttentionBackend
+from tests.conftest import greedy, user
+
+# Largest |logit difference| accepted between a bf16 and a reference run, as a
+# fraction of the reference's largest |logit|. bf16 vs fp32 on the tiny model
+# measures up to ~0.021 (tests below); two bf16 kernels should be closer.
+BF16_LOGIT_RTOL = 4e-2
+
+
+# ---- selection ------------------------------------------------------------------
+def test_auto_on_cpu_is_torch() -> None:
+    assert resolve_attention_backend("auto", "cpu", torch.float32) == "torch"
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "torch"
+    backend = make_attention_backend("auto", "cpu", 2, 1, 64, torch.float32)
+    assert isinstance(backend, TorchAttentionBackend) and backend.name == "torch"
+
+
+def test_torch_is_always_torch() -> None:
+    assert resolve_attention_backend("torch", "cuda", torch.bfloat16) == "torch"
+
+
+def test_flashinfer_on_cpu_says_cuda() -> None:
+    with pytest.raises(BackendUnavailableError) as ei:
+        make_attention_backend("flashinfer", "cpu", 2, 1, 64, torch.bfloat16)
+    msg = str(ei.value)
+    assert isinstance(ei.value, RuntimeError)
+    assert "CUDA" in msg and "--device cuda" in msg and "--attention-backend torch" in msg
+
+
+@pytest.fixture
+def cuda_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend torch sees a GPU, so the checks after the CUDA one are reached."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_flashinfer_import_failure_says_pip_install(monkeypatch, cuda_visible) -> None:  # noqa: ANN001
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    with pytest.raises(BackendUnavailableError) as ei:
+        make_attention_backend("flashinfer", "cuda", 2, 1, 64, torch.bfloat16)
+    msg = str(ei.value)
+    assert not isinstance(ei.value, ImportError)
+    assert "pip install" in msg and ".[gpu]" in msg and "--attention-backend torch" in msg
+    assert "CUDA" not in msg.split("cannot be imported")[0]  # CUDA itself is fine here
+
+
+def test_flashinfer_constructor_import_failure_is_clear(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    with pytest.raises(BackendUnavailableError, match="pip install"):
+        FlashInferAttentionBackend(2, 1, 64, "cpu", torch.bfloat16)
+
+
+def test_flashinfer_fp32_says_dtype(monkeypatch, cuda_visible) -> None:  # noqa: ANN001
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
+    with pytest.raises(BackendUnavailableError, match="bfloat16"):
+        resolve_attention_backend("flashinfer", "cuda", torch.float32)
+    # auto does not fail: it picks the backend that supports fp32
+    assert resolve_attention_backend("auto", "cuda", torch.float32) == "torch"
+
+
+def test_auto_picks_flashinfer_only_when_everything_is_there(monkeypatch, cuda_visible) -> None:  # noqa: ANN001
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    assert resolve_attention_backend("auto", "cuda", torch.bfloat16) == "torch"
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
+    assert resolve_attention_backend("auto", "cuda:0", torch.bfloat16) == "flashinfer"
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "torch"
+
+
+def test_unknown_backend_lists_choices() -> None:
+    with pytest.raises(ValueError, match="auto, torch, flashinfer"):
+        resolve_attention_backend("flash", "cpu")
+
+
+# ---- config and CLI ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [("dtype", "fp32", "float32, bfloat16"), ("attention_backend", "triton", "torch, flashinfer")],
+)
+def test_config_rejects_unknown_names(field: str, value: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{field: value}).validate()
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "want"),
+    [
+        ("cpu", "auto", torch.float32),
+        ("cuda", "auto", torch.bfloat16),
+        ("cuda:1", "auto", torch.bfloat16),
+        ("cuda", "float32", torch.float32),
+        ("cpu", "bfloat16", torch.bfloat16),
+        ("cuda", "float16", torch.float16),
+    ],
+)
+def test_config_dtype_resolution(device: str, dtype: str, want: torch.dtype) -> None:
+    cfg = EngineConfig(device=device, dtype=dtype)
+    cfg.validate()
+    assert cfg.torch_dtype() == want
+
+
+def test_cli_flags_parse() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--attention-backend", "flashinfer", "--dtype", "float16"]
+    )
+    assert args.attention_backend == "flashinfer" and args.dtype == "float16"
+    defaults = build_parser().parse_args(["serve"])
+    assert defaults.attention_backend == "auto" and defaults.dtype == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-backend", "nope"])
+
+
+def test_cli_serve_flashinfer_on_cpu_fails_fast(model_dir, capsys) -> None:  # noqa: ANN001
+    rc = main(["serve", "--model", str(model_dir), "--attention-backend", "flashinfer"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "CUDA" in err and "--attention-backend torch" in err
+
+
+def test_engine_rejects_flashinfer_on_cpu(model_dir) -> None:  # noqa: ANN001
+    with pytest.raises(BackendUnavailableError, match="CUDA"):
+        Engine(EngineConfig(model_path=str(model_dir), attention_backend="flashinfer"))
+
+
+# ---- dtype wiring on CPU --------------------------------------------------------------
+def test_engine_loads_configured_dtype_and_stays_close_to_fp32(model_dir, photos) -> None:  # noqa: ANN001
+    def run(dtype: str):  # noqa: ANN202
+        eng = Engine(EngineConfig(model_path=str(model_dir), dtype=dtype, max_total_tokens=4096))
+        img = eng.prepare_image(photos["cat.png"])
+        req = eng.make_request(messages=user(None, "What is this?"), images=[img], params=greedy(4))
+        return eng, eng.generate([req])[0]
+
+    e32, r32 = run("float32")
+    e16, r16 = run("bfloat16")
+    assert e16.model.decoder.embed_tokens.weight.dtype == torch.bfloat16
+    assert e16.pool.k_buffers[0].dtype == torch.bfloat16
+    assert e16.runner.backend.name == "torch"
+    # RoPE frequencies stay fp32 whatever the weights' dtype (as in transformers)
+    assert e16.model.decoder._inv_freq_fp32.dtype == torch.float32
+    for step, (a, b) in enumerate(zip(r16.logits, r32.logits, strict=True)):
+        assert a.dtype == torch.float32
+        if r16.output_ids[:step] != r32.output_ids[:step]:
+            break
+        fin = torch.isfinite(b)
+        diff = (a[fin] - b[fin]).abs().max().item()
+        assert diff <= BF16_LOGIT_RTOL * b[fin].abs().max().item(), (step, diff)
+
+
+# ---- FlashInfer backend plumbing with a stand-in module ------------------------------
+def _paged_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_len, causal):  # noqa: ANN001, ANN202
+    """Attention as FlashInfer documents it: NHD pages, end-aligned causal mask, fp32 math."""
+    P = k_cache.shape[1]
+    out = torch.empty_like(q)
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    for i in range(len(qo) - 1):
+        pages = kv_indices[kvp[i] : kvp[i + 1]].long()
+        kv_len = (len(pages) - 1) * P + int(last_len[i])
+        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:kv_len].float()
+        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:kv_len].float()
+        qi = q[qo[i] : qo[i + 1]].float()
+        group = qi.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qi, k) / qi.shape[-1] ** 0.5
+        if causal:
+            q_len = qi.shape[0]
+            row = torch.arange(q_len)[:, None] + (kv_len - q_len)
+            scores = scores.masked_fill(torch.arange(kv_len)[None, :] > row, float("-inf"))
+        out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def _fake_flashinfer() -> types.ModuleType:
+    """A ``flashinfer`` stand-in whose wrapper signatures match FlashInfer's."""
+    calls: list[str] = []
+
+    class _Wrapper:
+        def _check_run(self, q, paged_kv_cache):  # noqa: ANN001, ANN202
+            k_cache, v_cache = paged_kv_cache  # the (k, v) tuple form
+            assert k_cache.dim() == 4 and k_cache.shape[1] == self.page_size  # NHD
+            assert k_cache.shape[2:] == (self.num_kv_heads, self.head_dim)
+            assert q.dtype == self.q_dtype and k_cache.dtype == self.kv_dtype
+            assert q.shape[1:] == (self.num_qo_heads, self.head_dim) and q.is_contiguous()
+            calls.append(f"run:{type(self).__name__}")
+            return k_cache, v_cache
+
+    class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+        def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False):  # noqa: ANN001
+            assert float_workspace_buffer.dtype == torch.uint8 and kv_layout == "NHD"
+
+        def plan(  # noqa: PLR0913 - FlashInfer's signature, keyword names included
+            self,
+            qo_indptr,  # noqa: ANN001
+            paged_kv_indptr,  # noqa: ANN001
+            paged_kv_indices,  # noqa: ANN001
+            paged_kv_last_page_len,  # noqa: ANN001
+            num_qo_heads,  # noqa: ANN001
+            num_kv_heads,  # noqa: ANN001
+            head_dim_qk,  # noqa: ANN001
+            page_size,  # noqa: ANN001
+            head_dim_vo=None,  # noqa: ANN001
+            custom_mask=None,  # noqa: ANN001
+            packed_custom_mask=None,  # noqa: ANN001
+            causal=False,  # noqa: ANN001
+            pos_encoding_mode="NONE",  # noqa: ANN001
+            use_fp16_qk_reduction=False,  # noqa: ANN001
+            sm_scale=None,  # noqa: ANN001
+            window_left=-1,  # noqa: ANN001
+            logits_soft_cap=None,  # noqa: ANN001
+            rope_scale=None,  # noqa: ANN001
+            rope_theta=None,  # noqa: ANN001
+            q_data_type="float16",  # noqa: ANN001
+            kv_data_type=None,  # noqa: ANN001
+        ) -> None:
+            for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len):
+                assert t.dtype == torch.int32
+            assert pos_encoding_mode == "NONE" and sm_scale is None
+            self.arrays = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+            self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+            self.head_dim, self.page_size, self.causal = head_dim_qk, page_size, causal
+            self.q_dtype, self.kv_dtype = q_data_type, kv_data_type or q_data_type
+            calls.append("plan:prefill")
+
+        def run(self, q, paged_kv_cache):  # noqa: ANN001, ANN201
+            k_cache, v_cache = self._check_run(q, paged_kv_cache)
+            return _paged_attention(q, k_cache, v_cache, *self.arrays, causal=self.causal)
+
+    class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+        def __init__(  # noqa: ANN204
+            self,
+            float_workspace_buffer,  # noqa: ANN001
+            kv_layout="NHD",  # noqa: ANN001
+            use_cuda_graph=False,  # noqa: ANN001
+            use_tensor_cores=False,  # noqa: ANN001
+        ):
+            assert float_workspace_buffer.dtype == torch.uint8 and kv_layout == "NHD"
+
+        def plan(
+            self,
+            indptr,  # noqa: ANN001
+            indices,  # noqa: ANN001
+            last_page_len,  # noqa: ANN001
+            num_qo_heads,  # noqa: ANN001
+            num_kv_heads,  # noqa: ANN001
+            head_dim,  # noqa: ANN001
+            page_size,  # noqa: ANN001
+            *,
+            pos_encoding_mode="NONE",  # noqa: ANN001
+            window_left=-1,  # noqa: ANN001
+            logits_soft_cap=None,  # noqa: ANN001
+            q_data_type="float16",  # noqa: ANN001
+            kv_data_type=None,  # noqa: ANN001
+            data_type=None,  # noqa: ANN001
+            sm_scale=None,  # noqa: ANN001
+        ) -> None:
+            for t in (indptr, indices, last_page_len):
+                assert t.dtype == torch.int32
+            assert pos_encoding_mode == "NONE" and sm_scale is None
+            batch = len(last_page_len)
+            self.arrays = (
+                torch.arange(batch + 1, dtype=torch.int32),
+                indptr,
+                indices,
+                last_page_len,
+            )
+            self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+            self.head_dim, self.page_size = head_dim, page_size
+            self.q_dtype, self.kv_dtype = q_data_type, kv_data_type or q_data_type
+            calls.append("plan:decode")
+
+        def run(self, q, paged_kv_cache):  # noqa: ANN001, ANN201
+            k_cache, v_cache = self._check_run(q, paged_kv_cache)
+            assert q.shape[0] == len(self.arrays[3])  # one query per request
+            return _paged_attention(q, k_cache, v_cache, *self.arrays, causal=False)
+
+    mod = types.ModuleType("flashinfer")
+    mod.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    mod.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+    mod.calls = calls
+    return mod
+
+
+def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cpu", seed=0):  # noqa: ANN001, ANN201
+    """A pool filled with random K/V plus a batch of 4 requests over shuffled pages.
+
+    ``mode``: "prefill" (no cached prefix), "partial" (a cached prefix that ends
+    mid-page when ``page_size > 1``) or "decode" (one new token after a prefix).
+    Returns ``(pool, meta, q, k, v)``; q/k/v are the new tokens' ``[T, H, 64]``.
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    d, layers = 64, 2
+    seqs = [rng.randint(2, 40) for _ in range(4)]
+    if mode == "prefill":
+        prefix = [0] * 4
+    elif mode == "decode":
+        prefix = [s - 1 for s in seqs]
+    else:
+        prefix = [rng.randint(1, s - 1) for s in seqs]
+    n_pages = sum(-(-s // page_size) for s in seqs) + 3
+    pool = KVPool(n_pages, page_size, layers, hkv, d, dtype=dtype, device=device)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+    ids = list(range(n_pages))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for s in seqs:
+        n = -(-s // page_size)
+        tables.append(ids[at : at + n])
+        at += n
+    extend = [s - p for s, p in zip(seqs, prefix, strict=True)]
+    meta = build_metadata(tables, prefix, extend, page_size, device)
+    t = sum(extend)
+
+    def rnd(h: int) -> torch.Tensor:
+        return torch.randn(t, h, d, generator=gen).to(dtype).to(device)
+
+    return pool, meta, rnd(hq), rnd(hkv), rnd(hkv)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("mode", ["prefill", "partial", "decode"])
+def test_flashinfer_backend_plumbing_matches_torch(monkeypatch, page_size: int, mode: str) -> None:  # noqa: ANN001
+    fake = _fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    dtype = torch.bfloat16
+    pool_fi, meta, q, k, v = random_batch(page_size, mode, 8, 2, dtype)
+    pool_ref = KVPool(pool_fi.num_pages, page_size, 2, 2, 64, dtype=dtype)
+    for dst, src in zip(
+        pool_ref.k_buffers + pool_ref.v_buffers, pool_fi.k_buffers + pool_fi.v_buffers, strict=True
+    ):
+        dst.copy_(src)
+    fi = FlashInferAttentionBackend(8, 2, 64, "cpu", dtype, workspace_bytes=1024)
+    ref = TorchAttentionBackend()
+    fi.plan(meta)
+    ref.plan(meta)
+    for layer in range(2):  # one plan, reused by every layer
+        out_fi = fi.forward(q, k, v, layer, pool_fi)
+        out_ref = ref.forward(q, k, v, layer, pool_ref)
+        assert out_fi.dtype == dtype and out_fi.shape == q.shape
+        torch.testing.assert_close(out_fi.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(pool_fi.k_buffers[layer], pool_ref.k_buffers[layer])
+        assert torch.equal(pool_fi.v_buffers[layer], pool_ref.v_buffers[layer])
+    kind = "Decode" if mode == "decode" else "Prefill"
+    run = f"run:Batch{kind}WithPagedKVCacheWrapper"
+    assert fake.calls == [f"plan:{kind.lower()}", run, run]
+
+
+def test_fake_attention_is_an_independent_check() -> None:
+    """The stand-in's attention agrees with plain causal SDPA on one contiguous request."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(5, 2, 8, generator=g) for _ in range(3))
+    pages = k.view(5, 1, 2, 8), v.view(5, 1, 2, 8)  # page size 1, pages 0..4 in order
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    got = _paged_attention(q, *pages, i32([0, 5]), i32([0, 5]), i32(range(5)), i32([1]), True)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(got, want)
+
+
+def test_flashinfer_backend_rejects_fp32(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        FlashInferAttentionBackend(2, 1, 64, "cpu", torch.float32)
