@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from mmserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from mmserve.config import ATTENTION_BACKENDS, DTYPES, POLICIES, EngineConfig
 from mmserve.server_flags import add_server_args, apply_server_args
 
 
@@ -34,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
         disable_radix_cache=args.disable_radix_cache,
         policy=args.policy,
+        decode_reserve_ratio=args.decode_reserve_ratio,
+        max_wait_seconds=args.max_wait_seconds,
     )
     cfg.validate()
     from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
@@ -92,7 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--disable-radix-cache", action="store_true", help="never reuse KV across requests"
     )
-    s.add_argument("--policy", choices=["lpm", "fcfs"], default=d.policy)
+    s.add_argument(
+        "--policy", choices=list(POLICIES), default=d.policy, help="waiting-queue order"
+    )
+    s.add_argument(
+        "--decode-reserve-ratio",
+        type=float,
+        default=d.decode_reserve_ratio,
+        help="fraction of max_tokens reserved at admission (1.0: never retract)",
+    )
+    s.add_argument(
+        "--max-wait-seconds",
+        type=float,
+        default=d.max_wait_seconds,
+        help="starvation guard: admit a request waiting this long first",
+    )
     add_server_args(s)
     s.set_defaults(func=_serve)
 

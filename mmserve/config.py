@@ -10,6 +10,8 @@ from mmserve.vision.image import ImageLimits
 if TYPE_CHECKING:
     import torch
 
+#: Waiting-queue orders (``EngineConfig.policy`` / ``--policy``).
+POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 #: Accepted values of ``EngineConfig.dtype`` / ``--dtype``.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
@@ -31,10 +33,18 @@ class EngineConfig:
         page_size: tokens per KV page.
         max_total_tokens: KV pool capacity in tokens (rounded down to whole pages).
         max_running_requests: most requests decoding at once.
-        max_prefill_tokens: new-token budget of one prefill batch (tokens); a
-            single longer prompt still runs alone.
+        max_prefill_tokens: new-token budget of one prefill step (tokens); a longer
+            prompt is prefilled in chunks of at most this many tokens.
         disable_radix_cache: never reuse KV across requests (SGLang's flag).
-        policy: waiting-queue order: "lpm" (longest prefix match first) or "fcfs".
+        policy: waiting-queue order (:data:`POLICIES`): "lpm" (longest prefix match
+            first), "dfs-weight" (depth-first over the radix tree, heavier subtrees
+            first), "fcfs" or "random". Cache-aware ones act as FCFS with the cache off.
+        decode_reserve_ratio: fraction of a request's remaining ``max_tokens``
+            whose pages are reserved at admission (1.0: every admitted request is
+            sure to finish; lower admits more and retracts when decode runs dry).
+        max_wait_seconds: a request waiting longer than this is admitted ahead of the
+            policy's order (starvation guard).
+        policy_seed: seed of the "random" policy.
         vision_cache_size: projected image embeddings kept (images).
         max_images_per_request: most images in one prompt.
         dedup_min_tokens: two waiting requests whose uncached parts share this many
@@ -53,6 +63,9 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     disable_radix_cache: bool = False
     policy: str = "lpm"
+    decode_reserve_ratio: float = 0.6
+    max_wait_seconds: float = 30.0
+    policy_seed: int = 0
     vision_cache_size: int = 64
     max_images_per_request: int = 8
     dedup_min_tokens: int = 32
@@ -64,8 +77,12 @@ class EngineConfig:
             raise ValueError("page_size must be >= 1")
         if self.max_total_tokens < self.page_size:
             raise ValueError("max_total_tokens must hold at least one page")
-        if self.policy not in ("lpm", "fcfs"):
-            raise ValueError(f"unknown policy {self.policy!r}; choose lpm or fcfs")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not 0.0 <= self.decode_reserve_ratio <= 1.0:
+            raise ValueError("decode_reserve_ratio must be in [0, 1]")
+        if self.max_wait_seconds <= 0:
+            raise ValueError("max_wait_seconds must be > 0")
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         if self.dtype not in DTYPES:

@@ -34,7 +34,7 @@ class RequestError(ValueError):
 
 @dataclass
 class EngineStats:
-    """Cumulative counters (tokens, requests, images) since start."""
+    """Cumulative counters since start; token counts are of finished (or aborted) requests."""
 
     requests_finished: int = 0
     prompt_tokens: int = 0
@@ -183,28 +183,32 @@ class Engine:
             Requests that got a token this step (finished ones included).
         """
         sched = self.scheduler
-        batch = sched.schedule_prefill()
-        if batch:
-            logits = self.runner.prefill(batch)
+        chunks = sched.schedule_prefill()
+        if chunks:
+            logits = self.runner.prefill([r for r, _ in chunks], [n for _, n in chunks])
             self.stats.prefill_steps += 1
-            for req in batch:
-                req.computed_len = req.prompt_len
+            batch, rows = [], []
+            for (req, n), row in zip(chunks, logits, strict=True):
+                req.computed_len += n
                 sched.on_prefilled(req)
+                if req.computed_len < len(req.all_ids()):
+                    continue  # more chunks to come; these logits are not a next token
+                if sched.prefilling is req:
+                    sched.prefilling = None
                 sched.running.append(req)
-                self.stats.prompt_tokens += req.prompt_len
-                self.stats.cached_tokens += req.cached_len
+                batch.append(req)
+                rows.append(row)
         elif sched.running:
+            sched.prepare_decode()
             batch = list(sched.running)
-            for req in batch:
-                sched.ensure_decode_page(req)
-            logits = self.runner.decode(batch)
+            rows = self.runner.decode(batch)
             self.stats.decode_steps += 1
             for req in batch:
                 req.computed_len += 1
         else:
             return []
         now = time.perf_counter()
-        for req, row in zip(batch, logits, strict=True):
+        for req, row in zip(batch, rows, strict=True):
             self._append_token(req, row, now)
         return batch
 
@@ -212,14 +216,14 @@ class Engine:
         if req.logits is not None:
             req.logits.append(logits.detach().cpu().clone())
         tok = sample_token(logits, req.params, req.generator)
+        if req.logprobs is not None:
+            req.logprobs.append(token_logprob(logits, tok, req.params.logprobs))
         req.output_ids.append(tok)
         if req.first_token_time is None:
             req.first_token_time = now
         p = req.params
         reason = None
         if tok in self.model.eos_token_ids and not p.ignore_eos:
-        if req.logprobs is not None:
-            req.logprobs.append(token_logprob(logits, tok, req.params.logprobs))
             reason = "stop"
         text = self.model.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         for s in p.stop:
@@ -241,6 +245,8 @@ class Engine:
         self._by_rid.pop(req.rid, None)
         self.stats.requests_finished += 1
         self.stats.completion_tokens += len(req.output_ids)
+        self.stats.prompt_tokens += req.prompt_len
+        self.stats.cached_tokens += req.cached_len
         if req.on_update is not None:
             req.on_update(req)
 
@@ -281,6 +287,7 @@ class Engine:
             "vision_cache_hits": self.embedding_cache.hits,
             "vision_cache_misses": self.embedding_cache.misses,
             "tree_seconds": self.scheduler.tree_seconds,
+            "retractions": self.scheduler.retractions,
         }
 
 

@@ -78,14 +78,17 @@ class ModelRunner:
             out[im.key] = f
         return out
 
-    def _features(self, reqs: list[Request], starts: list[int]) -> dict[bytes, torch.Tensor]:
+    def _features(
+        self, reqs: list[Request], starts: list[int], ends: list[int]
+    ) -> dict[bytes, torch.Tensor]:
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, ImageInput] = {}
-        for req, start in zip(reqs, starts, strict=True):
+        for req, start, end in zip(reqs, starts, ends, strict=True):
             for span in req.spans:
-                if span.end <= start:
+                if span.end <= start or span.start >= end:
                     continue
-                req.images_needing_vision += 1
+                if start <= span.start or start == req.admit_len:
+                    req.images_needing_vision += 1  # once per admission, not per chunk
                 key = span.image.key
                 if key in found or key in missing:
                     continue
@@ -100,31 +103,39 @@ class ModelRunner:
         return found
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """Compute every uncached prompt token of ``reqs``.
+    def prefill(self, reqs: list[Request], extends: list[int]) -> torch.Tensor:
+        """Compute tokens ``[computed_len, computed_len + extend)`` of each request.
+
+        The tokens are the prompt followed by any output already produced (a
+        retracted request resumes that way); image positions take the image's
+        projected features, text positions their embeddings.
+
+        Args:
+            reqs: requests of the batch.
+            extends: new tokens per request (>= 1).
 
         Returns:
-            fp32 logits ``[B, vocab]`` of each request's last prompt token, with
+            fp32 logits ``[B, vocab]`` of each request's last new token, with
             never-sampled ids at ``-inf``.
         """
         starts = [r.computed_len for r in reqs]
-        feats = self._features(reqs, starts)
-        ids_all, rows, extend = [], [], []
-        for r, s in zip(reqs, starts, strict=True):
-            ids_all.extend(r.input_ids[s:])
-            extend.append(r.prompt_len - s)
+        ends = [s + e for s, e in zip(starts, extends, strict=True)]
+        feats = self._features(reqs, starts, ends)
+        ids_all, rows = [], []
+        for r, s, e in zip(reqs, starts, ends, strict=True):
+            ids_all.extend(r.all_ids()[s:e])
         ids = torch.tensor(ids_all, dtype=torch.int64, device=self.device)
         embeds = self.model.decoder.embed_tokens(ids.clamp(min=0))
         offset = 0
-        for r, s, e in zip(reqs, starts, extend, strict=True):
+        for r, s, e in zip(reqs, starts, ends, strict=True):
             for span in r.spans:
-                lo, hi = max(span.start, s), min(span.end, r.prompt_len)
+                lo, hi = max(span.start, s), min(span.end, e)
                 if lo < hi:
                     f = feats[span.image.key][lo - span.start : hi - span.start]
                     embeds[offset + lo - s : offset + hi - s] = f.to(embeds.dtype)
-            offset += e
+            offset += e - s
             rows.append(offset - 1)
-        return self._run([r.pages for r in reqs], starts, extend, embeds, rows)
+        return self._run([r.pages for r in reqs], starts, list(extends), embeds, rows)
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> torch.Tensor:

@@ -156,7 +156,8 @@ class Request:
     """One generation request as the scheduler tracks it.
 
     Token bookkeeping (all in tokens): ``cached_len`` came from the radix cache
-    at admission; ``computed_len`` have K/V in the pool; ``tree_len`` leading
+    at first admission (a retracted request is admitted again, ``admissions``
+    counts them); ``computed_len`` have K/V in the pool; ``tree_len`` leading
     positions are backed by tree-owned pages locked through ``last_node``.
     ``pages`` lists the request's page ids in order; ``reserved_pages`` are
     promised for future decode steps.
@@ -181,6 +182,9 @@ class Request:
         self.pages: list[int] = []
         self.reserved_pages = 0
         self.cached_len = 0
+        self.admissions = 0
+        self.admitted_at = 0.0
+        self.admit_len = 0
         self.computed_len = 0
         self.tree_len = 0
         self.last_node = None
@@ -190,11 +194,11 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.logits: list[torch.Tensor] | None = [] if params.return_logits else None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         self.abort_requested = False
 
     @property
-        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
     def prompt_len(self) -> int:
         """Prompt length in tokens."""
         return len(self.input_ids)
@@ -225,5 +229,5 @@ class Request:
             ttft=first - self.arrival,
             latency=end - self.arrival,
             logits=self.logits,
-        )
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        )
