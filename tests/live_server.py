@@ -1,0 +1,91 @@
+"""A real ``mmserve serve`` subprocess on a free 127.0.0.1 port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(
+    model_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> Iterator[str]:
+    """Run ``mmserve serve --model model_dir *args`` and yield its base URL once healthy."""
+    port = free_port()
+    log = tempfile.TemporaryFile()  # a pipe nobody reads would block a chatty server
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mmserve.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            *args,
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"server exited: {log.read().decode()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.time() > deadline:
+                    pytest.fail(f"server did not become healthy in {timeout} s")
+                time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
+    """GET ``url`` and parse its JSON body."""
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample's value from Prometheus text (``KeyError`` if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and (labels is None or s.labels == labels):
+                return s.value
+    raise KeyError(name)

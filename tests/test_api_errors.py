@@ -1,0 +1,343 @@
+"""Bad input gets a clear 4xx and leaves the server healthy; odd but valid images are answered.
+
+After every refusal the same app answers a normal request and the KV pool
+accounting holds (free + tree + running pages = pool size, DESIGN.md invariant 3).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image, ImageOps
+
+from api.app import ServerSettings, create_app
+from mmserve.vision.image import ImageLimits
+from tests.conftest import png_bytes
+
+MODEL = "llava-tiny"
+MAX_IMAGE_BYTES = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def client(make_engine):  # noqa: ANN001, ANN201
+    engine = make_engine(
+        max_total_tokens=8192,
+        max_images_per_request=2,
+        image_limits=ImageLimits(max_bytes=MAX_IMAGE_BYTES),
+    )
+    settings = ServerSettings(served_model_name=MODEL, max_request_bytes=4 * MAX_IMAGE_BYTES)
+    with TestClient(create_app(engine, settings)) as c:
+        c.engine = engine
+        yield c
+
+
+def chat(client, content, **kw):  # noqa: ANN001, ANN201
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 3,
+        "temperature": 0,
+        **kw,
+    }
+    return client.post("/v1/chat/completions", json=body)
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
+    return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
+
+
+def assert_healthy(client) -> None:  # noqa: ANN001
+    """A normal request is answered and the pool accounting holds at rest."""
+    r = chat(client, "Say hello.")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    stats = client.get("/v1/cache/stats").json()
+    assert stats["running_requests"] == 0 and stats["live_requests"] == 0
+    acc = stats["accounting"]
+    assert acc["ok"] and acc["running"] == 0, acc
+    assert acc["free"] + acc["tree"] == acc["total"] == stats["pool_pages"]
+
+
+def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  # noqa: ANN001
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` and that holds almost no data."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    body = struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+    idat = b"IDAT" + zlib.compress(b"\0" * 64)
+    body += struct.pack(">I", len(idat) - 4) + idat + struct.pack(">I", zlib.crc32(idat))
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def gif_header(width: int, height: int) -> bytes:
+    """A GIF whose logical screen and frame claim ``width`` x ``height``."""
+    return (
+        b"GIF89a"
+        + struct.pack("<HHBBB", width, height, 0, 0, 0)
+        + b","
+        + struct.pack("<HHHHB", 0, 0, width, height, 0)
+        + b"\x02\x02\x44\x01\x00;"
+    )
+
+
+def noise_png(width: int, height: int, seed: int = 0) -> bytes:
+    """Incompressible pixels: about 3 bytes per pixel as PNG."""
+    rng = np.random.default_rng(seed)
+    return png_bytes(Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)))
+
+
+# ---- broken or hostile uploads -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("empty.png", "empty"),
+        ("truncated.png", "truncated"),
+        ("not-an-image.jpg", "not a decodable image"),
+        ("bomb-header-50000.png", "refused before decoding"),
+    ],
+)
+def test_broken_case_files_are_refused(client, cases_dir, name, words) -> None:  # noqa: ANN001
+    r = upload(client, (cases_dir / name).read_bytes(), name)
+    err = assert_error(r, 400, words, "invalid_image")
+    assert err["param"] == "file"
+    assert_healthy(client)
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (png_header(50_000, 50_000), "refused before decoding"),
+        (png_header(10_000, 5_000), "10000x5000 pixels"),
+        (png_header(20_000, 100), "20000x100 pixels"),
+        (gif_header(65_535, 65_535), "refused before decoding"),
+        (gif_header(9_000, 9_000), "9000x9000 pixels"),
+        (png_header(1, 900), "aspect ratio"),
+        (png_header(3_000, 2), "aspect ratio"),
+    ],
+)
+def test_bomb_headers_refused_before_decoding(client, data, words) -> None:  # noqa: ANN001
+    t0 = time.perf_counter()
+    r = upload(client, data)
+    assert time.perf_counter() - t0 < 2.0  # nothing was decoded or resized
+    assert_error(r, 400, words, "invalid_image")
+    assert_healthy(client)
+
+
+def test_degenerate_aspect_case_file_is_refused_quickly(client, cases_dir) -> None:  # noqa: ANN001
+    t0 = time.perf_counter()
+    r = upload(client, (cases_dir / "one-pixel-high.png").read_bytes())
+    assert time.perf_counter() - t0 < 2.0
+    assert_error(r, 400, "900x1", "invalid_image")
+    assert_healthy(client)
+
+
+def test_image_over_the_byte_limit(client) -> None:  # noqa: ANN001
+    big = noise_png(620, 620)
+    assert MAX_IMAGE_BYTES < len(big) < 2 * MAX_IMAGE_BYTES
+    assert_error(upload(client, big), 400, f"limit is {MAX_IMAGE_BYTES} bytes", "invalid_image")
+    r = client.post("/v1/images", json={"data": base64.b64encode(big).decode()})
+    assert_error(r, 400, f"limit is {MAX_IMAGE_BYTES} bytes", "invalid_image")
+    r = chat(client, [image_part(data_url(big)), {"type": "text", "text": "hi"}])
+    assert_error(r, 400, f"limit is {MAX_IMAGE_BYTES} bytes", "invalid_image")
+    assert_healthy(client)
+
+
+def test_request_body_over_the_limit_is_413(client) -> None:  # noqa: ANN001
+    huge = b"\0" * (4 * MAX_IMAGE_BYTES + 1)
+    r = client.post("/v1/images", content=huge, headers={"content-type": "application/json"})
+    assert_error(r, 413, "request body is over", "too_large")
+
+    def chunks():  # noqa: ANN202 - no Content-Length: counted while reading
+        for _ in range(5):
+            yield b"\0" * MAX_IMAGE_BYTES
+
+    r = client.post("/v1/images", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(r, 413, "request body is over")
+    assert_healthy(client)
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, words",
+    [
+        ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "JSON"),
+        ({"json": {"data": "@@not base64@@"}}, 400, "base64"),
+        ({"json": {"image": "x"}}, 400, '{"data"'),
+        ({"files": {"photo": ("a.png", b"123")}}, 400, "named 'file'"),
+        ({"content": b"raw", "headers": {"content-type": "image/png"}}, 415, "multipart"),
+    ],
+)
+def test_malformed_uploads(client, kwargs, status, words) -> None:  # noqa: ANN001
+    assert_error(client.post("/v1/images", **kwargs), status, words)
+    assert_healthy(client)
+
+
+# ---- bad chat requests ----------------------------------------------------------------
+
+
+def test_too_many_images_refused_before_decoding(client, photos) -> None:  # noqa: ANN001
+    bad = "data:image/png;base64,@@@"  # would be a base64 error if it were decoded
+    r = chat(client, [image_part(bad)] * 3 + [{"type": "text", "text": "hi"}])
+    assert_error(r, 400, "3 images in one request; the limit is 2", "too_many_images")
+    good = upload(client, photos["cat.png"]).json()["id"]
+    msgs = [
+        {"role": "user", "content": [image_part(good), {"type": "text", "text": "a"}]},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": [image_part(good), image_part(good)]},
+    ]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs})
+    assert_error(r, 400, "the limit is 2", "too_many_images")
+    assert_healthy(client)
+
+
+@pytest.mark.parametrize(
+    "content, kw, status, words, param",
+    [
+        ([image_part("img-" + "0" * 32)], {}, 400, "unknown image id", None),
+        ([image_part("mmserve://images/img-" + "a" * 32)], {}, 400, "unknown image id", None),
+        ([image_part("data:image/png;base64,@@@not-base64")], {}, 400, "not valid base64", None),
+        ([image_part("data:image/png,plain")], {}, 400, "data:<mime>;base64", None),
+        ([image_part("https://example.com/a.png")], {}, 400, "--allow-remote-images", None),
+        ([image_part("file:///etc/passwd")], {}, 400, "--allowed-local-media-path", None),
+        ([image_part("/etc/hosts")], {}, 400, "POST /v1/images", None),
+        ([image_part("ftp://x/y.png")], {}, 400, "POST /v1/images", None),
+        ([{"type": "image_url"}], {}, 400, "without a url", None),
+        ("hello", {"max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+        ("hello", {"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        ("hello", {"max_tokens": 10**6}, 400, "context", "max_tokens"),
+        ("hello", {"max_tokens": 10**30}, 400, "context", "max_tokens"),
+        ("hello", {"max_completion_tokens": 8190}, 400, "context", "max_tokens"),
+        ("hello", {"temperature": -0.5}, 400, "temperature", "temperature"),
+        ("hello", {"temperature": 2.5}, 400, "temperature", "temperature"),
+        ("hello", {"top_p": 0}, 400, "top_p", "top_p"),
+        ("hello", {"top_k": -5}, 400, "top_k", "top_k"),
+        ("hello", {"stop": [""]}, 400, "stop", "stop"),
+        ("hello", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "top_logprobs"),
+        ("hello", {"top_logprobs": 2}, 400, "needs logprobs", "top_logprobs"),
+        ("hello", {"n": 0}, 400, "n", "n"),
+        ("hello", {"n": 1000}, 400, "limit is 16", "n"),
+        ("hello", {"seed": 2**64}, 400, "seed", "seed"),
+        ("hello", {"model": "gpt-4"}, 404, "does not exist", "model"),
+        ("what is <image> this", {}, 400, "placeholder", "messages"),
+        ("hello", {"messages": []}, 400, "messages", "messages"),
+        ("hello", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role", None),
+    ],
+)
+def test_bad_chat_requests(client, content, kw, status, words, param) -> None:  # noqa: ANN001
+    err = assert_error(chat(client, content, **kw), status, words)
+    if param is not None:
+        assert err["param"].startswith(param), err
+    assert_healthy(client)
+
+
+def test_image_outside_a_user_message(client, photos) -> None:  # noqa: ANN001
+    image_id = upload(client, photos["cat.png"]).json()["id"]
+    msgs = [{"role": "system", "content": [image_part(image_id)]}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs})
+    assert_error(r, 400, "only allowed in user messages")
+    assert_healthy(client)
+
+
+def test_malformed_json_and_wrong_types(client) -> None:  # noqa: ANN001
+    for body in (b"{not json", b"[1, 2", b"\xff\xfe", b"null", b"[]", b'"text"'):
+        r = client.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": "hello"})
+    assert_error(r, 400, "messages")
+    assert_healthy(client)
+
+
+def test_unknown_image_routes_are_404(client) -> None:  # noqa: ANN001
+    missing = "img-" + "1" * 32
+    assert_error(client.get(f"/v1/images/{missing}"), 404, "no image", "image_not_found")
+    assert_error(client.delete(f"/v1/images/{missing}"), 404, "no image", "image_not_found")
+    r = client.post(f"/v1/images/{missing}/ask", json={"questions": ["hi"]})
+    assert_error(r, 404, "no image", "image_not_found")
+    assert_error(client.get("/v1/nothing-here"), 404, "Not Found")
+    assert_healthy(client)
+
+
+# ---- odd but valid images -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, mode",
+    [
+        ("gray-224.jpg", "L"),
+        ("palette.png", "P"),
+        ("rgba-64.png", "RGBA"),
+        ("cmyk.jpg", "CMYK"),
+        ("gray16.png", "I;16"),
+        ("animated.gif", "P"),
+        ("one-by-one.png", "RGB"),
+    ],
+)
+def test_odd_modes_and_sizes_are_answered(client, cases_dir, name, mode) -> None:  # noqa: ANN001
+    info = upload(client, (cases_dir / name).read_bytes(), name).json()
+    assert info["mode"] == mode, info
+    r = chat(client, [image_part(info["id"]), {"type": "text", "text": "Describe."}])
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["prompt_tokens"] > 576
+    assert_healthy(client)
+
+
+def test_animated_gif_is_its_first_frame(client, cases_dir) -> None:  # noqa: ANN001
+    data = (cases_dir / "animated.gif").read_bytes()
+    frames = Image.open(io.BytesIO(data))
+    first = frames.copy()
+    frames.seek(1)
+    second = frames.copy()
+    a = upload(client, data, "animated.gif").json()
+    assert a["id"] == upload(client, png_bytes(first)).json()["id"]
+    assert a["id"] != upload(client, png_bytes(second)).json()["id"]
+
+
+def test_exif_orientation_is_applied_before_hashing(client, cases_dir) -> None:  # noqa: ANN001
+    data = (cases_dir / "exif-orientation-6.jpg").read_bytes()
+    info = upload(client, data).json()
+    assert (info["width"], info["height"]) == (16, 24)  # stored 24x16, rotated by EXIF
+    rotated = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    assert upload(client, png_bytes(rotated)).json()["id"] == info["id"]
+    unrotated = Image.open(io.BytesIO(data)).convert("RGB")
+    assert upload(client, png_bytes(unrotated)).json()["id"] != info["id"]
+
+
+def test_very_wide_panorama_is_answered(client) -> None:  # noqa: ANN001
+    pano = Image.new("RGB", (4000, 300))
+    pano.paste((200, 120, 40), (0, 0, 2000, 300))
+    data = png_bytes(pano)
+    assert len(data) < MAX_IMAGE_BYTES
+    r = chat(client, [image_part(data_url(data)), {"type": "text", "text": "Where?"}])
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 576
+    assert_healthy(client)
