@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
+from dataclasses import replace
 
 from fastapi.concurrency import run_in_threadpool
 
@@ -35,7 +35,7 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     try:
-        dataclasses.replace(params, max_tokens=params.max_tokens or 1).validate()
+        replace(params, max_tokens=params.max_tokens or 1).validate()
     except ValueError as e:
         msg = str(e)
         param = next((p for p in _PARAM_NAMES if msg.startswith(p)), None)
@@ -60,14 +60,18 @@ async def make_requests(
         APIError: 400 for a prompt the engine refuses (too long, bad placeholders, ...).
     """
     if not params.max_tokens:
-        first = await _make(engine, messages, images, dataclasses.replace(params, max_tokens=1))
+        try:
+            first = await _make(engine, messages, images, replace(params, max_tokens=1))
+        except APIError as e:  # the prompt alone does not fit
+            e.param = "messages"
+            raise
         room = min(engine.max_context, engine.pool.size_tokens) - first.prompt_len
-        params = dataclasses.replace(params, max_tokens=max(1, min(default_max_tokens, room)))
+        params = replace(params, max_tokens=max(1, min(default_max_tokens, room)))
     reqs = []
     for i in range(n):
         p = params
         if params.seed is not None and i:
-            p = dataclasses.replace(params, seed=(params.seed + i) % (1 << 64))
+            p = replace(params, seed=(params.seed + i) % (1 << 64))
         reqs.append(await _make(engine, messages, images, p))
     return reqs
 

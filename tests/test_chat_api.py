@@ -1,0 +1,180 @@
+"""Chat completions in the OpenAI shape: logprobs, n, seeds, stop strings, streaming chunks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import ServerSettings, create_app
+
+MODEL = "llava-tiny"
+
+
+@pytest.fixture(scope="module")
+def client(make_engine):  # noqa: ANN001, ANN201
+    engine = make_engine(max_total_tokens=8192)
+    with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
+        c.engine = engine
+        yield c
+
+
+def body(text: str = "Tell me a story.", **kw) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 6,
+        "temperature": 0,
+        **kw,
+    }
+
+
+def complete(client, **kw) -> dict:  # noqa: ANN001
+    r = client.post("/v1/chat/completions", json=body(**kw))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(client, **kw) -> list[dict]:  # noqa: ANN001
+    with client.stream("POST", "/v1/chat/completions", json=body(stream=True, **kw)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def streamed_text(chunks: list[dict], index: int = 0) -> str:
+    return "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in chunks
+        if c["choices"] and c["choices"][0]["index"] == index
+    )
+
+
+def test_logprobs_non_streamed(client) -> None:  # noqa: ANN001
+    out = complete(client, logprobs=True, top_logprobs=3)
+    choice = out["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] == 6
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        # greedy: the chosen token is the most likely one
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert sum(math.exp(t["logprob"]) for t in entry["top_logprobs"]) <= 1 + 1e-6
+    assert "".join(e["token"] for e in content) == choice["message"]["content"]
+    assert complete(client)["choices"][0]["logprobs"] is None
+    plain = complete(client, logprobs=True)["choices"][0]["logprobs"]["content"]
+    assert all(e["top_logprobs"] == [] for e in plain)
+
+
+def test_logprobs_streamed_equal_non_streamed(client) -> None:  # noqa: ANN001
+    ref = complete(client, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    chunks = stream(client, logprobs=True, top_logprobs=2)
+    got = [
+        e
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert got == ref
+
+
+def test_n_choices_and_seeds(client) -> None:  # noqa: ANN001
+    out = complete(client, n=3, temperature=1.0, seed=11)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    singles = [
+        complete(client, temperature=1.0, seed=s)["choices"][0]["message"]["content"]
+        for s in (11, 12, 13)
+    ]
+    assert [c["message"]["content"] for c in out["choices"]] == singles
+    assert out["usage"]["completion_tokens"] == 18
+    assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + 18
+    greedy = complete(client, n=2)
+    a, b = (c["message"]["content"] for c in greedy["choices"])
+    assert a == b
+
+
+def test_n_choices_streamed(client) -> None:  # noqa: ANN001
+    ref = complete(client, n=2, temperature=1.0, seed=5)
+    chunks = stream(client, n=2, temperature=1.0, seed=5, stream_options={"include_usage": True})
+    for i in range(2):
+        assert streamed_text(chunks, i) == ref["choices"][i]["message"]["content"]
+        finals = [
+            c
+            for c in chunks
+            if c["choices"] and c["choices"][0]["index"] == i and c["choices"][0]["finish_reason"]
+        ]
+        assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_stream_chunk_shape(client) -> None:  # noqa: ANN001
+    chunks = stream(client, stream_options={"include_usage": True})
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and next(iter(ids)).startswith("chatcmpl-")
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+    no_usage = stream(client)
+    assert all("usage" not in c for c in no_usage)
+    assert streamed_text(no_usage) == complete(client)["choices"][0]["message"]["content"]
+
+
+def test_stop_string_never_leaks_into_the_stream(client) -> None:  # noqa: ANN001
+    full = complete(client, max_tokens=12)["choices"][0]["message"]["content"]
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = complete(client, max_tokens=12, stop=[stop])["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["message"]["content"] == full[: full.find(stop)]
+    chunks = stream(client, max_tokens=12, stop=stop)
+    assert streamed_text(chunks) == cut["message"]["content"]
+    assert not any(stop in (c["choices"][0]["delta"].get("content") or "") for c in chunks[1:])
+
+
+def test_optional_model_developer_role_and_default_length(client) -> None:  # noqa: ANN001
+    msgs = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Again"},
+    ]
+    r = client.post(
+        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == MODEL
+
+
+def test_default_max_tokens_is_capped_by_what_is_left(make_engine) -> None:  # noqa: ANN001
+    engine = make_engine(max_total_tokens=1024)  # the pool, not the context, binds here
+    with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
+        long = "word " * 470  # about 940 tokens
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": long}], "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        assert 900 < u["prompt_tokens"] < 1000
+        assert u["prompt_tokens"] + u["completion_tokens"] <= 1024
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": long * 2}]},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "KV pool holds 1024 tokens" in r.json()["error"]["message"]
+
+
+def test_models_routes(client) -> None:  # noqa: ANN001
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [MODEL]
+    assert data[0]["max_model_len"] == client.engine.max_context
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert client.get("/v1/models/gpt-4").json()["error"]["code"] == "model_not_found"
