@@ -103,6 +103,8 @@ class Submission:
         finally:
             if waiting:
                 self.client._set_queued(self.client.queued - 1)
+            if self.results[index] is None:  # cancelled: the engine aborts it
+                self.client.metrics.requests.labels("abort").inc()
 
     async def updates(self) -> AsyncIterator[tuple[int, StreamUpdate]]:
         """Every update of every request, in arrival order, until all have finished.
