@@ -80,12 +80,16 @@ def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
         return json.loads(r.read())
 
 
-def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """One sample's value from Prometheus text (``KeyError`` if absent)."""
+def metric(
+    text: str, name: str, labels: dict[str, str] | None = None, default: float | None = None
+) -> float:
+    """One sample's value from Prometheus text (``default``, else ``KeyError``, if absent)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == name and (labels is None or s.labels == labels):
                 return s.value
+    if default is not None:
+        return default
     raise KeyError(name)
