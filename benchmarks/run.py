@@ -3,7 +3,7 @@
 Runs each workload (:mod:`benchmarks.workloads`) on (a) transformers one request
 at a time, (b) mmserve with the radix cache off and (c) mmserve with the cache on
 for each scheduling policy, then a KV-pool-size sweep, and writes
-``<out>/<workload>.json``, ``<out>/pool_sweep.json``, ``<out>/pool_sweep.png`` and
+``<out>/<workload>.json``, ``<out>/pool_sweep.json`` (by workload), ``<out>/pool_sweep.png`` and
 ``<out>/summary.md`` (default ``benchmarks/results/``).
 
 Scales: ``ci`` (seconds, for the test suite), ``quick`` (< 5 min on 2 cores with the
@@ -31,6 +31,8 @@ POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 #: The policy the targets and the pool sweep use.
 MAIN_POLICY = "lpm"
 WORKLOADS = ("many_questions", "multi_turn", "video_frames", "no_sharing")
+#: Workloads that get a KV-pool sweep.
+SWEEP_WORKLOADS = ("many_questions", "multi_turn")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 #: Workload sizes per scale. ``baseline_max``: transformers runs at most this many
@@ -51,10 +53,10 @@ SCALES: dict[str, dict[str, Any]] = {
         many_questions=dict(k=3, m=6),
         multi_turn=dict(c=3, t=3),
         video_frames=dict(f=8, q=2),
-        no_sharing=dict(n=4),
+        no_sharing=dict(n=6),
         max_tokens=8,
-        baseline_max=6,
-        repeats=2,
+        baseline_max=8,
+        repeats=3,
         sweep_points=4,
     ),
     "full": dict(
@@ -185,8 +187,8 @@ def pool_sweep(
         r = mm.run(wl, f"mmserve-{MAIN_POLICY}", radix_cache=True, max_total_tokens=pool)
         mism = sum(r.outputs[i] != uncached.outputs[i] for i in uncached.outputs)
         log(
-            f"  sweep pool {pool:6d}  {r.wall_s:7.2f} s  hit {r.hit_rate:.3f}  mismatches {mism}  "
-            f"leak_free {r.leak_free}"
+            f"  {wl.name:15s} sweep pool {pool:6d}  {r.wall_s:7.2f} s  hit {r.hit_rate:.3f}  "
+            f"mismatches {mism}  leak_free {r.leak_free}"
         )
         s = r.summary()
         s["output_mismatches"] = mism
@@ -213,7 +215,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
     ap.add_argument("--policies", default=",".join(POLICIES), help="cache-on policies")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared 2-core machine, OpenMP spinning against "
+        "other processes makes 2 threads up to 10x slower; 0 keeps torch's default)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     ap.add_argument("--no-sweep", action="store_true", help="skip the KV pool sweep")
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     _warm_up(mm, hf, log)
 
     results: dict[str, dict] = {}
-    sweep = None
+    sweeps: dict[str, dict] = {}
     for name in names:
         wl = build_workload(name, scale, args.seed)
         log(f"{name}: {wl.num_requests} requests in {len(wl.rounds)} round(s)")
@@ -276,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         res["skipped"] = skipped
         results[name] = res
         _write_json(out / f"{name}.json", res)
-        if name == "many_questions" and not args.no_sweep:
+        if name in SWEEP_WORKLOADS and not args.no_sweep and MAIN_POLICY in policies:
             off = next(r for r in runs if r.system == "mmserve-off")
-            sweep = pool_sweep(wl, mm, off, res["prompts"], scale["sweep_points"], log)
-            _write_json(out / "pool_sweep.json", sweep)
-            report.plot_sweep(out / "pool_sweep.png", sweep)
+            sweeps[name] = pool_sweep(wl, mm, off, res["prompts"], scale["sweep_points"], log)
+            _write_json(out / "pool_sweep.json", sweeps)
+            report.plot_sweep(out / "pool_sweep.png", sweeps)
 
-    targets = report.check_targets(results, sweep, MAIN_POLICY)
+    targets = report.check_targets(results, sweeps, MAIN_POLICY)
     meta = {
         "model": Path(model_dir).name,
         "model_dir": model_dir,
@@ -296,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     _write_json(out / "targets.json", {"meta": meta, "targets": targets})
-    text = report.write_summary(out / "summary.md", results, sweep, targets, meta)
+    text = report.write_summary(out / "summary.md", results, sweeps, targets, meta)
     print(text)
     log(f"done; results in {out}")
     return 0

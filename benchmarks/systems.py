@@ -7,7 +7,9 @@ Systems (all in one process, same prompts, greedy, ``max_tokens`` output tokens 
   without a serving engine. TTFT is measured with a streamer (the time its ``put``
   receives the first generated token). Optionally only a subsample of requests is
   run and the wall time is extrapolated (mean seconds per request x requests).
-- ``mmserve-off``: the engine with ``disable_radix_cache=True``.
+- ``mmserve-off``: the engine with ``disable_radix_cache=True`` and
+  ``vision_cache_size=0`` (no KV and no image features reused across requests; a
+  prefill step still encodes each of its distinct images once).
 - ``mmserve-<policy>``: the engine with the radix cache on and that scheduling policy.
 
 Times are seconds from ``time.perf_counter``. TTFT is counted from the moment a round
@@ -46,6 +48,10 @@ class SystemRun:
         requests: requests in the workload.
         measured_requests: requests actually run (fewer when the baseline is subsampled).
         wall_s: wall time for all requests (seconds; extrapolated if subsampled).
+        cpu_s: CPU time of this process over the same span (seconds, all threads;
+            extrapolated if subsampled). With one torch thread on an otherwise idle
+            machine it equals ``wall_s``; unlike wall time it is not inflated by
+            other processes competing for the cores.
         output_tokens: output tokens of all requests.
         prompt_tokens: prompt tokens of the measured requests.
         cached_tokens: prompt tokens served from the prefix cache.
@@ -70,6 +76,7 @@ class SystemRun:
     requests: int
     measured_requests: int
     wall_s: float
+    cpu_s: float
     output_tokens: int
     prompt_tokens: int
     cached_tokens: int
@@ -93,6 +100,11 @@ class SystemRun:
     def output_tokens_per_s(self) -> float:
         """Output tokens per second of wall time."""
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def requests_per_cpu_s(self) -> float:
+        """Requests per second of process CPU time."""
+        return self.requests / self.cpu_s if self.cpu_s > 0 else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -120,6 +132,8 @@ class SystemRun:
             "measured_requests": self.measured_requests,
             "wall_s": self.wall_s,
             "requests_per_s": self.requests_per_s,
+            "cpu_s": self.cpu_s,
+            "requests_per_cpu_s": self.requests_per_cpu_s,
             "output_tokens": self.output_tokens,
             "output_tokens_per_s": self.output_tokens_per_s,
             "ttft_p50_s": self.ttft_percentile(50),
@@ -204,6 +218,8 @@ class MMServeRunner:
     ) -> SystemRun:
         """Run every round of ``wl`` on a fresh engine and measure it."""
         kw: dict[str, Any] = {"disable_radix_cache": not radix_cache, "policy": policy}
+        if not radix_cache:
+            kw["vision_cache_size"] = 0  # "cache off" reuses nothing, image features included
         if max_total_tokens is not None:
             kw["max_total_tokens"] = max_total_tokens
         eng = self.engine(**kw)
@@ -211,7 +227,7 @@ class MMServeRunner:
         params = SamplingParams(max_tokens=wl.max_tokens, temperature=0.0, ignore_eos=True)
         outputs: dict[int, list[int]] = {}
         ttfts: list[float] = []
-        wall = 0.0
+        wall = cpu = 0.0
         prompt_tokens = cached = out_tokens = 0
         finished = True
         idx = 0
@@ -222,11 +238,13 @@ class MMServeRunner:
                 )
                 for p in rnd
             ]
+            c0 = time.process_time()
             t0 = time.perf_counter()
             for r in reqs:
                 r.arrival = t0  # the whole round is submitted at t0
             results = eng.generate(reqs)
             wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
             for res in results:
                 outputs[idx] = list(res.output_ids)
                 idx += 1
@@ -245,6 +263,7 @@ class MMServeRunner:
             requests=wl.num_requests,
             measured_requests=wl.num_requests,
             wall_s=wall,
+            cpu_s=cpu,
             output_tokens=out_tokens,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached,
@@ -355,12 +374,15 @@ class TransformersRunner:
         chosen = set(_spread(n, max_requests))
         outputs: dict[int, list[int]] = {}
         latency: dict[int, float] = {}
+        cpu: dict[int, float] = {}
         service: dict[int, float] = {}
         idx = 0
         for rnd in wl.rounds:
             for p in rnd:
                 if idx in chosen:
+                    c0 = time.process_time()
                     outputs[idx], service[idx], latency[idx] = self._one(wl, p, render, images)
+                    cpu[idx] = time.process_time() - c0
                 idx += 1
         mean = sum(latency.values()) / len(latency)
         # queueing: request i of a round waits for every request before it in the round
@@ -375,6 +397,7 @@ class TransformersRunner:
                 idx += 1
         subsampled = len(chosen) < n
         wall = sum(latency.values()) if not subsampled else mean * n
+        cpu_s = sum(cpu.values()) * (n / len(cpu))
         run = SystemRun(
             system="transformers",
             kind="transformers",
@@ -384,6 +407,7 @@ class TransformersRunner:
             requests=n,
             measured_requests=len(chosen),
             wall_s=wall,
+            cpu_s=cpu_s,
             output_tokens=n * wl.max_tokens,
             prompt_tokens=sum(prompt_lens[i] for i in chosen),
             cached_tokens=0,

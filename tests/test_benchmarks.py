@@ -95,13 +95,23 @@ def test_harness_end_to_end(tmp_path: Path, model_dir: Path) -> None:
                 assert cmp["mismatches_vs_off"] == 0, (name, label)
     mt = json.loads((out / "multi_turn.json").read_text())
     assert any(s["system"].endswith("-halfpool") for s in mt["systems"])
-    sweep = json.loads((out / "pool_sweep.json").read_text())
-    pools = [p["pool_tokens"] for p in sweep["points"]]
-    assert max(pools) == sweep["working_set_tokens"]
-    assert min(pools) == sweep["one_request_tokens"]
-    for p in sweep["points"]:
-        assert p["all_finished"] and p["leak_free"] and p["output_mismatches"] == 0
+    sweeps = json.loads((out / "pool_sweep.json").read_text())
+    assert set(sweeps) == {"many_questions", "multi_turn"}
+    for sweep in sweeps.values():
+        pools = [p["pool_tokens"] for p in sweep["points"]]
+        assert max(pools) == sweep["working_set_tokens"]
+        assert min(pools) == sweep["one_request_tokens"]
+        for p in sweep["points"]:
+            assert p["all_finished"] and p["leak_free"] and p["output_mismatches"] == 0
+            assert 0.0 <= p["cache_hit_rate"] <= sweep["optimal_hit_rate"] + 1e-9
+    try:
+        import matplotlib  # noqa: F401  (optional: the "bench" extra)
+    except ImportError:
+        pass
+    else:
+        assert (out / "pool_sweep.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
     assert "## Targets" in summary and "## many_questions" in summary
     targets = json.loads((out / "targets.json").read_text())["targets"]
-    assert len(targets) >= 7
+    assert len(targets) >= 10
+    assert all(t["met"] in (True, False) for t in targets)
