@@ -7,9 +7,19 @@ import torch
 from mmserve.engine.request import SamplingParams, TokenLogprob
 
 
+#: Temperatures below this sample greedily (as in vLLM): dividing logits by a smaller
+#: one overflows fp32 and would make the softmax NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether ``params`` pick the most likely token (temperature 0 or below 1e-5)."""
+    return params.temperature < GREEDY_TEMPERATURE
+
+
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
     """A seeded generator for sampled requests; None for greedy ones."""
-    if params.temperature == 0:
+    if is_greedy(params):
         return None
     g = torch.Generator(device=device)
     if params.seed is None:
@@ -35,7 +45,7 @@ def sample_token(
         The chosen token id. Top-k then top-p (Holtzman et al., "The Curious
         Case of Neural Text Degeneration", arXiv 1904.09751, Section 3.1).
     """
-    if params.temperature == 0:
+    if is_greedy(params):
         return int(torch.argmax(logits))
     scaled = logits / params.temperature
     if params.top_k > 0 and params.top_k < scaled.numel():
@@ -47,6 +57,7 @@ def sample_token(
         cum = torch.cumsum(sorted_p, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop = cum - sorted_p >= params.top_p
+        drop[0] = False  # a top_p below fp32's range would otherwise drop every token
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=generator))
