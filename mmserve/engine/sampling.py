@@ -6,7 +6,6 @@ import torch
 
 from mmserve.engine.request import SamplingParams, TokenLogprob
 
-
 #: Temperatures below this sample greedily (as in vLLM): dividing logits by a smaller
 #: one overflows fp32 and would make the softmax NaN.
 GREEDY_TEMPERATURE = 1e-5
