@@ -37,13 +37,23 @@ class MediaResolver:
     """Resolves image URLs against the store and the operator's permissions.
 
     Args:
-        store: uploaded images; data URLs and fetched images enter it too (not persisted).
+        store: uploaded images.
         limits: image limits (the byte limit bounds downloads and local files).
         settings: which remote and local sources are allowed.
+        transient_images: images from data URLs, remote URLs and files kept (memory only,
+            apart from the uploads so that they never evict an upload) so that a repeated
+            one skips decoding.
     """
 
-    def __init__(self, store: ImageStore, limits: ImageLimits, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        store: ImageStore,
+        limits: ImageLimits,
+        settings: ServerSettings,
+        transient_images: int = 64,
+    ) -> None:
         self.store = store
+        self.transient = ImageStore(store.prepare, max_images=transient_images)
         self.limits = limits
         self.settings = settings
         local = settings.allowed_local_media_path
@@ -59,7 +69,7 @@ class MediaResolver:
         url = url.strip()
         m = IMAGE_ID.match(url)
         if m:
-            image = self.store.get(m.group(1))
+            image = self.store.get(m.group(1)) or self.transient.get(m.group(1))
             if image is None:
                 raise APIError(
                     400,
@@ -91,16 +101,17 @@ class MediaResolver:
                 param=param,
                 code="unsupported_image_url",
             )
-        return await self.store_bytes(data, param, persist=False)
+        return await self.store_bytes(data, param, upload=False)
 
-    async def store_bytes(self, data: bytes, param: str, persist: bool = True) -> ImageInput:
-        """Decode, hash and store ``data``.
+    async def store_bytes(self, data: bytes, param: str, upload: bool = True) -> ImageInput:
+        """Decode, hash and keep ``data``: in the upload store, else in the transient cache.
 
         Raises:
             APIError: 400 ``invalid_image`` naming the problem.
         """
+        store = self.store if upload else self.transient
         try:
-            return await run_in_threadpool(self.store.put, data, persist)
+            return await run_in_threadpool(store.put, data)
         except ImageError as e:
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_image") from None
 

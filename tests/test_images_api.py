@@ -190,3 +190,23 @@ def test_ask_limits(client, photos) -> None:  # noqa: ANN001
     assert r.status_code == 400 and "placeholder" in r.json()["error"]["message"]
     r = client.post(url, json={"questions": ["Hi"], "system": "Be brief.", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["answers"][0]["usage"]["completion_tokens"] == 2
+
+
+def test_data_urls_never_evict_uploads(engine, photos) -> None:  # noqa: ANN001
+    settings = ServerSettings(served_model_name=MODEL, max_stored_images=1)
+    with TestClient(create_app(engine, settings)) as c:
+        kept = upload(c, photos["cat.png"])
+        for i in range(3):
+            url = "data:image/png;base64," + base64.b64encode(png_bytes(solid((i, 9, 9)))).decode()
+            content = [{"type": "image_url", "image_url": {"url": url}}]
+            r = c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "max_tokens": 1,
+                    "messages": [{"role": "user", "content": content}],
+                },
+            )
+            assert r.status_code == 200, r.text
+        assert [d["id"] for d in c.get("/v1/images").json()["data"]] == [kept["id"]]
+        assert c.get(f"/v1/images/{kept['id']}").status_code == 200
