@@ -94,9 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--disable-radix-cache", action="store_true", help="never reuse KV across requests"
     )
-    s.add_argument(
-        "--policy", choices=list(POLICIES), default=d.policy, help="waiting-queue order"
-    )
+    s.add_argument("--policy", choices=list(POLICIES), default=d.policy, help="waiting-queue order")
     s.add_argument(
         "--decode-reserve-ratio",
         type=float,

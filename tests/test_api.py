@@ -156,7 +156,7 @@ def test_models_and_health(client) -> None:  # noqa: ANN001
 def test_engine_failure_answers_500_not_a_hang(make_engine) -> None:  # noqa: ANN001
     engine = make_engine(max_total_tokens=4096)
 
-    def boom(reqs):  # noqa: ANN001, ANN202
+    def boom(*args):  # noqa: ANN002, ANN202
         raise RuntimeError("injected")
 
     engine.runner.prefill = boom
