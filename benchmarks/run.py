@@ -53,12 +53,12 @@ SCALES: dict[str, dict[str, Any]] = {
     "quick": dict(
         many_questions=dict(k=3, m=6),
         multi_turn=dict(c=3, t=3),
-        video_frames=dict(f=8, q=2),
+        video_frames=dict(f=6, q=2),
         no_sharing=dict(n=4),
         max_tokens=8,
-        baseline_max=8,
-        repeats=6,
-        sweep_points=4,
+        baseline_max=6,
+        repeats=4,
+        sweep_points=3,
     ),
     "full": dict(
         many_questions=dict(k=4, m=10),
@@ -191,15 +191,22 @@ def pool_sweep(
     prompts: dict,
     points: int,
     log: Any,
+    done: dict[int, SystemRun] | None = None,
 ) -> dict:
-    """Hit rate and throughput of ``MAIN_POLICY`` from "fits everything" to "fits one"."""
+    """Hit rate and throughput of ``MAIN_POLICY`` from "fits everything" to "fits one".
+
+    Pool sizes (tokens) are ``points`` geometrically spaced values from the working set
+    down to one request, plus the pool sizes of ``done`` (runs already made with
+    ``MAIN_POLICY`` at those pool sizes, reused instead of run again).
+    """
     hi, lo = prompts["working_set_tokens"], prompts["one_request_tokens"]
-    sizes = sorted(
-        {round(hi * (lo / hi) ** (i / max(points - 1, 1))) for i in range(points)}, reverse=True
-    )
+    done = done or {}
+    sizes = {round(hi * (lo / hi) ** (i / max(points - 1, 1))) for i in range(points)}
     out = []
-    for pool in sizes:
-        r = mm.run(wl, f"mmserve-{MAIN_POLICY}", radix_cache=True, max_total_tokens=pool)
+    for pool in sorted(sizes | set(done), reverse=True):
+        r = done.get(pool) or mm.run(
+            wl, f"mmserve-{MAIN_POLICY}", radix_cache=True, max_total_tokens=pool
+        )
         mism = sum(r.outputs[i] != uncached.outputs[i] for i in uncached.outputs)
         log(
             f"  {wl.name:15s} sweep pool {pool:6d}  {r.wall_s:7.2f} s  hit {r.hit_rate:.3f}  "
@@ -301,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         _write_json(out / f"{name}.json", res)
         if name in SWEEP_WORKLOADS and not args.no_sweep and MAIN_POLICY in policies:
             off = next(r for r in runs if r.system == "mmserve-off")
-            sweeps[name] = pool_sweep(wl, mm, off, res["prompts"], scale["sweep_points"], log)
+            half = {r.pool_tokens: r for r in runs if r.system.endswith("-halfpool")}
+            sweeps[name] = pool_sweep(
+                wl, mm, off, res["prompts"], scale["sweep_points"], log, done=half
+            )
             _write_json(out / "pool_sweep.json", sweeps)
             report.plot_sweep(out / "pool_sweep.png", sweeps)
 
