@@ -327,24 +327,26 @@ def plot_sweep(path: Path, sweeps: dict[str, dict]) -> bool:
     except ImportError:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, sweep in sweeps.items():
+    for k, (name, sweep) in enumerate(sweeps.items()):
+        color = f"C{k}"
         pts = sorted(sweep["points"], key=lambda p: p["pool_tokens"])
         ws = sweep["working_set_tokens"]
         x = [p["pool_tokens"] / ws for p in pts]
         opt = sweep["optimal_hit_rate"]
-        ax1.plot(x, [p["cache_hit_rate"] / opt for p in pts], "o-", label=name)
-        ax2.plot(x, [p["requests_per_s"] for p in pts], "o-", label=f"{name} (wall)")
-        ax2.plot(x, [p["requests_per_cpu_s"] for p in pts], "s--", alpha=0.6, label=f"{name} (CPU)")
-        ax1.axvline(sweep["one_request_tokens"] / ws, ls=":", c="gray")
+        ax1.plot(x, [p["cache_hit_rate"] / opt for p in pts], "o-", c=color, label=name)
+        ax2.plot(x, [p["requests_per_s"] for p in pts], "o-", c=color, label=f"{name} (wall)")
+        cpu = [p["requests_per_cpu_s"] for p in pts]
+        ax2.plot(x, cpu, "s--", c=color, alpha=0.5, label=f"{name} (CPU time)")
+        ax1.axvline(sweep["one_request_tokens"] / ws, ls=":", c=color)
     ax1.axhline(1.0, ls="--", c="gray")
-    ax1.set_xlabel("KV pool / working set (dotted: one request)")
+    ax1.set_xlabel("KV pool / working set (dotted: one request fits)")
     ax1.set_ylabel("hit rate / offline optimum")
     ax1.set_ylim(0, 1.05)
     ax1.legend()
     ax2.set_xlabel("KV pool / working set")
     ax2.set_ylabel("requests / s")
     ax2.set_ylim(bottom=0)
-    ax2.legend(fontsize="small")
+    ax2.legend(fontsize="small", loc="lower right")
     policy = next(iter(sweeps.values()))["policy"] if sweeps else ""
     fig.suptitle(f"hit rate and throughput vs KV pool size (policy {policy})")
     fig.tight_layout()
