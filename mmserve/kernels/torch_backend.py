@@ -43,8 +43,9 @@ class TorchAttentionBackend:
             slots = (pages[:, None] * P + offsets[None, :]).reshape(-1)[:seq]
             self._slots.append(slots)
             q_len = meta.extend_lens[i]
-            if q_len == 1:
-                self._masks.append(None)  # one query sees the whole sequence
+            if q_len == 1 or q_len == seq:
+                # one query sees everything; no prefix means plain causal (is_causal)
+                self._masks.append(None)
             else:
                 rows = torch.arange(q_len, device=slots.device)[:, None] + (seq - q_len)
                 cols = torch.arange(seq, device=slots.device)[None, :]
@@ -93,13 +94,16 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         qo = meta.qo_indptr.tolist()
         for i, slots in enumerate(self._slots):
-            qi = q[qo[i] : qo[i + 1]].transpose(0, 1)  # [Hq, q_len, D]
-            ki = k_flat[slots].transpose(0, 1).to(q.dtype)  # [Hkv, seq, D]
-            vi = v_flat[slots].transpose(0, 1).to(q.dtype)
+            # 4-D inputs: with 3-D ones CPU SDPA falls back to a ~3x slower generic path
+            qi = q[qo[i] : qo[i + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+            ki = k_flat[slots].transpose(0, 1).to(q.dtype)[None]  # [1, Hkv, seq, D]
+            vi = v_flat[slots].transpose(0, 1).to(q.dtype)[None]
+            mask = self._masks[i]
+            causal = mask is None and qi.shape[2] > 1
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=self._masks[i], enable_gqa=True
+                qi, ki, vi, attn_mask=mask, is_causal=causal, enable_gqa=True
             )
-            out[qo[i] : qo[i + 1]] = oi.transpose(0, 1)
+            out[qo[i] : qo[i + 1]] = oi[0].transpose(0, 1)
         return out
 
     def _decode_batched(
