@@ -1,4 +1,4 @@
-"""FastAPI app: image uploads, OpenAI-compatible chat completions and metrics over one engine.
+"""FastAPI app: image and video uploads, OpenAI-compatible chat completions, metrics.
 
 ``mmserve serve`` hands uvicorn the factory :func:`app_from_env` by its import
 string; tests build the app around an existing :class:`~mmserve.engine.engine.Engine`
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from api import routes_cache, routes_chat, routes_images
+from api import routes_cache, routes_chat, routes_images, routes_videos
 from api.auth import APIKeyMiddleware
 from api.body_limit import BodyLimitMiddleware
 from api.errors import APIError, install_error_handlers
@@ -26,6 +26,7 @@ from api.metrics import Metrics
 from api.settings import ServerSettings
 from api.state import ServerState
 from api.submit import EngineClient
+from api.video_store import VideoStore
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
@@ -62,6 +63,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         metrics=metrics,
         settings=settings,
         model_name=model_name,
+        videos=VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
     )
 
     @asynccontextmanager
@@ -86,6 +88,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     app.include_router(routes_chat.router)
     app.include_router(routes_images.router)
+    app.include_router(routes_videos.router)
     app.include_router(routes_cache.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     key = settings.resolved_api_key()

@@ -8,12 +8,15 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from api import routes_videos
 from api.errors import APIError
 from api.generation import make_requests, sampling_params
 from api.openai_format import TokenText, chat_completion, chat_stream
 from api.schemas import ChatCompletionRequest, ChatMessage
 from api.state import ServerState, State
 from api.submit import ClientDisconnected
+from mmserve.engine.request import ImageInput
+from mmserve.vision.video import FrameSelection
 
 router = APIRouter()
 
@@ -52,7 +55,13 @@ async def chat_completions(
         raise APIError(400, f"n is {n}; the limit is {st.settings.max_n}", param="n")
     params = sampling_params(body)
     messages, urls = _split_images(body.messages, st.engine.config.max_images_per_request)
-    images = [await st.media.resolve(url, param) for url, param in urls]
+    images = []
+    for url, param, sel in urls:
+        if sel is None:
+            images.append(await st.media.resolve(url, param))
+        else:  # a video: its sampled frames, each an image
+            images.append(await routes_videos.resolve_video(st, url, sel, param))
+    messages, images = _expand_videos(messages, images, st.engine.config.max_images_per_request)
     reqs = await make_requests(
         st.engine, messages, images, params, n, st.settings.default_max_tokens
     )
@@ -86,8 +95,9 @@ async def chat_completions(
 
 def _split_images(
     messages: list[ChatMessage], max_images: int
-) -> tuple[list[dict], list[tuple[str, str]]]:
-    """Engine messages with image parts, and each image's ``(url, param)`` in order.
+) -> tuple[list[dict], list[tuple[str, str, FrameSelection | None]]]:
+    """Engine messages with image and video parts, and each one's ``(url, param, frames)``
+    in order (``frames`` is None for an image).
 
     Raises:
         APIError: 400 for more images than ``max_images`` (before any is decoded), an
@@ -105,18 +115,23 @@ def _split_images(
             if p.type == "text":
                 parts.append({"type": "text", "text": p.text or ""})
                 continue
-            iu = p.image_url
-            url = iu if isinstance(iu, str) else iu.url if iu is not None else ""
+            src = p.image_url if p.type == "image_url" else p.video_url
+            url = src if isinstance(src, str) else src.url if src is not None else ""
             if not url:
-                raise APIError(400, f"{param}: image_url part without a url", param=param)
+                raise APIError(400, f"{param}: {p.type} part without a url", param=param)
             if m.role != "user":
                 raise APIError(
-                    400, f"{param}: images are only allowed in user messages", param=param
+                    400, f"{param}: media are only allowed in user messages", param=param
                 )
-            urls.append((url, f"{param}.image_url"))
-            parts.append({"type": "image"})
+            if p.type == "video_url":  # frame fields on the video_url object or on the part
+                fields = src if not isinstance(src, str) and src.model_fields_set - {"url"} else p
+                urls.append((url, f"{param}.video_url", routes_videos.selection(fields)))
+                parts.append({"type": "video"})
+            else:
+                urls.append((url, f"{param}.image_url", None))
+                parts.append({"type": "image"})
         out.append({"role": role, "content": parts})
-    if len(urls) > max_images:
+    if sum(sel is None for _, _, sel in urls) > max_images:
         raise APIError(
             400,
             f"{len(urls)} images in one request; the limit is {max_images}",
@@ -124,3 +139,41 @@ def _split_images(
             code="too_many_images",
         )
     return out, urls
+
+
+def _expand_videos(
+    messages: list[dict], media: list, max_images: int
+) -> tuple[list[dict], list[ImageInput]]:
+    """Replace each video part by its frames (``Frame at 1.5s: <image>``, in order).
+
+    Raises:
+        APIError: 400 when the frames and images together exceed ``max_images``.
+    """
+    images: list[ImageInput] = []
+    it = iter(media)
+    out = []
+    for m in messages:
+        if isinstance(m["content"], str):
+            out.append(m)
+            continue
+        parts = []
+        for p in m["content"]:
+            if p["type"] == "image":
+                images.append(next(it))
+                parts.append(p)
+            elif p["type"] == "video":
+                frames = next(it)
+                images += [fr.image for fr in frames]
+                parts += routes_videos.frame_parts(frames)
+            else:
+                parts.append(p)
+        out.append({**m, "content": parts})
+    if len(images) > max_images:
+        raise APIError(
+            400,
+            f"{len(images)} images (video frames count one each) in one request; the limit "
+            f"is {max_images}: ask for fewer frames (num_frames)",
+            param="messages",
+            code="too_many_images",
+        )
+    return out, images

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.datastructures import UploadFile
 
 from api.errors import APIError
 from api.generation import make_requests, sampling_params
@@ -19,30 +15,11 @@ from api.openai_format import usage
 from api.schemas import AskRequest
 from api.state import ServerState, State
 from api.submit import ClientDisconnected
+from api.uploads import read_upload, upload_body
 
 router = APIRouter()
 
-_UPLOAD_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "properties": {"file": {"type": "string", "format": "binary"}},
-                    "required": ["file"],
-                }
-            },
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {"data": {"type": "string", "description": "base64 bytes"}},
-                    "required": ["data"],
-                }
-            },
-        },
-    }
-}
+_UPLOAD_BODY = upload_body("image")
 
 
 @router.post("/v1/images", openapi_extra=_UPLOAD_BODY)
@@ -52,32 +29,7 @@ async def upload_image(request: Request, st: State) -> dict:
     Identical pixels give the same id, whatever the file name or container, and a
     second upload of them changes nothing (idempotent).
     """
-    ctype = request.headers.get("content-type", "")
-    if ctype.startswith("multipart/form-data"):
-        try:
-            form = await request.form()
-        except ValueError as e:  # starlette's MultiPartException, bad boundaries, ...
-            raise APIError(400, f"malformed multipart body: {e}", param="file") from None
-        file = form.get("file")
-        if not isinstance(file, UploadFile):
-            raise APIError(400, "multipart upload needs a file field named 'file'", param="file")
-        data = await file.read(st.engine.config.image_limits.max_bytes + 1)
-        param = "file"
-    elif ctype.startswith("application/json"):
-        try:
-            body = json.loads(await request.body())
-            data = base64.b64decode(body["data"], validate=True)
-        except (ValueError, KeyError, TypeError, binascii.Error):
-            raise APIError(
-                400, 'JSON upload must be {"data": "<base64 image bytes>"}', param="data"
-            ) from None
-        param = "data"
-    else:
-        raise APIError(
-            415,
-            'send multipart/form-data (field \'file\') or application/json ({"data": "<base64>"})',
-            code="unsupported_media_type",
-        )
+    data, param = await read_upload(request, st.engine.config.image_limits.max_bytes)
     image = await st.media.store_bytes(data, param)
     # (under heavy churn a tiny store may already have evicted it again)
     entry = st.store.info(image.id) or StoredImage(image, 0, len(data), time.time())

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible and image routes (fields beyond these are ignored)."""
+"""Request bodies of the OpenAI-compatible, image and video routes (extra fields are ignored)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,28 @@ class ImageURL(BaseModel):
     detail: str | None = None
 
 
-class ContentPart(BaseModel):
-    """One part of a message's content: text or an image."""
+class FrameFields(BaseModel):
+    """Which frames of a video: one of ``num_frames``, ``fps`` or ``timestamps``."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "image_url"]
+    num_frames: int | None = Field(default=None, ge=1, description="frames spread uniformly")
+    fps: float | None = Field(default=None, gt=0, description="frames per second of video")
+    timestamps: list[float] | None = Field(default=None, description="times in seconds")
+
+
+class VideoURL(FrameFields):
+    """``video_url`` part: an uploaded video id (``vid-...``) or a ``data:video/...`` URL."""
+
+    url: str
+
+
+class ContentPart(FrameFields):
+    """One part of a message's content: text, an image or a video (expanded into frames)."""
+
+    type: Literal["text", "image_url", "video_url"]
     text: str | None = None
     image_url: ImageURL | str | None = None
+    video_url: VideoURL | str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -70,6 +85,20 @@ class AskRequest(SamplingFields):
 
     questions: list[str] = Field(min_length=1)
     system: str | None = Field(default=None, description="an optional system message")
+
+
+class VideoQARequest(SamplingFields, FrameFields):
+    """``POST /v1/videos/{video_id}/qa`` body: questions about frames of one video."""
+
+    questions: list[str] = Field(min_length=1)
+    mode: Literal["per_frame", "clip"] = Field(
+        default="per_frame",
+        description="per_frame: every question about every frame; clip: about all frames",
+    )
+    system: str | None = Field(default=None, description="an optional system message")
+    stream_format: Literal["ndjson", "sse"] | None = Field(
+        default=None, description="default: sse if Accept asks for text/event-stream, else ndjson"
+    )
 
 
 class ImageUploadJSON(BaseModel):

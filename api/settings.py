@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mmserve.vision.video import VideoLimits
+
 #: Environment variable read for the API key when ``--api-key`` is not given.
 API_KEY_ENV = "MMSERVE_API_KEY"
 
@@ -32,6 +34,11 @@ class ServerSettings:
         max_n: most choices (``n``) in one chat completion.
         default_max_tokens: ``max_tokens`` when the client gives none (tokens; capped at
             what the context leaves).
+        max_video_bytes: largest encoded video upload or data URL (bytes).
+        max_video_frames: most frames sampled from a video for one request.
+        max_video_side: largest video frame width or height (pixels).
+        max_stored_videos: most videos the upload store keeps (LRU beyond it).
+        max_stored_video_bytes: most encoded video bytes the upload store keeps (bytes).
     """
 
     served_model_name: str | None = None
@@ -48,6 +55,18 @@ class ServerSettings:
     max_questions: int = 32
     max_n: int = 16
     default_max_tokens: int = 256
+    max_video_bytes: int = 64 << 20
+    max_video_frames: int = 64
+    max_video_side: int = 3840
+    max_stored_videos: int = 32
+    max_stored_video_bytes: int = 512 << 20
+
+    def video_limits(self) -> VideoLimits:
+        """The video bounds these settings give."""
+        side = self.max_video_side
+        return VideoLimits(
+            self.max_video_bytes, self.max_video_frames, side, min(side * side, 3840 * 2160)
+        )
 
     def resolved_api_key(self) -> str | None:
         """The key to require: ``api_key``, else ``$MMSERVE_API_KEY``; None when neither is set."""
@@ -64,6 +83,11 @@ class ServerSettings:
             "max_questions",
             "max_n",
             "default_max_tokens",
+            "max_video_bytes",
+            "max_video_frames",
+            "max_video_side",
+            "max_stored_videos",
+            "max_stored_video_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -13,6 +13,7 @@ from api.media import MediaResolver
 from api.metrics import Metrics
 from api.settings import ServerSettings
 from api.submit import EngineClient
+from api.video_store import VideoStore
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
 
@@ -30,6 +31,7 @@ class ServerState:
         metrics: Prometheus collectors.
         settings: HTTP-level settings.
         model_name: the served model's name.
+        videos: uploaded videos.
     """
 
     engine: Engine
@@ -40,6 +42,7 @@ class ServerState:
     metrics: Metrics
     settings: ServerSettings
     model_name: str
+    videos: VideoStore = field(default_factory=VideoStore)
 
     def check_model(self, name: str | None) -> None:
         """Accept ``None`` (the served model) or the served model's name.

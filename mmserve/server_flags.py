@@ -45,6 +45,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="upload store: decoded pixel bytes",
     )
     p.add_argument(
+        "--max-video-bytes", type=int, default=64 << 20, help="largest encoded video (bytes)"
+    )
+    p.add_argument(
+        "--max-video-frames", type=int, default=64, help="most frames sampled per request"
+    )
+    p.add_argument(
+        "--max-video-side", type=int, default=3840, help="largest video frame side (pixels)"
+    )
+    p.add_argument("--max-stored-videos", type=int, default=32, help="upload store: videos")
+    p.add_argument(
         "--image-store-dir",
         default=None,
         help="keep uploaded images in this directory, across restarts",
@@ -75,4 +85,8 @@ def apply_server_args(args: argparse.Namespace, settings: dict) -> None:
         "image_store_dir": args.image_store_dir,
         "allow_remote_images": args.allow_remote_images,
         "allowed_local_media_path": args.allowed_local_media_path,
+        "max_video_bytes": args.max_video_bytes,
+        "max_video_frames": args.max_video_frames,
+        "max_video_side": args.max_video_side,
+        "max_stored_videos": args.max_stored_videos,
     }

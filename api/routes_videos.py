@@ -1,0 +1,342 @@
+"""``/v1/videos``: upload, list, get, delete, and question answering over sampled frames.
+
+Every sampled frame is an image with its own content key, so a frame repeated
+in a static scene, in two overlapping clips or in another upload of the same
+footage runs the vision tower once and shares its KV through the radix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from api.errors import APIError, error_body
+from api.generation import make_requests, sampling_params
+from api.media import decode_data_url
+from api.schemas import FrameFields, VideoQARequest
+from api.state import ServerState, State
+from api.uploads import read_upload, upload_body
+from api.video_store import Frame, StoredVideo, open_video, sample_frames
+from mmserve.engine.request import Request as EngineRequest
+from mmserve.vision.video import FrameSelection, VideoError
+
+router = APIRouter()
+
+VIDEO_HINT = (
+    "upload the video with POST /v1/videos (multipart field 'file') and pass its id "
+    "(vid-...) as the url, or send a data:video/...;base64,... URL"
+)
+
+
+@router.post("/v1/videos", openapi_extra=upload_body("video"))
+async def upload_video(request: Request, st: State) -> dict:
+    """Upload a video: multipart field ``file``, or JSON ``{"data": "<base64>"}``.
+
+    The file is probed (frame count, fps, duration, size) and refused with a 4xx
+    that names the problem if it is not a decodable video within the limits.
+    """
+    limits = st.settings.video_limits()
+    data, param = await read_upload(request, limits.max_bytes, "video")
+    if len(data) > limits.max_bytes:
+        raise APIError(
+            413,
+            f"video is over {limits.max_bytes} bytes (the server's --max-video-bytes)",
+            param=param,
+            code="video_too_large",
+        )
+    try:
+        video = await run_in_threadpool(open_video, st.engine, data, limits)
+    except VideoError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_video") from None
+    return _info(st.videos.put(data, video.info))
+
+
+@router.get("/v1/videos")
+async def list_videos(st: State) -> dict:
+    """Stored videos, most recently used first."""
+    return {"object": "list", "data": [_info(e) for e in st.videos.list()]}
+
+
+@router.get("/v1/videos/{video_id}")
+async def get_video(video_id: str, st: State) -> dict:
+    """Metadata of a stored video; 404 if unknown, deleted or evicted."""
+    return _info(_entry(st, video_id))
+
+
+@router.delete("/v1/videos/{video_id}")
+async def delete_video(video_id: str, st: State) -> dict:
+    """Remove a video from the store; 404 if unknown."""
+    if not st.videos.delete(video_id):
+        _entry(st, video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+
+@router.post("/v1/videos/{video_id}/qa", response_model=None)
+async def video_qa(
+    video_id: str, body: VideoQARequest, request: Request, st: State
+) -> StreamingResponse:
+    """Answer questions about frames of a stored video, streaming answers as they finish.
+
+    ``per_frame`` asks every question about every selected frame (one prompt each:
+    system + frame + question); ``clip`` puts the selected frames in one prompt, in
+    order with their timestamps, and asks each question about the whole clip.
+    Newline-delimited JSON (or server-sent events): a ``frames`` event, one
+    ``answer`` event per answer (with progress), then a ``summary``.
+    """
+    st.check_model(body.model)
+    entry = _entry(st, video_id)
+    if len(body.questions) > st.settings.max_questions:
+        raise APIError(
+            400,
+            f"{len(body.questions)} questions; the limit is {st.settings.max_questions}",
+            param="questions",
+        )
+    params = sampling_params(body)
+    frames = await expand_video(st, entry.data, selection(body), "video")
+    system = [{"role": "system", "content": body.system}] if body.system else []
+    default_tokens = st.settings.default_max_tokens
+    jobs: list[tuple[int | None, int]] = []  # (position of the frame or None for clip, question)
+    reqs: list[EngineRequest] = []
+    if body.mode == "per_frame":
+        for k, fr in enumerate(frames):
+            for qi, q in enumerate(body.questions):
+                msgs = [*system, _user([{"type": "image"}, {"type": "text", "text": q}])]
+                reqs += await make_requests(st.engine, msgs, [fr.image], params, 1, default_tokens)
+                jobs.append((k, qi))
+    else:
+        _check_clip_count(st, len(frames))
+        images = [fr.image for fr in frames]
+        for qi, q in enumerate(body.questions):
+            msgs = [*system, _user([*frame_parts(frames), {"type": "text", "text": q}])]
+            try:
+                reqs += await make_requests(st.engine, msgs, images, params, 1, default_tokens)
+            except APIError as e:
+                raise await _clip_too_long(st, frames, system, q, params, e) from None
+            jobs.append((None, qi))
+    sub = st.client.submit(reqs)
+    sse = body.stream_format == "sse" or (
+        body.stream_format is None and "text/event-stream" in request.headers.get("accept", "")
+    )
+    head = {
+        "id": f"videoqa-{uuid.uuid4().hex}",
+        "video_id": video_id,
+        "mode": body.mode,
+        "model": st.model_name,
+    }
+    events = _events(st, sub, frames, body.questions, jobs, head)
+    if sse:
+        return StreamingResponse(
+            (f"data: {json.dumps(e)}\n\n" async for e in events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return StreamingResponse(
+        (json.dumps(e) + "\n" async for e in events), media_type="application/x-ndjson"
+    )
+
+
+async def _events(
+    st: ServerState,
+    sub,  # noqa: ANN001 - api.submit.Submission
+    frames: list[Frame],
+    questions: list[str],
+    jobs: list[tuple[int | None, int]],
+    head: dict,
+) -> AsyncIterator[dict]:
+    t0 = time.perf_counter()
+    total = len(jobs)
+    yield {
+        **head,
+        "type": "frames",
+        "frames": [_frame_info(k, fr) for k, fr in enumerate(frames)],
+        "num_answers": total,
+    }
+    done = 0
+    results = []
+    async for i, upd in sub.updates():
+        res = upd.result
+        if res is None:
+            continue
+        if st.client.engine_failed(res):
+            yield {"type": "error", **error_body(st.client.failure().message, "server_error")}
+            sub.cancel()
+            return
+        done += 1
+        results.append(res)
+        k, qi = jobs[i]
+        ev = {"type": "answer", "completed": done, "total": total}
+        if k is not None:
+            ev |= {"frame": k, "frame_index": frames[k].index, "timestamp": frames[k].timestamp}
+        ev |= {
+            "question_index": qi,
+            "question": questions[qi],
+            "text": res.text,
+            "finish_reason": res.finish_reason,
+            "prompt_tokens": res.prompt_tokens,
+            "cached_tokens": res.cached_tokens,
+            "completion_tokens": res.completion_tokens,
+        }
+        yield ev
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    yield {
+        **head,
+        "type": "summary",
+        "frames": len(frames),
+        "distinct_frames": len({fr.image.key for fr in frames}),
+        "questions": len(questions),
+        "answers": len(results),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "completion_tokens": sum(r.completion_tokens for r in results),
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "vision_tower_runs": sum(r.vision_tower_runs for r in results),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def selection(fields: FrameFields) -> FrameSelection:
+    """The frame selection named by request fields."""
+    ts = tuple(fields.timestamps) if fields.timestamps is not None else None
+    return FrameSelection(fields.num_frames, fields.fps, ts)
+
+
+async def expand_video(
+    st: ServerState, data: bytes, sel: FrameSelection, param: str
+) -> list[Frame]:
+    """Decode and hash the selected frames of an encoded video.
+
+    Raises:
+        APIError: 400 ``invalid_video`` naming the problem (bad file or selection).
+    """
+
+    def work() -> list[Frame]:
+        video = open_video(st.engine, data, st.settings.video_limits())
+        return sample_frames(st.engine, video, sel)
+
+    try:
+        return await run_in_threadpool(work)
+    except VideoError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_video") from None
+
+
+async def resolve_video(st: ServerState, url: str, sel: FrameSelection, param: str) -> list[Frame]:
+    """The frames of a ``video_url``: an uploaded ``vid-...`` id or a base64 data URL.
+
+    Raises:
+        APIError: 400 for an unknown id, another kind of url, or a bad video.
+    """
+    url = url.strip()
+    vid = url.removeprefix("mmserve://videos/")
+    if vid.startswith("vid-"):
+        entry = st.videos.get(vid)
+        if entry is None:
+            raise APIError(
+                400,
+                f"{param}: unknown video id {vid!r} (never uploaded, deleted or evicted); "
+                "upload it with POST /v1/videos",
+                param=param,
+                code="video_not_found",
+            )
+        return await expand_video(st, entry.data, sel, param)
+    if url.split(":", 1)[0].lower() != "data":
+        raise APIError(
+            400, f"{param}: unsupported video url; {VIDEO_HINT}", param=param, code="invalid_video"
+        )
+    data = decode_data_url(url, param)
+    return await expand_video(st, data, sel, param)
+
+
+def frame_parts(frames: list[Frame]) -> list[dict]:
+    """Content parts of a clip: ``Frame at 1.5s: <image>`` per frame, in order."""
+    parts: list[dict] = []
+    for fr in frames:
+        parts += [{"type": "text", "text": f"Frame at {fr.timestamp:.1f}s: "}, {"type": "image"}]
+    return parts
+
+
+def _check_clip_count(st: ServerState, n: int) -> None:
+    most = st.engine.config.max_images_per_request
+    if n > most:
+        raise APIError(
+            400,
+            f"a clip of {n} frames is over the limit of {most} images per prompt; "
+            f"select at most {most} frames (num_frames={most}) or use mode=per_frame",
+            param="num_frames",
+            code="clip_too_long",
+        )
+
+
+async def _clip_too_long(st, frames, system, question, params, err) -> APIError:  # noqa: ANN001
+    """The 400 for a clip that does not fit: how many frames would."""
+    lens = []
+    for k in (1, 2):
+        msgs = [*system, _user([*frame_parts(frames[:k]), {"type": "text", "text": question}])]
+        imgs = [fr.image for fr in frames[:k]]
+        try:
+            p = params if params.max_tokens else _one_token(params)
+            r = await run_in_threadpool(
+                st.engine.make_request, messages=msgs, images=imgs, params=p
+            )
+        except Exception:  # noqa: BLE001 - even one frame does not fit
+            return APIError(400, f"clip does not fit: {err.message}", param="num_frames")
+        lens.append(r.prompt_len)
+    per = max(1, lens[1] - lens[0]) if len(frames) > 1 else lens[0]
+    room = min(st.engine.max_context, st.engine.pool.size_tokens) - max(params.max_tokens, 1)
+    fit = max(0, (room - (lens[0] - per)) // per)
+    return APIError(
+        400,
+        f"a clip of {len(frames)} frames does not fit the model's context "
+        f"({st.engine.max_context} tokens, {per} tokens per frame): at most {fit} frames "
+        f"would; ask for num_frames={fit} or use mode=per_frame ({err.message})",
+        param="num_frames",
+        code="clip_too_long",
+    )
+
+
+def _one_token(params):  # noqa: ANN001, ANN202
+    from dataclasses import replace
+
+    return replace(params, max_tokens=1)
+
+
+def _user(content: list[dict]) -> dict:
+    return {"role": "user", "content": content}
+
+
+def _frame_info(k: int, fr: Frame) -> dict:
+    return {"frame": k, "frame_index": fr.index, "timestamp": fr.timestamp, "image_id": fr.image.id}
+
+
+def _entry(st: ServerState, video_id: str) -> StoredVideo:
+    entry = st.videos.get(video_id)
+    if entry is None:
+        raise APIError(
+            404,
+            f"no video with id {video_id!r} (never uploaded, deleted or evicted)",
+            "not_found_error",
+            "video_id",
+            code="video_not_found",
+        )
+    return entry
+
+
+def _info(entry: StoredVideo) -> dict:
+    i = entry.info
+    return {
+        "id": entry.id,
+        "object": "video",
+        "created_at": int(entry.created),
+        "duration": i.duration,
+        "fps": i.fps,
+        "num_frames": i.num_frames,
+        "width": i.width,
+        "height": i.height,
+        "bytes": len(entry.data),
+    }

@@ -1,0 +1,135 @@
+"""Bounded store of uploaded videos, and expanding a video into hashed frame images.
+
+A video is kept as its encoded bytes plus what a probe found (frame count, fps,
+duration, size); its id is xxh3-128 of the bytes (``vid-...``), so uploading
+the same file twice changes nothing. Frames are decoded per request and each
+becomes an :class:`~mmserve.engine.request.ImageInput` exactly like an uploaded
+photo: its key comes from its pixels, so equal frames share one key whatever
+video (or image upload) they came from.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xxhash
+
+from mmserve.engine.engine import Engine
+from mmserve.engine.request import ImageInput
+from mmserve.vision.hashing import image_key
+from mmserve.vision.video import FrameSelection, Video, VideoInfo, VideoLimits
+
+
+@dataclass
+class StoredVideo:
+    """One uploaded video: ``id``, encoded ``data``, probe ``info``, ``created`` (Unix s)."""
+
+    id: str
+    data: bytes
+    info: VideoInfo
+    created: float
+
+
+@dataclass
+class Frame:
+    """A sampled frame: its index in the video, its time (seconds) and its hashed image."""
+
+    index: int
+    timestamp: float
+    image: ImageInput
+
+
+def video_id(data: bytes) -> str:
+    """The id of an encoded video: ``vid-`` + xxh3-128 of its bytes."""
+    return "vid-" + xxhash.xxh3_128_hexdigest(data)
+
+
+def open_video(engine: Engine, data: bytes, limits: VideoLimits) -> Video:
+    """Open and probe ``data`` against the video and the engine's image limits.
+
+    Raises:
+        VideoError: naming the problem.
+    """
+    return Video(data, limits, engine.config.image_limits, engine.shortest_edge)
+
+
+def sample_frames(engine: Engine, video: Video, selection: FrameSelection) -> list[Frame]:
+    """Decode the selected frames and hash each as an image (equal pixels: one key).
+
+    Raises:
+        VideoError: a bad selection or a stream that fails part-way.
+    """
+    indices = video.indices(selection)
+    images = video.frames(indices)
+    keys: dict[int, ImageInput] = {}
+    out = []
+    for i, im in zip(indices, images, strict=True):
+        if i not in keys:
+            keys[i] = ImageInput(image_key(im, engine.fingerprint), im)
+        out.append(Frame(i, video.info.frame_times[i], keys[i]))
+    return out
+
+
+class VideoStore:
+    """LRU store of encoded videos bounded by count and bytes (memory only).
+
+    Args:
+        max_videos: most videos kept.
+        max_bytes: most encoded bytes kept.
+    """
+
+    def __init__(self, max_videos: int = 32, max_bytes: int = 512 << 20) -> None:
+        self.max_videos = max_videos
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, StoredVideo] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, data: bytes, info: VideoInfo) -> StoredVideo:
+        """Keep a probed video (idempotent for equal bytes) and return its entry."""
+        vid = video_id(data)
+        with self._lock:
+            entry = self._entries.get(vid)
+            if entry is None:
+                entry = StoredVideo(vid, data, info, time.time())
+                self._entries[vid] = entry
+                self._bytes += len(data)
+            self._entries.move_to_end(vid)
+            while len(self._entries) > 1 and (
+                len(self._entries) > self.max_videos or self._bytes > self.max_bytes
+            ):
+                _, gone = self._entries.popitem(last=False)
+                self._bytes -= len(gone.data)
+        return entry
+
+    def get(self, vid: str) -> StoredVideo | None:
+        """The entry (marked recently used), or None."""
+        with self._lock:
+            entry = self._entries.get(vid)
+            if entry is not None:
+                self._entries.move_to_end(vid)
+            return entry
+
+    def delete(self, vid: str) -> bool:
+        """Remove a video; returns whether it was stored."""
+        with self._lock:
+            entry = self._entries.pop(vid, None)
+            if entry is not None:
+                self._bytes -= len(entry.data)
+            return entry is not None
+
+    def list(self) -> list[StoredVideo]:
+        """Every entry, most recently used first."""
+        with self._lock:
+            return list(reversed(self._entries.values()))
+
+    @property
+    def total_bytes(self) -> int:
+        """Encoded bytes held."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
