@@ -13,7 +13,7 @@ from mmserve.vision.video import (
     VideoLimits,
     sample_frame_indices,
 )
-from tests.videos import encode_mp4, rgb_frames
+from tests.videos import encode_mp4, frameless, rgb_frames
 
 pytest.importorskip("decord")
 
@@ -121,6 +121,10 @@ def test_bad_videos(clip12: bytes) -> None:
     for data, msg in cases.items():
         with pytest.raises(VideoError, match=msg):
             Video(data, LIMITS)
+    with pytest.raises(VideoError, match="no video stream"):
+        Video(frameless("mp4"), LIMITS)
+    with pytest.raises(VideoError, match="without video frames"):
+        Video(frameless("matroska"), LIMITS)
     with pytest.raises(VideoError, match="limit is 100 bytes"):
         Video(clip12, VideoLimits(max_bytes=100))
     with pytest.raises(VideoError, match="64x48 pixels; limits are 32 per side"):

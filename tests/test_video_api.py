@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from api.app import ServerSettings, create_app
 from mmserve.vision.video import Video, VideoLimits
 from tests.conftest import png_bytes
-from tests.videos import encode_mp4, rgb_frames
+from tests.videos import encode_mp4, frameless, rgb_frames
 
 pytest.importorskip("decord")
 
@@ -204,6 +204,8 @@ def test_bad_videos_get_4xx_and_the_server_stays_healthy(
     err(upload(client, clip12[: len(clip12) // 3]), 400, "not a decodable video")
     err(upload(client, b"not a video at all"), 400, "not a decodable video")
     err(upload(client, b""), 400, "empty")
+    err(upload(client, frameless("matroska")), 400, "without video frames")  # zero frames
+    err(upload(client, frameless("mp4")), 400, "no video stream")
     err(upload(client, b"\x00" * 300_000), 413, "over 200000 bytes")
     big = encode_mp4(rgb_frames(2, w=704, h=64))
     err(upload(client, big), 400, "704x64 pixels; limits are 640 per side")

@@ -47,3 +47,20 @@ def encode_mp4(
         for p in s.encode():
             c.mux(p)
     return buf.getvalue()
+
+
+def frameless(fmt: str) -> bytes:
+    """A container with an empty H.264 stream and a short audio stream (zero video frames)."""
+    av = pytest.importorskip("av")
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        a = c.add_stream("aac", rate=8000)
+        fr = av.AudioFrame.from_ndarray(
+            np.zeros((1, 1024), dtype=np.float32), format="fltp", layout="mono"
+        )
+        fr.sample_rate = 8000
+        for p in [*a.encode(fr), *a.encode(), *s.encode()]:
+            c.mux(p)
+    return buf.getvalue()

@@ -204,8 +204,11 @@ class Video:
             vr = decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=1)
             n = len(vr)
         except Exception as e:  # DECORDError (a RuntimeError) for anything it cannot open
+            if "cannot find video stream" in str(e):
+                raise VideoError("file has no video stream (audio only, or not a video)") from None
             raise VideoError(
-                f"data is not a decodable video (corrupt, truncated or not a video): {_short(e)}"
+                "data is not a decodable video (corrupt, truncated, without video frames, "
+                f"or not a video): {_short(e)}"
             ) from None
         if n < 1:
             raise VideoError("video has no frames")
