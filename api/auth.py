@@ -21,7 +21,7 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -29,7 +29,9 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(got, self.expected):
+        scheme, _, token = got.strip().partition(b" ")
+        # the scheme name is case-insensitive (RFC 9110, Section 11.1)
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.expected):
             await self.app(scope, receive, send)
             return
         msg = (

@@ -69,7 +69,8 @@ class MediaResolver:
         url = url.strip()
         m = IMAGE_ID.match(url)
         if m:
-            image = self.store.get(m.group(1)) or self.transient.get(m.group(1))
+            # only uploads are addressable by id: a data-URL image's id is not an upload
+            image = self.store.get(m.group(1))
             if image is None:
                 raise APIError(
                     400,

@@ -210,3 +210,21 @@ def test_data_urls_never_evict_uploads(engine, photos) -> None:  # noqa: ANN001
             assert r.status_code == 200, r.text
         assert [d["id"] for d in c.get("/v1/images").json()["data"]] == [kept["id"]]
         assert c.get(f"/v1/images/{kept['id']}").status_code == 200
+
+
+def test_deleted_id_is_unknown_in_chat_even_after_a_data_url(engine, photos) -> None:  # noqa: ANN001
+    with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
+        data = photos["cat.png"]
+        url = "data:image/png;base64," + base64.b64encode(data).decode()
+        image_id = upload(c, data)["id"]
+        for ref in (url, image_id):
+            content = [{"type": "image_url", "image_url": {"url": ref}}]
+            body = {
+                "model": MODEL,
+                "max_tokens": 1,
+                "messages": [{"role": "user", "content": content}],
+            }
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+        assert c.delete(f"/v1/images/{image_id}").status_code == 200
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "image_not_found"

@@ -93,6 +93,10 @@ def test_api_key_from_the_environment(make_engine, monkeypatch) -> None:  # noqa
         assert c.get("/v1/models").status_code == 401
         r = c.get("/v1/models", headers={"Authorization": "Bearer env-key"})
         assert r.status_code == 200
+        r = c.get("/v1/models", headers={"Authorization": "bearer env-key"})
+        assert r.status_code == 200  # the scheme name is case-insensitive
+        for bad in ("Bearer env-keyx", "Basic env-key", "env-key", "Bearer"):
+            assert c.get("/v1/models", headers={"Authorization": bad}).status_code == 401
     # an explicit empty key turns the check off even with the variable set
     with TestClient(create_app(engine, ServerSettings(api_key=""))) as c:
         assert c.get("/v1/models").status_code == 200

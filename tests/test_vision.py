@@ -165,3 +165,14 @@ def test_text_ids_and_image_ids_are_disjoint(eng, photos) -> None:  # noqa: ANN0
     text = req.input_ids[: span.start] + req.input_ids[span.end :]
     assert all(0 <= t < eng.model.decoder.shape.vocab_size for t in text)
     assert all(t < 0 for t in req.input_ids[span.start : span.end])
+
+
+def test_unpaired_surrogate_is_a_request_error(eng) -> None:  # noqa: ANN001
+    with pytest.raises(RequestError, match="not valid Unicode"):
+        eng.make_request(messages=[{"role": "user", "content": "bad \ud800 text"}])
+
+
+def test_huge_text_is_refused_before_tokenizing(eng) -> None:  # noqa: ANN001
+    text = "ab " * (eng.prompts.max_chars // 3 + 1)
+    with pytest.raises(RequestError, match="more than the model's context"):
+        eng.make_request(messages=[{"role": "user", "content": text}])

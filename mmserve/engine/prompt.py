@@ -35,6 +35,11 @@ class PromptBuilder:
         self.num_image_tokens = model.num_image_tokens
         self.max_images = max_images
         self.pseudo_ids = PseudoIdCache()
+        self.max_context = model.decoder.shape.max_position_embeddings
+        # No token spells more characters than the longest vocabulary entry, so a text
+        # longer than context * that is too long without tokenizing it (which for
+        # megabytes of text costs seconds and gigabytes).
+        self.max_chars = self.max_context * max(len(t) for t in self.tokenizer.get_vocab())
 
     def render_chat(self, messages: Sequence[dict]) -> str:
         """Render messages with the checkpoint's chat template and a generation prompt.
@@ -75,13 +80,25 @@ class PromptBuilder:
             pseudo-token ids, and where each image sits.
 
         Raises:
-            PromptError: placeholder count differs from the number of images, or too
-                many images.
+            PromptError: placeholder count differs from the number of images, too
+                many images, text that is not valid Unicode (an unpaired surrogate) or
+                far longer than the context.
         """
         if len(images) > self.max_images:
             raise PromptError(
                 f"{len(images)} images in one request; the limit is {self.max_images}"
             )
+        if len(text) > self.max_chars:
+            raise PromptError(
+                f"prompt text is {len(text)} characters, more than the model's context of "
+                f"{self.max_context} tokens can hold"
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PromptError(
+                f"prompt text is not valid Unicode: {e.reason} at {e.start}"
+            ) from None
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
         slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(slots) != len(images):

@@ -96,8 +96,8 @@ class TorchAttentionBackend:
         for i, slots in enumerate(self._slots):
             # 4-D inputs: with 3-D ones CPU SDPA falls back to a ~3x slower generic path
             qi = q[qo[i] : qo[i + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-            ki = k_flat[slots].transpose(0, 1).to(q.dtype)[None]  # [1, Hkv, seq, D]
-            vi = v_flat[slots].transpose(0, 1).to(q.dtype)[None]
+            ki = _gather(k_flat, slots).transpose(0, 1).to(q.dtype)[None]  # [1, Hkv, seq, D]
+            vi = _gather(v_flat, slots).transpose(0, 1).to(q.dtype)[None]
             mask = self._masks[i]
             causal = mask is None and qi.shape[2] > 1
             oi = F.scaled_dot_product_attention(
@@ -111,10 +111,21 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         # One padded gather for the whole decode batch instead of B small calls.
         idx = self._decode_index
-        kb = k_flat[idx].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
-        vb = v_flat[idx].permute(0, 2, 1, 3).to(q.dtype)
+        kb = _gather(k_flat, idx).permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
+        vb = _gather(v_flat, idx).permute(0, 2, 1, 3).to(q.dtype)
         qb = q[:, :, None, :]  # [B, Hq, 1, D]
         ob = F.scaled_dot_product_attention(
             qb, kb, vb, attn_mask=self._decode_mask, enable_gqa=True
         )
         return ob[:, :, 0, :]
+
+
+def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` (any shape) of a ``[S, Hkv, D]`` slot view -> ``[*slots.shape, Hkv, D]``.
+
+    ``index_select`` over 2-D rows is 5-10x faster on CPU than advanced indexing
+    of the 3-D view, and gathering K/V is most of the decode step's attention time.
+    """
+    rows = flat.view(flat.shape[0], -1)
+    out = torch.index_select(rows, 0, slots.reshape(-1))
+    return out.view(*slots.shape, *flat.shape[1:])
