@@ -104,6 +104,12 @@ def check_targets(
     c = _system(mt, f"{on}-halfpool") if mt else None
     if c:
         opt = mt["prompts"]["optimal_hit_rate"]
+        others = [
+            f"{s['system'].removeprefix('mmserve-').removesuffix('-halfpool')} "
+            f"{s['cache_hit_rate'] / opt:.3f}"
+            for s in mt["systems"]
+            if s["system"].endswith("-halfpool") and s["system"] != c["system"] and opt
+        ]
         out.append(
             _target(
                 f"multi_turn (pool = half the working set): {main_policy} hit / optimum",
@@ -111,7 +117,9 @@ def check_targets(
                 ">=",
                 HIT_OF_OPTIMUM_HALF_POOL,
                 f"{c['cache_hit_rate']:.4f} vs optimum {opt:.4f}, pool {c['pool_tokens']} of "
-                f"working set {mt['prompts']['working_set_tokens']} tokens",
+                f"working set {mt['prompts']['working_set_tokens']} tokens; arrival "
+                f"{mt.get('arrival', 'rounds')}"
+                + (f"; other policies' hit/opt: {', '.join(others)}" if others else ""),
             )
         )
     ns = results.get("no_sharing")
@@ -259,7 +267,8 @@ def write_summary(
         "(b) = `mmserve-off` (radix cache and vision-embedding cache disabled); "
         "`mmserve-<policy>` = cache on",
         "- every system: same prompts, greedy, `max_tokens` output tokens (ignore_eos / "
-        "min_new_tokens). TTFT counted from the round's submission (includes queueing); "
+        "min_new_tokens). TTFT counted from the request's submission (includes queueing): "
+        "a round's for one-round workloads, each turn's for closed-loop multi_turn; "
         "transformers TTFT measured with a generate() streamer.",
         "- `*` = subsampled system (see notes); `hit/opt` = hit rate / offline optimum "
         "(SGLang Theorem 3.1: 1 - trie tokens / prompt tokens); mismatch = requests whose "
@@ -301,7 +310,8 @@ def write_summary(
     for sweep in sweeps.values():
         lines += [
             "",
-            f"## KV pool sweep ({sweep['workload']}, policy {sweep['policy']})",
+            f"## KV pool sweep ({sweep['workload']}, policy {sweep['policy']}, "
+            f"arrival {sweep.get('arrival', 'rounds')})",
             "",
             f"Working set {sweep['working_set_tokens']} tokens (trie tokens + all outputs); "
             f"one request needs {sweep['one_request_tokens']} tokens; offline optimum "

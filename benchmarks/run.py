@@ -52,7 +52,7 @@ SCALES: dict[str, dict[str, Any]] = {
     ),
     "quick": dict(
         many_questions=dict(k=3, m=6),
-        multi_turn=dict(c=3, t=3),
+        multi_turn=dict(c=4, t=4),
         video_frames=dict(f=6, q=2),
         no_sharing=dict(n=4),
         max_tokens=8,
@@ -62,7 +62,7 @@ SCALES: dict[str, dict[str, Any]] = {
     ),
     "full": dict(
         many_questions=dict(k=4, m=10),
-        multi_turn=dict(c=4, t=5),
+        multi_turn=dict(c=8, t=5),
         video_frames=dict(f=16, q=4),
         no_sharing=dict(n=12),
         max_tokens=16,
@@ -112,8 +112,14 @@ def run_workload(
     policies: list[str],
     scale: dict,
     log: Any,
+    closed_loop: bool | None = None,
 ) -> tuple[dict, list[SystemRun]]:
-    """Run every system on ``wl``; returns the JSON dict and the raw runs."""
+    """Run every system on ``wl``; returns the JSON dict and the raw runs.
+
+    ``closed_loop`` is passed to :meth:`MMServeRunner.run` (None: closed loop for
+    workloads with sessions). multi_turn also runs every policy with the KV pool at
+    half the working set (``mmserve-<policy>-halfpool``).
+    """
     ids = mm.prompt_ids(wl)
     prompts = workloads.optimal_hit_rate(ids)
     prompts["requests"] = wl.num_requests
@@ -143,7 +149,9 @@ def run_workload(
     for rep in range(repeats):  # (b) and (c, main policy) back to back, order alternating
         got = {}
         for label, radix in pairs if rep % 2 == 0 else pairs[::-1]:
-            r = got[label] = done(mm.run(wl, label, radix_cache=radix, policy=MAIN_POLICY))
+            r = got[label] = done(
+                mm.run(wl, label, radix_cache=radix, policy=MAIN_POLICY, closed_loop=closed_loop)
+            )
             if label not in best or r.wall_s < best[label].wall_s:
                 best[label] = r  # fastest kept
         if on_label in got:
@@ -154,16 +162,26 @@ def run_workload(
     for p in policies:
         label = f"mmserve-{p}"
         if label not in best:
-            best[label] = done(mm.run(wl, label, radix_cache=True, policy=p))
+            best[label] = done(
+                mm.run(wl, label, radix_cache=True, policy=p, closed_loop=closed_loop)
+            )
         runs.append(best[label])
-    if wl.name == "multi_turn" and MAIN_POLICY in policies:
+    if wl.name == "multi_turn":
         pool = max(prompts["working_set_tokens"] // 2, prompts["one_request_tokens"])
-        r = mm.run(wl, f"mmserve-{MAIN_POLICY}-halfpool", radix_cache=True, max_total_tokens=pool)
-        r.notes.append(
-            f"KV pool {pool} tokens = half the working set "
-            f"({prompts['working_set_tokens']} tokens: trie tokens + all outputs)"
-        )
-        runs.append(done(r))
+        for p in policies:
+            r = mm.run(
+                wl,
+                f"mmserve-{p}-halfpool",
+                radix_cache=True,
+                policy=p,
+                max_total_tokens=pool,
+                closed_loop=closed_loop,
+            )
+            r.notes.append(
+                f"KV pool {pool} tokens = half the working set "
+                f"({prompts['working_set_tokens']} tokens: trie tokens + all outputs)"
+            )
+            runs.append(done(r))
     res = {
         "workload": wl.name,
         "description": wl.description,
@@ -192,20 +210,28 @@ def pool_sweep(
     points: int,
     log: Any,
     done: dict[int, SystemRun] | None = None,
+    closed_loop: bool | None = None,
 ) -> dict:
     """Hit rate and throughput of ``MAIN_POLICY`` from "fits everything" to "fits one".
 
     Pool sizes (tokens) are ``points`` geometrically spaced values from the working set
     down to one request, plus the pool sizes of ``done`` (runs already made with
-    ``MAIN_POLICY`` at those pool sizes, reused instead of run again).
+    ``MAIN_POLICY`` at those pool sizes, reused instead of run again; an interior
+    point within 5 % of one of them is dropped).
     """
     hi, lo = prompts["working_set_tokens"], prompts["one_request_tokens"]
     done = done or {}
     sizes = {round(hi * (lo / hi) ** (i / max(points - 1, 1))) for i in range(points)}
+    # an interior point within 5 % of a pool already run is that run (saves a run)
+    sizes = {x for x in sizes if x in (hi, lo) or all(abs(x - d) > 0.05 * x for d in done)}
     out = []
     for pool in sorted(sizes | set(done), reverse=True):
         r = done.get(pool) or mm.run(
-            wl, f"mmserve-{MAIN_POLICY}", radix_cache=True, max_total_tokens=pool
+            wl,
+            f"mmserve-{MAIN_POLICY}",
+            radix_cache=True,
+            max_total_tokens=pool,
+            closed_loop=closed_loop,
         )
         mism = sum(r.outputs[i] != uncached.outputs[i] for i in uncached.outputs)
         log(
@@ -247,6 +273,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     ap.add_argument("--no-sweep", action="store_true", help="skip the KV pool sweep")
+    ap.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="multi_turn on mmserve in lock-step rounds (turn t of every session at once) "
+        "instead of closed-loop sessions",
+    )
     ap.add_argument(
         "--baseline-max",
         type=int,
@@ -302,16 +334,27 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         wl = build_workload(name, scale, args.seed)
         log(f"{name}: {wl.num_requests} requests in {len(wl.rounds)} round(s)")
-        res, runs = run_workload(wl, mm, hf, policies, scale, log)
+        closed = False if args.lockstep else None
+        res, runs = run_workload(wl, mm, hf, policies, scale, log, closed)
+        res["arrival"] = "closed-loop" if wl.sessions and not args.lockstep else "rounds"
         res["skipped"] = skipped
         results[name] = res
         _write_json(out / f"{name}.json", res)
         if name in SWEEP_WORKLOADS and not args.no_sweep and MAIN_POLICY in policies:
             off = next(r for r in runs if r.system == "mmserve-off")
-            half = {r.pool_tokens: r for r in runs if r.system.endswith("-halfpool")}
+            half_label = f"mmserve-{MAIN_POLICY}-halfpool"
+            half = {r.pool_tokens: r for r in runs if r.system == half_label}
             sweeps[name] = pool_sweep(
-                wl, mm, off, res["prompts"], scale["sweep_points"], log, done=half
+                wl,
+                mm,
+                off,
+                res["prompts"],
+                scale["sweep_points"],
+                log,
+                done=half,
+                closed_loop=closed,
             )
+            sweeps[name]["arrival"] = res["arrival"]
             _write_json(out / "pool_sweep.json", sweeps)
             report.plot_sweep(out / "pool_sweep.png", sweeps)
 

@@ -12,11 +12,16 @@ Systems (all in one process, same prompts, greedy, ``max_tokens`` output tokens 
   prefill step still encodes each of its distinct images once).
 - ``mmserve-<policy>``: the engine with the radix cache on and that scheduling policy.
 
-Times are seconds from ``time.perf_counter``. TTFT is counted from the moment a round
+Times are seconds from ``time.perf_counter``. TTFT is counted from the moment a request
 is submitted, so it includes queueing (for the one-at-a-time baseline, the time spent
-on the requests before it in the round). Image decoding and content hashing (the
-upload) happen before timing for every system; per-request image preprocessing
-(resize, normalise) and the vision tower are inside the timed region.
+on the requests before it in the round). mmserve runs a workload with sessions
+(multi_turn) closed-loop: turn 0 of every session is submitted at once, then a step
+loop submits a session's next turn as soon as its previous one finishes (at most one
+outstanding turn per session); other workloads, and multi_turn with
+``closed_loop=False``, are submitted round by round through ``Engine.generate``.
+Image decoding and content hashing (the upload) happen before timing for every system,
+and so does building mmserve's requests (chat template, tokenising); per-request image
+preprocessing (resize, normalise) and the vision tower are inside the timed region.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from benchmarks.workloads import Prompt, Workload
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
-from mmserve.engine.request import ImageInput, SamplingParams
+from mmserve.engine.request import GenerateResult, ImageInput, Request, SamplingParams
 from mmserve.model.loader import LoadedModel
 
 
@@ -55,7 +60,7 @@ class SystemRun:
         output_tokens: output tokens of all requests.
         prompt_tokens: prompt tokens of the measured requests.
         cached_tokens: prompt tokens served from the prefix cache.
-        ttfts_s: TTFT of each measured request from its round's submission (seconds).
+        ttfts_s: TTFT of each measured request from its submission (seconds).
         service_ttfts_s: TTFT without queueing, baseline only (seconds).
         vision_tower_runs: images encoded by the vision tower (all requests).
         tree_seconds: time inside radix-tree operations (seconds).
@@ -215,8 +220,19 @@ class MMServeRunner:
         policy: str = "lpm",
         max_total_tokens: int | None = None,
         check_leaks: bool = True,
+        closed_loop: bool | None = None,
     ) -> SystemRun:
-        """Run every round of ``wl`` on a fresh engine and measure it."""
+        """Run ``wl`` on a fresh engine and measure it.
+
+        Args:
+            closed_loop: drive ``wl.sessions`` closed-loop (each session's next turn is
+                submitted when its previous one finishes); None: whenever ``wl`` has
+                sessions. False: lock-step rounds through ``Engine.generate``.
+        """
+        if closed_loop is None:
+            closed_loop = bool(wl.sessions)
+        if closed_loop and not wl.sessions:
+            raise ValueError(f"workload {wl.name!r} has no sessions to drive closed-loop")
         kw: dict[str, Any] = {"disable_radix_cache": not radix_cache, "policy": policy}
         if not radix_cache:
             kw["vision_cache_size"] = 0  # "cache off" reuses nothing, image features included
@@ -225,34 +241,27 @@ class MMServeRunner:
         eng = self.engine(**kw)
         imgs = self.images(eng, wl)
         params = SamplingParams(max_tokens=wl.max_tokens, temperature=0.0, ignore_eos=True)
+        # built before timing (tokenising is not what is measured); arrival set on submission
+        reqs = [
+            eng.make_request(messages=p.messages, images=[imgs[n] for n in p.images], params=params)
+            for p in wl.prompts
+        ]
+        if closed_loop:
+            results, wall, cpu = _closed_loop(eng, reqs, wl.sessions)
+        else:
+            results, wall, cpu = _lock_step(eng, reqs, [len(r) for r in wl.rounds])
         outputs: dict[int, list[int]] = {}
         ttfts: list[float] = []
-        wall = cpu = 0.0
         prompt_tokens = cached = out_tokens = 0
-        finished = True
-        idx = 0
-        for rnd in wl.rounds:
-            reqs = [
-                eng.make_request(
-                    messages=p.messages, images=[imgs[n] for n in p.images], params=params
-                )
-                for p in rnd
-            ]
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            for r in reqs:
-                r.arrival = t0  # the whole round is submitted at t0
-            results = eng.generate(reqs)
-            wall += time.perf_counter() - t0
-            cpu += time.process_time() - c0
-            for res in results:
-                outputs[idx] = list(res.output_ids)
-                idx += 1
-                ttfts.append(res.ttft)
-                prompt_tokens += res.prompt_tokens
-                cached += res.cached_tokens
-                out_tokens += res.completion_tokens
-                finished &= res.finish_reason == "length"
+        finished = len(results) == len(reqs)
+        for idx in sorted(results):
+            res = results[idx]
+            outputs[idx] = list(res.output_ids)
+            ttfts.append(res.ttft)
+            prompt_tokens += res.prompt_tokens
+            cached += res.cached_tokens
+            out_tokens += res.completion_tokens
+            finished &= res.finish_reason == "length"
         stats = eng.cache_stats()
         run = SystemRun(
             system=label,
@@ -274,11 +283,83 @@ class MMServeRunner:
             all_finished=finished,
             retractions=int(stats.get("retractions", 0)),
         )
+        if closed_loop:
+            run.notes.append(
+                f"closed loop: {len(wl.sessions)} sessions start at once; each sends its next "
+                "turn when its previous answer arrives; TTFT from each turn's submission"
+            )
         if check_leaks:
             run.leak_free, note = leak_check(eng)
             if note:
                 run.notes.append(note)
         return run
+
+
+def _lock_step(
+    eng: Engine, reqs: list[Request], round_sizes: list[int]
+) -> tuple[dict[int, GenerateResult], float, float]:
+    """Submit each round at once and wait for it; returns results by index, wall, CPU."""
+    results: dict[int, GenerateResult] = {}
+    wall = cpu = 0.0
+    start = 0
+    for n in round_sizes:
+        batch = reqs[start : start + n]
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        for r in batch:
+            r.arrival = t0  # the whole round is submitted at t0
+        for i, res in enumerate(eng.generate(batch)):
+            results[start + i] = res
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        start += n
+    return results, wall, cpu
+
+
+def _closed_loop(
+    eng: Engine, reqs: list[Request], sessions: list[list[int]]
+) -> tuple[dict[int, GenerateResult], float, float]:
+    """Closed-loop chat clients: one outstanding turn per session.
+
+    Turn 0 of every session is submitted at once (in prompt order, i.e. the shuffled
+    first round); then ``Engine.step`` runs, and when a session's turn finishes its
+    next turn is submitted (``arrival`` = that moment) before the next step.
+
+    Returns:
+        ``(results by prompt index, wall seconds, CPU seconds)``.
+    """
+    nxt: dict[int, int] = {}  # prompt index -> the same session's next turn
+    for turns in sessions:
+        for a, b in zip(turns, turns[1:], strict=False):
+            nxt[a] = b
+    index = {id(r): i for i, r in enumerate(reqs)}
+    results: dict[int, GenerateResult] = {}
+    live = 0
+
+    def submit(i: int) -> None:
+        nonlocal live
+        reqs[i].arrival = time.perf_counter()
+        eng.add_request(reqs[i])
+        live += 1
+
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    for i in sorted(turns[0] for turns in sessions if turns):
+        submit(i)
+    while live:
+        batch = eng.step()
+        if not batch and not eng.has_work():
+            break  # nothing runs or waits but turns are outstanding: give up (reported)
+        for r in batch:
+            if r.finished:
+                i = index[id(r)]
+                results[i] = r.result()
+                live -= 1
+                if i in nxt:
+                    submit(nxt[i])
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    return results, wall, cpu
 
 
 def leak_check(eng: Engine) -> tuple[bool, str]:

@@ -1,9 +1,12 @@
 """Seeded benchmark workloads and their offline-optimal cache hit rate.
 
 A :class:`Workload` is a list of *rounds*; every request of a round is
-submitted at once, and a round starts when the previous one has finished (the
-multi-turn chat needs this: turn ``t + 1`` of a session is sent after turn
-``t``). Images are encoded PNG/JPEG bytes, so every system decodes the same
+submitted at once, and a round starts when the previous one has finished. A
+workload with *sessions* (multi_turn) is instead driven closed-loop by the mmserve
+runner: turn 0 of every session is submitted at once, and each session sends its
+next turn as soon as its previous answer arrives (a chat client); its rounds are
+then only the lock-step alternative and the one-at-a-time baseline's order.
+Images are encoded PNG/JPEG bytes, so every system decodes the same
 pixels. All randomness comes from ``random.Random(seed)`` (and a seeded numpy
 generator for noise images): the same arguments give the same prompts.
 
@@ -11,8 +14,10 @@ Workloads:
 
 - ``many_questions``: K sample photos x M llava-bench-style questions each,
   one shared system prompt, one round, arrival order shuffled.
-- ``multi_turn``: C chat sessions with a photo in the first user turn, T turns
-  each. Turn ``t`` of every session forms round ``t``. Each prompt is the whole
+- ``multi_turn``: C chat sessions, each with its own photo in the first user turn,
+  T turns each. Turn ``t`` of every session forms round ``t`` (lock-step order);
+  :attr:`Workload.sessions` lists each session's turns for the closed-loop
+  driver. Each prompt is the whole
   history; the assistant turns in the history are FIXED canned sentences (not
   what a system generated), so prompts are identical across systems.
 - ``video_frames``: F frames x Q questions (per-frame QA, one round). There is
@@ -128,6 +133,8 @@ class Workload:
         max_tokens: output tokens per request (every system produces exactly this many).
         params: the generator's arguments (for the report).
         notes: how the data was made (for the report).
+        sessions: for closed-loop chat workloads, each session's requests in turn
+            order, as indices into :attr:`prompts`; empty for open workloads.
     """
 
     name: str
@@ -137,6 +144,7 @@ class Workload:
     max_tokens: int
     params: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    sessions: list[list[int]] = field(default_factory=list)
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -299,6 +307,7 @@ def multi_turn(c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
         follow = _pick(rnd, FOLLOW_UPS, t - 1)
         sessions.append([first, *follow])
     rounds = []
+    at: list[list[int]] = [[0] * t for _ in range(c)]  # (session, turn) -> prompt index
     for turn in range(t):
         batch = []
         for s in range(c):
@@ -309,13 +318,17 @@ def multi_turn(c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
                 if j < turn:
                     answer = CANNED_ANSWERS[j % len(CANNED_ANSWERS)]
                     msgs.append({"role": "assistant", "content": answer})
-            batch.append(Prompt(msgs, [names[s]]))
+            batch.append((s, Prompt(msgs, [names[s]])))
         rnd.shuffle(batch)
-        rounds.append(batch)
+        base = turn * c
+        for i, (s, _) in enumerate(batch):
+            at[s][turn] = base + i
+        rounds.append([p for _, p in batch])
     return Workload(
         "multi_turn",
-        f"{c} chat sessions x {t} turns, photo in the first turn, turns interleaved "
-        "(round t = turn t of every session)",
+        f"{c} chat sessions x {t} turns, each session with its own photo in the first "
+        "turn; closed loop: every session starts at once and sends its next turn as soon "
+        "as its previous answer arrives",
         imgs,
         rounds,
         max_tokens,
@@ -323,8 +336,12 @@ def multi_turn(c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
         [
             "history holds fixed canned assistant answers, not generated text, so every "
             "system sees identical prompts",
+            "mmserve: closed loop, at most one outstanding turn per session; TTFT from each "
+            "turn's submission. transformers: one request at a time in round order "
+            "(round t = turn t of every session)",
             f"images: {', '.join(names)}",
         ],
+        at,
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import workloads
 from benchmarks.run import MAIN_POLICY, POLICIES, WORKLOADS, main
-from benchmarks.systems import policy_supported
+from benchmarks.systems import MMServeRunner, policy_supported
 
 
 def _naive_trie_nodes(seqs: list[list[int]]) -> int:
@@ -60,9 +60,34 @@ def test_workloads_are_seeded_and_shaped() -> None:
     assert [len(r) for r in mt.rounds] == [2, 2, 2]
     last = mt.rounds[2][0].messages
     assert [m["role"] for m in last] == ["system", "user", "assistant", "user", "assistant", "user"]
+    # sessions: turn t of session s is in round t, same image, history grows by one exchange
+    assert len(mt.sessions) == 2 and all(len(s) == 3 for s in mt.sessions)
+    assert sorted(i for s in mt.sessions for i in s) == list(range(mt.num_requests))
+    for s in mt.sessions:
+        turns = [mt.prompts[i] for i in s]
+        assert [i // 2 for i in s] == [0, 1, 2]
+        assert len({tuple(p.images) for p in turns}) == 1
+        for a, b in zip(turns, turns[1:], strict=False):
+            assert b.messages[: len(a.messages)] == a.messages
+    assert len({mt.prompts[s[0]].images[0] for s in mt.sessions}) == 2
     frames = workloads.pan_frames(6, repeat_every=3)
     assert frames[2] == frames[1] and frames[5] == frames[4]
     assert len(set(frames)) == 4
+
+
+def test_closed_loop_matches_lock_step(loaded, model_dir: Path) -> None:
+    mm = MMServeRunner(loaded, str(model_dir))
+    wl = workloads.multi_turn(3, 3, 2)
+    closed = mm.run(wl, "closed", radix_cache=True)
+    lock = mm.run(wl, "lock", radix_cache=True, closed_loop=False)
+    assert any("closed loop" in n for n in closed.notes)
+    assert not any("closed loop" in n for n in lock.notes)
+    for r in (closed, lock):
+        assert r.all_finished and r.leak_free and len(r.outputs) == wl.num_requests
+        assert len(r.ttfts_s) == wl.num_requests and min(r.ttfts_s) >= 0.0
+    assert closed.outputs == lock.outputs  # same prompts, greedy: same tokens
+    with pytest.raises(ValueError, match="no sessions"):
+        mm.run(workloads.many_questions(1, 1, 2), "x", radix_cache=True, closed_loop=True)
 
 
 def test_harness_end_to_end(tmp_path: Path, model_dir: Path) -> None:
@@ -94,7 +119,9 @@ def test_harness_end_to_end(tmp_path: Path, model_dir: Path) -> None:
             if label.startswith("mmserve"):
                 assert cmp["mismatches_vs_off"] == 0, (name, label)
     mt = json.loads((out / "multi_turn.json").read_text())
-    assert any(s["system"].endswith("-halfpool") for s in mt["systems"])
+    assert mt["arrival"] == "closed-loop"
+    halves = {s["system"] for s in mt["systems"] if s["system"].endswith("-halfpool")}
+    assert halves == {f"mmserve-{p}-halfpool" for p in on_policies}
     sweeps = json.loads((out / "pool_sweep.json").read_text())
     assert set(sweeps) == {"many_questions", "multi_turn"}
     for sweep in sweeps.values():
