@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = EngineConfig()
 
-    s = sub.add_parser("serve", help="run the HTTP server")
+    s = sub.add_parser(
+        "serve", help="run the HTTP server", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     s.add_argument("--model", help="checkpoint directory (default: build the tiny model)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
