@@ -123,7 +123,8 @@ def test_dfs_weight_visits_heavier_subtrees_first() -> None:
     b = tree.match_prefix([1, 2, 4]).last_node
     c = tree.match_prefix([7, 8]).last_node
     root = tree.root
-    # subtree [1, 2] holds 3 waiting requests (a, b, b), [7, 8] one, the root one
+    # subtree [1, 2] holds 3 waiting requests (a, b, b), [7, 8] one, the root one;
+    # children come before a node's own requests (post-order)
     items = [
         _item(0.0, 2, c),
         _item(1.0, 3, a),
@@ -133,9 +134,9 @@ def test_dfs_weight_visits_heavier_subtrees_first() -> None:
     ]
     got = order_waiting(items, "dfs-weight", 5.0, 100.0, random.Random(0), cache_on=True)
     arrivals = [it[0].arrival for it in got]
-    assert arrivals[0] == 4.0  # requests at the root come first
-    assert arrivals[1:3] == [2.0, 3.0]  # node b (weight 2) before node a (weight 1)
-    assert arrivals[3:] == [1.0, 0.0]  # then a, then the lighter [7, 8] subtree
+    assert arrivals[:2] == [2.0, 3.0]  # node b (weight 2) before node a (weight 1)
+    assert arrivals[2:4] == [1.0, 0.0]  # then a, then the lighter [7, 8] subtree
+    assert arrivals[4] == 4.0  # requests matching only the root come last
 
 
 def test_random_policy_is_a_seeded_permutation() -> None:

@@ -61,12 +61,18 @@ def _dfs_weight(items: list[tuple[Request, MatchResult]]) -> list[tuple[Request,
             node = node.parent
     if root is None:
         return items
+    # Post-order: a node's subtrees (heaviest first) before the requests that match
+    # only the node itself, so a request extending a cached path runs before one
+    # that would evict it (SGLang's DFS-weight priority).
     out: list[tuple[Request, MatchResult]] = []
-    stack = [root]
+    stack: list[tuple[TreeNode, bool]] = [(root, False)]
     while stack:
-        node = stack.pop()
-        out.extend(at_node.get(id(node), ()))
+        node, expanded = stack.pop()
+        if expanded:
+            out.extend(at_node.get(id(node), ()))
+            continue
+        stack.append((node, True))
         kids = [c for c in node.children.values() if id(c) in weight]
-        kids.sort(key=lambda c: weight[id(c)])  # heaviest popped first
-        stack.extend(kids)
+        kids.sort(key=lambda c: weight[id(c)])  # heaviest pushed last, popped first
+        stack.extend((c, False) for c in kids)
     return out
