@@ -88,8 +88,8 @@ def test_per_frame_matches_png_images_and_runs_the_tower_once_per_frame(
     by_frame: dict[int, list[dict]] = {}
     for a in answers:
         by_frame.setdefault(a["frame"], []).append(a)
-    for got in by_frame.values():
-        got.sort(key=lambda a: a["completed"])
+    for got in by_frame.values():  # submitted in question order: the first prefills the frame
+        got.sort(key=lambda a: a["question_index"])
         assert all(a["cached_tokens"] >= n_img for a in got[1:])
     # the same questions about each frame uploaded as a PNG image give the same answers
     frames = Video(clip12, VideoLimits()).frames([f["frame_index"] for f in events[0]["frames"]])
@@ -124,7 +124,9 @@ def test_overlapping_clips_share_frames(client: TestClient) -> None:
 def test_clip_mode_second_question_hits_all_frames(client: TestClient, engine) -> None:  # noqa: ANN001
     vid = upload(client, encode_mp4(rgb_frames(12, seed=9), fps=10)).json()["id"]
     events = qa(client, vid, mode="clip", num_frames=4)
-    answers = sorted((e for e in events if e["type"] == "answer"), key=lambda a: a["completed"])
+    answers = sorted(
+        (e for e in events if e["type"] == "answer"), key=lambda a: a["question_index"]
+    )
     assert len(answers) == 2 and "frame" not in answers[0]
     assert answers[1]["cached_tokens"] >= 4 * engine.model.num_image_tokens
     assert events[-1]["vision_tower_runs"] == 4
