@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
+from tests.test_api_errors import assert_healthy, chat, upload
 
 MODEL = "llava-tiny"
 
@@ -22,32 +23,8 @@ def client(make_engine):  # noqa: ANN001, ANN201
         yield c
 
 
-def chat(client, content, **kw):  # noqa: ANN001, ANN201
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 4,
-        "temperature": 0,
-        **kw,
-    }
-    return client.post("/v1/chat/completions", json=body)
-
-
 def ask(image_id: str, q: str) -> list[dict]:
     return [{"type": "image_url", "image_url": {"url": image_id}}, {"type": "text", "text": q}]
-
-
-def assert_healthy(client) -> None:  # noqa: ANN001
-    r = chat(client, "Say hello.")
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] >= 1
-    stats = client.get("/v1/cache/stats").json()
-    assert stats["running_requests"] == 0
-    assert stats["free_pages"] + stats["tree_pages"] == stats["pool_pages"]
-
-
-def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
-    return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
 
 
 def test_upload_same_pixels_same_id(client, photos) -> None:  # noqa: ANN001
@@ -88,7 +65,7 @@ def test_streaming_sse(client, photos) -> None:  # noqa: ANN001
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": ask(image_id, "Stream?")}],
-        "max_tokens": 4,
+        "max_tokens": 3,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},

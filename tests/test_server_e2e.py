@@ -3,68 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import SAMPLES
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.live_server import live_server
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path):  # noqa: ANN201
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mmserve.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--served-model-name",
-            "tiny",
-            "--max-total-tokens",
-            "8192",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not become healthy in 120 s")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with live_server(model_dir, "--served-model-name", "tiny", "--max-total-tokens", "8192") as url:
+        yield url
 
 
 def test_sample_client_against_real_server(server: str) -> None:
