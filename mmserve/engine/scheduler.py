@@ -95,8 +95,12 @@ class Scheduler:
             n = self._chunk(req, req.computed_len, budget)
             batch.append((req, n))
             budget -= n
-        if not self.waiting or budget <= 0:
-            return batch
+        if (
+            not self.waiting
+            or budget <= 0
+            or len(self.active()) >= self.config.max_running_requests
+        ):
+            return batch  # nothing to admit: skip matching every waiting request
         P = self.page_size
         items = [(r, self._match(r)) for r in self.waiting]
         order = order_waiting(
