@@ -151,3 +151,11 @@ def test_random_policy_is_a_seeded_permutation() -> None:
 def test_unknown_policy_is_refused(make_engine) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="unknown policy 'sjf'"):
         make_engine(policy="sjf")
+
+
+def test_running_limit_queues_without_changing_outputs(make_engine, imgs, baseline) -> None:  # noqa: ANN001
+    eng, res = run(make_engine, workload(imgs), max_running_requests=2)
+    same(res, baseline, "max_running_requests=2")
+    # at most two decode together: (6 - 1) decode steps per pair of requests
+    free, _ = run(make_engine, workload(imgs))
+    assert eng.stats.decode_steps == 5 * len(res) // 2 > free.stats.decode_steps
