@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,11 @@ from mmserve.engine.engine import Engine
 from mmserve.engine.request import SamplingParams
 from mmserve.model.loader import load_model
 from mmserve.model.make_checkpoint import make_checkpoint
+from tests.cases import write_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples" / "images"
-SHARED_CASES = ROOT.parent / "shared" / "cases"
+GPU_TESTS = ROOT / "tests" / "gpu"
 
 # Two cores shared by a server and the tests: OpenMP spinning across processes
 # makes small attention calls 100x slower, so the tests use one thread each.
@@ -65,13 +65,53 @@ def photos() -> dict[str, bytes]:
 
 @pytest.fixture(scope="session")
 def cases_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared bad-input cases, generated into a temporary folder."""
-    script = SHARED_CASES / "make_cases.py"
-    if not script.exists():
-        pytest.skip(f"shared cases not found at {script}")
-    out = tmp_path_factory.mktemp("cases")
-    subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True)
-    return out
+    """The odd and broken input files of ``tests/cases.py``, written into a temporary folder."""
+    return write_cases(tmp_path_factory.mktemp("cases"))
+
+
+class SkipGuard:
+    """Plugin for ``MMSERVE_FAIL_ON_SKIP=1`` (set by ``.ci/run``): any test or module skipped
+    outside ``tests/gpu`` fails the run, and the summary lists them."""
+
+    def __init__(self, rootpath: Path) -> None:
+        self.rootpath = rootpath
+        self.skips: list[str] = []
+
+    def note(self, report: pytest.CollectReport | pytest.TestReport) -> None:
+        """Remember ``report`` if it is a skip (not an xfail) outside ``tests/gpu``."""
+        if not report.skipped or hasattr(report, "wasxfail"):
+            return
+        path = (self.rootpath / report.nodeid.split("::")[0]).resolve()
+        if path.is_relative_to(GPU_TESTS):
+            return
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        self.skips.append(f"{report.nodeid}: {reason}")
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        """A module skipped while collecting (``importorskip`` at its top)."""
+        self.note(report)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """A test skipped in setup or in its body."""
+        self.note(report)
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        """List the skips that fail the run."""
+        if self.skips:
+            terminalreporter.section("skipped outside tests/gpu (MMSERVE_FAIL_ON_SKIP=1)", red=True)
+            for line in self.skips:
+                terminalreporter.write_line(line)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Turn an otherwise passing run with such skips into a failing one."""
+        if self.skips and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register :class:`SkipGuard` when ``MMSERVE_FAIL_ON_SKIP=1``."""
+    if os.environ.get("MMSERVE_FAIL_ON_SKIP") == "1":
+        config.pluginmanager.register(SkipGuard(config.rootpath), "mmserve-skip-guard")
 
 
 def png_bytes(im: Image.Image, fmt: str = "PNG") -> bytes:
