@@ -173,8 +173,8 @@ class Engine:
 
     # ---- stepping ---------------------------------------------------------
     def has_work(self) -> bool:
-        """Whether any request waits or runs."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Whether any request waits, runs or sits between prefill chunks."""
+        return self.scheduler.has_work()
 
     def step(self) -> list[Request]:
         """Run one prefill or decode batch.
@@ -256,12 +256,18 @@ class Engine:
 
         Returns:
             One :class:`GenerateResult` per request, in input order.
+
+        Raises:
+            RuntimeError: if the engine runs out of work with a request unfinished
+                (a scheduler bug; never a silent unfinished result).
         """
         for req in requests:
             self.add_request(req)
         while any(not r.finished for r in requests):
-            if not self.step() and not self.has_work():
-                break
+            if not self.has_work():
+                stuck = [r.rid for r in requests if not r.finished]
+                raise RuntimeError(f"engine idle with unfinished requests {stuck}")
+            self.step()
         return [r.result() for r in requests]
 
     def cache_stats(self) -> dict[str, float]:

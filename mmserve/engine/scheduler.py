@@ -63,6 +63,14 @@ class Scheduler:
         """Queue a request for admission."""
         self.waiting.append(req)
 
+    def has_work(self) -> bool:
+        """Whether any request is waiting, running or between prefill chunks.
+
+        Every state a live request can be in counts: the engine must keep stepping
+        until each one ends, with no other traffic to wake it.
+        """
+        return bool(self.waiting or self.running or self.prefilling is not None)
+
     def active(self) -> list[Request]:
         """Running requests plus the one being prefilled in chunks."""
         return self.running + ([self.prefilling] if self.prefilling else [])
