@@ -178,3 +178,68 @@ def test_models_routes(client) -> None:  # noqa: ANN001
     assert data[0]["max_model_len"] == client.engine.max_context
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert client.get("/v1/models/gpt-4").json()["error"]["code"] == "model_not_found"
+
+
+def stop_oracle(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, str]:  # noqa: ANN001
+    """Brute force: decode growing prefixes; at the first that holds any stop, cut at the
+    earliest occurrence of any of them."""
+    text = ""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[: min(hits)], "stop"
+    return text, "length"
+
+
+def test_earliest_stop_wins_whatever_the_list_order(client, make_engine) -> None:  # noqa: ANN001
+    from mmserve.engine.request import SamplingParams
+
+    tok = client.engine.model.tokenizer
+    ref = complete(client, max_tokens=16)["choices"][0]
+    offline = make_engine()
+    msgs = body()["messages"]
+    req = offline.make_request(messages=msgs, params=SamplingParams(max_tokens=16))
+    ids = offline.generate([req])[0].output_ids
+    full = ref["message"]["content"]
+    assert len(full) > 10
+    inner, outer = full[6:9], full[4:9]  # "END" inside "THE END": both complete together
+    kinds = [
+        [inner, outer],  # a stop that is a suffix of another
+        [full[5:8], full[4:7]],  # overlapping stops
+        [full[8:10], full[2:10]],  # one completes on the same token as another
+        [full[7:12], full[3:5], "never-there"],
+        [full[9:10], full[9:10] + "x"],
+    ]
+    for stops in kinds:
+        want_text, want_reason = stop_oracle(tok, ids, stops)
+        assert want_text != full
+        for order in (stops, stops[::-1]):
+            got = complete(client, max_tokens=16, stop=order)["choices"][0]
+            assert (got["message"]["content"], got["finish_reason"]) == (want_text, want_reason)
+            assert not any(s in got["message"]["content"] for s in stops)
+            chunks = stream(client, max_tokens=16, stop=order)
+            assert streamed_text(chunks) == want_text
+    # with n > 1, every choice is cut the same way (greedy: identical choices)
+    out = complete(client, max_tokens=16, stop=[inner, outer], n=3)
+    want = stop_oracle(tok, ids, [inner, outer])[0]
+    assert [c["message"]["content"] for c in out["choices"]] == [want] * 3
+    chunks = stream(client, max_tokens=16, stop=[outer, inner], n=2)
+    assert [streamed_text(chunks, i) for i in range(2)] == [want] * 2
+
+
+def test_first_stop_is_the_earliest_occurrence() -> None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from mmserve.engine.engine import first_stop
+
+    @given(
+        st.text("ab ", max_size=12), st.lists(st.text("ab ", min_size=1, max_size=4), max_size=4)
+    )
+    def check(text: str, stops: list[str]) -> None:
+        brute = [i for i in range(len(text)) if any(text.startswith(s, i) for s in stops)]
+        assert first_stop(text, stops) == (brute[0] if brute else None)
+        assert first_stop(text, stops[::-1]) == first_stop(text, stops)
+
+    check()

@@ -226,10 +226,9 @@ class Engine:
         if tok in self.model.eos_token_ids and not p.ignore_eos:
             reason = "stop"
         text = self.model.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        for s in p.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
+        cut = first_stop(text, p.stop)
+        if cut is not None:
+            text, reason = text[:cut], "stop"
         req.text = text
         if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
@@ -295,6 +294,18 @@ class Engine:
             "tree_seconds": self.scheduler.tree_seconds,
             "retractions": self.scheduler.retractions,
         }
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where ``text`` must end: the start of the earliest occurrence of any stop string.
+
+    The list order does not matter (OpenAI's behaviour); ties start at one position.
+
+    Returns:
+        The character index to cut at, or None when no stop string occurs.
+    """
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
 
 
 def _shortest_edge(image_processor: object) -> int:
