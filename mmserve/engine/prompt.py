@@ -5,10 +5,18 @@ as transformers' ``LlavaProcessor`` would before it repeats the placeholder, and
 each placeholder is then replaced by the image's N pseudo-token ids
 (:mod:`mmserve.vision.hashing`). Text around a placeholder tokenizes the same
 either way because the placeholder is a special token.
+
+Message texts are plain text: a typed special-token string (``</s>``, ``<s>``,
+``<pad>``, ...) becomes the ids of its characters, so a user cannot end their own
+turn and forge a conversation; only the chat template's own structure produces
+special ids. This is the one documented difference from transformers, which reads
+a typed ``</s>`` as the real token. A chat whose texts hold no special-token string
+is tokenized as one string, exactly as transformers does.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from mmserve.engine.request import ImageInput, ImageSpan
@@ -40,6 +48,19 @@ class PromptBuilder:
         # longer than context * that is too long without tokenizing it (which for
         # megabytes of text costs seconds and gigabytes).
         self.max_chars = self.max_context * max(len(t) for t in self.tokenizer.get_vocab())
+        specials = sorted(
+            {str(t) for t in self.tokenizer.all_special_tokens} | {self.image_token},
+            key=len,
+            reverse=True,
+        )
+        self.special_tokens = [t for t in specials if t]
+        self._special_re = re.compile("|".join(re.escape(t) for t in self.special_tokens))
+        probe = "a"
+        bare = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
+        full = self.tokenizer(probe, add_special_tokens=True)["input_ids"]
+        at = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
+        # what the tokenizer's post-processor puts around a whole prompt (BOS for LLaVA)
+        self._prefix_ids, self._suffix_ids = full[:at], full[at + len(bare) :]
 
     def render_chat(self, messages: Sequence[dict]) -> str:
         """Render messages with the checkpoint's chat template and a generation prompt.
@@ -52,10 +73,8 @@ class PromptBuilder:
                 (it would create an image slot that has no image).
         """
         for m in messages:
-            content = m.get("content")
-            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-            for p in parts or []:
-                if p.get("type") == "text" and self.image_token in (p.get("text") or ""):
+            for text in _texts(m):
+                if self.image_token in text:
                     raise PromptError(
                         f"message text contains the reserved image placeholder "
                         f"{self.image_token!r}; send images as image_url content parts"
@@ -67,8 +86,92 @@ class PromptBuilder:
     def from_messages(
         self, messages: Sequence[dict], images: Sequence[ImageInput]
     ) -> tuple[list[int], list[ImageSpan]]:
-        """Token ids for a chat; ``images`` fill the image parts in order."""
-        return self.from_text(self.render_chat(messages), images)
+        """Token ids for a chat; ``images`` fill the image parts in order.
+
+        Message texts are encoded as plain text (see the module docstring).
+
+        Raises:
+            PromptError: as :meth:`render_chat` and :meth:`from_text`.
+        """
+        texts = _texts_all(messages)
+        if any(self.image_token in t for t in texts):
+            self.render_chat(messages)  # raises the placeholder error
+        if not any(self._special_re.search(t) for t in texts):
+            return self.from_text(self.render_chat(messages), images)
+        rendered, typed, mark = self._mask_specials(messages)
+        self._check_text(rendered)
+        return self._expand(self.encode_plain_texts(rendered, typed, mark), images)
+
+    def _mask_specials(self, messages: Sequence[dict]) -> tuple[str, list[str], str]:
+        """Render with every typed special string replaced by a private-use marker.
+
+        Returns:
+            ``(rendered, typed, mark)``: ``mark + str(k) + mark`` stands for ``typed[k]``.
+        """
+        joined = "".join(_texts_all(messages))
+        mark = next(c for c in map(chr, range(0xE000, 0xF8FF)) if c not in joined)
+        typed: list[str] = []
+
+        def sub(match: re.Match) -> str:
+            typed.append(match.group(0))
+            return f"{mark}{len(typed) - 1}{mark}"
+
+        def mask(text: str) -> str:
+            return self._special_re.sub(sub, text)
+
+        masked = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, str):
+                content = mask(content)
+            elif content is not None:
+                content = [
+                    {**p, "text": mask(p.get("text") or "")} if p.get("type") == "text" else p
+                    for p in content
+                ]
+            masked.append({**m, "content": content})
+        return self.render_chat(masked), typed, mark
+
+    def encode_plain_texts(
+        self, rendered: str, typed: Sequence[str] = (), mark: str = ""
+    ) -> list[int]:
+        """Token ids of ``rendered`` where only its own special-token strings are special.
+
+        The string is cut at each special-token string (where the tokenizer cuts it
+        anyway, so merges match one-string tokenization); the pieces between are
+        tokenized with special tokens split into characters, after each private-use
+        marker ``<mark>k<mark>`` is put back as ``typed[k]``.
+
+        Args:
+            rendered: the rendered chat, typed special strings masked.
+            typed: the special strings the markers stand for.
+            mark: the marker character ("" when nothing is masked).
+
+        Returns:
+            ids including what the tokenizer adds around a prompt (BOS).
+        """
+        ids = list(self._prefix_ids)
+        pos = 0
+        pieces: list[tuple[str, bool]] = []
+        for m in self._special_re.finditer(rendered):
+            pieces += [(rendered[pos : m.start()], False), (m.group(0), True)]
+            pos = m.end()
+        pieces.append((rendered[pos:], False))
+        for text, special in pieces:
+            if special:
+                ids.append(self.tokenizer.convert_tokens_to_ids(text))
+                continue
+            if mark and typed:
+                text = re.sub(
+                    f"{re.escape(mark)}(\\d+){re.escape(mark)}",
+                    lambda g: typed[int(g.group(1))],
+                    text,
+                )
+            if text:
+                ids += self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)[
+                    "input_ids"
+                ]
+        return ids + list(self._suffix_ids)
 
     def from_text(
         self, text: str, images: Sequence[ImageInput]
@@ -84,10 +187,12 @@ class PromptBuilder:
                 many images, text that is not valid Unicode (an unpaired surrogate) or
                 far longer than the context.
         """
-        if len(images) > self.max_images:
-            raise PromptError(
-                f"{len(images)} images in one request; the limit is {self.max_images}"
-            )
+        self._check_text(text)
+        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return self._expand(ids, images)
+
+    def _check_text(self, text: str) -> None:
+        """Refuse text far longer than the context (before tokenizing) or not valid Unicode."""
         if len(text) > self.max_chars:
             raise PromptError(
                 f"prompt text is {len(text)} characters, more than the model's context of "
@@ -99,7 +204,15 @@ class PromptBuilder:
             raise PromptError(
                 f"prompt text is not valid Unicode: {e.reason} at {e.start}"
             ) from None
-        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def _expand(
+        self, ids: list[int], images: Sequence[ImageInput]
+    ) -> tuple[list[int], list[ImageSpan]]:
+        """Replace each image placeholder id in ``ids`` by its image's pseudo-token ids."""
+        if len(images) > self.max_images:
+            raise PromptError(
+                f"{len(images)} images in one request; the limit is {self.max_images}"
+            )
         slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(slots) != len(images):
             raise PromptError(
@@ -115,3 +228,15 @@ class PromptBuilder:
             prev = slot + 1
         out.extend(ids[prev:])
         return out, spans
+
+
+def _texts(message: dict) -> list[str]:
+    """The text of one message: its string content or its text parts."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return [content]
+    return [p.get("text") or "" for p in content or [] if p.get("type") == "text"]
+
+
+def _texts_all(messages: Sequence[dict]) -> list[str]:
+    return [t for m in messages for t in _texts(m)]
