@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,6 +51,77 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def field_path(parts: Sequence[object]) -> str:
+    """A request field as clients write it: ``messages[0].content[1].image_url.url``."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+# Union members pydantic names in an error's location; they are not request fields.
+_BRANCH_TAG = re.compile(r"^(str|int|float|bool|bytes|dict|list|none|[A-Z]\w*)$|[\[\]-]")
+
+_EXPECTED = {
+    "string_type": "expected a string",
+    "int_type": "expected an integer",
+    "int_parsing": "expected an integer",
+    "int_from_float": "expected an integer",
+    "float_type": "expected a number",
+    "float_parsing": "expected a number",
+    "bool_type": "expected a boolean",
+    "bool_parsing": "expected a boolean",
+    "list_type": "expected an array",
+    "dict_type": "expected an object",
+    "model_type": "expected an object",
+    "model_attributes_type": "expected an object",
+    "missing": "field required",
+}
+
+
+def describe_validation_errors(errors: Sequence[dict]) -> tuple[str, str | None]:
+    """One message and ``param`` for pydantic's errors: the deepest field that failed.
+
+    A union (string or list of parts, object or string) makes pydantic report one
+    error per branch; the branch that got furthest into the input names the real
+    problem, so the error with the longest field path wins (first one on ties).
+
+    Returns:
+        ``(message, param)``: message like ``messages[0].content[1].image_url.url:
+        expected a string``; param the field path, or None for a body-level error.
+    """
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
+
+    def fields(err: dict) -> list[object]:
+        loc = list(err.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        return [p for p in loc if isinstance(p, int) or not _BRANCH_TAG.search(str(p))]
+
+    best = max(errors, key=lambda err: len(fields(err)))
+    path = field_path(fields(best)) or None
+    kind = best.get("type", "")
+    if kind == "literal_error":
+        expected = (best.get("ctx") or {}).get("expected", "")
+        what = f"unknown value {best.get('input')!r}; expected one of {expected}"
+    elif kind == "missing" and path and path.endswith(".type"):
+        what = "field required: give the part's type"
+    else:
+        what = _EXPECTED.get(kind) or _lower_first(best.get("msg", "invalid value"))
+    if kind == "literal_error" and path and path.endswith(".type") and "content" in path:
+        what = f"unknown content part type {best.get('input')!r}; accepted types are {expected}"
+    return (f"{path}: {what}" if path else what), path
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map our errors, validation errors and HTTP errors to OpenAI-shaped JSON."""
 
@@ -62,15 +135,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            msg = f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
-        elif param:
-            msg = f"{param}: {msg}"
+        msg, param = describe_validation_errors(e.errors())
         return JSONResponse(error_body(msg, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -82,5 +147,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        # the traceback (with server paths) goes to the log, never to the client
         log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {e!r}", "server_error"), status_code=500)
+        msg = f"internal error ({type(e).__name__}); the server log has the details"
+        return JSONResponse(error_body(msg, "server_error"), status_code=500)

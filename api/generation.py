@@ -60,11 +60,8 @@ async def make_requests(
         APIError: 400 for a prompt the engine refuses (too long, bad placeholders, ...).
     """
     if not params.max_tokens:
-        try:
-            first = await _make(engine, messages, images, replace(params, max_tokens=1))
-        except APIError as e:  # the prompt alone does not fit
-            e.param = "messages"
-            raise
+        # the prompt alone must leave room for one token; the error then names the prompt
+        first = await _make(engine, messages, images, replace(params, max_tokens=1))
         room = min(engine.max_context, engine.pool.size_tokens) - first.prompt_len
         params = replace(params, max_tokens=max(1, min(default_max_tokens, room)))
     reqs = []
@@ -84,6 +81,4 @@ async def _make(
             engine.make_request, messages=messages, images=list(images), params=params
         )
     except RequestError as e:
-        msg = str(e)
-        param = "max_tokens" if "max_tokens" in msg else "messages"
-        raise APIError(400, msg, param=param) from None
+        raise APIError(400, str(e), param=e.param or "messages") from None

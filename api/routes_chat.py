@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from api import routes_videos
-from api.errors import APIError
+from api.errors import APIError, field_path
 from api.generation import make_requests, sampling_params
 from api.openai_format import TokenText, chat_completion, chat_stream
 from api.schemas import ChatCompletionRequest, ChatMessage
@@ -111,7 +111,7 @@ def _split_images(
             continue
         parts = []
         for j, p in enumerate(m.content):
-            param = f"messages.{i}.content.{j}"
+            param = field_path(["messages", i, "content", j])
             if p.type == "text":
                 parts.append({"type": "text", "text": p.text or ""})
                 continue

@@ -341,3 +341,82 @@ def test_very_wide_panorama_is_answered(client) -> None:  # noqa: ANN001
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] > 576
     assert_healthy(client)
+
+
+@pytest.mark.parametrize(
+    "part, param, words",
+    [
+        (
+            {"type": "input_image", "image_url": "x"},
+            "messages[0].content[1].type",
+            "accepted types are 'text', 'image_url' or 'video_url'",
+        ),
+        ({"type": "image", "image": "x"}, "messages[0].content[1].type", "'image'"),
+        ({"text": "hi"}, "messages[0].content[1].type", "field required"),
+        (
+            {"type": "image_url", "image_url": {"url": 123}},
+            "messages[0].content[1].image_url.url",
+            "expected a string",
+        ),
+        (
+            {"type": "image_url", "image_url": {}},
+            "messages[0].content[1].image_url.url",
+            "field required",
+        ),
+        ({"type": "text", "text": ["a"]}, "messages[0].content[1].text", "expected a string"),
+        (
+            {"type": "video_url", "video_url": {"url": "v", "num_frames": "many"}},
+            "messages[0].content[1].video_url.num_frames",
+            "expected an integer",
+        ),
+    ],
+)
+def test_malformed_parts_name_the_deepest_field(client, part, param, words) -> None:  # noqa: ANN001
+    err = assert_error(chat(client, [{"type": "text", "text": "a"}, part]), 400, words)
+    assert err["param"] == param
+    assert err["message"].startswith(param + ": ")
+    assert ".str" not in err["message"] and "Input should" not in err["message"]
+    assert_healthy(client)
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'tool'"),
+        ({"messages": "hello"}, "messages", "expected an array"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "3"}, None, None),
+        ({"messages": [{"role": "user", "content": "x"}], "top_k": "all"}, "top_k", "integer"),
+        ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "expected"),
+    ],
+)
+def test_validation_errors_name_the_field(client, body, param, words) -> None:  # noqa: ANN001
+    r = client.post("/v1/chat/completions", json={"max_tokens": 2, **body})
+    if param is None:  # a numeric string is coerced, as pydantic does by default
+        assert r.status_code == 200, r.text
+        return
+    err = assert_error(r, 400, words)
+    assert err["param"] == param
+    assert_healthy(client)
+
+
+def test_a_prompt_that_fills_the_context_is_not_blamed_on_max_tokens(make_engine) -> None:  # noqa: ANN001
+    engine = make_engine(max_total_tokens=700)
+    with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
+        long_text = "word " * 800
+        for extra in ({}, {"max_tokens": 5}):
+            r = c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": long_text}], **extra},
+            )
+            err = assert_error(r, 400, "no room for output")
+            assert err["param"] == "messages"
+            assert "max_tokens (" not in err["message"], err
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 699},
+        )
+        err = assert_error(r, 400, "max_tokens (699)")
+        assert err["param"] == "max_tokens" and "at most" in err["message"]
+        # with no max_tokens the same prompt is answered: the default is capped to the room
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text

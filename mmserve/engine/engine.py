@@ -29,7 +29,16 @@ from mmserve.vision.image import decode_image
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; the message says why (HTTP 400)."""
+    """A request the engine refuses; the message says why (HTTP 400).
+
+    Args:
+        message: what is wrong, in words for the client.
+        param: the request field at fault ("messages", "max_tokens", ...), if known.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -131,20 +140,37 @@ class Engine:
             raise
         except ValueError as e:
             raise RequestError(str(e)) from None
-        total = len(ids) + params.max_tokens
-        if total > self.max_context:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} "
-                f"tokens; the model's context is {self.max_context}"
-            )
-        if total > self.pool.size_tokens:
-            raise RequestError(
-                f"prompt plus max_tokens is {total} tokens; the KV pool holds "
-                f"{self.pool.size_tokens} tokens"
-            )
+        self.check_length(len(ids), params.max_tokens)
         req = Request(ids, spans, params, rid=rid)
         req.generator = make_generator(params, self.config.device)
         return req
+
+    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse a prompt that leaves no room for output, or ``max_tokens`` beyond the room.
+
+        A prompt that alone fills the context or the KV pool is blamed on the prompt
+        ("messages"), never on ``max_tokens``.
+
+        Raises:
+            RequestError: with ``param`` "messages" or "max_tokens".
+        """
+        for limit, what in (
+            (self.max_context, "the model's context"),
+            (self.pool.size_tokens, "the KV pool"),
+        ):
+            if prompt_len >= limit:
+                raise RequestError(
+                    f"prompt is {prompt_len} tokens; {what} holds {limit} tokens, which leaves "
+                    f"no room for output: shorten the messages or send fewer images",
+                    param="messages",
+                )
+            if prompt_len + max_tokens > limit:
+                raise RequestError(
+                    f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+                    f"{prompt_len + max_tokens} tokens; {what} holds {limit} tokens: set "
+                    f"max_tokens to at most {limit - prompt_len}",
+                    param="max_tokens",
+                )
 
     def add_request(self, req: Request) -> None:
         """Queue a request built by :meth:`make_request`."""
