@@ -1,29 +1,88 @@
 #!/usr/bin/env bash
-# GPU check in one command, for a machine with one NVIDIA GPU, a CUDA build of
-# torch and flashinfer-python installed (`pip install -e ".[gpu,test]"`), no network.
-# Budget: under 8 minutes (each phase has its own timeout; FlashInfer's first
-# use JIT-compiles its kernels unless flashinfer-jit-cache / flashinfer-cubin is
-# installed, which is most of the pytest phase on a cold cache).
+# GPU check in one command, for a machine with one NVIDIA GPU and no network.
 #
-#   scripts/gpu_check.sh            # from anywhere; exit status 0 only if every phase passed
+#   scripts/gpu_check.sh [OUT_DIR]     # from anywhere; exit status 0 only if every phase passed
 #
-# Phases: environment report; pytest of tests/gpu (FlashInfer vs torch kernels and
-# engines, fp32 CUDA reference equality) plus tests/test_reference.py; the
-# many-questions benchmark on the small model (cache on vs off); a summary.
+# Where: an image with CUDA (nvcc), Python 3.12 and a CUDA build of torch, transformers,
+# pytest, numpy, pillow and xxhash (the `image` lines of scripts/gpu_bundle.txt), with the
+# work tree and .gpu_bundle/ (built by scripts/gpu_bundle.sh where PyPI is reachable)
+# copied there. Nothing is downloaded: the bundle's wheels are installed with
+# `pip install --no-index --no-deps --target .gpu_site` and put first on PYTHONPATH,
+# leaving the image's own packages (torch, transformers) untouched; the project runs
+# from the work tree (PYTHONPATH, no install). Without .gpu_bundle/ the environment
+# must already have flashinfer (e.g. `pip install -e ".[gpu,test]"`).
+#
+# Phases, each with its own timeout, 470 s in all (under 8 minutes; FlashInfer
+# compiles its kernels on first use (JIT), which is most of the pytest phase):
+#   install      checksums, then the offline install of .gpu_bundle/ (skipped without it)
+#   environment  nvidia-smi; python, torch, CUDA, GPU, nvcc, ninja, flashinfer,
+#                transformers versions; import flashinfer; what backend "auto" picks
+#   pytest       tests/gpu (FlashInfer vs the torch backend, both engines, greedy
+#                equality with transformers in fp32 on CUDA) and tests/test_reference.py,
+#                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
+#   benchmark    benchmarks/many_questions.py, small model on CUDA (cache on vs off)
+#
+# Output, in OUT_DIR (the argument, else $GPU_CHECK_OUT, else $OUT, else gpu_check_out/):
+#   gpu_check.log  all output;  summary.txt  the phases table;  versions.json;
+#   pytest.xml (JUnit);  benchmark.json;  summary.json  phases (status, seconds, limit),
+#   versions, pytest counts, benchmark figures and "passed".
+#
+# Env: PYTHON (default: the active venv's python, else the first of python, python3,
+# python3.12 that has torch), GPU_BUNDLE (.gpu_bundle), GPU_SITE (.gpu_site),
+# GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
+# `scripts/gpu_bundle.sh --check PYTHON`), INSTALL_TIMEOUT, ENV_TIMEOUT, PYTEST_TIMEOUT,
+# BENCH_TIMEOUT (seconds).
 set -uo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.."
-if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
-  # shellcheck disable=SC1091
-  . .venv/bin/activate
-fi
-export PYTHONUNBUFFERED=1
+ROOT=$PWD
+abspath() { case $1 in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac }
+export PYTHONUNBUFFERED=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-330}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-110}
+OUT_DIR=$(abspath "${1:-${GPU_CHECK_OUT:-${OUT:-$ROOT/gpu_check_out}}}")
+mkdir -p "$OUT_DIR" || exit 2
+LOG=$OUT_DIR/gpu_check.log
+exec 3>&1 4>&2
+exec > >(tee "$LOG") 2>&1
+TEE_PID=$!
+
+BUNDLE=$(abspath "${GPU_BUNDLE:-$ROOT/.gpu_bundle}")
+SITE=$(abspath "${GPU_SITE:-$ROOT/.gpu_site}")
+ONLY=${GPU_CHECK_ONLY:-}
+INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-30}
+ENV_TIMEOUT=${ENV_TIMEOUT:-60}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-300}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-80}
+HAVE_BUNDLE=0
+compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
+
+if [[ -n ${PYTHON:-} ]]; then
+  PY=$PYTHON
+elif [[ -n ${VIRTUAL_ENV:-} ]]; then
+  PY=$VIRTUAL_ENV/bin/python
+elif [[ $HAVE_BUNDLE -eq 0 && -x .venv/bin/python ]]; then
+  PY=$ROOT/.venv/bin/python # a full `pip install -e ".[gpu,test]"` here
+else
+  PY=
+  for cand in python python3 python3.12; do
+    if command -v "$cand" >/dev/null &&
+      "$cand" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)' 2>/dev/null; then
+      PY=$cand
+      break
+    fi
+  done
+  PY=${PY:-python3}
+fi
+PY=$(command -v "$PY" || echo "$PY")
+export GPU_CHECK_PY=$PY GPU_CHECK_OUT_DIR=$OUT_DIR GPU_CHECK_ONLY=$ONLY GPU_SITE=$SITE \
+  GPU_BUNDLE=$BUNDLE GPU_CHECK_HAVE_BUNDLE=$HAVE_BUNDLE
+
 declare -a SUMMARY=()
+PHASES_TSV=$OUT_DIR/phases.tsv
+: >"$PHASES_TSV"
 FAILED=0
 
-phase() {  # phase NAME TIMEOUT CMD...: run, time and record one phase
+phase() { # phase NAME TIMEOUT CMD...: run, time and record one phase
   local name=$1 limit=$2 start rc
   shift 2
   echo
@@ -38,49 +97,225 @@ phase() {  # phase NAME TIMEOUT CMD...: run, time and record one phase
     status="FAILED (exit $rc)"
   fi
   [[ $status == ok ]] || FAILED=1
-  SUMMARY+=("$(printf '%-28s %-18s %4ss' "$name" "$status" "$took")")
+  SUMMARY+=("$(printf '%-26s %-18s %4ss (limit %ss)' "$name" "$status" "$took" "$limit")")
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$took" "$limit" >>"$PHASES_TSV"
 }
 
-echo "=== environment ==="
-nvidia-smi -L || { echo "nvidia-smi failed: no NVIDIA driver/GPU visible"; FAILED=1; }
-python - <<'PY'
+echo "gpu_check: python $PY, bundle ${BUNDLE} ($([[ $HAVE_BUNDLE -eq 1 ]] && echo present || echo absent)), output $OUT_DIR"
+
+# ---- install: the bundle's wheels, offline, into $SITE -----------------------------------
+if [[ $HAVE_BUNDLE -eq 1 ]]; then
+  phase "install (offline)" "$INSTALL_TIMEOUT" "$PY" - <<'PY'
+import hashlib
 import importlib.metadata as md
+import importlib.util
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
-import torch
+bundle, site = Path(os.environ["GPU_BUNDLE"]), Path(os.environ["GPU_SITE"])
+pins = [
+    line.split("#")[0].split()[1]
+    for line in Path("scripts/gpu_bundle.txt").read_text().splitlines()
+    if line.split("#")[0].split()[:1] == ["wheel"]
+]
+sums = bundle / "SHA256SUMS"
+if sums.exists():
+    for line in sums.read_text().splitlines():
+        digest, name = line.split()
+        if hashlib.sha256((bundle / name).read_bytes()).hexdigest() != digest:
+            sys.exit(f"checksum mismatch: {bundle / name} (rebuild with scripts/gpu_bundle.sh)")
+    print(f"checksums ok: {len(sums.read_text().splitlines())} wheels")
+marker = site / ".gpu_check_site"
+if site.exists() and any(site.iterdir()) and not marker.exists():
+    sys.exit(f"{site} exists and was not made by gpu_check.sh: not replacing it")
+shutil.rmtree(site, ignore_errors=True)
+if importlib.util.find_spec("pip") is not None:
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
+           "--find-links", str(bundle), "--target", str(site), *pins]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+else:  # no pip in the image: unpack the wheels (all are plain purelib/platlib wheels)
+    print("no pip: unpacking the wheels into", site)
+    wanted = {re.sub(r"[-_.]+", "_", p.split("==")[0]).lower(): p.split("==")[1] for p in pins}
+    for whl in sorted(bundle.glob("*.whl")):
+        name, version = whl.name.split("-")[:2]
+        if wanted.get(re.sub(r"[-_.]+", "_", name).lower()) != version:
+            continue
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(site)
+        for data in site.glob("*.data"):
+            for sub in data.iterdir():
+                dest = site / "bin" if sub.name == "scripts" else site
+                dest.mkdir(exist_ok=True)
+                for item in sub.iterdir():
+                    shutil.move(str(item), str(dest / item.name))
+            shutil.rmtree(data)
+    for exe in (site / "bin").glob("*") if (site / "bin").is_dir() else []:
+        exe.chmod(exe.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
 
-print(f"python torch {torch.__version__} (CUDA {torch.version.cuda}), "
-      f"cuda available: {torch.cuda.is_available()}")
-if torch.cuda.is_available():
-    print(f"device 0: {torch.cuda.get_device_name(0)}, capability {torch.cuda.get_device_capability(0)}")
-for dist in ("flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache", "transformers"):
+
+found = {norm(d.metadata["Name"]): d.version for d in md.distributions(path=[str(site)])}
+for pin in pins:
+    name, version = pin.split("==")
+    if found.get(norm(name)) != version:
+        sys.exit(f"{pin} not installed in {site} (found {found})")
+marker.write_text("made by scripts/gpu_check.sh; replaced on every run\n")
+print(f"installed {len(pins)} wheels into {site}: " + ", ".join(pins))
+PY
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  export PATH="$SITE/bin:$PATH"
+fi
+# The project itself: from the work tree, without installing it or its dependencies.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# FlashInfer's JIT links against $CUDA_HOME/lib64 and guesses CUDA_HOME from `which nvcc`,
+# which is wrong where the nvcc on PATH is a wrapper or link outside the toolkit.
+if [[ -z ${CUDA_HOME:-} ]]; then
+  nvcc_path=$(command -v nvcc || true)
+  for cand in "${CUDA_PATH:-}" ${nvcc_path:+"$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")"} \
+    /usr/local/cuda /usr/local/cuda-*; do
+    if [[ -n $cand && -x $cand/bin/nvcc && -e $cand/lib64/libcudart.so ]]; then
+      export CUDA_HOME=$cand
+      break
+    fi
+  done
+fi
+
+# ---- environment --------------------------------------------------------------------------
+if [[ $ONLY != setup ]]; then
+  echo
+  nvidia-smi -L || echo "nvidia-smi failed: no NVIDIA driver/GPU visible"
+fi
+phase "environment" "$ENV_TIMEOUT" "$PY" - <<'PY'
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+setup_only = os.environ["GPU_CHECK_ONLY"] == "setup"
+problems, v = [], {"python": platform.python_version(), "executable": sys.executable}
+image = [
+    name
+    for line in Path("scripts/gpu_bundle.txt").read_text().splitlines()
+    if line.split("#")[0].split()[:1] == ["image"]
+    for name in line.split("#")[0].split()[2:]
+]
+if missing := [m for m in image if importlib.util.find_spec(m) is None]:
+    problems.append(f"the image lacks {missing} (scripts/gpu_bundle.txt counts on them)")
+
+import torch  # noqa: E402
+
+v["torch"], v["torch_cuda"] = torch.__version__, torch.version.cuda
+v["cuda_available"] = torch.cuda.is_available()
+if v["cuda_available"]:
+    v["gpu"] = torch.cuda.get_device_name(0)
+    v["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+elif not setup_only:
+    problems.append("torch.cuda.is_available() is False")
+v["cuda_home"] = os.environ.get("CUDA_HOME")
+nvcc = os.path.join(v["cuda_home"], "bin", "nvcc") if v["cuda_home"] else shutil.which("nvcc") or "nvcc"
+try:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
+    v["nvcc"] = (re.findall(r"release ([\d.]+)", out) or ["?"])[0]
+except (OSError, subprocess.SubprocessError) as e:
+    v["nvcc"] = None
+    if not setup_only:
+        problems.append(f"no nvcc for FlashInfer's JIT ({e})")
+v["ninja"] = shutil.which("ninja")
+if v["ninja"] is None:
+    problems.append("no `ninja` on PATH for FlashInfer's JIT")
+for dist in ("flashinfer-python", "apache-tvm-ffi", "flashinfer-cubin", "flashinfer-jit-cache",
+             "transformers", "tokenizers", "safetensors", "numpy", "pytest"):
     try:
-        print(f"{dist} {md.version(dist)}")
+        v[dist] = md.version(dist)
     except md.PackageNotFoundError:
-        print(f"{dist}: not installed")
+        v[dist] = None
 try:
     import flashinfer
-    print(f"import flashinfer: ok ({flashinfer.__version__})")
+
+    v["flashinfer_file"] = flashinfer.__file__
+    print(f"import flashinfer: ok ({flashinfer.__version__} from {flashinfer.__file__})")
 except Exception as e:  # noqa: BLE001
-    print(f"import flashinfer: FAILED ({type(e).__name__}: {e})")
-from mmserve.kernels.select import resolve_attention_backend
-print("attention backend 'auto' on cuda/bf16 resolves to:",
-      resolve_attention_backend("auto", "cuda", torch.bfloat16))
+    problems.append(f"import flashinfer failed ({type(e).__name__}: {e})")
+from mmserve.kernels.select import resolve_attention_backend  # noqa: E402
+
+v["auto_backend_cuda_bf16"] = resolve_attention_backend("auto", "cuda", torch.bfloat16)
+if not setup_only and v["auto_backend_cuda_bf16"] != "flashinfer":
+    problems.append(f"backend 'auto' on cuda/bf16 is {v['auto_backend_cuda_bf16']!r}")
+leaked = sorted(m for m in ("fastapi", "pydantic", "decord") if m in sys.modules)
+if leaked:
+    print(f"note: importing the backend pulled in {leaked}")
+v["problems"] = problems
+for key, val in v.items():
+    print(f"{key:24} {val}")
+out = Path(os.environ["GPU_CHECK_OUT_DIR"]) / "versions.json"
+out.write_text(json.dumps(v, indent=2) + "\n")
+sys.exit(1 if problems else 0)
 PY
 
-# -rs lists every skip with its reason; MMSERVE_REQUIRE_GPU=1 makes a missing
-# GPU or flashinfer a failure (a skipped GPU test is not a pass).
-phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
-  python -m pytest -q -rs --durations=8 tests/gpu tests/test_reference.py
+if [[ $ONLY != setup ]]; then
+  # -rs lists every skip with its reason; MMSERVE_REQUIRE_GPU=1 makes a missing
+  # GPU or flashinfer a failure (a skipped GPU test is not a pass).
+  phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
+    "$PY" -m pytest -q -rs --durations=10 -p no:cacheprovider \
+    --junitxml="$OUT_DIR/pytest.xml" tests/gpu tests/test_reference.py
 
-phase "benchmark many_questions" "$BENCH_TIMEOUT" \
-  python -m benchmarks.many_questions --size small --device cuda \
-  --images 4 --questions 4 --max-tokens 16
+  phase "benchmark many_questions" "$BENCH_TIMEOUT" "$PY" -c '
+import json, sys
+from benchmarks.many_questions import main
+result = main(sys.argv[2:])
+with open(sys.argv[1], "w") as f:
+    json.dump(result, f, indent=2, default=str)
+' "$OUT_DIR/benchmark.json" --size small --device cuda --images 4 --questions 4 --max-tokens 16
+fi
 
+# ---- summary ------------------------------------------------------------------------------
 echo
 echo "=== summary (total ${SECONDS}s) ==="
-printf '%s\n' "${SUMMARY[@]}"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT_DIR/summary.txt"
+export GPU_CHECK_FAILED=$FAILED GPU_CHECK_SECONDS=$SECONDS
+timeout 30 "$PY" - <<'PY' || echo "(summary.json not written)"
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+out = Path(os.environ["GPU_CHECK_OUT_DIR"])
+s = {"passed": os.environ["GPU_CHECK_FAILED"] == "0", "total_s": int(os.environ["GPU_CHECK_SECONDS"]),
+     "mode": os.environ["GPU_CHECK_ONLY"] or "full", "phases": []}
+for line in (out / "phases.tsv").read_text().splitlines():
+    name, status, took, limit = line.split("\t")
+    s["phases"].append({"name": name, "status": status, "seconds": int(took), "limit_s": int(limit)})
+if (out / "versions.json").exists():
+    s["versions"] = json.loads((out / "versions.json").read_text())
+if (out / "pytest.xml").exists():
+    suites = ET.parse(out / "pytest.xml").getroot()
+    suite = suites if suites.tag == "testsuite" else suites[0]
+    s["pytest"] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
+if (out / "benchmark.json").exists():
+    s["benchmark"] = json.loads((out / "benchmark.json").read_text())
+(out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+print(f"summary.json written to {out}")
+PY
 if [[ $FAILED -ne 0 ]]; then
-  echo "GPU CHECK: FAILED"
-  exit 1
+  echo "GPU CHECK${ONLY:+ ($ONLY only)}: FAILED"
+else
+  echo "GPU CHECK${ONLY:+ ($ONLY only)}: PASSED"
 fi
-echo "GPU CHECK: PASSED"
+exec 1>&3 2>&4
+wait "$TEE_PID" 2>/dev/null
+exit "$FAILED"
