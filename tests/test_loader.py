@@ -21,16 +21,20 @@ def copy_dir(model_dir: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    "name, words",
+    "names, words",
     [
-        ("config.json", "config.json is missing"),
-        ("tokenizer.json", "tokenizer.json is missing"),
-        ("preprocessor_config.json", "preprocessor_config.json is missing"),
-        ("model.safetensors", "no \\*.safetensors weights"),
+        (["config.json"], "config.json is missing"),
+        (["tokenizer.json"], "tokenizer is missing \\(no tokenizer.json or tokenizer.model\\)"),
+        (
+            ["preprocessor_config.json", "processor_config.json"],
+            "image processor config is missing \\(no preprocessor_config.json",
+        ),
+        (["model.safetensors"], "no \\*.safetensors weights"),
     ],
 )
-def test_missing_file_is_named(copy_dir: Path, name: str, words: str) -> None:
-    (copy_dir / name).unlink()
+def test_missing_file_is_named(copy_dir: Path, names: list[str], words: str) -> None:
+    for name in names:
+        (copy_dir / name).unlink()
     with pytest.raises(CheckpointError, match=words):
         load_model(copy_dir)
 

@@ -1,7 +1,14 @@
 """Load a Hugging Face LLaVA-1.5 checkpoint directory into our model.
 
-Reads ``config.json``, the safetensors weights (one file or shards with an
-index), the tokenizer and the processor. Both key layouts seen in the wild are
+The config, tokenizer and processor are read through transformers' Auto classes
+(``AutoConfig``, ``AutoProcessor``), so every directory layout the installed
+transformers can load is accepted: ``preprocessor_config.json`` or the image
+processor nested in ``processor_config.json``, ``tokenizer.json`` or a
+SentencePiece ``tokenizer.model``. When transformers refuses the directory, the
+error is reported in words that name the directory and the missing piece.
+
+The safetensors weights are one file or shards listed by
+``model.safetensors.index.json``. Both key layouts seen in the wild are
 accepted: transformers 5 (``model.language_model.*``, ``model.vision_tower.*``,
 ``lm_head.*``) and the llava-hf release layout (``language_model.model.*``,
 ``language_model.lm_head.*``, ``vision_tower.vision_model.*``).
@@ -15,7 +22,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoProcessor, LlavaConfig
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoProcessor,
+    AutoTokenizer,
+    LlavaConfig,
+)
+from transformers.utils import is_protobuf_available
 
 from mmserve.model.llama import LlamaDecoder, LlamaShape
 from mmserve.model.vision_tower import VisionEncoder
@@ -55,10 +69,24 @@ class LoadedModel:
         return self.processor.tokenizer
 
 
+def _short(exc: BaseException) -> str:
+    """The first line of an exception's message, without the Hub advice, at most 200 chars."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    text = text.split(" If you were trying to load it from")[0].strip()
+    text = text or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(
+                f"{model_dir}: model.safetensors.index.json is unreadable "
+                f"(needs a 'weight_map' of tensor name -> shard file): {_short(exc)}"
+            ) from exc
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
@@ -67,7 +95,10 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     for name in files:
         path = model_dir / name
         if not path.exists():
-            raise CheckpointError(f"{model_dir}: weight shard {name} listed but missing")
+            raise CheckpointError(
+                f"{model_dir}: weight shard {name} is listed in model.safetensors.index.json "
+                "but missing"
+            )
         weights.update(load_file(str(path)))
     return weights
 
@@ -128,10 +159,91 @@ def text_shape(config: LlavaConfig) -> LlamaShape:
     )
 
 
+def _load_config(model_dir: Path) -> LlavaConfig:
+    """``AutoConfig`` on ``model_dir``; only ``llava`` is accepted."""
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{model_dir}: config.json is missing")
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises many kinds
+        try:
+            model_type = json.loads(cfg_path.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = "llava"  # unreadable: report the config error below
+        if model_type != "llava":
+            raise CheckpointError(
+                f"unsupported architecture {model_type!r} in {cfg_path}: "
+                "only LLaVA-1.5 ('llava') checkpoints"
+            ) from exc
+        raise CheckpointError(f"{model_dir}: cannot read config.json: {_short(exc)}") from exc
+    if config.model_type != "llava":
+        raise CheckpointError(
+            f"unsupported architecture {config.model_type!r} in {cfg_path}: "
+            "only LLaVA-1.5 ('llava') checkpoints"
+        )
+    return config
+
+
+def _processor_failure(model_dir: Path, exc: BaseException) -> str:
+    """Say which piece ``AutoProcessor`` could not load: ask the tokenizer and image
+    processor Auto classes separately, then name the missing file(s)."""
+    try:
+        AutoTokenizer.from_pretrained(model_dir)
+    except Exception as tok_exc:
+        has_json = (model_dir / "tokenizer.json").is_file()
+        has_model = (model_dir / "tokenizer.model").is_file()
+        if not has_json and not has_model:
+            return "the tokenizer is missing (no tokenizer.json or tokenizer.model)"
+        if not has_json and not is_protobuf_available():
+            return (
+                "the tokenizer is tokenizer.model (SentencePiece) with no tokenizer.json, and "
+                "transformers needs the protobuf package to read it; it is not installed"
+            )
+        return f"the tokenizer does not load: {_short(tok_exc)}"
+    try:
+        AutoImageProcessor.from_pretrained(model_dir)
+    except Exception as img_exc:
+        nested = False
+        proc_cfg = model_dir / "processor_config.json"
+        if proc_cfg.is_file():
+            try:
+                nested = "image_processor" in json.loads(proc_cfg.read_text())
+            except (OSError, ValueError, TypeError):
+                nested = False
+        if not nested and not (model_dir / "preprocessor_config.json").is_file():
+            return (
+                "the image processor config is missing (no preprocessor_config.json, and no "
+                "image_processor entry in processor_config.json)"
+            )
+        return f"the image processor does not load: {_short(img_exc)}"
+    return _short(exc)
+
+
+def _load_processor(model_dir: Path) -> object:
+    """``AutoProcessor`` on ``model_dir``; it must hold a tokenizer and an image processor."""
+    try:
+        processor = AutoProcessor.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises many kinds
+        why = _processor_failure(model_dir, exc)
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor: {why}") from exc
+    missing = [a for a in ("tokenizer", "image_processor") if getattr(processor, a, None) is None]
+    if missing:
+        raise CheckpointError(
+            f"{model_dir}: cannot load the tokenizer/processor: transformers built a "
+            f"{type(processor).__name__} without {' and '.join(missing)} (a LLaVA checkpoint "
+            "needs a processor_config.json or preprocessor_config.json and a tokenizer)"
+        )
+    return processor
+
+
 def load_model(
     model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
     """Load a LLaVA-1.5 checkpoint directory.
+
+    Any layout that the installed transformers' ``AutoConfig`` and
+    ``AutoProcessor`` read is accepted (see the module docstring).
 
     Args:
         model_dir: a directory as written by ``save_pretrained`` (config.json,
@@ -143,25 +255,18 @@ def load_model(
         A :class:`LoadedModel`.
 
     Raises:
-        CheckpointError: naming the missing file, missing weights or the
-            unsupported architecture.
+        CheckpointError: with the directory in the message, when it or its
+            config.json does not exist, the architecture is not ``llava`` (or its
+            decoder not Llama), the tokenizer or image processor cannot be loaded
+            (naming the missing file), no weights are found, a shard listed in
+            the index is missing, tensors are missing, or the tokenizer's size
+            differs from the config's vocab_size.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.exists():
-        raise CheckpointError(f"{model_dir}: config.json is missing")
-    raw = json.loads(cfg_path.read_text())
-    if raw.get("model_type") != "llava":
-        raise CheckpointError(
-            f"unsupported architecture {raw.get('model_type')!r} in {cfg_path}: "
-            "only LLaVA-1.5 ('llava') checkpoints"
-        )
-    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
-        if not (model_dir / name).exists():
-            raise CheckpointError(f"{model_dir}: {name} is missing")
-    config = LlavaConfig.from_pretrained(model_dir)
+    config = _load_config(model_dir)
+    processor = _load_processor(model_dir)
     shape = text_shape(config)
     weights = _read_weights(model_dir)
     dec_w, tower_w, proj_w = _split_weights(weights)
@@ -174,10 +279,11 @@ def load_model(
     decoder.to(device=device, dtype=dtype).eval()
     vision.to(device=device, dtype=dtype).eval()
 
-    processor = AutoProcessor.from_pretrained(model_dir)
     tok = processor.tokenizer
     if len(tok) != shape.vocab_size:
-        raise CheckpointError(f"tokenizer has {len(tok)} ids but vocab_size is {shape.vocab_size}")
+        raise CheckpointError(
+            f"{model_dir}: tokenizer has {len(tok)} ids but vocab_size is {shape.vocab_size}"
+        )
     image_token_id = int(config.image_token_index)
     vc = config.vision_config
     n_img = (vc.image_size // vc.patch_size) ** 2
