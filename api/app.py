@@ -47,7 +47,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     aengine = AsyncEngine(engine)
     metrics = Metrics()
     store = ImageStore(
-        engine.prepare_image,
+        engine.processor.prepare_image,
         max_images=settings.max_stored_images,
         max_bytes=settings.max_stored_image_bytes,
         directory=settings.image_store_dir,
@@ -81,9 +81,16 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.get("/health")
     async def health() -> dict:
-        """Liveness: 200 while the engine thread is healthy (never needs the API key)."""
-        if aengine.error is not None:
-            raise APIError(500, f"engine failed: {aengine.error!r}", "server_error")
+        """200 while the engine steps; 503 after ``unhealthy_after_failed_steps`` failed
+        steps in a row, so a supervisor restarts the process (never needs the API key)."""
+        failed = aengine.consecutive_failures()
+        if failed >= settings.unhealthy_after_failed_steps:
+            raise APIError(
+                503,
+                f"engine unhealthy: its last {failed} steps failed; restart the server",
+                "server_error",
+                code="engine_unhealthy",
+            )
         return {"status": "ok"}
 
     app.include_router(routes_chat.router)

@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
 from api.schemas import SamplingFields
-from mmserve.engine.engine import Engine, RequestError
+from mmserve.engine.processor import InputProcessor, RequestError
 from mmserve.engine.request import ImageInput, Request, SamplingParams
 
 _PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "stop", "top_logprobs")
@@ -44,7 +44,7 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
 
 
 async def make_requests(
-    engine: Engine,
+    processor: InputProcessor,
     messages: list[dict],
     images: Sequence[ImageInput],
     params: SamplingParams,
@@ -61,24 +61,27 @@ async def make_requests(
     """
     if not params.max_tokens:
         # the prompt alone must leave room for one token; the error then names the prompt
-        first = await _make(engine, messages, images, replace(params, max_tokens=1))
-        room = min(engine.max_context, engine.pool.size_tokens) - first.prompt_len
+        first = await _make(processor, messages, images, replace(params, max_tokens=1))
+        room = processor.output_room(first.prompt_len)
         params = replace(params, max_tokens=max(1, min(default_max_tokens, room)))
     reqs = []
     for i in range(n):
         p = params
         if params.seed is not None and i:
             p = replace(params, seed=(params.seed + i) % (1 << 64))
-        reqs.append(await _make(engine, messages, images, p))
+        reqs.append(await _make(processor, messages, images, p))
     return reqs
 
 
 async def _make(
-    engine: Engine, messages: list[dict], images: Sequence[ImageInput], params: SamplingParams
+    processor: InputProcessor,
+    messages: list[dict],
+    images: Sequence[ImageInput],
+    params: SamplingParams,
 ) -> Request:
-    try:
+    try:  # front-end work on a worker thread, off the event loop and the engine thread
         return await run_in_threadpool(
-            engine.make_request, messages=messages, images=list(images), params=params
+            processor.make_request, messages=messages, images=list(images), params=params
         )
     except RequestError as e:
         raise APIError(400, str(e), param=e.param or "messages") from None

@@ -56,13 +56,10 @@ async def flush_cache(st: State) -> dict:
     """
 
     def flush() -> dict:
-        eng = st.engine
-        if eng.live_requests() or eng.has_work():
-            raise _Busy
-        before = eng.pool.allocator.num_free
-        eng.tree.reset()
-        eng.embedding_cache.clear()
-        return {"flushed": True, "freed_pages": eng.pool.allocator.num_free - before}
+        try:
+            return {"flushed": True, "freed_pages": st.engine.flush_cache()}
+        except RuntimeError:
+            raise _Busy from None
 
     try:
         return await st.aengine.run_on_engine(flush)

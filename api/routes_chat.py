@@ -63,7 +63,7 @@ async def chat_completions(
             images.append(await routes_videos.resolve_video(st, url, sel, param))
     messages, images = _expand_videos(messages, images, st.engine.config.max_images_per_request)
     reqs = await make_requests(
-        st.engine, messages, images, params, n, st.settings.default_max_tokens
+        st.engine.processor, messages, images, params, n, st.settings.default_max_tokens
     )
     sub = st.client.submit(reqs)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -74,7 +74,7 @@ async def chat_completions(
         holdback = max((len(s) for s in params.stop), default=1) - 1
 
         def on_failure(result) -> str | None:  # noqa: ANN001
-            return st.client.failure().message if st.client.engine_failed(result) else None
+            return st.client.failure(result).message if st.client.engine_failed(result) else None
 
         events = chat_stream(
             sub, cid, created, st.model_name, tokens, include_usage, holdback, on_failure
@@ -88,8 +88,9 @@ async def chat_completions(
         results = await sub.wait(request)
     except ClientDisconnected:
         return Response(status_code=499)
-    if any(st.client.engine_failed(r) for r in results):
-        raise st.client.failure()
+    for r in results:
+        if st.client.engine_failed(r):
+            raise st.client.failure(r)
     return chat_completion(cid, created, st.model_name, results, tokens)
 
 

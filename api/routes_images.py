@@ -78,15 +78,16 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
         content = [{"type": "image"}, {"type": "text", "text": q}]
         msgs = [*system, {"role": "user", "content": content}]
         reqs += await make_requests(
-            st.engine, msgs, [image], params, 1, st.settings.default_max_tokens
+            st.engine.processor, msgs, [image], params, 1, st.settings.default_max_tokens
         )
     sub = st.client.submit(reqs)
     try:
         results = await sub.wait(request)
     except ClientDisconnected:
         return Response(status_code=499)
-    if any(st.client.engine_failed(r) for r in results):
-        raise st.client.failure()
+    for r in results:
+        if st.client.engine_failed(r):
+            raise st.client.failure(r)
     answers = [
         {
             "index": i,

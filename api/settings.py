@@ -39,6 +39,8 @@ class ServerSettings:
         max_video_side: largest video frame width or height (pixels).
         max_stored_videos: most videos the upload store keeps (LRU beyond it).
         max_stored_video_bytes: most encoded video bytes the upload store keeps (bytes).
+        unhealthy_after_failed_steps: engine steps failing in a row after which
+            ``/health`` answers 503.
     """
 
     served_model_name: str | None = None
@@ -60,6 +62,7 @@ class ServerSettings:
     max_video_side: int = 3840
     max_stored_videos: int = 32
     max_stored_video_bytes: int = 512 << 20
+    unhealthy_after_failed_steps: int = 3
 
     def video_limits(self) -> VideoLimits:
         """The video bounds these settings give."""
@@ -88,6 +91,7 @@ class ServerSettings:
             "max_video_side",
             "max_stored_videos",
             "max_stored_video_bytes",
+            "unhealthy_after_failed_steps",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

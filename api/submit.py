@@ -69,12 +69,18 @@ class EngineClient:
         self.metrics.queue_length.set(n)
 
     def engine_failed(self, result: GenerateResult) -> bool:
-        """Whether ``result`` was cut short by an engine failure."""
-        return result.finish_reason == "abort" and self.aengine.error is not None
+        """Whether ``result`` was cut short by a failed engine step."""
+        return result.finish_reason == "error"
 
-    def failure(self) -> APIError:
-        """The 500 answered after an engine failure."""
-        return APIError(500, f"engine failed: {self.aengine.error!r}", "server_error")
+    def failure(self, result: GenerateResult) -> APIError:
+        """The 500 answered for a request whose batch failed (names the request id)."""
+        return APIError(
+            500,
+            f"request {result.rid} failed: {result.error or 'engine error'}; the server log "
+            "has the traceback",
+            "server_error",
+            code="engine_error",
+        )
 
 
 class Submission:

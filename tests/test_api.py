@@ -134,12 +134,15 @@ def test_engine_failure_answers_500_not_a_hang(make_engine) -> None:  # noqa: AN
     engine = make_engine(max_total_tokens=4096)
 
     def boom(*args):  # noqa: ANN002, ANN202
-        raise RuntimeError("injected")
+        raise RuntimeError("injected /secret/path")
 
     engine.runner.prefill = boom
     app = create_app(engine, ServerSettings(served_model_name=MODEL))
     with TestClient(app) as c:
         r = chat(c, "hello")
-        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
-        assert c.get("/health").status_code == 500
+        err = r.json()["error"]
+        assert r.status_code == 500 and "RuntimeError" in err["message"], err
+        assert "req-" in err["message"] and "/secret" not in err["message"]
+        assert err["type"] == "server_error"
+        assert c.get("/health").status_code == 200  # one failed step is not a dead engine
         assert engine.pool.allocator.num_free == engine.pool.num_pages

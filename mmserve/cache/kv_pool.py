@@ -60,6 +60,24 @@ class KVPool:
         v = self.v_buffers[layer_id]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
+    def write_kv(
+        self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new tokens' K/V: the one place any backend writes the pool.
+
+        Args:
+            layer_id: decoder layer.
+            loc: ``[T]`` int64 flat slots (``page * page_size + offset``).
+            k, v: ``[T, Hkv, D]``; cast to the pool's dtype.
+
+        Returns:
+            The layer's flat ``(K, V)`` views ``[num_pages * P, Hkv, D]``.
+        """
+        k_flat, v_flat = self.flat_kv(layer_id)
+        k_flat[loc] = k.to(k_flat.dtype)
+        v_flat[loc] = v.to(v_flat.dtype)
+        return k_flat, v_flat
+
     def bytes_per_token(self) -> int:
         """K+V bytes one token occupies across all layers."""
         k = self.k_buffers[0]

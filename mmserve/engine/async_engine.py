@@ -8,12 +8,15 @@ caller's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import GenerateResult, Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,23 +89,27 @@ class AsyncEngine:
                 fn()
             if eng.has_work():
                 try:
-                    eng.step()
-                except Exception as e:  # a bug must not hang every client
+                    eng.step()  # a failing batch is contained inside step
+                except Exception as e:  # noqa: BLE001 - a scheduler bug must not hang clients
+                    log.exception("engine step failed outside a batch; ending every request")
                     self.error = e
-                    self._abort_all()
+                    eng.stats.failed_steps += 1
+                    eng.stats.consecutive_failed_steps += 1
+                    self._abort_all(f"{type(e).__name__} in the engine")
 
-    def _abort_all(self) -> None:
-        eng = self.engine
-        for req in eng.live_requests():
-            try:
-                eng.abort(req.rid)
-            except Exception:  # noqa: BLE001 - state may be broken; still answer the client
-                req.finish_reason = "abort"
+    def _abort_all(self, message: str) -> None:
+        try:
+            self.engine.abort_all("error", message)
+        except Exception:  # noqa: BLE001 - state may be broken; still answer every client
+            log.exception("abort_all failed")
+            for req in self.engine.live_requests():
+                req.finish_reason, req.error = "error", message
                 if req.on_update is not None:
                     req.on_update(req)
-        # whatever could not be released cleanly must not be stepped again
-        eng.scheduler.running.clear()
-        eng.scheduler.waiting.clear()
+
+    def consecutive_failures(self) -> int:
+        """Engine steps that failed in a row (0 after any step succeeds)."""
+        return self.engine.stats.consecutive_failed_steps
 
     async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
         """Submit ``req`` and yield its updates; the last one carries the result.

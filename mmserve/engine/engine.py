@@ -8,7 +8,9 @@ drives it from a background thread for the HTTP server.
 
 from __future__ import annotations
 
+import logging
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,27 +20,16 @@ from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.radix_cache import RadixCache
 from mmserve.config import EngineConfig
 from mmserve.engine.model_runner import ModelRunner
-from mmserve.engine.prompt import PromptBuilder, PromptError
-from mmserve.engine.request import GenerateResult, ImageInput, Request, SamplingParams
-from mmserve.engine.sampling import make_generator, sample_token, token_logprob
+from mmserve.engine.processor import InputProcessor, RequestError
+from mmserve.engine.request import GenerateResult, Request
+from mmserve.engine.sampling import sample_token, token_logprob
 from mmserve.engine.scheduler import Scheduler
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.vision.embedding_cache import EmbeddingCache
-from mmserve.vision.hashing import image_key, processor_fingerprint
-from mmserve.vision.image import decode_image
 
+log = logging.getLogger(__name__)
 
-class RequestError(ValueError):
-    """A request the engine refuses; the message says why (HTTP 400).
-
-    Args:
-        message: what is wrong, in words for the client.
-        param: the request field at fault ("messages", "max_tokens", ...), if known.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["Engine", "EngineStats", "RequestError", "first_stop"]
 
 
 @dataclass
@@ -51,6 +42,9 @@ class EngineStats:
     completion_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    failed_steps: int = 0
+    consecutive_failed_steps: int = 0
+    requests_failed: int = 0
 
 
 class Engine:
@@ -94,86 +88,36 @@ class Engine:
         self.runner = ModelRunner(
             model, self.pool, self.embedding_cache, config.device, config.attention_backend
         )
-        self.prompts = PromptBuilder(model, config.max_images_per_request)
-        self.fingerprint = processor_fingerprint(model.processor.image_processor)
-        self.shortest_edge = _shortest_edge(model.processor.image_processor)
+        self.processor = InputProcessor(model, config, self.pool.size_tokens)
         self.stats = EngineStats()
         self._by_rid: dict[str, Request] = {}
 
-    # ---- inputs -----------------------------------------------------------
-    def prepare_image(self, data: bytes) -> ImageInput:
-        """Decode and hash an encoded image (no preprocessing).
+    # ---- inputs (front-end work lives in InputProcessor; kept for callers) --
+    def prepare_image(self, data: bytes):  # noqa: ANN201
+        """Same as ``self.processor.prepare_image``."""
+        return self.processor.prepare_image(data)
 
-        Raises:
-            ImageError: for empty, corrupt, over-size or degenerate images.
-        """
-        im = decode_image(data, self.config.image_limits, self.shortest_edge)
-        return ImageInput(image_key(im, self.fingerprint), im)
+    def make_request(self, **kw) -> Request:
+        """Same as ``self.processor.make_request``."""
+        return self.processor.make_request(**kw)
 
-    def make_request(
-        self,
-        *,
-        messages: Sequence[dict] | None = None,
-        prompt: str | None = None,
-        images: Sequence[ImageInput] = (),
-        params: SamplingParams | None = None,
-        rid: str | None = None,
-    ) -> Request:
-        """Build a validated request from chat ``messages`` or a raw ``prompt``.
+    @property
+    def prompts(self):  # noqa: ANN201
+        """The processor's prompt builder."""
+        return self.processor.prompts
 
-        Raises:
-            RequestError: bad sampling parameters, placeholder/image mismatch, or a
-                prompt plus ``max_tokens`` beyond the context or the KV pool.
-        """
-        params = params or SamplingParams()
-        try:
-            params.validate()
-            if (messages is None) == (prompt is None):
-                raise RequestError("give exactly one of messages or prompt")
-            if messages is not None:
-                ids, spans = self.prompts.from_messages(messages, list(images))
-            else:
-                ids, spans = self.prompts.from_text(prompt, list(images))
-        except PromptError as e:
-            raise RequestError(str(e)) from None
-        except RequestError:
-            raise
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        self.check_length(len(ids), params.max_tokens)
-        req = Request(ids, spans, params, rid=rid)
-        req.generator = make_generator(params, self.config.device)
-        return req
+    @property
+    def fingerprint(self) -> bytes:
+        """The image processor's fingerprint (part of every image key)."""
+        return self.processor.fingerprint
 
-    def check_length(self, prompt_len: int, max_tokens: int) -> None:
-        """Refuse a prompt that leaves no room for output, or ``max_tokens`` beyond the room.
-
-        A prompt that alone fills the context or the KV pool is blamed on the prompt
-        ("messages"), never on ``max_tokens``.
-
-        Raises:
-            RequestError: with ``param`` "messages" or "max_tokens".
-        """
-        for limit, what in (
-            (self.max_context, "the model's context"),
-            (self.pool.size_tokens, "the KV pool"),
-        ):
-            if prompt_len >= limit:
-                raise RequestError(
-                    f"prompt is {prompt_len} tokens; {what} holds {limit} tokens, which leaves "
-                    f"no room for output: shorten the messages or send fewer images",
-                    param="messages",
-                )
-            if prompt_len + max_tokens > limit:
-                raise RequestError(
-                    f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
-                    f"{prompt_len + max_tokens} tokens; {what} holds {limit} tokens: set "
-                    f"max_tokens to at most {limit - prompt_len}",
-                    param="max_tokens",
-                )
+    @property
+    def shortest_edge(self) -> int:
+        """The image processor's short-side resize target (pixels)."""
+        return self.processor.shortest_edge
 
     def add_request(self, req: Request) -> None:
-        """Queue a request built by :meth:`make_request`."""
+        """Queue a tokenized request built by :class:`InputProcessor`."""
         self._by_rid[req.rid] = req
         self.scheduler.add(req)
 
@@ -183,15 +127,38 @@ class Engine:
         Returns:
             True if the request was found waiting or running.
         """
-        req = self._by_rid.pop(rid, None)
+        req = self._by_rid.get(rid)
         if req is None or req.finished:
             return False
-        if req in self.scheduler.waiting:
-            self.scheduler.waiting.remove(req)
-        else:
-            self.scheduler.release(req)
+        self.scheduler.abort(req)
         self._finish(req, "abort")
         return True
+
+    def abort_all(self, reason: str = "abort", error: str | None = None) -> list[Request]:
+        """End every live request (pages back to the pool); returns them."""
+        reqs = self.scheduler.abort_all()
+        for req in reqs:
+            req.error = error
+            self._finish(req, reason)
+        for req in list(self._by_rid.values()):  # added but never reached the scheduler
+            req.error = error
+            self._finish(req, reason)
+        return reqs
+
+    def flush_cache(self) -> int:
+        """Drop the prefix cache and the vision-embedding cache.
+
+        Returns:
+            Pages freed.
+
+        Raises:
+            RuntimeError: while any request is live.
+        """
+        if self._by_rid or self.has_work():
+            raise RuntimeError("requests are live")
+        freed = self.scheduler.flush_cache()
+        self.embedding_cache.clear()
+        return freed
 
     def live_requests(self) -> list[Request]:
         """Every request added and not yet finished (waiting, running or mid-step)."""
@@ -205,38 +172,62 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one prefill or decode batch.
 
+        An exception while running the batch fails only that batch's requests
+        (finish reason "error", pages freed, traceback logged); the engine keeps
+        serving the rest. ``stats.consecutive_failed_steps`` counts failures in a row.
+
         Returns:
             Requests that got a token this step (finished ones included).
         """
         sched = self.scheduler
         chunks = sched.schedule_prefill()
         if chunks:
-            logits = self.runner.prefill([r for r, _ in chunks], [n for _, n in chunks])
+            reqs = [r for r, _ in chunks]
+            logits = self._run_batch(
+                reqs, lambda: self.runner.prefill(reqs, [n for _, n in chunks])
+            )
+            if logits is None:
+                return []
             self.stats.prefill_steps += 1
             batch, rows = [], []
             for (req, n), row in zip(chunks, logits, strict=True):
-                req.computed_len += n
-                sched.on_prefilled(req)
-                if req.computed_len < len(req.all_ids()):
-                    continue  # more chunks to come; these logits are not a next token
-                if sched.prefilling is req:
-                    sched.prefilling = None
-                sched.running.append(req)
-                batch.append(req)
-                rows.append(row)
+                if sched.on_prefilled(req, n):  # the whole prompt is in: sample a token
+                    batch.append(req)
+                    rows.append(row)
         elif sched.running:
             sched.prepare_decode()
             batch = list(sched.running)
-            rows = self.runner.decode(batch)
+            rows = self._run_batch(batch, lambda: self.runner.decode(batch))
+            if rows is None:
+                return []
             self.stats.decode_steps += 1
-            for req in batch:
-                req.computed_len += 1
+            sched.on_decoded(batch)
         else:
             return []
+        self.stats.consecutive_failed_steps = 0
         now = time.perf_counter()
         for req, row in zip(batch, rows, strict=True):
             self._append_token(req, row, now)
         return batch
+
+    def _run_batch(self, reqs: list[Request], run) -> torch.Tensor | None:  # noqa: ANN001
+        """``run()``'s logits, or None after failing ``reqs`` for its exception."""
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - contained to this batch
+            log.error(
+                "engine step failed for %s:\n%s", [r.rid for r in reqs], traceback.format_exc()
+            )
+            self.stats.failed_steps += 1
+            self.stats.consecutive_failed_steps += 1
+            message = f"{type(e).__name__} while running the batch"
+            for req in reqs:
+                # KV written by a failed forward is not trusted: nothing new goes to the tree
+                self.scheduler.abort(req, cache=False)
+                req.error = message
+                self.stats.requests_failed += 1
+                self._finish(req, "error")
+            return None
 
     def _append_token(self, req: Request, logits: torch.Tensor, now: float) -> None:
         if req.logits is not None:
@@ -259,7 +250,7 @@ class Engine:
         if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.release(req)
+            self.scheduler.finish(req)
             self._finish(req, reason)
         elif req.on_update is not None:
             req.on_update(req)
@@ -319,6 +310,9 @@ class Engine:
             "vision_cache_misses": self.embedding_cache.misses,
             "tree_seconds": self.scheduler.tree_seconds,
             "retractions": self.scheduler.retractions,
+            "failed_steps": s.failed_steps,
+            "consecutive_failed_steps": s.consecutive_failed_steps,
+            "requests_failed": s.requests_failed,
         }
 
 
@@ -332,12 +326,3 @@ def first_stop(text: str, stops: Sequence[str]) -> int | None:
     """
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(found) if found else None
-
-
-def _shortest_edge(image_processor: object) -> int:
-    size = getattr(image_processor, "size", None) or {}
-    if isinstance(size, dict):
-        return int(
-            size.get("shortest_edge") or min(size.get("height", 336), size.get("width", 336))
-        )
-    return int(getattr(size, "shortest_edge", None) or 336)

@@ -122,7 +122,8 @@ class GenerateResult:
         rid: request id.
         text: decoded output (cut before a matched stop string).
         output_ids: generated token ids.
-        finish_reason: "stop" (EOS or stop string), "length" or "abort".
+        finish_reason: "stop" (EOS or stop string), "length", "abort" or "error" (the
+            batch that ran it failed; ``error`` says how).
         prompt_tokens: prompt length in tokens (each image counts its pseudo-tokens).
         cached_tokens: prompt tokens whose KV came from the radix cache.
         completion_tokens: ``len(output_ids)``.
@@ -132,6 +133,7 @@ class GenerateResult:
         latency: seconds from arrival to finish.
         logits: per-step fp32 logits ``[vocab]`` if ``return_logits`` was set.
         logprobs: one :class:`TokenLogprob` per output token if ``logprobs`` was set.
+        error: why the request failed (finish reason "error"), else None.
     """
 
     rid: str
@@ -147,6 +149,7 @@ class GenerateResult:
     latency: float
     logits: list[torch.Tensor] | None = None
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
 
 _rid_counter = itertools.count()
@@ -197,6 +200,7 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         self.abort_requested = False
+        self.error: str | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -230,4 +234,5 @@ class Request:
             latency=end - self.arrival,
             logits=self.logits,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            error=self.error,
         )

@@ -265,7 +265,68 @@ class Scheduler:
             self.alloc.free(dup)
         return n
 
-    def on_prefilled(self, req: Request) -> None:
+    def on_prefilled(self, req: Request, extend_len: int) -> bool:
+        """Record ``extend_len`` newly computed tokens of ``req``'s prefill.
+
+        The computed full pages go to the tree (locked for ``req``). When the whole
+        prompt is computed the request leaves :attr:`prefilling` and starts running.
+
+        Returns:
+            True when the prompt is complete (its last logits give the next token).
+        """
+        req.computed_len += extend_len
+        self._cache_prefix(req)
+        if req.computed_len < len(req.all_ids()):
+            return False  # more chunks to come
+        if self.prefilling is req:
+            self.prefilling = None
+        self.running.append(req)
+        return True
+
+    def on_decoded(self, reqs: list[Request]) -> None:
+        """Each of ``reqs`` has the K/V of one more token."""
+        for req in reqs:
+            req.computed_len += 1
+
+    def finish(self, req: Request) -> None:
+        """``req`` is done: its prompt and output KV go to the tree, the rest is freed."""
+        self.release(req)
+
+    def abort(self, req: Request, cache: bool = True) -> None:
+        """Remove ``req`` wherever it is (waiting, prefilling or running).
+
+        Args:
+            cache: hand its computed KV to the tree (False after a failed batch, whose
+                writes are not trusted: only pages already in the tree stay there).
+        """
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        if not cache:
+            req.computed_len = req.tree_len
+        self.release(req)
+
+    def abort_all(self) -> list[Request]:
+        """Remove every waiting, prefilling and running request; returns them."""
+        reqs = list(self.waiting) + self.active()
+        self.waiting.clear()
+        for req in self.active():
+            self.release(req)
+        return reqs
+
+    def flush_cache(self) -> int:
+        """Drop every tree page (only while no request holds pages); returns pages freed.
+
+        Raises:
+            RuntimeError: while a request is waiting, prefilling or running.
+        """
+        if self.has_work():
+            raise RuntimeError("cannot flush the cache while requests are live")
+        before = self.alloc.num_free
+        self.tree.reset()
+        return self.alloc.num_free - before
+
+    def _cache_prefix(self, req: Request) -> None:
         """Hand the computed full pages to the tree and lock them for ``req``."""
         if self.tree.disable:
             return

@@ -209,9 +209,6 @@ class FlashInferAttentionBackend:
         k_buf, v_buf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
         if k_buf.dtype != self.dtype:
             raise ValueError(f"KV pool dtype {k_buf.dtype} differs from the planned {self.dtype}")
-        # Same write as the torch backend: flat slot = page * P + offset (out_cache_loc).
-        k_flat, v_flat = pool.flat_kv(layer_id)
-        k_flat[meta.out_cache_loc] = k.to(k_flat.dtype)
-        v_flat[meta.out_cache_loc] = v.to(v_flat.dtype)
+        pool.write_kv(layer_id, meta.out_cache_loc, k, v)
         out = self._wrapper.run(q.to(self.dtype).contiguous(), (k_buf, v_buf))
         return out.to(q.dtype)

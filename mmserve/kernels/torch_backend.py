@@ -86,9 +86,7 @@ class TorchAttentionBackend:
         """
         meta = self._meta
         assert meta is not None, "plan() must be called before forward()"
-        k_flat, v_flat = pool.flat_kv(layer_id)
-        k_flat[meta.out_cache_loc] = k.to(k_flat.dtype)
-        v_flat[meta.out_cache_loc] = v.to(v_flat.dtype)
+        k_flat, v_flat = pool.write_kv(layer_id, meta.out_cache_loc, k, v)
         if self._decode_index is not None:
             return self._decode_batched(q, k_flat, v_flat)
         out = torch.empty_like(q)

@@ -1,0 +1,143 @@
+"""The front end: from an API-level request to a tokenized :class:`Request`.
+
+Image decoding and hashing, the chat template, tokenization and every limit
+check happen here, on the caller's thread (HTTP workers), never on the engine
+thread. The engine only accepts the :class:`Request` objects this builds:
+token ids, image spans with their content keys and decoded images (pixels are
+preprocessed by the model runner only when the vision tower must run), and the
+sampling parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mmserve.config import EngineConfig
+from mmserve.engine.prompt import PromptBuilder, PromptError
+from mmserve.engine.request import ImageInput, Request, SamplingParams
+from mmserve.engine.sampling import make_generator
+from mmserve.model.loader import LoadedModel
+from mmserve.vision.hashing import image_key, processor_fingerprint
+from mmserve.vision.image import decode_image
+
+
+class RequestError(ValueError):
+    """A request the front end refuses; the message says why (HTTP 400).
+
+    Args:
+        message: what is wrong, in words for the client.
+        param: the request field at fault ("messages", "max_tokens", ...), if known.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InputProcessor:
+    """Turns messages (or a raw prompt), images and sampling parameters into a Request.
+
+    Thread-safe for concurrent callers: it reads the model's tokenizer and image
+    processor settings and touches no engine state.
+
+    Args:
+        model: the loaded checkpoint (tokenizer, image processor, tokens per image).
+        config: engine settings (image limits, images per request, device).
+        kv_capacity_tokens: tokens the KV pool holds; a request must fit in it.
+    """
+
+    def __init__(self, model: LoadedModel, config: EngineConfig, kv_capacity_tokens: int) -> None:
+        self.model = model
+        self.config = config
+        self.max_context = model.decoder.shape.max_position_embeddings
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.prompts = PromptBuilder(model, config.max_images_per_request)
+        self.fingerprint = processor_fingerprint(model.processor.image_processor)
+        self.shortest_edge = shortest_edge(model.processor.image_processor)
+
+    def prepare_image(self, data: bytes) -> ImageInput:
+        """Decode and hash an encoded image (no preprocessing).
+
+        Raises:
+            ImageError: for empty, corrupt, over-size or degenerate images.
+        """
+        im = decode_image(data, self.config.image_limits, self.shortest_edge)
+        return ImageInput(image_key(im, self.fingerprint), im)
+
+    def make_request(
+        self,
+        *,
+        messages: Sequence[dict] | None = None,
+        prompt: str | None = None,
+        images: Sequence[ImageInput] = (),
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+    ) -> Request:
+        """Build a validated, tokenized request from chat ``messages`` or a raw ``prompt``.
+
+        Raises:
+            RequestError: bad sampling parameters, placeholder/image mismatch, or a
+                prompt plus ``max_tokens`` beyond the context or the KV pool.
+        """
+        params = params or SamplingParams()
+        try:
+            params.validate()
+            if (messages is None) == (prompt is None):
+                raise RequestError("give exactly one of messages or prompt")
+            if messages is not None:
+                ids, spans = self.prompts.from_messages(messages, list(images))
+            else:
+                ids, spans = self.prompts.from_text(prompt, list(images))
+        except RequestError:
+            raise
+        except (PromptError, ValueError) as e:
+            raise RequestError(str(e), param="messages") from None
+        self.check_length(len(ids), params.max_tokens)
+        req = Request(ids, spans, params, rid=rid)
+        req.generator = make_generator(params, self.config.device)
+        return req
+
+    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse a prompt that leaves no room for output, or ``max_tokens`` beyond the room.
+
+        A prompt that alone fills the context or the KV pool is blamed on the prompt
+        ("messages"), never on ``max_tokens``.
+
+        Args:
+            prompt_len: prompt tokens (each image counts its pseudo-tokens).
+            max_tokens: most output tokens asked for.
+
+        Raises:
+            RequestError: with ``param`` "messages" or "max_tokens".
+        """
+        for limit, what in (
+            (self.max_context, "the model's context"),
+            (self.kv_capacity_tokens, "the KV pool"),
+        ):
+            if prompt_len >= limit:
+                raise RequestError(
+                    f"prompt is {prompt_len} tokens; {what} holds {limit} tokens, which leaves "
+                    f"no room for output: shorten the messages or send fewer images",
+                    param="messages",
+                )
+            if prompt_len + max_tokens > limit:
+                raise RequestError(
+                    f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+                    f"{prompt_len + max_tokens} tokens; {what} holds {limit} tokens: set "
+                    f"max_tokens to at most {limit - prompt_len}",
+                    param="max_tokens",
+                )
+
+    def output_room(self, prompt_len: int) -> int:
+        """Most output tokens a prompt of ``prompt_len`` tokens leaves room for."""
+        return min(self.max_context, self.kv_capacity_tokens) - prompt_len
+
+
+def shortest_edge(image_processor: object) -> int:
+    """The processor's resize target for an image's short side (pixels; 336 if unset)."""
+    size = getattr(image_processor, "size", None) or {}
+    if isinstance(size, dict):
+        return int(
+            size.get("shortest_edge") or min(size.get("height", 336), size.get("width", 336))
+        )
+    return int(getattr(size, "shortest_edge", None) or 336)
