@@ -1,0 +1,112 @@
+"""A failing batch costs only its own requests; repeated failures turn /health 503."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import ServerSettings, create_app
+
+POISON = "poison pill"
+NORMAL = ["Tell me about the sky.", "What is a cat?", "Describe a red house."]
+
+
+def body(text: str, **kw) -> dict:
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+        **kw,
+    }
+
+
+def poisoned_app(engine):  # noqa: ANN001, ANN201
+    """An app whose prefill raises for any batch holding a request about ``POISON``."""
+    make, prefill = engine.processor.make_request, engine.runner.prefill
+    poison_ids = set()
+
+    def mark(**kw):  # noqa: ANN003, ANN202
+        req = make(**kw)
+        if any(POISON in str(m.get("content")) for m in kw.get("messages") or []):
+            poison_ids.add(req.rid)
+        return req
+
+    def failing_prefill(reqs, extends):  # noqa: ANN001, ANN202
+        if any(r.rid in poison_ids for r in reqs):
+            raise RuntimeError("injected fault")
+        return prefill(reqs, extends)
+
+    engine.processor.make_request = mark
+    engine.runner.prefill = failing_prefill
+    return create_app(engine, ServerSettings(served_model_name="m"))
+
+
+def accounting(c: TestClient) -> dict:
+    stats = c.get("/v1/cache/stats").json()
+    assert stats["live_requests"] == 0
+    acc = stats["accounting"]
+    assert acc["ok"] and acc["running"] == 0, acc
+    return acc
+
+
+@pytest.fixture(scope="module")
+def baseline(make_engine) -> list[str]:  # noqa: ANN001
+    with TestClient(create_app(make_engine(), ServerSettings(served_model_name="m"))) as c:
+        return [
+            c.post("/v1/chat/completions", json=body(t)).json()["choices"][0]["message"]["content"]
+            for t in NORMAL
+        ]
+
+
+def test_a_failing_batch_fails_only_its_requests(make_engine, baseline) -> None:  # noqa: ANN001
+    engine = make_engine()
+    with TestClient(poisoned_app(engine)) as c:
+        answers: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = c.post("/v1/chat/completions", json=body(NORMAL[i]))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(NORMAL))]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while not engine.scheduler.running and time.time() < deadline:
+            time.sleep(0.005)
+        assert engine.scheduler.running, "the normal requests never started decoding"
+        r = c.post("/v1/chat/completions", json=body(POISON))
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["type"] == "server_error", r.text
+        assert "req-" in err["message"] and "RuntimeError" in err["message"]
+        # a stream that fails gets an error event, then [DONE]
+        with c.stream("POST", "/v1/chat/completions", json=body(POISON, stream=True)) as s:
+            events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert any("error" in json.loads(e) for e in events[:-1]), events
+        for t in threads:
+            t.join(timeout=60)
+        got = [answers[i].json()["choices"][0]["message"]["content"] for i in range(len(NORMAL))]
+        assert got == baseline
+        assert c.get("/health").status_code == 200
+        accounting(c)
+        assert engine.stats.requests_failed == 2
+
+
+def test_three_failed_steps_in_a_row_turn_health_503(make_engine) -> None:  # noqa: ANN001
+    engine = make_engine()
+    with TestClient(poisoned_app(engine)) as c:
+        for k in range(3):
+            assert c.get("/health").status_code == 200, k
+            r = c.post("/v1/chat/completions", json=body(POISON, max_tokens=2))
+            assert r.status_code == 500
+        r = c.get("/health")
+        assert r.status_code == 503 and "restart" in r.json()["error"]["message"]
+        accounting(c)
+        # a step that succeeds again makes the engine healthy
+        r = c.post("/v1/chat/completions", json=body(NORMAL[0], max_tokens=2))
+        assert r.status_code == 200
+        assert c.get("/health").status_code == 200
