@@ -1,17 +1,14 @@
 """FastAPI app: image and video uploads, OpenAI-compatible chat completions, metrics.
 
-``mmserve serve`` hands uvicorn the factory :func:`app_from_env` by its import
-string; tests build the app around an existing :class:`~mmserve.engine.engine.Engine`
-with :func:`create_app`. Routes live in ``api/routes_*.py``.
+:func:`create_app` builds the app around an :class:`~mmserve.engine.engine.Engine`;
+``mmserve serve`` (:mod:`api.cli`) runs it with uvicorn. Routes live in
+``api/routes_*.py``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -27,12 +24,10 @@ from api.settings import ServerSettings
 from api.state import ServerState
 from api.submit import EngineClient
 from api.video_store import VideoStore
-from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
-from mmserve.vision.image import ImageLimits
 
-__all__ = ["ServerSettings", "app_from_env", "create_app", "settings_to_env"]
+__all__ = ["ServerSettings", "create_app"]
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -70,6 +65,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         aengine.start()
         yield
+        # after uvicorn's grace period: whatever still runs is aborted, pages freed
+        aengine.call(lambda: engine.abort_all("abort"))
         aengine.stop()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
@@ -102,19 +99,3 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     if key:
         app.add_middleware(APIKeyMiddleware, api_key=key)
     return app
-
-
-def app_from_env() -> FastAPI:
-    """App factory for ``uvicorn --factory``: settings from ``MMSERVE_SERVER_CONFIG`` (JSON)."""
-    raw = json.loads(os.environ.get("MMSERVE_SERVER_CONFIG", "{}"))
-    limits = ImageLimits(**raw.pop("image_limits", {}))
-    server = ServerSettings(**raw.pop("server", {}))
-    engine = Engine(EngineConfig(**raw, image_limits=limits))
-    return create_app(engine, server)
-
-
-def settings_to_env(config: EngineConfig, server: ServerSettings) -> str:
-    """Serialise settings for :func:`app_from_env`."""
-    d = asdict(config)
-    d["server"] = asdict(server)
-    return json.dumps(d)

@@ -29,13 +29,22 @@ def live_server(
     model_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> Iterator[str]:
     """Run ``mmserve serve --model model_dir *args`` and yield its base URL once healthy."""
+    with live_server_process(model_dir, *args, env=env, timeout=timeout) as (url, _):
+        yield url
+
+
+@contextmanager
+def live_server_process(
+    model_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Like :func:`live_server`, yielding ``(url, process)``; the process is stopped after."""
     port = free_port()
     log = tempfile.TemporaryFile()  # a pipe nobody reads would block a chatty server
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "mmserve.cli",
+            "api.cli",
             "serve",
             "--model",
             str(model_dir),
@@ -62,7 +71,7 @@ def live_server(
                 if time.time() > deadline:
                     pytest.fail(f"server did not become healthy in {timeout} s")
                 time.sleep(0.25)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:

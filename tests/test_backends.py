@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.cache.kv_pool import KVPool
-from mmserve.cli import build_parser, main
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.kernels import (
@@ -126,23 +125,6 @@ def test_config_dtype_resolution(device: str, dtype: str, want: torch.dtype) -> 
     cfg = EngineConfig(device=device, dtype=dtype)
     cfg.validate()
     assert cfg.torch_dtype() == want
-
-
-def test_cli_flags_parse() -> None:
-    args = build_parser().parse_args(
-        ["serve", "--attention-backend", "flashinfer", "--dtype", "float16"]
-    )
-    assert args.attention_backend == "flashinfer" and args.dtype == "float16"
-    defaults = build_parser().parse_args(["serve"])
-    assert defaults.attention_backend == "auto" and defaults.dtype == "auto"
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--attention-backend", "nope"])
-
-
-def test_cli_serve_flashinfer_on_cpu_fails_fast(model_dir, capsys) -> None:  # noqa: ANN001
-    rc = main(["serve", "--model", str(model_dir), "--attention-backend", "flashinfer"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "CUDA" in err and "--attention-backend torch" in err
 
 
 def test_engine_rejects_flashinfer_on_cpu(model_dir) -> None:  # noqa: ANN001

@@ -11,9 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
+from api.cli import build_parser, settings_from_args
 from api.settings import API_KEY_ENV
-from mmserve.cli import build_parser
-from mmserve.server_flags import apply_server_args
 
 MODEL = "llava-tiny"
 
@@ -129,10 +128,7 @@ def test_serve_flags_reach_the_settings(tmp_path) -> None:
             "m",
         ]
     )
-    settings: dict = {"image_limits": {"max_bytes": 1}}
-    apply_server_args(args, settings)
-    server = ServerSettings(**settings["server"])
-    server.validate()
+    _, engine, server = settings_from_args(args)
     assert server == ServerSettings(
         served_model_name="m",
         api_key="k",
@@ -144,5 +140,5 @@ def test_serve_flags_reach_the_settings(tmp_path) -> None:
         allow_remote_images=True,
         allowed_local_media_path=str(tmp_path),
     )
-    assert settings["max_images_per_request"] == 3
-    assert settings["image_limits"] == {"max_bytes": 500}
+    assert engine.max_images_per_request == 3
+    assert engine.image_limits.max_bytes == 500

@@ -1,0 +1,104 @@
+"""``mmserve serve``'s command line: every setting a flag with its default, typed settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+
+from api.cli import LaunchSettings, build_parser, main, settings_from_args
+from api.settings import ServerSettings
+from mmserve.config import EngineConfig
+from mmserve.vision.image import ImageLimits
+
+
+def test_flags_parse_into_typed_settings() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--attention-backend",
+            "flashinfer",
+            "--dtype",
+            "float16",
+            "--page-size",
+            "16",
+            "--disable-radix-cache",
+            "--max-image-side",
+            "4000",
+            "--max-n",
+            "4",
+            "--shutdown-grace-seconds",
+            "2.5",
+            "--port",
+            "9",
+        ]
+    )
+    launch, engine, server = settings_from_args(args)
+    assert (engine.attention_backend, engine.dtype, engine.page_size) == (
+        "flashinfer",
+        "float16",
+        16,
+    )
+    assert engine.disable_radix_cache is True
+    assert engine.image_limits == ImageLimits(max_side=4000)
+    assert server == ServerSettings(max_n=4)
+    assert launch == LaunchSettings(port=9, shutdown_grace_seconds=2.5)
+    # no flags: every dataclass default, defined once
+    launch, engine, server = settings_from_args(build_parser().parse_args(["serve"]))
+    assert (launch, engine, server) == (LaunchSettings(), EngineConfig(), ServerSettings())
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-backend", "nope"])
+
+
+def test_every_setting_is_a_flag_and_help_shows_its_default() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    flat = " ".join(out.split())
+    renamed = {"model_path": "model"}
+    for cls, skip in [
+        (LaunchSettings, ()),
+        (EngineConfig, ("image_limits",)),
+        (ImageLimits, ()),
+        (ServerSettings, ()),
+    ]:
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            name = renamed.get(f.name, f.name)
+            if cls is ImageLimits:
+                name = "max_image_" + name.removeprefix("max_")
+            flag = "--" + name.replace("_", "-")
+            default = getattr(cls(), f.name)
+            m = re.search(
+                re.escape(flag) + r"[ ,].*?\[default: (.*?)\]", flat[flat.index("options:") :]
+            )
+            assert m, flag
+            assert m.group(1) == str(default), (flag, m.group(1), default)
+
+
+def test_bad_setting_is_a_clear_error(capsys) -> None:  # noqa: ANN001
+    assert main(["serve", "--page-size", "0"]) == 2
+    assert "page_size must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_serve_flashinfer_on_cpu_fails_fast(model_dir, capsys) -> None:  # noqa: ANN001
+    rc = main(["serve", "--model", str(model_dir), "--attention-backend", "flashinfer"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "CUDA" in err and "--attention-backend torch" in err
+
+
+def test_no_settings_travel_through_the_environment() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for path in [*root.glob("api/*.py"), *root.glob("mmserve/**/*.py")]:
+        assert "MMSERVE_SERVER_CONFIG" not in path.read_text(), path
+    assert not (root / "mmserve" / "server_flags.py").exists()
