@@ -39,7 +39,7 @@ async def cache_stats(st: State) -> dict:
         stats["accounting"] = None
         if not eng.live_requests() and not eng.has_work():
             try:
-                stats["accounting"] = {"ok": True, **eng.scheduler.check_accounting()}
+                stats["accounting"] = {"ok": True, **eng.check_accounting()}
             except AssertionError as e:
                 stats["accounting"] = {"ok": False, "error": str(e)}
         return stats

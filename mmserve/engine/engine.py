@@ -160,6 +160,10 @@ class Engine:
         self.embedding_cache.clear()
         return freed
 
+    def check_accounting(self) -> dict[str, int]:
+        """The scheduler's pool accounting check (see :meth:`Scheduler.check_accounting`)."""
+        return self.scheduler.check_accounting()
+
     def live_requests(self) -> list[Request]:
         """Every request added and not yet finished (waiting, running or mid-step)."""
         return list(self._by_rid.values())

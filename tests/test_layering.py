@@ -1,0 +1,86 @@
+"""The layers stay plain: the core never imports the HTTP layer, routes never reach into
+the scheduler, tree or allocator, and only the scheduler changes its queues."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = sorted((ROOT / "mmserve").rglob("*.py"))
+API = sorted((ROOT / "api").rglob("*.py"))
+
+#: Attributes of the engine's internals the HTTP layer must not touch.
+INTERNALS = {"scheduler", "tree", "allocator", "pool", "runner", "waiting", "running"}
+#: Calls that change a queue, the tree's structure or locks, or page ownership.
+QUEUE_EDITS = {"append", "appendleft", "remove", "clear", "pop", "popleft", "insert", "extend"}
+TREE_EDITS = {"insert", "evict", "reset", "inc_lock_ref", "dec_lock_ref"}
+ALLOC_EDITS = {"alloc", "free"}
+
+
+def parse(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(), str(path))
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_core_never_imports_the_http_layer() -> None:
+    bad = []
+    for path in CORE:
+        for node in ast.walk(parse(path)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            bad += [f"{rel(path)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "api"]
+    assert not bad, bad
+    assert CORE and API
+
+
+def test_routes_do_not_reach_into_engine_internals() -> None:
+    bad = []
+    for path in API:
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Attribute) and node.attr in INTERNALS:
+                bad.append(f"{rel(path)}:{node.lineno} .{node.attr}")
+    assert not bad, bad
+
+
+def _receiver(node: ast.Attribute) -> str:
+    v = node.value
+    return v.attr if isinstance(v, ast.Attribute) else v.id if isinstance(v, ast.Name) else ""
+
+
+def test_only_the_scheduler_changes_its_queues_tree_and_pages() -> None:
+    allowed = {
+        "mmserve/engine/scheduler.py",  # the owner of every queue transition
+        "mmserve/cache/radix_cache.py",  # the tree frees its own evicted pages
+        "mmserve/cache/page_allocator.py",
+    }
+    bad = []
+    for path in CORE + API:
+        if rel(path) in allowed:
+            continue
+        for node in ast.walk(parse(path)):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and t.attr in {
+                        "waiting",
+                        "running",
+                        "prefilling",
+                    }:
+                        bad.append(f"{rel(path)}:{node.lineno} assigns .{t.attr}")
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            method, owner = node.func.attr, _receiver(node.func)
+            if owner in {"waiting", "running"} and method in QUEUE_EDITS:
+                bad.append(f"{rel(path)}:{node.lineno} {owner}.{method}()")
+            if owner == "tree" and method in TREE_EDITS:
+                bad.append(f"{rel(path)}:{node.lineno} tree.{method}()")
+            if owner in {"allocator", "alloc"} and method in ALLOC_EDITS:
+                bad.append(f"{rel(path)}:{node.lineno} allocator.{method}()")
+    assert not bad, bad
