@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mmserve.model.make_checkpoint import FAMILY_NAMES
+
 
 def _make_model(args: argparse.Namespace) -> int:
     from mmserve.model.make_checkpoint import make_checkpoint
 
-    path = make_checkpoint(args.dir, size=args.size, seed=args.seed)
+    path = make_checkpoint(args.dir, size=args.size, seed=args.seed, family=args.family)
     print(path)
     return 0
 
@@ -23,12 +25,18 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
     """Add ``make-model DIR [--size] [--seed]`` to a subcommand set."""
     m = sub.add_parser(
         "make-model",
-        help="write a seeded random LLaVA-1.5 checkpoint",
+        help="write a seeded random LLaVA-1.5 or LLaVA-NeXT checkpoint",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m.add_argument("dir", help="directory to write")
     m.add_argument("--size", choices=["tiny", "small"], default="tiny")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument(
+        "--family",
+        choices=FAMILY_NAMES,
+        default="llava",
+        help="llava: LLaVA-1.5 (576 tokens per image); llava-next: any-resolution tiles",
+    )
     m.set_defaults(func=_make_model)
     return m
 

@@ -67,10 +67,9 @@ class ModelRunner:
         self.logit_mask = mask.to(self.device)
 
     def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
-        """Features ``[N_img_tokens, hidden]`` for each distinct image, tower-encoded once."""
-        proc = self.model.processor.image_processor
-        pixels = proc(images=[im.image for im in images], return_tensors="pt")["pixel_values"]
-        feats = self.model.vision(pixels.to(self.device, self.dtype))
+        """Features ``[num_image_tokens, hidden]`` for each distinct image, tower-encoded
+        once (one vision call for the batch; the family preprocesses and packs)."""
+        feats = self.model.vision.encode([im.image for im in images])
         self.vision_tower_images += len(images)
         out = {}
         for im, f in zip(images, feats, strict=True):

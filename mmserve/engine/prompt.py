@@ -40,7 +40,7 @@ class PromptBuilder:
         self.tokenizer = model.tokenizer
         self.image_token_id = model.image_token_id
         self.image_token = self.tokenizer.convert_ids_to_tokens(model.image_token_id)
-        self.num_image_tokens = model.num_image_tokens
+        self.model = model
         self.max_images = max_images
         self.pseudo_ids = PseudoIdCache()
         self.max_context = model.decoder.shape.max_position_embeddings
@@ -223,8 +223,9 @@ class PromptBuilder:
         prev = 0
         for slot, image in zip(slots, images, strict=True):
             out.extend(ids[prev:slot])
-            spans.append(ImageSpan(len(out), self.num_image_tokens, image))
-            out.extend(self.pseudo_ids.get(image.key, self.num_image_tokens))
+            n = self.model.image_tokens(image.image.width, image.image.height)
+            spans.append(ImageSpan(len(out), n, image))
+            out.extend(self.pseudo_ids.get(image.key, n))
             prev = slot + 1
         out.extend(ids[prev:])
         return out, spans

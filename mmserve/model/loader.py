@@ -1,4 +1,7 @@
-"""Load a Hugging Face LLaVA-1.5 checkpoint directory into our model.
+"""Load a Hugging Face LLaVA-family checkpoint directory into our model.
+
+The family (LLaVA-1.5, LLaVA-NeXT, ...) comes from ``config.json``'s
+``model_type`` (:mod:`mmserve.model.families`); the decoder is our paged Llama.
 
 The config, tokenizer and processor are read through transformers' Auto classes
 (``AutoConfig``, ``AutoProcessor``), so every directory layout the installed
@@ -27,12 +30,16 @@ from transformers import (
     AutoImageProcessor,
     AutoProcessor,
     AutoTokenizer,
-    LlavaConfig,
+    PretrainedConfig,
 )
 from transformers.utils import is_protobuf_available
 
+from mmserve.model.families import FAMILIES, ModelFamily, family_for
+from mmserve.model.families.base import VisionModule
 from mmserve.model.llama import LlamaDecoder, LlamaShape
-from mmserve.model.vision_tower import VisionEncoder
+
+#: Decoder ``model_type`` values our Llama decoder runs (Mistral without a sliding window).
+TEXT_MODEL_TYPES = ("llama", "mistral")
 
 
 class CheckpointError(ValueError):
@@ -44,24 +51,34 @@ class LoadedModel:
     """Everything the engine needs from one checkpoint.
 
     Attributes:
-        config: the ``LlavaConfig``.
+        config: the transformers config (``LlavaConfig``, ``LlavaNextConfig``, ...).
         decoder: our paged-KV Llama decoder with LM head.
-        vision: CLIP tower + projector.
-        processor: transformers' ``LlavaProcessor`` (tokenizer + image processor).
+        vision: the family's vision module (tower, projector, packing).
+        processor: transformers' processor (tokenizer + image processor).
         image_token_id: id of the ``<image>`` placeholder in the tokenizer.
-        num_image_tokens: pseudo-tokens per image (576 for 336 px / patch 14).
+        num_image_tokens: pseudo-tokens per image when the family uses a fixed count
+            (576 for LLaVA-1.5 at 336 px / patch 14), None when it depends on the
+            image's size (see :meth:`image_tokens`).
         eos_token_ids: ids that end generation.
         never_sample_ids: ids masked out of sampling (image placeholder, padding).
+        family: the model family.
     """
 
-    config: LlavaConfig
+    config: PretrainedConfig
     decoder: LlamaDecoder
-    vision: VisionEncoder
+    vision: VisionModule
     processor: object
     image_token_id: int
-    num_image_tokens: int
+    num_image_tokens: int | None
     eos_token_ids: list[int]
     never_sample_ids: list[int]
+    family: ModelFamily
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """Pseudo-tokens an image of ``width`` x ``height`` pixels becomes."""
+        if self.num_image_tokens is not None:
+            return self.num_image_tokens
+        return self.family.num_image_tokens(width, height)
 
     @property
     def tokenizer(self):  # noqa: ANN201
@@ -103,20 +120,36 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict, dict, dict]:
-    """Route checkpoint keys to (decoder, vision tower, projector) state dicts."""
-    dec, tower, proj = {}, {}, {}
+def _split_weights(
+    weights: dict[str, torch.Tensor], family: ModelFamily
+) -> tuple[dict, dict[str, dict]]:
+    """Route checkpoint keys to the decoder's state dict and, per vision attribute
+    (:attr:`ModelFamily.vision_prefixes`), its state dict (a parameter's is ``{"": t}``)."""
+    dec: dict = {}
+    vision: dict[str, dict] = {attr: {} for attr in family.vision_prefixes.values()}
     for key, t in weights.items():
         k = key.removeprefix("model.")
         if k in ("lm_head.weight", "language_model.lm_head.weight"):
             dec["lm_head.weight"] = t
         elif k.startswith("language_model."):
             dec[k.removeprefix("language_model.").removeprefix("model.")] = t
-        elif k.startswith("vision_tower."):
-            tower[k.removeprefix("vision_tower.")] = t
-        elif k.startswith("multi_modal_projector."):
-            proj[k.removeprefix("multi_modal_projector.")] = t
-    return dec, tower, proj
+        else:
+            for prefix, attr in family.vision_prefixes.items():
+                if k.startswith(prefix):
+                    vision[attr][k.removeprefix(prefix)] = t
+    return dec, vision
+
+
+def _load_vision(vision: VisionModule, states: dict[str, dict]) -> None:
+    for attr, state in states.items():
+        target = getattr(vision, attr)
+        if isinstance(target, torch.nn.Parameter):
+            if "" not in state:
+                raise CheckpointError(f"vision: weight {attr!r} missing from checkpoint")
+            with torch.no_grad():
+                target.copy_(state[""])
+        else:
+            _load_strict(target, state, attr.replace("_", " "))
 
 
 def _load_strict(module: torch.nn.Module, state: dict, what: str) -> None:
@@ -130,15 +163,23 @@ def _load_strict(module: torch.nn.Module, state: dict, what: str) -> None:
     module.load_state_dict(state, strict=False)
 
 
-def text_shape(config: LlavaConfig) -> LlamaShape:
-    """Decoder hyperparameters from a ``LlavaConfig``.
+def text_shape(config: PretrainedConfig) -> LlamaShape:
+    """Decoder hyperparameters from a LLaVA-family config's ``text_config``.
 
     Raises:
-        CheckpointError: for a non-Llama decoder or an unsupported RoPE type.
+        CheckpointError: for a decoder that is not Llama-shaped (Llama, or Mistral
+            without a sliding window shorter than its context) or an unsupported RoPE.
     """
     tc = config.text_config
-    if tc.model_type != "llama":
-        raise CheckpointError(f"unsupported text model {tc.model_type!r}: only llama decoders")
+    if tc.model_type not in TEXT_MODEL_TYPES:
+        raise CheckpointError(
+            f"unsupported text model {tc.model_type!r}: only {', '.join(TEXT_MODEL_TYPES)} decoders"
+        )
+    window = getattr(tc, "sliding_window", None)
+    if window is not None and window < tc.max_position_embeddings:
+        raise CheckpointError(
+            f"unsupported sliding_window {window} (< context {tc.max_position_embeddings})"
+        )
     rope = getattr(tc, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
@@ -159,8 +200,16 @@ def text_shape(config: LlavaConfig) -> LlamaShape:
     )
 
 
-def _load_config(model_dir: Path) -> LlavaConfig:
-    """``AutoConfig`` on ``model_dir``; only ``llava`` is accepted."""
+def _unsupported(model_type: object, cfg_path: Path) -> CheckpointError:
+    known = ", ".join(repr(t) for t in FAMILIES)
+    return CheckpointError(
+        f"unsupported architecture {model_type!r} in {cfg_path}: the supported model "
+        f"families are {known}"
+    )
+
+
+def _load_config(model_dir: Path) -> PretrainedConfig:
+    """``AutoConfig`` on ``model_dir``; only a registered family's ``model_type``."""
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{model_dir}: config.json is missing")
@@ -170,18 +219,12 @@ def _load_config(model_dir: Path) -> LlavaConfig:
         try:
             model_type = json.loads(cfg_path.read_text()).get("model_type")
         except (OSError, ValueError, AttributeError):
-            model_type = "llava"  # unreadable: report the config error below
-        if model_type != "llava":
-            raise CheckpointError(
-                f"unsupported architecture {model_type!r} in {cfg_path}: "
-                "only LLaVA-1.5 ('llava') checkpoints"
-            ) from exc
+            model_type = next(iter(FAMILIES))  # unreadable: report the config error below
+        if family_for(model_type) is None:
+            raise _unsupported(model_type, cfg_path) from exc
         raise CheckpointError(f"{model_dir}: cannot read config.json: {_short(exc)}") from exc
-    if config.model_type != "llava":
-        raise CheckpointError(
-            f"unsupported architecture {config.model_type!r} in {cfg_path}: "
-            "only LLaVA-1.5 ('llava') checkpoints"
-        )
+    if family_for(config.model_type) is None:
+        raise _unsupported(config.model_type, cfg_path)
     return config
 
 
@@ -240,7 +283,7 @@ def _load_processor(model_dir: Path) -> object:
 def load_model(
     model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
-    """Load a LLaVA-1.5 checkpoint directory.
+    """Load a LLaVA-family checkpoint directory.
 
     Any layout that the installed transformers' ``AutoConfig`` and
     ``AutoProcessor`` read is accepted (see the module docstring).
@@ -267,15 +310,18 @@ def load_model(
         raise CheckpointError(f"model directory {model_dir} does not exist")
     config = _load_config(model_dir)
     processor = _load_processor(model_dir)
+    family = family_for(config.model_type)(config, processor)
     shape = text_shape(config)
     weights = _read_weights(model_dir)
-    dec_w, tower_w, proj_w = _split_weights(weights)
+    dec_w, vision_w = _split_weights(weights, family)
 
     decoder = LlamaDecoder(shape)
     _load_strict(decoder, dec_w, "decoder")
-    vision = VisionEncoder(config)
-    _load_strict(vision.vision_tower, tower_w, "vision tower")
-    _load_strict(vision.multi_modal_projector, proj_w, "projector")
+    try:
+        vision = family.build_vision()
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    _load_vision(vision, vision_w)
     decoder.to(device=device, dtype=dtype).eval()
     vision.to(device=device, dtype=dtype).eval()
 
@@ -285,10 +331,6 @@ def load_model(
             f"{model_dir}: tokenizer has {len(tok)} ids but vocab_size is {shape.vocab_size}"
         )
     image_token_id = int(config.image_token_index)
-    vc = config.vision_config
-    n_img = (vc.image_size // vc.patch_size) ** 2
-    if config.vision_feature_select_strategy == "full":
-        n_img += 1
     eos = config.text_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
@@ -302,7 +344,8 @@ def load_model(
         vision=vision,
         processor=processor,
         image_token_id=image_token_id,
-        num_image_tokens=n_img,
+        num_image_tokens=family.fixed_image_tokens(),
         eos_token_ids=eos_ids,
         never_sample_ids=never,
+        family=family,
     )

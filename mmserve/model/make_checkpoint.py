@@ -19,6 +19,7 @@ Command line: ``python -m mmserve.model.make_checkpoint OUT_DIR [--size tiny|sma
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -103,6 +104,95 @@ def build_tokenizer(
         extra_special_tokens={"image_token": "<image>"},
         model_max_length=8192,
         chat_template=CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
+    )
+
+
+#: Checkpoint families ``make_checkpoint`` writes (``--family``).
+FAMILY_NAMES = ("llava", "llava-next")
+#: LLaVA-NeXT tile side (pixels) and grid pinpoints per size: small tiles keep a CPU
+#: prefill short; real llava-v1.6 checkpoints use 336-px tiles.
+NEXT_TILES: dict[str, tuple[int, list[list[int]]]] = {
+    "tiny": (112, [[112, 224], [224, 112], [224, 224], [112, 336], [336, 112]]),
+    "small": (168, [[168, 336], [336, 168], [336, 336], [168, 504], [504, 168]]),
+}
+
+
+def build_sentencepiece_tokenizer(out_dir: Path, corpus_path: str | Path = CORPUS_PATH) -> object:
+    """Train a SentencePiece BPE ``tokenizer.model`` into ``out_dir`` and load it with
+    transformers (a Llama tokenizer, as llava-v1.6 Vicuna/Mistral checkpoints have).
+
+    Ids: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, ``<pad>`` 3, ``<image>`` 4; byte fallback on.
+
+    Returns:
+        The transformers tokenizer read from ``out_dir`` (needs protobuf to convert).
+    """
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        input=str(corpus_path),
+        model_writer=buf,
+        vocab_size=VOCAB_SIZE,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        user_defined_symbols=["<image>"],
+        byte_fallback=True,
+        character_coverage=1.0,
+        num_threads=1,
+        normalization_rule_name="identity",
+        split_digits=True,
+        minloglevel=2,
+    )
+    (out_dir / "tokenizer.model").write_bytes(buf.getvalue())
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "legacy": False,
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "pad_token": "<pad>",
+                "extra_special_tokens": {"image_token": "<image>"},
+                "model_max_length": 8192,
+                "chat_template": CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
+            }
+        )
+    )
+    return AutoTokenizer.from_pretrained(out_dir)
+
+
+def build_next_config(size: str, tokenizer: object) -> object:
+    """The ``LlavaNextConfig`` for ``size``: LLaVA-1.5's widths, NeXT tiles (see
+    :data:`NEXT_TILES`).
+
+    Raises:
+        ValueError: if ``size`` is not a key of :data:`SIZES`.
+    """
+    from transformers import LlavaNextConfig
+
+    base = build_config(size, tokenizer)
+    tile, pinpoints = NEXT_TILES[size]
+    vision = base.vision_config
+    vision.image_size = tile
+    return LlavaNextConfig(
+        vision_config=vision,
+        text_config=base.text_config,
+        image_token_index=base.image_token_index,
+        image_grid_pinpoints=pinpoints,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
+        image_seq_length=(tile // PATCH_SIZE) ** 2,
     )
 
 
@@ -198,57 +288,90 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
 
-def make_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a complete LLaVA-1.5-shaped checkpoint directory.
+def make_checkpoint(
+    out_dir: str | Path, size: str = "tiny", seed: int = 0, family: str = "llava"
+) -> Path:
+    """Write a complete seeded checkpoint directory in transformers' save layout.
 
     Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32),
-    ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
-    ``processor_config.json`` and ``preprocessor_config.json``. Existing files of the
-    same names are overwritten.
+    the tokenizer (``tokenizer.json``; for "llava-next" also the SentencePiece
+    ``tokenizer.model`` it was built from), ``tokenizer_config.json``,
+    ``chat_template.jinja``, ``processor_config.json`` and ``preprocessor_config.json``.
+    Existing files of the same names are overwritten.
 
     Args:
         out_dir: target directory; created (with parents) if missing.
         size: ``"tiny"`` (~1.0M parameters, for tests) or ``"small"`` (~28M parameters,
             for CPU benchmarks).
         seed: weight seed; the same seed and library versions give byte-identical files.
+        family: "llava" (LLaVA-1.5: CLIP 336 px, 576 tokens per image) or "llava-next"
+            (any-resolution tiles of :data:`NEXT_TILES`).
 
     Returns:
         ``out_dir`` as a ``Path``.
 
     Raises:
-        ValueError: if ``size`` is unknown.
+        ValueError: if ``size`` or ``family`` is unknown.
     """
-    from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration, LlavaProcessor
-
     if size not in SIZES:
         raise ValueError(f"unknown checkpoint size {size!r}; expected one of {sorted(SIZES)}")
+    if family not in FAMILY_NAMES:
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILY_NAMES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    config = build_config(size, tokenizer)
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    if family == "llava":
+        from transformers import LlavaForConditionalGeneration, LlavaProcessor
+
+        tokenizer = build_tokenizer()
+        config = build_config(size, tokenizer)
+        model = LlavaForConditionalGeneration(config)
+        image_processor = _clip_image_processor(IMAGE_SIZE)
+        processor_cls = LlavaProcessor
+    else:
+        from transformers import LlavaNextForConditionalGeneration, LlavaNextProcessor
+
+        tokenizer = build_sentencepiece_tokenizer(out)
+        config = build_next_config(size, tokenizer)
+        model = LlavaNextForConditionalGeneration(config)
+        tile, pinpoints = NEXT_TILES[size]
+        image_processor = _clip_image_processor(tile, pinpoints)
+        processor_cls = LlavaNextProcessor
+    model = model.to(torch.float32).eval()
     _reinit(model, seed)
     model.generation_config.do_sample = False
     model.save_pretrained(out)
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE},
-        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
-        do_convert_rgb=True,
-    )
-    processor = LlavaProcessor(
+    processor = processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=PATCH_SIZE,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=tokenizer.chat_template,
+        chat_template=CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
     )
     processor.save_pretrained(out)
     image_processor.save_pretrained(out)  # standalone preprocessor_config.json too
     return out
+
+
+def _clip_image_processor(tile: int, pinpoints: list[list[int]] | None = None) -> object:
+    """CLIP-normalising PIL image processor: LLaVA-1.5's, or NeXT's with ``pinpoints``."""
+    kw = dict(
+        size={"shortest_edge": tile},
+        crop_size={"height": tile, "width": tile},
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+        do_convert_rgb=True,
+    )
+    if pinpoints is None:
+        from transformers import CLIPImageProcessorPil
+
+        return CLIPImageProcessorPil(**kw)
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil,
+    )
+
+    return LlavaNextImageProcessorPil(image_grid_pinpoints=pinpoints, do_pad=True, **kw)
 
 
 def count_parameters(model_dir: str | Path) -> int:
@@ -259,17 +382,17 @@ def count_parameters(model_dir: str | Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def default_model_dir(size: str = "tiny") -> Path:
-    """Return the cache path of the seed-0 ``size`` checkpoint (nothing is created).
+def default_model_dir(size: str = "tiny", family: str = "llava") -> Path:
+    """Return the cache path of the seed-0 ``family`` ``size`` checkpoint (nothing is created).
 
-    The path is ``$MMSERVE_CACHE_DIR/llava-{size}-seed0``, with ``~/.cache/mmserve`` when the
-    environment variable is unset or empty.
+    The path is ``$MMSERVE_CACHE_DIR/{family}-{size}-seed0``, with ``~/.cache/mmserve`` when
+    the environment variable is unset or empty.
     """
     root = os.environ.get("MMSERVE_CACHE_DIR") or Path.home() / ".cache" / "mmserve"
-    return Path(root) / f"llava-{size}-seed0"
+    return Path(root) / f"{family}-{size}-seed0"
 
 
-def ensure_model(size: str = "tiny") -> Path:
+def ensure_model(size: str = "tiny", family: str = "llava") -> Path:
     """Return :func:`default_model_dir`, building the seed-0 checkpoint there if missing.
 
     The build goes to a temporary sibling directory that is renamed into place, so a
@@ -278,13 +401,13 @@ def ensure_model(size: str = "tiny") -> Path:
     Raises:
         ValueError: if ``size`` is unknown.
     """
-    target = default_model_dir(size)
+    target = default_model_dir(size, family)
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        make_checkpoint(tmp, size=size, seed=0)
+        make_checkpoint(tmp, size=size, seed=0, family=family)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race (target exists and is non-empty)
@@ -301,8 +424,9 @@ def main_make_model(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=FAMILY_NAMES, default="llava")
     args = parser.parse_args(argv)
-    out = make_checkpoint(args.out_dir, size=args.size, seed=args.seed)
+    out = make_checkpoint(args.out_dir, size=args.size, seed=args.seed, family=args.family)
     print(f"wrote {args.size} checkpoint to {out} ({count_parameters(out):,} parameters)")
     return 0
 

@@ -1,0 +1,27 @@
+"""Model families: what differs between LLaVA variants, behind one small interface.
+
+A family is keyed by ``config.json``'s ``model_type`` and supplies the vision
+side (tower, projector, tile packing), how many image tokens an image becomes,
+and which checkpoint tensors belong to the vision side. The decoder is our
+paged Llama (Mistral and Vicuna decoders are Llama-shaped). Adding a family
+means one new module here and one line in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from mmserve.model.families.base import ModelFamily
+from mmserve.model.families.llava import LlavaFamily
+from mmserve.model.families.llava_next import LlavaNextFamily
+
+#: ``model_type`` -> family class.
+FAMILIES: dict[str, type[ModelFamily]] = {
+    LlavaFamily.model_type: LlavaFamily,
+    LlavaNextFamily.model_type: LlavaNextFamily,
+}
+
+__all__ = ["FAMILIES", "ModelFamily", "family_for"]
+
+
+def family_for(model_type: str | None) -> type[ModelFamily] | None:
+    """The family class serving ``model_type``, or None when none does."""
+    return FAMILIES.get(model_type or "")

@@ -1,0 +1,96 @@
+"""LLaVA-NeXT (llava-v1.6, ``model_type`` "llava_next"): any-resolution tiles.
+
+Liu et al., "LLaVA-NeXT: Improved reasoning, OCR, and world knowledge" (2024)
+and the AnyRes scheme of its predecessor: the image is resized onto the best
+grid of tiles among the checkpoint's ``image_grid_pinpoints``, each tile and a
+downscaled whole image go through the tower, the tile features are unpadded to
+the image's aspect ratio with an ``image_newline`` after each row, and the whole
+image's features come first. The token count therefore depends on the image's
+size; it is asked of transformers' processor, and the packing is transformers'
+own ``pack_image_features``, so neither can drift from the reference.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from PIL import Image
+from torch import nn
+from transformers import AutoModel
+from transformers.models.llava_next.modeling_llava_next import (
+    LlavaNextModel,
+    LlavaNextMultiModalProjector,
+    image_size_to_num_patches,
+)
+
+from mmserve.model.families.base import ModelFamily, VisionModule
+
+
+class LlavaNextVision(VisionModule):
+    """CLIP tower, projector and ``image_newline`` of a LLaVA-NeXT checkpoint.
+
+    Args:
+        config: the ``LlavaNextConfig``.
+        image_processor: its (PIL) ``LlavaNextImageProcessor``.
+
+    Raises:
+        ValueError: for a multi-layer ``vision_feature_layer`` or an unknown strategy.
+    """
+
+    def __init__(self, config: object, image_processor: object) -> None:
+        super().__init__()
+        if not isinstance(config.vision_feature_layer, int):
+            raise ValueError("only an integer vision_feature_layer is supported")
+        if config.vision_feature_select_strategy not in ("default", "full"):
+            raise ValueError(
+                f"unknown vision_feature_select_strategy {config.vision_feature_select_strategy!r}"
+            )
+        self.config = config
+        self.vision_tower = AutoModel.from_config(config.vision_config)
+        self.multi_modal_projector = LlavaNextMultiModalProjector(config)
+        self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
+        self.image_processor = image_processor
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        """See :meth:`VisionModule.encode`: every tile of every image in one tower call."""
+        cfg = self.config
+        out = self.image_processor(images=images, return_tensors="pt")
+        sizes = out["image_sizes"]  # [N, 2] (height, width) of each image
+        counts = [
+            image_size_to_num_patches(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+            for s in sizes
+        ]
+        pixels = torch.cat([pv[:n] for pv, n in zip(out["pixel_values"], counts, strict=True)])
+        p = self.image_newline
+        hidden = self.vision_tower(
+            pixels.to(p.device, p.dtype), output_hidden_states=True, return_dict=True
+        ).hidden_states[cfg.vision_feature_layer]
+        if cfg.vision_feature_select_strategy == "default":
+            hidden = hidden[:, 1:]
+        feats = torch.split(self.multi_modal_projector(hidden), counts)
+        # transformers' packing (unpad + newline per row + base image first) reads only
+        # self.config, so it runs on this module as it would on LlavaNextModel
+        packed, _ = LlavaNextModel.pack_image_features(
+            self, feats, sizes, cfg.vision_feature_select_strategy, image_newline=p
+        )
+        return list(packed)
+
+
+class LlavaNextFamily(ModelFamily):
+    """LLaVA-NeXT: base tile + unpadded grid + one newline per row, per image."""
+
+    model_type: ClassVar[str] = "llava_next"
+    name: ClassVar[str] = "llava-next"
+    vision_prefixes: ClassVar[dict[str, str]] = {
+        **ModelFamily.vision_prefixes,
+        "image_newline": "image_newline",
+    }
+
+    def build_vision(self) -> LlavaNextVision:
+        return LlavaNextVision(self.config, self.processor.image_processor)
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        data = self.processor._get_num_multimodal_tokens(image_sizes=[[height, width]])
+        return int(data["num_image_tokens"][0])
