@@ -139,5 +139,5 @@ def _info(st: ServerState, entry: StoredImage) -> dict:
         "height": im.height,
         "mode": im.mode,
         "bytes": entry.file_bytes,
-        "num_image_tokens": st.engine.model.num_image_tokens,
+        "num_image_tokens": st.engine.processor.image_tokens(entry.image),
     }

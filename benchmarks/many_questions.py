@@ -6,7 +6,7 @@ once to ``Engine.generate``. The same workload runs twice on the same loaded
 model, with a fresh engine each time:
 
 * cache on: the engine's defaults (radix prefix cache, vision embedding cache);
-* cache off: ``disable_radix_cache=True`` and ``vision_cache_size=0``, so no KV or
+* cache off: ``disable_radix_cache=True`` and ``vision_cache_bytes=0``, so no KV or
   image features are reused across requests.
 
 "image prefills" counts, over all requests, the images whose 576 pseudo-token
@@ -122,7 +122,7 @@ def _messages(question: str) -> list[dict]:
 
 
 def _config(args: argparse.Namespace, model_path: str, cache: bool) -> EngineConfig:
-    extra = {} if cache else {"disable_radix_cache": True, "vision_cache_size": 0}
+    extra = {} if cache else {"disable_radix_cache": True, "vision_cache_bytes": 0}
     return EngineConfig(
         model_path=model_path,
         device=args.device,

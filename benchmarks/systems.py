@@ -8,7 +8,7 @@ Systems (all in one process, same prompts, greedy, ``max_tokens`` output tokens 
   receives the first generated token). Optionally only a subsample of requests is
   run and the wall time is extrapolated (mean seconds per request x requests).
 - ``mmserve-off``: the engine with ``disable_radix_cache=True`` and
-  ``vision_cache_size=0`` (no KV and no image features reused across requests; a
+  ``vision_cache_bytes=0`` (no KV and no image features reused across requests; a
   prefill step still encodes each of its distinct images once).
 - ``mmserve-<policy>``: the engine with the radix cache on and that scheduling policy.
 
@@ -235,7 +235,7 @@ class MMServeRunner:
             raise ValueError(f"workload {wl.name!r} has no sessions to drive closed-loop")
         kw: dict[str, Any] = {"disable_radix_cache": not radix_cache, "policy": policy}
         if not radix_cache:
-            kw["vision_cache_size"] = 0  # "cache off" reuses nothing, image features included
+            kw["vision_cache_bytes"] = 0  # "cache off" reuses nothing, image features included
         if max_total_tokens is not None:
             kw["max_total_tokens"] = max_total_tokens
         eng = self.engine(**kw)

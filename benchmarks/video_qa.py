@@ -27,7 +27,7 @@ VIDEO = Path(__file__).resolve().parents[1] / "samples" / "video" / "pans.mp4"
 
 
 def run(model: str, cache: bool, num_frames: int, max_tokens: int) -> dict:
-    kw = {} if cache else {"disable_radix_cache": True, "vision_cache_size": 0}
+    kw = {} if cache else {"disable_radix_cache": True, "vision_cache_bytes": 0}
     engine = Engine(EngineConfig(model_path=model, max_total_tokens=32768, **kw))
     with TestClient(create_app(engine)) as c:
         c.post(

@@ -45,7 +45,10 @@ class EngineConfig:
         max_wait_seconds: a request waiting longer than this is admitted ahead of the
             policy's order (starvation guard).
         policy_seed: seed of the "random" policy.
-        vision_cache_size: projected image embeddings kept (images).
+        vision_cache_bytes: projected image embeddings kept, least recently used first
+            out (bytes; 0 disables the cache).
+        max_image_tokens_per_request: most image pseudo-tokens in one request (tokens);
+            more gets a 400 that says how many each image needs, before any vision work.
         max_images_per_request: most images in one prompt.
         dedup_min_tokens: two waiting requests whose uncached parts share this many
             leading tokens are not prefilled in the same batch; the second waits
@@ -66,7 +69,8 @@ class EngineConfig:
     decode_reserve_ratio: float = 0.6
     max_wait_seconds: float = 30.0
     policy_seed: int = 0
-    vision_cache_size: int = 64
+    vision_cache_bytes: int = 256 << 20
+    max_image_tokens_per_request: int = 16384
     max_images_per_request: int = 8
     dedup_min_tokens: int = 32
     image_limits: ImageLimits = field(default_factory=ImageLimits)
@@ -83,6 +87,8 @@ class EngineConfig:
             raise ValueError("decode_reserve_ratio must be in [0, 1]")
         if self.max_wait_seconds <= 0:
             raise ValueError("max_wait_seconds must be > 0")
+        if self.vision_cache_bytes < 0 or self.max_image_tokens_per_request < 1:
+            raise ValueError("vision_cache_bytes must be >= 0, max_image_tokens_per_request >= 1")
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         if self.dtype not in DTYPES:

@@ -63,3 +63,28 @@ def assert_same_generation(
         f"{what}: lengths differ {len(ours_ids)} vs {len(ref_ids)}: {list(ours_ids)} / "
         f"{list(ref_ids)}"
     )
+
+
+def reference_generate(ref_model, text: str, images: list, never: list[int], max_new: int):  # noqa: ANN001, ANN201
+    """transformers' greedy ``generate`` on ``(model, processor)``: ``(ids, logits, prompt_len)``.
+
+    The logits are fp32 ``[vocab]`` per step with ``never`` ids at -inf, as our sampler
+    masks them.
+    """
+    model, processor = ref_model
+    inputs = processor(images=images or None, text=text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new,
+            do_sample=False,
+            suppress_tokens=never,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    logits = [step[0].float() for step in out.logits]
+    # generate's logits are pre-processor; apply the same mask our sampler uses
+    for lg in logits:
+        lg[never] = float("-inf")
+    return ids, logits, inputs["input_ids"].shape[1]

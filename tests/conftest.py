@@ -58,6 +58,38 @@ def ref_model(model_dir: Path):  # noqa: ANN201
 
 
 @pytest.fixture(scope="session")
+def next_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaVA-NeXT checkpoint (112-px tiles), built once per test session."""
+    out = tmp_path_factory.mktemp("model") / "llava-next-tiny"
+    return make_checkpoint(out, "tiny", family="llava-next")
+
+
+@pytest.fixture(scope="session")
+def next_loaded(next_model_dir: Path):  # noqa: ANN201
+    """Our LLaVA-NeXT model loaded once."""
+    return load_model(next_model_dir)
+
+
+@pytest.fixture(scope="session")
+def make_next_engine(next_loaded, next_model_dir):  # noqa: ANN001, ANN201
+    """Factory: ``make_next_engine(**EngineConfig fields)`` -> an Engine on the NeXT model."""
+
+    def make(**kw) -> Engine:
+        return Engine(EngineConfig(model_path=str(next_model_dir), **kw), model=next_loaded)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def next_ref_model(next_model_dir: Path):  # noqa: ANN201
+    """transformers' LlavaNextForConditionalGeneration and processor on the NeXT checkpoint."""
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    model = LlavaNextForConditionalGeneration.from_pretrained(next_model_dir).eval()
+    return model, AutoProcessor.from_pretrained(next_model_dir)
+
+
+@pytest.fixture(scope="session")
 def photos() -> dict[str, bytes]:
     """Encoded bytes of the sample photographs, by file name."""
     return {p.name: p.read_bytes() for p in sorted(SAMPLES.iterdir()) if p.suffix != ".md"}

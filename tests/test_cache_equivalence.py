@@ -92,7 +92,7 @@ def test_same_instant_questions_prefill_the_image_once(make_engine, imgs) -> Non
 def test_page_size_16_match_ends_inside_image(make_engine, imgs) -> None:
     cases = [(user(None, q), [imgs[2]]) for q in QUESTIONS[:2]]
     _, base = run(make_engine, cases, disable_radix_cache=True)
-    eng = make_engine(page_size=16, vision_cache_size=0)
+    eng = make_engine(page_size=16, vision_cache_bytes=0)
     first = eng.generate(
         [eng.make_request(messages=cases[0][0], images=cases[0][1], params=greedy(6))]
     )[0]

@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.comparator import assert_same_generation
+from tests.comparator import assert_same_generation, reference_generate
 from tests.conftest import greedy, user
 
 MAX_NEW = 8
 
 
-def reference(ref_model, text: str, images: list, never: list[int], max_new: int = MAX_NEW):  # noqa: ANN001
-    model, processor = ref_model
-    inputs = processor(images=images or None, text=text, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new,
-            do_sample=False,
-            suppress_tokens=never,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logits = [step[0].float() for step in out.logits]
-    # generate's logits are pre-processor; apply the same mask our sampler uses
-    for lg in logits:
-        lg[never] = float("-inf")
-    return ids, logits, inputs["input_ids"].shape[1]
+def reference(ref_model, text: str, images: list, never: list[int], max_new: int = MAX_NEW):  # noqa: ANN001, ANN201
+    return reference_generate(ref_model, text, images, never, max_new)
 
 
 def check(engine, ref_model, messages, images, what: str) -> None:  # noqa: ANN001

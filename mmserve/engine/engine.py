@@ -84,7 +84,7 @@ class Engine:
             config.page_size, self.pool.allocator.free, disable=config.disable_radix_cache
         )
         self.scheduler = Scheduler(config, self.pool, self.tree)
-        self.embedding_cache = EmbeddingCache(config.vision_cache_size)
+        self.embedding_cache = EmbeddingCache(config.vision_cache_bytes)
         self.runner = ModelRunner(
             model, self.pool, self.embedding_cache, config.device, config.attention_backend
         )

@@ -92,12 +92,23 @@ class InputProcessor:
             raise
         except (PromptError, ValueError) as e:
             raise RequestError(str(e), param="messages") from None
-        self.check_length(len(ids), params.max_tokens)
+        counts = [s.length for s in spans]
+        limit = self.config.max_image_tokens_per_request
+        if sum(counts) > limit:
+            raise RequestError(
+                f"the images need {_image_tokens(counts)}, more than the limit of {limit} "
+                "image tokens per request (--max-image-tokens-per-request): send fewer or "
+                "smaller images",
+                param="messages",
+            )
+        self.check_length(len(ids), params.max_tokens, counts)
         req = Request(ids, spans, params, rid=rid)
         req.generator = make_generator(params, self.config.device)
         return req
 
-    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+    def check_length(
+        self, prompt_len: int, max_tokens: int, image_tokens: Sequence[int] = ()
+    ) -> None:
         """Refuse a prompt that leaves no room for output, or ``max_tokens`` beyond the room.
 
         A prompt that alone fills the context or the KV pool is blamed on the prompt
@@ -106,31 +117,43 @@ class InputProcessor:
         Args:
             prompt_len: prompt tokens (each image counts its pseudo-tokens).
             max_tokens: most output tokens asked for.
+            image_tokens: each image's pseudo-token count (named in the message).
 
         Raises:
             RequestError: with ``param`` "messages" or "max_tokens".
         """
+        detail = f" (the images need {_image_tokens(image_tokens)})" if image_tokens else ""
         for limit, what in (
             (self.max_context, "the model's context"),
             (self.kv_capacity_tokens, "the KV pool"),
         ):
             if prompt_len >= limit:
                 raise RequestError(
-                    f"prompt is {prompt_len} tokens; {what} holds {limit} tokens, which leaves "
-                    f"no room for output: shorten the messages or send fewer images",
+                    f"prompt is {prompt_len} tokens{detail}; {what} holds {limit} tokens, "
+                    f"which leaves no room for output: shorten the messages or send fewer "
+                    f"or smaller images",
                     param="messages",
                 )
             if prompt_len + max_tokens > limit:
                 raise RequestError(
-                    f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+                    f"prompt ({prompt_len} tokens{detail}) plus max_tokens ({max_tokens}) is "
                     f"{prompt_len + max_tokens} tokens; {what} holds {limit} tokens: set "
                     f"max_tokens to at most {limit - prompt_len}",
                     param="max_tokens",
                 )
 
+    def image_tokens(self, image: ImageInput) -> int:
+        """Pseudo-tokens ``image`` becomes for the served model."""
+        return self.model.image_tokens(image.image.width, image.image.height)
+
     def output_room(self, prompt_len: int) -> int:
         """Most output tokens a prompt of ``prompt_len`` tokens leaves room for."""
         return min(self.max_context, self.kv_capacity_tokens) - prompt_len
+
+
+def _image_tokens(counts: Sequence[int]) -> str:
+    each = ", ".join(str(c) for c in counts)
+    return f"{each} tokens" if len(counts) == 1 else f"{each} tokens ({sum(counts)} in all)"
 
 
 def shortest_edge(image_processor: object) -> int:

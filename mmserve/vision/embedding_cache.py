@@ -10,18 +10,23 @@ import torch
 class EmbeddingCache:
     """Maps a 16-byte image key to its ``[num_image_tokens, hidden]`` projected features.
 
+    Bounded in bytes, since an image's run length depends on the model family and
+    the image's size.
+
     Args:
-        capacity: most images kept (0 disables the cache).
+        capacity_bytes: most tensor bytes kept (0 disables the cache).
 
     Attributes:
         hits, misses: lookup counters since construction.
+        nbytes: bytes held now.
     """
 
-    def __init__(self, capacity: int = 64) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity_bytes: int = 256 << 20) -> None:
+        self.capacity_bytes = capacity_bytes
         self._store: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        self.nbytes = 0
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The cached features for ``key`` or None; counts a hit or a miss."""
@@ -35,12 +40,17 @@ class EmbeddingCache:
 
     def put(self, key: bytes, feats: torch.Tensor) -> None:
         """Insert features, evicting the least recently used entries past capacity."""
-        if self.capacity <= 0:
+        size = feats.numel() * feats.element_size()
+        if size > self.capacity_bytes:
             return
+        old = self._store.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.numel() * old.element_size()
         self._store[key] = feats
-        self._store.move_to_end(key)
-        while len(self._store) > self.capacity:
-            self._store.popitem(last=False)
+        self.nbytes += size
+        while self.nbytes > self.capacity_bytes:
+            _, gone = self._store.popitem(last=False)
+            self.nbytes -= gone.numel() * gone.element_size()
 
     def __len__(self) -> int:
         return len(self._store)
@@ -48,3 +58,4 @@ class EmbeddingCache:
     def clear(self) -> None:
         """Drop every entry."""
         self._store.clear()
+        self.nbytes = 0
