@@ -1,4 +1,4 @@
-"""Benchmark CLI: ``python -m benchmarks.run [--quick] [--size small] [--out DIR]``.
+"""Benchmark CLI: ``python -m benchmarks.run [--quick] [--size small] [--family F] [--out DIR]``.
 
 Runs each workload (:mod:`benchmarks.workloads`) on (a) transformers one request
 at a time, (b) mmserve with the radix cache off and (c) mmserve with the cache on
@@ -259,6 +259,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="same as --scale quick")
     ap.add_argument("--scale", choices=sorted(SCALES), default="full")
     ap.add_argument("--size", choices=("tiny", "small"), default="small", help="checkpoint")
+    ap.add_argument(
+        "--family",
+        choices=("llava", "llava-next"),
+        default="llava",
+        help="checkpoint family (make-model --family)",
+    )
     ap.add_argument("--model", type=Path, help="checkpoint directory (overrides --size)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
@@ -315,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmserve.model.loader import load_model
     from mmserve.model.make_checkpoint import ensure_model
 
-    model_dir = str(args.model or ensure_model(args.size))
+    model_dir = str(args.model or ensure_model(args.size, args.family))
     loaded = load_model(model_dir)
     mm = MMServeRunner(loaded, model_dir)
     policies, skipped = [], []

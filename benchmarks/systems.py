@@ -400,7 +400,8 @@ class _FirstToken:
 
 
 class TransformersRunner:
-    """``LlavaForConditionalGeneration.generate`` one request at a time.
+    """transformers' ``generate`` (``LlavaForConditionalGeneration`` or
+    ``LlavaNextForConditionalGeneration``, as the checkpoint says) one request at a time.
 
     Args:
         model_path: checkpoint directory.
@@ -409,9 +410,9 @@ class TransformersRunner:
     """
 
     def __init__(self, model_path: str, never_sample_ids: list[int]) -> None:
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
+        from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        self.model = LlavaForConditionalGeneration.from_pretrained(model_path).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
         self.processor = AutoProcessor.from_pretrained(model_path)
         self.never = list(never_sample_ids)
 
