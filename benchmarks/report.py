@@ -263,7 +263,8 @@ def write_summary(
         f"- total run time: {meta['total_seconds']:.1f} s; load average at start/end: "
         f"{meta['loadavg_start']} / {meta['loadavg_end']} (other processes on the machine "
         "inflate wall times; CPU-time figures (req/CPU-s) are not inflated by them)",
-        "- (a) = `transformers` generate (the checkpoint's ForConditionalGeneration class) one request at a time; "
+        "- (a) = `transformers` generate (the checkpoint's ForConditionalGeneration class), "
+        "one request at a time; "
         "(b) = `mmserve-off` (radix cache and vision-embedding cache disabled); "
         "`mmserve-<policy>` = cache on",
         "- every system: same prompts, greedy, `max_tokens` output tokens (ignore_eos / "
