@@ -8,9 +8,13 @@ on only that step's logits are compared, within ``LOGIT_RTOL`` of the reference'
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.kernels.metadata import build_metadata
 
 TIE_EPS = 1e-3
 LOGIT_RTOL = 1e-3  # of the reference's largest |logit|; fp32 kernels differ by ~1e-5
@@ -88,3 +92,47 @@ def reference_generate(ref_model, text: str, images: list, never: list[int], max
     for lg in logits:
         lg[never] = float("-inf")
     return ids, logits, inputs["input_ids"].shape[1]
+
+
+# Largest |logit difference| accepted between a bf16 and a reference run, as a
+# fraction of the reference's largest |logit|. bf16 vs fp32 on the tiny model
+# measures up to ~0.021 (tests below); two bf16 kernels should be closer.
+BF16_LOGIT_RTOL = 4e-2
+
+
+def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cpu", seed=0):  # noqa: ANN001, ANN201
+    """A pool filled with random K/V plus a batch of 4 requests over shuffled pages.
+
+    ``mode``: "prefill" (no cached prefix), "partial" (a cached prefix that ends
+    mid-page when ``page_size > 1``) or "decode" (one new token after a prefix).
+    Returns ``(pool, meta, q, k, v)``; q/k/v are the new tokens' ``[T, H, 64]``.
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    d, layers = 64, 2
+    seqs = [rng.randint(2, 40) for _ in range(4)]
+    if mode == "prefill":
+        prefix = [0] * 4
+    elif mode == "decode":
+        prefix = [s - 1 for s in seqs]
+    else:
+        prefix = [rng.randint(1, s - 1) for s in seqs]
+    n_pages = sum(-(-s // page_size) for s in seqs) + 3
+    pool = KVPool(n_pages, page_size, layers, hkv, d, dtype=dtype, device=device)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+    ids = list(range(n_pages))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for s in seqs:
+        n = -(-s // page_size)
+        tables.append(ids[at : at + n])
+        at += n
+    extend = [s - p for s, p in zip(seqs, prefix, strict=True)]
+    meta = build_metadata(tables, prefix, extend, page_size, device)
+    t = sum(extend)
+
+    def rnd(h: int) -> torch.Tensor:
+        return torch.randn(t, h, d, generator=gen).to(dtype).to(device)
+
+    return pool, meta, rnd(hq), rnd(hkv), rnd(hkv)

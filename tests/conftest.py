@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 from pathlib import Path
@@ -162,3 +163,80 @@ def user(*parts: str | None) -> list[dict]:
     """One user message: ``None`` parts are images, strings are text."""
     content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
     return [{"role": "user", "content": content}]
+
+
+# ---- engine workloads shared by cache and scheduling tests ----------------------
+QUESTIONS = ["What is this?", "What colour is it?", "Is it indoors or outdoors?"]
+
+
+def workload(imgs):  # noqa: ANN001, ANN201
+    """Requests that share images, a system prompt and a chat history."""
+    system = {"role": "system", "content": "You are a careful visual assistant."}
+    out = []
+    for k, img in enumerate(imgs[:3]):
+        for q in QUESTIONS[: 3 - k]:
+            out.append(([system, *user(None, q)], [img]))
+    history = user(None, "What is this?") + [
+        {"role": "assistant", "content": "A photo."},
+        {"role": "user", "content": "Tell me more."},
+    ]
+    out.append((history, imgs[:1]))
+    out.append((user("No image here, just text."), []))
+    return out
+
+
+def run(make_engine, cases, max_tokens: int = 6, **cfg):  # noqa: ANN001, ANN201
+    eng = make_engine(**cfg)
+    reqs = [eng.make_request(messages=m, images=i, params=greedy(max_tokens)) for m, i in cases]
+    res = eng.generate(reqs)
+    eng.scheduler.check_accounting()
+    return eng, res
+
+
+# ---- HTTP helpers for TestClient apps serving the tiny model as "llava-tiny" ----
+MODEL = "llava-tiny"
+
+
+def chat(client, content, **kw):  # noqa: ANN001, ANN201
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 3,
+        "temperature": 0,
+        **kw,
+    }
+    return client.post("/v1/chat/completions", json=body)
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
+    return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
+
+
+def assert_healthy(client) -> None:  # noqa: ANN001
+    """A normal request is answered and the pool accounting holds at rest."""
+    r = chat(client, "Say hello.")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    stats = client.get("/v1/cache/stats").json()
+    assert stats["running_requests"] == 0 and stats["live_requests"] == 0
+    acc = stats["accounting"]
+    assert acc["ok"] and acc["running"] == 0, acc
+    assert acc["free"] + acc["tree"] == acc["total"] == stats["pool_pages"]
+
+
+def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  # noqa: ANN001
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    return err

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
-from tests.test_api_errors import assert_healthy, chat, upload
+from tests.conftest import assert_healthy, chat, upload
 
 MODEL = "llava-tiny"
 

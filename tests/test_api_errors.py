@@ -19,7 +19,15 @@ from PIL import Image, ImageOps
 
 from api.app import ServerSettings, create_app
 from mmserve.vision.image import ImageLimits
-from tests.conftest import png_bytes
+from tests.conftest import (
+    assert_error,
+    assert_healthy,
+    chat,
+    data_url,
+    image_part,
+    png_bytes,
+    upload,
+)
 
 MODEL = "llava-tiny"
 MAX_IMAGE_BYTES = 1_000_000
@@ -36,51 +44,6 @@ def client(make_engine):  # noqa: ANN001, ANN201
     with TestClient(create_app(engine, settings)) as c:
         c.engine = engine
         yield c
-
-
-def chat(client, content, **kw):  # noqa: ANN001, ANN201
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 3,
-        "temperature": 0,
-        **kw,
-    }
-    return client.post("/v1/chat/completions", json=body)
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
-    return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
-
-
-def assert_healthy(client) -> None:  # noqa: ANN001
-    """A normal request is answered and the pool accounting holds at rest."""
-    r = chat(client, "Say hello.")
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 3
-    stats = client.get("/v1/cache/stats").json()
-    assert stats["running_requests"] == 0 and stats["live_requests"] == 0
-    acc = stats["accounting"]
-    assert acc["ok"] and acc["running"] == 0, acc
-    assert acc["free"] + acc["tree"] == acc["total"] == stats["pool_pages"]
-
-
-def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  # noqa: ANN001
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert words in err["message"], err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
 
 
 def png_header(width: int, height: int) -> bytes:

@@ -10,7 +10,6 @@ The real kernels are compared in ``tests/gpu/test_flashinfer.py``.
 
 from __future__ import annotations
 
-import random
 import sys
 import types
 
@@ -27,14 +26,9 @@ from mmserve.kernels import (
     resolve_attention_backend,
 )
 from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend
-from mmserve.kernels.metadata import build_metadata
 from mmserve.kernels.torch_backend import TorchAttentionBackend
+from tests.comparator import BF16_LOGIT_RTOL, random_batch
 from tests.conftest import greedy, user
-
-# Largest |logit difference| accepted between a bf16 and a reference run, as a
-# fraction of the reference's largest |logit|. bf16 vs fp32 on the tiny model
-# measures up to ~0.021 (tests below); two bf16 kernels should be closer.
-BF16_LOGIT_RTOL = 4e-2
 
 
 # ---- selection ------------------------------------------------------------------
@@ -287,44 +281,6 @@ def _fake_flashinfer() -> types.ModuleType:
     mod.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     mod.calls = calls
     return mod
-
-
-def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cpu", seed=0):  # noqa: ANN001, ANN201
-    """A pool filled with random K/V plus a batch of 4 requests over shuffled pages.
-
-    ``mode``: "prefill" (no cached prefix), "partial" (a cached prefix that ends
-    mid-page when ``page_size > 1``) or "decode" (one new token after a prefix).
-    Returns ``(pool, meta, q, k, v)``; q/k/v are the new tokens' ``[T, H, 64]``.
-    """
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    d, layers = 64, 2
-    seqs = [rng.randint(2, 40) for _ in range(4)]
-    if mode == "prefill":
-        prefix = [0] * 4
-    elif mode == "decode":
-        prefix = [s - 1 for s in seqs]
-    else:
-        prefix = [rng.randint(1, s - 1) for s in seqs]
-    n_pages = sum(-(-s // page_size) for s in seqs) + 3
-    pool = KVPool(n_pages, page_size, layers, hkv, d, dtype=dtype, device=device)
-    for buf in pool.k_buffers + pool.v_buffers:
-        buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
-    ids = list(range(n_pages))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for s in seqs:
-        n = -(-s // page_size)
-        tables.append(ids[at : at + n])
-        at += n
-    extend = [s - p for s, p in zip(seqs, prefix, strict=True)]
-    meta = build_metadata(tables, prefix, extend, page_size, device)
-    t = sum(extend)
-
-    def rnd(h: int) -> torch.Tensor:
-        return torch.randn(t, h, d, generator=gen).to(dtype).to(device)
-
-    return pool, meta, rnd(hq), rnd(hkv), rnd(hkv)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])

@@ -5,39 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tests.comparator import assert_same_generation
-from tests.conftest import greedy, user
-
-QUESTIONS = ["What is this?", "What colour is it?", "Is it indoors or outdoors?"]
+from tests.conftest import QUESTIONS, greedy, run, user, workload
 
 
 @pytest.fixture(scope="module")
 def imgs(make_engine, photos):  # noqa: ANN001, ANN201
     eng = make_engine()
     return [eng.prepare_image(b) for b in photos.values()]
-
-
-def workload(imgs):  # noqa: ANN001, ANN201
-    """Requests that share images, a system prompt and a chat history."""
-    system = {"role": "system", "content": "You are a careful visual assistant."}
-    out = []
-    for k, img in enumerate(imgs[:3]):
-        for q in QUESTIONS[: 3 - k]:
-            out.append(([system, *user(None, q)], [img]))
-    history = user(None, "What is this?") + [
-        {"role": "assistant", "content": "A photo."},
-        {"role": "user", "content": "Tell me more."},
-    ]
-    out.append((history, imgs[:1]))
-    out.append((user("No image here, just text."), []))
-    return out
-
-
-def run(make_engine, cases, max_tokens: int = 6, **cfg):  # noqa: ANN001, ANN201
-    eng = make_engine(**cfg)
-    reqs = [eng.make_request(messages=m, images=i, params=greedy(max_tokens)) for m, i in cases]
-    res = eng.generate(reqs)
-    eng.scheduler.check_accounting()
-    return eng, res
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,7 @@ from mmserve.cache.radix_cache import RadixCache
 from mmserve.engine.policy import order_waiting
 from mmserve.engine.request import SamplingParams
 from tests.comparator import assert_same_generation
-from tests.conftest import user
-from tests.test_cache_equivalence import QUESTIONS, run, workload
+from tests.conftest import QUESTIONS, run, user, workload
 
 
 @pytest.fixture(scope="module")

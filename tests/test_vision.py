@@ -12,8 +12,8 @@ from mmserve.engine.engine import RequestError
 from mmserve.vision.hashing import image_key, processor_fingerprint, pseudo_token_ids
 from mmserve.vision.image import ImageError, ImageLimits, decode_image
 from tests.comparator import assert_same_generation
+from tests.comparator import reference_generate as reference
 from tests.conftest import greedy, png_bytes, user
-from tests.test_reference import reference
 
 
 @pytest.fixture(scope="module")

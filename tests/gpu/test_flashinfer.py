@@ -29,9 +29,8 @@ from mmserve.kernels.flashinfer_backend import (
     flashinfer_import_problem,
 )
 from mmserve.kernels.torch_backend import TorchAttentionBackend
-from tests.comparator import assert_same_generation
+from tests.comparator import BF16_LOGIT_RTOL, assert_same_generation, random_batch
 from tests.conftest import greedy, user
-from tests.test_backends import BF16_LOGIT_RTOL, random_batch
 
 _CUDA = torch.cuda.is_available()
 _FI_PROBLEM = flashinfer_import_problem() if _CUDA else "no CUDA GPU"
