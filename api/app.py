@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from api import routes_cache, routes_chat, routes_images, routes_videos
+from api import routes_cache, routes_chat, routes_images, routes_page, routes_videos
 from api.auth import APIKeyMiddleware
 from api.body_limit import BodyLimitMiddleware
 from api.errors import APIError, install_error_handlers
@@ -94,6 +94,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     app.include_router(routes_images.router)
     app.include_router(routes_videos.router)
     app.include_router(routes_cache.router)
+    app.include_router(routes_page.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     key = settings.resolved_api_key()
     if key:

@@ -1,4 +1,5 @@
-"""API-key check: ``Authorization: Bearer <key>`` on every route but the open ones."""
+"""API-key check: ``Authorization: Bearer <key>`` on every route but the open ones
+(``/health`` and the web page's files: the page sends the key the user types)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import error_body
 
+# the web page (api/routes_page.py) holds no data: it asks for the key itself
+OPEN_PATHS = ("/health", "/", "/static/app.js", "/static/style.css")
+
 
 class APIKeyMiddleware:
     """Pure ASGI middleware (streaming and disconnects pass through untouched).
@@ -16,10 +20,10 @@ class APIKeyMiddleware:
     Args:
         app: the wrapped app.
         api_key: the key clients must send.
-        open_paths: paths answered without a key (``/health``).
+        open_paths: paths answered without a key (``/health``, the page and its files).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = OPEN_PATHS):
         self.app = app
         self.expected = api_key.encode()
         self.open_paths = open_paths

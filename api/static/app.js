@@ -1,0 +1,386 @@
+// mmserve's page: upload images and videos once, ask several questions, watch the cache.
+// Plain JavaScript, no build step; every request goes to this server's own origin.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+const items = new Map(); // id -> {kind: "image" | "video", info, name}
+let selected = null;
+
+// ---- API calls -------------------------------------------------------------------
+
+class APIError extends Error {
+  constructor(status, body) {
+    super((body && body.error && body.error.message) || `HTTP ${status}`);
+    this.status = status;
+    this.param = body && body.error ? body.error.param : null;
+  }
+}
+
+function headers(json) {
+  const h = {};
+  const key = $("#api-key").value.trim();
+  if (key) h.Authorization = `Bearer ${key}`;
+  if (json) h["Content-Type"] = "application/json";
+  return h;
+}
+
+// fetch a path of this server; a non-2xx answer throws its error.message
+async function call(path, { body, form } = {}) {
+  const opts = { headers: headers(body !== undefined) };
+  if (body !== undefined) opts.body = JSON.stringify(body);
+  if (form) opts.body = form;
+  if (opts.body) opts.method = "POST";
+  const resp = await fetch(path, opts);
+  if (!resp.ok) {
+    const err = new APIError(resp.status, await resp.json().catch(() => null));
+    if (resp.status === 401) $("#key-box").hidden = false;
+    throw err;
+  }
+  return resp;
+}
+
+// yield the lines of a streamed response body as they arrive
+async function* lines(resp) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    buf += decoder.decode(value, { stream: true });
+    let nl;
+    while ((nl = buf.indexOf("\n")) >= 0) {
+      yield buf.slice(0, nl);
+      buf = buf.slice(nl + 1);
+    }
+  }
+  if (buf) yield buf;
+}
+
+function showError(err) {
+  const box = $("#error");
+  box.textContent = err ? err.message || String(err) : "";
+  box.hidden = !err;
+}
+
+function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// ---- statistics panel ------------------------------------------------------------
+
+async function refreshStats() {
+  try {
+    const s = await (await call("/v1/cache/stats")).json();
+    $("#stat-hit").textContent = `${(100 * s.cache_hit_rate).toFixed(1)}%`;
+    $("#stat-tower").textContent = String(s.vision_tower_images);
+    const used = s.used_pages / s.pool_pages;
+    $("#stat-kv").textContent = `${(100 * used).toFixed(1)}% of ${s.pool_pages * s.page_size} tokens`;
+    $("#stat-kv-bar").value = used;
+    $("#stats").title = "";
+  } catch (err) {
+    $("#stats").title = err.message; // the page's alert line is for the user's actions
+  }
+}
+
+async function loadModel() {
+  try {
+    const m = await (await call("/v1/models")).json();
+    $("#model-name").textContent = m.data[0].id;
+    showError(null);
+  } catch (err) {
+    showError(err); // e.g. the 401 of a server with --api-key, as the server words it
+  }
+}
+
+// ---- uploads ---------------------------------------------------------------------
+
+function isVideo(file) {
+  return file.type.startsWith("video/") || /\.(mp4|m4v|mov|webm|mkv|avi)$/i.test(file.name);
+}
+
+async function upload(file) {
+  const kind = isVideo(file) ? "video" : "image";
+  const form = new FormData();
+  form.append("file", file);
+  const info = await (await call(`/v1/${kind}s`, { form })).json();
+  const li = el("li", "media");
+  li.dataset.id = info.id;
+  li.dataset.kind = kind;
+  const thumb = document.createElement(kind === "video" ? "video" : "img");
+  thumb.src = URL.createObjectURL(file); // a blob: URL of this page, nothing is fetched
+  if (kind === "video") thumb.muted = true;
+  else thumb.alt = file.name;
+  li.append(thumb);
+  const text = el("div", "meta");
+  text.append(el("b", "name", file.name), el("code", "id", info.id));
+  const size = `${info.width}×${info.height}, ${(info.bytes / 1024).toFixed(0)} KiB`;
+  text.append(
+    el(
+      "span",
+      "size",
+      kind === "video"
+        ? `${size}, ${info.duration.toFixed(1)} s, ${info.num_frames} frames at ${info.fps} fps`
+        : `${size}, ${info.num_image_tokens} tokens`,
+    ),
+  );
+  li.append(text);
+  li.addEventListener("click", () => select(info.id));
+  const old = $(`#media-list li[data-id="${info.id}"]`); // the same pixels: the same id
+  if (old) {
+    URL.revokeObjectURL(old.firstChild.src);
+    old.remove();
+  }
+  $("#media-list").prepend(li);
+  items.set(info.id, { kind, info, name: file.name });
+  select(info.id);
+}
+
+async function uploadAll(files) {
+  showError(null);
+  for (const file of files) {
+    try {
+      await upload(file);
+    } catch (err) {
+      showError(err);
+    }
+  }
+  refreshStats();
+}
+
+function select(id) {
+  selected = id;
+  const item = items.get(id);
+  for (const li of document.querySelectorAll("#media-list li")) {
+    li.classList.toggle("selected", li.dataset.id === id);
+  }
+  $("#selected-name").textContent = `${item.name} (${id.slice(0, 16)}…)`;
+  $("#video-options").hidden = item.kind !== "video";
+  $("#schema-box").hidden = item.kind === "video"; // structured output is for chat answers
+  $("#ask").disabled = false;
+}
+
+// ---- questions about an image: one streaming chat completion per question ---------
+
+function schemaFormat() {
+  const text = $("#schema").value.trim();
+  if (!text) return undefined;
+  let schema;
+  try {
+    schema = JSON.parse(text);
+  } catch (err) {
+    throw new Error(`the JSON schema is not valid JSON: ${err.message}`);
+  }
+  return { type: "json_schema", json_schema: { name: "answer", schema } };
+}
+
+// Stream one question's answer into its card; onStart() fires at the first text (the
+// prompt, image included, is then in the server's prefix cache) or at the end.
+async function askOne(card, body, onStart) {
+  const t0 = performance.now();
+  const seconds = () => ((performance.now() - t0) / 1000).toFixed(2);
+  const answer = card.querySelector(".answer");
+  const meta = card.querySelector(".meta");
+  let firstText = null;
+  try {
+    const resp = await call("/v1/chat/completions", { body });
+    for await (const line of lines(resp)) {
+      if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+      const chunk = JSON.parse(line.slice(6));
+      if (chunk.error) throw new APIError(500, chunk);
+      const delta = chunk.choices && chunk.choices[0] ? chunk.choices[0].delta : null;
+      if (delta && delta.content) {
+        answer.textContent += delta.content;
+        firstText = firstText || seconds();
+        meta.textContent = `streaming… first text after ${firstText} s`;
+        onStart();
+      }
+      if (chunk.usage) {
+        const u = chunk.usage;
+        card.dataset.cached = u.prompt_tokens_details.cached_tokens;
+        meta.textContent =
+          `cached ${u.prompt_tokens_details.cached_tokens} of ${u.prompt_tokens} prompt tokens, ` +
+          `${u.completion_tokens} generated, first text after ${firstText ?? "–"} s, ` +
+          `done in ${seconds()} s`;
+      }
+    }
+    card.dataset.state = "done";
+  } catch (err) {
+    card.dataset.state = "error";
+    meta.textContent = err.message; // as the API words it
+  } finally {
+    onStart();
+  }
+}
+
+async function askImage(id, questions) {
+  const base = {
+    max_tokens: Number($("#max-tokens").value),
+    temperature: Number($("#temperature").value),
+    stream: true,
+    stream_options: { include_usage: true },
+  };
+  const format = schemaFormat();
+  if (format) base.response_format = format;
+  const jobs = questions.map((q, i) => {
+    const card = el("article", "answer-card");
+    card.dataset.index = i;
+    card.dataset.state = "running";
+    card.append(el("h3", "question", q), el("p", "answer"), el("p", "meta", "waiting…"));
+    $("#results").append(card);
+    const content = [
+      { type: "image_url", image_url: { url: id } },
+      { type: "text", text: q },
+    ];
+    return { card, body: { ...base, messages: [{ role: "user", content }] } };
+  });
+  // The first question goes alone; the others start when its answer starts, so the
+  // image is encoded and prefilled once and every later question reports it as cached.
+  let started;
+  const first = new Promise((resolve) => (started = resolve));
+  const runs = [askOne(jobs[0].card, jobs[0].body, started)];
+  await first;
+  for (const job of jobs.slice(1)) runs.push(askOne(job.card, job.body, () => {}));
+  await Promise.all(runs);
+}
+
+// ---- questions about a video: /v1/videos/{id}/qa, streamed as NDJSON ---------------
+
+function frameSelection() {
+  const by = $("#frames-by").value;
+  const raw = $("#frames-value").value.trim();
+  if (by === "timestamps") return { timestamps: raw.split(/[\s,]+/).filter(Boolean).map(Number) };
+  return { [by]: Number(raw) };
+}
+
+async function askVideo(id, questions) {
+  const body = {
+    questions,
+    mode: $("#mode").value,
+    max_tokens: Number($("#max-tokens").value),
+    temperature: Number($("#temperature").value),
+    ...frameSelection(),
+  };
+  const box = el("article", "video-run");
+  box.dataset.state = "running";
+  const progress = el("progress");
+  progress.value = 0;
+  const count = el("span", "count", "sending…");
+  const table = el("table");
+  const summary = el("p", "meta");
+  const progressRow = el("div", "progress-row");
+  progressRow.append(progress, count);
+  box.append(progressRow, table, summary);
+  $("#results").append(box);
+  const cells = new Map(); // "frame/question" -> td
+  const head = table.createTHead().insertRow();
+  head.append(el("th", "", body.mode === "clip" ? "" : "time"));
+  for (const q of questions) head.append(el("th", "", q));
+  const addRow = (label, key) => {
+    const row = table.insertRow();
+    row.append(el("th", "ts", label));
+    questions.forEach((_, qi) => {
+      const td = row.insertCell();
+      td.className = "pending";
+      cells.set(`${key}/${qi}`, td);
+    });
+  };
+  try {
+    const resp = await call(`/v1/videos/${id}/qa`, { body });
+    for await (const line of lines(resp)) {
+      if (!line.trim()) continue;
+      const ev = JSON.parse(line);
+      if (ev.type === "error") throw new APIError(500, ev);
+      if (ev.type === "frames") {
+        progress.max = ev.num_answers;
+        count.textContent = `0 / ${ev.num_answers}`;
+        if (body.mode === "clip") addRow("clip", "clip");
+        else for (const f of ev.frames) addRow(`${f.timestamp.toFixed(2)} s`, f.frame);
+        if (ev.skipped_frames.length) {
+          const ts = ev.skipped_frames.map((f) => `${f.timestamp.toFixed(2)} s`).join(", ");
+          summary.textContent = `skipped frames that do not decode: ${ts}`;
+        }
+      } else if (ev.type === "answer") {
+        progress.value = ev.completed;
+        count.textContent = `${ev.completed} / ${ev.total}`;
+        const td = cells.get(`${ev.frame ?? "clip"}/${ev.question_index}`);
+        td.className = "";
+        td.textContent = ev.text;
+        td.title = `cached ${ev.cached_tokens} of ${ev.prompt_tokens} prompt tokens`;
+      } else if (ev.type === "summary") {
+        summary.textContent =
+          `${ev.answers} answers over ${ev.distinct_frames} distinct frames in ` +
+          `${ev.seconds.toFixed(2)} s; cache hit rate ${(100 * ev.cache_hit_rate).toFixed(1)}%, ` +
+          `${ev.vision_tower_runs} vision-tower runs`;
+      }
+    }
+    box.dataset.state = "done";
+  } catch (err) {
+    box.dataset.state = "error";
+    summary.textContent = err.message;
+  }
+}
+
+async function ask(event) {
+  event.preventDefault();
+  const questions = $("#questions")
+    .value.split("\n")
+    .map((q) => q.trim())
+    .filter(Boolean);
+  if (!selected || !questions.length) return;
+  showError(null);
+  $("#results").replaceChildren();
+  $("#ask").disabled = true;
+  const item = items.get(selected);
+  try {
+    if (item.kind === "video") await askVideo(selected, questions);
+    else await askImage(selected, questions);
+  } catch (err) {
+    showError(err);
+  } finally {
+    $("#ask").disabled = false;
+    refreshStats();
+  }
+}
+
+// ---- wiring ----------------------------------------------------------------------
+
+function init() {
+  const drop = $("#drop");
+  $("#file-input").addEventListener("change", (e) => {
+    uploadAll([...e.target.files]);
+    e.target.value = "";
+  });
+  drop.addEventListener("dragover", (e) => {
+    e.preventDefault();
+    drop.classList.add("over");
+  });
+  drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+  drop.addEventListener("drop", (e) => {
+    e.preventDefault();
+    drop.classList.remove("over");
+    uploadAll([...e.dataTransfer.files]);
+  });
+  $("#ask-form").addEventListener("submit", ask);
+  const key = $("#api-key");
+  key.value = sessionStorage.getItem("mmserve-api-key") || "";
+  if (key.value) $("#key-box").hidden = false;
+  const useKey = () => {
+    sessionStorage.setItem("mmserve-api-key", key.value.trim());
+    loadModel();
+    refreshStats();
+  };
+  key.addEventListener("change", useKey);
+  $("#key-box").addEventListener("submit", (e) => {
+    e.preventDefault(); // Enter: use the key, do not reload the page
+    useKey();
+  });
+  loadModel();
+  refreshStats();
+  setInterval(() => document.hidden || refreshStats(), 2000);
+}
+
+init();

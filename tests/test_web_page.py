@@ -1,0 +1,298 @@
+"""The web page at ``/`` in a real browser (Playwright driving the system's Chromium).
+
+A real ``mmserve serve`` subprocess; the page uploads a photo and the sample video
+through its file input, asks two questions (the second reports the photo's tokens
+as cached), runs per-frame video QA to the end of its progress bar, shows a 401's
+message for a wrong key and works with the right one. Key elements must be on
+screen at a desktop and a phone width, and every request the page makes must go
+to the server's own origin. ``MMSERVE_SCREENSHOT_DIR=docs`` also writes the
+README's screenshots (palette PNGs) there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from tests.conftest import SAMPLES
+from tests.live_server import live_server
+
+CHROMIUM = os.environ.get("MMSERVE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+WAIT_MS = 60_000  # the longest any one wait may take
+PHOTO = SAMPLES / "cat.png"
+VIDEO = SAMPLES.parent / "video" / "pans.mp4"
+KEY = "page-test-key"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    assert Path(CHROMIUM).exists(), (
+        f"no Chromium at {CHROMIUM}: apt-get install chromium (.ci/run does), "
+        "or set MMSERVE_CHROMIUM"
+    )
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=WAIT_MS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[str]:
+    with live_server(model_dir, "--max-total-tokens", "8192") as url:
+        yield url
+
+
+@contextmanager
+def opened(browser: Browser, url: str, viewport: dict) -> Iterator[Page]:
+    """A fresh page on ``url``; afterwards, every request it made must be to ``url``'s origin."""
+    context = browser.new_context(viewport=viewport)
+    context.set_default_timeout(WAIT_MS)
+    seen: list[str] = []
+    context.on("request", lambda r: seen.append(r.url))
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(url + "/")
+        yield page
+    finally:
+        context.close()
+    origin = _origin(url)
+    outside = [u for u in seen if _origin(u) != origin]
+    assert seen and not outside, outside
+    assert not errors, errors  # no uncaught JavaScript error
+
+
+def _origin(url: str) -> str:
+    u = urllib.parse.urlsplit(url.removeprefix("blob:"))  # blob: URLs of the page's origin
+    return f"{u.scheme}://{u.netloc}"
+
+
+def upload(page: Page, path: Path) -> None:
+    """Upload through the page's file input; wait for the item to be listed and selected."""
+    page.set_input_files("#file-input", str(path))
+    expect(page.locator("#media-list li.selected .name")).to_have_text(path.name, timeout=WAIT_MS)
+
+
+def ask(page: Page, questions: list[str], max_tokens: int = 8) -> None:
+    page.fill("#questions", "\n".join(questions))
+    page.fill("#max-tokens", str(max_tokens))
+    page.click("#ask")
+
+
+def wait_answers(page: Page, n: int) -> list[dict]:
+    """Wait until ``n`` answer cards are done; their question, answer and cached tokens."""
+    cards = page.locator(".answer-card")
+    expect(cards).to_have_count(n, timeout=WAIT_MS)
+    for i in range(n):
+        expect(cards.nth(i)).to_have_attribute("data-state", "done", timeout=WAIT_MS)
+    return [
+        {
+            "question": cards.nth(i).locator(".question").inner_text(),
+            "answer": cards.nth(i).locator(".answer").text_content(),
+            "cached": int(cards.nth(i).get_attribute("data-cached")),
+            "meta": cards.nth(i).locator(".meta").inner_text(),
+        }
+        for i in range(n)
+    ]
+
+
+def check_on_screen(page: Page, selectors: list[str], scroll: bool) -> None:
+    """Each selector's element is visible with its whole box inside the viewport (after
+    scrolling it into view when ``scroll``), and nothing overflows sideways."""
+    vp = page.viewport_size
+    for sel in selectors:
+        loc = page.locator(sel).first
+        expect(loc).to_be_visible(timeout=WAIT_MS)
+        if scroll:
+            loc.scroll_into_view_if_needed()
+        box = loc.bounding_box()
+        assert box and box["width"] > 0 and box["height"] > 0, sel
+        assert box["x"] >= 0 and box["x"] + box["width"] <= vp["width"] + 0.5, (sel, box)
+        assert box["y"] >= 0 and box["y"] + box["height"] <= vp["height"] + 0.5, (sel, box)
+    assert page.evaluate("document.documentElement.scrollWidth") <= vp["width"]
+
+
+def screenshot(page: Page, tmp_path: Path, name: str) -> None:
+    """Screenshot the viewport; also into ``$MMSERVE_SCREENSHOT_DIR`` as a small palette PNG."""
+    path = tmp_path / name
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(path))
+    with Image.open(path) as im:
+        assert im.size == (page.viewport_size["width"], page.viewport_size["height"])
+        if out := os.environ.get("MMSERVE_SCREENSHOT_DIR"):
+            im.convert("RGB").quantize(64).save(Path(out) / name, optimize=True)
+
+
+KEY_ELEMENTS = ["#drop", "#media-list li", "#questions", "#ask", "#stats", "#results"]
+
+
+def test_image_two_questions_stream_and_the_second_is_cached(
+    browser: Browser, server: str, tmp_path: Path
+) -> None:
+    with opened(browser, server, DESKTOP) as page:
+        expect(page.locator("#model-name")).to_have_text("llava-tiny", timeout=WAIT_MS)
+        expect(page.locator("#key-box")).to_be_hidden()  # this server has no key
+        upload(page, PHOTO)
+        item = page.locator("#media-list li.selected")
+        assert re.fullmatch(r"img-[0-9a-f]{32}", item.locator(".id").inner_text())
+        expect(item.locator(".size")).to_contain_text("451×300")
+        expect(item.locator(".size")).to_contain_text("576 tokens")
+        ask(page, ["What is in this picture?", "What colours stand out?"])
+        first, second = wait_answers(page, 2)
+        assert first["question"] == "What is in this picture?"
+        assert first["answer"] and second["answer"]
+        assert first["cached"] < 576 <= second["cached"], (first, second)
+        assert f"cached {second['cached']} of" in second["meta"] and " s" in second["meta"]
+        # the stats panel refreshes after the questions: one vision-tower run
+        expect(page.locator("#stat-tower")).to_have_text("1", timeout=WAIT_MS)
+        expect(page.locator("#stat-hit")).to_have_text(re.compile(r"\d+\.\d%"))
+        expect(page.locator("#stat-kv")).to_contain_text("of 8192 tokens")
+        expect(page.locator("#error")).to_be_hidden()
+        # an API error is shown as the API words it
+        image_id = item.locator(".id").inner_text()
+        ask(page, ["Too long?"], max_tokens=10**8)
+        card = page.locator(".answer-card")
+        expect(card).to_have_attribute("data-state", "error", timeout=WAIT_MS)
+        parts = [
+            {"type": "image_url", "image_url": {"url": image_id}},
+            {"type": "text", "text": "Too long?"},
+        ]
+        body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 10**8}
+        expect(card.locator(".meta")).to_have_text(_error_message(server, body, 400))
+
+
+def test_video_per_frame_progress_reaches_the_end(
+    browser: Browser, server: str, tmp_path: Path
+) -> None:
+    with opened(browser, server, DESKTOP) as page:
+        upload(page, PHOTO)
+        upload(page, VIDEO)
+        item = page.locator("#media-list li.selected")
+        assert item.get_attribute("data-kind") == "video"
+        expect(item.locator(".size")).to_contain_text("4.0 s, 40 frames at 10 fps")
+        expect(page.locator("#video-options")).to_be_visible()
+        page.select_option("#frames-by", "num_frames")
+        page.fill("#frames-value", "3")
+        page.select_option("#mode", "per_frame")
+        ask(page, ["What is in this picture?", "What colours stand out?"])
+        run = page.locator(".video-run")
+        expect(run).to_have_attribute("data-state", "done", timeout=WAIT_MS)
+        bar = run.locator("progress")
+        assert bar.evaluate("b => [b.value, b.max]") == [6, 6]
+        expect(run.locator(".count")).to_have_text("6 / 6")
+        stamps = run.locator("th.ts").all_inner_texts()
+        assert len(stamps) == 3 and all(re.fullmatch(r"\d+\.\d\d s", t) for t in stamps), stamps
+        assert run.locator("td.pending").count() == 0 and run.locator("td").count() == 6
+        expect(run.locator(".meta")).to_contain_text("6 answers over 3 distinct frames")
+        expect(run.locator(".meta")).to_contain_text("3 vision-tower runs")
+        check_on_screen(page, [*KEY_ELEMENTS, "#video-options", ".video-run progress"], False)
+        screenshot(page, tmp_path, "web-page-desktop.png")
+
+
+def test_phone_width_layout(browser: Browser, server: str, tmp_path: Path) -> None:
+    with opened(browser, server, PHONE) as page:
+        upload(page, PHOTO)
+        ask(page, ["What is in this picture?", "What colours stand out?"])
+        wait_answers(page, 2)
+        check_on_screen(page, [*KEY_ELEMENTS, "#schema-box", ".answer-card"], True)
+        screenshot(page, tmp_path, "web-page-phone.png")
+        # a JSON schema typed in the box goes out as response_format json_schema
+        page.click("#schema-box summary")
+        schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+        page.fill("#schema", json.dumps(schema))
+        with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as req:
+            ask(page, ["What is it?"])
+        assert req.value.post_data_json["response_format"] == {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema},
+        }
+        card = page.locator(".answer-card")
+        expect(card).not_to_have_attribute("data-state", "running", timeout=WAIT_MS)
+        page.fill("#schema", "{not json")
+        ask(page, ["What is it?"])
+        expect(page.locator("#error")).to_contain_text("the JSON schema is not valid JSON")
+
+
+def test_api_key_wrong_shows_the_401_and_right_works(
+    browser: Browser, model_dir: Path, tmp_path: Path
+) -> None:
+    with live_server(model_dir, "--max-total-tokens", "8192", "--api-key", KEY) as url:
+        missing, invalid = (
+            _error_message(url, {}, 401, h) for h in ({}, {"Authorization": "Bearer no"})
+        )
+        for path in ("/", "/static/app.js", "/static/style.css"):  # the page needs no key
+            with urllib.request.urlopen(url + path, timeout=10) as r:
+                assert r.status == 200
+        with opened(browser, url, DESKTOP) as page:
+            expect(page.locator("#key-box")).to_be_visible(timeout=WAIT_MS)
+            expect(page.locator("#error")).to_have_text(missing, timeout=WAIT_MS)
+            page.fill("#api-key", "wrong")
+            page.press("#api-key", "Enter")
+            with page.expect_response(lambda r: r.url.endswith("/v1/images")) as resp:
+                page.set_input_files("#file-input", str(PHOTO))
+            assert resp.value.status == 401
+            expect(page.locator("#error")).to_have_text(invalid, timeout=WAIT_MS)
+            assert page.locator("#media-list li").count() == 0
+            page.fill("#api-key", KEY)
+            page.press("#api-key", "Enter")
+            expect(page.locator("#model-name")).to_have_text("llava-tiny", timeout=WAIT_MS)
+            upload(page, PHOTO)
+            expect(page.locator("#error")).to_be_hidden()
+            ask(page, ["What is it?"])
+            (answer,) = wait_answers(page, 1)
+            assert answer["answer"]
+            expect(page.locator("#stat-tower")).to_have_text("1", timeout=WAIT_MS)
+
+
+def _error_message(url: str, body: dict, status: int, headers: dict | None = None) -> str:
+    """The ``error.message`` of a chat completion refused with ``status``."""
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == status
+    return json.loads(e.value.read())["error"]["message"]
+
+
+def test_page_files_are_served_without_a_key_and_nothing_else_is(server: str) -> None:
+    for path, kind in [
+        ("/", "text/html"),
+        ("/static/app.js", "text/javascript"),
+        ("/static/style.css", "text/css"),
+    ]:
+        with urllib.request.urlopen(server + path, timeout=10) as r:
+            assert r.headers["Content-Type"].startswith(kind)
+            body = r.read().decode()
+        # no URL of another host anywhere in the page's files
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", body, re.I), path
+    for path in ["/static/index.html", "/static/..%2fapp.py", "/static/nope.js"]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(server + path, timeout=10)
+        assert e.value.code == 404
