@@ -9,6 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
 from api.schemas import SamplingFields
+from api.structured import guided_spec
 from mmserve.engine.processor import InputProcessor, RequestError
 from mmserve.engine.request import ImageInput, Request, SamplingParams
 
@@ -17,6 +18,9 @@ _PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "stop", "top_logp
 
 def sampling_params(body: SamplingFields) -> SamplingParams:
     """Validated sampling parameters; ``max_tokens`` is 0 when the client gave none.
+
+    Structured-output fields become ``params.guided``, checked here (unsupported
+    schema keywords, bad schemas, regexes and grammars), before anything is queued.
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -33,6 +37,7 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
         stop=stop,
         ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        guided=guided_spec(body),
     )
     try:
         replace(params, max_tokens=params.max_tokens or 1).validate()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,8 +54,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema`` (OpenAI): a named JSON Schema the output must match."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, description="the schema's name")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = Field(
+        default=None, description="accepted; the schema is always enforced (strict)"
+    )
+
+
+class ResponseFormat(BaseModel):
+    """``response_format`` (OpenAI): ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(BaseModel):
-    """Sampling fields shared by chat completions and ``/ask``."""
+    """Sampling fields shared by chat completions, ``/ask`` and ``/qa``.
+
+    Structured output: at most one of ``response_format`` (``json_object`` or
+    ``json_schema``), ``guided_regex``, ``guided_choice`` and ``guided_grammar``
+    (vLLM's extension fields; see ``api/structured.py``).
+    """
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = Field(default=None, description="the served model (default: it)")
@@ -69,6 +94,14 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = Field(default=None, description="vLLM extension: a regex")
+    guided_choice: list[str] | None = Field(
+        default=None, description="vLLM extension: the output is one of these strings"
+    )
+    guided_grammar: str | None = Field(
+        default=None, description="vLLM extension: an EBNF grammar (root rule 'root')"
+    )
 
 
 class ChatCompletionRequest(SamplingFields):

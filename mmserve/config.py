@@ -54,6 +54,8 @@ class EngineConfig:
             leading tokens are not prefilled in the same batch; the second waits
             one step and hits the cache instead.
         image_limits: byte and pixel limits for decoded images.
+        disable_jump_forward: decode structured output token by token even where the
+            grammar allows only one continuation (jump-forward decoding off).
     """
 
     model_path: str | None = None
@@ -74,6 +76,7 @@ class EngineConfig:
     max_images_per_request: int = 8
     dedup_min_tokens: int = 32
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    disable_jump_forward: bool = False
 
     def validate(self) -> None:
         """Raises ValueError for a setting out of range."""

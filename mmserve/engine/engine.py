@@ -9,6 +9,7 @@ drives it from a background thread for the HTTP server.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import torch
 from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.radix_cache import RadixCache
 from mmserve.config import EngineConfig
+from mmserve.engine.grammar import GuidedDecoding
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.processor import InputProcessor, RequestError
 from mmserve.engine.request import GenerateResult, Request
@@ -89,6 +91,7 @@ class Engine:
             model, self.pool, self.embedding_cache, config.device, config.attention_backend
         )
         self.processor = InputProcessor(model, config, self.pool.size_tokens)
+        self.guided = GuidedDecoding(model, jump_forward=not config.disable_jump_forward)
         self.stats = EngineStats()
         self._by_rid: dict[str, Request] = {}
 
@@ -209,29 +212,40 @@ class Engine:
         else:
             return []
         self.stats.consecutive_failed_steps = 0
+        rows = self.guided.apply_masks(batch, rows)  # structured output: grammar masks
         now = time.perf_counter()
         for req, row in zip(batch, rows, strict=True):
-            self._append_token(req, row, now)
+            try:
+                self._append_token(req, row, now)
+            except Exception:  # noqa: BLE001 - sampling or decoding failed for this one
+                self._fail([req], "while sampling its next token")
         return batch
 
     def _run_batch(self, reqs: list[Request], run) -> torch.Tensor | None:  # noqa: ANN001
         """``run()``'s logits, or None after failing ``reqs`` for its exception."""
         try:
             return run()
-        except Exception as e:  # noqa: BLE001 - contained to this batch
-            log.error(
-                "engine step failed for %s:\n%s", [r.rid for r in reqs], traceback.format_exc()
-            )
-            self.stats.failed_steps += 1
-            self.stats.consecutive_failed_steps += 1
-            message = f"{type(e).__name__} while running the batch"
-            for req in reqs:
-                # KV written by a failed forward is not trusted: nothing new goes to the tree
-                self.scheduler.abort(req, cache=False)
-                req.error = message
-                self.stats.requests_failed += 1
-                self._finish(req, "error")
+        except Exception:  # noqa: BLE001 - contained to this batch
+            self._fail(reqs, "while running the batch")
             return None
+
+    def _fail(self, reqs: list[Request], when: str) -> None:
+        """End ``reqs`` with finish reason "error" for the exception being handled."""
+        exc = sys.exc_info()[1]
+        log.error(
+            "engine step failed for %s:\n%s", [r.rid for r in reqs], traceback.format_exc()
+        )
+        self.stats.failed_steps += 1
+        self.stats.consecutive_failed_steps += 1
+        message = f"{type(exc).__name__} {when}"
+        for req in reqs:
+            if req.finished:
+                continue
+            # KV written by a failed step is not trusted: nothing new goes to the tree
+            self.scheduler.abort(req, cache=False)
+            req.error = message
+            self.stats.requests_failed += 1
+            self._finish(req, "error")
 
     def _append_token(self, req: Request, logits: torch.Tensor, now: float) -> None:
         if req.logits is not None:
@@ -246,6 +260,8 @@ class Engine:
         reason = None
         if tok in self.model.eos_token_ids and not p.ignore_eos:
             reason = "stop"
+        if req.grammar is not None:  # may append jump-forward tokens
+            reason = self.guided.advance(req, logits) or reason
         text = self.model.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         cut = first_stop(text, p.stop)
         if cut is not None:
@@ -256,7 +272,10 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(req)
             self._finish(req, reason)
-        elif req.on_update is not None:
+            return
+        if len(req.all_ids()) > req.computed_len + 1:  # jumped: K/V of several new tokens
+            self.scheduler.extend(req)
+        if req.on_update is not None:
             req.on_update(req)
 
     def _finish(self, req: Request, reason: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mmserve.config import EngineConfig
+from mmserve.engine.grammar import GrammarCache, GrammarError
 from mmserve.engine.prompt import PromptBuilder, PromptError
 from mmserve.engine.request import ImageInput, Request, SamplingParams
 from mmserve.engine.sampling import make_generator
@@ -54,6 +55,8 @@ class InputProcessor:
         self.prompts = PromptBuilder(model, config.max_images_per_request)
         self.fingerprint = processor_fingerprint(model.processor.image_processor)
         self.shortest_edge = shortest_edge(model.processor.image_processor)
+        #: compiled structured-output grammars (built here, off the engine thread)
+        self.grammars = GrammarCache(model)
 
     def prepare_image(self, data: bytes) -> ImageInput:
         """Decode and hash an encoded image (no preprocessing).
@@ -75,9 +78,13 @@ class InputProcessor:
     ) -> Request:
         """Build a validated, tokenized request from chat ``messages`` or a raw ``prompt``.
 
+        A constrained request (``params.guided``) gets its own grammar matcher; the
+        grammar is compiled once per distinct spec (:class:`GrammarCache`).
+
         Raises:
-            RequestError: bad sampling parameters, placeholder/image mismatch, or a
-                prompt plus ``max_tokens`` beyond the context or the KV pool.
+            RequestError: bad sampling parameters, placeholder/image mismatch, a
+                prompt plus ``max_tokens`` beyond the context or the KV pool, or a
+                structured-output spec that is refused or does not compile.
         """
         params = params or SamplingParams()
         try:
@@ -103,6 +110,11 @@ class InputProcessor:
             )
         self.check_length(len(ids), params.max_tokens, counts)
         req = Request(ids, spans, params, rid=rid)
+        if params.guided is not None:
+            try:
+                req.grammar = self.grammars.state(params.guided)
+            except GrammarError as e:
+                raise RequestError(str(e), param=e.param) from None
         req.generator = make_generator(params, self.config.device)
         return req
 

@@ -7,9 +7,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
+
+if TYPE_CHECKING:
+    from mmserve.engine.grammar import GrammarState, GuidedSpec
 
 
 @dataclass
@@ -26,7 +30,11 @@ class SamplingParams:
         ignore_eos: keep going after an end-of-sequence token.
         return_logits: keep each step's fp32 logits ``[vocab]`` (tests, debugging).
         logprobs: None (off) or how many top alternatives (0..20) to report with each
-            output token's log-probability (natural log, of the unscaled distribution).
+            output token's log-probability (natural log, of the unscaled distribution;
+            for a constrained request, of that distribution restricted to what the
+            grammar allows, see :mod:`mmserve.engine.grammar`).
+        guided: structured output the text must match (a JSON schema, regex, choice or
+            grammar; :class:`~mmserve.engine.grammar.GuidedSpec`), or None.
     """
 
     max_tokens: int = 16
@@ -38,6 +46,7 @@ class SamplingParams:
     ignore_eos: bool = False
     return_logits: bool = False
     logprobs: int | None = None
+    guided: GuidedSpec | None = None
 
     def validate(self) -> None:
         """Check ranges.
@@ -163,7 +172,8 @@ class Request:
     counts them); ``computed_len`` have K/V in the pool; ``tree_len`` leading
     positions are backed by tree-owned pages locked through ``last_node``.
     ``pages`` lists the request's page ids in order; ``reserved_pages`` are
-    promised for future decode steps.
+    promised for future decode steps. ``grammar`` is the matcher of a constrained
+    request (set by the front end), else None.
     """
 
     def __init__(
@@ -201,6 +211,7 @@ class Request:
         self.generator: torch.Generator | None = None
         self.abort_requested = False
         self.error: str | None = None
+        self.grammar: GrammarState | None = None
 
     @property
     def prompt_len(self) -> int:

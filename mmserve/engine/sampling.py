@@ -72,11 +72,16 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
         top: how many alternatives to report (0..20).
 
     Returns:
-        A :class:`TokenLogprob` with natural-log probabilities.
+        A :class:`TokenLogprob` with natural-log probabilities; alternatives at ``-inf``
+        (masked) are left out.
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
     alts: list[tuple[int, float]] = []
     if top > 0:
         values, ids = torch.topk(logp, min(top, logp.numel()))
-        alts = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        alts = [
+            (int(i), float(v))
+            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            if v != float("-inf")  # masked ids (a grammar may allow fewer than ``top``)
+        ]
     return TokenLogprob(token, float(logp[token]), alts)

@@ -10,7 +10,10 @@ chunks. After each prefill the computed full pages go into the tree, so
 followers hit before the first request finishes; at finish the prompt and
 output go in and the request's lock is dropped. When decode runs out of pages,
 the newest running requests are retracted: their computed prefix goes to the
-tree and they wait again, to resume with identical output.
+tree and they wait again, to resume with identical output. A running request
+that got several tokens at once (structured output's jump-forward) leaves the
+decode batch for :attr:`Scheduler.extending`, and the next prefill batch computes
+those tokens the way a resumed request's are, before any new admission.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Scheduler:
 
     Attributes:
         prefilling: the request whose prompt is being prefilled in chunks, if any.
+        extending: running requests whose newest tokens (jump-forward) await an extend.
+        extend_batches: prefill batches that carried at least one extend.
         tree_seconds: wall time spent inside radix-tree calls (seconds).
         retractions: requests put back in the queue for lack of pages.
     """
@@ -54,6 +59,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefilling: Request | None = None
+        self.extending: list[Request] = []
+        self.extend_batches = 0
         self.tree_seconds = 0.0
         self.retractions = 0
         self._rng = random.Random(config.policy_seed)
@@ -69,11 +76,11 @@ class Scheduler:
         Every state a live request can be in counts: the engine must keep stepping
         until each one ends, with no other traffic to wake it.
         """
-        return bool(self.waiting or self.running or self.prefilling is not None)
+        return bool(self.waiting or self.running or self.extending or self.prefilling is not None)
 
     def active(self) -> list[Request]:
-        """Running requests plus the one being prefilled in chunks."""
-        return self.running + ([self.prefilling] if self.prefilling else [])
+        """Running requests (extending ones included) plus the one prefilled in chunks."""
+        return self.running + self.extending + ([self.prefilling] if self.prefilling else [])
 
     def reserved_pages(self) -> int:
         """Pages promised to admitted requests' future decode steps."""
@@ -98,6 +105,8 @@ class Scheduler:
         """
         batch: list[tuple[Request, int]] = []
         budget = self.config.max_prefill_tokens
+        if self.extending:
+            budget = self._schedule_extends(batch, budget)
         if self.prefilling is not None:
             req = self.prefilling
             n = self._chunk(req, req.computed_len, budget)
@@ -164,7 +173,8 @@ class Scheduler:
         return batch
 
     def _decode_reserve(self, req: Request, fill: int) -> int:
-        # a retracted request reserves everything, so it cannot be retracted again
+        # a retracted request reserves all its remaining pages, which makes a second
+        # retraction unlikely (reservations are promises, not set-aside pages)
         remaining = req.params.max_tokens - len(req.output_ids)
         ratio = 1.0 if req.admissions else self.config.decode_reserve_ratio
         last = fill + max(0, remaining - 1)  # tokens with KV when it finishes
@@ -280,6 +290,8 @@ class Scheduler:
             return False  # more chunks to come
         if self.prefilling is req:
             self.prefilling = None
+        if req in self.extending:
+            self.extending.remove(req)
         self.running.append(req)
         return True
 
@@ -356,8 +368,44 @@ class Scheduler:
         req.last_node = None
         if req in self.running:
             self.running.remove(req)
+        if req in self.extending:
+            self.extending.remove(req)
         if self.prefilling is req:
             self.prefilling = None
+
+    # ---- jump-forward extends ------------------------------------------------
+    def extend(self, req: Request) -> None:
+        """``req`` (running) holds more than one token without K/V (a jump-forward
+        appended them): it leaves the decode batch, and the next prefill batch computes
+        ``[computed_len, len(all_ids()))``, the path a retracted request resumes by."""
+        self.running.remove(req)
+        self.extending.append(req)
+
+    def _schedule_extends(self, batch: list[tuple[Request, int]], budget: int) -> int:
+        """Add the extending requests to ``batch`` (within ``budget`` tokens); returns the
+        budget left. Their pages come from their decode reservation, then from free or
+        evictable pages; a request they do not fit is retracted (it resumes later)."""
+        P = self.page_size
+        scheduled = False
+        for req in list(self.extending):
+            if budget <= 0:
+                break
+            fill = len(req.all_ids())
+            need = _ceil_div(fill, P) - len(req.pages)
+            if need > 0:
+                others = self.reserved_pages() - req.reserved_pages
+                have = self.alloc.num_free + self.tree.evictable_size() // P - others
+                if need > have:
+                    self.retract(req)
+                    continue
+                req.pages.extend(self._alloc(need))
+                req.reserved_pages = max(0, req.reserved_pages - need)
+            n = min(fill - req.computed_len, budget)
+            batch.append((req, n))
+            budget -= n
+            scheduled = True
+        self.extend_batches += scheduled
+        return budget
 
     def check_accounting(self) -> dict[str, int]:
         """Pool accounting at a quiescent point (DESIGN.md invariant 3).
