@@ -132,10 +132,11 @@ def _split_images(
                 urls.append((url, f"{param}.image_url", None))
                 parts.append({"type": "image"})
         out.append({"role": role, "content": parts})
-    if sum(sel is None for _, _, sel in urls) > max_images:
+    n_images = sum(sel is None for _, _, sel in urls)
+    if n_images > max_images:
         raise APIError(
             400,
-            f"{len(urls)} images in one request; the limit is {max_images}",
+            f"{n_images} images in one request; the limit is {max_images}",
             param="messages",
             code="too_many_images",
         )

@@ -75,9 +75,10 @@ def test_a_failing_batch_fails_only_its_requests(make_engine, baseline) -> None:
         for t in threads:
             t.start()
         deadline = time.time() + 30
-        while not engine.scheduler.running and time.time() < deadline:
-            time.sleep(0.005)
-        assert engine.scheduler.running, "the normal requests never started decoding"
+        # all three decoding, so the poisoned request's prefill batch holds only itself
+        while len(engine.scheduler.running) < len(NORMAL) and time.time() < deadline:
+            time.sleep(0.002)
+        assert len(engine.scheduler.running) == len(NORMAL), "the requests never all decoded"
         r = c.post("/v1/chat/completions", json=body(POISON))
         err = r.json()["error"]
         assert r.status_code == 500 and err["type"] == "server_error", r.text
@@ -110,3 +111,35 @@ def test_three_failed_steps_in_a_row_turn_health_503(make_engine) -> None:  # no
         r = c.post("/v1/chat/completions", json=body(NORMAL[0], max_tokens=2))
         assert r.status_code == 200
         assert c.get("/health").status_code == 200
+
+
+def test_a_failure_while_sampling_fails_only_that_request(
+    make_engine, baseline, monkeypatch
+) -> None:  # noqa: ANN001
+    import mmserve.engine.engine as engine_module
+
+    real = engine_module.sample_token
+
+    def flaky(logits, params, generator):  # noqa: ANN001, ANN202
+        if params.seed == 666:
+            raise FloatingPointError("injected sampling fault")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample_token", flaky)
+    engine = make_engine()
+    with TestClient(create_app(engine, ServerSettings(served_model_name="m"))) as c:
+        answers: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = c.post("/v1/chat/completions", json=body(NORMAL[i]))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(NORMAL))]
+        for t in threads:
+            t.start()
+        r = c.post("/v1/chat/completions", json=body(POISON, seed=666))
+        assert r.status_code == 500 and "FloatingPointError" in r.json()["error"]["message"]
+        for t in threads:
+            t.join(timeout=60)
+        got = [answers[i].json()["choices"][0]["message"]["content"] for i in range(len(NORMAL))]
+        assert got == baseline  # requests sharing its decode batches were not touched
+        accounting(c)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import numpy as np
 import pytest
@@ -176,3 +177,17 @@ def test_huge_text_is_refused_before_tokenizing(eng) -> None:  # noqa: ANN001
     text = "ab " * (eng.prompts.max_chars // 3 + 1)
     with pytest.raises(RequestError, match="more than the model's context"):
         eng.make_request(messages=[{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize("mode, trns", [("L", 7), ("RGB", (7, 7, 7))])
+def test_a_transparency_colour_is_part_of_the_key(make_engine, mode, trns) -> None:  # noqa: ANN001
+    # the processor composites a tRNS colour on white, so the features differ: keys must too
+    eng = make_engine()
+    im = Image.new(mode, (16, 16), trns if mode == "L" else trns)
+    plain = png_bytes(im)
+    im.info["transparency"] = trns
+    buf = io.BytesIO()
+    im.save(buf, "PNG", transparency=trns)
+    a, b = eng.processor.prepare_image(plain), eng.processor.prepare_image(buf.getvalue())
+    assert "transparency" in b.image.info
+    assert a.key != b.key

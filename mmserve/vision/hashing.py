@@ -50,7 +50,8 @@ def image_key(image: Image.Image, fingerprint: bytes) -> bytes:
         fingerprint: :func:`processor_fingerprint` of the processor that will read it.
 
     Returns:
-        16-byte xxh3-128 digest of mode, width, height, palette, pixels and fingerprint.
+        16-byte xxh3-128 digest of mode, width, height, palette and transparency
+        colour (when present), pixels and fingerprint.
     """
     h = xxhash.xxh3_128()
     h.update(_KEY_DOMAIN)
@@ -60,6 +61,9 @@ def image_key(image: Image.Image, fingerprint: bytes) -> bytes:
     if palette is not None:
         h.update(bytes(palette))
         h.update(repr(image.info.get("transparency")).encode())
+    elif "transparency" in image.info:
+        # an L/RGB tRNS colour makes the processor composite those pixels on white
+        h.update(b"\x00trns\x00" + repr(image.info["transparency"]).encode())
     h.update(image.tobytes())
     h.update(fingerprint)
     return h.digest()
