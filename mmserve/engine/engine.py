@@ -9,6 +9,7 @@ drives it from a background thread for the HTTP server.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -214,27 +215,37 @@ class Engine:
         rows = self.guided.apply_masks(batch, rows)  # structured output: grammar masks
         now = time.perf_counter()
         for req, row in zip(batch, rows, strict=True):
-            self._append_token(req, row, now)
+            try:
+                self._append_token(req, row, now)
+            except Exception:  # noqa: BLE001 - sampling or decoding failed for this one
+                self._fail([req], "while sampling its next token")
         return batch
 
     def _run_batch(self, reqs: list[Request], run) -> torch.Tensor | None:  # noqa: ANN001
         """``run()``'s logits, or None after failing ``reqs`` for its exception."""
         try:
             return run()
-        except Exception as e:  # noqa: BLE001 - contained to this batch
-            log.error(
-                "engine step failed for %s:\n%s", [r.rid for r in reqs], traceback.format_exc()
-            )
-            self.stats.failed_steps += 1
-            self.stats.consecutive_failed_steps += 1
-            message = f"{type(e).__name__} while running the batch"
-            for req in reqs:
-                # KV written by a failed forward is not trusted: nothing new goes to the tree
-                self.scheduler.abort(req, cache=False)
-                req.error = message
-                self.stats.requests_failed += 1
-                self._finish(req, "error")
+        except Exception:  # noqa: BLE001 - contained to this batch
+            self._fail(reqs, "while running the batch")
             return None
+
+    def _fail(self, reqs: list[Request], when: str) -> None:
+        """End ``reqs`` with finish reason "error" for the exception being handled."""
+        exc = sys.exc_info()[1]
+        log.error(
+            "engine step failed for %s:\n%s", [r.rid for r in reqs], traceback.format_exc()
+        )
+        self.stats.failed_steps += 1
+        self.stats.consecutive_failed_steps += 1
+        message = f"{type(exc).__name__} {when}"
+        for req in reqs:
+            if req.finished:
+                continue
+            # KV written by a failed step is not trusted: nothing new goes to the tree
+            self.scheduler.abort(req, cache=False)
+            req.error = message
+            self.stats.requests_failed += 1
+            self._finish(req, "error")
 
     def _append_token(self, req: Request, logits: torch.Tensor, now: float) -> None:
         if req.logits is not None:
