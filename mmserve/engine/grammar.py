@@ -335,7 +335,7 @@ def _ebnf_string(text: str) -> str:
         if c in '"\\':
             out.append("\\" + c)
         elif ord(c) < 0x20 or ord(c) == 0x7F:
-            out.append(f"\\x{ord(c):02x}")
+            out.append(f"\\u{ord(c):04x}")  # xgrammar's \\x takes every hex digit that follows
         else:
             out.append(c)
     return '"' + "".join(out) + '"'
