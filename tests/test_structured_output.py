@@ -396,9 +396,24 @@ def test_jumped_tokens_logprobs_and_retokenized_boundary(engine, images) -> None
     for lp, tok in zip(r.logprobs, r.output_ids, strict=True):
         assert lp.token_id == tok and lp.logprob <= 0.0
         assert all(v > float("-inf") for _, v in lp.top)  # after the mask: allowed tokens only
-    # the first token is sampled ("{"), then re-tokenized with the forced '"a_detailed...'
+
+
+def test_retokenized_boundary_gives_the_tokenizers_own_tokens(engine, images) -> None:  # noqa: ANN001
+    # A one-element choice: the model samples some prefix of it as the first token, the
+    # rest is one jump; re-tokenizing at the boundary must give exactly the tokenizer's
+    # tokens of the whole string (then the end-of-sequence token, also forced).
     tok = engine.model.tokenizer
-    assert tok.decode(r.output_ids[:1]) != "{" or r.output_ids[1:2] != tok.encode('"')[:1]
+    texts = ["the photograph shows a cat", "description_of_the_picture", '{"key": "value"}']
+    cases = [(t, q, temp) for t in texts for q in ("A", "Answer.") for temp in (0.0, 1.0)]
+    reqs = [
+        ask(engine, images[1], GuidedSpec.choice([t]), q, temperature=temp, seed=3)
+        for t, q, temp in cases
+    ]
+    before = engine.guided.stats.retokenized
+    for (text, _, _), r in zip(cases, engine.generate(reqs), strict=True):
+        assert r.text == text and r.finish_reason == "stop"
+        assert r.output_ids == tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    assert engine.guided.stats.retokenized > before  # some first token was not the tokenizer's
 
 
 def test_max_tokens_stop_strings_and_ignore_eos_with_jumps(engine, images) -> None:  # noqa: ANN001
