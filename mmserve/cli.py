@@ -25,7 +25,7 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
     """Add ``make-model DIR [--size] [--seed]`` to a subcommand set."""
     m = sub.add_parser(
         "make-model",
-        help="write a seeded random LLaVA-1.5 or LLaVA-NeXT checkpoint",
+        help="write a seeded random LLaVA-1.5, LLaVA-NeXT or LLaVA-OneVision checkpoint",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m.add_argument("dir", help="directory to write")
@@ -35,7 +35,8 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
         "--family",
         choices=FAMILY_NAMES,
         default="llava",
-        help="llava: LLaVA-1.5 (576 tokens per image); llava-next: any-resolution tiles",
+        help="llava: LLaVA-1.5 (576 tokens per image); llava-next: any-resolution tiles; "
+        "llava-onevision: SigLIP + Qwen2, any-resolution grid and pooled video frames",
     )
     m.set_defaults(func=_make_model)
     return m

@@ -91,6 +91,42 @@ def next_ref_model(next_model_dir: Path):  # noqa: ANN201
 
 
 @pytest.fixture(scope="session")
+def ov_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaVA-OneVision checkpoint (98-px tiles, Qwen2), built once per session."""
+    out = tmp_path_factory.mktemp("model") / "llava-onevision-tiny"
+    return make_checkpoint(out, "tiny", family="llava-onevision")
+
+
+@pytest.fixture(scope="session")
+def ov_loaded(ov_model_dir: Path):  # noqa: ANN201
+    """Our LLaVA-OneVision model loaded once."""
+    return load_model(ov_model_dir)
+
+
+@pytest.fixture(scope="session")
+def make_ov_engine(ov_loaded, ov_model_dir):  # noqa: ANN001, ANN201
+    """Factory: ``make_ov_engine(**EngineConfig fields)`` -> an Engine on the OneVision model."""
+
+    def make(**kw) -> Engine:
+        return Engine(EngineConfig(model_path=str(ov_model_dir), **kw), model=ov_loaded)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def ov_ref_model(ov_model_dir: Path):  # noqa: ANN201
+    """transformers' LlavaOnevisionForConditionalGeneration and its processor (without
+    torchvision: transformers' processor class holding the tokenizer and PIL image
+    processor) on the OneVision checkpoint."""
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    from mmserve.model.families.llava_onevision import load_onevision_processor
+
+    model = LlavaOnevisionForConditionalGeneration.from_pretrained(ov_model_dir).eval()
+    return model, load_onevision_processor(ov_model_dir)
+
+
+@pytest.fixture(scope="session")
 def photos() -> dict[str, bytes]:
     """Encoded bytes of the sample photographs, by file name."""
     return {p.name: p.read_bytes() for p in sorted(SAMPLES.iterdir()) if p.suffix != ".md"}

@@ -4,7 +4,8 @@ Image features come from the embedding cache when present; otherwise the
 images a batch still needs are preprocessed and encoded together in one vision
 tower call. Only positions a request actually computes need features, so an
 image fully covered by the prefix match costs nothing, and a match that ends
-inside an image takes the tail of that image's features.
+inside an image takes the tail of that image's features. Reserved pseudo-tokens that
+are no image (the video newline) take the fixed embeddings the vision module defines.
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ class ModelRunner:
         mask = torch.zeros(model.decoder.shape.vocab_size, dtype=torch.float32)
         mask[model.never_sample_ids] = float("-inf")
         self.logit_mask = mask.to(self.device)
+        self.fixed_embeddings = model.vision.token_embeddings()
 
     def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
-        """Features ``[num_image_tokens, hidden]`` for each distinct image, tower-encoded
-        once (one vision call for the batch; the family preprocesses and packs)."""
-        feats = self.model.vision.encode([im.image for im in images])
+        """Features ``[num_image_tokens, hidden]`` for each distinct image (or frame),
+        tower-encoded once (the family preprocesses and packs each in its mode)."""
+        feats = self.model.vision.encode_items(images)
         self.vision_tower_images += len(images)
         out = {}
         for im, f in zip(images, feats, strict=True):
@@ -125,6 +127,8 @@ class ModelRunner:
             ids_all.extend(r.all_ids()[s:e])
         ids = torch.tensor(ids_all, dtype=torch.int64, device=self.device)
         embeds = self.model.decoder.embed_tokens(ids.clamp(min=0))
+        for tid, vec in self.fixed_embeddings.items():
+            embeds[ids == tid] = vec.to(embeds.dtype)
         offset = 0
         for r, s, e in zip(reqs, starts, ends, strict=True):
             for span in r.spans:

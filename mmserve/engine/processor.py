@@ -75,8 +75,12 @@ class InputProcessor:
         images: Sequence[ImageInput] = (),
         params: SamplingParams | None = None,
         rid: str | None = None,
+        videos: Sequence[Sequence[ImageInput]] = (),
     ) -> Request:
         """Build a validated, tokenized request from chat ``messages`` or a raw ``prompt``.
+
+        ``images`` fill the image placeholders and ``videos`` (each its frames, decoded
+        and hashed like images) the video placeholders of a model with a video path.
 
         A constrained request (``params.guided``) gets its own grammar matcher; the
         grammar is compiled once per distinct spec (:class:`GrammarCache`).
@@ -92,9 +96,9 @@ class InputProcessor:
             if (messages is None) == (prompt is None):
                 raise RequestError("give exactly one of messages or prompt")
             if messages is not None:
-                ids, spans = self.prompts.from_messages(messages, list(images))
+                ids, spans = self.prompts.from_messages(messages, list(images), list(videos))
             else:
-                ids, spans = self.prompts.from_text(prompt, list(images))
+                ids, spans = self.prompts.from_text(prompt, list(images), list(videos))
         except RequestError:
             raise
         except (PromptError, ValueError) as e:

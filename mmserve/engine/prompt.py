@@ -4,7 +4,11 @@ The tokenizer sees the text with one ``<image>`` placeholder per image, exactly
 as transformers' ``LlavaProcessor`` would before it repeats the placeholder, and
 each placeholder is then replaced by the image's N pseudo-token ids
 (:mod:`mmserve.vision.hashing`). Text around a placeholder tokenizes the same
-either way because the placeholder is a special token.
+either way because the placeholder is a special token. The family chooses how each
+image is processed given how many images the prompt holds
+(:meth:`~mmserve.model.families.base.ModelFamily.image_mode`). On a family with a
+video path each ``<video>`` placeholder becomes its frames' runs, each frame keyed by
+its own pixels, then the video newline (:data:`~mmserve.vision.hashing.VIDEO_NEWLINE_ID`).
 
 Message texts are plain text: a typed special-token string (``</s>``, ``<s>``,
 ``<pad>``, ...) becomes the ids of its characters, so a user cannot end their own
@@ -20,8 +24,9 @@ import re
 from collections.abc import Sequence
 
 from mmserve.engine.request import ImageInput, ImageSpan
+from mmserve.model.families.base import FRAME_MODE
 from mmserve.model.loader import LoadedModel
-from mmserve.vision.hashing import PseudoIdCache
+from mmserve.vision.hashing import VIDEO_NEWLINE_ID, PseudoIdCache
 
 
 class PromptError(ValueError):
@@ -40,6 +45,10 @@ class PromptBuilder:
         self.tokenizer = model.tokenizer
         self.image_token_id = model.image_token_id
         self.image_token = self.tokenizer.convert_ids_to_tokens(model.image_token_id)
+        self.video_token_id = model.video_token_id
+        self.placeholders = [self.image_token]
+        if model.video_token_id is not None:
+            self.placeholders.append(self.tokenizer.convert_ids_to_tokens(model.video_token_id))
         self.model = model
         self.max_images = max_images
         self.pseudo_ids = PseudoIdCache()
@@ -49,7 +58,7 @@ class PromptBuilder:
         # megabytes of text costs seconds and gigabytes).
         self.max_chars = self.max_context * max(len(t) for t in self.tokenizer.get_vocab())
         specials = sorted(
-            {str(t) for t in self.tokenizer.all_special_tokens} | {self.image_token},
+            {str(t) for t in self.tokenizer.all_special_tokens} | set(self.placeholders),
             key=len,
             reverse=True,
         )
@@ -66,27 +75,34 @@ class PromptBuilder:
         """Render messages with the checkpoint's chat template and a generation prompt.
 
         Each message is ``{"role": ..., "content": str | [parts]}`` with parts
-        ``{"type": "text", "text": ...}`` or ``{"type": "image"}``.
+        ``{"type": "text", "text": ...}``, ``{"type": "image"}`` or (a family with a
+        video path) ``{"type": "video"}``.
 
         Raises:
-            PromptError: if user text contains the literal image placeholder
-                (it would create an image slot that has no image).
+            PromptError: if user text contains the literal image (or video) placeholder
+                (it would create a slot that has no image).
         """
         for m in messages:
             for text in _texts(m):
-                if self.image_token in text:
-                    raise PromptError(
-                        f"message text contains the reserved image placeholder "
-                        f"{self.image_token!r}; send images as image_url content parts"
-                    )
+                for token in self.placeholders:
+                    if token in text:
+                        what = "image" if token == self.image_token else "video"
+                        raise PromptError(
+                            f"message text contains the reserved {what} placeholder "
+                            f"{token!r}; send {what}s as {what}_url content parts"
+                        )
         return self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True
         )
 
     def from_messages(
-        self, messages: Sequence[dict], images: Sequence[ImageInput]
+        self,
+        messages: Sequence[dict],
+        images: Sequence[ImageInput],
+        videos: Sequence[Sequence[ImageInput]] = (),
     ) -> tuple[list[int], list[ImageSpan]]:
-        """Token ids for a chat; ``images`` fill the image parts in order.
+        """Token ids for a chat; ``images`` fill the image parts and ``videos`` (each a
+        list of frames) the video parts, in order.
 
         Message texts are encoded as plain text (see the module docstring).
 
@@ -94,13 +110,13 @@ class PromptBuilder:
             PromptError: as :meth:`render_chat` and :meth:`from_text`.
         """
         texts = _texts_all(messages)
-        if any(self.image_token in t for t in texts):
+        if any(p in t for t in texts for p in self.placeholders):
             self.render_chat(messages)  # raises the placeholder error
         if not any(self._special_re.search(t) for t in texts):
-            return self.from_text(self.render_chat(messages), images)
+            return self.from_text(self.render_chat(messages), images, videos)
         rendered, typed, mark = self._mask_specials(messages)
         self._check_text(rendered)
-        return self._expand(self.encode_plain_texts(rendered, typed, mark), images)
+        return self._expand(self.encode_plain_texts(rendered, typed, mark), images, videos)
 
     def _mask_specials(self, messages: Sequence[dict]) -> tuple[str, list[str], str]:
         """Render with every typed special string replaced by a private-use marker.
@@ -174,22 +190,28 @@ class PromptBuilder:
         return ids + list(self._suffix_ids)
 
     def from_text(
-        self, text: str, images: Sequence[ImageInput]
+        self,
+        text: str,
+        images: Sequence[ImageInput],
+        videos: Sequence[Sequence[ImageInput]] = (),
     ) -> tuple[list[int], list[ImageSpan]]:
-        """Token ids for raw text whose ``<image>`` placeholders take ``images`` in order.
+        """Token ids for raw text whose ``<image>`` placeholders take ``images`` and whose
+        ``<video>`` placeholders take ``videos`` (lists of frames), in order.
 
         Returns:
             ``(input_ids, spans)``: ids with each placeholder expanded to the image's
-            pseudo-token ids, and where each image sits.
+            pseudo-token ids (a video: each frame's, then the video newline), and where
+            each image or frame sits.
 
         Raises:
-            PromptError: placeholder count differs from the number of images, too
+            PromptError: placeholder count differs from the number of images or videos,
+                videos for a model without a video path, a video without frames, too
                 many images, text that is not valid Unicode (an unpaired surrogate) or
                 far longer than the context.
         """
         self._check_text(text)
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        return self._expand(ids, images)
+        return self._expand(ids, images, videos)
 
     def _check_text(self, text: str) -> None:
         """Refuse text far longer than the context (before tokenizing) or not valid Unicode."""
@@ -206,26 +228,56 @@ class PromptBuilder:
             ) from None
 
     def _expand(
-        self, ids: list[int], images: Sequence[ImageInput]
+        self,
+        ids: list[int],
+        images: Sequence[ImageInput],
+        videos: Sequence[Sequence[ImageInput]] = (),
     ) -> tuple[list[int], list[ImageSpan]]:
-        """Replace each image placeholder id in ``ids`` by its image's pseudo-token ids."""
+        """Replace each image placeholder id in ``ids`` by its image's pseudo-token ids (in
+        the family's mode for this many images) and each video placeholder by its frames'
+        ids then the video newline."""
         if len(images) > self.max_images:
             raise PromptError(
                 f"{len(images)} images in one request; the limit is {self.max_images}"
             )
-        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(slots) != len(images):
+        if videos and self.video_token_id is None:
+            raise PromptError("this model has no video input; send a video's frames as images")
+        media = (self.image_token_id, self.video_token_id)
+        slots = [i for i, t in enumerate(ids) if t in media]
+        n_images = sum(ids[i] == self.image_token_id for i in slots)
+        if n_images != len(images):
             raise PromptError(
-                f"prompt has {len(slots)} image placeholders but {len(images)} images were given"
+                f"prompt has {n_images} image placeholders but {len(images)} images were given"
             )
+        if len(slots) - n_images != len(videos):
+            raise PromptError(
+                f"prompt has {len(slots) - n_images} video placeholders but {len(videos)} "
+                "videos were given"
+            )
+        family = self.model.family
+        mode = family.image_mode(len(images))
+        next_image, next_video = iter(images), iter(videos)
         out: list[int] = []
         spans: list[ImageSpan] = []
         prev = 0
-        for slot, image in zip(slots, images, strict=True):
+
+        def add(image: ImageInput, mode: str) -> None:
+            item = family.mode_item(image, mode)
+            n = self.model.image_tokens(image.image.width, image.image.height, mode)
+            spans.append(ImageSpan(len(out), n, item))
+            out.extend(self.pseudo_ids.get(item.key, n))
+
+        for slot in slots:
             out.extend(ids[prev:slot])
-            n = self.model.image_tokens(image.image.width, image.image.height)
-            spans.append(ImageSpan(len(out), n, image))
-            out.extend(self.pseudo_ids.get(image.key, n))
+            if ids[slot] == self.image_token_id:
+                add(next(next_image), mode)
+            else:
+                frames = next(next_video)
+                if not frames:
+                    raise PromptError("a video has no frames")
+                for frame in frames:
+                    add(frame, FRAME_MODE)
+                out.append(VIDEO_NEWLINE_ID)
             prev = slot + 1
         out.extend(ids[prev:])
         return out, spans

@@ -96,12 +96,16 @@ class ImageInput:
     """A decoded image and its content key (see :mod:`mmserve.vision.hashing`).
 
     Attributes:
-        key: 16-byte xxh3-128 image key.
+        key: 16-byte xxh3-128 image key (for a ``mode`` other than "image", the key
+            derived for that mode, :func:`mmserve.vision.hashing.mode_key`).
         image: the decoded PIL image (original mode, EXIF-rotated).
+        mode: how the family turns it into features
+            (:data:`mmserve.model.families.base.IMAGE_MODE` and the others there).
     """
 
     key: bytes
     image: Image.Image
+    mode: str = "image"
 
     @property
     def id(self) -> str:

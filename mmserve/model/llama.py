@@ -21,7 +21,12 @@ from mmserve.kernels.torch_backend import TorchAttentionBackend
 
 @dataclass
 class LlamaShape:
-    """Decoder hyperparameters read from a checkpoint's ``text_config``."""
+    """Decoder hyperparameters read from a checkpoint's ``text_config``.
+
+    ``qkv_bias`` / ``o_bias``: biases on the q/k/v and on the output projections (Llama's
+    ``attention_bias`` sets both; Qwen2 has q/k/v biases only). ``tie_word_embeddings``:
+    the LM head is the token embedding matrix (Qwen2-0.5B).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -33,8 +38,10 @@ class LlamaShape:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
+    tie_word_embeddings: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -64,10 +71,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.h, self.hkv, self.d = s.num_heads, s.num_kv_heads, s.head_dim
-        self.q_proj = nn.Linear(s.hidden_size, self.h * self.d, bias=s.attention_bias)
-        self.k_proj = nn.Linear(s.hidden_size, self.hkv * self.d, bias=s.attention_bias)
-        self.v_proj = nn.Linear(s.hidden_size, self.hkv * self.d, bias=s.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, s.hidden_size, bias=s.attention_bias)
+        self.q_proj = nn.Linear(s.hidden_size, self.h * self.d, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden_size, self.hkv * self.d, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden_size, self.hkv * self.d, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, s.hidden_size, bias=s.o_bias)
 
     def forward(
         self,
@@ -117,7 +124,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaDecoder(nn.Module):
-    """Llama decoder with LM head; parameter names match transformers' ``LlamaModel``.
+    """Llama decoder with LM head; parameter names match transformers' ``LlamaModel``
+    (and ``Qwen2Model``, which differs only in its q/k/v biases).
 
     Args:
         shape: hyperparameters (see :class:`LlamaShape`).
@@ -130,6 +138,8 @@ class LlamaDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor, as transformers ties
         inv_freq = 1.0 / (
             shape.rope_theta
             ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim)

@@ -7,7 +7,9 @@ The config, tokenizer and processor are read through transformers' Auto classes
 (``AutoConfig``, ``AutoProcessor``), so every directory layout the installed
 transformers can load is accepted: ``preprocessor_config.json`` or the image
 processor nested in ``processor_config.json``, ``tokenizer.json`` or a
-SentencePiece ``tokenizer.model``. When transformers refuses the directory, the
+SentencePiece ``tokenizer.model``. A family may load its processor itself
+(:meth:`ModelFamily.load_processor`: LLaVA-OneVision, whose ``AutoProcessor`` needs
+torchvision for its video processor). When transformers refuses the directory, the
 error is reported in words that name the directory and the missing piece.
 
 The safetensors weights are one file or shards listed by
@@ -35,11 +37,16 @@ from transformers import (
 from transformers.utils import is_protobuf_available
 
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
-from mmserve.model.families.base import VisionModule
+from mmserve.model.families.base import IMAGE_MODE, VisionModule
 from mmserve.model.llama import LlamaDecoder, LlamaShape
 
-#: Decoder ``model_type`` values our Llama decoder runs (Mistral without a sliding window).
-TEXT_MODEL_TYPES = ("llama", "mistral")
+#: Decoder ``model_type`` values our Llama decoder runs (Mistral and Qwen2 without a
+#: sliding window; Qwen2 with its q/k/v biases).
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: ``(qkv_bias, o_bias)`` of decoders whose attention biases are fixed by the architecture
+#: (transformers' ``Qwen2Attention``: biases on q/k/v, none on o); others read
+#: ``attention_bias``.
+_FIXED_ATTENTION_BIAS = {"qwen2": (True, False)}
 
 
 class CheckpointError(ValueError):
@@ -56,6 +63,8 @@ class LoadedModel:
         vision: the family's vision module (tower, projector, packing).
         processor: transformers' processor (tokenizer + image processor).
         image_token_id: id of the ``<image>`` placeholder in the tokenizer.
+        video_token_id: id of the ``<video>`` placeholder when the family has a video
+            path (:meth:`ModelFamily.video_frame_tokens`), else None.
         num_image_tokens: pseudo-tokens per image when the family uses a fixed count
             (576 for LLaVA-1.5 at 336 px / patch 14), None when it depends on the
             image's size (see :meth:`image_tokens`).
@@ -73,9 +82,13 @@ class LoadedModel:
     eos_token_ids: list[int]
     never_sample_ids: list[int]
     family: ModelFamily
+    video_token_id: int | None = None
 
-    def image_tokens(self, width: int, height: int) -> int:
-        """Pseudo-tokens an image of ``width`` x ``height`` pixels becomes."""
+    def image_tokens(self, width: int, height: int, mode: str = IMAGE_MODE) -> int:
+        """Pseudo-tokens an image of ``width`` x ``height`` pixels becomes in ``mode``
+        (:data:`~mmserve.model.families.base.IMAGE_MODE`: alone in its prompt)."""
+        if mode != IMAGE_MODE:
+            return self.family.mode_tokens(width, height, mode)
         if self.num_image_tokens is not None:
             return self.num_image_tokens
         return self.family.num_image_tokens(width, height)
@@ -164,18 +177,22 @@ def _load_strict(module: torch.nn.Module, state: dict, what: str) -> None:
 
 
 def text_shape(config: PretrainedConfig) -> LlamaShape:
-    """Decoder hyperparameters from a LLaVA-family config's ``text_config``.
+    """Decoder hyperparameters from a LLaVA-family config's ``text_config`` (and its
+    top-level ``tie_word_embeddings``, which transformers' tying reads).
 
     Raises:
-        CheckpointError: for a decoder that is not Llama-shaped (Llama, or Mistral
-            without a sliding window shorter than its context) or an unsupported RoPE.
+        CheckpointError: for a decoder that is not Llama-shaped (Llama, or Mistral or
+            Qwen2 without a sliding window shorter than its context) or an unsupported RoPE.
     """
     tc = config.text_config
     if tc.model_type not in TEXT_MODEL_TYPES:
         raise CheckpointError(
             f"unsupported text model {tc.model_type!r}: only {', '.join(TEXT_MODEL_TYPES)} decoders"
         )
-    window = getattr(tc, "sliding_window", None)
+    # Qwen2 keeps a sliding_window value that it uses only with use_sliding_window
+    window = (
+        getattr(tc, "sliding_window", None) if getattr(tc, "use_sliding_window", True) else None
+    )
     if window is not None and window < tc.max_position_embeddings:
         raise CheckpointError(
             f"unsupported sliding_window {window} (< context {tc.max_position_embeddings})"
@@ -184,6 +201,8 @@ def text_shape(config: PretrainedConfig) -> LlamaShape:
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
         raise CheckpointError(f"unsupported rope_type {rope_type!r}: only 'default'")
+    bias = bool(getattr(tc, "attention_bias", False))
+    qkv_bias, o_bias = _FIXED_ATTENTION_BIAS.get(tc.model_type, (bias, bias))
     return LlamaShape(
         vocab_size=tc.vocab_size,
         hidden_size=tc.hidden_size,
@@ -195,8 +214,10 @@ def text_shape(config: PretrainedConfig) -> LlamaShape:
         rms_norm_eps=tc.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
         max_position_embeddings=tc.max_position_embeddings,
-        attention_bias=bool(getattr(tc, "attention_bias", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
         mlp_bias=bool(getattr(tc, "mlp_bias", False)),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
     )
 
 
@@ -309,11 +330,22 @@ def load_model(
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     config = _load_config(model_dir)
-    processor = _load_processor(model_dir)
-    family = family_for(config.model_type)(config, processor)
+    family_cls = family_for(config.model_type)
+    try:
+        processor = family_cls.load_processor(model_dir)
+    except Exception as exc:  # transformers raises many kinds
+        why = _processor_failure(model_dir, exc)
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor: {why}") from exc
+    if processor is None:
+        processor = _load_processor(model_dir)
+    family = family_cls(config, processor)
     shape = text_shape(config)
     weights = _read_weights(model_dir)
     dec_w, vision_w = _split_weights(weights, family)
+    if shape.tie_word_embeddings:  # transformers ignores a stored head and ties it
+        dec_w.pop("lm_head.weight", None)
+        if "embed_tokens.weight" in dec_w:
+            dec_w["lm_head.weight"] = dec_w["embed_tokens.weight"]
 
     decoder = LlamaDecoder(shape)
     _load_strict(decoder, dec_w, "decoder")
@@ -335,7 +367,10 @@ def load_model(
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
         eos_ids.append(tok.eos_token_id)
-    never = [image_token_id]
+    video_token_id = None
+    if family.video_frame_tokens() is not None:
+        video_token_id = int(config.video_token_index)
+    never = [image_token_id] + ([video_token_id] if video_token_id is not None else [])
     if tok.pad_token_id is not None and tok.pad_token_id not in eos_ids:
         never.append(tok.pad_token_id)
     return LoadedModel(
@@ -348,4 +383,5 @@ def load_model(
         eos_token_ids=eos_ids,
         never_sample_ids=never,
         family=family,
+        video_token_id=video_token_id,
     )

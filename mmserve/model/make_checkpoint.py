@@ -13,6 +13,11 @@ Weights are seeded random values, scaled (not the usual 0.02 std) so that differ
 images produce clearly different greedy answers. Same seed and same library versions
 give byte-identical files.
 
+Families (``--family``): "llava" (above), "llava-next" (any-resolution tiles, a
+SentencePiece tokenizer) and "llava-onevision" (SigLIP tower, Qwen2 decoder with q/k/v
+biases, any-resolution grid, video path; a byte-level BPE tokenizer with Qwen2's ChatML
+specials and ``assets/chat_template_chatml.jinja``).
+
 Command line: ``python -m mmserve.model.make_checkpoint OUT_DIR [--size tiny|small]``.
 """
 
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 CORPUS_PATH = ASSETS_DIR / "corpus.txt"
 CHAT_TEMPLATE_PATH = ASSETS_DIR / "chat_template.jinja"
+CHATML_TEMPLATE_PATH = ASSETS_DIR / "chat_template_chatml.jinja"
 
 #: Special tokens, in id order (``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<pad>`` = 3,
 #: ``<image>`` = 4).
@@ -77,20 +83,7 @@ def build_tokenizer(
     """
     from transformers import PreTrainedTokenizerFast
 
-    corpus_path = Path(corpus_path)
-    if not corpus_path.is_file():
-        raise FileNotFoundError(f"tokenizer corpus not found: {corpus_path}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train([str(corpus_path)], trainer)
+    tok = _train_byte_bpe(corpus_path, vocab_size, SPECIAL_TOKENS)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
@@ -107,14 +100,195 @@ def build_tokenizer(
     )
 
 
+def _train_byte_bpe(
+    corpus_path: str | Path, vocab_size: int, specials: tuple[str, ...]
+) -> Tokenizer:
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus_path``; ``specials``
+    take ids 0, 1, ... in order.
+
+    Raises:
+        FileNotFoundError: if ``corpus_path`` does not exist.
+    """
+    corpus_path = Path(corpus_path)
+    if not corpus_path.is_file():
+        raise FileNotFoundError(f"tokenizer corpus not found: {corpus_path}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(corpus_path)], trainer)
+    return tok
+
+
+#: Qwen2's special tokens, in id order (``<|endoftext|>`` = 0, ``<|im_start|>`` = 1,
+#: ``<|im_end|>`` = 2), then the ``<image>`` (3) and ``<video>`` (4) placeholders.
+QWEN2_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<image>",
+    "<video>",
+)
+
+
+def build_qwen2_tokenizer(
+    corpus_path: str | Path = CORPUS_PATH, vocab_size: int = VOCAB_SIZE
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer shaped like Qwen2's: no BOS, ``<|im_end|>`` ends a turn
+    (EOS), ``<|endoftext|>`` pads, ``<image>`` and ``<video>`` are single special tokens,
+    and the ChatML chat template (``assets/chat_template_chatml.jinja``).
+
+    Ids: see :data:`QWEN2_SPECIAL_TOKENS`; every special string is in
+    ``all_special_tokens``, so a typed ``<|im_start|>`` stays plain text.
+
+    Raises:
+        FileNotFoundError: if ``corpus_path`` does not exist.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_byte_bpe(corpus_path, vocab_size, QWEN2_SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=["<|im_start|>", "<image>", "<video>"],
+        image_token="<image>",
+        video_token="<video>",
+        model_max_length=8192,
+        chat_template=CHATML_TEMPLATE_PATH.read_text(encoding="utf-8"),
+    )
+
+
 #: Checkpoint families ``make_checkpoint`` writes (``--family``).
-FAMILY_NAMES = ("llava", "llava-next")
+FAMILY_NAMES = ("llava", "llava-next", "llava-onevision")
 #: LLaVA-NeXT tile side (pixels) and grid pinpoints per size: small tiles keep a CPU
 #: prefill short; real llava-v1.6 checkpoints use 336-px tiles.
 NEXT_TILES: dict[str, tuple[int, list[list[int]]]] = {
     "tiny": (112, [[112, 224], [224, 112], [224, 224], [112, 336], [336, 112]]),
     "small": (168, [[168, 336], [336, 168], [336, 336], [168, 504], [504, 168]]),
 }
+
+
+#: LLaVA-OneVision tile side (pixels, patch 14) and grid size (tiles per side, up to) per
+#: size. Real checkpoints use 384-px tiles (27 x 27 patches) on a 6 x 6 grid; these give
+#: 7 x 7 (tiny) and 9 x 9 (small) patches, odd like 27, so video pooling (to ceil(n / 2))
+#: is a real bilinear resize, and a 4 x 4 tiny grid is past "anyres_max_9", so large
+#: images are shrunk as on the real model.
+ONEVISION_TILES: dict[str, tuple[int, int]] = {"tiny": (98, 4), "small": (126, 3)}
+#: Mean and std of the SigLIP image and video processors.
+SIGLIP_MEAN = [0.5, 0.5, 0.5]
+SIGLIP_STD = [0.5, 0.5, 0.5]
+
+
+def onevision_pinpoints(size: str) -> list[list[int]]:
+    """The ``image_grid_pinpoints`` of a OneVision checkpoint: every ``[i * tile, j * tile]``
+    for 1 <= i, j <= the grid size of :data:`ONEVISION_TILES` (like the real 6 x 6 list)."""
+    tile, grid = ONEVISION_TILES[size]
+    return [[i * tile, j * tile] for i in range(1, grid + 1) for j in range(1, grid + 1)]
+
+
+def build_onevision_config(size: str, tokenizer: object) -> object:
+    """The ``LlavaOnevisionConfig`` for ``size``: a SigLIP tower (no head, features of the
+    last layer, all patches: "full"), a Qwen2 decoder (q/k/v biases, RoPE base 1e6; tied
+    embeddings for "tiny" as Qwen2-0.5B, untied for "small" as the 7B) and the grid of
+    :func:`onevision_pinpoints` with ``vision_aspect_ratio`` "anyres_max_9".
+
+    Raises:
+        ValueError: if ``size`` is not a key of :data:`SIZES`.
+    """
+    from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig
+
+    if size not in SIZES:
+        raise ValueError(f"unknown checkpoint size {size!r}; expected one of {sorted(SIZES)}")
+    s = SIZES[size]
+    tile, _ = ONEVISION_TILES[size]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_SPECIAL_TOKENS}
+    tied = size == "tiny"
+    vision = SiglipVisionConfig(
+        hidden_size=s["v_hidden"],
+        intermediate_size=s["v_inter"],
+        num_hidden_layers=s["v_layers"],
+        num_attention_heads=s["v_heads"],
+        image_size=tile,
+        patch_size=PATCH_SIZE,
+        vision_use_head=False,
+    )
+    text = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=s["t_hidden"],
+        intermediate_size=s["t_inter"],
+        num_hidden_layers=s["t_layers"],
+        num_attention_heads=s["t_heads"],
+        num_key_value_heads=s["t_kv_heads"],
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=tied,
+    )
+    return LlavaOnevisionConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["<image>"],
+        video_token_index=ids["<video>"],
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        vision_aspect_ratio="anyres_max_9",
+        image_grid_pinpoints=onevision_pinpoints(size),
+        tie_word_embeddings=tied,
+    )
+
+
+def _write_onevision_processor(out: Path, size: str, config: object, tokenizer: object) -> None:
+    """The OneVision processor files, as transformers' ``save_pretrained`` lays them out:
+    ``preprocessor_config.json`` (PIL image processor), ``video_preprocessor_config.json``,
+    ``processor_config.json`` (both nested, plus the processor's own settings), the
+    tokenizer and ``chat_template.jinja``. Written by hand: a ``LlavaOnevisionProcessor``
+    cannot be built without torchvision (its video processor needs it)."""
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    # the module, not ``transformers.LlavaOnevisionVideoProcessor`` (a stand-in that
+    # refuses to exist without torchvision); only its settings are used
+    from transformers.models.llava_onevision.video_processing_llava_onevision import (
+        LlavaOnevisionVideoProcessor,
+    )
+
+    tile, _ = ONEVISION_TILES[size]
+    common = dict(
+        size={"height": tile, "width": tile},
+        image_mean=SIGLIP_MEAN,
+        image_std=SIGLIP_STD,
+        do_convert_rgb=True,
+    )
+    image_processor = LlavaOnevisionImageProcessorPil(
+        image_grid_pinpoints=config.image_grid_pinpoints, do_pad=True, **common
+    )
+    video_processor = LlavaOnevisionVideoProcessor(**common)
+    image_processor.save_pretrained(out)
+    video_processor.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    nested = {
+        "image_processor": json.loads(image_processor.to_json_string()),
+        "video_processor": json.loads(video_processor.to_json_string()),
+        "image_token": "<image>",
+        "video_token": "<video>",
+        "num_image_tokens": (tile // PATCH_SIZE) ** 2,
+        "vision_aspect_ratio": config.vision_aspect_ratio,
+        "vision_feature_select_strategy": config.vision_feature_select_strategy,
+        "processor_class": "LlavaOnevisionProcessor",
+    }
+    (out / "processor_config.json").write_text(json.dumps(nested, indent=2, sort_keys=True) + "\n")
 
 
 def build_sentencepiece_tokenizer(out_dir: Path, corpus_path: str | Path = CORPUS_PATH) -> object:
@@ -249,10 +423,15 @@ def build_config(size: str, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
     )
 
 
-def _init_std(name: str, shape: torch.Size) -> float | None:
-    """Std of the normal init for parameter ``name``; ``None`` means norm (ones/zeros)."""
+def _init_std(name: str, shape: torch.Size, tied: bool = False) -> float | None:
+    """Std of the normal init for parameter ``name``; ``None`` means norm (ones/zeros).
+
+    ``tied``: the LM head is the embedding matrix, which then gets a smaller std
+    (:data:`TIED_EMBED_STD`), and the decoder's output projections a larger gain."""
     if len(shape) == 1 and "norm" in name:
         return None
+    if "language_model" in name and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        return 0.5  # Qwen2's q/k/v biases: non-zero, so a decoder that drops them differs
     if name.endswith("bias"):
         return 0.0
     if "position_embedding" in name:
@@ -260,7 +439,7 @@ def _init_std(name: str, shape: torch.Size) -> float | None:
     if "class_embedding" in name:
         return 1.0
     if "embed_tokens" in name:
-        return 1.0
+        return TIED_EMBED_STD if tied else 1.0
     fan_in = math.prod(shape[1:])
     gain = 1.0
     if "multi_modal_projector" in name:
@@ -269,19 +448,31 @@ def _init_std(name: str, shape: torch.Size) -> float | None:
         gain = 2.0  # peaky attention, so image content changes what tokens attend to
     elif "lm_head" in name:
         gain = 3.0  # logits std ~3, so sampling at temperature 1 is not near-uniform
+    elif tied and "language_model" in name and name.endswith(("o_proj.weight", "down_proj.weight")):
+        gain = 3.0  # the layers, not the (tied) input embedding, dominate the residual
     return gain / math.sqrt(fan_in)
 
 
+#: Embedding std of a tied-embedding checkpoint. With std 1 a token's own embedding
+#: dominates the residual stream and, through the tied head, the logits, so the model
+#: repeats its last token whatever the image; at 0.1 the layers' outputs dominate.
+TIED_EMBED_STD = 0.1
+#: Final norm weight of a tied-embedding checkpoint: logits std ~3 (as ``lm_head``'s gain
+#: of 3 gives an untied one) despite the small embeddings.
+TIED_FINAL_NORM = 3.0
+
+
 @torch.no_grad()
-def _reinit(model: torch.nn.Module, seed: int) -> None:
+def _reinit(model: torch.nn.Module, seed: int, tied: bool = False) -> None:
     """Deterministically overwrite every parameter (sorted by name) from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
     for name in sorted(params):
         p = params[name]
-        std = _init_std(name, p.shape)
+        std = _init_std(name, p.shape, tied)
         if std is None:
-            p.fill_(1.0 if name.endswith("weight") else 0.0)
+            final = tied and name.endswith("language_model.norm.weight")
+            p.fill_((TIED_FINAL_NORM if final else 1.0) if name.endswith("weight") else 0.0)
         elif std == 0.0:
             p.zero_()
         else:
@@ -296,7 +487,8 @@ def make_checkpoint(
     Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32),
     the tokenizer (``tokenizer.json``; for "llava-next" also the SentencePiece
     ``tokenizer.model`` it was built from), ``tokenizer_config.json``,
-    ``chat_template.jinja``, ``processor_config.json`` and ``preprocessor_config.json``.
+    ``chat_template.jinja``, ``processor_config.json`` and ``preprocessor_config.json``
+    (for "llava-onevision" also ``video_preprocessor_config.json``).
     Existing files of the same names are overwritten.
 
     Args:
@@ -304,8 +496,9 @@ def make_checkpoint(
         size: ``"tiny"`` (~1.0M parameters, for tests) or ``"small"`` (~28M parameters,
             for CPU benchmarks).
         seed: weight seed; the same seed and library versions give byte-identical files.
-        family: "llava" (LLaVA-1.5: CLIP 336 px, 576 tokens per image) or "llava-next"
-            (any-resolution tiles of :data:`NEXT_TILES`).
+        family: "llava" (LLaVA-1.5: CLIP 336 px, 576 tokens per image), "llava-next"
+            (any-resolution tiles of :data:`NEXT_TILES`) or "llava-onevision" (SigLIP +
+            Qwen2, tiles and grid of :data:`ONEVISION_TILES`, video path).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -320,6 +513,8 @@ def make_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
+    if family == "llava-onevision":
+        return _make_onevision(out, size, seed)
     if family == "llava":
         from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
@@ -351,6 +546,20 @@ def make_checkpoint(
     )
     processor.save_pretrained(out)
     image_processor.save_pretrained(out)  # standalone preprocessor_config.json too
+    return out
+
+
+def _make_onevision(out: Path, size: str, seed: int) -> Path:
+    """The "llava-onevision" branch of :func:`make_checkpoint`."""
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    tokenizer = build_qwen2_tokenizer()
+    config = build_onevision_config(size, tokenizer)
+    model = LlavaOnevisionForConditionalGeneration(config).to(torch.float32).eval()
+    _reinit(model, seed, tied=config.tie_word_embeddings)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
+    _write_onevision_processor(out, size, config, tokenizer)
     return out
 
 

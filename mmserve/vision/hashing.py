@@ -6,7 +6,12 @@ The image key is xxh3-128 over the decoded pixels with their mode and shape
 distinct negative int64 pseudo-token id derived from the key and the position,
 so text ids ``[0, vocab)`` and image ids never collide (invariant 2) and two
 prompts share KV for an image exactly when its pixels and processor agree
-(invariant 1).
+(invariant 1). Pseudo-ids lie in ``[-2**63, -2]``: ``-1`` is reserved for the video
+newline (:data:`VIDEO_NEWLINE_ID`), the one fixed pseudo-token.
+
+An image processed another way than alone in its prompt (a LLaVA-OneVision image
+among several, or a video frame) has its own key, :func:`mode_key`, so its run never
+shares ids, features or KV with the image's own run.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ import xxhash
 from PIL import Image
 
 _KEY_DOMAIN = b"mmserve-image-key-v1\x00"
+_MODE_DOMAIN = b"mmserve-mode-key-v1\x00"
+
+#: The video newline's token id (after a video's frames, LLaVA-OneVision): a constant
+#: negative id that no text id (``>= 0``) and no image pseudo-id (``<= -2``) can equal.
+VIDEO_NEWLINE_ID = -1
 
 
 def processor_fingerprint(image_processor: object) -> bytes:
@@ -77,18 +87,42 @@ def pseudo_token_ids(key: bytes, num_tokens: int) -> list[int]:
         num_tokens: positions in the image (576 for LLaVA-1.5).
 
     Returns:
-        ``num_tokens`` ids in ``[-2**63, -1]``; position ``i`` maps to
-        ``-1 - (xxh3_64(key || i) >> 1)`` (63 bits from the key and the index).
+        ``num_tokens`` ids in ``[-2**63, -2]``; position ``i`` maps to
+        ``-2 - ((xxh3_64(key || i) >> 1) mod (2**63 - 1))`` (63 bits from the key and the
+        index; ``-1`` stays free for :data:`VIDEO_NEWLINE_ID`).
 
     Raises:
         ValueError: if two positions collide (probability ~ N^2 / 2^64).
     """
+    span = (1 << 63) - 1
     ids = [
-        -1 - (xxhash.xxh3_64_intdigest(key + struct.pack("<I", i)) >> 1) for i in range(num_tokens)
+        -2 - ((xxhash.xxh3_64_intdigest(key + struct.pack("<I", i)) >> 1) % span)
+        for i in range(num_tokens)
     ]
     if len(set(ids)) != num_tokens:
         raise ValueError("pseudo-token id collision within one image")
     return ids
+
+
+def mode_key(key: bytes, mode: str, fingerprint: bytes = b"") -> bytes:
+    """The content key of an image processed in ``mode`` (not the family's default).
+
+    Args:
+        key: the image's :func:`image_key`.
+        mode: the processing mode's name ("base", "frame", ...).
+        fingerprint: settings of that mode's processing beyond the image processor's
+            (the video processor's :func:`processor_fingerprint` for frames).
+
+    Returns:
+        16-byte xxh3-128 digest of the mode, the key and the fingerprint: distinct from
+        ``key`` and from the key in any other mode.
+    """
+    h = xxhash.xxh3_128()
+    h.update(_MODE_DOMAIN)
+    h.update(mode.encode() + b"\x00")
+    h.update(key)
+    h.update(fingerprint)
+    return h.digest()
 
 
 class PseudoIdCache:

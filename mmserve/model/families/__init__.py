@@ -3,7 +3,7 @@
 A family is keyed by ``config.json``'s ``model_type`` and supplies the vision
 side (tower, projector, tile packing), how many image tokens an image becomes,
 and which checkpoint tensors belong to the vision side. The decoder is our
-paged Llama (Mistral and Vicuna decoders are Llama-shaped). Adding a family
+paged Llama (Mistral and Vicuna decoders are Llama-shaped; Qwen2 adds q/k/v biases). Adding a family
 means one new module here and one line in :data:`FAMILIES`.
 """
 
@@ -12,11 +12,13 @@ from __future__ import annotations
 from mmserve.model.families.base import ModelFamily
 from mmserve.model.families.llava import LlavaFamily
 from mmserve.model.families.llava_next import LlavaNextFamily
+from mmserve.model.families.llava_onevision import LlavaOnevisionFamily
 
 #: ``model_type`` -> family class.
 FAMILIES: dict[str, type[ModelFamily]] = {
     LlavaFamily.model_type: LlavaFamily,
     LlavaNextFamily.model_type: LlavaNextFamily,
+    LlavaOnevisionFamily.model_type: LlavaOnevisionFamily,
 }
 
 __all__ = ["FAMILIES", "ModelFamily", "family_for"]

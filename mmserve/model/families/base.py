@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from PIL import Image
 from torch import nn
+
+if TYPE_CHECKING:
+    from mmserve.engine.request import ImageInput
+
+#: How an image is turned into features. ``IMAGE_MODE``: the family's own processing of
+#: an image (the only mode of LLaVA-1.5 and LLaVA-NeXT). ``BASE_MODE``: LLaVA-OneVision's
+#: image in a prompt with several images (one padded square tile + newline).
+#: ``FRAME_MODE``: a video frame on a family's video path (pooled features, no newline).
+#: A mode other than ``IMAGE_MODE`` has its own content key
+#: (:func:`mmserve.vision.hashing.mode_key`), so its features and KV never mix with another's.
+IMAGE_MODE = "image"
+BASE_MODE = "base"
+FRAME_MODE = "frame"
 
 
 class VisionModule(nn.Module):
@@ -20,6 +35,28 @@ class VisionModule(nn.Module):
             model's dtype, in the order its positions appear in the prompt.
         """
         raise NotImplementedError
+
+    def encode_items(self, items: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Features of prompt items, each in its own ``mode`` (see :data:`IMAGE_MODE`).
+
+        The default handles :data:`IMAGE_MODE` only and calls :meth:`encode`.
+
+        Returns:
+            One ``[tokens, text_hidden]`` tensor per item, in order.
+
+        Raises:
+            ValueError: for a mode this family does not have.
+        """
+        for it in items:
+            if it.mode != IMAGE_MODE:
+                raise ValueError(f"{type(self).__name__} has no {it.mode!r} mode")
+        return self.encode([it.image for it in items])
+
+    def token_embeddings(self) -> dict[int, torch.Tensor]:
+        """Embeddings ``[text_hidden]`` of the reserved negative token ids this module
+        defines (the video newline of :data:`mmserve.vision.hashing.VIDEO_NEWLINE_ID`);
+        empty by default."""
+        return {}
 
 
 class ModelFamily:
@@ -47,6 +84,17 @@ class ModelFamily:
         self.config = config
         self.processor = processor
 
+    @classmethod
+    def load_processor(cls, model_dir: Path) -> object | None:
+        """The family's processor read from ``model_dir``, or None to use transformers'
+        ``AutoProcessor`` (the default). It needs ``.tokenizer`` and ``.image_processor``.
+
+        Raises:
+            Exception: whatever transformers raises for a missing or bad file (the
+                loader reports it naming the directory).
+        """
+        return None
+
     def build_vision(self) -> VisionModule:
         """A freshly initialised vision module (weights are loaded after)."""
         raise NotImplementedError
@@ -57,4 +105,34 @@ class ModelFamily:
 
     def fixed_image_tokens(self) -> int | None:
         """The token count when it does not depend on the image's size, else None."""
+        return None
+
+    def image_mode(self, num_images: int) -> str:
+        """The mode of each image in a prompt holding ``num_images`` images (videos not
+        counted); :data:`IMAGE_MODE` unless the family treats several images differently."""
+        return IMAGE_MODE
+
+    def mode_tokens(self, width: int, height: int, mode: str) -> int:
+        """Pseudo-tokens an image becomes in a mode other than :data:`IMAGE_MODE`.
+
+        Raises:
+            ValueError: for a mode this family does not have.
+        """
+        raise ValueError(f"the {self.name} family has no {mode!r} mode")
+
+    def mode_item(self, image: ImageInput, mode: str) -> ImageInput:
+        """``image`` as a prompt item in ``mode``: itself for :data:`IMAGE_MODE`, else a copy
+        whose key is derived for that mode.
+
+        Raises:
+            ValueError: for a mode this family does not have.
+        """
+        if mode == IMAGE_MODE:
+            return image
+        raise ValueError(f"the {self.name} family has no {mode!r} mode")
+
+    def video_frame_tokens(self) -> int | None:
+        """Pseudo-tokens per frame on the family's video path (a video is its frames'
+        runs then one video newline), or None when the family has no video path (a
+        video is then sent as its frames, each an image)."""
         return None

@@ -1,0 +1,312 @@
+"""LLaVA-OneVision (``model_type`` "llava_onevision"): SigLIP + Qwen2, images on an
+any-resolution grid, videos as pooled frames.
+
+Li et al., "LLaVA-OneVision: Easy Visual Task Transfer" (arXiv 2408.03326), Section 3
+and the transformers port (``LlavaOnevisionForConditionalGeneration``):
+
+- an image alone in its prompt (:data:`IMAGE_MODE`) is tiled like LLaVA-NeXT on the
+  checkpoint's ``image_grid_pinpoints``; the grid features are unpadded, shrunk
+  bilinearly to about N tiles' worth when larger (``vision_aspect_ratio``
+  "anyres_max_N"), an ``image_newline`` ends each row and the base tile comes first
+  (transformers' ``pack_image_features``);
+- each image of a prompt with several images (:data:`BASE_MODE`) is padded to a square,
+  resized to one tile, and becomes that tile's features plus one newline;
+- a video frame (:data:`FRAME_MODE`) is resized to one tile, and its features are
+  pooled bilinearly to ``ceil(n / 2)`` x ``ceil(n / 2)`` (transformers'
+  ``apply_pooling``; 27 x 27 -> 14 x 14 on the real model); a video is its frames in
+  order and one ``image_newline`` (the reserved token
+  :data:`~mmserve.vision.hashing.VIDEO_NEWLINE_ID`).
+
+Token counts are asked of transformers' ``LlavaOnevisionProcessor``
+(``_get_num_multimodal_tokens``, ``replace_image_token``); the tower, projector,
+packing and pooling are transformers' modules and functions, run on this module as
+they run on ``LlavaOnevisionModel`` (they read only ``self.config``). Each frame is
+encoded, keyed and cached on its own: the tower sees one frame at a time, so a frame's
+features do not depend on the other frames of its video.
+
+Without torchvision (which transformers' video processor needs) the processor is
+assembled here (:func:`load_onevision_processor`) and frames are prepared by
+:func:`mmserve.vision.frames.prepare_frames` from the video processor's settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from PIL import Image
+from torch import nn
+from transformers import AutoImageProcessor, AutoModel, AutoTokenizer, LlavaOnevisionProcessor
+from transformers.models.llava_onevision.modeling_llava_onevision import (
+    LlavaOnevisionModel,
+    LlavaOnevisionMultiModalProjector,
+    image_size_to_num_patches,
+)
+
+# the module, not ``transformers.LlavaOnevisionVideoProcessor`` (a stand-in that refuses
+# to exist without torchvision); its configuration loads without torchvision
+from transformers.models.llava_onevision.video_processing_llava_onevision import (
+    LlavaOnevisionVideoProcessor,
+)
+
+from mmserve.model.families.base import (
+    BASE_MODE,
+    FRAME_MODE,
+    IMAGE_MODE,
+    ModelFamily,
+    VisionModule,
+)
+from mmserve.vision.frames import FramePrep, prepare_frames
+from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerprint
+
+if TYPE_CHECKING:
+    from mmserve.engine.request import ImageInput
+
+#: ``LlavaOnevisionProcessor.__init__`` arguments read from ``processor_config.json``.
+_PROCESSOR_ARGS = (
+    "num_image_tokens",
+    "vision_feature_select_strategy",
+    "image_token",
+    "video_token",
+    "vision_aspect_ratio",
+)
+
+
+class OnevisionProcessor(LlavaOnevisionProcessor):
+    """transformers' ``LlavaOnevisionProcessor`` holding a tokenizer and an image processor
+    only, so that it can exist without torchvision.
+
+    Every method is transformers' own (token counts, ``replace_image_token``,
+    ``__call__`` on text and images); the video processor's settings are kept, unused
+    by transformers, as :attr:`video_settings` (a ``LlavaOnevisionVideoProcessor`` read
+    from the checkpoint, never called: calling it needs torchvision).
+
+    Args:
+        image_processor: the PIL ``LlavaOnevisionImageProcessorPil``.
+        tokenizer: the checkpoint's tokenizer.
+        video_settings: the ``LlavaOnevisionVideoProcessor`` (settings only).
+        **kwargs: ``LlavaOnevisionProcessor`` arguments (``num_image_tokens``, ...).
+    """
+
+    def __init__(self, image_processor: object, tokenizer: object, **kwargs: object) -> None:
+        video_settings = kwargs.pop("video_settings", None)
+        # ProcessorMixin checks the sub-processors named in this signature only, so the
+        # (torchvision) video processor is neither required nor type-checked
+        LlavaOnevisionProcessor.__init__(self, image_processor, tokenizer, None, **kwargs)
+        self.video_settings = video_settings
+
+
+def load_onevision_processor(model_dir: str | Path) -> OnevisionProcessor:
+    """Read a OneVision checkpoint's tokenizer and processors without torchvision.
+
+    ``AutoTokenizer``, ``AutoImageProcessor`` with the PIL backend, the video processor
+    class's own config loading (``video_preprocessor_config.json``, else the nested or
+    legacy files, with the class defaults), and the processor's settings from
+    ``processor_config.json`` (``LlavaOnevisionProcessor.get_processor_dict``). A chat
+    template only the processor carries is handed to the tokenizer.
+
+    Raises:
+        OSError, ValueError: as transformers raises for missing or bad files.
+    """
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    video = LlavaOnevisionVideoProcessor.from_pretrained(model_dir)
+    settings, _ = LlavaOnevisionProcessor.get_processor_dict(model_dir)
+    kwargs = {k: settings[k] for k in _PROCESSOR_ARGS if settings.get(k) is not None}
+    template = settings.get("chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    return OnevisionProcessor(
+        image_processor,
+        tokenizer,
+        video_settings=video,
+        chat_template=getattr(tokenizer, "chat_template", None),
+        **kwargs,
+    )
+
+
+class LlavaOnevisionVision(VisionModule):
+    """SigLIP tower, projector and ``image_newline`` of a LLaVA-OneVision checkpoint.
+
+    Args:
+        config: the ``LlavaOnevisionConfig``.
+        image_processor: its PIL ``LlavaOnevisionImageProcessorPil``.
+        frame_prep: video frame settings (:class:`~mmserve.vision.frames.FramePrep`).
+
+    Raises:
+        ValueError: for a multi-layer ``vision_feature_layer``, an unknown strategy, or
+            video frames not resized to the tower's input size.
+    """
+
+    def __init__(self, config: object, image_processor: object, frame_prep: FramePrep) -> None:
+        super().__init__()
+        if not isinstance(config.vision_feature_layer, int):
+            raise ValueError("only an integer vision_feature_layer is supported")
+        if config.vision_feature_select_strategy not in ("default", "full"):
+            raise ValueError(
+                f"unknown vision_feature_select_strategy {config.vision_feature_select_strategy!r}"
+            )
+        tile = config.vision_config.image_size
+        if (frame_prep.height, frame_prep.width) != (tile, tile) or not frame_prep.do_resize:
+            raise ValueError(
+                f"video frames are resized to {frame_prep.height}x{frame_prep.width}, but the "
+                f"vision tower takes {tile}x{tile}"
+            )
+        self.config = config
+        self.vision_tower = AutoModel.from_config(config.vision_config)
+        self.multi_modal_projector = LlavaOnevisionMultiModalProjector(config)
+        self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
+        self.image_processor = image_processor
+        self.frame_prep = frame_prep
+
+    def _project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[N, 3, tile, tile]`` pixels -> projected features ``[N, patches, text_hidden]``."""
+        cfg = self.config
+        p = self.image_newline
+        hidden = self.vision_tower(
+            pixels.to(p.device, p.dtype), output_hidden_states=True, return_dict=True
+        ).hidden_states[cfg.vision_feature_layer]
+        if cfg.vision_feature_select_strategy == "default":
+            hidden = hidden[:, 1:]
+        return self.multi_modal_projector(hidden)
+
+    def _pack(self, feats: Sequence[torch.Tensor], sizes: torch.Tensor) -> list[torch.Tensor]:
+        # transformers' packing reads only self.config, so it runs on this module as it
+        # would on LlavaOnevisionModel
+        packed, _ = LlavaOnevisionModel.pack_image_features(
+            self,
+            feats,
+            sizes,
+            image_newline=self.image_newline,
+            vision_aspect_ratio=self.config.vision_aspect_ratio,
+        )
+        return list(packed)
+
+    def _anyres(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        cfg = self.config
+        out = self.image_processor(images=images, return_tensors="pt")
+        sizes = out["image_sizes"]  # [N, 2] (height, width)
+        counts = [
+            image_size_to_num_patches(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+            for s in sizes
+        ]
+        pixels = torch.cat([pv[:n] for pv, n in zip(out["pixel_values"], counts, strict=True)])
+        return self._pack(torch.split(self._project(pixels), counts), sizes)
+
+    def _base(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        # one prompt's images as transformers batches them (a nested list); a lone image
+        # goes in twice, as the processor pads and resizes an image of a multi-image
+        # prompt (not tiled) only when its prompt holds more than one
+        batch = list(images) if len(images) > 1 else [images[0], images[0]]
+        out = self.image_processor(images=[batch], return_tensors="pt")
+        n = len(images)
+        feats = self._project(out["pixel_values"][:n, 0])
+        return self._pack([f[None] for f in feats], out["image_sizes"][:n])
+
+    def _frames(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        feats = self._project(prepare_frames(images, self.frame_prep))
+        return list(LlavaOnevisionModel.apply_pooling(self, feats))
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        """See :meth:`VisionModule.encode`: images alone in their prompts (tiled), every
+        tile of every image in one tower call."""
+        return self._anyres(images)
+
+    @torch.inference_mode()
+    def encode_items(self, items: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """See :meth:`VisionModule.encode_items`: one tower call per mode present.
+
+        Returns:
+            Per item: ``[num_image_tokens(w, h), hidden]`` (image mode), ``[tile_patches +
+            1, hidden]`` (base mode) or ``[pooled_patches, hidden]`` (a frame).
+
+        Raises:
+            ValueError: for an unknown mode.
+        """
+        by_mode: dict[str, list[int]] = {}
+        for i, it in enumerate(items):
+            by_mode.setdefault(it.mode, []).append(i)
+        run = {IMAGE_MODE: self._anyres, BASE_MODE: self._base, FRAME_MODE: self._frames}
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for mode, idx in by_mode.items():
+            if mode not in run:
+                raise ValueError(f"LLaVA-OneVision has no {mode!r} mode")
+            for i, f in zip(idx, run[mode]([items[i].image for i in idx]), strict=True):
+                out[i] = f
+        return out
+
+    def token_embeddings(self) -> dict[int, torch.Tensor]:
+        """The video newline: ``image_newline`` (``[text_hidden]``), after a video's frames."""
+        return {VIDEO_NEWLINE_ID: self.image_newline}
+
+
+class LlavaOnevisionFamily(ModelFamily):
+    """LLaVA-OneVision: anyres grid alone, one tile among several images, pooled frames.
+
+    Raises:
+        ValueError: (from the constructor) when the processor's video token count is not
+            frames x per-frame tokens + one newline.
+    """
+
+    model_type: ClassVar[str] = "llava_onevision"
+    name: ClassVar[str] = "llava-onevision"
+    vision_prefixes: ClassVar[dict[str, str]] = {
+        **ModelFamily.vision_prefixes,
+        "image_newline": "image_newline",
+    }
+
+    def __init__(self, config: object, processor: object) -> None:
+        super().__init__(config, processor)
+        settings = processor.video_settings
+        self.frame_prep = FramePrep.from_processor(settings)
+        self.video_fingerprint = processor_fingerprint(settings)
+        t = config.vision_config.image_size
+        one, two = processor._get_num_multimodal_tokens(video_sizes=[[1, t, t], [2, t, t]])[
+            "num_video_tokens"
+        ]
+        self._frame_tokens = two - one
+        if one - self._frame_tokens != 1:
+            raise ValueError(f"a 1-frame video has {one} tokens, not {two - one} + 1 newline")
+
+    @classmethod
+    def load_processor(cls, model_dir: Path) -> OnevisionProcessor:
+        """See :func:`load_onevision_processor`."""
+        return load_onevision_processor(model_dir)
+
+    def build_vision(self) -> LlavaOnevisionVision:
+        return LlavaOnevisionVision(self.config, self.processor.image_processor, self.frame_prep)
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        data = self.processor._get_num_multimodal_tokens(image_sizes=[[height, width]])
+        return int(data["num_image_tokens"][0])
+
+    def image_mode(self, num_images: int) -> str:
+        """:data:`BASE_MODE` for each image of a prompt with several images, as
+        ``LlavaOnevisionProcessor.replace_image_token`` counts them."""
+        return BASE_MODE if num_images > 1 else IMAGE_MODE
+
+    def mode_tokens(self, width: int, height: int, mode: str) -> int:
+        if mode == FRAME_MODE:
+            return self._frame_tokens
+        if mode == BASE_MODE:  # transformers' count for an image of a 2-image prompt
+            inputs = {"batch_num_images": [2], "image_sizes": [[height, width]] * 2}
+            text = self.processor.replace_image_token(inputs, image_idx=0)
+            return text.count(self.processor.image_token)
+        return super().mode_tokens(width, height, mode)
+
+    def mode_item(self, image: ImageInput, mode: str) -> ImageInput:
+        """``image`` in ``mode``; a frame's key also covers the video processor's settings."""
+        if mode == IMAGE_MODE:
+            return image
+        if mode not in (BASE_MODE, FRAME_MODE):
+            return super().mode_item(image, mode)
+        extra = self.video_fingerprint if mode == FRAME_MODE else b""
+        return dataclasses.replace(image, key=mode_key(image.key, mode, extra), mode=mode)
+
+    def video_frame_tokens(self) -> int:
+        return self._frame_tokens
