@@ -479,6 +479,24 @@ def test_special_and_control_tokens_are_never_allowed(engine) -> None:  # noqa: 
         assert bool(allowed & set(control)) == (spec.kind == "regex")  # JSON: escaped only
 
 
+def test_no_utf8_surrogates_after_a_lone_lead_byte(engine, images) -> None:  # noqa: ANN001
+    # xgrammar accepts 0xed 0xa0-0xbf (a UTF-8-encoded surrogate: three U+FFFD once
+    # decoded, over maxLength); the engine's second-byte rule forbids it
+    vocab = engine.processor.grammars.vocab_bytes()
+    ids = {v: i for i, v in enumerate(vocab) if len(v) == 1}
+    req = ask(engine, images[0], GuidedSpec.json_schema({"type": "string", "maxLength": 4}))
+    for b in (b'"', b"\xed"):
+        assert req.grammar.matcher.accept_token(ids[b])
+        req.output_ids.append(ids[b])
+    rows = torch.zeros(1, engine.model.decoder.shape.vocab_size)
+    (row,) = engine.guided.apply_masks([req], rows)
+    assert row[ids[b"\x92"]] == 0.0  # U+D492..: a valid Hangul syllable's second byte
+    assert row[ids[b"\xae"]] == float("-inf")  # U+DB80..: a surrogate
+    bitmask = xgr.allocate_token_bitmask(1, rows.shape[1])
+    req.grammar.matcher.fill_next_token_bitmask(bitmask, 0)
+    assert engine.guided._unpack(bitmask, rows.shape[1])[0, ids[b"\xae"]]  # xgrammar allows it
+
+
 def test_grammar_cache_compiles_once_per_spec_and_is_bounded(loaded) -> None:  # noqa: ANN001
     cache = GrammarCache(loaded, capacity=3)
     specs = [GuidedSpec.json_schema(s) for s in SCHEMAS[:5]]

@@ -91,7 +91,9 @@ class Engine:
             model, self.pool, self.embedding_cache, config.device, config.attention_backend
         )
         self.processor = InputProcessor(model, config, self.pool.size_tokens)
-        self.guided = GuidedDecoding(model, jump_forward=not config.disable_jump_forward)
+        self.guided = GuidedDecoding(
+            model, self.processor.grammars, jump_forward=not config.disable_jump_forward
+        )
         self.stats = EngineStats()
         self._by_rid: dict[str, Request] = {}
 

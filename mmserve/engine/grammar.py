@@ -393,12 +393,18 @@ class GrammarCache:
         self._cache: OrderedDict[GuidedSpec, Any] = OrderedDict()
         self._pending: dict[GuidedSpec, threading.Event] = {}
         self._compilers: tuple[Any, Any] | None = None
+        self._vocab: list[bytes] | None = None
 
     def _get_compilers(self) -> tuple[Any, Any]:
         with self._lock:
             if self._compilers is None:
-                self._compilers = _make_compilers(self.model)
+                self._compilers, self._vocab = _make_compilers(self.model)
             return self._compilers
+
+    def vocab_bytes(self) -> list[bytes]:
+        """Each token id's bytes as decoded text holds them (``b""`` for special ids)."""
+        self._get_compilers()
+        return self._vocab
 
     def compile(self, spec: GuidedSpec) -> Any:
         """The compiled grammar of ``spec`` (cached).
@@ -460,8 +466,9 @@ class GrammarCache:
         return len(self._cache)
 
 
-def _make_compilers(model: LoadedModel) -> tuple[Any, Any]:
-    """Two ``GrammarCompiler``: any text, and JSON (control characters never allowed)."""
+def _make_compilers(model: LoadedModel) -> tuple[tuple[Any, Any], list[bytes]]:
+    """Two ``GrammarCompiler`` (any text; JSON, control characters never allowed) and
+    the vocabulary's bytes."""
     xgr = _xgrammar()
     tok = model.tokenizer
     vocab_size = model.decoder.shape.vocab_size
@@ -481,7 +488,8 @@ def _make_compilers(model: LoadedModel) -> tuple[Any, Any]:
         xgr.TokenizerInfo(v, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
         for v in (vocab, json_vocab)
     ]
-    return tuple(xgr.GrammarCompiler(i, max_threads=2, cache_enabled=False) for i in infos)
+    compilers = tuple(xgr.GrammarCompiler(i, max_threads=2, cache_enabled=False) for i in infos)
+    return compilers, vocab
 
 
 # ---- the engine side -----------------------------------------------------------------
@@ -509,18 +517,29 @@ class GuidedStats:
 class GuidedDecoding:
     """Masks, matcher advances and jump-forward for constrained requests (engine thread).
 
+    Besides the grammar's mask, a row whose text ends with the lead byte of a UTF-8
+    sequence whose second byte is restricted (0xe0, 0xed, 0xf0, 0xf4: Unicode 15,
+    Table 3-7) may not continue with a token starting with a byte outside that range:
+    xgrammar accepts UTF-8-encoded surrogates (0xed 0xa0-0xbf ...), which decode to
+    three U+FFFD characters and break ``maxLength`` and patterns.
+
     Args:
         model: the loaded checkpoint (tokenizer, stop ids).
+        grammars: the front end's grammar cache (its vocabulary bytes).
         jump_forward: append forced continuations at once (``--disable-jump-forward``
             turns it off).
     """
 
-    def __init__(self, model: LoadedModel, jump_forward: bool = True) -> None:
+    def __init__(
+        self, model: LoadedModel, grammars: GrammarCache, jump_forward: bool = True
+    ) -> None:
         self.model = model
+        self.grammars = grammars
         self.jump_forward = jump_forward
         self.stop_ids = list(model.eos_token_ids)
         self.stats = GuidedStats()
         self._shifts: torch.Tensor | None = None
+        self._after_lead: dict[int, torch.Tensor] | None = None
 
     def apply_masks(
         self, reqs: Sequence[Request], rows: torch.Tensor | Sequence[torch.Tensor]
@@ -547,6 +566,7 @@ class GuidedDecoding:
         for k, i in enumerate(idx):
             reqs[i].grammar.matcher.fill_next_token_bitmask(bitmask, k)
         allowed = self._unpack(bitmask.to(out[0].device), vocab)
+        self._utf8_second_byte(allowed, [reqs[i] for i in idx])
         dead = ~allowed.any(dim=1)
         if bool(dead.any()):
             allowed[dead.nonzero().flatten().unsqueeze(1), torch.tensor(self.stop_ids)] = True
@@ -558,6 +578,32 @@ class GuidedDecoding:
         s.masked_rows += len(idx)
         s.mask_seconds += time.perf_counter() - t0
         return out
+
+    def _utf8_second_byte(self, allowed: torch.Tensor, reqs: Sequence[Request]) -> None:
+        """Clear, in ``allowed`` (bool ``[k, vocab]``), tokens that would follow a trailing
+        0xe0/0xed/0xf0/0xf4 lead byte with a second byte outside its valid range."""
+        if self._after_lead is None:
+            vocab = self.grammars.vocab_bytes()
+            first = torch.tensor([v[0] if v else -1 for v in vocab])
+            ranges = {
+                0xE0: (0xA0, 0xBF),
+                0xED: (0x80, 0x9F),
+                0xF0: (0x90, 0xBF),
+                0xF4: (0x80, 0x8F),
+            }
+            self._after_lead = {
+                lead: ((first >= 0x80) & (first <= 0xBF) & ((first < lo) | (first > hi))).to(
+                    allowed.device
+                )
+                for lead, (lo, hi) in ranges.items()
+            }
+        vocab = self.grammars.vocab_bytes()
+        for k, req in enumerate(reqs):
+            if req.output_ids:
+                last = vocab[req.output_ids[-1]] if req.output_ids[-1] < len(vocab) else b""
+                bad = self._after_lead.get(last[-1]) if last else None
+                if bad is not None:
+                    allowed[k] &= ~bad[: allowed.shape[1]]
 
     def _unpack(self, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
         """xgrammar's int32 bitmask ``[k, ceil(vocab/32)]`` (bit j of word w: token
