@@ -55,8 +55,11 @@ async def make_requests(
     params: SamplingParams,
     n: int = 1,
     default_max_tokens: int = 256,
+    videos: Sequence[Sequence[ImageInput]] = (),
 ) -> list[Request]:
     """``n`` engine requests for one prompt; seeds ``seed``, ``seed + 1``, ... when seeded.
+
+    ``videos`` (each its frames) fill the video parts on a model with a video path.
 
     ``params.max_tokens == 0`` means "not given": up to ``default_max_tokens``, capped at
     what the context and the KV pool leave after the prompt.
@@ -66,7 +69,7 @@ async def make_requests(
     """
     if not params.max_tokens:
         # the prompt alone must leave room for one token; the error then names the prompt
-        first = await _make(processor, messages, images, replace(params, max_tokens=1))
+        first = await _make(processor, messages, images, replace(params, max_tokens=1), videos)
         room = processor.output_room(first.prompt_len)
         params = replace(params, max_tokens=max(1, min(default_max_tokens, room)))
     reqs = []
@@ -74,7 +77,7 @@ async def make_requests(
         p = params
         if params.seed is not None and i:
             p = replace(params, seed=(params.seed + i) % (1 << 64))
-        reqs.append(await _make(processor, messages, images, p))
+        reqs.append(await _make(processor, messages, images, p, videos))
     return reqs
 
 
@@ -83,10 +86,15 @@ async def _make(
     messages: list[dict],
     images: Sequence[ImageInput],
     params: SamplingParams,
+    videos: Sequence[Sequence[ImageInput]] = (),
 ) -> Request:
     try:  # front-end work on a worker thread, off the event loop and the engine thread
         return await run_in_threadpool(
-            processor.make_request, messages=messages, images=list(images), params=params
+            processor.make_request,
+            messages=messages,
+            images=list(images),
+            params=params,
+            videos=[list(v) for v in videos],
         )
     except RequestError as e:
         raise APIError(400, str(e), param=e.param or "messages") from None

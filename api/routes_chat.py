@@ -61,9 +61,12 @@ async def chat_completions(
             images.append(await st.media.resolve(url, param))
         else:  # a video: its sampled frames, each an image
             images.append(await routes_videos.resolve_video(st, url, sel, param))
-    messages, images = _expand_videos(messages, images, st.engine.config.max_images_per_request)
+    video_path = st.engine.model.video_token_id is not None
+    messages, images, videos = _expand_videos(
+        messages, images, st.engine.config.max_images_per_request, video_path
+    )
     reqs = await make_requests(
-        st.engine.processor, messages, images, params, n, st.settings.default_max_tokens
+        st.engine.processor, messages, images, params, n, st.settings.default_max_tokens, videos
     )
     sub = st.client.submit(reqs)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -144,14 +147,23 @@ def _split_images(
 
 
 def _expand_videos(
-    messages: list[dict], media: list, max_images: int
-) -> tuple[list[dict], list[ImageInput]]:
-    """Replace each video part by its frames (``Frame at 1.5s: <image>``, in order).
+    messages: list[dict], media: list, max_images: int, video_path: bool = False
+) -> tuple[list[dict], list[ImageInput], list[list[ImageInput]]]:
+    """Split ``media`` (in part order) into images and videos.
+
+    On a model with a video path (``video_path``: LLaVA-OneVision) a video part stays a
+    video and its frames go to ``videos``; elsewhere it is replaced by its frames
+    (``Frame at 1.5s: <image>``, in order), each an image.
+
+    Returns:
+        ``(messages, images, videos)``.
 
     Raises:
-        APIError: 400 when the frames and images together exceed ``max_images``.
+        APIError: 400 when the images (frames included, without a video path) exceed
+            ``max_images``.
     """
     images: list[ImageInput] = []
+    videos: list[list[ImageInput]] = []
     it = iter(media)
     out = []
     for m in messages:
@@ -162,6 +174,9 @@ def _expand_videos(
         for p in m["content"]:
             if p["type"] == "image":
                 images.append(next(it))
+                parts.append(p)
+            elif p["type"] == "video" and video_path:
+                videos.append([fr.image for fr in next(it)])
                 parts.append(p)
             elif p["type"] == "video":
                 frames = next(it)
@@ -178,4 +193,4 @@ def _expand_videos(
             param="messages",
             code="too_many_images",
         )
-    return out, images
+    return out, images, videos

@@ -110,12 +110,14 @@ async def video_qa(
                 reqs += await make_requests(st.engine, msgs, [fr.image], params, 1, default_tokens)
                 jobs.append((k, qi))
     else:
-        _check_clip_count(st, len(frames))
-        images = [fr.image for fr in frames]
+        if st.engine.model.video_token_id is None:  # frames are images: the image limit
+            _check_clip_count(st, len(frames))
         for qi, q in enumerate(body.questions):
-            msgs = [*system, _user([*frame_parts(frames), {"type": "text", "text": q}])]
+            msgs, images, videos = clip_prompt(st, frames, system, q)
             try:
-                reqs += await make_requests(st.engine, msgs, images, params, 1, default_tokens)
+                reqs += await make_requests(
+                    st.engine, msgs, images, params, 1, default_tokens, videos
+                )
             except APIError as e:
                 raise await _clip_too_long(st, frames, system, q, params, e) from None
             jobs.append((None, qi))
@@ -253,6 +255,18 @@ async def resolve_video(st: ServerState, url: str, sel: FrameSelection, param: s
     return await expand_video(st, data, sel, param)
 
 
+def clip_prompt(
+    st: ServerState, frames: list[Frame], system: list[dict], question: str
+) -> tuple[list[dict], list, list[list]]:
+    """A clip's messages, images and videos: on a model with a video path (LLaVA-OneVision)
+    one video part whose frames are the clip's, in order; elsewhere the frames as images in
+    ``Frame at 1.5s: <image>`` lines (:func:`frame_parts`)."""
+    text = {"type": "text", "text": question}
+    if st.engine.model.video_token_id is not None:
+        return [*system, _user([{"type": "video"}, text])], [], [[fr.image for fr in frames]]
+    return [*system, _user([*frame_parts(frames), text])], [fr.image for fr in frames], []
+
+
 def frame_parts(frames: list[Frame]) -> list[dict]:
     """Content parts of a clip: ``Frame at 1.5s: <image>`` per frame, in order."""
     parts: list[dict] = []
@@ -277,12 +291,11 @@ async def _clip_too_long(st, frames, system, question, params, err) -> APIError:
     """The 400 for a clip that does not fit: how many frames would."""
     lens = []
     for k in (1, 2):
-        msgs = [*system, _user([*frame_parts(frames[:k]), {"type": "text", "text": question}])]
-        imgs = [fr.image for fr in frames[:k]]
+        msgs, imgs, videos = clip_prompt(st, frames[:k], system, question)
         try:
             p = params if params.max_tokens else _one_token(params)
             r = await run_in_threadpool(
-                st.engine.make_request, messages=msgs, images=imgs, params=p
+                st.engine.make_request, messages=msgs, images=imgs, params=p, videos=videos
             )
         except Exception:  # noqa: BLE001 - even one frame does not fit
             return APIError(400, f"clip does not fit: {err.message}", param="num_frames")

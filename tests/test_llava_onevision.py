@@ -311,3 +311,151 @@ def test_modes_have_distinct_keys(ov_loaded, shapes) -> None:  # noqa: ANN001
     keys = {fam.mode_item(img, m).key for m in (IMAGE_MODE, BASE_MODE, FRAME_MODE)}
     assert len(keys) == 3 and img.key in keys
     assert VIDEO_NEWLINE_ID == -1
+
+
+# --- video: pooled frames, each keyed and cached on its own ---------------------------
+
+
+@pytest.fixture(scope="module")
+def clip12() -> bytes:
+    from tests.videos import encode_mp4, rgb_frames
+
+    pytest.importorskip("decord")
+    return encode_mp4(rgb_frames(12, seed=11), fps=10)
+
+
+def decoded_frames(eng, data: bytes, indices: list[int]) -> list:  # noqa: ANN001
+    """The frames the server decodes, hashed as it hashes them."""
+    from mmserve.engine.request import ImageInput
+    from mmserve.vision.hashing import image_key
+    from mmserve.vision.video import Video, VideoLimits
+
+    return [
+        ImageInput(image_key(im, eng.fingerprint), im)
+        for im in Video(data, VideoLimits()).frames(indices)
+    ]
+
+
+def test_frame_preparation_follows_the_processors(ov_ref_model, photos) -> None:  # noqa: ANN001
+    _, processor = ov_ref_model
+    prep = FramePrep.from_processor(processor.video_settings)
+    assert (prep.height, prep.width, prep.resample) == (98, 98, 3)
+    assert prep.image_mean == prep.image_std == (0.5, 0.5, 0.5)
+    square = Image.open(io.BytesIO(photos["cat.png"])).convert("RGB").resize((150, 150))
+    ours = prepare_frames([square, square], prep)
+    assert ours.shape == (2, 3, 98, 98) and ours.dtype == torch.float32
+    # a square frame is what the PIL image processor makes of a square image in a
+    # multi-image prompt (no padding needed): resize, rescale, normalise
+    theirs = processor.image_processor(images=[[square, square]], return_tensors="pt")
+    assert torch.allclose(ours[0], theirs["pixel_values"][0, 0], atol=1e-6)
+    wide = Image.new("RGB", (64, 48), (255, 0, 0))  # resized, not padded: one colour
+    px = prepare_frames([wide], prep)[0]
+    assert torch.allclose(px[0], torch.ones(98, 98)) and torch.allclose(px[1], -torch.ones(98, 98))
+    with pytest.raises(ValueError):
+        prepare_frames([], prep)
+
+
+def test_video_of_8_frames_equals_reference(make_ov_engine, ov_ref_model, clip12) -> None:  # noqa: ANN001
+    eng = make_ov_engine()
+    frames = decoded_frames(eng, clip12, list(range(8)))
+    msgs = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}
+    ]
+    req = eng.processor.make_request(messages=msgs, videos=[frames])
+    per = eng.model.family.video_frame_tokens()
+    assert [s.length for s in req.spans] == [per] * 8
+    assert [s.image.mode for s in req.spans] == [FRAME_MODE] * 8
+    assert req.input_ids[req.spans[-1].end] == VIDEO_NEWLINE_ID
+    check(eng, ov_ref_model, msgs, [], "8-frame video", videos=[frames])
+
+
+def qa(c: TestClient, vid: str, **body) -> list[dict]:  # noqa: ANN003
+    import json
+
+    r = c.post(f"/v1/videos/{vid}/qa", json={"temperature": 0, "max_tokens": MAX_NEW, **body})
+    assert r.status_code == 200, r.text
+    return [json.loads(line) for line in r.text.splitlines() if line]
+
+
+VIDEO_Q = "What happens in this clip?"
+
+
+@pytest.fixture(scope="module")
+def video_reference(make_ov_engine, ov_ref_model, clip12) -> tuple[str, int]:  # noqa: ANN001
+    """transformers' answer (text, prompt length) for 8 uniform frames of ``clip12``."""
+    from mmserve.vision.video import FrameSelection, Video, VideoLimits
+
+    eng = make_ov_engine()
+    indices = Video(clip12, VideoLimits()).indices(FrameSelection(num_frames=8))
+    frames = [f.image for f in decoded_frames(eng, clip12, indices)]
+    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": VIDEO_Q}]}]
+    text = eng.prompts.render_chat(msgs)
+    ids, _, n = reference(ov_ref_model, text, [], eng.model.never_sample_ids, [frames])
+    return eng.model.tokenizer.decode(ids, skip_special_tokens=True), n
+
+
+@pytest.mark.parametrize("cfg", CACHE_CONFIGS)
+def test_api_video_clip_and_video_url_equal_reference_cache_on_and_off(
+    make_ov_engine, video_reference, clip12, cfg
+) -> None:  # noqa: ANN001
+    want, ref_len = video_reference
+    eng = make_ov_engine(**cfg)
+    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+        vid = c.post("/v1/videos", files={"file": ("v.mp4", clip12)}).json()["id"]
+        for _ in range(2):  # the second one hits the cache (when on)
+            events = qa(c, vid, questions=[VIDEO_Q], mode="clip", num_frames=8)
+            (answer,) = [e for e in events if e["type"] == "answer"]
+            assert (answer["text"], answer["prompt_tokens"]) == (want, ref_len)
+            url = {"url": vid, "num_frames": 8}
+            parts = [{"type": "video_url", "video_url": url}, {"type": "text", "text": VIDEO_Q}]
+            out = ask(c, parts)
+            assert out["choices"][0]["message"]["content"] == want
+            assert out["usage"]["prompt_tokens"] == ref_len
+            b64 = "data:video/mp4;base64," + base64.b64encode(clip12).decode()
+            parts[0] = {"type": "video_url", "video_url": {"url": b64, "num_frames": 8}}
+            assert ask(c, parts)["choices"][0]["message"]["content"] == want
+
+
+def test_overlapping_clips_share_their_first_frames(make_ov_engine, clip12) -> None:  # noqa: ANN001
+    eng = make_ov_engine(page_size=16)
+    per = eng.model.family.video_frame_tokens()
+    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+        vid = c.post("/v1/videos", files={"file": ("v.mp4", clip12)}).json()["id"]
+        first = [round(0.1 * i, 2) for i in range(8)]
+        second = [round(0.1 * i, 2) for i in (0, 1, 2, 3, 8, 9, 10, 11)]
+        a = qa(c, vid, questions=[VIDEO_Q], mode="clip", timestamps=first, max_tokens=2)
+        b = qa(c, vid, questions=[VIDEO_Q], mode="clip", timestamps=second, max_tokens=2)
+        assert [f["frame_index"] for f in b[0]["frames"]] == [0, 1, 2, 3, 8, 9, 10, 11]
+        assert a[-1]["vision_tower_runs"] == 8 and b[-1]["vision_tower_runs"] == 4
+        frames = decoded_frames(eng, clip12, [0, 1, 2, 3, 8, 9, 10, 11])
+        msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": VIDEO_Q}]}]
+        start = eng.processor.make_request(messages=msgs, videos=[frames]).spans[0].start
+        (answer,) = [e for e in b if e["type"] == "answer"]
+        assert answer["cached_tokens"] == (start + 4 * per) // 16 * 16 > 3 * per
+
+
+def test_static_video_runs_the_tower_once(make_ov_engine) -> None:  # noqa: ANN001
+    from tests.videos import encode_mp4, rgb_frames
+
+    pytest.importorskip("decord")
+    eng = make_ov_engine()
+    static = encode_mp4([rgb_frames(1, seed=5)[0]] * 12)
+    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+        vid = c.post("/v1/videos", files={"file": ("s.mp4", static)}).json()["id"]
+        events = qa(c, vid, questions=[VIDEO_Q], mode="clip", num_frames=12, max_tokens=2)
+        assert events[-1]["distinct_frames"] == 1 and events[-1]["vision_tower_runs"] == 1
+        (answer,) = [e for e in events if e["type"] == "answer"]
+        assert answer["prompt_tokens"] > 12 * eng.model.family.video_frame_tokens()
+
+
+def test_per_frame_mode_stays_one_image_per_prompt(make_ov_engine, clip12) -> None:  # noqa: ANN001
+    eng = make_ov_engine()
+    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+        vid = c.post("/v1/videos", files={"file": ("v.mp4", clip12)}).json()["id"]
+        events = qa(c, vid, questions=["What is here?"], num_frames=3, max_tokens=2)
+        answers = [e for e in events if e["type"] == "answer"]
+        assert len(answers) == 3 and events[-1]["vision_tower_runs"] == 3
+        frame = decoded_frames(eng, clip12, [events[0]["frames"][0]["frame_index"]])[0]
+        want = eng.processor.make_request(messages=user(None, "What is here?"), images=[frame])
+        assert {a["prompt_tokens"] for a in answers if a["frame"] == 0} == {want.prompt_len}
+        assert want.spans[0].image.mode == IMAGE_MODE  # the image path: its grid
