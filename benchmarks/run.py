@@ -261,7 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--size", choices=("tiny", "small"), default="small", help="checkpoint")
     ap.add_argument(
         "--family",
-        choices=("llava", "llava-next"),
+        choices=("llava", "llava-next", "llava-onevision"),
         default="llava",
         help="checkpoint family (make-model --family)",
     )

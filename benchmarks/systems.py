@@ -400,8 +400,9 @@ class _FirstToken:
 
 
 class TransformersRunner:
-    """transformers' ``generate`` (``LlavaForConditionalGeneration`` or
-    ``LlavaNextForConditionalGeneration``, as the checkpoint says) one request at a time.
+    """transformers' ``generate`` (``LlavaForConditionalGeneration``,
+    ``LlavaNextForConditionalGeneration`` or ``LlavaOnevisionForConditionalGeneration``, as
+    the checkpoint says) one request at a time.
 
     Args:
         model_path: checkpoint directory.
@@ -410,10 +411,13 @@ class TransformersRunner:
     """
 
     def __init__(self, model_path: str, never_sample_ids: list[int]) -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
+
+        from mmserve.model.loader import load_processor
 
         self.model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
-        self.processor = AutoProcessor.from_pretrained(model_path)
+        # AutoProcessor, or the family's own loading (OneVision's needs no torchvision)
+        self.processor = load_processor(model_path)
         self.never = list(never_sample_ids)
 
     def generate(self, text: str, images: list, max_tokens: int) -> tuple[list[int], float]:

@@ -459,3 +459,37 @@ def test_per_frame_mode_stays_one_image_per_prompt(make_ov_engine, clip12) -> No
         want = eng.processor.make_request(messages=user(None, "What is here?"), images=[frame])
         assert {a["prompt_tokens"] for a in answers if a["frame"] == 0} == {want.prompt_len}
         assert want.spans[0].image.mode == IMAGE_MODE  # the image path: its grid
+
+
+def test_loader_reads_a_onevision_dir_without_torchvision(ov_model_dir, tmp_path) -> None:  # noqa: ANN001
+    import json
+    import shutil
+
+    from mmserve.model.loader import CheckpointError, load_processor
+
+    pytest.importorskip("PIL")
+    try:
+        import torchvision  # noqa: F401
+
+        has_torchvision = True
+    except ImportError:
+        has_torchvision = False
+    if not has_torchvision:  # the reason for the family's own processor loading
+        from transformers import AutoProcessor
+
+        with pytest.raises(Exception):  # noqa: B017 - whatever transformers raises
+            AutoProcessor.from_pretrained(ov_model_dir)
+    proc = load_processor(ov_model_dir)
+    assert proc.num_image_tokens == 49 and proc.vision_aspect_ratio == "anyres_max_9"
+    # a legacy layout: no video config anywhere -> the video processor reads the
+    # image processor's file, as transformers does
+    legacy = tmp_path / "legacy"
+    shutil.copytree(ov_model_dir, legacy)
+    (legacy / "video_preprocessor_config.json").unlink()
+    cfg = json.loads((legacy / "processor_config.json").read_text())
+    del cfg["video_processor"]
+    (legacy / "processor_config.json").write_text(json.dumps(cfg))
+    assert load_processor(legacy).video_settings.size["height"] == 98
+    (legacy / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        load_processor(legacy)

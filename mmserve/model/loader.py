@@ -301,6 +301,30 @@ def _load_processor(model_dir: Path) -> object:
     return processor
 
 
+def _family_processor(model_dir: Path, config: PretrainedConfig) -> object:
+    """The family's own processor loading, else ``AutoProcessor`` (:func:`_load_processor`)."""
+    try:
+        processor = family_for(config.model_type).load_processor(model_dir)
+    except Exception as exc:  # transformers raises many kinds
+        why = _processor_failure(model_dir, exc)
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor: {why}") from exc
+    return processor if processor is not None else _load_processor(model_dir)
+
+
+def load_processor(model_dir: str | Path) -> object:
+    """The processor (tokenizer + image processor) of a LLaVA-family checkpoint directory,
+    as :func:`load_model` loads it: the family's own loading where it has one (OneVision,
+    without torchvision), else transformers' ``AutoProcessor``.
+
+    Raises:
+        CheckpointError: as :func:`load_model` for the config, tokenizer and processor.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    return _family_processor(model_dir, _load_config(model_dir))
+
+
 def load_model(
     model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
@@ -330,15 +354,8 @@ def load_model(
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     config = _load_config(model_dir)
-    family_cls = family_for(config.model_type)
-    try:
-        processor = family_cls.load_processor(model_dir)
-    except Exception as exc:  # transformers raises many kinds
-        why = _processor_failure(model_dir, exc)
-        raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor: {why}") from exc
-    if processor is None:
-        processor = _load_processor(model_dir)
-    family = family_cls(config, processor)
+    processor = _family_processor(model_dir, config)
+    family = family_for(config.model_type)(config, processor)
     shape = text_shape(config)
     weights = _read_weights(model_dir)
     dec_w, vision_w = _split_weights(weights, family)
