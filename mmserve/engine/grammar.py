@@ -569,7 +569,8 @@ class GuidedDecoding:
         self._utf8_second_byte(allowed, [reqs[i] for i in idx])
         dead = ~allowed.any(dim=1)
         if bool(dead.any()):
-            allowed[dead.nonzero().flatten().unsqueeze(1), torch.tensor(self.stop_ids)] = True
+            stop = torch.tensor(self.stop_ids, device=allowed.device)
+            allowed[dead.nonzero().flatten().unsqueeze(1), stop] = True
         masked = torch.stack([out[i] for i in idx]).masked_fill(~allowed, float("-inf"))
         for k, i in enumerate(idx):
             out[i] = masked[k]
