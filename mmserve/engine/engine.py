@@ -323,7 +323,8 @@ class Engine:
             "tree_pages": tree_pages,
             "evictable_pages": self.tree.evictable_size() // P if not self.tree.disable else 0,
             "tree_nodes": self.tree.node_count() if not self.tree.disable else 0,
-            "running_requests": len(self.scheduler.running),
+            # a request awaiting its jump-forward extend is running too
+            "running_requests": len(self.scheduler.running) + len(self.scheduler.extending),
             "waiting_requests": len(self.scheduler.waiting),
             "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens,
