@@ -532,6 +532,13 @@ def test_unenforced_keywords_are_refused_by_name(schema: dict, named: str) -> No
     assert e.value.param.startswith("response_format.json_schema.schema")
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
@@ -541,6 +548,7 @@ def test_unenforced_keywords_are_refused_by_name(schema: dict, named: str) -> No
         (GuidedSpec.json_schema({"type": "string", "minLength": 5, "maxLength": 2}), "greater"),
         (GuidedSpec.json_schema({"type": "integer", "minimum": 9, "maximum": 1}), "lower bound"),
         (GuidedSpec.json_schema({"enum": []}), "non-empty"),
+        (GuidedSpec.json_schema(_nested(200)), "nested"),
         (GuidedSpec("regex", "a(b"), "parenthesis"),
         (GuidedSpec("regex", "(?=a)b"), "Lookahead"),
         (GuidedSpec("grammar", 'x ::= "a"'), "root"),

@@ -120,6 +120,8 @@ JSON_TYPES = ("string", "number", "integer", "boolean", "array", "object", "null
 GRAMMAR_CACHE_SIZE = 128
 #: Longest spec text accepted (characters): a schema, regex, grammar or choice list.
 MAX_SPEC_CHARS = 64 * 1024
+#: Deepest nesting of subschemas accepted.
+MAX_SCHEMA_DEPTH = 32
 
 
 class GrammarError(ValueError):
@@ -217,13 +219,14 @@ _checked: OrderedDict[GuidedSpec, None] = OrderedDict()
 _checked_lock = threading.Lock()
 
 
-def check_schema(schema: Any, param: str = "schema") -> None:
+def check_schema(schema: Any, param: str = "schema", depth: int = 0) -> None:
     """Walk a JSON schema: every keyword must be enforced (:data:`ENFORCED_KEYWORDS`)
     or an annotation, and its value well-formed.
 
     Args:
         schema: the decoded schema (a dict, or a boolean subschema below the root).
         param: the field path of ``schema`` in the request.
+        depth: nesting level of ``schema`` (at most :data:`MAX_SCHEMA_DEPTH`).
 
     Raises:
         GrammarError: ``param.path: keyword 'multipleOf' is not enforced ...`` or
@@ -233,6 +236,8 @@ def check_schema(schema: Any, param: str = "schema") -> None:
         return
     if not isinstance(schema, dict):
         raise GrammarError(f"{param}: a schema must be an object or a boolean", param)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"{param}: subschemas nested over {MAX_SCHEMA_DEPTH} deep", param)
     for key, value in schema.items():
         where = f"{param}.{key}"
         if key in ANNOTATION_KEYWORDS:
@@ -244,11 +249,11 @@ def check_schema(schema: Any, param: str = "schema") -> None:
                 f"keywords: {', '.join(sorted(ENFORCED_KEYWORDS))}",
                 where,
             )
-        _check_keyword(key, value, where)
+        _check_keyword(key, value, where, depth + 1)
     _check_bounds(schema, param)
 
 
-def _check_keyword(key: str, value: Any, where: str) -> None:
+def _check_keyword(key: str, value: Any, where: str, depth: int) -> None:
     def bad(what: str) -> GrammarError:
         return GrammarError(f"{where}: {what}", where)
 
@@ -263,17 +268,17 @@ def _check_keyword(key: str, value: Any, where: str) -> None:
         if not isinstance(value, list) or not value:
             raise bad("expected a non-empty array of schemas")
         for i, sub in enumerate(value):
-            check_schema(sub, f"{where}[{i}]")
+            check_schema(sub, f"{where}[{i}]", depth)
     elif key in ("properties", "$defs", "definitions"):
         if not isinstance(value, dict):
             raise bad("expected an object of schemas")
         for name, sub in value.items():
-            check_schema(sub, f"{where}.{name}")
+            check_schema(sub, f"{where}.{name}", depth)
     elif key == "required":
         if not isinstance(value, list) or any(not isinstance(v, str) for v in value):
             raise bad("expected an array of property names")
     elif key in ("additionalProperties", "items"):
-        check_schema(value, where)
+        check_schema(value, where, depth)
     elif key in ("minItems", "maxItems", "minLength", "maxLength"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad("expected a non-negative integer")
