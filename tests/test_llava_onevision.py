@@ -493,3 +493,36 @@ def test_loader_reads_a_onevision_dir_without_torchvision(ov_model_dir, tmp_path
     (legacy / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match="tokenizer"):
         load_processor(legacy)
+
+
+def test_padded_vocabulary_loads_and_equals_reference(ov_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """Qwen2 checkpoints pad the embedding matrix past the tokenizer (151,646 tokens in
+    152,000 rows): such a directory loads and still equals transformers."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    from mmserve.config import EngineConfig
+    from mmserve.engine.engine import Engine
+    from mmserve.model.loader import load_model
+
+    padded = tmp_path / "padded"
+    shutil.copytree(ov_model_dir, padded)
+    weights = load_file(str(padded / "model.safetensors"))
+    key = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    rows = weights[key]
+    weights[key] = torch.cat([rows, torch.randn(48, rows.shape[1]) * 0.1])
+    save_file(weights, str(padded / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((padded / "config.json").read_text())
+    cfg["text_config"]["vocab_size"] = rows.shape[0] + 48
+    (padded / "config.json").write_text(json.dumps(cfg))
+    model = load_model(padded)
+    assert model.decoder.shape.vocab_size == len(model.tokenizer) + 48
+    eng = Engine(EngineConfig(model_path=str(padded)), model=model)
+    ref = (
+        LlavaOnevisionForConditionalGeneration.from_pretrained(padded).eval(),
+        eng.model.processor,
+    )
+    check(eng, ref, [{"role": "user", "content": "Say something."}], [], "padded vocab")

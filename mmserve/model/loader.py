@@ -347,8 +347,8 @@ def load_model(
             config.json does not exist, the architecture is not ``llava`` (or its
             decoder not Llama), the tokenizer or image processor cannot be loaded
             (naming the missing file), no weights are found, a shard listed in
-            the index is missing, tensors are missing, or the tokenizer's size
-            differs from the config's vocab_size.
+            the index is missing, tensors are missing, or the tokenizer has more ids
+            than the config's vocab_size (fewer is a padded vocabulary, as Qwen2's).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -375,7 +375,9 @@ def load_model(
     vision.to(device=device, dtype=dtype).eval()
 
     tok = processor.tokenizer
-    if len(tok) != shape.vocab_size:
+    # more embedding rows than tokens is a padded vocabulary (Qwen2: 151,646 tokens in
+    # 152,000 rows); more tokens than rows would index past the embedding matrix
+    if len(tok) > shape.vocab_size:
         raise CheckpointError(
             f"{model_dir}: tokenizer has {len(tok)} ids but vocab_size is {shape.vocab_size}"
         )
