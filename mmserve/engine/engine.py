@@ -234,9 +234,7 @@ class Engine:
     def _fail(self, reqs: list[Request], when: str) -> None:
         """End ``reqs`` with finish reason "error" for the exception being handled."""
         exc = sys.exc_info()[1]
-        log.error(
-            "engine step failed for %s:\n%s", [r.rid for r in reqs], traceback.format_exc()
-        )
+        log.error("engine step failed for %s:\n%s", [r.rid for r in reqs], traceback.format_exc())
         self.stats.failed_steps += 1
         self.stats.consecutive_failed_steps += 1
         message = f"{type(exc).__name__} {when}"
