@@ -3,6 +3,9 @@
 Every sampled frame is an image with its own content key, so a frame repeated
 in a static scene, in two overlapping clips or in another upload of the same
 footage runs the vision tower once and shares its KV through the radix cache.
+Question answering skips selected frames that do not decode (a damaged stream)
+and lists them as ``skipped_frames``; a ``video_url`` in a chat completion
+cannot skip and is refused with a 400 that names them.
 """
 
 from __future__ import annotations
@@ -22,9 +25,15 @@ from api.media import decode_data_url
 from api.schemas import FrameFields, VideoQARequest
 from api.state import ServerState, State
 from api.uploads import read_upload, upload_body
-from api.video_store import Frame, StoredVideo, open_video, sample_frames
+from api.video_store import (
+    Frame,
+    StoredVideo,
+    open_video,
+    sample_decodable_frames,
+    sample_frames,
+)
 from mmserve.engine.request import Request as EngineRequest
-from mmserve.vision.video import FrameSelection, VideoError
+from mmserve.vision.video import FrameFailure, FrameSelection, VideoError
 
 router = APIRouter()
 
@@ -87,7 +96,11 @@ async def video_qa(
     system + frame + question); ``clip`` puts the selected frames in one prompt, in
     order with their timestamps, and asks each question about the whole clip.
     Newline-delimited JSON (or server-sent events): a ``frames`` event, one
-    ``answer`` event per answer (with progress), then a ``summary``.
+    ``answer`` event per answer (with progress), then a ``summary``. Selected frames
+    that do not decode are left out and listed, each once and ascending, as
+    ``skipped_frames`` (``[{"index", "timestamp", "reason"}]``, empty for a sound
+    video) in the ``frames`` event and the summary; if none decodes, a 400
+    ``invalid_video`` names them.
     """
     st.check_model(body.model)
     entry = _entry(st, video_id)
@@ -98,7 +111,7 @@ async def video_qa(
             param="questions",
         )
     params = sampling_params(body)
-    frames = await expand_video(st, entry.data, selection(body), "video")
+    frames, skipped = await expand_video(st, entry.data, selection(body), "video", skip=True)
     system = [{"role": "system", "content": body.system}] if body.system else []
     default_tokens = st.settings.default_max_tokens
     jobs: list[tuple[int | None, int]] = []  # (position of the frame or None for clip, question)
@@ -131,6 +144,7 @@ async def video_qa(
         "mode": body.mode,
         "model": st.model_name,
     }
+    head["skipped_frames"] = [_skipped_info(f) for f in skipped]
     events = _events(st, sub, frames, body.questions, jobs, head)
     if sse:
         return StreamingResponse(
@@ -210,17 +224,27 @@ def selection(fields: FrameFields) -> FrameSelection:
 
 
 async def expand_video(
-    st: ServerState, data: bytes, sel: FrameSelection, param: str
-) -> list[Frame]:
+    st: ServerState, data: bytes, sel: FrameSelection, param: str, skip: bool = False
+) -> tuple[list[Frame], list[FrameFailure]]:
     """Decode and hash the selected frames of an encoded video.
 
+    Args:
+        skip: leave out selected frames that do not decode (and return them) rather
+            than refuse the video.
+
+    Returns:
+        ``(frames, skipped)``; ``skipped`` is empty unless ``skip``.
+
     Raises:
-        APIError: 400 ``invalid_video`` naming the problem (bad file or selection).
+        APIError: 400 ``invalid_video`` naming the problem (bad file or selection, a
+            frame that does not decode when not ``skip``, or none that decodes).
     """
 
-    def work() -> list[Frame]:
+    def work() -> tuple[list[Frame], list[FrameFailure]]:
         video = open_video(st.engine, data, st.settings.video_limits())
-        return sample_frames(st.engine, video, sel)
+        if skip:
+            return sample_decodable_frames(st.engine, video, sel)
+        return sample_frames(st.engine, video, sel), []
 
     try:
         return await run_in_threadpool(work)
@@ -232,7 +256,8 @@ async def resolve_video(st: ServerState, url: str, sel: FrameSelection, param: s
     """The frames of a ``video_url``: an uploaded ``vid-...`` id or a base64 data URL.
 
     Raises:
-        APIError: 400 for an unknown id, another kind of url, or a bad video.
+        APIError: 400 for an unknown id, another kind of url, or a bad video (a frame
+            that does not decode included: a prompt cannot skip it).
     """
     url = url.strip()
     vid = url.removeprefix("mmserve://videos/")
@@ -246,13 +271,13 @@ async def resolve_video(st: ServerState, url: str, sel: FrameSelection, param: s
                 param=param,
                 code="video_not_found",
             )
-        return await expand_video(st, entry.data, sel, param)
+        return (await expand_video(st, entry.data, sel, param))[0]
     if url.split(":", 1)[0].lower() != "data":
         raise APIError(
             400, f"{param}: unsupported video url; {VIDEO_HINT}", param=param, code="invalid_video"
         )
     data = decode_data_url(url, param)
-    return await expand_video(st, data, sel, param)
+    return (await expand_video(st, data, sel, param))[0]
 
 
 def clip_prompt(
@@ -325,6 +350,10 @@ def _user(content: list[dict]) -> dict:
 
 def _frame_info(k: int, fr: Frame) -> dict:
     return {"frame": k, "frame_index": fr.index, "timestamp": fr.timestamp, "image_id": fr.image.id}
+
+
+def _skipped_info(f: FrameFailure) -> dict:
+    return {"index": f.index, "timestamp": f.timestamp, "reason": f.reason}
 
 
 def _entry(st: ServerState, video_id: str) -> StoredVideo:

@@ -5,7 +5,9 @@ duration, size); its id is xxh3-128 of the bytes (``vid-...``), so uploading
 the same file twice changes nothing. Frames are decoded per request and each
 becomes an :class:`~mmserve.engine.request.ImageInput` exactly like an uploaded
 photo: its key comes from its pixels, so equal frames share one key whatever
-video (or image upload) they came from.
+video (or image upload) they came from. Frames of a damaged stream that do not
+decode are skipped and reported (:func:`sample_decodable_frames`) or refused
+(:func:`sample_frames`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ import xxhash
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import ImageInput
 from mmserve.vision.hashing import image_key
-from mmserve.vision.video import FrameSelection, Video, VideoInfo, VideoLimits
+from mmserve.vision.video import (
+    FrameFailure,
+    FrameSelection,
+    Video,
+    VideoError,
+    VideoInfo,
+    VideoLimits,
+    undecodable_message,
+)
 
 
 @dataclass
@@ -60,17 +70,49 @@ def sample_frames(engine: Engine, video: Video, selection: FrameSelection) -> li
     """Decode the selected frames and hash each as an image (equal pixels: one key).
 
     Raises:
-        VideoError: a bad selection or a stream that fails part-way.
+        VideoError: a bad selection, or any selected frame that does not decode (the
+            message names each such frame and its time).
     """
+    frames, failed = _sample(engine, video, selection)
+    if failed:
+        raise VideoError(undecodable_message(failed, len(failed) + len({f.index for f in frames})))
+    return frames
+
+
+def sample_decodable_frames(
+    engine: Engine, video: Video, selection: FrameSelection
+) -> tuple[list[Frame], list[FrameFailure]]:
+    """The selected frames that decode, hashed, and the selected frames that do not.
+
+    Returns:
+        ``(frames, skipped)``: frames in selection order without the undecodable ones,
+        and each undecodable frame once, ascending by index.
+
+    Raises:
+        VideoError: a bad selection, or no selected frame decodes (the message names
+            every one of them).
+    """
+    frames, failed = _sample(engine, video, selection)
+    if not frames:
+        raise VideoError(undecodable_message(failed, len(failed)))
+    return frames, failed
+
+
+def _sample(
+    engine: Engine, video: Video, selection: FrameSelection
+) -> tuple[list[Frame], list[FrameFailure]]:
     indices = video.indices(selection)
-    images = video.frames(indices)
+    got = video.decode(indices)
     keys: dict[int, ImageInput] = {}
     out = []
-    for i, im in zip(indices, images, strict=True):
+    for i in indices:
+        im = got.images.get(i)
+        if im is None:
+            continue
         if i not in keys:
             keys[i] = ImageInput(image_key(im, engine.fingerprint), im)
         out.append(Frame(i, video.info.frame_times[i], keys[i]))
-    return out
+    return out, list(got.failed)
 
 
 class VideoStore:
