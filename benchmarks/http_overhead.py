@@ -1,0 +1,215 @@
+"""HTTP overhead: a workload through the engine in-process and through the server.
+
+:func:`replay_in_process` plays the same requests at the same arrival times through
+an :class:`~mmserve.engine.engine.Engine` in this process, doing at each arrival the
+front-end work the server does besides HTTP (decode and hash the image bytes, render
+the chat template and tokenize) and stepping the engine in between. Compared with the
+HTTP run of the same schedule it gives the overhead of everything the server adds:
+JSON parsing and pydantic validation, base64 data URLs, the event loop and thread
+hops, server-sent-event chunks, the client's connections.
+
+:func:`breakdown` reads the per-thread cProfile of a server run
+(:mod:`benchmarks.profiled_server`) and sums self time by category, so the
+overhead can be placed: which of JSON, base64, image decoding, tokenizing, the
+event loop and the engine's own work took the CPU.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.workloads import Workload
+from mmserve.config import EngineConfig
+from mmserve.engine.engine import Engine
+from mmserve.engine.request import Request, SamplingParams
+from mmserve.model.loader import LoadedModel
+
+
+@torch.inference_mode()
+def replay_in_process(
+    model: LoadedModel,
+    model_dir: str,
+    wl: Workload,
+    arrivals: list[float],
+    **engine_kw: Any,
+) -> dict[str, Any]:
+    """Run ``wl`` on a fresh in-process engine with requests arriving at ``arrivals``.
+
+    Returns:
+        ``duration_s`` (first arrival to last finish), ``cpu_s`` (this process),
+        TTFT and TPOT percentiles (from each request's scheduled arrival) and hit rate.
+    """
+    eng = Engine(EngineConfig(model_path=model_dir, **engine_kw), model=model)
+    params = SamplingParams(max_tokens=wl.max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = wl.prompts
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    reqs: dict[int, Request] = {}
+    due: dict[int, float] = {}
+    nxt = 0
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    while nxt < len(order) or eng.has_work():
+        now = time.perf_counter() - t0
+        while nxt < len(order) and arrivals[order[nxt]] <= now:
+            i = order[nxt]
+            p = prompts[i]
+            images = [eng.processor.prepare_image(wl.images[n]) for n in p.images]  # decode + hash
+            r = eng.processor.make_request(messages=p.messages, images=images, params=params)
+            r.arrival = t0 + arrivals[i]
+            due[i] = t0 + arrivals[i]
+            eng.add_request(r)
+            reqs[i] = r
+            nxt += 1
+        if eng.has_work():
+            eng.step()
+        elif nxt < len(order):
+            time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
+    end = max(r.finish_time or t0 for r in reqs.values())
+    wall = end - (t0 + min(arrivals))
+    cpu = time.process_time() - c0
+    ttft = [r.first_token_time - due[i] for i, r in reqs.items() if r.first_token_time]
+    tpot = [
+        (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1)
+        for r in reqs.values()
+        if r.finish_time and r.first_token_time and len(r.output_ids) > 1
+    ]
+    stats = eng.cache_stats()
+    return {
+        "requests": len(reqs),
+        "duration_s": wall,
+        "cpu_s": cpu,
+        "request_throughput": len(reqs) / wall if wall else None,
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
+        "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
+        "tpot_p50_s": float(np.percentile(tpot, 50)) if tpot else None,
+        "cache_hit_rate": stats["cache_hit_rate"],
+        "all_finished": all(r.finish_reason == "length" for r in reqs.values()),
+    }
+
+
+#: Categories of self time, first match wins: (name, substrings of "file:function").
+CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("JSON (parse, dump)", ("json/", "_json", "json.", "orjson")),
+    ("pydantic validation", ("pydantic",)),
+    ("base64 / data URL", ("base64", "binascii", "b2a_", "a2b_", "api/media.py")),
+    (
+        "image decode + hash",
+        (
+            "PIL/",
+            "PIL.",
+            "Imaging",
+            "xxhash",
+            "mmserve/vision/image.py",
+            "mmserve/vision/hashing.py",
+        ),
+    ),
+    (
+        "tokenize + chat template",
+        (
+            "tokenizers",
+            "tokenization",
+            "jinja2",
+            "mmserve/engine/prompt.py",
+            "mmserve/engine/processor.py",
+            "api/generation.py",
+        ),
+    ),
+    ("SSE chunks", ("api/openai_format.py", "sse", "StreamingResponse")),
+    (
+        "event loop + HTTP",
+        (
+            "asyncio",
+            "uvicorn",
+            "h11",
+            "httptools",
+            "starlette",
+            "fastapi",
+            "anyio",
+            "selectors",
+            "socket",
+            "api/",
+            "concurrent/futures",
+            "threading.py",
+            "queue.py",
+            "select.",
+            "method 'acquire'",
+            "method 'wait'",
+        ),
+    ),
+    ("engine (model, scheduler, cache)", ("mmserve/", "torch")),
+]
+
+
+def _category(key: tuple[str, int, str]) -> str:
+    filename, _, func = key
+    text = f"{filename}:{func}"
+    for name, needles in CATEGORIES:
+        if any(n in text for n in needles):
+            return name
+    return "other"
+
+
+def _split_builtin(st: dict, key: tuple[str, int, str], depth: int = 0) -> dict[str, float]:
+    """Self time of ``key`` by category; a C function's (file ``~``) goes to the
+    categories of its callers, in proportion to the time each caller spent in it."""
+    cc, nc, tt, ct, callers = st[key]
+    if key[0] != "~" or not callers or depth > 4:
+        return {_category(key): tt}
+    out: dict[str, float] = defaultdict(float)
+    total = sum(v[2] for v in callers.values()) or 1.0
+    for caller, v in callers.items():
+        share = tt * v[2] / total
+        if caller in st:
+            for cat, x in _split_builtin(st, caller, depth + 1).items():
+                w = sum(_split_builtin(st, caller, depth + 1).values()) or 1.0
+                out[cat] += share * x / w
+        else:
+            out[_category(caller)] += share
+    return out
+
+
+def breakdown(profile_path: Path, top: int = 12) -> dict[str, Any]:
+    """Self time by thread and by category from a :mod:`benchmarks.profiled_server` dump.
+
+    The engine thread (``mmserve-engine``) counts whole as "engine thread"; the other
+    threads (event loop, worker pool) are split by category. Blocking waits (a thread
+    sleeping in ``select`` or on a lock) are self time too, so only categories of the
+    non-engine threads that do work are ranked: ``largest`` is the top item that is
+    neither the engine nor a wait.
+    """
+    stats: dict[str, dict] = pickle.loads(Path(profile_path).read_bytes())
+    by_thread: dict[str, float] = {}
+    cats: dict[str, float] = defaultdict(float)
+    funcs: dict[str, float] = defaultdict(float)
+    waits = ("select", "acquire", "wait", "sleep", "epoll", "poll", "_worker")
+    for thread, st in stats.items():
+        total = sum(v[2] for v in st.values())  # tottime
+        by_thread[thread] = total
+        if thread.startswith("mmserve-engine"):
+            continue
+        for key, v in st.items():
+            func = key[2]
+            if any(w in func for w in waits):
+                cats["(waiting: select/locks)"] += v[2]
+                continue
+            for cat, x in _split_builtin(st, key).items():
+                cats[cat] += x
+            funcs[f"{Path(key[0]).name}:{key[1]}({func})"] += v[2]
+    ranked = sorted(cats.items(), key=lambda kv: -kv[1])
+    work = [(k, v) for k, v in ranked if not k.startswith("(waiting") and k != "other"]
+    return {
+        "threads_s": dict(sorted(by_thread.items(), key=lambda kv: -kv[1])),
+        "categories_s": dict(ranked),
+        "top_functions_s": dict(sorted(funcs.items(), key=lambda kv: -kv[1])[:top]),
+        "largest": work[0][0] if work else None,
+        "note": "cProfile self time (deterministic profiler: Python-heavy code is inflated "
+        "relative to C); a C function's time goes to its callers' categories; engine "
+        "thread reported whole, other threads by category",
+    }
