@@ -54,7 +54,7 @@ class ImageStore:
     """LRU store of decoded images bounded by count and decoded bytes.
 
     Args:
-        prepare: decodes and hashes bytes (``Engine.prepare_image``); raises ImageError.
+        prepare: decodes and hashes bytes (``InputProcessor.prepare_image``); raises ImageError.
         max_images: most images kept.
         max_bytes: most decoded pixel bytes kept (bytes).
         directory: where to keep uploads across restarts (None: memory only).

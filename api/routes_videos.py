@@ -120,7 +120,9 @@ async def video_qa(
         for k, fr in enumerate(frames):
             for qi, q in enumerate(body.questions):
                 msgs = [*system, _user([{"type": "image"}, {"type": "text", "text": q}])]
-                reqs += await make_requests(st.engine, msgs, [fr.image], params, 1, default_tokens)
+                reqs += await make_requests(
+                    st.engine.processor, msgs, [fr.image], params, 1, default_tokens
+                )
                 jobs.append((k, qi))
     else:
         if st.engine.model.video_token_id is None:  # frames are images: the image limit
@@ -129,7 +131,7 @@ async def video_qa(
             msgs, images, videos = clip_prompt(st, frames, system, q)
             try:
                 reqs += await make_requests(
-                    st.engine, msgs, images, params, 1, default_tokens, videos
+                    st.engine.processor, msgs, images, params, 1, default_tokens, videos
                 )
             except APIError as e:
                 raise await _clip_too_long(st, frames, system, q, params, e) from None
@@ -320,18 +322,22 @@ async def _clip_too_long(st, frames, system, question, params, err) -> APIError:
         try:
             p = params if params.max_tokens else _one_token(params)
             r = await run_in_threadpool(
-                st.engine.make_request, messages=msgs, images=imgs, params=p, videos=videos
+                st.engine.processor.make_request,
+                messages=msgs,
+                images=imgs,
+                params=p,
+                videos=videos,
             )
         except Exception:  # noqa: BLE001 - even one frame does not fit
             return APIError(400, f"clip does not fit: {err.message}", param="num_frames")
         lens.append(r.prompt_len)
     per = max(1, lens[1] - lens[0]) if len(frames) > 1 else lens[0]
-    room = min(st.engine.max_context, st.engine.pool.size_tokens) - max(params.max_tokens, 1)
+    room = st.engine.processor.output_room(max(params.max_tokens, 1))
     fit = max(0, (room - (lens[0] - per)) // per)
     return APIError(
         400,
         f"a clip of {len(frames)} frames does not fit the model's context "
-        f"({st.engine.max_context} tokens, {per} tokens per frame): at most {fit} frames "
+        f"({st.engine.processor.max_context} tokens, {per} tokens per frame): at most {fit} frames "
         f"would; ask for num_frames={fit} or use mode=per_frame ({err.message})",
         param="num_frames",
         code="clip_too_long",

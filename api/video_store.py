@@ -63,7 +63,7 @@ def open_video(engine: Engine, data: bytes, limits: VideoLimits) -> Video:
     Raises:
         VideoError: naming the problem.
     """
-    return Video(data, limits, engine.config.image_limits, engine.shortest_edge)
+    return Video(data, limits, engine.config.image_limits, engine.processor.shortest_edge)
 
 
 def sample_frames(engine: Engine, video: Video, selection: FrameSelection) -> list[Frame]:
@@ -110,7 +110,7 @@ def _sample(
         if im is None:
             continue
         if i not in keys:
-            keys[i] = ImageInput(image_key(im, engine.fingerprint), im)
+            keys[i] = ImageInput(image_key(im, engine.processor.fingerprint), im)
         out.append(Frame(i, video.info.frame_times[i], keys[i]))
     return out, list(got.failed)
 

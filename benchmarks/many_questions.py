@@ -1,6 +1,6 @@
 """Many questions about a few images: the prefix cache on vs off, in one run.
 
-K images are "uploaded" (decoded and hashed by ``Engine.prepare_image``), then
+K images are "uploaded" (decoded and hashed by ``InputProcessor.prepare_image``), then
 K x M chat requests -- every question about every image -- are submitted at
 once to ``Engine.generate``. The same workload runs twice on the same loaded
 model, with a fresh engine each time:
@@ -139,9 +139,11 @@ def warm_up(args: argparse.Namespace, model_path: str, model: LoadedModel) -> No
     eng = Engine(_config(args, model_path, cache=True), model=model)
     buf = io.BytesIO()
     Image.new("RGB", (64, 48), (90, 120, 150)).save(buf, "PNG")  # not one of the photos
-    img = eng.prepare_image(buf.getvalue())
+    img = eng.processor.prepare_image(buf.getvalue())
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    eng.generate([eng.make_request(messages=_messages("Hi?"), images=[img], params=params)])
+    eng.generate(
+        [eng.processor.make_request(messages=_messages("Hi?"), images=[img], params=params)]
+    )
 
 
 def run_once(
@@ -158,13 +160,13 @@ def run_once(
         The run's :class:`Figures`.
     """
     eng = Engine(_config(args, model_path, cache), model=model)
-    images = [eng.prepare_image(b) for b in photos]
+    images = [eng.processor.prepare_image(b) for b in photos]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     reqs = [
-        eng.make_request(messages=_messages(q), images=[img], params=params)
+        eng.processor.make_request(messages=_messages(q), images=[img], params=params)
         for img in images
         for q in questions
     ]

@@ -138,7 +138,9 @@ def run_workload(
         eng = mm.engine(disable_radix_cache=True)
         images = mm.images(eng, wl)
         lens = [len(s) for s in ids]
-        runs.append(done(hf.run(wl, eng.prompts.render_chat, images, lens, scale["baseline_max"])))
+        runs.append(
+            done(hf.run(wl, eng.processor.prompts.render_chat, images, lens, scale["baseline_max"]))
+        )
     repeats = scale["repeats"] if wl.name == "no_sharing" else 1
     on_label = f"mmserve-{MAIN_POLICY}"
     pairs = [("mmserve-off", False)]
@@ -390,7 +392,7 @@ def _warm_up(mm: MMServeRunner, hf: TransformersRunner | None, log: Any) -> None
     mm.run(wl, "warmup", radix_cache=True, check_leaks=False)
     if hf is not None:
         eng = mm.engine()
-        hf.run(wl, eng.prompts.render_chat, mm.images(eng, wl), [0])
+        hf.run(wl, eng.processor.prompts.render_chat, mm.images(eng, wl), [0])
     log("warm-up done")
 
 

@@ -87,7 +87,7 @@ def run(model, model_path: str, n: int, mode: str, max_tokens: int, free_tokens:
         model=model,
     )
     photos = sorted(p for p in IMAGES.iterdir() if p.suffix != ".md")
-    images = [engine.prepare_image(p.read_bytes()) for p in photos]
+    images = [engine.processor.prepare_image(p.read_bytes()) for p in photos]
     spec = GuidedSpec.json_schema(SCHEMA)
     reqs = []
     for i in range(n):
@@ -97,7 +97,7 @@ def run(model, model_path: str, n: int, mode: str, max_tokens: int, free_tokens:
         else:
             params = SamplingParams(max_tokens=max_tokens, guided=spec)
         reqs.append(
-            engine.make_request(
+            engine.processor.make_request(
                 messages=[{"role": "user", "content": content}],
                 images=[images[i % len(images)]],
                 params=params,
@@ -106,7 +106,7 @@ def run(model, model_path: str, n: int, mode: str, max_tokens: int, free_tokens:
     # warm the prefix cache and the vision tower so the runs compare decoding only
     engine.generate(
         [
-            engine.make_request(
+            engine.processor.make_request(
                 messages=[
                     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "."}]}
                 ],

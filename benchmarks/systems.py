@@ -195,7 +195,7 @@ class MMServeRunner:
         for name, data in wl.images.items():
             key = (name, data)
             if key not in self._images:
-                self._images[key] = eng.prepare_image(data)
+                self._images[key] = eng.processor.prepare_image(data)
             out[name] = self._images[key]
         return out
 
@@ -205,7 +205,7 @@ class MMServeRunner:
         imgs = self.images(eng, wl)
         params = SamplingParams(max_tokens=1)
         return [
-            eng.make_request(
+            eng.processor.make_request(
                 messages=p.messages, images=[imgs[n] for n in p.images], params=params
             ).input_ids
             for p in wl.prompts
@@ -243,7 +243,9 @@ class MMServeRunner:
         params = SamplingParams(max_tokens=wl.max_tokens, temperature=0.0, ignore_eos=True)
         # built before timing (tokenising is not what is measured); arrival set on submission
         reqs = [
-            eng.make_request(messages=p.messages, images=[imgs[n] for n in p.images], params=params)
+            eng.processor.make_request(
+                messages=p.messages, images=[imgs[n] for n in p.images], params=params
+            )
             for p in wl.prompts
         ]
         if closed_loop:

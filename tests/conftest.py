@@ -223,7 +223,10 @@ def workload(imgs):  # noqa: ANN001, ANN201
 
 def run(make_engine, cases, max_tokens: int = 6, **cfg):  # noqa: ANN001, ANN201
     eng = make_engine(**cfg)
-    reqs = [eng.make_request(messages=m, images=i, params=greedy(max_tokens)) for m, i in cases]
+    reqs = [
+        eng.processor.make_request(messages=m, images=i, params=greedy(max_tokens))
+        for m, i in cases
+    ]
     res = eng.generate(reqs)
     eng.scheduler.check_accounting()
     return eng, res

@@ -258,7 +258,7 @@ def test_unknown_image_routes_are_404(client) -> None:  # noqa: ANN001
         ("palette.png", "P"),
         ("rgba-64.png", "RGBA"),
         ("cmyk.jpg", "CMYK"),
-        ("gray16.png", "I;16"),
+        ("gray16.png", "L"),  # more than 8 bits per sample: scaled to 8-bit L
         ("animated.gif", "P"),
         ("one-by-one.png", "RGB"),
     ],

@@ -130,8 +130,10 @@ def test_engine_rejects_flashinfer_on_cpu(model_dir) -> None:  # noqa: ANN001
 def test_engine_loads_configured_dtype_and_stays_close_to_fp32(model_dir, photos) -> None:  # noqa: ANN001
     def run(dtype: str):  # noqa: ANN202
         eng = Engine(EngineConfig(model_path=str(model_dir), dtype=dtype, max_total_tokens=4096))
-        img = eng.prepare_image(photos["cat.png"])
-        req = eng.make_request(messages=user(None, "What is this?"), images=[img], params=greedy(4))
+        img = eng.processor.prepare_image(photos["cat.png"])
+        req = eng.processor.make_request(
+            messages=user(None, "What is this?"), images=[img], params=greedy(4)
+        )
         return eng, eng.generate([req])[0]
 
     e32, r32 = run("float32")

@@ -11,7 +11,7 @@ from tests.conftest import QUESTIONS, greedy, run, user, workload
 @pytest.fixture(scope="module")
 def imgs(make_engine, photos):  # noqa: ANN001, ANN201
     eng = make_engine()
-    return [eng.prepare_image(b) for b in photos.values()]
+    return [eng.processor.prepare_image(b) for b in photos.values()]
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_followup_questions_hit_the_image(make_engine, imgs) -> None:
     img = imgs[0]
     results = []
     for q in QUESTIONS:  # one after another, as a user would ask
-        req = eng.make_request(messages=user(None, q), images=[img], params=greedy(4))
+        req = eng.processor.make_request(messages=user(None, q), images=[img], params=greedy(4))
         results.append(eng.generate([req])[0])
     start = req.spans[0].start
     shared = start + 576  # text before the image, then the image
@@ -54,7 +54,7 @@ def test_followup_questions_hit_the_image(make_engine, imgs) -> None:
 def test_same_instant_questions_prefill_the_image_once(make_engine, imgs) -> None:
     eng = make_engine(page_size=1)
     reqs = [
-        eng.make_request(messages=user(None, q), images=[imgs[1]], params=greedy(4))
+        eng.processor.make_request(messages=user(None, q), images=[imgs[1]], params=greedy(4))
         for q in QUESTIONS
     ]
     res = eng.generate(reqs)
@@ -68,9 +68,9 @@ def test_page_size_16_match_ends_inside_image(make_engine, imgs) -> None:
     _, base = run(make_engine, cases, disable_radix_cache=True)
     eng = make_engine(page_size=16, vision_cache_bytes=0)
     first = eng.generate(
-        [eng.make_request(messages=cases[0][0], images=cases[0][1], params=greedy(6))]
+        [eng.processor.make_request(messages=cases[0][0], images=cases[0][1], params=greedy(6))]
     )[0]
-    req = eng.make_request(messages=cases[1][0], images=cases[1][1], params=greedy(6))
+    req = eng.processor.make_request(messages=cases[1][0], images=cases[1][1], params=greedy(6))
     second = eng.generate([req])[0]
     span = req.spans[0]
     assert second.cached_tokens % 16 == 0
@@ -84,14 +84,14 @@ def test_eviction_cut_inside_image(make_engine, imgs) -> None:
     msgs = user(None, QUESTIONS[0])
     _, (base,) = run(make_engine, [(msgs, [imgs[0]])], disable_radix_cache=True)
     eng = make_engine(page_size=1)
-    req = eng.make_request(messages=msgs, images=[imgs[0]], params=greedy(6))
+    req = eng.processor.make_request(messages=msgs, images=[imgs[0]], params=greedy(6))
     eng.generate([req])
     cut = req.spans[0].start + 300
     # touch the first `cut` tokens so the tail node is the least recently used leaf
     eng.tree.match_prefix(req.input_ids[:cut])
     eng.tree.evict(eng.tree.total_size() - cut)
     assert eng.tree.total_size() == cut
-    again = eng.make_request(messages=msgs, images=[imgs[0]], params=greedy(6))
+    again = eng.processor.make_request(messages=msgs, images=[imgs[0]], params=greedy(6))
     (res,) = eng.generate([again])
     assert res.cached_tokens == cut
     assert res.images_needing_vision == 1 and res.vision_tower_runs == 0  # embedding cache

@@ -199,7 +199,7 @@ def test_earliest_stop_wins_whatever_the_list_order(client, make_engine) -> None
     ref = complete(client, max_tokens=16)["choices"][0]
     offline = make_engine()
     msgs = body()["messages"]
-    req = offline.make_request(messages=msgs, params=SamplingParams(max_tokens=16))
+    req = offline.processor.make_request(messages=msgs, params=SamplingParams(max_tokens=16))
     ids = offline.generate([req])[0].output_ids
     full = ref["message"]["content"]
     assert len(full) > 10

@@ -110,11 +110,11 @@ def deep_versions(gray8: Image.Image) -> dict[str, Image.Image]:
 
 
 def test_16_bit_and_8_bit_versions_have_one_key(eng, gray8) -> None:  # noqa: ANN001
-    want = eng.prepare_image(png_bytes(gray8)).key
+    want = eng.processor.prepare_image(png_bytes(gray8)).key
     seen = 0
     for mode, im in deep_versions(gray8).items():
         for fmt, data in encodings(im).items():
-            got = eng.prepare_image(data)
+            got = eng.processor.prepare_image(data)
             assert got.key == want, (mode, fmt)
             assert got.image.mode == "L"
             seen += 1
@@ -125,8 +125,10 @@ def test_16_bit_and_8_bit_versions_get_the_same_answer(eng, gray8) -> None:  # n
     msgs = user(None, "What is this?")
     answers = []
     for data in (png_bytes(gray8), png_bytes(deep_versions(gray8)["I;16"])):
-        img = eng.prepare_image(data)
-        (res,) = eng.generate([eng.make_request(messages=msgs, images=[img], params=greedy(6))])
+        img = eng.processor.prepare_image(data)
+        (res,) = eng.generate(
+            [eng.processor.make_request(messages=msgs, images=[img], params=greedy(6))]
+        )
         answers.append(res)
     assert answers[0].output_ids == answers[1].output_ids
     for a, b in zip(answers[0].logits, answers[1].logits, strict=True):
@@ -144,16 +146,21 @@ def test_depth_map_is_not_answered_like_a_white_image(eng) -> None:  # noqa: ANN
     # what plain conversion (and transformers) does: nearly every pixel clips to white
     clipped = np.asarray(Image.frombytes("I;16", (w, h), depth.tobytes()).convert("L"))
     assert (clipped == 255).mean() > 0.99
-    img = eng.prepare_image(png_bytes(im16))
+    img = eng.processor.prepare_image(png_bytes(im16))
     assert img.image.mode == "L" and (np.asarray(img.image) == 255).mean() < 0.05
     msgs = user(None, "What is this?")
 
     def answer(data: bytes):  # noqa: ANN202
-        x = eng.prepare_image(data)
-        return eng.generate([eng.make_request(messages=msgs, images=[x], params=greedy(4))])[0]
+        x = eng.processor.prepare_image(data)
+        return eng.generate(
+            [eng.processor.make_request(messages=msgs, images=[x], params=greedy(4))]
+        )[0]
 
     got, same, blank = answer(png_bytes(im16)), answer(png_bytes(as8)), answer(png_bytes(white))
-    assert eng.prepare_image(png_bytes(im16)).key != eng.prepare_image(png_bytes(white)).key
+    assert (
+        eng.processor.prepare_image(png_bytes(im16)).key
+        != eng.processor.prepare_image(png_bytes(white)).key
+    )
     assert got.output_ids == same.output_ids
     assert not np.allclose(got.logits[0].numpy(), blank.logits[0].numpy(), atol=1e-3)
 

@@ -28,7 +28,7 @@ def engine(make_engine):  # noqa: ANN001, ANN201
 
 
 def test_same_pixels_any_container_is_one_entry(engine) -> None:  # noqa: ANN001
-    store = ImageStore(engine.prepare_image, max_images=8)
+    store = ImageStore(engine.processor.prepare_image, max_images=8)
     im = solid((10, 20, 30))
     a = store.put(png_bytes(im))
     b = store.put(png_bytes(im, "BMP"))
@@ -39,7 +39,7 @@ def test_same_pixels_any_container_is_one_entry(engine) -> None:  # noqa: ANN001
 
 
 def test_lru_bound_by_count(engine) -> None:  # noqa: ANN001
-    store = ImageStore(engine.prepare_image, max_images=3)
+    store = ImageStore(engine.processor.prepare_image, max_images=3)
     ids = [store.put(png_bytes(solid((i, 0, 0)))).id for i in range(3)]
     assert store.get(ids[0]) is not None  # now most recently used
     new = store.put(png_bytes(solid((99, 0, 0)))).id
@@ -50,14 +50,14 @@ def test_lru_bound_by_count(engine) -> None:  # noqa: ANN001
 
 def test_lru_bound_by_bytes(engine) -> None:  # noqa: ANN001
     one = 40 * 30 * 3
-    store = ImageStore(engine.prepare_image, max_images=100, max_bytes=2 * one)
+    store = ImageStore(engine.processor.prepare_image, max_images=100, max_bytes=2 * one)
     ids = [store.put(png_bytes(solid((0, i, 0)))).id for i in range(5)]
     assert len(store) == 2 and store.total_bytes == 2 * one
     assert [e.image.id for e in store.list()] == [ids[4], ids[3]]
 
 
 def test_delete(engine) -> None:  # noqa: ANN001
-    store = ImageStore(engine.prepare_image)
+    store = ImageStore(engine.processor.prepare_image)
     data = png_bytes(solid((1, 2, 3)))
     image_id = store.put(data).id
     assert store.delete(image_id) and not store.delete(image_id)
@@ -67,7 +67,7 @@ def test_delete(engine) -> None:  # noqa: ANN001
 
 def test_persistence_survives_a_restart(engine, tmp_path) -> None:  # noqa: ANN001
     a, b, c = (png_bytes(solid((0, 0, i))) for i in (1, 2, 3))
-    store = ImageStore(engine.prepare_image, max_images=2, directory=tmp_path)
+    store = ImageStore(engine.processor.prepare_image, max_images=2, directory=tmp_path)
     ida = store.put(a).id
     idb = store.put(b).id
     data_url_id = store.put(c, persist=False).id  # evicts a; c is memory-only
@@ -76,12 +76,12 @@ def test_persistence_survives_a_restart(engine, tmp_path) -> None:  # noqa: ANN0
     idb = store.put(b).id
     ida = store.put(a).id
     assert len(list(tmp_path.iterdir())) == 2
-    again = ImageStore(engine.prepare_image, max_images=2, directory=tmp_path)
+    again = ImageStore(engine.processor.prepare_image, max_images=2, directory=tmp_path)
     assert {e.image.id for e in again.list()} == {ida, idb}
     assert again.get(data_url_id) is None
     assert again.get(ida).image.tobytes() == store.get(ida).image.tobytes()
     assert again.put(a).id == ida and len(again) == 2
-    smaller = ImageStore(engine.prepare_image, max_images=1, directory=tmp_path)
+    smaller = ImageStore(engine.processor.prepare_image, max_images=1, directory=tmp_path)
     assert len(smaller) == 1 and len(list(tmp_path.iterdir())) == 1
 
 

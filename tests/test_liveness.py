@@ -22,7 +22,7 @@ WORDS = "red green blue cat dog sky tree house water light dark small big".split
 @pytest.fixture(scope="module")
 def imgs(make_engine, photos):  # noqa: ANN001, ANN201
     eng = make_engine()
-    return [eng.prepare_image(b) for b in list(photos.values())[:2]]
+    return [eng.processor.prepare_image(b) for b in list(photos.values())[:2]]
 
 
 def _case(data, imgs):  # noqa: ANN001, ANN202
@@ -56,7 +56,7 @@ def test_lone_requests_and_bursts_always_finish(make_engine, imgs, data) -> None
     for _ in range(n):
         msgs, images = _case(data, imgs)
         params = SamplingParams(max_tokens=data.draw(st.integers(1, 6)), ignore_eos=True)
-        reqs.append(eng.make_request(messages=msgs, images=images, params=params))
+        reqs.append(eng.processor.make_request(messages=msgs, images=images, params=params))
     for r in reqs:
         eng.add_request(r)
     # drive the engine as the server loop does: step while it says there is work
@@ -75,7 +75,7 @@ def test_lone_requests_and_bursts_always_finish(make_engine, imgs, data) -> None
 
 def test_generate_finishes_a_prompt_longer_than_the_budget(make_engine, imgs) -> None:  # noqa: ANN001
     eng = make_engine(max_prefill_tokens=200)
-    req = eng.make_request(
+    req = eng.processor.make_request(
         messages=user(None, "What is it?"), images=imgs[:1], params=SamplingParams(max_tokens=4)
     )
     assert req.prompt_len > 2 * 200
@@ -90,7 +90,7 @@ def test_async_engine_finishes_a_lone_chunked_request(make_engine, imgs) -> None
     aeng = AsyncEngine(eng)
     aeng.start()
     try:
-        req = eng.make_request(
+        req = eng.processor.make_request(
             messages=user(None, None, None, None, "Compare them."),
             images=[imgs[k % 2] for k in range(4)],
             params=SamplingParams(max_tokens=4, ignore_eos=True),

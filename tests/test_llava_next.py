@@ -31,7 +31,7 @@ def shapes(photos) -> dict[str, bytes]:  # noqa: ANN001
 
 
 def check(engine, ref, messages, images, what: str) -> None:  # noqa: ANN001
-    text = engine.prompts.render_chat(messages)
+    text = engine.processor.prompts.render_chat(messages)
     req = engine.processor.make_request(messages=messages, images=images, params=greedy(MAX_NEW))
     (res,) = engine.generate([req])
     never = engine.model.never_sample_ids
@@ -146,7 +146,7 @@ def test_api_equals_reference_cache_on_and_off(
         for shape in ("wide", "tall"):
             img = eng.processor.prepare_image(shapes[shape])
             msgs = user(None, "What is in this photo?")
-            text = eng.prompts.render_chat(msgs)
+            text = eng.processor.prompts.render_chat(msgs)
             ref_ids, _, ref_len = reference_generate(
                 next_ref_model, text, [img.image], eng.model.never_sample_ids, MAX_NEW
             )

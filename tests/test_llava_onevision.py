@@ -78,7 +78,7 @@ def reference(ref, text: str, images: list, never: list[int], videos: list | Non
 
 
 def check(engine, ref, messages, images, what: str, videos=None) -> None:  # noqa: ANN001
-    text = engine.prompts.render_chat(messages)
+    text = engine.processor.prompts.render_chat(messages)
     req = engine.processor.make_request(
         messages=messages, images=images, videos=videos or [], params=greedy(MAX_NEW)
     )
@@ -244,7 +244,7 @@ def test_api_images_equal_reference_cache_on_and_off(
         for names in cases:
             imgs = [eng.processor.prepare_image(shapes[k]) for k in names]
             msgs = user(*([None] * len(names)), "What is in this photo?")
-            text = eng.prompts.render_chat(msgs)
+            text = eng.processor.prompts.render_chat(msgs)
             ref_ids, _, ref_len = reference(
                 ov_ref_model, text, [i.image for i in imgs], eng.model.never_sample_ids
             )
@@ -331,7 +331,7 @@ def decoded_frames(eng, data: bytes, indices: list[int]) -> list:  # noqa: ANN00
     from mmserve.vision.video import Video, VideoLimits
 
     return [
-        ImageInput(image_key(im, eng.fingerprint), im)
+        ImageInput(image_key(im, eng.processor.fingerprint), im)
         for im in Video(data, VideoLimits()).frames(indices)
     ]
 
@@ -389,7 +389,7 @@ def video_reference(make_ov_engine, ov_ref_model, clip12) -> tuple[str, int]:  #
     indices = Video(clip12, VideoLimits()).indices(FrameSelection(num_frames=8))
     frames = [f.image for f in decoded_frames(eng, clip12, indices)]
     msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": VIDEO_Q}]}]
-    text = eng.prompts.render_chat(msgs)
+    text = eng.processor.prompts.render_chat(msgs)
     ids, _, n = reference(ov_ref_model, text, [], eng.model.never_sample_ids, [frames])
     return eng.model.tokenizer.decode(ids, skip_special_tokens=True), n
 

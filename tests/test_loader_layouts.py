@@ -59,7 +59,7 @@ def plain_ref(saved: dict[str, Path]):  # noqa: ANN201
 @pytest.fixture(scope="module")
 def prompts(plain_engine: Engine, photos: dict[str, bytes]) -> dict[str, tuple[list, list]]:
     """name -> (messages, prepared images): a text prompt and an image prompt."""
-    cat = plain_engine.prepare_image(photos["cat.png"])
+    cat = plain_engine.processor.prepare_image(photos["cat.png"])
     return {
         "text": (user("Name three colours of a sunset."), []),
         "image": (user(None, "What animal is this?"), [cat]),
@@ -87,7 +87,7 @@ def reference(ref_model, text: str, images: list, never: list[int]):  # noqa: AN
 
 
 def run(engine: Engine, messages: list, images: list):  # noqa: ANN201
-    req = engine.make_request(messages=messages, images=images, params=greedy(MAX_NEW))
+    req = engine.processor.make_request(messages=messages, images=images, params=greedy(MAX_NEW))
     (res,) = engine.generate([req])
     return res
 
@@ -109,7 +109,7 @@ def test_saved_layout_greedy_equals_transformers(
     messages, images = prompts[kind]
     res = run(plain_engine, messages, images)
     never = plain_engine.model.never_sample_ids
-    text = plain_engine.prompts.render_chat(messages)
+    text = plain_engine.processor.prompts.render_chat(messages)
     ref_ids, ref_logits, ref_len = reference(plain_ref, text, [i.image for i in images], never)
     assert res.prompt_tokens == ref_len
     assert len(res.output_ids) > 0

@@ -15,8 +15,8 @@ def reference(ref_model, text: str, images: list, never: list[int], max_new: int
 
 
 def check(engine, ref_model, messages, images, what: str) -> None:  # noqa: ANN001
-    text = engine.prompts.render_chat(messages)
-    req = engine.make_request(messages=messages, images=images, params=greedy(MAX_NEW))
+    text = engine.processor.prompts.render_chat(messages)
+    req = engine.processor.make_request(messages=messages, images=images, params=greedy(MAX_NEW))
     (res,) = engine.generate([req])
     never = engine.model.never_sample_ids
     ref_ids, ref_logits, ref_len = reference(ref_model, text, [i.image for i in images], never)
@@ -27,7 +27,9 @@ def check(engine, ref_model, messages, images, what: str) -> None:  # noqa: ANN0
 @pytest.fixture(scope="module")
 def imgs(make_engine, photos):  # noqa: ANN001, ANN201
     eng = make_engine()
-    return [eng.prepare_image(photos[n]) for n in ("cat.png", "coffee.png", "astronaut.png")]
+    return [
+        eng.processor.prepare_image(photos[n]) for n in ("cat.png", "coffee.png", "astronaut.png")
+    ]
 
 
 def test_text_only(make_engine, ref_model) -> None:
@@ -69,11 +71,13 @@ def test_batch_of_different_lengths(make_engine, ref_model, imgs) -> None:
         (user("Compare", None, "with", None), imgs[1:3]),
         (user("Write one long sentence about the sea, the sky and the boats."), []),
     ]
-    reqs = [eng.make_request(messages=m, images=i, params=greedy(MAX_NEW)) for m, i in cases]
+    reqs = [
+        eng.processor.make_request(messages=m, images=i, params=greedy(MAX_NEW)) for m, i in cases
+    ]
     results = eng.generate(reqs)
     never = eng.model.never_sample_ids
     for k, ((msgs, images), res) in enumerate(zip(cases, results, strict=True)):
-        text = eng.prompts.render_chat(msgs)
+        text = eng.processor.prompts.render_chat(msgs)
         ref_ids, ref_logits, _ = reference(ref_model, text, [i.image for i in images], never)
         assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, f"batch #{k}")
     assert eng.stats.prefill_steps >= 1

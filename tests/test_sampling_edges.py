@@ -22,9 +22,9 @@ from tests.conftest import user
 def test_degenerate_sampling_is_greedy(make_engine, kw) -> None:  # noqa: ANN001
     engine = make_engine(max_total_tokens=2048)
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
-    (ref,) = engine.generate([engine.make_request(messages=user("Hi"), params=greedy)])
+    (ref,) = engine.generate([engine.processor.make_request(messages=user("Hi"), params=greedy)])
     params = SamplingParams(max_tokens=4, seed=3, **kw)
-    (res,) = engine.generate([engine.make_request(messages=user("Hi"), params=params)])
+    (res,) = engine.generate([engine.processor.make_request(messages=user("Hi"), params=params)])
     assert res.finish_reason == "length"
     assert res.output_ids == ref.output_ids
     assert engine.scheduler.check_accounting()["running"] == 0

@@ -17,7 +17,7 @@ from tests.conftest import QUESTIONS, run, user, workload
 @pytest.fixture(scope="module")
 def imgs(make_engine, photos):  # noqa: ANN001, ANN201
     eng = make_engine()
-    return [eng.prepare_image(b) for b in photos.values()]
+    return [eng.processor.prepare_image(b) for b in photos.values()]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_chunked_prefill_same_outputs(make_engine, imgs, baseline) -> None:  # n
 
 def test_chunks_avoid_splitting_an_image_when_they_can(make_engine, imgs) -> None:  # noqa: ANN001
     eng = make_engine()
-    req = eng.make_request(messages=user("Look:", None, "What?"), images=[imgs[0]])
+    req = eng.processor.make_request(messages=user("Look:", None, "What?"), images=[imgs[0]])
     span = req.spans[0]
     assert span.start > 2
     # a budget that would end inside the image stops at its start instead
@@ -83,7 +83,7 @@ def test_retraction_keeps_seeded_sampling(make_engine, imgs) -> None:  # noqa: A
     for cfg in ({}, {"page_size": 4, "max_total_tokens": 4 * 330, "decode_reserve_ratio": 0.0}):
         eng = make_engine(**cfg)
         reqs = [
-            eng.make_request(
+            eng.processor.make_request(
                 messages=user(None, QUESTIONS[k % 3] + f" {k}"),
                 images=[imgs[k % 4]],
                 params=params(k),

@@ -93,7 +93,7 @@ def test_frames_hash_like_images(engine, clip12: bytes) -> None:  # noqa: ANN001
     frames = sample_frames(engine, open_video(engine, clip12, LIMITS), FrameSelection(num_frames=4))
     assert [f.index for f in frames] == [1, 4, 7, 10]
     assert len({f.image.key for f in frames}) == 4
-    again = engine.prepare_image(png_bytes(frames[0].image.image))
+    again = engine.processor.prepare_image(png_bytes(frames[0].image.image))
     assert again.key == frames[0].image.key  # a frame and its PNG are one image
 
 

@@ -27,12 +27,12 @@ def read(cases_dir, name: str) -> bytes:  # noqa: ANN001
 
 
 def test_exif_orientation_hashes_rotated_pixels(eng, cases_dir) -> None:  # noqa: ANN001
-    img = eng.prepare_image(read(cases_dir, "exif-orientation-6.jpg"))
+    img = eng.processor.prepare_image(read(cases_dir, "exif-orientation-6.jpg"))
     assert img.image.size == (16, 24)  # stored 24x16, shown rotated
     raw = Image.open(cases_dir / "exif-orientation-6.jpg")
     raw.load()
     rotated = raw.transpose(Image.Transpose.ROTATE_270)
-    assert image_key(rotated, eng.fingerprint) == img.key
+    assert image_key(rotated, eng.processor.fingerprint) == img.key
 
 
 @pytest.mark.parametrize(
@@ -45,18 +45,18 @@ def test_exif_orientation_hashes_rotated_pixels(eng, cases_dir) -> None:  # noqa
     ],
 )
 def test_key_depends_on_pixels_and_shape_only(eng, cases_dir, a, b, same) -> None:  # noqa: ANN001
-    ka = eng.prepare_image(read(cases_dir, a)).key
-    kb = eng.prepare_image(read(cases_dir, b)).key
+    ka = eng.processor.prepare_image(read(cases_dir, a)).key
+    kb = eng.processor.prepare_image(read(cases_dir, b)).key
     assert (ka == kb) is same
 
 
 def test_reencoded_sample_photo_same_id_one_pixel_differs(eng, photos) -> None:  # noqa: ANN001
-    original = eng.prepare_image(photos["cat.png"])
-    resaved = eng.prepare_image(png_bytes(original.image.copy()))
+    original = eng.processor.prepare_image(photos["cat.png"])
+    resaved = eng.processor.prepare_image(png_bytes(original.image.copy()))
     assert resaved.id == original.id
     arr = np.array(original.image)
     arr[0, 0, 0] ^= 1
-    changed = eng.prepare_image(png_bytes(Image.fromarray(arr)))
+    changed = eng.processor.prepare_image(png_bytes(Image.fromarray(arr)))
     assert changed.id != original.id
 
 
@@ -119,11 +119,17 @@ def test_byte_limit() -> None:
     ],
 )
 def test_odd_modes_are_answered_like_transformers(eng, ref_model, cases_dir, name) -> None:  # noqa: ANN001
-    img = eng.prepare_image(read(cases_dir, name))
+    img = eng.processor.prepare_image(read(cases_dir, name))
     msgs = user(None, "What is this?")
-    (res,) = eng.generate([eng.make_request(messages=msgs, images=[img], params=greedy(4))])
+    (res,) = eng.generate(
+        [eng.processor.make_request(messages=msgs, images=[img], params=greedy(4))]
+    )
     ref_ids, ref_logits, _ = reference(
-        ref_model, eng.prompts.render_chat(msgs), [img.image], eng.model.never_sample_ids, 4
+        ref_model,
+        eng.processor.prompts.render_chat(msgs),
+        [img.image],
+        eng.model.never_sample_ids,
+        4,
     )
     assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, name)
 
@@ -135,9 +141,11 @@ def test_similar_image_after_another_gets_no_wrong_hit(make_engine, cases_dir) -
         e = make_engine(disable_radix_cache=disable)
         out = []
         for name in ("same-size-a.png", "same-size-b.png"):
-            img = e.prepare_image(read(cases_dir, name))
+            img = e.processor.prepare_image(read(cases_dir, name))
             out.append(
-                e.generate([e.make_request(messages=msgs, images=[img], params=greedy(6))])[0]
+                e.generate(
+                    [e.processor.make_request(messages=msgs, images=[img], params=greedy(6))]
+                )[0]
             )
         answers[disable] = out
     cached_b = answers[False][1]
@@ -148,20 +156,20 @@ def test_similar_image_after_another_gets_no_wrong_hit(make_engine, cases_dir) -
 
 
 def test_literal_placeholder_in_text_is_refused(eng, photos) -> None:  # noqa: ANN001
-    img = eng.prepare_image(photos["cat.png"])
+    img = eng.processor.prepare_image(photos["cat.png"])
     with pytest.raises(RequestError, match="reserved image placeholder"):
-        eng.make_request(messages=user(None, "what is <image> here?"), images=[img])
+        eng.processor.make_request(messages=user(None, "what is <image> here?"), images=[img])
 
 
 def test_placeholder_count_must_match_images(eng, photos) -> None:  # noqa: ANN001
-    img = eng.prepare_image(photos["cat.png"])
+    img = eng.processor.prepare_image(photos["cat.png"])
     with pytest.raises(RequestError, match="1 image placeholders but 2 images"):
-        eng.make_request(prompt="USER: <image>\nhi ASSISTANT:", images=[img, img])
+        eng.processor.make_request(prompt="USER: <image>\nhi ASSISTANT:", images=[img, img])
 
 
 def test_text_ids_and_image_ids_are_disjoint(eng, photos) -> None:  # noqa: ANN001
-    img = eng.prepare_image(photos["cat.png"])
-    req = eng.make_request(messages=user(None, "hello"), images=[img])
+    img = eng.processor.prepare_image(photos["cat.png"])
+    req = eng.processor.make_request(messages=user(None, "hello"), images=[img])
     span = req.spans[0]
     text = req.input_ids[: span.start] + req.input_ids[span.end :]
     assert all(0 <= t < eng.model.decoder.shape.vocab_size for t in text)
@@ -170,13 +178,13 @@ def test_text_ids_and_image_ids_are_disjoint(eng, photos) -> None:  # noqa: ANN0
 
 def test_unpaired_surrogate_is_a_request_error(eng) -> None:  # noqa: ANN001
     with pytest.raises(RequestError, match="not valid Unicode"):
-        eng.make_request(messages=[{"role": "user", "content": "bad \ud800 text"}])
+        eng.processor.make_request(messages=[{"role": "user", "content": "bad \ud800 text"}])
 
 
 def test_huge_text_is_refused_before_tokenizing(eng) -> None:  # noqa: ANN001
-    text = "ab " * (eng.prompts.max_chars // 3 + 1)
+    text = "ab " * (eng.processor.prompts.max_chars // 3 + 1)
     with pytest.raises(RequestError, match="more than the model's context"):
-        eng.make_request(messages=[{"role": "user", "content": text}])
+        eng.processor.make_request(messages=[{"role": "user", "content": text}])
 
 
 @pytest.mark.parametrize("mode, trns", [("L", 7), ("RGB", (7, 7, 7))])

@@ -90,36 +90,14 @@ class Engine:
         self.runner = ModelRunner(
             model, self.pool, self.embedding_cache, config.device, config.attention_backend
         )
+        # front-end work (decode, hash, template, tokenize, limits) runs on callers'
+        # threads through the processor; the engine itself accepts only its Requests
         self.processor = InputProcessor(model, config, self.pool.size_tokens)
         self.guided = GuidedDecoding(
             model, self.processor.grammars, jump_forward=not config.disable_jump_forward
         )
         self.stats = EngineStats()
         self._by_rid: dict[str, Request] = {}
-
-    # ---- inputs (front-end work lives in InputProcessor; kept for callers) --
-    def prepare_image(self, data: bytes):  # noqa: ANN201
-        """Same as ``self.processor.prepare_image``."""
-        return self.processor.prepare_image(data)
-
-    def make_request(self, **kw) -> Request:
-        """Same as ``self.processor.make_request``."""
-        return self.processor.make_request(**kw)
-
-    @property
-    def prompts(self):  # noqa: ANN201
-        """The processor's prompt builder."""
-        return self.processor.prompts
-
-    @property
-    def fingerprint(self) -> bytes:
-        """The image processor's fingerprint (part of every image key)."""
-        return self.processor.fingerprint
-
-    @property
-    def shortest_edge(self) -> int:
-        """The image processor's short-side resize target (pixels)."""
-        return self.processor.shortest_edge
 
     def add_request(self, req: Request) -> None:
         """Queue a tokenized request built by :class:`InputProcessor`."""

@@ -642,7 +642,10 @@ class GuidedDecoding:
         room = req.params.max_tokens - len(req.output_ids)
         if room <= 0:
             return None
-        jump = m.find_jump_forward_string()
+        try:
+            jump = m.find_jump_forward_string()
+        except UnicodeDecodeError:  # forced bytes end inside a UTF-8 character: no jump
+            jump = ""
         if jump:
             self._jump(req, logits, jump, room)
             room = req.params.max_tokens - len(req.output_ids)

@@ -104,15 +104,17 @@ def cuda_engine(model_dir, **kw) -> Engine:  # noqa: ANN001
 
 def workload(engine: Engine, photos: dict[str, bytes]):  # noqa: ANN201
     """Two questions on one photo (the second hits the cache), another photo, text only."""
-    cat = engine.prepare_image(photos["cat.png"])
-    cup = engine.prepare_image(photos["coffee.png"])
+    cat = engine.processor.prepare_image(photos["cat.png"])
+    cup = engine.processor.prepare_image(photos["coffee.png"])
     jobs = [
         (user(None, "What animal is this?"), [cat]),
         (user(None, "What colour is its fur? Answer in detail."), [cat]),
         (user("Look at this photo:", None, "What is in the cup?"), [cup]),
         ([{"role": "user", "content": "Name three colours of a sunset."}], []),
     ]
-    reqs = [engine.make_request(messages=m, images=i, params=greedy(MAX_NEW)) for m, i in jobs]
+    reqs = [
+        engine.processor.make_request(messages=m, images=i, params=greedy(MAX_NEW)) for m, i in jobs
+    ]
     return engine.generate(reqs)
 
 
@@ -160,7 +162,7 @@ def test_cuda_sampling_is_seeded(model_dir) -> None:  # noqa: ANN001
     eng = cuda_engine(model_dir, attention_backend="torch")
     p = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3)
     msgs = user("Tell me a story.")
-    a, b = eng.generate([eng.make_request(messages=msgs, params=p) for _ in range(2)])
+    a, b = eng.generate([eng.processor.make_request(messages=msgs, params=p) for _ in range(2)])
     assert a.output_ids == b.output_ids and len(a.output_ids) == 6
 
 
@@ -182,18 +184,18 @@ def test_cuda_fp32_torch_backend_matches_transformers(
     model_dir, photos, ref_model_cuda, case
 ) -> None:  # noqa: ANN001, E501
     eng = cuda_engine(model_dir, dtype="float32", attention_backend="torch")
-    imgs = [eng.prepare_image(photos[n]) for n in ("cat.png", "coffee.png")]
+    imgs = [eng.processor.prepare_image(photos[n]) for n in ("cat.png", "coffee.png")]
     msgs, images = {
         "text": ([{"role": "user", "content": "Name three colours of a sunset."}], []),
         "image": (user("Look at this photo:", None, "What animal is this?"), imgs[:1]),
         "two_images": (user(None, "and", None, "Which photo is brighter?"), imgs),
     }[case]
-    req = eng.make_request(messages=msgs, images=images, params=greedy(MAX_NEW))
+    req = eng.processor.make_request(messages=msgs, images=images, params=greedy(MAX_NEW))
     (res,) = eng.generate([req])
 
     model, processor = ref_model_cuda
     never = eng.model.never_sample_ids
-    text = eng.prompts.render_chat(msgs)
+    text = eng.processor.prompts.render_chat(msgs)
     inputs = processor(images=[i.image for i in images] or None, text=text, return_tensors="pt").to(
         "cuda"
     )
