@@ -4,8 +4,10 @@ Every setting of every layer is a flag, generated from its dataclass, so a
 default lives in one place (the dataclass) and ``--help`` shows it:
 :class:`LaunchSettings` (this process), :class:`~api.settings.ServerSettings`
 (HTTP), :class:`~mmserve.config.EngineConfig` and
-:class:`~mmserve.vision.image.ImageLimits` (the engine). ``serve`` builds the
-engine and the app and hands the app object to uvicorn.
+:class:`~mmserve.vision.image.ImageLimits` (the engine),
+:class:`~api.replicas.settings.ReplicaSettings` (``--replicas``, Ray Serve). ``serve``
+builds the engine and the app and hands the app object to uvicorn, or with several
+replicas deploys them on Ray Serve (:mod:`api.replicas.launch`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import types
 import typing
 from dataclasses import dataclass
 
+from api.replicas.settings import ROUTERS, ReplicaSettings
 from api.settings import ServerSettings
 from mmserve.config import ATTENTION_BACKENDS, DTYPES, POLICIES, EngineConfig
 from mmserve.vision.image import ImageLimits
@@ -51,6 +54,7 @@ _CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "policy": POLICIES,
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
+    "replica_router": ROUTERS,
 }
 #: Flag names that differ from the field name (``--model`` is the checkpoint directory).
 _RENAMED = {("engine", "model_path"): "model"}
@@ -94,6 +98,7 @@ _GROUPS = [
     ("engine", EngineConfig, ("image_limits",)),
     ("image", ImageLimits, ()),
     ("server", ServerSettings, ()),
+    ("replicas", ReplicaSettings, ()),
 ]
 
 
@@ -144,6 +149,19 @@ def settings_from_args(
     return launch, engine, server
 
 
+def replica_settings_from_args(args: argparse.Namespace) -> ReplicaSettings:
+    """The :class:`ReplicaSettings` a parsed ``serve`` command line gives.
+
+    Raises:
+        ValueError: for a setting out of range (the message names it).
+    """
+    prefix = "replicas."
+    values = {k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix)}
+    settings = ReplicaSettings(**values)
+    settings.validate()
+    return settings
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -154,9 +172,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         launch, config, server = settings_from_args(args)
+        replicas = replica_settings_from_args(args)
     except ValueError as e:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2
+    if replicas.uses_ray:  # several engine replicas on Ray Serve (api/replicas/)
+        from api.replicas.launch import serve_replicas
+
+        return serve_replicas(launch, config, server, replicas)
     config.model_path = config.model_path or str(ensure_model("tiny"))
     try:  # fail here, with the fix in the message, not inside the server's startup
         resolve_attention_backend(config.attention_backend, config.device, config.torch_dtype())
@@ -189,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve",
         help="run the HTTP server",
-        description="Run the OpenAI-compatible HTTP server on one engine.",
+        description="Run the OpenAI-compatible HTTP server (one engine, or --replicas N).",
     )
     _add_settings(s)
     s.set_defaults(func=_serve)

@@ -1,0 +1,309 @@
+"""The ingress's side of the replicas: what :class:`~api.submit.EngineClient` streams from.
+
+:class:`ReplicaClient` has the one method of :class:`~mmserve.engine.async_engine.AsyncEngine`
+that submissions use, :meth:`ReplicaClient.stream`, so the single-process routes,
+queue limit (503 with ``Retry-After``), metrics and disconnect handling work
+unchanged: each engine request built by the front end becomes a
+:class:`~api.replicas.protocol.ReplicaRequest` (images as object-store references,
+put once per image) sent through the Ray Serve handle, and the replica's replies
+become :class:`~mmserve.engine.async_engine.StreamUpdate` s.
+
+When the replica dies mid-request (``RayActorError``: its process was killed, its
+node lost), a request is sent once more, to another replica, unless it is a
+streamed chat completion that has already sent text (then it ends with an error
+event, as an engine failure does); a second failure ends it with finish reason
+``error`` (HTTP 500 or an error event). Nothing waits for a dead replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+
+import ray
+from ray.exceptions import RayActorError
+
+from api.replicas.protocol import ControlCall, Delta, Hello, ReplicaRequest, SpanRef
+from api.replicas.registry import find_router
+from api.submit import EngineClient, Submission
+from mmserve.engine.async_engine import StreamUpdate
+from mmserve.engine.request import GenerateResult, ImageInput, Request
+
+log = logging.getLogger(__name__)
+
+#: Set by the chat route for a streamed completion: its text reaches the client as it
+#: comes, so it is not retried once any has been sent.
+STREAMED: contextvars.ContextVar[bool] = contextvars.ContextVar("mmserve_streamed", default=False)
+#: The submissions made while handling the current HTTP request (cancelled with it).
+SUBMISSIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "mmserve_submissions", default=None
+)
+
+
+class ReplicaEngineClient(EngineClient):
+    """:class:`EngineClient` that also remembers each HTTP request's submissions, so that
+    a request cancelled by Ray Serve (client gone) cancels them (see :class:`CancelGuard`)."""
+
+    def submit(self, reqs: Sequence[Request]) -> Submission:
+        """As :meth:`EngineClient.submit`."""
+        sub = super().submit(reqs)
+        subs = SUBMISSIONS.get()
+        if subs is not None:
+            subs.append(sub)
+        return sub
+
+
+class CancelGuard:
+    """ASGI middleware: when Ray Serve cancels a request (its client disconnected), every
+    submission the request made is cancelled, so its engine requests are aborted."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        """Run the app with a fresh list of submissions for this request."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        subs: list[Submission] = []
+        token = SUBMISSIONS.set(subs)
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            for sub in subs:
+                sub.cancel()
+            raise
+        finally:
+            SUBMISSIONS.reset(token)
+
+
+class ReplicaClient:
+    """Sends engine requests and control calls to the replicas behind a Serve handle.
+
+    Args:
+        handle: ``DeploymentHandle`` of the replica deployment.
+        app_name: the application's name (to find the router Ray Serve built here).
+        max_pixel_bytes: decoded pixel bytes whose object-store references are kept, so
+            an image asked about again is not put again (LRU beyond it).
+
+    Attributes:
+        retries: requests sent again after their replica died.
+        replica_failures: replica deaths seen by requests.
+        pixel_puts: images put into the object store.
+    """
+
+    def __init__(self, handle, app_name: str, max_pixel_bytes: int = 1 << 30) -> None:  # noqa: ANN001
+        self.handle = handle
+        self.app_name = app_name
+        self.deployment = handle.deployment_name
+        self.max_pixel_bytes = max_pixel_bytes
+        self._refs: OrderedDict[bytes, tuple[object, int]] = OrderedDict()
+        self._ref_bytes = 0
+        self.retries = 0
+        self.replica_failures = 0
+        self.pixel_puts = 0
+
+    # ---- requests --------------------------------------------------------------
+    def _pixels(self, image: ImageInput) -> object:
+        """The object-store reference of ``image``'s pixels, put on first use (images are
+        content-addressed: equal keys are equal pixels, put once)."""
+        hit = self._refs.get(image.key)
+        if hit is not None:
+            self._refs.move_to_end(image.key)
+            return hit[0]
+        pil = image.image
+        ref = ray.put(pil)
+        self.pixel_puts += 1
+        size = pil.width * pil.height * max(1, len(pil.getbands()))
+        self._refs[image.key] = (ref, size)
+        self._ref_bytes += size
+        while self._ref_bytes > self.max_pixel_bytes and len(self._refs) > 1:
+            _, (_, gone) = self._refs.popitem(last=False)
+            self._ref_bytes -= gone
+        return ref
+
+    def payload(self, req: Request) -> ReplicaRequest:
+        """The tokenized request a replica receives for ``req``."""
+        spans = [
+            SpanRef(s.start, s.length, s.image.key, s.image.mode, self._pixels(s.image))
+            for s in req.spans
+        ]
+        return ReplicaRequest(req.rid, list(req.input_ids), spans, req.params)
+
+    async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
+        """Run ``req`` on a replica; yields its updates, the last one with the result.
+
+        ``req`` mirrors the replica's progress (``output_ids``, ``logprobs``, ``text``).
+        If the consumer stops early, the replica's call is cancelled (the engine aborts).
+        """
+        payload = self.payload(req)
+        may_retry = not STREAMED.get()
+        attempt = 0
+        while True:
+            gen = _detached(
+                self.handle.options(method_name="generate", stream=True).remote, payload
+            )
+            replica, delivered, done, error = None, False, False, None
+            first_token: float | None = None
+            try:
+                async for msg in gen:
+                    if isinstance(msg, Hello):
+                        replica = msg.replica
+                        continue
+                    assert isinstance(msg, Delta)
+                    self._mirror(req, msg)
+                    if first_token is None and req.output_ids:
+                        first_token = time.perf_counter()
+                    result = msg.result
+                    if result is not None:
+                        result = self._finished(req, result, replica, first_token)
+                        done = True
+                    delivered = delivered or bool(msg.text or msg.new_ids)
+                    yield StreamUpdate(req.text, list(req.output_ids), result)
+                    if done:
+                        return
+                error = f"replica {replica} ended the request without a result"
+            except RayActorError as e:
+                self.replica_failures += 1
+                error = f"replica {replica or '(not yet known)'} died ({type(e).__name__})"
+                log.warning("request %s: %s", req.rid, error)
+            except Exception as e:  # noqa: BLE001 - any other failure ends this request only
+                log.exception("request %s failed on replica %s", req.rid, replica)
+                error = f"{type(e).__name__} on replica {replica}"
+                attempt = 1  # not a lost replica: do not retry
+            finally:
+                if not done:
+                    gen.cancel()
+            if attempt == 0 and (may_retry or not delivered):
+                attempt += 1
+                self.retries += 1
+                payload.avoid = replica
+                self._reset(req)
+                continue
+            yield StreamUpdate(req.text, list(req.output_ids), self._failed(req, error))
+            return
+
+    @staticmethod
+    def _mirror(req: Request, msg: Delta) -> None:
+        req.output_ids.extend(msg.new_ids)
+        if req.logprobs is not None:
+            req.logprobs.extend(msg.new_logprobs)
+        req.text = msg.text
+
+    @staticmethod
+    def _reset(req: Request) -> None:
+        req.output_ids.clear()
+        if req.logprobs is not None:
+            req.logprobs.clear()
+        req.text = ""
+
+    def _finished(
+        self, req: Request, result: GenerateResult, replica: str | None, first: float | None
+    ) -> GenerateResult:
+        """The replica's result with latencies measured here (from the request's arrival at
+        the ingress); the replica's tree in the router gains the output tokens."""
+        now = time.perf_counter()
+        req.finish_reason = result.finish_reason
+        router = find_router(self.app_name, self.deployment)
+        if router is not None and replica is not None and result.finish_reason != "error":
+            router.record_output(replica, req.input_ids + result.output_ids)
+        return dataclasses.replace(
+            result,
+            ttft=(first if first is not None else now) - req.arrival,
+            latency=now - req.arrival,
+        )
+
+    def _failed(self, req: Request, error: str | None) -> GenerateResult:
+        now = time.perf_counter()
+        req.finish_reason = "error"
+        return GenerateResult(
+            rid=req.rid,
+            text=req.text,
+            output_ids=list(req.output_ids),
+            finish_reason="error",
+            prompt_tokens=req.prompt_len,
+            cached_tokens=0,
+            completion_tokens=len(req.output_ids),
+            images_needing_vision=0,
+            vision_tower_runs=0,
+            ttft=now - req.arrival,
+            latency=now - req.arrival,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            error=error,
+        )
+
+    # ---- control calls ---------------------------------------------------------
+    async def call(self, kind: str, target: str | None = None, timeout: float = 10.0) -> dict:
+        """One replica's answer to a control call (``target`` None: any replica).
+
+        Raises:
+            TimeoutError: no answer within ``timeout`` seconds (replica gone or stuck).
+        """
+        resp = _detached(
+            self.handle.options(method_name="control").remote, ControlCall(kind, target)
+        )
+        try:
+            return await asyncio.wait_for(_await(resp), timeout)
+        except BaseException:
+            resp.cancel()
+            raise
+
+    async def replica_ids(self) -> list[str]:
+        """Unique ids of the running replicas, as the router knows them."""
+        router = find_router(self.app_name, self.deployment)
+        if router is None:  # Ray Serve builds the router on the handle's first call
+            try:
+                await self.call("ping")
+            except Exception:  # noqa: BLE001 - no replica answers: none to list
+                return []
+            router = find_router(self.app_name, self.deployment)
+        return router.replica_ids() if router is not None else []
+
+    async def broadcast(self, kind: str, timeout: float = 10.0) -> dict[str, dict | str]:
+        """Every running replica's answer to ``kind``, or why there is none (a string)."""
+        ids = await self.replica_ids()
+        got = await asyncio.gather(
+            *(self.call(kind, uid, timeout) for uid in ids), return_exceptions=True
+        )
+        out: dict[str, dict | str] = {}
+        for uid, res in zip(ids, got, strict=True):
+            if isinstance(res, BaseException):
+                out[uid] = f"no answer ({type(res).__name__}: {res})".strip()
+            else:
+                out[uid] = res
+        return out
+
+    def router_snapshot(self) -> dict | None:
+        """The router's counters and trees (None before its first request)."""
+        router = find_router(self.app_name, self.deployment)
+        return router.snapshot() if router is not None else None
+
+    def forget(self, uid: str) -> None:
+        """Tell the router that ``uid``'s cache is empty (after a flush)."""
+        router = find_router(self.app_name, self.deployment)
+        if router is not None:
+            router.forget(uid)
+
+
+def _detached(fn, *args):  # noqa: ANN001, ANN202
+    """``fn(*args)`` outside Ray Serve's request context.
+
+    A handle call made while handling an HTTP request inherits that request's internal
+    id, and a Ray Serve router hands each routing decision to the pending request with
+    the decision's id; several calls of one HTTP request (``n`` > 1, ``/ask``, stats of
+    every replica) would then share an id and take each other's replicas (one never
+    completing). In an empty context each call gets its own id.
+    """
+    return contextvars.Context().run(fn, *args)
+
+
+async def _await(resp) -> dict:  # noqa: ANN001
+    return await resp
+
+
+__all__ = ["STREAMED", "CancelGuard", "ReplicaClient", "ReplicaEngineClient"]

@@ -1,0 +1,135 @@
+"""The front end without weights: what the ingress needs to turn requests into token ids.
+
+:class:`FrontEnd` offers the part of :class:`~mmserve.engine.engine.Engine` that the
+routes read (``config``, ``model.tokenizer``, ``processor``, ``make_request``,
+``prepare_image``, ``max_context``, ...) from the checkpoint's config, tokenizer and
+image processor only: the decoder and vision weights stay on the replicas, so the
+ingress needs no GPU and little memory. Its requests are identical to an engine's
+(``tests/test_replicas.py`` checks token ids and spans).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmserve.config import EngineConfig
+from mmserve.engine.processor import InputProcessor
+from mmserve.engine.request import ImageInput, Request
+from mmserve.model import loader
+from mmserve.model.families import family_for
+from mmserve.model.llama import LlamaShape
+from mmserve.model.loader import CheckpointError, LoadedModel, text_shape
+
+
+@dataclass
+class ShapeOnly:
+    """Stands in for the decoder where only its shape is read (context length, vocab)."""
+
+    shape: LlamaShape
+
+
+@dataclass
+class KVCapacity:
+    """Stands in for the KV pool where only its capacity is read (``size_tokens``)."""
+
+    size_tokens: int
+
+
+def kv_capacity_tokens(config: EngineConfig) -> int:
+    """Tokens a replica's KV pool holds with ``config`` (whole pages of ``max_total_tokens``)."""
+    return (config.max_total_tokens // config.page_size) * config.page_size
+
+
+def load_frontend_model(model_dir: str | Path) -> LoadedModel:
+    """A :class:`LoadedModel` with config, tokenizer, processor and family but no weights.
+
+    ``decoder`` is a :class:`ShapeOnly` and ``vision`` is None; ids (image placeholder,
+    end of sequence, never sampled) are derived exactly as :func:`load_model` does.
+
+    Raises:
+        CheckpointError: as :func:`~mmserve.model.loader.load_model` does for the same
+            directory (missing config, tokenizer or processor, unsupported model).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    config = loader._load_config(model_dir)
+    family_cls = family_for(config.model_type)
+    processor = family_cls.load_processor(model_dir) or loader._load_processor(model_dir)
+    family = family_cls(config, processor)
+    shape = text_shape(config)
+    tok = processor.tokenizer
+    if len(tok) != shape.vocab_size:
+        raise CheckpointError(
+            f"{model_dir}: tokenizer has {len(tok)} ids but vocab_size is {shape.vocab_size}"
+        )
+    image_token_id = int(config.image_token_index)
+    eos = config.text_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
+        eos_ids.append(tok.eos_token_id)
+    video_token_id = None
+    if family.video_frame_tokens() is not None:
+        video_token_id = int(config.video_token_index)
+    never = [image_token_id] + ([video_token_id] if video_token_id is not None else [])
+    if tok.pad_token_id is not None and tok.pad_token_id not in eos_ids:
+        never.append(tok.pad_token_id)
+    return LoadedModel(
+        config=config,
+        decoder=ShapeOnly(shape),  # type: ignore[arg-type]
+        vision=None,  # type: ignore[arg-type]
+        processor=processor,
+        image_token_id=image_token_id,
+        num_image_tokens=family.fixed_image_tokens(),
+        eos_token_ids=eos_ids,
+        never_sample_ids=never,
+        family=family,
+        video_token_id=video_token_id,
+    )
+
+
+class FrontEnd:
+    """The engine's front-end surface (what routes read from ``st.engine``), without weights.
+
+    Args:
+        config: the replicas' engine settings (limits, page size, pool size).
+        model: a model from :func:`load_frontend_model` (or a full one).
+    """
+
+    def __init__(self, config: EngineConfig, model: LoadedModel) -> None:
+        self.config = config
+        self.model = model
+        self.max_context = model.decoder.shape.max_position_embeddings
+        self.kv = KVCapacity(kv_capacity_tokens(config))
+        self.processor = InputProcessor(model, config, self.kv.size_tokens)
+
+    #: ``engine.pool.size_tokens`` for routes that read the pool's capacity.
+    pool = property(lambda self: self.kv)
+
+    def prepare_image(self, data: bytes) -> ImageInput:
+        """Same as ``self.processor.prepare_image``."""
+        return self.processor.prepare_image(data)
+
+    def make_request(self, **kw) -> Request:
+        """Same as ``self.processor.make_request``."""
+        return self.processor.make_request(**kw)
+
+    def output_room(self, prompt_len: int) -> int:
+        """Same as ``self.processor.output_room``."""
+        return self.processor.output_room(prompt_len)
+
+    @property
+    def prompts(self):  # noqa: ANN201
+        """The processor's prompt builder."""
+        return self.processor.prompts
+
+    @property
+    def fingerprint(self) -> bytes:
+        """The image processor's fingerprint (part of every image key)."""
+        return self.processor.fingerprint
+
+    @property
+    def shortest_edge(self) -> int:
+        """The image processor's short-side resize target (pixels)."""
+        return self.processor.shortest_edge

@@ -1,0 +1,357 @@
+"""The ingress deployment: the single-process routes in front of N engine replicas.
+
+:func:`create_ingress_app` builds the same FastAPI app as :func:`api.app.create_app`
+(chat completions, uploads, videos, the web page; the same errors, limits and
+streaming) around a :class:`~api.replicas.frontend.FrontEnd` and a
+:class:`~api.replicas.client.ReplicaClient` instead of an engine. Four routes cover
+every replica, per replica and in total:
+
+- ``GET /health``: 200 while at least one replica is healthy (``status`` "ok" when
+  all expected replicas are, else "degraded"); 503 ``engine_unhealthy`` when none is.
+- ``GET /v1/cache/stats``: the single-process figures summed over the replicas
+  (hit rate recomputed from the sums), plus ``replicas`` (each one's figures, pid and
+  node), ``router`` (requests per replica and reason, in flight, tree sizes) and the
+  ingress's counters (``retries``, ``pixel_puts``).
+- ``GET /metrics``: the single-process metrics with engine figures summed, plus
+  ``mmserve_replica_*{replica=...}`` (each replica's hit rate, tokens, tower runs,
+  pixel fetches, health) and ``mmserve_router_*`` (requests routed by reason).
+- ``POST /v1/cache/flush``: flushes every replica and empties the router's trees;
+  409 if any replica has requests running (the others are flushed).
+
+:class:`Ingress` is the Ray Serve deployment class that serves this app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from ray import serve
+
+from api import routes_chat, routes_images, routes_page, routes_videos
+from api.auth import APIKeyMiddleware
+from api.body_limit import BodyLimitMiddleware
+from api.errors import APIError, install_error_handlers
+from api.image_store import ImageStore
+from api.media import MediaResolver
+from api.metrics import Metrics
+from api.replicas.client import STREAMED, CancelGuard, ReplicaClient, ReplicaEngineClient
+from api.replicas.frontend import FrontEnd, load_frontend_model
+from api.schemas import ChatCompletionRequest
+from api.settings import ServerSettings
+from api.state import ServerState, State
+from api.video_store import VideoStore
+from mmserve.config import EngineConfig
+
+#: ``cache_stats`` keys that are not summed over replicas.
+_NOT_SUMMED = {"page_size", "cache_hit_rate", "consecutive_failed_steps", "uptime_seconds"}
+
+
+def aggregate(stats: dict[str, dict]) -> dict:
+    """Totals of the replicas' stats: numbers summed, hit rate recomputed, accounting
+    ok only if every replica's is (None if any replica is busy)."""
+    rows = list(stats.values())
+    if not rows:
+        return {}
+    total: dict = {}
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key not in _NOT_SUMMED:
+                total[key] = sum(r.get(key, 0) for r in rows)
+    total["page_size"] = rows[0].get("page_size")
+    total["consecutive_failed_steps"] = max(r.get("consecutive_failed_steps", 0) for r in rows)
+    prompt = total.get("prompt_tokens", 0)
+    total["cache_hit_rate"] = total.get("cached_tokens", 0) / prompt if prompt else 0.0
+    accts = [r.get("accounting") for r in rows]
+    if any(a is None for a in accts):
+        total["accounting"] = None
+    else:
+        acct: dict = {"ok": all(a.get("ok") for a in accts)}
+        for key in ("free", "tree", "running", "total"):
+            if all(key in a for a in accts):
+                acct[key] = sum(a[key] for a in accts)
+        errors = [a["error"] for a in accts if "error" in a]
+        if errors:
+            acct["error"] = "; ".join(errors)
+        total["accounting"] = acct
+    return total
+
+
+class FleetCollector(Collector):
+    """Per-replica and router series from the latest snapshot (set before each scrape)."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, dict | str] = {}
+        self.router: dict | None = None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "mmserve_replica_up", "1 if the replica answered its stats call.", labels=["replica"]
+        )
+        hit = GaugeMetricFamily(
+            "mmserve_replica_cache_hit_rate",
+            "Cached prompt tokens / prompt tokens of each replica since it started.",
+            labels=["replica"],
+        )
+        counters = {
+            key: CounterMetricFamily(name, help_, labels=["replica"])
+            for key, name, help_ in (
+                ("prompt_tokens", "mmserve_replica_prompt_tokens", "Prompt tokens per replica."),
+                (
+                    "cached_tokens",
+                    "mmserve_replica_cached_prompt_tokens",
+                    "Prompt tokens whose KV came from each replica's prefix cache.",
+                ),
+                (
+                    "vision_tower_images",
+                    "mmserve_replica_vision_tower_runs",
+                    "Images encoded by each replica's vision tower.",
+                ),
+                (
+                    "pixel_fetches",
+                    "mmserve_replica_pixel_fetches",
+                    "Images whose pixels each replica fetched from the object store.",
+                ),
+                (
+                    "requests_finished",
+                    "mmserve_replica_requests_finished",
+                    "Requests each replica's engine finished.",
+                ),
+            )
+        }
+        live = GaugeMetricFamily(
+            "mmserve_replica_live_requests", "Requests live in each replica.", labels=["replica"]
+        )
+        for uid, s in sorted(self.replicas.items()):
+            up.add_metric([uid], 1.0 if isinstance(s, dict) else 0.0)
+            if not isinstance(s, dict):
+                continue
+            hit.add_metric([uid], s.get("cache_hit_rate", 0.0))
+            live.add_metric([uid], s.get("live_requests", 0))
+            for key, fam in counters.items():
+                fam.add_metric([uid], s.get(key, 0))
+        yield up
+        yield hit
+        yield live
+        yield from counters.values()
+        if self.router is None:
+            return
+        routed = CounterMetricFamily(
+            "mmserve_router_requests",
+            "Requests routed to each replica, by reason: prefix (longest cached prefix), "
+            "no_match (least loaded: no replica held enough of the prompt), load (least "
+            "loaded: the load was uneven), pow2, round_robin.",
+            labels=["replica", "reason"],
+        )
+        inflight = GaugeMetricFamily(
+            "mmserve_router_in_flight_requests",
+            "Requests this ingress has in flight on each replica.",
+            labels=["replica"],
+        )
+        predicted = GaugeMetricFamily(
+            "mmserve_router_predicted_hit_rate",
+            "Tokens the router's tree of each replica held / tokens routed to it.",
+            labels=["replica"],
+        )
+        tree = GaugeMetricFamily(
+            "mmserve_router_tree_tokens",
+            "Tokens in the router's approximate radix tree of each replica.",
+            labels=["replica"],
+        )
+        for uid, info in sorted(self.router["replicas"].items()):
+            for reason, n in sorted(info["routed"].items()):
+                routed.add_metric([uid, reason], n)
+            inflight.add_metric([uid], info["in_flight"])
+            predicted.add_metric([uid], info["predicted_hit_rate"])
+            tree.add_metric([uid], info["tree_tokens"])
+        yield routed
+        yield inflight
+        yield predicted
+        yield tree
+
+
+def create_ingress_app(
+    front: FrontEnd,
+    replicas: ReplicaClient,
+    settings: ServerSettings,
+    model_name: str,
+    num_replicas: int,
+) -> FastAPI:
+    """The single-process app's routes, served by ``replicas`` (see the module docstring).
+
+    Raises:
+        ValueError: for settings out of range.
+    """
+    settings.validate()
+    metrics = Metrics()
+    fleet = FleetCollector()
+    metrics.registry.register(fleet)
+    store = ImageStore(
+        front.prepare_image,
+        max_images=settings.max_stored_images,
+        max_bytes=settings.max_stored_image_bytes,
+        directory=settings.image_store_dir,
+    )
+    client = ReplicaEngineClient(
+        replicas, metrics, settings.max_queued_requests, settings.retry_after_seconds
+    )
+    state = ServerState(
+        engine=front,  # type: ignore[arg-type]
+        aengine=replicas,  # type: ignore[arg-type]
+        client=client,
+        store=store,
+        media=MediaResolver(store, front.config.image_limits, settings),
+        metrics=metrics,
+        settings=settings,
+        model_name=model_name,
+        videos=VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
+    )
+    app = FastAPI(title="mmserve", version="0.1.0")
+    app.state.mm = state
+    app.state.image_store = store
+    app.state.replicas = replicas
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        """200 while a replica is healthy ("degraded" when fewer than expected are);
+        503 when none is (never needs the API key)."""
+        got = await replicas.broadcast("health", timeout=5.0)
+        ok = [u for u, r in got.items() if isinstance(r, dict) and r.get("healthy")]
+        body = {
+            "status": "ok" if len(ok) >= num_replicas else "degraded",
+            "healthy_replicas": len(ok),
+            "expected_replicas": num_replicas,
+            "replicas": got,
+        }
+        if not ok:
+            raise APIError(
+                503,
+                f"no healthy replica ({len(got)} running of {num_replicas}); Ray Serve "
+                "replaces failed replicas, retry shortly",
+                "server_error",
+                code="engine_unhealthy",
+            )
+        return body
+
+    @app.post("/v1/chat/completions", response_model=None, include_in_schema=False)
+    async def chat_completions(body: ChatCompletionRequest, request: Request, st: State):  # noqa: ANN202
+        """The single-process route; a streamed answer is marked as such for retries."""
+        STREAMED.set(bool(body.stream))
+        return await routes_chat.chat_completions(body, request, st)
+
+    async def snapshot() -> tuple[dict, dict[str, dict | str]]:
+        got = await replicas.broadcast("stats")
+        fine = {u: r for u, r in got.items() if isinstance(r, dict)}
+        return aggregate(fine), got
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        """Prometheus text: totals under the single-process names, plus per replica and
+        router series."""
+        total, got = await snapshot()
+        fleet.replicas = got
+        fleet.router = replicas.router_snapshot()
+        return Response(metrics.render(total), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats() -> dict:
+        """Totals over the replicas (the single-process keys), each replica's figures and
+        the router's counters."""
+        total, got = await snapshot()
+        return {
+            **total,
+            **metrics.summary(),
+            "stored_images": len(store),
+            "num_replicas": len(got),
+            "expected_replicas": num_replicas,
+            "retries": replicas.retries,
+            "replica_failures": replicas.replica_failures,
+            "pixel_puts": replicas.pixel_puts,
+            "replicas": got,
+            "router": replicas.router_snapshot(),
+        }
+
+    @app.post("/v1/cache/flush")
+    async def flush_cache() -> dict:
+        """Flush every replica's prefix and embedding caches and the router's trees;
+        409 if any replica has requests running (the idle ones are flushed)."""
+        got = await replicas.broadcast("flush")
+        for uid, res in got.items():
+            if isinstance(res, dict) and res.get("flushed"):
+                replicas.forget(uid)
+        busy = sorted(u for u, r in got.items() if isinstance(r, dict) and r.get("busy"))
+        if busy:
+            raise APIError(
+                409,
+                f"cannot flush the cache while requests are running (replicas {busy}); "
+                "retry when idle",
+                code="requests_running",
+            )
+        freed = sum(r.get("freed_pages", 0) for r in got.values() if isinstance(r, dict))
+        return {"flushed": True, "freed_pages": freed, "replicas": got}
+
+    app.include_router(routes_chat.router)
+    app.include_router(routes_images.router)
+    app.include_router(routes_videos.router)
+    app.include_router(routes_page.router)
+    app.add_middleware(CancelGuard)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    key = settings.resolved_api_key()
+    if key:
+        app.add_middleware(APIKeyMiddleware, api_key=key)
+    return app
+
+
+def served_name(settings: ServerSettings, model_path: str | None) -> str:
+    """The model name clients pass, as the single-process server derives it."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    if model_path is None:
+        from mmserve.model.make_checkpoint import ensure_model
+
+        model_path = str(ensure_model("tiny"))
+    return Path(model_path).name
+
+
+@serve.ingress()
+class Ingress:
+    """Ray Serve deployment class of the ingress (one per application).
+
+    Args:
+        replicas: handle of the engine replica deployment.
+        config: the replicas' engine settings (the front end applies their limits).
+        settings: HTTP settings.
+        num_replicas: replicas the deployment asks for.
+    """
+
+    def __init__(
+        self,
+        replicas,
+        config: EngineConfig,
+        settings: ServerSettings,
+        num_replicas: int,  # noqa: ANN001
+    ) -> None:
+        import torch
+
+        from mmserve.model.make_checkpoint import ensure_model
+
+        torch.set_num_threads(1)
+        model_dir = config.model_path or str(ensure_model("tiny"))
+        front = FrontEnd(config, load_frontend_model(model_dir))
+        app_name = serve.get_replica_context().app_name
+        self.replicas = ReplicaClient(replicas, app_name)
+        name = served_name(settings, model_dir)
+        self._app = create_ingress_app(front, self.replicas, settings, name, num_replicas)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The app Ray Serve runs for this deployment."""
+        return self._app

@@ -1,0 +1,174 @@
+"""``mmserve serve --replicas N``: start (or join) Ray, deploy the application, serve until
+SIGTERM or Ctrl-C.
+
+Locally, Ray starts on loopback only (``127.0.0.1``, dashboard off) and Ray Serve's
+HTTP proxy listens on ``--host``/``--port``. With ``--ray-address`` the application
+is deployed on an existing cluster (``ray start --head`` on one machine, ``ray start
+--address HEAD:6379`` on the others); its replicas go wherever Ray finds the
+resources asked for (``--gpus-per-replica``, ``--cpus-per-replica``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+from api.replicas.settings import ReplicaSettings
+from api.settings import ServerSettings
+from mmserve.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+#: Ray Serve application name of ``mmserve serve --replicas``.
+APP_NAME = "mmserve"
+#: Extra in-flight calls a replica accepts beyond the engine's queue (control calls).
+_CONTROL_SLACK = 16
+
+
+def loopback_only() -> None:
+    """Make a Ray instance started by this process use and listen on 127.0.0.1 only.
+
+    On Linux Ray replaces a loopback ``node_ip_address`` by the machine's routable
+    address and its servers listen on every interface; with Ray's
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (single-machine mode) the node address is
+    127.0.0.1 and GCS, raylet and workers listen there. Set in the environment, so
+    the processes Ray starts inherit it.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # ray imported already: its constant was read at import
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def init_ray_local(num_cpus: int | None = None) -> None:
+    """Start a local Ray instance on loopback, dashboard off (what ``--replicas`` does
+    without ``--ray-address``; tests and the benchmark use it too)."""
+    loopback_only()
+    import ray
+
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=num_cpus,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+    )
+
+
+def build_application(
+    config: EngineConfig,
+    server: ServerSettings,
+    rs: ReplicaSettings,
+    grace_seconds: float = 30.0,
+):  # noqa: ANN201 - ray.serve.Application
+    """The Ray Serve application: the ingress bound to ``rs.replicas`` engine replicas.
+
+    Args:
+        config: engine settings of every replica (``model_path`` None: the bundled tiny
+            model, built on each node that lacks it).
+        server: HTTP settings of the ingress.
+        rs: replica count, resources and router.
+        grace_seconds: how long a stopping replica lets running requests finish.
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from api.replicas.ingress import Ingress
+    from api.replicas.replica import EngineReplica
+    from api.replicas.router import ROUTER_CLASSES
+
+    rs.validate()
+    router = RequestRouterConfig(
+        request_router_class=ROUTER_CLASSES[rs.replica_router],
+        request_router_kwargs={
+            "cache_threshold": rs.router_cache_threshold,
+            "balance_abs_threshold": rs.router_balance_abs_threshold,
+            "balance_rel_threshold": rs.router_balance_rel_threshold,
+            "max_tree_tokens": rs.router_max_tree_tokens or config.max_total_tokens,
+        },
+    )
+    threads = max(1, int(rs.cpus_per_replica))
+    replicas = serve.deployment(EngineReplica, name="EngineReplica").options(
+        num_replicas=rs.replicas,
+        ray_actor_options={"num_cpus": rs.cpus_per_replica, "num_gpus": rs.gpus(config.device)},
+        max_ongoing_requests=(
+            server.max_queued_requests + config.max_running_requests + _CONTROL_SLACK
+        ),
+        request_router_config=router,
+        health_check_period_s=5.0,
+        health_check_timeout_s=60.0,
+        graceful_shutdown_timeout_s=grace_seconds,
+    )
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        num_replicas=1,
+        ray_actor_options={"num_cpus": rs.ingress_cpus},
+        max_ongoing_requests=100_000,
+        graceful_shutdown_timeout_s=grace_seconds,
+    )
+    app = replicas.bind(config, threads, server.unhealthy_after_failed_steps)
+    return ingress.bind(app, config, server, rs.replicas)
+
+
+def serve_replicas(
+    launch,  # noqa: ANN001 - api.cli.LaunchSettings
+    config: EngineConfig,
+    server: ServerSettings,
+    rs: ReplicaSettings,
+) -> int:
+    """Run ``mmserve serve`` on Ray Serve until SIGTERM/SIGINT; returns the exit status.
+
+    Args:
+        launch: :class:`api.cli.LaunchSettings` (host, port, grace period, log level).
+        config: the replicas' engine settings.
+        server: the ingress's HTTP settings.
+        rs: replica count, resources, router, Ray address.
+    """
+    if not rs.ray_address:
+        loopback_only()
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print(
+            "mmserve serve: error: --replicas and --ray-address need Ray Serve: "
+            'pip install -e ".[replicas]"',
+            file=sys.stderr,
+        )
+        return 2
+    if rs.ray_address:
+        ray.init(address=rs.ray_address, configure_logging=False)
+    else:
+        init_ray_local()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        level = {"trace": "debug"}.get(launch.log_level, launch.log_level).upper()
+        logging_config = {"log_level": level}
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": launch.host, "port": launch.port},
+            logging_config=logging_config,
+        )
+        app = build_application(config, server, rs, launch.shutdown_grace_seconds)
+        serve.run(app, name=APP_NAME, route_prefix="/", logging_config=logging_config)
+        print(
+            f"mmserve: {rs.replicas} replica(s), router {rs.replica_router}, serving on "
+            f"http://{launch.host}:{launch.port}",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            pass
+    finally:
+        try:
+            if rs.ray_address:
+                serve.delete(APP_NAME)  # other applications on the cluster keep running
+            else:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0

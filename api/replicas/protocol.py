@@ -1,0 +1,106 @@
+"""What the ingress sends to a replica and what comes back.
+
+A :class:`ReplicaRequest` is a tokenized request: token ids (text ids and image
+pseudo-ids), one :class:`SpanRef` per image run with the image's key and a
+reference to its pixels in Ray's object store, and the sampling parameters. The
+router reads its ``input_ids``; the replica rebuilds an engine
+:class:`~mmserve.engine.request.Request` from it. A :class:`ControlCall` asks one
+replica (``target``) for its stats, a flush or its health.
+
+Replies of :meth:`~api.replicas.replica.EngineReplica.generate` are
+:class:`Hello` (which replica serves the request), then :class:`Delta` messages
+(new text and token ids), the last one with the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.engine.request import GenerateResult, SamplingParams, TokenLogprob
+
+
+@dataclass
+class SpanRef:
+    """One image run of a prompt: positions ``[start, start + length)``.
+
+    Attributes:
+        start: first position.
+        length: pseudo-tokens of the run.
+        key: the item's content key (what the embedding cache is keyed by).
+        mode: how the family encodes it (``ImageInput.mode``).
+        pixels: ``ray.ObjectRef`` of the decoded PIL image, put once by the ingress.
+    """
+
+    start: int
+    length: int
+    key: bytes
+    mode: str
+    pixels: Any
+
+
+@dataclass
+class ReplicaRequest:
+    """A tokenized request for one replica.
+
+    Attributes:
+        rid: request id (the ingress's; results and errors name it).
+        input_ids: prompt token ids, image pseudo-ids included.
+        spans: the image runs.
+        params: sampling parameters (a constrained request's grammar is compiled again
+            on the replica from ``params.guided``).
+        avoid: unique id of a replica not to use (it died serving this request).
+    """
+
+    rid: str
+    input_ids: list[int]
+    spans: list[SpanRef]
+    params: SamplingParams
+    avoid: str | None = None
+
+
+#: Kinds of :class:`ControlCall`.
+CONTROL_KINDS = ("ping", "stats", "flush", "health")
+
+
+@dataclass
+class ControlCall:
+    """A call for one replica: ``kind`` in :data:`CONTROL_KINDS`.
+
+    Attributes:
+        kind: what to do.
+        target: unique id of the replica that must answer (None: any replica).
+    """
+
+    kind: str
+    target: str | None = None
+
+
+@dataclass
+class Hello:
+    """First reply of a generation: who serves it.
+
+    Attributes:
+        replica: the replica's unique id.
+        pid: its process id.
+    """
+
+    replica: str
+    pid: int
+
+
+@dataclass
+class Delta:
+    """Progress of a generation since the previous message.
+
+    Attributes:
+        text: the whole text so far (stop strings already cut).
+        new_ids: token ids generated since the previous message.
+        new_logprobs: their logprobs, when asked for.
+        result: the result, on the last message only.
+    """
+
+    text: str
+    new_ids: list[int]
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    result: GenerateResult | None = None

@@ -1,0 +1,177 @@
+"""One engine replica: a Ray Serve deployment around an :class:`~mmserve.engine.engine.Engine`.
+
+A replica receives tokenized requests (:class:`~api.replicas.protocol.ReplicaRequest`)
+and never runs the front end. Each image arrives as its key and an ``ObjectRef`` to
+its pixels, put once by the ingress: :class:`RemoteImage` fetches the pixels only
+when the vision tower must run (the embedding cache missed and the prefix match did
+not cover the image), and counts those fetches. Ray Serve calls
+:meth:`EngineReplica.check_health` and replaces a replica whose engine has failed
+``unhealthy_after_failed_steps`` steps in a row.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+
+import ray
+import torch
+from ray import serve
+
+from api.replicas.protocol import ControlCall, Delta, Hello, ReplicaRequest
+from mmserve.config import EngineConfig
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.engine import Engine
+from mmserve.engine.request import ImageInput, ImageSpan, Request
+from mmserve.engine.sampling import make_generator
+
+
+class RemoteImage(ImageInput):
+    """An image whose pixels stay in Ray's object store until first read.
+
+    Args:
+        key: the item's content key.
+        mode: its ``ImageInput.mode``.
+        pixels: ``ObjectRef`` of the decoded PIL image.
+        on_fetch: called once when the pixels are fetched.
+    """
+
+    def __init__(self, key: bytes, mode: str, pixels: object, on_fetch) -> None:  # noqa: ANN001
+        self.key = key
+        self.mode = mode
+        self._pixels = pixels
+        self._image = None
+        self._on_fetch = on_fetch
+
+    @property
+    def image(self):  # noqa: ANN201
+        """The decoded PIL image, fetched from the object store on first use."""
+        if self._image is None:
+            self._image = ray.get(self._pixels)
+            self._on_fetch()
+        return self._image
+
+    @property
+    def fetched(self) -> bool:
+        """Whether the pixels have been fetched."""
+        return self._image is not None
+
+    def __repr__(self) -> str:
+        return f"RemoteImage(key={self.key.hex()}, mode={self.mode!r}, fetched={self.fetched})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ImageInput) and (self.key, self.mode) == (other.key, other.mode)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class EngineReplica:
+    """A Ray Serve deployment class: one engine, driven by its own thread.
+
+    Args:
+        config: engine settings (``model_path`` None: the bundled tiny model, built on
+            this node if missing).
+        threads: torch CPU threads.
+        unhealthy_after: engine steps failing in a row after which the replica reports
+            itself unhealthy (Ray Serve then replaces it).
+    """
+
+    def __init__(self, config: EngineConfig, threads: int = 1, unhealthy_after: int = 3) -> None:
+        torch.set_num_threads(max(1, threads))
+        self.engine = Engine(config)
+        self.aengine = AsyncEngine(self.engine)
+        self.aengine.start()
+        self.unhealthy_after = unhealthy_after
+        ctx = serve.get_replica_context()
+        self.uid = ctx.replica_id.unique_id
+        self.pid = os.getpid()
+        self.node = ray.util.get_node_ip_address()
+        self.started = time.time()
+        self.pixel_fetches = 0
+        self.requests_received = 0
+
+    # ---- generation ------------------------------------------------------------
+    def _fetched(self) -> None:
+        self.pixel_fetches += 1
+
+    def _request(self, rr: ReplicaRequest) -> Request:
+        spans = [
+            ImageSpan(s.start, s.length, RemoteImage(s.key, s.mode, s.pixels, self._fetched))
+            for s in rr.spans
+        ]
+        req = Request(list(rr.input_ids), spans, rr.params, rid=rr.rid)
+        if rr.params.guided is not None:  # compiled once per spec on this replica too
+            req.grammar = self.engine.processor.grammars.state(rr.params.guided)
+        req.generator = make_generator(rr.params, self.engine.config.device)
+        return req
+
+    async def generate(self, rr: ReplicaRequest) -> AsyncIterator[Hello | Delta]:
+        """Run one request; yields :class:`Hello`, then a :class:`Delta` per engine update.
+
+        Cancelling the call (the client went away) aborts the request in the engine.
+        """
+        self.requests_received += 1
+        req = self._request(rr)
+        yield Hello(self.uid, self.pid)
+        sent = 0
+        async for upd in self.aengine.stream(req):
+            ids = upd.output_ids
+            lps: list = []
+            if req.logprobs is not None:
+                got = upd.result.logprobs if upd.result is not None else req.logprobs
+                lps = list((got or [])[sent : len(ids)])
+            yield Delta(upd.text, ids[sent:], lps, upd.result)
+            sent = len(ids)
+
+    # ---- control -----------------------------------------------------------------
+    async def control(self, call: ControlCall) -> dict:
+        """Answer a :class:`ControlCall`: ``ping``, ``stats``, ``flush`` or ``health``."""
+        me = {"replica": self.uid, "pid": self.pid, "node": self.node}
+        if call.kind == "stats":
+            return {**me, **(await self.aengine.run_on_engine(self._stats))}
+        if call.kind == "flush":
+            return {**me, **(await self.aengine.run_on_engine(self._flush))}
+        if call.kind == "health":
+            failed = self.aengine.consecutive_failures()
+            return {
+                **me,
+                "healthy": failed < self.unhealthy_after,
+                "consecutive_failed_steps": failed,
+            }
+        return me
+
+    def _stats(self) -> dict:
+        eng = self.engine
+        stats = dict(eng.cache_stats())
+        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"]
+        stats["live_requests"] = len(eng.live_requests())
+        stats["accounting"] = None
+        if not eng.live_requests() and not eng.has_work():
+            try:
+                stats["accounting"] = {"ok": True, **eng.check_accounting()}
+            except AssertionError as e:
+                stats["accounting"] = {"ok": False, "error": str(e)}
+        stats["pixel_fetches"] = self.pixel_fetches
+        stats["requests_received"] = self.requests_received
+        stats["embedding_cache_entries"] = len(eng.embedding_cache)
+        stats["uptime_seconds"] = time.time() - self.started
+        return stats
+
+    def _flush(self) -> dict:
+        try:
+            return {"flushed": True, "freed_pages": self.engine.flush_cache()}
+        except RuntimeError:
+            return {"flushed": False, "busy": True, "freed_pages": 0}
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raises when the engine's last steps all failed."""
+        failed = self.aengine.consecutive_failures()
+        if failed >= self.unhealthy_after:
+            raise RuntimeError(f"engine unhealthy: its last {failed} steps failed")
+
+    def __del__(self) -> None:
+        aengine = getattr(self, "aengine", None)
+        if aengine is not None:
+            aengine.call(lambda: self.engine.abort_all("abort"))
+            aengine.stop()
