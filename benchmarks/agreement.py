@@ -331,8 +331,9 @@ def check(
     items = out["text"] + out["image"]
     out["unexplained"] = sum("unexplained" in i.get("reason", "") for i in items)
     out["engine_equals_http"] = all(i["engine_text_equals_http"] for i in items)
-    out["llamacpp_completion_equals_chat"] = all(
+    out["llamacpp_completion_equals_chat"] = sum(
         i["llamacpp_completion_equals_chat"] for i in items
     )
+    out["items"] = len(items)
     out["passed"] = out["text_agree"] >= MIN_TEXT_AGREE and not out["unexplained"]
     return out

@@ -44,7 +44,9 @@ def replay_in_process(
 
     Returns:
         ``duration_s`` (first arrival to last finish), ``cpu_s`` (this process),
-        TTFT and TPOT percentiles (from each request's scheduled arrival) and hit rate.
+        TTFT and TPOT percentiles (from each request's scheduled arrival), hit rate,
+        tower runs and ``steps``: prefill and decode steps with their seconds and the
+        mean decode batch (where the time goes against the cost bound).
     """
     eng = Engine(EngineConfig(model_path=model_dir, **engine_kw), model=model)
     params = SamplingParams(max_tokens=wl.max_tokens, temperature=0.0, ignore_eos=True)
@@ -53,6 +55,7 @@ def replay_in_process(
     reqs: dict[int, Request] = {}
     due: dict[int, float] = {}
     nxt = 0
+    steps = {"prefill": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0, "decode_tokens": 0}
     c0 = time.process_time()
     t0 = time.perf_counter()
     while nxt < len(order) or eng.has_work():
@@ -68,7 +71,17 @@ def replay_in_process(
             reqs[i] = r
             nxt += 1
         if eng.has_work():
-            eng.step()
+            pre, dec = eng.stats.prefill_steps, eng.stats.decode_steps
+            s0 = time.perf_counter()
+            batch = eng.step()
+            dt = time.perf_counter() - s0
+            if eng.stats.prefill_steps > pre:
+                steps["prefill"] += 1
+                steps["prefill_s"] += dt
+            elif eng.stats.decode_steps > dec:
+                steps["decode"] += 1
+                steps["decode_s"] += dt
+                steps["decode_tokens"] += len(batch)
         elif nxt < len(order):
             time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
     end = max(r.finish_time or t0 for r in reqs.values())
@@ -91,6 +104,11 @@ def replay_in_process(
         "tpot_p50_s": float(np.percentile(tpot, 50)) if tpot else None,
         "cache_hit_rate": stats["cache_hit_rate"],
         "all_finished": all(r.finish_reason == "length" for r in reqs.values()),
+        "vision_tower_images": stats["vision_tower_images"],
+        "steps": {
+            **steps,
+            "mean_decode_batch": steps["decode_tokens"] / steps["decode"] if steps["decode"] else 0,
+        },
     }
 
 
@@ -178,11 +196,11 @@ def _split_builtin(st: dict, key: tuple[str, int, str], depth: int = 0) -> dict[
 def breakdown(profile_path: Path, top: int = 12) -> dict[str, Any]:
     """Self time by thread and by category from a :mod:`benchmarks.profiled_server` dump.
 
-    The engine thread (``mmserve-engine``) counts whole as "engine thread"; the other
-    threads (event loop, worker pool) are split by category. Blocking waits (a thread
-    sleeping in ``select`` or on a lock) are self time too, so only categories of the
-    non-engine threads that do work are ranked: ``largest`` is the top item that is
-    neither the engine nor a wait.
+    Blocking waits (a thread sleeping in ``select``, on a lock or a condition) are self
+    time in cProfile and are left out everywhere. ``threads_s``: each thread's busy
+    self time; the engine thread (``mmserve-engine``) counts whole, the other threads
+    (event loop, worker pool) are split by category; ``largest`` is the top category
+    that is not the engine's.
     """
     stats: dict[str, dict] = pickle.loads(Path(profile_path).read_bytes())
     by_thread: dict[str, float] = {}
@@ -190,20 +208,19 @@ def breakdown(profile_path: Path, top: int = 12) -> dict[str, Any]:
     funcs: dict[str, float] = defaultdict(float)
     waits = ("select", "acquire", "wait", "sleep", "epoll", "poll", "_worker")
     for thread, st in stats.items():
-        total = sum(v[2] for v in st.values())  # tottime
-        by_thread[thread] = total
+        busy = sum(v[2] for k, v in st.items() if not any(w in k[2] for w in waits))
+        by_thread[thread] = busy  # self time outside waits
         if thread.startswith("mmserve-engine"):
             continue
         for key, v in st.items():
             func = key[2]
             if any(w in func for w in waits):
-                cats["(waiting: select/locks)"] += v[2]
                 continue
             for cat, x in _split_builtin(st, key).items():
                 cats[cat] += x
             funcs[f"{Path(key[0]).name}:{key[1]}({func})"] += v[2]
     ranked = sorted(cats.items(), key=lambda kv: -kv[1])
-    work = [(k, v) for k, v in ranked if not k.startswith("(waiting") and k != "other"]
+    work = [(k, v) for k, v in ranked if not k.startswith("engine") and k != "other"]
     return {
         "threads_s": dict(sorted(by_thread.items(), key=lambda kv: -kv[1])),
         "categories_s": dict(ranked),

@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the run's steps 
                     )
                 )
                 warm_up(url, served_model(url))
-                if label == "mmserve" and setup is not None and not args.no_agreement:
+                agree = setup is not None and Path(model_dir) == setup.hf_dir
+                if label == "mmserve" and agree and not args.no_agreement:
                     res["agreement"] = _agreement(url, setup, llcfg, loaded, logs, log)
                 runs = run_sweep(
                     label, url, wls, rates, slo, args.seed, log, proc.pid,
@@ -399,7 +400,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the run's steps 
     _write_json(out / "serve.json", res)
     plot = serve_report.plot_latency(out / "serve_latency.png", res)
     if plot is None:
-        notes.append("no plot: matplotlib is missing (pip install -e '.[bench]')")
+        has_runs = any(w["runs"] for w in res["workloads"].values())
+        notes.append(
+            "no plot: matplotlib is missing (pip install -e '.[bench]')"
+            if has_runs
+            else "no plot: no server ran"
+        )
     text = serve_report.write_summary(out / "serve_summary.md", res, plot)
     print(text)
     log(f"done; results in {out}")
@@ -411,9 +417,12 @@ def _agreement(
 ) -> dict:
     """Start llama.cpp beside the running mmserve and compare greedy answers."""
     from benchmarks.agreement import check
+    from mmserve.config import EngineConfig
+    from mmserve.engine.engine import Engine
 
+    engine = Engine(EngineConfig(model_path=str(setup.hf_dir)), model=loaded)
     with llama_server(setup, llcfg, logs / "llamacpp-agreement.log") as (ll_url, _):
-        got = check(mm_url, ll_url, loaded.tokenizer, list(loaded.never_sample_ids))
+        got = check(mm_url, ll_url, engine, list(loaded.never_sample_ids))
     log(
         f"agreement: text {got['text_agree']}/{got['text_total']}, image "
         f"{got['image_agree']}/{got['image_total']}; passed {got['passed']}"

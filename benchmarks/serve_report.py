@@ -83,7 +83,9 @@ def plot_latency(path: Path, res: dict) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    wls = list(res["workloads"])
+    wls = [n for n, w in res["workloads"].items() if w["runs"]]
+    if not wls:
+        return None
     fig, axes = plt.subplots(2, len(wls), figsize=(4 * len(wls), 6.5), squeeze=False)
     servers = sorted({s for w in res["workloads"].values() for s in w["runs"]})
     colors = {s: f"C{i}" for i, s in enumerate(servers)}
@@ -203,13 +205,18 @@ def _agreement_section(ag: dict | None) -> list[str]:
         "",
         f"Text-only chats: **{ag['text_agree']}/{ag['text_total']}** equal (>= 8 needed); "
         f"image chats: **{ag['image_agree']}/{ag['image_total']}** equal; passed: "
-        f"{_f(ag['passed'])}. Up to {ag['max_tokens']} tokens, stopping at `</s>`.",
+        f"{_f(ag['passed'])}. Up to {ag['max_tokens']} tokens, stopping at `</s>`; compared "
+        "as token ids (mmserve's engine in-process; llama.cpp's `/completion` with "
+        "`return_tokens`); mmserve's engine text equals its HTTP answer: "
+        f"{_f(ag.get('engine_equals_http'))}; llama.cpp's `/completion` text equals its chat "
+        f"answer in {ag.get('llamacpp_completion_equals_chat')}/{ag.get('items')} (the two "
+        "paths render invalid UTF-8 from byte tokens differently).",
         "",
         "| chat | prompt tokens (mmserve, llama.cpp) | equal | reason |",
         "| --- | --- | --- | --- |",
     ]
     for i in ag["text"] + ag["image"]:
-        what = i.get("image") or f"text, {i['turns']} messages: {i['prompt'][:40]!r}"
+        what = i.get("image") or f"text, {i['messages']} messages: {i['prompt'][:40]!r}"
         pt = i["prompt_tokens"]
         out.append(f"| {what} | {pt[0]}, {pt[1]} | {_f(i['agree'])} | {i.get('reason', '')} |")
     return out + [""]
@@ -270,6 +277,12 @@ def _overhead_section(ov: dict | None) -> list[str]:
         f"| HTTP | {h['duration_s']:.2f} | {_f(h['server_cpu_s'])} | "
         f"{_ms(ov['http_ttft_p50_s'])} |",
         "",
+        "In-process engine steps: "
+        f"{ip['steps']['prefill']} prefill steps {ip['steps']['prefill_s']:.2f} s, "
+        f"{ip['steps']['decode']} decode steps {ip['steps']['decode_s']:.2f} s (mean batch "
+        f"{ip['steps']['mean_decode_batch']:.1f}), {ip['vision_tower_images']} tower runs; "
+        "the rest of its time is the front-end work.",
+        "",
         f"Overhead: **{ov['wall_overhead']:+.1%}** wall, "
         f"**{_f(ov['cpu_overhead'] * 100 if ov['cpu_overhead'] is not None else None, '+.1f')}%** "
         "server CPU.",
@@ -281,10 +294,14 @@ def _overhead_section(ov: dict | None) -> list[str]:
             f"Where it goes (cProfile of the same run, every thread; {p['note']}; profiled run "
             f"{ov.get('profiled_run_s', 0):.1f} s):",
             "",
-            "| thread | self s |",
+            "| thread | busy self s |",
             "| --- | --- |",
         ]
-        out += [f"| {t} | {v:.2f} |" for t, v in list(p["threads_s"].items())[:6]]
+        threads = p["threads_s"]
+        workers = {t: v for t, v in threads.items() if t.startswith("AnyIO worker")}
+        out += [f"| {t} | {v:.2f} |" for t, v in threads.items() if t not in workers]
+        if workers:
+            out.append(f"| {len(workers)} AnyIO worker threads | {sum(workers.values()):.2f} |")
         out += ["", "| category (non-engine threads) | self s |", "| --- | --- |"]
         out += [f"| {c} | {v:.2f} |" for c, v in p["categories_s"].items()]
         out += ["", "| function (non-engine threads) | self s |", "| --- | --- |"]
