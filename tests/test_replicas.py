@@ -1,0 +1,630 @@
+"""``mmserve serve --replicas 2``: engine replicas on Ray Serve behind one endpoint.
+
+The end-to-end tests start real servers (``tests/live_server.py``), each with its own
+Ray instance on loopback: two tiny replicas with the cache router, then two with
+round-robin, next to a single-process server. They check that answers equal the
+single-process server's (greedy), uploads work on both replicas, the cache router's
+hit rate on an interleaved workload is that of one replica while round-robin's is
+lower, the vision tower runs once per image, stats/metrics/health/flush cover every
+replica, a killed replica costs no hung request and comes back, and a burst gets 503
+with Retry-After. The unit tests (prefix tree, router policy, front end, flags) need
+no Ray instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
+
+from api.cli import build_parser, replica_settings_from_args  # noqa: E402
+from api.replicas.frontend import FrontEnd, load_frontend_model  # noqa: E402
+from api.replicas.prefix_tree import PrefixTree  # noqa: E402
+from api.replicas.settings import ReplicaSettings  # noqa: E402
+from benchmarks import replicas as bench  # noqa: E402
+from mmserve.config import EngineConfig  # noqa: E402
+from mmserve.engine.request import SamplingParams  # noqa: E402
+from tests.live_server import live_server, metric  # noqa: E402
+from tests.videos import encode_mp4, rgb_frames  # noqa: E402
+
+MODEL = "tiny"
+RAY_ARGS = ("--replicas", "2", "--cpus-per-replica", "0.5", "--served-model-name", MODEL)
+#: Ray, two replicas and an ingress on two shared cores: start-up takes a while.
+START_TIMEOUT = 300
+#: The interleaved workload of the hit-rate tests (benchmarks/replicas.py, "ci" scale).
+WORKLOAD = dict(k=3, m=3, c=2, t=3, max_tokens=4)
+CONCURRENCY = 3
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int] = (40, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def user(*parts: str | dict) -> dict:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return {"role": "user", "content": content}
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat(url: str, messages: list[dict], **kw) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, **kw}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def streamed(url: str, messages: list[dict], **kw) -> tuple[str, list[dict]]:
+    """The concatenated streamed text and every event."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0}
+    body.update(kw, stream=True)
+    events = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    parsed = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["delta"].get("content") or "" for e in parsed for c in e.get("choices", []))
+    return text, parsed
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/v1/cache/stats", timeout=60).json()
+
+
+def upload(url: str, data: bytes, kind: str = "images") -> str:
+    r = httpx.post(f"{url}/v1/{kind}", files={"file": ("f", data, "application/octet-stream")})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def flush(url: str) -> None:
+    for _ in range(100):
+        r = httpx.post(f"{url}/v1/cache/flush", timeout=60)
+        if r.status_code == 200:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"flush refused: {r.text}")
+
+
+def wait_for(cond, timeout: float, what: str, every: float = 0.5):  # noqa: ANN001, ANN201
+    deadline = time.time() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.time() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(every)
+
+
+def run_workload(url: str) -> dict:
+    """The interleaved workload from cold caches; the benchmark's figures."""
+    flush(url)
+    wl = bench.interleaved(**WORKLOAD)
+    res = bench.run_setup(url, MODEL, wl, CONCURRENCY)
+    assert res["errors"] == 0, res["error_messages"]
+    return res
+
+
+# ---- servers ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: Path):  # noqa: ANN201
+    """The single-process server (no Ray): the reference."""
+    with live_server(model_dir, "--served-model-name", MODEL) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def single_workload(single: str) -> dict:
+    """The interleaved workload on one engine."""
+    return run_workload(single)
+
+
+#: Figures of the cache router's workload run, for the round-robin comparison.
+RESULTS: dict[str, dict] = {}
+
+
+# ---- no Ray instance needed ----------------------------------------------------------------
+
+
+def test_prefix_tree_matches_inserts_and_trims_least_recently_used() -> None:
+    pt = PrefixTree(max_tokens=20)
+    assert pt.match([1, 2, 3]) == 0
+    assert pt.insert([1, 2, 3, 4, 5]) == 0
+    assert pt.insert([1, 2, 3, 9]) == 3  # splits the edge after 3
+    assert (pt.match([1, 2, 3, 4, 5, 6]), pt.match([1, 2, 3, 9]), pt.match([1, 7])) == (5, 4, 1)
+    assert pt.size == 6 and pt.node_count() == 3
+    before = pt.size
+    assert pt.match([1, 2, 3, 4]) == 4 and pt.size == before  # matching changes nothing
+    pt.insert([-5, -6, -7, -8])  # image pseudo-ids are plain (negative) ints
+    assert pt.match([-5, -6, -7, 1]) == 3
+    pt.insert([1, 2, 3, 4, 5])  # refreshes 1..5: [1, 2, 3, 9] is now the oldest leaf
+    pt.insert(list(range(100, 112)))  # 22 tokens > 20: trimmed to 18
+    assert pt.size <= 18
+    assert pt.match([1, 2, 3, 9]) == 3  # the least recently used leaf went first
+    assert pt.match(list(range(100, 112))) == 12
+    pt.clear()
+    assert pt.size == 0 and pt.match([1, 2]) == 0
+
+
+def test_replica_flags_parse_with_defaults_from_the_dataclass() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--replicas",
+            "3",
+            "--ray-address",
+            "10.0.0.1:6379",
+            "--gpus-per-replica",
+            "0.5",
+            "--cpus-per-replica",
+            "0.25",
+            "--replica-router",
+            "round_robin",
+        ]
+    )
+    rs = replica_settings_from_args(args)
+    assert rs == ReplicaSettings(
+        replicas=3,
+        ray_address="10.0.0.1:6379",
+        gpus_per_replica=0.5,
+        cpus_per_replica=0.25,
+        replica_router="round_robin",
+    )
+    assert rs.uses_ray and rs.gpus("cpu") == 0.5
+    default = replica_settings_from_args(build_parser().parse_args(["serve"]))
+    assert default == ReplicaSettings() and not default.uses_ray  # single process, no Ray
+    assert default.gpus("cuda") == 1.0 and default.gpus("cpu") == 0.0
+    assert ReplicaSettings(ray_address="auto").uses_ray
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--replica-router", "random"])
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        ReplicaSettings(replicas=0).validate()
+    out = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    flat = " ".join(out.split())
+    flat = flat[flat.index("ReplicaSettings (api.replicas.settings)") :]
+    for flag, default in [
+        ("--replicas N", "1"),
+        ("--ray-address ADDRESS", "None"),
+        ("--gpus-per-replica X", "None"),
+        ("--cpus-per-replica X", "1.0"),
+        ("--replica-router ROUTER", "cache"),
+    ]:
+        tail = flat[flat.index(flag) :]
+        assert tail[: tail.index("]") + 1].endswith(f"[default: {default}]"), flag
+
+
+def test_front_end_without_weights_builds_the_engines_requests(make_engine, model_dir) -> None:  # noqa: ANN001
+    eng = make_engine()
+    front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
+    assert front.model.vision is None and front.max_context == eng.max_context
+    assert front.pool.size_tokens == eng.pool.size_tokens
+    red, blue = png((200, 10, 10)), png((10, 10, 200), (64, 64))
+    cases = [
+        ([{"role": "user", "content": "Hello there."}], []),
+        (
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q?"}]},
+                {"role": "assistant", "content": "A red square."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And?"}]},
+            ],
+            [red, blue],
+        ),
+    ]
+    params = SamplingParams(max_tokens=5)
+    for messages, imgs in cases:
+        proc = eng.processor
+        a = proc.make_request(
+            messages=messages, images=[proc.prepare_image(b) for b in imgs], params=params
+        )
+        b = front.make_request(
+            messages=messages, images=[front.prepare_image(x) for x in imgs], params=params
+        )
+        assert a.input_ids == b.input_ids
+        assert [(s.start, s.length, s.image.key, s.image.mode) for s in a.spans] == [
+            (s.start, s.length, s.image.key, s.image.mode) for s in b.spans
+        ]
+    assert front.model.eos_token_ids == eng.model.eos_token_ids
+    assert front.model.never_sample_ids == eng.model.never_sample_ids
+
+
+def test_cache_router_policy() -> None:
+    from ray.serve._private.common import (
+        DeploymentHandleSource,
+        DeploymentID,
+        ReplicaID,
+        RequestMetadata,
+    )
+    from ray.serve.request_router import PendingRequest
+
+    from api.replicas.protocol import ControlCall, ReplicaRequest
+    from api.replicas.registry import find_router
+    from api.replicas.router import CacheAwareRouter
+
+    dep = DeploymentID(name="EngineReplica", app_name="unit")
+
+    class Replica:  # what the router reads of a RunningReplica
+        def __init__(self, uid: str) -> None:
+            self.replica_id = ReplicaID(uid, dep)
+            self.max_ongoing_requests = 100
+            self.node_id, self.availability_zone = "node", None
+            self.multiplexed_model_ids: set[str] = set()
+
+        async def get_queue_len(self, *, deadline_s: float) -> int:
+            return 0
+
+    def pending(ids: list[int], rid: str, avoid: str | None = None) -> PendingRequest:
+        md = RequestMetadata(request_id=rid, internal_request_id=rid)
+        rr = ReplicaRequest(rid, ids, [], SamplingParams(), avoid=avoid)
+        return PendingRequest(args=[rr], kwargs={}, metadata=md)
+
+    async def main() -> None:
+        router = CacheAwareRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(balance_abs_threshold=2, balance_rel_threshold=1.5)
+        assert find_router("unit", "EngineReplica") is router
+        a, b = Replica("a"), Replica("b")
+        router.update_replicas([a, b])
+        cands = [a, b]
+
+        async def route(ids: list[int], rid: str, avoid: str | None = None) -> str:
+            pr = pending(ids, rid, avoid)
+            ranked = await router.choose_replicas(cands, pr)
+            chosen = ranked[0][0]
+            router.on_request_routed(pr, chosen.replica_id, None)
+            return chosen.replica_id.unique_id
+
+        system = list(range(10))
+        img1 = [-(i + 1) for i in range(50)]
+        img2 = [-(i + 100) for i in range(50)]
+        # a new image goes to the least-loaded replica; questions about it follow it
+        first = await route(system + img1 + [7, 8], "q1")
+        assert await route(system + img1 + [9, 9], "q2") == first
+        other = "b" if first == "a" else "a"
+        # another new image: the other replica is less loaded now
+        assert await route(system + img2 + [7], "q3") == other
+        assert await route(system + img2 + [5], "q4") == other
+        snap = router.snapshot()
+        assert snap["by_reason"] == {"no_match": 2, "prefix": 2}
+        assert snap["replicas"][first]["in_flight"] == 2
+        # finished requests leave the load; uneven load beyond the thresholds wins over
+        # the cached prefix
+        for rid in ("q3", "q4"):
+            router.on_request_completed(ReplicaID(other, dep), rid)
+        assert await route(system + img1 + [1], "q5") == first  # 3 vs 0: not > 1.5x yet
+        assert await route(system + img1 + [2], "q6") == other  # 3 > 0 + 2: by load
+        assert router.snapshot()["by_reason"]["load"] == 1
+        # a retry avoids the replica that died serving it
+        assert await route(system + img1 + [3], "q7", avoid=first) == other
+        # a control call goes to its target only
+        call = PendingRequest(
+            args=[ControlCall("stats", target=other)],
+            kwargs={},
+            metadata=RequestMetadata(request_id="c", internal_request_id="c"),
+        )
+        ranked = await router.choose_replicas(cands, call)
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [[other]]
+        # a dead replica's tree goes; the survivor takes its questions
+        router.on_replica_actor_died(ReplicaID(first, dep))
+        assert not router.snapshot()["replicas"][first]["alive"]
+        cands.remove(a if first == "a" else b)
+        assert await route(system + img1 + [4], "q8") == other
+
+    asyncio.run(main())
+
+
+# ---- two replicas, cache router --------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def cache_ep(model_dir: Path):  # noqa: ANN201
+    """``mmserve serve --replicas 2`` with the cache router (for one test class)."""
+    with live_server(model_dir, *RAY_ARGS, timeout=START_TIMEOUT) as url:
+        yield url
+
+
+@pytest.fixture(scope="class")
+def rr_ep(model_dir: Path):  # noqa: ANN201
+    """Two replicas with ``--replica-router round_robin`` and a queue limit of 4."""
+    args = (*RAY_ARGS, "--replica-router", "round_robin", "--max-queued-requests", "4")
+    with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
+        yield url
+
+
+class TestCacheRouter:
+    """Two tiny replicas behind ``mmserve serve --replicas 2`` (cache router)."""
+
+    @pytest.fixture
+    def ep(self, cache_ep: str) -> str:
+        return cache_ep
+
+    def test_answers_equal_the_single_process_server(self, ep: str, single: str) -> None:
+        red, green = png((220, 30, 30)), png((30, 200, 60), (48, 64))
+        ids = {u: upload(u, green) for u in (ep, single)}
+        assert ids[ep] == ids[single]  # content-addressed: the same id everywhere
+        gid = ids[ep]
+        history = [
+            {"role": "system", "content": "You are terse."},
+            user(image(data_url(red)), "What colour is this?"),
+            {"role": "assistant", "content": "Red."},
+            user(image(gid), "And this one?"),
+        ]
+        cases = [
+            ([user("Say hello.")], {}),
+            ([user(image(data_url(red)), "Describe it.")], {}),
+            ([user(image(gid), "Describe it.")], {"max_tokens": 9}),
+            (history, {}),
+            ([user(image(gid), "Describe it.")], {"n": 2}),
+            ([user("Count to three.")], {"logprobs": True, "top_logprobs": 2}),
+        ]
+        for messages, kw in cases:
+            a, b = chat(ep, messages, **kw), chat(single, messages, **kw)
+            assert a.status_code == b.status_code == 200, (a.text, b.text)
+            ja, jb = a.json(), b.json()
+            assert [c["message"]["content"] for c in ja["choices"]] == [
+                c["message"]["content"] for c in jb["choices"]
+            ], kw
+            assert ja["usage"]["prompt_tokens"] == jb["usage"]["prompt_tokens"]
+            assert ja["usage"]["completion_tokens"] == jb["usage"]["completion_tokens"]
+            if kw.get("logprobs"):
+                la = ja["choices"][0]["logprobs"]["content"]
+                lb = jb["choices"][0]["logprobs"]["content"]
+                assert [t["token"] for t in la] == [t["token"] for t in lb]
+                assert [len(t["top_logprobs"]) for t in la] == [2] * len(la)
+                for x, y in zip(la, lb, strict=True):
+                    assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+            # streamed: the same text, chunk by chunk
+            if "n" not in kw and not kw.get("logprobs"):
+                text, events = streamed(ep, messages, **kw)
+                assert text == jb["choices"][0]["message"]["content"]
+                assert events[-1]["choices"][0]["finish_reason"] == "length"
+        # several questions in one call
+        body = {"model": MODEL, "questions": ["What is it?", "Where?"], "max_tokens": 5}
+        a = httpx.post(f"{ep}/v1/images/{gid}/ask", json={**body, "temperature": 0}, timeout=60)
+        b = httpx.post(f"{single}/v1/images/{gid}/ask", json={**body, "temperature": 0})
+        assert a.status_code == b.status_code == 200
+        assert [x["answer"] for x in a.json()["answers"]] == [
+            x["answer"] for x in b.json()["answers"]
+        ]
+        # the same errors and limits
+        for messages, kw in [
+            ([user(image("img-" + "0" * 32), "?")], {}),
+            ([user("Hi")], {"max_tokens": 100_000}),
+            ([user(*[image(data_url(red))] * 9, "?")], {}),
+            ([user(image("data:image/png;base64,AAAA"), "?")], {}),
+        ]:
+            a, b = chat(ep, messages, **kw), chat(single, messages, **kw)
+            assert a.status_code == b.status_code == 400
+            assert a.json() == b.json()
+        assert httpx.get(f"{ep}/v1/models").json() == httpx.get(f"{single}/v1/models").json()
+
+    def test_interleaved_workload_hit_rate_and_tower_runs(
+        self, ep: str, single_workload: dict
+    ) -> None:
+        res = run_workload(ep)
+        RESULTS["cache"] = res
+        one = single_workload
+        assert res["hit_rate"] >= 0.95 * one["hit_rate"], (res["hit_rate"], one["hit_rate"])
+        assert res["tower_runs_per_image"] <= 1.1, res["vision_tower_runs"]
+        # pixels went to a replica only when its tower ran
+        assert res["pixel_fetches"] <= res["vision_tower_runs"]
+        # both replicas served; every answer equals one engine's (greedy)
+        assert all(v["requests"] for v in res["per_replica"].values()), res["per_replica"]
+        assert [r["text"] for r in res["replies"]] == [r["text"] for r in one["replies"]]
+        assert res["router"].get("prefix", 0) > 0 and res["router"].get("no_match", 0) > 0
+
+    def test_stats_metrics_health_and_flush_cover_every_replica(self, ep: str) -> None:
+        health = httpx.get(f"{ep}/health").json()
+        assert health["status"] == "ok" and health["healthy_replicas"] == 2
+        s = stats(ep)
+        per = s["replicas"]
+        assert s["num_replicas"] == 2 and len(per) == 2
+        assert len({r["pid"] for r in per.values()}) == 2
+        for key in ("prompt_tokens", "cached_tokens", "vision_tower_images", "pool_pages"):
+            assert s[key] == sum(r[key] for r in per.values()), key
+        assert s["cache_hit_rate"] == pytest.approx(s["cached_tokens"] / s["prompt_tokens"])
+        assert s["accounting"]["ok"] and s["accounting"]["total"] == s["pool_pages"]
+        assert set(s["router"]["replicas"]) == set(per) and s["router"]["policy"] == "cache"
+        text = httpx.get(f"{ep}/metrics").text
+        assert metric(text, "mmserve_prompt_tokens_total") == s["prompt_tokens"]
+        for uid, r in per.items():
+            labels = {"replica": uid}
+            assert metric(text, "mmserve_replica_up", labels) == 1
+            assert metric(text, "mmserve_replica_cache_hit_rate", labels) == pytest.approx(
+                r["cache_hit_rate"]
+            )
+            assert metric(text, "mmserve_replica_prompt_tokens_total", labels) == r["prompt_tokens"]
+        routed = sum(
+            metric(text, "mmserve_router_requests_total", {"replica": u, "reason": why}, 0.0)
+            for u in per
+            for why in ("prefix", "no_match", "load")
+        )
+        assert routed == sum(sum(r["routed"].values()) for r in s["router"]["replicas"].values())
+        # flush empties every replica and the router's trees
+        flush(ep)
+        s = stats(ep)
+        assert s["tree_pages"] == 0 and all(r["tree_pages"] == 0 for r in s["replicas"].values())
+        assert all(r["tree_tokens"] == 0 for r in s["router"]["replicas"].values())
+        # refused while a request runs; a client that goes away aborts its request
+        body = {
+            "model": MODEL,
+            "messages": [user("Talk.")],
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", f"{ep}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith('data: {"id"'):
+                pass
+            busy = httpx.post(f"{ep}/v1/cache/flush", timeout=60)
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "requests_running"
+        wait_for(lambda: stats(ep)["live_requests"] == 0, 30, "the abandoned request to end")
+        s = stats(ep)
+        assert s["completion_tokens"] < 3000 and s["requests_by_finish_reason"].get("abort")
+        flush(ep)
+
+    def test_a_killed_replica_costs_no_hung_request_and_comes_back(self, ep: str) -> None:
+        before = stats(ep)
+        pids = {uid: r["pid"] for uid, r in before["replicas"].items()}
+
+        async def one(http: httpx.AsyncClient, i: int, stream: bool) -> tuple[str, int, str]:
+            body = {
+                "model": MODEL,
+                "messages": [user(f"Request {i}: count slowly.")],
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": stream,
+            }
+            if not stream:
+                r = await http.post(f"{ep}/v1/chat/completions", json=body)
+                return "plain", r.status_code, r.text
+            async with http.stream("POST", f"{ep}/v1/chat/completions", json=body) as r:
+                lines = [x async for x in r.aiter_lines() if x.startswith("data: ")]
+            return "stream", r.status_code, "\n".join(lines[-3:])
+
+        async def run() -> tuple[str, list]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                tasks = [asyncio.ensure_future(one(http, i, i % 2 == 1)) for i in range(6)]
+
+                def busiest() -> str | None:
+                    live = {u: r.get("live_requests", 0) for u, r in stats(ep)["replicas"].items()}
+                    top = max(live, key=live.get)
+                    return top if live[top] >= 2 else None
+
+                victim = await asyncio.to_thread(wait_for, busiest, 60, "requests to run")
+                await asyncio.sleep(0.5)
+                os.kill(pids[victim], signal.SIGKILL)
+                done = await asyncio.wait_for(asyncio.gather(*tasks), 150)
+            return victim, done
+
+        victim, done = asyncio.run(run())
+        for kind, status, text in done:
+            if kind == "plain":  # retried once on the other replica, else a 500
+                assert status in (200, 500), text
+                if status == 500:
+                    assert "died" in text
+                else:
+                    assert json.loads(text)["usage"]["completion_tokens"] == 400
+            else:  # an error event, or the whole answer; always [DONE]
+                assert status == 200 and text.endswith("data: [DONE]"), text
+                assert ('"error"' in text and "died" in text) or '"length"' in text, text
+        after = stats(ep)
+        assert after["replica_failures"] > before["replica_failures"]
+        assert after["retries"] > before["retries"]
+        assert sum(k == "plain" and s == 200 for k, s, _ in done) >= 1
+
+        def restarted() -> dict | None:
+            h = httpx.get(f"{ep}/health", timeout=30).json()
+            fresh = set(h.get("replicas", {})) - set(pids)
+            return h if h.get("healthy_replicas") == 2 and fresh else None
+
+        health = wait_for(restarted, 180, "Ray to restart the replica", every=1.0)
+        assert victim not in health["replicas"]
+        (new,) = set(health["replicas"]) - set(pids)
+        # the endpoint serves again and the router sends new work to the new replica
+        for i in range(4):
+            r = chat(ep, [user(image(data_url(png((i * 60, 90, 200)))), "What is it?")])
+            assert r.status_code == 200, r.text
+        routed = stats(ep)["router"]["replicas"][new]["routed"]
+        assert sum(routed.values()) >= 1, routed
+
+
+# ---- two replicas, round-robin ---------------------------------------------------------
+
+
+class TestRoundRobin:
+    """Two tiny replicas with ``--replica-router round_robin`` and a small queue."""
+
+    @pytest.fixture
+    def ep(self, rr_ep: str) -> str:
+        return rr_ep
+
+    def test_uploads_resolve_on_both_replicas(self, ep: str) -> None:
+        flush(ep)
+        iid = upload(ep, png((120, 40, 160), (50, 50)))
+        vid = upload(ep, encode_mp4(rgb_frames(4, seed=3)), "videos")
+        texts = set()
+        for _ in range(2):  # round-robin: one question on each replica
+            r = chat(ep, [user(image(iid), "What is it?")])
+            assert r.status_code == 200, r.text
+            texts.add(r.json()["choices"][0]["message"]["content"])
+        assert len(texts) == 1  # the same answer from both
+        per = stats(ep)["replicas"]
+        assert all(r["pixel_fetches"] >= 1 and r["vision_tower_images"] >= 1 for r in per.values())
+        # a stored video's frames, asked about on both replicas
+        r = httpx.post(
+            f"{ep}/v1/videos/{vid}/qa",
+            json={"questions": ["What moves?"], "num_frames": 2, "max_tokens": 3},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        events = [json.loads(x) for x in r.text.splitlines()]
+        assert events[-1]["type"] == "summary" and events[-1]["answers"] == 2
+        assert sum(r["requests_finished"] for r in stats(ep)["replicas"].values()) == 4
+
+    def test_round_robin_hit_rate_is_lower(self, ep: str, single_workload: dict) -> None:
+        res = run_workload(ep)
+        one = single_workload
+        assert res["hit_rate"] < 0.9 * one["hit_rate"], (res["hit_rate"], one["hit_rate"])
+        assert res["tower_runs_per_image"] > 1.2
+        if "cache" in RESULTS:
+            assert res["hit_rate"] < RESULTS["cache"]["hit_rate"] - 0.05
+        assert [r["text"] for r in res["replies"]] == [r["text"] for r in one["replies"]]
+
+    def test_a_burst_beyond_the_queue_limit_gets_503_with_retry_after(self, ep: str) -> None:
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"model": MODEL, "max_tokens": 24, "ignore_eos": True}
+                return await asyncio.gather(
+                    *(
+                        http.post(
+                            f"{ep}/v1/chat/completions",
+                            json={**body, "messages": [user(f"Burst {i}.")]},
+                        )
+                        for i in range(24)
+                    )
+                )
+
+        responses = asyncio.run(burst())
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 503} and codes.count(200) >= 4 and 503 in codes, codes
+        for r in responses:
+            if r.status_code == 503:
+                assert r.headers["Retry-After"] == "1"
+                assert r.json()["error"]["code"] == "queue_full"
+        text = httpx.get(f"{ep}/metrics").text
+        assert metric(text, "mmserve_requests_rejected_total") == codes.count(503)
