@@ -162,8 +162,10 @@ def openai_messages(job: Job, ids: dict[str, str]) -> list[dict]:
     return out
 
 
-def prompt_ids(model_dir: str | Path, wl: Interleaved) -> list[list[int]]:
-    """Token ids (image pseudo-ids included) of every request, by the served front end."""
+def prompt_ids(model_dir: str | Path, wl: Interleaved) -> tuple[list[list[int]], int]:
+    """Token ids (image pseudo-ids included) of every request, by the served front end,
+    and the number of distinct image keys the requests use (two names may be the same
+    pixels: :func:`benchmarks.workloads.photos` repeats a photo after 8 variants)."""
     from api.replicas.frontend import FrontEnd, load_frontend_model
     from mmserve.config import EngineConfig
     from mmserve.engine.request import SamplingParams
@@ -171,12 +173,14 @@ def prompt_ids(model_dir: str | Path, wl: Interleaved) -> list[list[int]]:
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     images = {n: front.prepare_image(b) for n, b in wl.images.items()}
     params = SamplingParams(max_tokens=wl.max_tokens)
-    return [
+    seqs = [
         front.make_request(
             messages=j.messages, images=[images[n] for n in j.images], params=params
         ).input_ids
         for j in wl.jobs()
     ]
+    keys = {images[n].key for j in wl.jobs() for n in j.images}
+    return seqs, len(keys)
 
 
 # ---- driver --------------------------------------------------------------------------
@@ -270,14 +274,24 @@ def get_json(url: str) -> dict:
 
 
 def run_setup(
-    url: str, model: str, wl: Interleaved, concurrency: int, optimum: float | None = None
+    url: str,
+    model: str,
+    wl: Interleaved,
+    concurrency: int,
+    optimum: float | None = None,
+    distinct: int | None = None,
 ) -> dict:
     """Upload the images, drive the workload against ``url`` and measure it.
+
+    Args:
+        optimum: the offline-optimal hit rate (for ``hit_rate_over_optimum``).
+        distinct: distinct images (keys) the workload uses (default: its image names).
 
     Returns:
         The setup's figures (see the module docstring); ``replies`` holds each
         request's text and usage in :meth:`Interleaved.jobs` order.
     """
+    distinct = distinct or wl.distinct_images
     ids = upload_images(url, wl.images)
     before = get_json(f"{url}/v1/cache/stats")
     results, wall = asyncio.run(drive(url, model, wl, ids, concurrency))
@@ -305,9 +319,9 @@ def run_setup(
         "hit_rate": hit,
         "client_hit_rate": load["cache_hit_rate"],
         "hit_rate_over_optimum": hit / optimum if optimum else None,
-        "distinct_images": wl.distinct_images,
+        "distinct_images": distinct,
         "vision_tower_runs": tower,
-        "tower_runs_per_image": tower / wl.distinct_images if wl.distinct_images else 0.0,
+        "tower_runs_per_image": tower / distinct if distinct else 0.0,
         "pixel_fetches": delta("pixel_fetches"),
         "retries": delta("retries"),
         "replies": [
@@ -367,7 +381,7 @@ def run_all(
 
     size = SCALES[scale]
     wl = interleaved(size["k"], size["m"], size["c"], size["t"], size["max_tokens"])
-    seqs = prompt_ids(model_dir, wl)
+    seqs, distinct = prompt_ids(model_dir, wl)
     opt = workloads.optimal_hit_rate(seqs)
     results: dict = {
         "scale": scale,
@@ -375,7 +389,7 @@ def run_all(
         "workload": {
             **wl.params,
             "requests": wl.num_requests,
-            "distinct_images": wl.distinct_images,
+            "distinct_images": distinct,
             "concurrency": size["concurrency"],
             **opt,
         },
@@ -400,7 +414,9 @@ def run_all(
             serve.run(app, name=APP_NAME, logging_config={"log_level": "WARNING"})
             wait_healthy(url, n)
             start = time.perf_counter() - t0
-            res = run_setup(url, model_dir.name, wl, size["concurrency"], opt["optimal_hit_rate"])
+            res = run_setup(
+                url, model_dir.name, wl, size["concurrency"], opt["optimal_hit_rate"], distinct
+            )
             res["replicas"], res["router_policy"], res["startup_seconds"] = n, router, start
             results["setups"][name] = res
             print(summary_line(name, res), flush=True)

@@ -345,6 +345,38 @@ def test_cache_router_policy() -> None:
     asyncio.run(main())
 
 
+def test_benchmark_workload_and_summary_side_by_side() -> None:
+    wl = bench.interleaved(**WORKLOAD)
+    assert wl.num_requests == 3 * 3 + 2 * 3
+    for s, turns in enumerate(wl.sessions):  # turn t holds the history of turns < t
+        assert [j.turn for j in turns] == [0, 1, 2] and {j.session for j in turns} == {s}
+        assert [len(j.messages) for j in turns] == [2, 4, 6]
+    asked = {n for j in wl.arrivals if j.session is None for n in j.images}
+    chatted = {n for turns in wl.sessions for j in turns for n in j.images}
+    assert len(asked) == 3 and len(chatted) == 2 and not asked & chatted
+    row = dict(
+        hit_rate=0.5,
+        hit_rate_over_optimum=0.9,
+        tower_runs_per_image=1.0,
+        pixel_fetches=5,
+        requests_per_second=1.0,
+        output_tokens_per_second=4.0,
+        ttft_p50_ms=10,
+        ttft_p99_ms=20,
+        errors=0,
+        router={"prefix": 3},
+    )
+    results = {
+        "model": "/m/llava-tiny-seed0",
+        "workload": {**wl.params, "requests": 15, "distinct_images": 5, "concurrency": 3}
+        | {"optimal_hit_rate": 0.6},
+        "setups": {name: row for name, _, _ in bench.SETUPS},
+    }
+    md = bench.summary_markdown(results)
+    for name in ("1 replica", "2 replicas, cache", "2 replicas, pow2", "2 replicas, round_robin"):
+        assert f"| {name} | 0.500 | 0.900 | 1.00 |" in md
+
+
 # ---- two replicas, cache router --------------------------------------------------------
 
 
