@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from api.replicas.settings import ReplicaSettings
 from api.settings import ServerSettings
@@ -129,6 +130,9 @@ def serve_replicas(
     """
     if not rs.ray_address:
         loopback_only()
+    if config.model_path and Path(config.model_path).exists():
+        # replicas and the ingress run in other processes (other machines: same path)
+        config.model_path = str(Path(config.model_path).resolve())
     try:
         import ray
         from ray import serve
