@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -215,14 +216,10 @@ def test_replica_flags_parse_with_defaults_from_the_dataclass() -> None:
     ).stdout
     flat = " ".join(out.split())
     flat = flat[flat.index("ReplicaSettings (api.replicas.settings)") :]
-    for flag, default in [
-        ("--replicas N", "1"),
-        ("--ray-address ADDRESS", "None"),
-        ("--gpus-per-replica X", "None"),
-        ("--cpus-per-replica X", "1.0"),
-        ("--replica-router ROUTER", "cache"),
-    ]:
+    for f in dataclasses.fields(ReplicaSettings):  # every field a flag, default shown
+        flag = "--" + f.name.replace("_", "-") + " "
         tail = flat[flat.index(flag) :]
+        default = getattr(ReplicaSettings(), f.name)
         assert tail[: tail.index("]") + 1].endswith(f"[default: {default}]"), flag
 
 
