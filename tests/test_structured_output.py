@@ -546,6 +546,16 @@ def _nested(depth: int) -> dict:
     [
         (GuidedSpec.json_schema({"type": "strng"}), "type"),
         (GuidedSpec.json_schema({"$ref": "#/$defs/missing"}), "missing"),
+        (GuidedSpec.json_schema({"$ref": "#"}), "leads back to itself"),
+        (
+            GuidedSpec.json_schema(
+                {
+                    "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                    "$ref": "#/$defs/a",
+                }
+            ),
+            "leads back to itself",
+        ),
         (GuidedSpec.json_schema({"type": "string", "maxLength": -1}), "non-negative"),
         (GuidedSpec.json_schema({"type": "string", "minLength": 5, "maxLength": 2}), "greater"),
         (GuidedSpec.json_schema({"type": "integer", "minimum": 9, "maximum": 1}), "lower bound"),

@@ -198,7 +198,9 @@ def check_spec(spec: GuidedSpec) -> None:
     if spec in _checked:
         return
     if spec.kind == "json_schema":
-        check_schema(json.loads(spec.spec), spec.param)
+        schema = json.loads(spec.spec)
+        check_schema(schema, spec.param)
+        _check_ref_cycles(schema, spec.param)
     xgr = _xgrammar(spec.param)
     try:
         if spec.kind == "json_schema":
@@ -299,6 +301,47 @@ def _check_keyword(key: str, value: Any, where: str, depth: int) -> None:
     elif key == "$ref":
         if not isinstance(value, str) or not value.startswith("#"):
             raise bad("only local references ('#/$defs/name') are supported")
+
+
+def _check_ref_cycles(root: Any, param: str) -> None:
+    """Refuse a schema that is only references leading back to themselves (``{"$ref":
+    "#"}``): it constrains nothing, and the grammar built from it admits only "".
+    """
+    if not isinstance(root, dict):
+        return
+
+    def resolve(ref: str) -> Any:
+        node: Any = root
+        for part in ref.removeprefix("#").strip("/").split("/") if ref != "#" else []:
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    def pure_ref(node: Any) -> str | None:
+        if isinstance(node, dict) and "$ref" in node:
+            if set(node) - {"$ref"} <= ANNOTATION_KEYWORDS and isinstance(node["$ref"], str):
+                return node["$ref"]
+        return None
+
+    defs = [root] + [
+        sub
+        for key in ("$defs", "definitions")
+        for sub in (root.get(key) or {}).values()
+        if isinstance(root.get(key), dict)
+    ]
+    for start in defs:
+        seen: list[int] = []
+        node = start
+        while (ref := pure_ref(node)) is not None:
+            if id(node) in seen:
+                raise GrammarError(
+                    f"{param}: $ref {ref!r} leads back to itself through references only, "
+                    "so the schema constrains nothing; give it a type or properties",
+                    f"{param}.$ref",
+                )
+            seen.append(id(node))
+            node = resolve(ref)
 
 
 def _check_bounds(schema: dict, param: str) -> None:
