@@ -23,7 +23,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.model.loader import CheckpointError, load_model
 from mmserve.model.make_checkpoint import CORPUS_PATH
-from tests.comparator import assert_same_generation
+from tests.comparator import assert_same_generation, reference_generate
 from tests.conftest import greedy, user
 
 MAX_NEW = 8
@@ -67,23 +67,7 @@ def prompts(plain_engine: Engine, photos: dict[str, bytes]) -> dict[str, tuple[l
 
 
 def reference(ref_model, text: str, images: list, never: list[int]):  # noqa: ANN001, ANN201
-    """Greedy ids and masked per-step logits of transformers' ``generate``."""
-    model, processor = ref_model
-    inputs = processor(images=images or None, text=text, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            suppress_tokens=never,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logits = [step[0].float() for step in out.logits]
-    for lg in logits:  # generate's logits are pre-processor; apply our sampler's mask
-        lg[never] = float("-inf")
-    return ids, logits, inputs["input_ids"].shape[1]
+    return reference_generate(ref_model, text, images, never, MAX_NEW)
 
 
 def run(engine: Engine, messages: list, images: list):  # noqa: ANN201

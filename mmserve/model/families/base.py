@@ -24,6 +24,21 @@ BASE_MODE = "base"
 FRAME_MODE = "frame"
 
 
+def check_vision_config(config: object) -> None:
+    """Refuse vision settings no family here implements.
+
+    Raises:
+        ValueError: for a multi-layer ``vision_feature_layer`` or an unknown
+            ``vision_feature_select_strategy``.
+    """
+    if not isinstance(config.vision_feature_layer, int):
+        raise ValueError("only an integer vision_feature_layer is supported")
+    if config.vision_feature_select_strategy not in ("default", "full"):
+        raise ValueError(
+            f"unknown vision_feature_select_strategy {config.vision_feature_select_strategy!r}"
+        )
+
+
 class VisionModule(nn.Module):
     """A family's vision side: images in, one feature run per image out."""
 

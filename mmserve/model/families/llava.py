@@ -14,7 +14,7 @@ from PIL import Image
 from transformers import AutoModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from mmserve.model.families.base import ModelFamily, VisionModule
+from mmserve.model.families.base import ModelFamily, VisionModule, check_vision_config
 
 
 class LlavaVision(VisionModule):
@@ -27,12 +27,7 @@ class LlavaVision(VisionModule):
 
     def __init__(self, config: object, image_processor: object) -> None:
         super().__init__()
-        if not isinstance(config.vision_feature_layer, int):
-            raise ValueError("only an integer vision_feature_layer is supported")
-        if config.vision_feature_select_strategy not in ("default", "full"):
-            raise ValueError(
-                f"unknown vision_feature_select_strategy {config.vision_feature_select_strategy!r}"
-            )
+        check_vision_config(config)
         self.vision_tower = AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(config)
         self.feature_layer = config.vision_feature_layer

@@ -24,7 +24,7 @@ from transformers.models.llava_next.modeling_llava_next import (
     image_size_to_num_patches,
 )
 
-from mmserve.model.families.base import ModelFamily, VisionModule
+from mmserve.model.families.base import ModelFamily, VisionModule, check_vision_config
 
 
 class LlavaNextVision(VisionModule):
@@ -40,12 +40,7 @@ class LlavaNextVision(VisionModule):
 
     def __init__(self, config: object, image_processor: object) -> None:
         super().__init__()
-        if not isinstance(config.vision_feature_layer, int):
-            raise ValueError("only an integer vision_feature_layer is supported")
-        if config.vision_feature_select_strategy not in ("default", "full"):
-            raise ValueError(
-                f"unknown vision_feature_select_strategy {config.vision_feature_select_strategy!r}"
-            )
+        check_vision_config(config)
         self.config = config
         self.vision_tower = AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = LlavaNextMultiModalProjector(config)

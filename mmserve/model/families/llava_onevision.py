@@ -58,6 +58,7 @@ from mmserve.model.families.base import (
     IMAGE_MODE,
     ModelFamily,
     VisionModule,
+    check_vision_config,
 )
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerprint
@@ -144,12 +145,7 @@ class LlavaOnevisionVision(VisionModule):
 
     def __init__(self, config: object, image_processor: object, frame_prep: FramePrep) -> None:
         super().__init__()
-        if not isinstance(config.vision_feature_layer, int):
-            raise ValueError("only an integer vision_feature_layer is supported")
-        if config.vision_feature_select_strategy not in ("default", "full"):
-            raise ValueError(
-                f"unknown vision_feature_select_strategy {config.vision_feature_select_strategy!r}"
-            )
+        check_vision_config(config)
         tile = config.vision_config.image_size
         if (frame_prep.height, frame_prep.width) != (tile, tile) or not frame_prep.do_resize:
             raise ValueError(
