@@ -55,7 +55,8 @@ def replay_in_process(
     reqs: dict[int, Request] = {}
     due: dict[int, float] = {}
     nxt = 0
-    steps = {"prefill": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0, "decode_tokens": 0}
+    steps: dict[str, Any] = {"prefill": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0}
+    steps.update(decode_tokens=0, prefill_detail=[])
     c0 = time.process_time()
     t0 = time.perf_counter()
     while nxt < len(order) or eng.has_work():
@@ -72,12 +73,21 @@ def replay_in_process(
             nxt += 1
         if eng.has_work():
             pre, dec = eng.stats.prefill_steps, eng.stats.decode_steps
+            done = {i: r.computed_len for i, r in reqs.items()}
             s0 = time.perf_counter()
             batch = eng.step()
             dt = time.perf_counter() - s0
             if eng.stats.prefill_steps > pre:
                 steps["prefill"] += 1
                 steps["prefill_s"] += dt
+                grew = [
+                    r.computed_len - done[i] - (r.cached_len if done[i] == 0 else 0)
+                    for i, r in reqs.items()
+                    if r.computed_len > done[i]
+                ]
+                steps["prefill_detail"].append(
+                    {"requests": len(grew), "new_tokens": sum(grew), "seconds": dt}
+                )
             elif eng.stats.decode_steps > dec:
                 steps["decode"] += 1
                 steps["decode_s"] += dt

@@ -251,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the run's steps 
     res: dict[str, Any] = {
         "meta": {
             "model_dir": model_dir,
-            "model": Path(model_dir).name,
+            "model": (
+                f"{Path(model_dir).name} (llama.cpp setup's checkpoint)"
+                if setup is not None and Path(model_dir) == setup.hf_dir
+                else Path(model_dir).name
+            ),
             "scale": args.scale,
             "threads": args.threads,
             "rates": [rate_label(r) for r in rates],
@@ -277,14 +281,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the run's steps 
 
     # ---- 1. cost bound (in-process microbenchmarks of the same model) --------------
     if not args.no_bound and (servers or args.bound):
-        from benchmarks.cost_bound import CostModel
+        from benchmarks.cost_bound import CostModel, share_costs
         from benchmarks.systems import MMServeRunner
 
         cm = CostModel(loaded, model_dir, reps=2 if args.scale != "full" else 3)
         mm = MMServeRunner(loaded, model_dir)
         for wl in wls:
-            b = cm.bound(wl, mm.prompt_ids(wl))
-            res["workloads"][wl.name]["bound"] = b
+            res["workloads"][wl.name]["bound"] = cm.bound(wl, mm.prompt_ids(wl))
+        share_costs([res["workloads"][wl.name]["bound"] for wl in wls])
+        for wl in wls:
+            b = res["workloads"][wl.name]["bound"]
             log(
                 f"bound {wl.name:15s} {b['bound_s']:6.2f} s (prefill {b['prefill_s']:.2f} "
                 f"+ tower {b['tower_s']:.2f} + decode {b['decode_s']:.2f}); distinct tokens "
@@ -312,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the run's steps 
                     label, url, wls, rates, slo, args.seed, log, proc.pid,
                     flush=lambda u=url: flush_mmserve(u),
                 )  # fmt: skip
+                if label == "mmserve" and not args.no_overhead:
+                    res["overhead"] = _overhead_pairs(
+                        url, proc.pid, runs, wls, loaded, model_dir, slo, args, log
+                    )
         else:
             assert setup is not None
             runs = {}
@@ -336,32 +346,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the run's steps 
         notes.append(f"{label} ({url}): external server, caches not flushed between runs")
 
     # ---- 3. HTTP overhead: in-process replay and a profile of the peak run ----------
-    if "mmserve" in servers and not args.no_overhead:
-        from benchmarks.http_overhead import breakdown, replay_in_process
+    if "overhead" in res:
+        from benchmarks.http_overhead import breakdown
 
-        wl = next((w for w in wls if w.name == TARGET_WORKLOAD), wls[0])
-        by_rate = res["workloads"][wl.name]["runs"]["mmserve"]
-        peak = max(by_rate, key=lambda k: by_rate[k]["request_throughput"] or 0)
-        rate = by_rate[peak]["offered_rate"]
-        arrivals = arrival_times(wl.num_requests, rate, args.seed)
-        inproc = replay_in_process(loaded, model_dir, wl, arrivals)
-        http = by_rate[peak]
-        ov: dict[str, Any] = {
-            "workload": wl.name,
-            "rate": peak,
-            "in_process": inproc,
-            "http": {k: http[k] for k in ("duration_s", "server_cpu_s", "request_throughput")},
-            "http_ttft_p50_s": http["ttft_s"]["p50"],
-            "wall_overhead": http["duration_s"] / inproc["duration_s"] - 1,
-            "cpu_overhead": (
-                http["server_cpu_s"] / inproc["cpu_s"] - 1 if http["server_cpu_s"] else None
-            ),
-        }
-        log(
-            f"overhead {wl.name} at {peak}: HTTP {http['duration_s']:.2f} s vs in-process "
-            f"{inproc['duration_s']:.2f} s ({ov['wall_overhead']:+.1%}); CPU "
-            f"{http['server_cpu_s'] or 0:.2f} vs {inproc['cpu_s']:.2f} s"
-        )
+        ov = res["overhead"]
+        wl = next(w for w in wls if w.name == ov["workload"])
+        arrivals = arrival_times(wl.num_requests, ov["offered_rate"], args.seed)
         prof = logs / "profile.pkl"
         with mmserve_server(
             model_dir,
@@ -410,6 +400,65 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - the run's steps 
     print(text)
     log(f"done; results in {out}")
     return 0
+
+
+def _overhead_pairs(
+    url: str,
+    pid: int,
+    runs: dict[str, dict[str, dict]],
+    wls: list,
+    loaded: Any,
+    model_dir: str,
+    slo: SLO,
+    args: argparse.Namespace,
+    log: Any,
+    pairs: int = 3,
+) -> dict[str, Any]:
+    """HTTP against in-process on the target workload at mmserve's peak-throughput rate:
+    ``pairs`` back-to-back pairs (an HTTP run on the running server, cache flushed, then
+    the same arrivals through an in-process engine), medians reported."""
+    import statistics
+
+    from benchmarks.http_overhead import replay_in_process
+
+    wl = next((w for w in wls if w.name == TARGET_WORKLOAD), wls[0])
+    by_rate = runs[wl.name]
+    peak = max(by_rate, key=lambda k: by_rate[k]["request_throughput"] or 0)
+    rate = by_rate[peak]["offered_rate"]
+    arrivals = arrival_times(wl.num_requests, rate, args.seed)
+    bodies = request_bodies(wl, served_model(url))
+    http, inproc = [], []
+    for _ in range(pairs):
+        http.append(one_run("mmserve", url, wl, bodies, rate, slo, args.seed, log, pid,
+                            lambda: flush_mmserve(url)))  # fmt: skip
+        inproc.append(replay_in_process(loaded, model_dir, wl, arrivals))
+
+    def med(xs: list) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    h_wall, h_cpu = med([h["duration_s"] for h in http]), med([h["server_cpu_s"] for h in http])
+    i_wall, i_cpu = med([r["duration_s"] for r in inproc]), med([r["cpu_s"] for r in inproc])
+    mid = sorted(inproc, key=lambda r: r["duration_s"])[len(inproc) // 2]
+    ov = {
+        "workload": wl.name,
+        "rate": peak,
+        "offered_rate": rate,
+        "pairs": pairs,
+        "in_process": {**mid, "duration_s": i_wall, "cpu_s": i_cpu},
+        "in_process_runs_s": [r["duration_s"] for r in inproc],
+        "http": {"duration_s": h_wall, "server_cpu_s": h_cpu},
+        "http_runs_s": [h["duration_s"] for h in http],
+        "http_ttft_p50_s": med([h["ttft_s"]["p50"] for h in http]),
+        "wall_overhead": h_wall / i_wall - 1,
+        "cpu_overhead": h_cpu / i_cpu - 1 if h_cpu else None,
+    }
+    log(
+        f"overhead {wl.name} at {peak}, median of {pairs} pairs: HTTP {h_wall:.2f} s vs "
+        f"in-process {i_wall:.2f} s ({ov['wall_overhead']:+.1%}); CPU {h_cpu or 0:.2f} vs "
+        f"{i_cpu:.2f} s"
+    )
+    return ov
 
 
 def _agreement(

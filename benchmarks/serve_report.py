@@ -268,8 +268,11 @@ def _overhead_section(ov: dict | None) -> list[str]:
         "## HTTP overhead (mmserve, cache on)",
         "",
         f"`{ov['workload']}` at rate `{ov['rate']}` (mmserve's highest-throughput run), the "
-        "same arrivals replayed through the engine in-process (with the front-end work: "
-        "image decode + hash, chat template, tokenizing) and through HTTP:",
+        "same arrivals through HTTP (the running server, cache flushed) and through an engine "
+        "in-process (with the front-end work: image decode + hash, chat template, "
+        f"tokenizing), {ov.get('pairs', 1)} back-to-back pairs, medians (HTTP runs: "
+        f"{', '.join(f'{x:.2f}' for x in ov.get('http_runs_s', []))} s; in-process: "
+        f"{', '.join(f'{x:.2f}' for x in ov.get('in_process_runs_s', []))} s):",
         "",
         "| | seconds | CPU s | TTFT p50 ms |",
         "| --- | --- | --- | --- |",
@@ -281,7 +284,14 @@ def _overhead_section(ov: dict | None) -> list[str]:
         f"{ip['steps']['prefill']} prefill steps {ip['steps']['prefill_s']:.2f} s, "
         f"{ip['steps']['decode']} decode steps {ip['steps']['decode_s']:.2f} s (mean batch "
         f"{ip['steps']['mean_decode_batch']:.1f}), {ip['vision_tower_images']} tower runs; "
-        "the rest of its time is the front-end work.",
+        "the rest of its time is the front-end work. Prefill steps (requests, new tokens, "
+        "ms, ms per new token): "
+        + "; ".join(
+            f"{d['requests']}, {d['new_tokens']}, {d['seconds'] * 1000:.0f}, "
+            f"{d['seconds'] * 1000 / max(d['new_tokens'], 1):.2f}"
+            for d in ip["steps"].get("prefill_detail", [])
+        )
+        + ".",
         "",
         f"Overhead: **{ov['wall_overhead']:+.1%}** wall, "
         f"**{_f(ov['cpu_overhead'] * 100 if ov['cpu_overhead'] is not None else None, '+.1f')}%** "
