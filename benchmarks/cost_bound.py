@@ -123,7 +123,7 @@ class CostModel:
         return {"tower_s_per_image": best, "tower_cpu_s_per_image": best_cpu}
 
     @torch.inference_mode()
-    def decode_step(self, wl: Workload, batch: int, steps: int = 4) -> dict[str, float]:
+    def decode_step(self, wl: Workload, batch: int, steps: int = 8) -> dict[str, float]:
         """Seconds of one decode step with ``batch`` of the workload's requests running.
 
         The requests are prefilled with the radix cache on (sharing only speeds up the
