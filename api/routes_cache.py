@@ -31,20 +31,7 @@ async def cache_stats(st: State) -> dict:
     pages = pool size) when no request is live, else null.
     """
 
-    def snapshot() -> dict:
-        eng = st.engine
-        stats = dict(eng.cache_stats())
-        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"]
-        stats["live_requests"] = len(eng.live_requests())
-        stats["accounting"] = None
-        if not eng.live_requests() and not eng.has_work():
-            try:
-                stats["accounting"] = {"ok": True, **eng.check_accounting()}
-            except AssertionError as e:
-                stats["accounting"] = {"ok": False, "error": str(e)}
-        return stats
-
-    stats = await st.aengine.run_on_engine(snapshot)
+    stats = await st.aengine.run_on_engine(st.engine.stats_snapshot)
     return {**stats, **st.metrics.summary(), "stored_images": len(st.store)}
 
 

@@ -17,9 +17,8 @@ from mmserve.config import EngineConfig
 from mmserve.engine.processor import InputProcessor
 from mmserve.engine.request import ImageInput, Request
 from mmserve.model import loader
-from mmserve.model.families import family_for
 from mmserve.model.llama import LlamaShape
-from mmserve.model.loader import CheckpointError, LoadedModel, text_shape
+from mmserve.model.loader import LoadedModel, text_shape
 
 
 @dataclass
@@ -52,41 +51,9 @@ def load_frontend_model(model_dir: str | Path) -> LoadedModel:
             directory (missing config, tokenizer or processor, unsupported model).
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist")
-    config = loader._load_config(model_dir)
-    family_cls = family_for(config.model_type)
-    processor = family_cls.load_processor(model_dir) or loader._load_processor(model_dir)
-    family = family_cls(config, processor)
+    config, processor, family = loader.read_front_end(model_dir)
     shape = text_shape(config)
-    tok = processor.tokenizer
-    if len(tok) != shape.vocab_size:
-        raise CheckpointError(
-            f"{model_dir}: tokenizer has {len(tok)} ids but vocab_size is {shape.vocab_size}"
-        )
-    image_token_id = int(config.image_token_index)
-    eos = config.text_config.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
-        eos_ids.append(tok.eos_token_id)
-    video_token_id = None
-    if family.video_frame_tokens() is not None:
-        video_token_id = int(config.video_token_index)
-    never = [image_token_id] + ([video_token_id] if video_token_id is not None else [])
-    if tok.pad_token_id is not None and tok.pad_token_id not in eos_ids:
-        never.append(tok.pad_token_id)
-    return LoadedModel(
-        config=config,
-        decoder=ShapeOnly(shape),  # type: ignore[arg-type]
-        vision=None,  # type: ignore[arg-type]
-        processor=processor,
-        image_token_id=image_token_id,
-        num_image_tokens=family.fixed_image_tokens(),
-        eos_token_ids=eos_ids,
-        never_sample_ids=never,
-        family=family,
-        video_token_id=video_token_id,
-    )
+    return loader.assemble(model_dir, config, processor, family, ShapeOnly(shape), None)  # type: ignore[arg-type]
 
 
 class FrontEnd:

@@ -143,15 +143,7 @@ class EngineReplica:
 
     def _stats(self) -> dict:
         eng = self.engine
-        stats = dict(eng.cache_stats())
-        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"]
-        stats["live_requests"] = len(eng.live_requests())
-        stats["accounting"] = None
-        if not eng.live_requests() and not eng.has_work():
-            try:
-                stats["accounting"] = {"ok": True, **eng.check_accounting()}
-            except AssertionError as e:
-                stats["accounting"] = {"ok": False, "error": str(e)}
+        stats = eng.stats_snapshot()
         stats["pixel_fetches"] = self.pixel_fetches
         stats["requests_received"] = self.requests_received
         stats["embedding_cache_entries"] = len(eng.embedding_cache)

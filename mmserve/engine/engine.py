@@ -143,6 +143,20 @@ class Engine:
         self.embedding_cache.clear()
         return freed
 
+    def stats_snapshot(self) -> dict:
+        """:meth:`cache_stats` plus used pages, live requests and, when no request is
+        live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
+        stats = dict(self.cache_stats())
+        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"]
+        stats["live_requests"] = len(self.live_requests())
+        stats["accounting"] = None
+        if not self.live_requests() and not self.has_work():
+            try:
+                stats["accounting"] = {"ok": True, **self.check_accounting()}
+            except AssertionError as e:
+                stats["accounting"] = {"ok": False, "error": str(e)}
+        return stats
+
     def check_accounting(self) -> dict[str, int]:
         """The scheduler's pool accounting check (see :meth:`Scheduler.check_accounting`)."""
         return self.scheduler.check_accounting()

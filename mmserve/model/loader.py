@@ -351,11 +351,7 @@ def load_model(
             than the config's vocab_size (fewer is a padded vocabulary, as Qwen2's).
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist")
-    config = _load_config(model_dir)
-    processor = _family_processor(model_dir, config)
-    family = family_for(config.model_type)(config, processor)
+    config, processor, family = read_front_end(model_dir)
     shape = text_shape(config)
     weights = _read_weights(model_dir)
     dec_w, vision_w = _split_weights(weights, family)
@@ -374,12 +370,43 @@ def load_model(
     decoder.to(device=device, dtype=dtype).eval()
     vision.to(device=device, dtype=dtype).eval()
 
+    return assemble(model_dir, config, processor, family, decoder, vision)
+
+
+def read_front_end(model_dir: Path) -> tuple[PretrainedConfig, object, ModelFamily]:
+    """The config, processor and family of ``model_dir``, without reading weights.
+
+    Raises:
+        CheckpointError: as :func:`load_model` for a missing directory, config,
+            tokenizer or processor, or an unsupported model.
+    """
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    config = _load_config(model_dir)
+    processor = _family_processor(model_dir, config)
+    return config, processor, family_for(config.model_type)(config, processor)
+
+
+def assemble(
+    model_dir: Path,
+    config: PretrainedConfig,
+    processor: object,
+    family: ModelFamily,
+    decoder: LlamaDecoder,
+    vision: VisionModule | None,
+) -> LoadedModel:
+    """A :class:`LoadedModel` with its special token ids (image, video, EOS, never sampled).
+
+    Raises:
+        CheckpointError: when the tokenizer has more ids than the config's vocab_size.
+    """
+    vocab_size = text_shape(config).vocab_size
     tok = processor.tokenizer
     # more embedding rows than tokens is a padded vocabulary (Qwen2: 151,646 tokens in
     # 152,000 rows); more tokens than rows would index past the embedding matrix
-    if len(tok) > shape.vocab_size:
+    if len(tok) > vocab_size:
         raise CheckpointError(
-            f"{model_dir}: tokenizer has {len(tok)} ids but vocab_size is {shape.vocab_size}"
+            f"{model_dir}: tokenizer has {len(tok)} ids but vocab_size is {vocab_size}"
         )
     image_token_id = int(config.image_token_index)
     eos = config.text_config.eos_token_id
