@@ -35,6 +35,13 @@ class EngineConfig:
         max_running_requests: most requests decoding at once.
         max_prefill_tokens: new-token budget of one prefill step (tokens); a longer
             prompt is prefilled in chunks of at most this many tokens.
+        max_num_batched_tokens: most tokens one mixed step computes (tokens): every
+            running request's decode token, then prefill chunks of waiting requests in
+            what is left (at most ``max_prefill_tokens``), so a long prompt delays the
+            running streams by one chunk's time per step, not by its whole prefill
+            (vLLM's chunked prefill with the same name).
+        disable_mixed_steps: run each step as either a prefill batch or a decode batch
+            (prefill first), as before mixed steps; for comparison and debugging.
         disable_radix_cache: never reuse KV across requests (SGLang's flag).
         policy: waiting-queue order (:data:`POLICIES`): "lpm" (longest prefix match
             first), "dfs-weight" (depth-first over the radix tree, heavier subtrees
@@ -66,6 +73,8 @@ class EngineConfig:
     max_total_tokens: int = 32768
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
+    max_num_batched_tokens: int = 2048
+    disable_mixed_steps: bool = False
     disable_radix_cache: bool = False
     policy: str = "lpm"
     decode_reserve_ratio: float = 0.6
@@ -94,6 +103,8 @@ class EngineConfig:
             raise ValueError("vision_cache_bytes must be >= 0, max_image_tokens_per_request >= 1")
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
+        if self.max_num_batched_tokens < 2:
+            raise ValueError("max_num_batched_tokens must be >= 2 (a decode and a prefill token)")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

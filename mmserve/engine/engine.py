@@ -1,9 +1,10 @@
 """The engine: continuous batching over a shared paged KV pool and radix cache.
 
-Each :meth:`Engine.step` either prefills a batch of newly admitted requests or
-decodes one token for every running request (prefill first, as in SGLang and
-vLLM's default). The engine is single-threaded; :mod:`mmserve.engine.async_engine`
-drives it from a background thread for the HTTP server.
+Each :meth:`Engine.step` decodes one token for every running request and, in
+the rest of the step's token budget, prefills chunks of waiting requests (a
+mixed step, as vLLM's chunked prefill), so a long prompt never stalls the
+running streams for longer than one chunk. The engine is single-threaded;
+:mod:`mmserve.engine.async_engine` drives it from a background thread for the HTTP server.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class EngineStats:
     completion_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0
     failed_steps: int = 0
     consecutive_failed_steps: int = 0
     requests_failed: int = 0
@@ -171,7 +173,12 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[Request]:
-        """Run one prefill or decode batch.
+        """Run one batch: a mixed step by default, else a prefill or a decode batch.
+
+        A mixed step carries every running request's next token plus prefill chunks
+        of waiting (or chunk-prefilling) requests in what is left of
+        ``config.max_num_batched_tokens``. With ``config.disable_mixed_steps`` a step
+        is a prefill batch when anything can be admitted, else a decode batch.
 
         An exception while running the batch fails only that batch's requests
         (finish reason "error", pages freed, traceback logged); the engine keeps
@@ -181,31 +188,48 @@ class Engine:
             Requests that got a token this step (finished ones included).
         """
         sched = self.scheduler
-        chunks = sched.schedule_prefill()
-        if chunks:
-            reqs = [r for r, _ in chunks]
-            logits = self._run_batch(
-                reqs, lambda: self.runner.prefill(reqs, [n for _, n in chunks])
-            )
-            if logits is None:
-                return []
-            self.stats.prefill_steps += 1
-            batch, rows = [], []
-            for (req, n), row in zip(chunks, logits, strict=True):
-                if sched.on_prefilled(req, n):  # the whole prompt is in: sample a token
-                    batch.append(req)
-                    rows.append(row)
-        elif sched.running:
-            sched.prepare_decode()
-            batch = list(sched.running)
-            rows = self._run_batch(batch, lambda: self.runner.decode(batch))
-            if rows is None:
-                return []
-            self.stats.decode_steps += 1
-            sched.on_decoded(batch)
+        if self.config.disable_mixed_steps:
+            chunks = sched.schedule_prefill()
+            decode: list[Request] = []
+            if not chunks and sched.running:
+                sched.prepare_decode()
+                decode = list(sched.running)
         else:
+            decode = []
+            if sched.running:
+                sched.prepare_decode()
+                decode = list(sched.running)
+            budget = max(1, self.config.max_num_batched_tokens - len(decode))
+            chunks = sched.schedule_prefill(min(budget, self.config.max_prefill_tokens))
+        if not chunks and not decode:
             return []
-        self.stats.consecutive_failed_steps = 0
+        failed_before = self.stats.failed_steps
+        logits = self._run_mixed(decode, chunks)
+        if logits is None:
+            return []
+        if self.stats.failed_steps == failed_before:
+            self.stats.consecutive_failed_steps = 0
+        if chunks:
+            self.stats.prefill_steps += 1
+        if decode:
+            self.stats.decode_steps += 1
+        if decode and chunks:
+            self.stats.mixed_steps += 1
+        batch, rows = [], []
+        live_decode = [i for i, r in enumerate(decode) if not r.finished]
+        if live_decode:
+            sched.on_decoded([decode[i] for i in live_decode])
+            batch += [decode[i] for i in live_decode]
+            rows.append(logits[live_decode])
+        for i, (req, n) in enumerate(chunks):
+            if req.finished:  # its part of the batch failed
+                continue
+            if sched.on_prefilled(req, n):  # the whole prompt is in: sample a token
+                batch.append(req)
+                rows.append(logits[len(decode) + i : len(decode) + i + 1])
+        if not batch:
+            return []
+        rows = torch.cat(rows) if len(rows) > 1 else rows[0]
         rows = self.guided.apply_masks(batch, rows)  # structured output: grammar masks
         now = time.perf_counter()
         for req, row in zip(batch, rows, strict=True):
@@ -214,6 +238,40 @@ class Engine:
             except Exception:  # noqa: BLE001 - sampling or decoding failed for this one
                 self._fail([req], "while sampling its next token")
         return batch
+
+    def _run_mixed(
+        self, decode: list[Request], chunks: list[tuple[Request, int]]
+    ) -> torch.Tensor | None:
+        """Logits ``[len(decode) + len(chunks), vocab]`` of one step, or None if all failed.
+
+        A mixed batch that raises is run again as its decode part and its prefill part
+        (each one's new K/V is written again), so that a fault fails only the part that
+        raises it, as it would with separate steps; a failed part's rows are NaN and its
+        requests already ended with finish reason "error".
+        """
+        prefill_reqs = [r for r, _ in chunks]
+        extends = [n for _, n in chunks]
+        if not chunks:
+            return self._run_batch(decode, lambda: self.runner.decode(decode))
+        if not decode:
+            return self._run_batch(prefill_reqs, lambda: self.runner.prefill(prefill_reqs, extends))
+        reqs = decode + prefill_reqs
+        try:
+            return self.runner.prefill(reqs, [1] * len(decode) + extends)
+        except Exception:  # noqa: BLE001 - retried as two batches below
+            log.warning("mixed step failed; running its decode and prefill parts apart")
+        parts = [
+            self._run_batch(decode, lambda: self.runner.decode(decode)),
+            self._run_batch(prefill_reqs, lambda: self.runner.prefill(prefill_reqs, extends)),
+        ]
+        if parts[0] is None and parts[1] is None:
+            return None
+        vocab = next(p for p in parts if p is not None).shape[-1]
+        filled = [
+            p if p is not None else torch.full((len(rs), vocab), float("nan"))
+            for p, rs in zip(parts, (decode, prefill_reqs), strict=True)
+        ]
+        return torch.cat(filled)
 
     def _run_batch(self, reqs: list[Request], run) -> torch.Tensor | None:  # noqa: ANN001
         """``run()``'s logits, or None after failing ``reqs`` for its exception."""
@@ -265,7 +323,7 @@ class Engine:
             self.scheduler.finish(req)
             self._finish(req, reason)
             return
-        if len(req.all_ids()) > req.computed_len + 1:  # jumped: K/V of several new tokens
+        if req.seq_len > req.computed_len + 1:  # jumped: K/V of several new tokens
             self.scheduler.extend(req)
         if req.on_update is not None:
             req.on_update(req)

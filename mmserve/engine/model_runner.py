@@ -124,7 +124,7 @@ class ModelRunner:
         feats = self._features(reqs, starts, ends)
         ids_all, rows = [], []
         for r, s, e in zip(reqs, starts, ends, strict=True):
-            ids_all.extend(r.all_ids()[s:e])
+            ids_all.extend(r.ids_slice(s, e))
         ids = torch.tensor(ids_all, dtype=torch.int64, device=self.device)
         embeds = self.model.decoder.embed_tokens(ids.clamp(min=0))
         for tid, vec in self.fixed_embeddings.items():

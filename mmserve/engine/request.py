@@ -227,9 +227,24 @@ class Request:
         """Whether a finish reason is set."""
         return self.finish_reason is not None
 
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus output length in tokens (``len(all_ids())`` without building it)."""
+        return len(self.input_ids) + len(self.output_ids)
+
     def all_ids(self) -> list[int]:
-        """Prompt followed by output ids."""
+        """Prompt followed by output ids (a new list: O(length); hot paths use
+        :meth:`ids_slice` and :attr:`seq_len`)."""
         return self.input_ids + self.output_ids
+
+    def ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_ids()[start:end]`` without copying the rest of the sequence."""
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.input_ids[start:] + self.output_ids[: end - n]
 
     def result(self) -> GenerateResult:
         """Snapshot of the request as a :class:`GenerateResult`."""

@@ -95,8 +95,13 @@ class Scheduler:
         return m
 
     # ---- admission --------------------------------------------------------
-    def schedule_prefill(self) -> list[tuple[Request, int]]:
+    def schedule_prefill(self, budget: int | None = None) -> list[tuple[Request, int]]:
         """Pick this step's prefill batch.
+
+        Args:
+            budget: new tokens this batch may compute (default
+                ``config.max_prefill_tokens``; a mixed step passes what its decode
+                tokens leave of the step's budget).
 
         Returns:
             ``(request, extend_len)`` pairs: each request computes tokens
@@ -104,7 +109,10 @@ class Scheduler:
             not finished after that stays in :attr:`prefilling`. Empty if nothing fits.
         """
         batch: list[tuple[Request, int]] = []
-        budget = self.config.max_prefill_tokens
+        if budget is None:
+            budget = self.config.max_prefill_tokens
+        if budget <= 0:
+            return batch
         if self.extending:
             budget = self._schedule_extends(batch, budget)
         if self.prefilling is not None:
@@ -134,7 +142,7 @@ class Scheduler:
                 break
             # match again: an eviction for an earlier admission may have cut the old match
             m = self._match(req)
-            fill = len(req.all_ids())
+            fill = req.seq_len
             extend = fill - m.length
             if extend > budget and (admitted or self.prefilling or batch):
                 break
@@ -184,7 +192,7 @@ class Scheduler:
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """Tokens to prefill from ``start``: all of them, or up to ``budget`` without
         ending inside an image when an earlier boundary exists."""
-        fill = len(req.all_ids())
+        fill = req.seq_len
         end = min(fill, start + max(budget, 1))
         if end < fill:
             for span in req.spans:
@@ -286,7 +294,7 @@ class Scheduler:
         """
         req.computed_len += extend_len
         self._cache_prefix(req)
-        if req.computed_len < len(req.all_ids()):
+        if req.computed_len < req.seq_len:
             return False  # more chunks to come
         if self.prefilling is req:
             self.prefilling = None
@@ -390,7 +398,7 @@ class Scheduler:
         for req in list(self.extending):
             if budget <= 0:
                 break
-            fill = len(req.all_ids())
+            fill = req.seq_len
             need = _ceil_div(fill, P) - len(req.pages)
             if need > 0:
                 others = self.reserved_pages() - req.reserved_pages

@@ -30,10 +30,14 @@ class TorchAttentionBackend:
         self._masks: list[torch.Tensor | None] = []
         self._decode_index: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
+        self._decode_rows: torch.Tensor | None = None
+        self._loop: list[int] = []
+        self._qo: list[int] = []
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Precompute per-request slot indices and masks shared by every layer."""
         self._meta = meta
+        self._qo = meta.qo_indptr.tolist()
         P = meta.page_size
         kv_indptr = meta.kv_indptr.tolist()
         offsets = torch.arange(P, device=meta.kv_indices.device, dtype=torch.int64)
@@ -50,20 +54,27 @@ class TorchAttentionBackend:
                 rows = torch.arange(q_len, device=slots.device)[:, None] + (seq - q_len)
                 cols = torch.arange(seq, device=slots.device)[None, :]
                 self._masks.append(cols <= rows)
-        if meta.is_decode and meta.batch_size > 1:
+        # Requests with one new token (decode, also inside a mixed step) attend in one
+        # padded batch instead of one SDPA call each.
+        single = [i for i, q_len in enumerate(meta.extend_lens) if q_len == 1]
+        if len(single) > 1:
             # Built where the slots live: on CUDA, filling a host tensor from device
             # slots would cost one synchronising copy per request.
             dev = meta.kv_indices.device
-            max_len = max(meta.seq_lens)
-            index = torch.zeros(meta.batch_size, max_len, dtype=torch.int64, device=dev)
-            for i, slots in enumerate(self._slots):
-                index[i, : slots.numel()] = slots
-            lens = torch.tensor(meta.seq_lens, dtype=torch.int64, device=dev)
+            lens_list = [meta.seq_lens[i] for i in single]
+            max_len = max(lens_list)
+            index = torch.zeros(len(single), max_len, dtype=torch.int64, device=dev)
+            for row, i in enumerate(single):
+                index[row, : meta.seq_lens[i]] = self._slots[i]
+            lens = torch.tensor(lens_list, dtype=torch.int64, device=dev)
             mask = torch.arange(max_len, device=dev)[None, :] < lens[:, None]
             self._decode_index = index
-            self._decode_mask = mask[:, None, None, :]  # [B, 1, 1, L]
+            self._decode_mask = mask[:, None, None, :]  # [B1, 1, 1, L]
+            self._decode_rows = torch.tensor([self._qo[i] for i in single], device=dev)
+            self._loop = [i for i, q_len in enumerate(meta.extend_lens) if q_len != 1]
         else:
-            self._decode_index = self._decode_mask = None
+            self._decode_index = self._decode_mask = self._decode_rows = None
+            self._loop = list(range(meta.batch_size))
 
     def forward(
         self,
@@ -87,11 +98,15 @@ class TorchAttentionBackend:
         meta = self._meta
         assert meta is not None, "plan() must be called before forward()"
         k_flat, v_flat = pool.write_kv(layer_id, meta.out_cache_loc, k, v)
-        if self._decode_index is not None:
+        if self._decode_index is not None and not self._loop:
             return self._decode_batched(q, k_flat, v_flat)
         out = torch.empty_like(q)
-        qo = meta.qo_indptr.tolist()
-        for i, slots in enumerate(self._slots):
+        if self._decode_index is not None:
+            rows = self._decode_rows
+            out[rows] = self._decode_batched(q[rows], k_flat, v_flat)
+        qo = self._qo
+        for i in self._loop:
+            slots = self._slots[i]
             # 4-D inputs: with 3-D ones CPU SDPA falls back to a ~3x slower generic path
             qi = q[qo[i] : qo[i + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
             ki = _gather(k_flat, slots).transpose(0, 1).to(q.dtype)[None]  # [1, Hkv, seq, D]

@@ -1,0 +1,194 @@
+"""Incremental detokenization and stop strings, at a cost per token that does not grow
+with the answer.
+
+:class:`IncrementalDetokenizer` turns output ids into text piece by piece. It decodes
+only a short window of recent ids each time (the offset scheme of vLLM's and
+text-generation-inference's incremental decoders, written here for our tokenizers):
+``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``, emitted only when it does
+not end in an incomplete UTF-8 character nor in a run of byte-fallback tokens. UTF-8 is
+self-synchronising, so once the window's text ends on a whole character outside such a
+run, later tokens cannot change it, and the pieces
+join to exactly ``tokenizer.decode(ids, skip_special_tokens=True)`` (property-tested in
+``tests/test_detokenizer.py`` on every family's tokenizer, byte-fallback tokens and
+invalid byte sequences included).
+
+:class:`TextStream` adds stop strings on top: the earliest occurrence of any stop
+string ends the text, and text that could still turn into a stop string is held back,
+so a client never sees part of a stop string.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Sequence
+
+#: U+FFFD, what a decoder writes for bytes that are not (yet) a whole UTF-8 character.
+REPLACEMENT = "\ufffd"
+
+
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+_byte_ids_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_classes(tokenizer: object) -> tuple[frozenset[int], frozenset[int]]:
+    """``(byte_ids, special_ids)``, computed once per tokenizer.
+
+    ``byte_ids`` are SentencePiece byte-fallback tokens (``<0xE5>``). A run of them
+    decodes as one group: if the group is not valid UTF-8, every byte of it becomes
+    U+FFFD (the ``tokenizers`` ByteFallback decoder), so text ending in such a run is
+    not settled until a token of another kind follows. ``special_ids`` are the special
+    tokens that skipping removes before decoding, so a run continues across them.
+    """
+    try:
+        return _byte_ids_cache[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    byte_ids = frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.match(t))
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {i for i, t in added.items() if getattr(t, "special", False)}
+    special |= set(getattr(tokenizer, "all_special_ids", ()) or ())
+    out = (byte_ids, frozenset(special))
+    try:
+        _byte_ids_cache[tokenizer] = out
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return out
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of token ids, one piece per :meth:`push`.
+
+    Args:
+        tokenizer: a transformers tokenizer (its Rust ``tokenizers`` backend is used
+            directly when it has one: same text, without transformers' per-call
+            conversion of the id list).
+        skip_special_tokens: drop special tokens from the text (as the server does).
+
+    The cost of a push is that of decoding the ids since the last emitted piece plus
+    a few earlier ones, independent of how many ids came before.
+    """
+
+    def __init__(self, tokenizer: object, skip_special_tokens: bool = True) -> None:
+        skip = skip_special_tokens
+        backend = getattr(tokenizer, "_tokenizer", None)
+        cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        if backend is not None and hasattr(backend, "decode") and not cleanup:
+            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=skip)
+        else:
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
+        self._byte_ids, special = token_classes(tokenizer)
+        self._transparent = special if skip_special_tokens else frozenset()
+        self._in_byte_run = False
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: ids before it are settled text
+        self._read = 0  # ids up to here are emitted
+        self.text = ""
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add ``ids``; returns the new text they complete ("" while a character or a
+        piece of a word is still incomplete)."""
+        self.ids.extend(ids)
+        for tok in ids:
+            if tok not in self._transparent:
+                self._in_byte_run = tok in self._byte_ids
+        if self._in_byte_run:
+            return ""  # an open run of byte tokens may still turn into U+FFFDs
+        window = self.ids[self._prefix :]
+        prefix_text = self._decode(window[: self._read - self._prefix])
+        new_text = self._decode(window)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
+            return ""
+        piece = new_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """Text still held back at the end (an incomplete character decodes as U+FFFD,
+        as one-shot decoding writes it)."""
+        window = self.ids[self._prefix :]
+        prefix_text = self._decode(window[: self._read - self._prefix])
+        new_text = self._decode(window)
+        piece = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self._prefix = self._read = len(self.ids)
+        self.text += piece
+        return piece
+
+
+class TextStream:
+    """Output text of one request with stop strings applied.
+
+    Args:
+        tokenizer: see :class:`IncrementalDetokenizer`.
+        stop: strings that end the text (the earliest occurrence of any of them wins,
+            whatever their order; the text is cut before it).
+        min_tokens: stop strings are not looked for before this many output tokens.
+
+    Attributes:
+        text: the answer so far (cut at a stop string once one is found).
+        sent: how much of :attr:`text` :meth:`push` has released (the rest could
+            still be the start of a stop string).
+        stopped: a stop string was found (the request should end with "stop").
+        num_tokens: output tokens pushed up to and including the one that stopped it.
+    """
+
+    def __init__(self, tokenizer: object, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+        self.num_tokens = 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add output ids (after a stop: ignored); returns text now safe to show."""
+        for tok in ids:  # one at a time: a stop ends the answer at its own token
+            if self.stopped:
+                break
+            self.num_tokens += 1
+            piece = self.detok.push([tok])
+            if piece:
+                self._add(piece)
+        return self._release(final=self.stopped)
+
+    def finish(self) -> str:
+        """The rest of the text at the end of the request (held-back text included)."""
+        if not self.stopped:
+            piece = self.detok.flush()
+            if piece:
+                self._add(piece)
+        return self._release(final=True)
+
+    def _add(self, piece: str) -> None:
+        start = len(self.text)
+        self.text += piece
+        if not self.stop or self.num_tokens < self.min_tokens:
+            return
+        # a stop may begin up to len(stop) - 1 characters before the new piece
+        lo = max(0, start - self._holdback)
+        found = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            self.stopped = True
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text) if final else max(self.sent, len(self.text) - self._holdback)
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where ``text`` must end: the start of the earliest occurrence of any stop string.
+
+    The list order does not matter (OpenAI's behaviour); ties start at one position.
+
+    Returns:
+        The character index to cut at, or None when no stop string occurs.
+    """
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
