@@ -8,7 +8,6 @@ from functools import lru_cache
 
 from api.errors import error_body
 from api.submit import Submission
-from mmserve.engine.async_engine import StreamUpdate
 from mmserve.engine.request import GenerateResult, TokenLogprob
 
 #: Logprob reported for a token the model gives no probability (OpenAI's convention).
@@ -123,7 +122,7 @@ async def chat_stream(
 
     n = len(sub.reqs)
     sent = [""] * n
-    sent_tokens = [0] * n
+    pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent
     results: list[GenerateResult | None] = [None] * n
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
@@ -140,10 +139,11 @@ async def chat_stream(
                 text = text[:-1]
         new_text = text[len(sent[i]) :] if text.startswith(sent[i]) else ""
         lps = None
-        if tokens is not None and (new_text or final):
-            got = upd.result.logprobs if final else _partial_logprobs(sub, i, upd)
-            lps = tokens.content((got or [])[sent_tokens[i] :])
-            sent_tokens[i] = len(got or [])
+        if tokens is not None:
+            pending[i].extend(upd.delta_logprobs or ())
+            if new_text or final:
+                lps = tokens.content(pending[i])
+                pending[i] = []
         if new_text or lps:
             yield chunk(i, {"content": new_text}, lps=lps)
             sent[i] += new_text
@@ -155,9 +155,3 @@ async def chat_stream(
             body = {**base, "choices": [], "usage": usage(results)}
             yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
-
-
-def _partial_logprobs(sub: Submission, index: int, upd: StreamUpdate) -> list[TokenLogprob]:
-    # the engine thread only appends; take the tokens this update's text covers
-    lps = sub.reqs[index].logprobs
-    return list(lps[: len(upd.output_ids)]) if lps is not None else []

@@ -336,11 +336,13 @@ def _closed_loop(
             nxt[a] = b
     index = {id(r): i for i, r in enumerate(reqs)}
     results: dict[int, GenerateResult] = {}
+    collectors = {}
     live = 0
 
     def submit(i: int) -> None:
         nonlocal live
         reqs[i].arrival = time.perf_counter()
+        collectors[i] = eng.track(reqs[i])
         eng.add_request(reqs[i])
         live += 1
 
@@ -353,9 +355,9 @@ def _closed_loop(
         if not batch and not eng.has_work():
             break  # nothing runs or waits but turns are outstanding: give up (reported)
         for r in batch:
-            if r.finished:
-                i = index[id(r)]
-                results[i] = r.result()
+            i = index[id(r)]
+            if collectors[i].finished and i not in results:
+                results[i] = collectors[i].result
                 live -= 1
                 if i in nxt:
                     submit(nxt[i])

@@ -34,7 +34,7 @@ def _long_and_short(make_engine, photos, **cfg):  # noqa: ANN001, ANN201
     while eng.has_work():
         eng.step()
     eng.scheduler.check_accounting()
-    return eng, [r.result().output_ids for r in short + long]
+    return eng, [r.output_ids for r in short + long]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

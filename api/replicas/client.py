@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 
 import ray
 from ray.exceptions import RayActorError
 
-from api.replicas.protocol import ControlCall, Delta, Hello, ReplicaRequest, SpanRef
+from api.replicas.protocol import ControlCall, Hello, ReplicaRequest, SpanRef
 from api.replicas.registry import find_router
 from api.submit import EngineClient, Submission
-from mmserve.engine.async_engine import StreamUpdate
+from mmserve.engine.messages import TokenDelta
+from mmserve.engine.output import OutputCollector, StreamUpdate
 from mmserve.engine.request import GenerateResult, ImageInput, Request
 
 log = logging.getLogger(__name__)
@@ -88,6 +87,7 @@ class ReplicaClient:
     Args:
         handle: ``DeploymentHandle`` of the replica deployment.
         app_name: the application's name (to find the router Ray Serve built here).
+        tokenizer: the model's tokenizer (text is built here from token deltas).
         max_pixel_bytes: decoded pixel bytes whose object-store references are kept, so
             an image asked about again is not put again (LRU beyond it).
 
@@ -97,8 +97,15 @@ class ReplicaClient:
         pixel_puts: images put into the object store.
     """
 
-    def __init__(self, handle, app_name: str, max_pixel_bytes: int = 1 << 30) -> None:  # noqa: ANN001
+    def __init__(
+        self,
+        handle,  # noqa: ANN001
+        app_name: str,
+        tokenizer: object,
+        max_pixel_bytes: int = 1 << 30,
+    ) -> None:
         self.handle = handle
+        self.tokenizer = tokenizer
         self.app_name = app_name
         self.deployment = handle.deployment_name
         self.max_pixel_bytes = max_pixel_bytes
@@ -138,33 +145,34 @@ class ReplicaClient:
     async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
         """Run ``req`` on a replica; yields its updates, the last one with the result.
 
-        ``req`` mirrors the replica's progress (``output_ids``, ``logprobs``, ``text``).
-        If the consumer stops early, the replica's call is cancelled (the engine aborts).
+        The replica sends token deltas; text, stop strings and the result are built
+        here by an :class:`OutputCollector`, as in a single-process server. A stop
+        string (or the consumer stopping early) cancels the replica's call, which
+        aborts the engine request.
         """
         payload = self.payload(req)
         may_retry = not STREAMED.get()
         attempt = 0
         while True:
+            col = OutputCollector(req.rid, self.tokenizer, req.params, req.prompt_len, req.arrival)
             gen = _detached(
                 self.handle.options(method_name="generate", stream=True).remote, payload
             )
             replica, delivered, done, error = None, False, False, None
-            first_token: float | None = None
             try:
                 async for msg in gen:
                     if isinstance(msg, Hello):
                         replica = msg.replica
                         continue
-                    assert isinstance(msg, Delta)
-                    self._mirror(req, msg)
-                    if first_token is None and req.output_ids:
-                        first_token = time.perf_counter()
-                    result = msg.result
-                    if result is not None:
-                        result = self._finished(req, result, replica, first_token)
+                    assert isinstance(msg, TokenDelta)
+                    upd = col.add(msg)
+                    if upd is None:
+                        continue
+                    if upd.result is not None:
+                        self._finished(req, upd.result, replica)
                         done = True
-                    delivered = delivered or bool(msg.text or msg.new_ids)
-                    yield StreamUpdate(req.text, list(req.output_ids), result)
+                    delivered = delivered or bool(upd.delta_text or upd.delta_ids)
+                    yield upd
                     if done:
                         return
                 error = f"replica {replica} ended the request without a result"
@@ -183,59 +191,15 @@ class ReplicaClient:
                 attempt += 1
                 self.retries += 1
                 payload.avoid = replica
-                self._reset(req)
                 continue
-            yield StreamUpdate(req.text, list(req.output_ids), self._failed(req, error))
+            yield col.fail(error)
             return
 
-    @staticmethod
-    def _mirror(req: Request, msg: Delta) -> None:
-        req.output_ids.extend(msg.new_ids)
-        if req.logprobs is not None:
-            req.logprobs.extend(msg.new_logprobs)
-        req.text = msg.text
-
-    @staticmethod
-    def _reset(req: Request) -> None:
-        req.output_ids.clear()
-        if req.logprobs is not None:
-            req.logprobs.clear()
-        req.text = ""
-
-    def _finished(
-        self, req: Request, result: GenerateResult, replica: str | None, first: float | None
-    ) -> GenerateResult:
-        """The replica's result with latencies measured here (from the request's arrival at
-        the ingress); the replica's tree in the router gains the output tokens."""
-        now = time.perf_counter()
-        req.finish_reason = result.finish_reason
+    def _finished(self, req: Request, result: GenerateResult, replica: str | None) -> None:
+        """The replica's tree in the router gains the output tokens."""
         router = find_router(self.app_name, self.deployment)
         if router is not None and replica is not None and result.finish_reason != "error":
             router.record_output(replica, req.input_ids + result.output_ids)
-        return dataclasses.replace(
-            result,
-            ttft=(first if first is not None else now) - req.arrival,
-            latency=now - req.arrival,
-        )
-
-    def _failed(self, req: Request, error: str | None) -> GenerateResult:
-        now = time.perf_counter()
-        req.finish_reason = "error"
-        return GenerateResult(
-            rid=req.rid,
-            text=req.text,
-            output_ids=list(req.output_ids),
-            finish_reason="error",
-            prompt_tokens=req.prompt_len,
-            cached_tokens=0,
-            completion_tokens=len(req.output_ids),
-            images_needing_vision=0,
-            vision_tower_runs=0,
-            ttft=now - req.arrival,
-            latency=now - req.arrival,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            error=error,
-        )
 
     # ---- control calls ---------------------------------------------------------
     async def call(self, kind: str, target: str | None = None, timeout: float = 10.0) -> dict:

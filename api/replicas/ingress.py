@@ -348,7 +348,7 @@ class Ingress:
         model_dir = config.model_path or str(ensure_model("tiny"))
         front = FrontEnd(config, load_frontend_model(model_dir))
         app_name = serve.get_replica_context().app_name
-        self.replicas = ReplicaClient(replicas, app_name)
+        self.replicas = ReplicaClient(replicas, app_name, front.model.tokenizer)
         name = served_name(settings, model_dir)
         self._app = create_ingress_app(front, self.replicas, settings, name, num_replicas)
 

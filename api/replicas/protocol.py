@@ -8,16 +8,18 @@ router reads its ``input_ids``; the replica rebuilds an engine
 replica (``target``) for its stats, a flush or its health.
 
 Replies of :meth:`~api.replicas.replica.EngineReplica.generate` are
-:class:`Hello` (which replica serves the request), then :class:`Delta` messages
-(new text and token ids), the last one with the result.
+:class:`Hello` (which replica serves the request), then the engine's own
+:class:`~mmserve.engine.messages.TokenDelta` messages (new token ids and logprobs,
+the last with the finish reason); the ingress builds text and results from them
+exactly as a single-process server does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from mmserve.engine.request import GenerateResult, SamplingParams, TokenLogprob
+from mmserve.engine.request import SamplingParams
 
 
 @dataclass
@@ -87,20 +89,3 @@ class Hello:
 
     replica: str
     pid: int
-
-
-@dataclass
-class Delta:
-    """Progress of a generation since the previous message.
-
-    Attributes:
-        text: the whole text so far (stop strings already cut).
-        new_ids: token ids generated since the previous message.
-        new_logprobs: their logprobs, when asked for.
-        result: the result, on the last message only.
-    """
-
-    text: str
-    new_ids: list[int]
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    result: GenerateResult | None = None

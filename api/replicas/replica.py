@@ -19,10 +19,11 @@ import ray
 import torch
 from ray import serve
 
-from api.replicas.protocol import ControlCall, Delta, Hello, ReplicaRequest
+from api.replicas.protocol import ControlCall, Hello, ReplicaRequest
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
+from mmserve.engine.messages import TokenDelta
 from mmserve.engine.request import ImageInput, ImageSpan, Request
 from mmserve.engine.sampling import make_generator
 
@@ -106,23 +107,18 @@ class EngineReplica:
         req.generator = make_generator(rr.params, self.engine.config.device)
         return req
 
-    async def generate(self, rr: ReplicaRequest) -> AsyncIterator[Hello | Delta]:
-        """Run one request; yields :class:`Hello`, then a :class:`Delta` per engine update.
+    async def generate(self, rr: ReplicaRequest) -> AsyncIterator[Hello | TokenDelta]:
+        """Run one request; yields :class:`Hello`, then the engine's
+        :class:`~mmserve.engine.messages.TokenDelta` messages (text is the ingress's).
 
-        Cancelling the call (the client went away) aborts the request in the engine.
+        Cancelling the call (the client went away, or a stop string ended the answer at
+        the ingress) aborts the request in the engine.
         """
         self.requests_received += 1
         req = self._request(rr)
         yield Hello(self.uid, self.pid)
-        sent = 0
-        async for upd in self.aengine.stream(req):
-            ids = upd.output_ids
-            lps: list = []
-            if req.logprobs is not None:
-                got = upd.result.logprobs if upd.result is not None else req.logprobs
-                lps = list((got or [])[sent : len(ids)])
-            yield Delta(upd.text, ids[sent:], lps, upd.result)
-            sent = len(ids)
+        async for delta in self.aengine.deltas(req):
+            yield delta
 
     # ---- control -----------------------------------------------------------------
     async def control(self, call: ControlCall) -> dict:

@@ -1,8 +1,11 @@
 """Drives an :class:`~mmserve.engine.engine.Engine` from a background thread for asyncio callers.
 
 Requests from many HTTP handlers land in one inbox; the engine thread drains it
-before every step, so their tokens share batches. Updates go back to each
-caller's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+before every step, so their tokens share batches. The engine thread hands each
+request's :class:`~mmserve.engine.messages.TokenDelta` to the caller's
+``asyncio.Queue`` through ``loop.call_soon_threadsafe``; text, stop strings and
+results are built there, on the event loop, by an
+:class:`~mmserve.engine.output.OutputCollector`, never on the engine thread.
 """
 
 from __future__ import annotations
@@ -10,22 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from mmserve.engine.engine import Engine
+from mmserve.engine.messages import TokenDelta
+from mmserve.engine.output import StreamUpdate
 from mmserve.engine.request import GenerateResult, Request
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class StreamUpdate:
-    """Text so far of one request; ``result`` is set on the last update."""
-
-    text: str
-    output_ids: list[int]
-    result: GenerateResult | None = None
+__all__ = ["AsyncEngine", "StreamUpdate"]
 
 
 class AsyncEngine:
@@ -103,40 +101,59 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - state may be broken; still answer every client
             log.exception("abort_all failed")
             for req in self.engine.live_requests():
-                req.finish_reason, req.error = "error", message
                 if req.on_update is not None:
-                    req.on_update(req)
+                    req.on_update(
+                        TokenDelta(
+                            req.rid,
+                            (),
+                            None,
+                            time.perf_counter(),
+                            finish_reason="error",
+                            error=message,
+                        )
+                    )
 
     def consecutive_failures(self) -> int:
         """Engine steps that failed in a row (0 after any step succeeds)."""
         return self.engine.stats.consecutive_failed_steps
 
-    async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
-        """Submit ``req`` and yield its updates; the last one carries the result.
-
-        If the consumer stops early (client disconnect), the request is aborted.
-        """
+    async def deltas(self, req: Request) -> AsyncIterator[TokenDelta]:
+        """Submit ``req`` and yield its :class:`TokenDelta` messages, the last with its
+        finish reason. Closing the iterator early aborts the request (its KV is kept)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[StreamUpdate] = asyncio.Queue()
-
-        def on_update(r: Request) -> None:
-            upd = StreamUpdate(r.text, list(r.output_ids), r.result() if r.finished else None)
-            loop.call_soon_threadsafe(queue.put_nowait, upd)
-
-        req.on_update = on_update
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        req.on_update = lambda delta: loop.call_soon_threadsafe(queue.put_nowait, delta)
         self.call(lambda: self.engine.add_request(req))
         done = False
         try:
-            while True:
-                upd = await queue.get()
-                if upd.result is not None:
-                    done = True
-                    yield upd
-                    return
-                yield upd
+            while not done:
+                delta = await queue.get()
+                done = delta.finished
+                yield delta
         finally:
             if not done:
                 self.call(lambda: self.engine.abort(req.rid))
+
+    async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
+        """Submit ``req`` and yield its updates (text and new ids); the last one carries
+        the result.
+
+        A stop string found in the text ends the request in the engine (an abort that
+        keeps its KV). If the consumer stops early (client disconnect), the request is
+        aborted.
+        """
+        col = self.engine.collector(req)
+        deltas = self.deltas(req)
+        try:
+            async for delta in deltas:
+                upd = col.add(delta)
+                if upd is None:
+                    continue
+                yield upd
+                if upd.result is not None:
+                    return
+        finally:
+            await deltas.aclose()  # aborts the engine request unless it had finished
 
     async def generate(self, req: Request) -> GenerateResult:
         """Submit ``req`` and wait for its result."""

@@ -21,8 +21,11 @@ import torch
 from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.radix_cache import RadixCache
 from mmserve.config import EngineConfig
+from mmserve.engine.detokenizer import first_stop
 from mmserve.engine.grammar import GuidedDecoding
+from mmserve.engine.messages import TokenDelta
 from mmserve.engine.model_runner import ModelRunner
+from mmserve.engine.output import OutputCollector
 from mmserve.engine.processor import InputProcessor, RequestError
 from mmserve.engine.request import GenerateResult, Request
 from mmserve.engine.sampling import sample_token, token_logprob
@@ -100,6 +103,7 @@ class Engine:
         )
         self.stats = EngineStats()
         self._by_rid: dict[str, Request] = {}
+        self._stop_hits: list[str] = []  # tracked requests a stop string ended
 
     def add_request(self, req: Request) -> None:
         """Queue a tokenized request built by :class:`InputProcessor`."""
@@ -187,6 +191,7 @@ class Engine:
         Returns:
             Requests that got a token this step (finished ones included).
         """
+        self._abort_stopped()
         sched = self.scheduler
         if self.config.disable_mixed_steps:
             chunks = sched.schedule_prefill()
@@ -298,6 +303,9 @@ class Engine:
             self._finish(req, "error")
 
     def _append_token(self, req: Request, logits: torch.Tensor, now: float) -> None:
+        """Sample ``req``'s next token from ``logits`` (fp32 ``[vocab]``), advance its
+        grammar, end it on EOS, grammar end or ``max_tokens``, and emit the delta.
+        Text and stop strings are the front end's (:mod:`mmserve.engine.output`)."""
         if req.logits is not None:
             req.logits.append(logits.detach().cpu().clone())
         tok = sample_token(logits, req.params, req.generator)
@@ -312,11 +320,6 @@ class Engine:
             reason = "stop"
         if req.grammar is not None:  # may append jump-forward tokens
             reason = self.guided.advance(req, logits) or reason
-        text = self.model.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        cut = first_stop(text, p.stop)
-        if cut is not None:
-            text, reason = text[:cut], "stop"
-        req.text = text
         if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:
@@ -325,8 +328,29 @@ class Engine:
             return
         if req.seq_len > req.computed_len + 1:  # jumped: K/V of several new tokens
             self.scheduler.extend(req)
-        if req.on_update is not None:
-            req.on_update(req)
+        self._emit(req)
+
+    def _emit(self, req: Request) -> None:
+        """Hand ``req``'s output since its last delta to its ``on_update`` as a
+        :class:`TokenDelta` (the last one carries the finish reason)."""
+        if req.on_update is None:
+            return
+        start = req.emitted
+        req.emitted = len(req.output_ids)
+        req.on_update(
+            TokenDelta(
+                rid=req.rid,
+                token_ids=tuple(req.output_ids[start:]),
+                logprobs=tuple(req.logprobs[start:]) if req.logprobs is not None else None,
+                time=time.perf_counter(),
+                cached_tokens=req.cached_len,
+                images_needing_vision=req.images_needing_vision,
+                vision_tower_runs=req.vision_tower_runs,
+                finish_reason=req.finish_reason,
+                error=req.error,
+                logits=tuple(req.logits[start:]) if req.logits is not None else None,
+            )
+        )
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -336,12 +360,33 @@ class Engine:
         self.stats.completion_tokens += len(req.output_ids)
         self.stats.prompt_tokens += req.prompt_len
         self.stats.cached_tokens += req.cached_len
-        if req.on_update is not None:
-            req.on_update(req)
+        self._emit(req)
 
     # ---- offline API ------------------------------------------------------
+    def collector(self, req: Request) -> OutputCollector:
+        """A front-end collector for ``req``'s deltas (text, stop strings, result)."""
+        return OutputCollector(
+            req.rid, self.model.tokenizer, req.params, req.prompt_len, req.arrival
+        )
+
+    def track(self, req: Request) -> OutputCollector:
+        """Collect ``req``'s deltas on this thread (offline use, benchmarks): returns its
+        collector; a stop string found there aborts the request at the next step.
+        Call before :meth:`add_request`."""
+        col = self.collector(req)
+
+        def on_update(delta: TokenDelta) -> None:
+            col.add(delta)
+            if col.stop_hit:
+                col.stop_hit = False
+                self._stop_hits.append(req.rid)
+
+        req.on_update = on_update
+        return col
+
     def generate(self, requests: Sequence[Request]) -> list[GenerateResult]:
-        """Run ``requests`` to completion together (continuous batching).
+        """Run ``requests`` to completion together (continuous batching), collecting
+        their deltas on this thread (:meth:`track`).
 
         Returns:
             One :class:`GenerateResult` per request, in input order.
@@ -350,14 +395,21 @@ class Engine:
             RuntimeError: if the engine runs out of work with a request unfinished
                 (a scheduler bug; never a silent unfinished result).
         """
+        collectors = [self.track(req) for req in requests]
         for req in requests:
             self.add_request(req)
-        while any(not r.finished for r in requests):
+        while not all(c.finished for c in collectors):
             if not self.has_work():
-                stuck = [r.rid for r in requests if not r.finished]
+                stuck = [r.rid for r, c in zip(requests, collectors, strict=True) if not c.finished]
                 raise RuntimeError(f"engine idle with unfinished requests {stuck}")
             self.step()
-        return [r.result() for r in requests]
+        self._abort_stopped()
+        return [c.result for c in collectors]
+
+    def _abort_stopped(self) -> None:
+        """End the requests whose tracked text hit a stop string (KV kept)."""
+        while self._stop_hits:
+            self.abort(self._stop_hits.pop())
 
     def cache_stats(self) -> dict[str, float]:
         """Pool, tree and hit-rate figures for metrics and ``/v1/cache/stats``."""
@@ -388,15 +440,3 @@ class Engine:
             "consecutive_failed_steps": s.consecutive_failed_steps,
             "requests_failed": s.requests_failed,
         }
-
-
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where ``text`` must end: the start of the earliest occurrence of any stop string.
-
-    The list order does not matter (OpenAI's behaviour); ties start at one position.
-
-    Returns:
-        The character index to cut at, or None when no stop string occurs.
-    """
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None

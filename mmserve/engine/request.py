@@ -14,6 +14,7 @@ from PIL import Image
 
 if TYPE_CHECKING:
     from mmserve.engine.grammar import GrammarState, GuidedSpec
+    from mmserve.engine.messages import TokenDelta
 
 
 @dataclass
@@ -186,7 +187,7 @@ class Request:
         spans: list[ImageSpan],
         params: SamplingParams,
         rid: str | None = None,
-        on_update: Callable[[Request], None] | None = None,
+        on_update: Callable[[TokenDelta], None] | None = None,
     ) -> None:
         self.rid = rid or f"req-{next(_rid_counter)}"
         self.input_ids = input_ids
@@ -195,7 +196,7 @@ class Request:
         self.on_update = on_update
         self.arrival = time.perf_counter()
         self.output_ids: list[int] = []
-        self.text = ""
+        self.emitted = 0  # output ids already handed out in a TokenDelta
         self.pages: list[int] = []
         self.reserved_pages = 0
         self.cached_len = 0
@@ -245,24 +246,3 @@ class Request:
         if start >= n:
             return self.output_ids[start - n : end - n]
         return self.input_ids[start:] + self.output_ids[: end - n]
-
-    def result(self) -> GenerateResult:
-        """Snapshot of the request as a :class:`GenerateResult`."""
-        end = self.finish_time or time.perf_counter()
-        first = self.first_token_time or end
-        return GenerateResult(
-            rid=self.rid,
-            text=self.text,
-            output_ids=list(self.output_ids),
-            finish_reason=self.finish_reason or "",
-            prompt_tokens=self.prompt_len,
-            cached_tokens=self.cached_len,
-            completion_tokens=len(self.output_ids),
-            images_needing_vision=self.images_needing_vision,
-            vision_tower_runs=self.vision_tower_runs,
-            ttft=first - self.arrival,
-            latency=end - self.arrival,
-            logits=self.logits,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            error=self.error,
-        )

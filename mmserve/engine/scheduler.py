@@ -146,7 +146,10 @@ class Scheduler:
             extend = fill - m.length
             if extend > budget and (admitted or self.prefilling or batch):
                 break
-            if self._shares_uncached_prefix(req, m.length, admitted):
+            # a request whose uncached part another one is computing (in this batch, or
+            # chunk by chunk across steps) waits, to hit the tree once that is done
+            ahead = admitted + ([self.prefilling] if self.prefilling is not None else [])
+            if self._shares_uncached_prefix(req, m.length, ahead):
                 continue
             self._lock(m.last_node)
             prompt_pages = _ceil_div(fill, P) - len(m.pages)

@@ -1,0 +1,55 @@
+"""The engine's boundary: what the front end hands in and what the engine hands back.
+
+The front end (:class:`~mmserve.engine.processor.InputProcessor` on request threads,
+then :class:`~mmserve.engine.output.OutputCollector` on the receiving side) turns a
+client's request into a :class:`~mmserve.engine.request.Request` whose inputs
+(token ids, image spans, sampling parameters) it never changes again, and reads
+the engine's progress only as :class:`TokenDelta` messages. Pages, lengths, the
+tree node, the grammar matcher and sampling state belong to the engine thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.engine.request import TokenLogprob
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New output of one request since its previous delta.
+
+    Attributes:
+        rid: request id.
+        token_ids: ids generated since the previous delta (several after a
+            structured-output jump-forward; empty on a bare finish).
+        logprobs: one entry per id in ``token_ids`` when the request asked for
+            logprobs, else None.
+        time: ``time.perf_counter()`` when the engine produced them (seconds).
+        cached_tokens: prompt tokens whose KV came from the prefix cache (set from the
+            first delta on).
+        images_needing_vision: images whose positions the prefix match did not cover.
+        vision_tower_runs: images the vision tower encoded for this request.
+        finish_reason: on the last delta: "stop" (end of sequence or grammar end),
+            "length", "abort" or "error"; None before.
+        error: why the request failed (finish reason "error").
+        logits: fp32 ``[vocab]`` per id when ``return_logits`` was set (tests), else None.
+    """
+
+    rid: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    time: float
+    cached_tokens: int = 0
+    images_needing_vision: int = 0
+    vision_tower_runs: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last delta."""
+        return self.finish_reason is not None
