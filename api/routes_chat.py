@@ -59,6 +59,12 @@ async def chat_completions(
     n = body.n or 1
     if n > st.settings.max_n:
         raise APIError(400, f"n is {n}; the limit is {st.settings.max_n}", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400,
+            "stream_options: not used without stream: true (a plain response always has usage)",
+            param="stream_options",
+        )
     tools = tool_calling(body)
     params = sampling_params(body)
     if tools is not None:

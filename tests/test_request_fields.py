@@ -126,7 +126,11 @@ UNKNOWN = [
         {**CHAT, "messages": VIDEO_MSG},
         ["messages", 0, "content", 0, "video_url", "x"],
     ),
-    ("/v1/chat/completions", {**CHAT, "stream_options": {}}, ["stream_options", "x"]),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "stream_options": {}},
+        ["stream_options", "x"],
+    ),
     ("/v1/chat/completions", {**CHAT, "response_format": TEXT}, ["response_format", "x"]),
     (
         "/v1/chat/completions",
@@ -201,6 +205,7 @@ UNSUPPORTED = [
     (["messages", 0, "role"], "tool"),
     (["messages", 0, "role"], "function"),
     (["messages", 0, "tool_call_id"], "call_1"),
+    (["stream_options"], {"include_usage": True}),  # without stream
 ]
 DEFAULTS = [
     (["user"], None),
@@ -212,7 +217,6 @@ DEFAULTS = [
     (["tool_choice"], "none"),
     (["messages", 0, "content", 0, "image_url", "detail"], "auto"),
     (["messages", 0, "tool_calls"], []),
-    (["stream_options"], {"include_usage": False}),
 ]
 
 
