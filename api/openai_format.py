@@ -127,8 +127,10 @@ async def chat_stream(
             first chunk (``tool_calls[0]`` with id, type and name) and its arguments
             stream as they are generated; with ``"required"`` the text is held back
             and the calls come in one chunk when complete. Either way the last chunk
-            has finish reason ``tool_calls``; an answer cut short (``length``, a stop
-            string) ends with its own finish reason, its text sent as ``content``.
+            has finish reason ``tool_calls``. An answer cut short (``length``, a stop
+            string) ends with its own finish reason: a named function's partial
+            arguments have been streamed; with ``"required"`` its text comes as
+            ``content``.
 
     Closing the generator (the client disconnected) cancels ``sub``.
     """

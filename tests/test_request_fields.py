@@ -346,6 +346,21 @@ def test_a_call_cut_by_max_tokens_is_not_reported_as_a_call(client) -> None:  # 
     assert choice.finish_reason == "length"
     assert choice.message.tool_calls is None
     assert choice.message.content.startswith('{"c')  # the arguments object, cut
+    for tool_choice in (named("get_weather"), "required"):
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=3,
+                temperature=0, stream=True,
+            )
+        )  # fmt: skip
+        assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        deltas = [c.choices[0].delta for c in chunks]
+        args = "".join(tc.function.arguments or "" for d in deltas for tc in d.tool_calls or [])
+        if tool_choice == "required":  # held back, then sent as text: no call
+            assert content.startswith("[{") and args == ""
+        else:  # streamed as arguments
+            assert args == choice.message.content and content == ""
 
 
 @pytest.mark.parametrize("choice", [None, "auto"])
