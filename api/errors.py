@@ -76,6 +76,8 @@ _EXPECTED = {
     "model_type": "expected an object",
     "model_attributes_type": "expected an object",
     "missing": "field required",
+    "extra_forbidden": "unknown field; the server does not act on it, so it is refused "
+    "rather than ignored (remove it)",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -12,8 +13,9 @@ from api import routes_videos
 from api.errors import APIError, field_path
 from api.generation import make_requests, sampling_params
 from api.openai_format import TokenText, chat_completion, chat_stream
-from api.schemas import ChatCompletionRequest, ChatMessage
+from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.state import ServerState, State
+from api.structured import tool_calling
 from api.submit import ClientDisconnected
 from mmserve.engine.request import ImageInput
 from mmserve.vision.video import FrameSelection
@@ -48,12 +50,25 @@ def _model_card(st: ServerState) -> dict:
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, st: State
 ) -> dict | Response:
-    """OpenAI chat completion, streamed as server-sent events when ``stream`` is set."""
+    """OpenAI chat completion, streamed as server-sent events when ``stream`` is set.
+
+    ``tool_choice`` ``"required"`` or a named function is enforced by constrained
+    decoding and answered as ``tool_calls`` (:func:`api.structured.tool_calling`).
+    """
     st.check_model(body.model)
     n = body.n or 1
     if n > st.settings.max_n:
         raise APIError(400, f"n is {n}; the limit is {st.settings.max_n}", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400,
+            "stream_options: not used without stream: true (a plain response always has usage)",
+            param="stream_options",
+        )
+    tools = tool_calling(body)
     params = sampling_params(body)
+    if tools is not None:
+        params = replace(params, guided=tools.spec)
     messages, urls = _split_images(body.messages, st.engine.config.max_images_per_request)
     images = []
     for url, param, sel in urls:
@@ -80,7 +95,7 @@ async def chat_completions(
             return st.client.failure(result).message if st.client.engine_failed(result) else None
 
         events = chat_stream(
-            sub, cid, created, st.model_name, tokens, include_usage, holdback, on_failure
+            sub, cid, created, st.model_name, tokens, include_usage, holdback, on_failure, tools
         )
         return StreamingResponse(
             events,
@@ -94,7 +109,7 @@ async def chat_completions(
     for r in results:
         if st.client.engine_failed(r):
             raise st.client.failure(r)
-    return chat_completion(cid, created, st.model_name, results, tokens)
+    return chat_completion(cid, created, st.model_name, results, tokens, tools)
 
 
 def _split_images(
@@ -116,6 +131,7 @@ def _split_images(
         parts = []
         for j, p in enumerate(m.content):
             param = field_path(["messages", i, "content", j])
+            _check_part_fields(p, param)
             if p.type == "text":
                 parts.append({"type": "text", "text": p.text or ""})
                 continue
@@ -128,7 +144,17 @@ def _split_images(
                     400, f"{param}: media are only allowed in user messages", param=param
                 )
             if p.type == "video_url":  # frame fields on the video_url object or on the part
-                fields = src if not isinstance(src, str) and src.model_fields_set - {"url"} else p
+                on_url = not isinstance(src, str) and bool(src.model_fields_set - {"url"})
+                on_part = sorted(_given(p, _FRAME_FIELDS))
+                if on_url and on_part:
+                    where = f"{param}.{on_part[0]}"
+                    raise APIError(
+                        400,
+                        f"{where}: frame fields are given on both the part and its video_url; "
+                        "give them in one place",
+                        param=where,
+                    )
+                fields = src if on_url else p
                 urls.append((url, f"{param}.video_url", routes_videos.selection(fields)))
                 parts.append({"type": "video"})
             else:
@@ -144,6 +170,40 @@ def _split_images(
             code="too_many_images",
         )
     return out, urls
+
+
+_FRAME_FIELDS = frozenset({"num_frames", "fps", "timestamps"})
+#: The fields each content part type uses (besides ``type``).
+_PART_FIELDS = {
+    "text": frozenset({"text"}),
+    "image_url": frozenset({"image_url"}),
+    "video_url": frozenset({"video_url"}) | _FRAME_FIELDS,
+}
+
+
+def _given(part: ContentPart, names: frozenset[str]) -> set[str]:
+    """The fields among ``names`` that the client set to something other than null."""
+    return {f for f in part.model_fields_set & names if getattr(part, f) is not None}
+
+
+def _check_part_fields(part: ContentPart, param: str) -> None:
+    """Refuse a field that the part's type does not use (an ``image_url`` on a text
+    part, frame fields on an image part) and a text part without text.
+
+    Raises:
+        APIError: 400 naming ``messages[i].content[j].<field>``.
+    """
+    every = frozenset().union(*_PART_FIELDS.values())
+    stray = sorted(_given(part, every - _PART_FIELDS[part.type]))
+    if stray:
+        where = f"{param}.{stray[0]}"
+        raise APIError(
+            400,
+            f"{where}: not used by a {part.type!r} part, so it is refused rather than ignored",
+            param=where,
+        )
+    if part.type == "text" and part.text is None:
+        raise APIError(400, f"{param}.text: field required in a text part", param=f"{param}.text")
 
 
 def _expand_videos(

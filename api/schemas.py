@@ -1,25 +1,73 @@
-"""Request bodies of the OpenAI-compatible, image and video routes (extra fields are ignored)."""
+"""Request bodies of the OpenAI-compatible, image and video routes.
+
+Field policy (README, "HTTP API"): every model forbids unknown fields, so a field
+the server does not know is a 400 naming its full path (``messages[0].content[1].
+image_url.foo: unknown field ...``). OpenAI fields the server knows but does not act
+on are declared here and refused by :func:`_refuse_unless_default` when set to
+anything but their default, with a message saying why.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from mmserve.engine.request import MAX_TOP_LOGPROBS
 
+#: The model config of every request body: unknown fields are refused.
+STRICT = ConfigDict(extra="forbid")
+
+#: Most tools in one request (OpenAI's limit).
+MAX_TOOLS = 128
+#: OpenAI's function name rule (tools[].function.name, tool_choice.function.name).
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+def _refuse_unless_default(
+    value: Any, info: ValidationInfo, defaults: dict[str, tuple[Any, ...]], why: str
+) -> Any:
+    """Pass ``value`` if it is one of ``defaults[info.field_name]``, else refuse it.
+
+    Raises:
+        PydanticCustomError: ``unsupported_field``, answered as a 400 naming the field.
+    """
+    if value in defaults[info.field_name]:
+        return value
+    allowed = " or ".join(json.dumps(d) for d in defaults[info.field_name])
+    raise PydanticCustomError(
+        "unsupported_field",
+        "not supported by this server ({why}), so it is refused rather than ignored; "
+        "remove it or set it to {allowed}",
+        {"why": why, "allowed": allowed},
+    )
+
 
 class ImageURL(BaseModel):
-    """``image_url`` part: an uploaded image id (``img-...``) or a ``data:`` URL."""
+    """``image_url`` part: an uploaded image id (``img-...``) or a ``data:`` URL.
 
+    ``detail`` may only be ``"auto"`` (or absent): every image is processed at the
+    model's own resolution, so ``"low"``/``"high"`` would not be honoured.
+    """
+
+    model_config = STRICT
     url: str
     detail: str | None = None
+
+    @field_validator("detail")
+    @classmethod
+    def _detail(cls, value: str | None, info: ValidationInfo) -> str | None:
+        why = "images are always processed at the model's own resolution"
+        return _refuse_unless_default(value, info, {"detail": (None, "auto")}, why)
 
 
 class FrameFields(BaseModel):
     """Which frames of a video: one of ``num_frames``, ``fps`` or ``timestamps``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     num_frames: int | None = Field(default=None, ge=1, description="frames spread uniformly")
     fps: float | None = Field(default=None, gt=0, description="frames per second of video")
     timestamps: list[float] | None = Field(default=None, description="times in seconds")
@@ -40,24 +88,70 @@ class ContentPart(FrameFields):
     video_url: VideoURL | str | None = None
 
 
-class ChatMessage(BaseModel):
-    """A chat message; content is a string or a list of parts ("developer" acts as "system")."""
+#: OpenAI message fields the server does not act on, with their accepted values.
+_MESSAGE_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "name": (None,),
+    "refusal": (None,),
+    "audio": (None,),
+    "function_call": (None,),
+    "tool_calls": (None, []),
+    "tool_call_id": (None,),
+}
 
-    model_config = ConfigDict(extra="ignore")
+
+class ChatMessage(BaseModel):
+    """A chat message; content is a string or a list of parts ("developer" acts as "system").
+
+    Tool turns are refused: a ``tool`` message, or an assistant message with
+    ``tool_calls``, gets a 400 naming the field, since the chat templates this server
+    loads have no way to render them (give a tool's result as text in a user message).
+    ``name``, ``refusal``, ``audio`` and ``function_call`` are refused when set.
+    """
+
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
+    name: Any = None
+    refusal: Any = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, value: Any) -> Any:
+        if value in ("tool", "function"):
+            raise PydanticCustomError(
+                "unsupported_field",
+                "{role} messages are not supported: this server does not render tool "
+                "results into the prompt; give the tool's result as text in a user message",
+                {"role": repr(value)},
+            )
+        return value
+
+    @field_validator(*_MESSAGE_DEFAULTS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        why = {
+            "tool_calls": "earlier tool calls are not rendered into the prompt; give them "
+            "as text in an assistant message",
+            "tool_call_id": "tool results are not rendered into the prompt",
+        }.get(info.field_name, "the chat template has no place for it")
+        return _refuse_unless_default(value, info, _MESSAGE_DEFAULTS, why)
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final chunk with usage."""
+    """``stream_options``: ``include_usage`` adds a final chunk with usage (no other key)."""
 
+    model_config = STRICT
     include_usage: bool = False
 
 
 class JSONSchemaFormat(BaseModel):
     """``response_format.json_schema`` (OpenAI): a named JSON Schema the output must match."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(min_length=1, max_length=64, description="the schema's name")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -69,7 +163,7 @@ class JSONSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """``response_format`` (OpenAI): ``text``, ``json_object`` or ``json_schema``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -82,7 +176,7 @@ class SamplingFields(BaseModel):
     (vLLM's extension fields; see ``api/structured.py``).
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = Field(default=None, description="the served model (default: it)")
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -104,13 +198,120 @@ class SamplingFields(BaseModel):
     )
 
 
+class FunctionDefinition(BaseModel):
+    """``tools[].function``: a function the model may be made to call.
+
+    ``parameters`` is the JSON Schema of its arguments (an object; absent means no
+    arguments), checked like ``response_format`` schemas (api/structured.py).
+    ``description`` is accepted and not shown to the model (the chat templates served
+    have no tool section); ``strict`` is accepted, the schema is always enforced.
+    """
+
+    model_config = STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _function_name(value)
+
+
+class Tool(BaseModel):
+    """One entry of ``tools``: only ``{"type": "function", "function": {...}}``."""
+
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    """``tool_choice.function``: the name of the function to call."""
+
+    model_config = STRICT
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _function_name(value)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
+
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _function_name(value: str) -> str:
+    if not re.fullmatch(FUNCTION_NAME_PATTERN, value):
+        raise PydanticCustomError(
+            "function_name",
+            "a function name is 1 to 64 letters, digits, underscores or dashes; got {name}",
+            {"name": repr(value[:80])},
+        )
+    return value
+
+
+#: OpenAI chat fields the server does not act on, with the values accepted (their
+#: defaults) and why another value is refused.
+_CHAT_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "user": ((None,), "no per-user tracking"),
+    "metadata": ((None, {}), "completions are not stored"),
+    "store": ((None, False), "completions are not stored"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "modalities": ((None, ["text"]), "the output is text only"),
+    "audio": ((None,), "the output is text only"),
+    "prediction": ((None,), "no predicted outputs"),
+    "reasoning_effort": ((None,), "the model has no reasoning setting"),
+    "verbosity": ((None,), "the model has no verbosity setting"),
+    "web_search_options": ((None,), "no web search"),
+    "prompt_cache_key": ((None,), "the prefix cache needs no key"),
+    "safety_identifier": ((None,), "no per-user tracking"),
+    "functions": ((None,), "legacy function calling: use tools and tool_choice"),
+    "function_call": ((None,), "legacy function calling: use tools and tool_choice"),
+}
+
+
 class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions`` body."""
+    """``POST /v1/chat/completions`` body.
+
+    Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is enforced by
+    constrained decoding; see :mod:`api.structured` for the rules. The fields of
+    :data:`_CHAT_DEFAULTS` are refused unless left at their defaults.
+    """
 
     messages: list[ChatMessage] = Field(min_length=1)
     n: int | None = Field(default=1, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator(*_CHAT_DEFAULTS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        defaults, why = _CHAT_DEFAULTS[info.field_name]
+        return _refuse_unless_default(value, info, {info.field_name: defaults}, why)
 
 
 class AskRequest(SamplingFields):
@@ -135,6 +336,8 @@ class VideoQARequest(SamplingFields, FrameFields):
 
 
 class ImageUploadJSON(BaseModel):
-    """JSON form of ``POST /v1/images``."""
+    """JSON form of ``POST /v1/images`` and ``POST /v1/videos`` (no other field)."""
+
+    model_config = STRICT
 
     data: str = Field(description="the image file, base64-encoded")

@@ -7,12 +7,21 @@ constraint) and vLLM's extension fields ``guided_regex``, ``guided_choice`` and
 checked on the request's thread (keywords xgrammar would not enforce, malformed
 schemas, regexes and grammars get a 400 naming the field); compiling against the
 vocabulary happens in the front end (:class:`~mmserve.engine.processor.InputProcessor`).
+
+Tool calling (:func:`tool_calling`) rides on the same machinery: ``tool_choice``
+``"required"`` or a named function becomes a JSON-schema spec built from the tools'
+``parameters``, and the answer is read back as OpenAI ``tool_calls``.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
 from api.errors import APIError
-from api.schemas import SamplingFields
+from api.schemas import ChatCompletionRequest, SamplingFields
 from mmserve.engine.grammar import GrammarError, GuidedSpec, check_spec
 
 #: The structured-output fields, in the order they are named in errors.
@@ -73,3 +82,224 @@ def _response_format(body: SamplingFields) -> GuidedSpec:
             field,
         )
     return GuidedSpec.json_schema(js.schema_, "response_format.json_schema.schema")
+
+
+# ---- tool calling ----------------------------------------------------------------------
+#: Most calls in one answer with ``"required"`` (the grammar closes the array there),
+#: so that a model that keeps adding calls ends before ``max_tokens``.
+MAX_PARALLEL_TOOL_CALLS = 8
+
+#: Schema keywords holding subschemas: by name, in a list, or one.
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
+_SCHEMA_LISTS = frozenset({"anyOf", "prefixItems"})
+_SCHEMA_VALUES = frozenset({"items", "additionalProperties"})
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """An enforced tool call: the grammar of the answer, and how to read it back.
+
+    With a named function (``tool_choice: {"type": "function", "function": {"name"}}``)
+    the answer is that function's arguments, a JSON object valid under its
+    ``parameters``. With ``"required"`` it is a JSON array of ``{"name": <one of the
+    tools>, "arguments": <valid under that tool's parameters>}``: 1 to
+    :data:`MAX_PARALLEL_TOOL_CALLS` calls, exactly one when ``parallel_tool_calls`` is
+    false.
+
+    Attributes:
+        spec: the JSON-schema spec the answer is decoded under.
+        name: the named function; None for ``"required"``.
+        parallel: whether several calls may be made (``"required"`` only).
+    """
+
+    spec: GuidedSpec
+    name: str | None
+    parallel: bool
+
+    def parse(self, text: str) -> list[dict] | None:
+        """OpenAI ``tool_calls`` (``[{"id": "call_...", "type": "function", "function":
+        {"name", "arguments"}}]``, arguments a JSON string) from a complete answer.
+
+        Returns:
+            None when ``text`` is not a complete answer of the expected shape (cut by
+            ``max_tokens`` or a stop string).
+        """
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.name is not None:
+            return [tool_call(self.name, text)] if isinstance(value, dict) else None
+        if not isinstance(value, list) or not value:
+            return None
+        calls = []
+        for call in value:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            if not isinstance(call.get("arguments"), dict):
+                return None
+            arguments = json.dumps(call["arguments"], ensure_ascii=False, separators=(", ", ": "))
+            calls.append(tool_call(call["name"], arguments))
+        return calls
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    """One OpenAI tool call with a fresh ``call_...`` id; ``arguments`` is JSON text."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def tool_calling(body: ChatCompletionRequest) -> ToolCalling | None:
+    """Check ``tools``, ``tool_choice`` and ``parallel_tool_calls``; the enforced tool
+    call they ask for, or None for a plain answer.
+
+    Rules: every tool's ``parameters`` must be an object schema the grammar enforces
+    (checked like ``response_format`` schemas; absent means no arguments), and names
+    are unique. ``tool_choice`` ``"none"`` answers in text, ignoring the tools;
+    ``"auto"`` (the default when tools are given) is refused, since the server has no
+    parser to find tool calls in free text. Tools cannot be combined with
+    ``response_format`` or ``guided_*``.
+
+    Raises:
+        APIError: 400 naming the field: a bad or duplicate tool, ``tool_choice`` (or
+            ``parallel_tool_calls: false``) without tools, ``"auto"``, a named
+            function that is not among the tools, or a structured-output field as well.
+    """
+    choice = body.tool_choice
+    if body.tools is None:
+        if choice not in (None, "none"):
+            raise APIError(
+                400,
+                "tool_choice needs tools: give the functions in tools, or drop tool_choice",
+                param="tool_choice",
+            )
+        if body.parallel_tool_calls is False:
+            raise APIError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls")
+        return None
+    schemas = _tool_schemas(body)
+    given = _structured_fields(body)
+    if given:
+        raise APIError(
+            400,
+            f"{given[0]} cannot be combined with tools: a tool call's arguments already "
+            "follow the tool's parameters schema; give one or the other",
+            param=given[0],
+        )
+    if choice is None or choice == "auto":
+        raise APIError(
+            400,
+            'tool_choice "auto" (the default when tools are given) needs a tool-call parser, '
+            'which this server does not have; set tool_choice to "required" (the model '
+            'calls one of the tools), {"type": "function", "function": {"name": ...}} (it '
+            'calls that one) or "none" (it answers in text)',
+            param="tool_choice",
+        )
+    if choice == "none":
+        return None
+    if choice == "required":
+        parallel = body.parallel_tool_calls is not False
+        spec = GuidedSpec.json_schema(_calls_schema(schemas, parallel), "tools")
+        _check(spec)
+        return ToolCalling(spec, None, parallel)
+    name = choice.function.name
+    if name not in schemas:
+        raise APIError(
+            400,
+            f"tool_choice.function.name: no tool is named {name!r}; the tools are "
+            f"{', '.join(repr(n) for n in schemas)}",
+            param="tool_choice.function.name",
+        )
+    index = list(schemas).index(name)
+    spec = GuidedSpec.json_schema(schemas[name], f"tools[{index}].function.parameters")
+    return ToolCalling(spec, name, False)
+
+
+def _structured_fields(body: SamplingFields) -> list[str]:
+    rf = body.response_format
+    values = (rf if rf is not None and rf.type != "text" else None,) + tuple(
+        getattr(body, f) for f in FIELDS[1:]
+    )
+    return [f for f, v in zip(FIELDS, values, strict=True) if v is not None]
+
+
+def _tool_schemas(body: ChatCompletionRequest) -> dict[str, dict]:
+    """Each tool's arguments schema by name, checked (object type added if absent)."""
+    out: dict[str, dict] = {}
+    for i, tool in enumerate(body.tools or []):
+        fn = tool.function
+        if fn.name in out:
+            param = f"tools[{i}].function.name"
+            raise APIError(400, f"{param}: {fn.name!r} names two tools", param=param)
+        param = f"tools[{i}].function.parameters"
+        schema = {"type": "object", "properties": {}} if fn.parameters is None else fn.parameters
+        kind = schema.get("type", "object")
+        if kind != "object":
+            raise APIError(
+                400,
+                f"{param}.type: a function's arguments are a JSON object, so its "
+                f'parameters schema must have type "object"; got {kind!r}',
+                param=f"{param}.type",
+            )
+        schema = {"type": "object", **schema}
+        spec = GuidedSpec.json_schema(schema, param)
+        _check(spec)
+        out[fn.name] = schema
+    return out
+
+
+def _check(spec: GuidedSpec) -> None:
+    try:
+        check_spec(spec)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param or spec.param) from None
+
+
+def _calls_schema(schemas: dict[str, dict], parallel: bool) -> dict:
+    """The schema of ``"required"``: an array of ``{"name", "arguments"}`` calls.
+
+    Each tool's schema moves to ``$defs.tool<i>`` with its local references
+    (``#/...``) rebased there, so that its own ``$defs`` keep resolving.
+    """
+    defs, cases = {}, []
+    for i, (name, schema) in enumerate(schemas.items()):
+        base = f"#/$defs/tool{i}"
+        defs[f"tool{i}"] = _rebase_refs(schema, base)
+        cases.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": {"$ref": base}},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    out: dict[str, Any] = {
+        "type": "array",
+        "items": {"anyOf": cases},
+        "minItems": 1,
+        "maxItems": MAX_PARALLEL_TOOL_CALLS if parallel else 1,
+        "$defs": defs,
+    }
+    return out
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """A copy of ``schema`` (already checked) with every ``$ref`` ``#<pointer>`` made
+    ``<base><pointer>``; data (``enum``, ``const``, ...) is left as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _rebase_refs(v, base) for k, v in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_rebase_refs(v, base) for v in value]
+        elif key in _SCHEMA_VALUES:
+            out[key] = _rebase_refs(value, base)
+        else:
+            out[key] = value
+    return out

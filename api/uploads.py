@@ -55,10 +55,13 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
         file = form.get("file")
         if not isinstance(file, UploadFile):
             raise APIError(400, "multipart upload needs a file field named 'file'", param="file")
+        _refuse_other_fields(list(form.keys()), "file", f"the {what} as the field 'file'")
         return await file.read(max_bytes + 1), "file"
     if ctype.startswith("application/json"):
         try:
             body = json.loads(await request.body())
+            if isinstance(body, dict):
+                _refuse_other_fields(list(body), "data", f'{{"data": "<base64 {what} bytes>"}}')
             return base64.b64decode(body["data"], validate=True), "data"
         except (ValueError, KeyError, TypeError, binascii.Error):
             raise APIError(
@@ -69,3 +72,20 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
         'send multipart/form-data (field \'file\') or application/json ({"data": "<base64>"})',
         code="unsupported_media_type",
     )
+
+
+def _refuse_other_fields(names: list[str], expected: str, shape: str) -> None:
+    """Refuse upload fields other than ``expected`` (given once); ``shape`` says what to send.
+
+    Raises:
+        APIError: 400 naming the first other (or repeated) field.
+    """
+    other = [n for n in names if n != expected]
+    if other or names.count(expected) > 1:
+        name = other[0] if other else expected
+        raise APIError(
+            400,
+            f"{name}: unknown or repeated upload field; the server does not act on it, so it "
+            f"is refused rather than ignored: send only {shape}",
+            param=name,
+        )
