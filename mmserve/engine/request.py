@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
+from mmserve.cache.page_table import PageTable
+
 if TYPE_CHECKING:
     from mmserve.engine.grammar import GrammarState, GuidedSpec
     from mmserve.engine.messages import TokenDelta
@@ -197,7 +199,7 @@ class Request:
         self.arrival = time.perf_counter()
         self.output_ids: list[int] = []
         self.emitted = 0  # output ids already handed out in a TokenDelta
-        self.pages: list[int] = []
+        self.pages = PageTable()
         self.reserved_pages = 0
         self.cached_len = 0
         self.admissions = 0

@@ -163,7 +163,7 @@ class Scheduler:
             if prompt_pages + reserve > available:
                 self._unlock(m.last_node)
                 break  # keep order: a big request is not overtaken forever
-            req.pages = list(m.pages) + self._alloc(prompt_pages)
+            req.pages.reset(list(m.pages) + self._alloc(prompt_pages))
             req.reserved_pages = reserve
             req.tree_len = req.computed_len = req.admit_len = m.length
             if req.admissions == 0:
@@ -374,7 +374,7 @@ class Scheduler:
         rest = req.pages[keep:]
         if rest:
             self.alloc.free(rest)
-        req.pages = []
+        req.pages.reset()
         req.reserved_pages = 0
         req.last_node = None
         if req in self.running:

@@ -64,7 +64,9 @@ def build_metadata(
 
     Args:
         page_tables: per request, its page ids covering at least
-            ``prefix_len + extend_len`` tokens (extra trailing pages are ignored).
+            ``prefix_len + extend_len`` tokens (extra trailing pages are ignored): a
+            :class:`~mmserve.cache.page_table.PageTable` (its tensor is used as is, no
+            Python loop over pages) or a sequence of ints.
         prefix_lens: per request, tokens whose K/V is already in the pool.
         extend_lens: per request, new tokens computed this step (>= 1).
         page_size: tokens per page ``P`` (>= 1).
@@ -81,9 +83,10 @@ def build_metadata(
         raise ValueError("page_tables, prefix_lens and extend_lens differ in length")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    qo_indptr, kv_indptr, kv_indices, last_len = [0], [0], [], []
-    out_loc: list[int] = []
-    positions: list[int] = []
+    qo_indptr, kv_indptr, last_len = [0], [0], []
+    chunks: list[torch.Tensor] = []  # each request's used page ids, int32
+    locs: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
     seq_lens = []
     for pages, prefix, extend in zip(page_tables, prefix_lens, extend_lens, strict=True):
         if extend < 1 or prefix < 0:
@@ -92,14 +95,19 @@ def build_metadata(
         n_pages = -(-seq // page_size)
         if len(pages) < n_pages:
             raise ValueError(f"{seq} tokens need {n_pages} pages, page table has {len(pages)}")
-        used = list(pages[:n_pages])
-        kv_indices.extend(used)
+        # a PageTable hands over a view; a list is converted (tests, other callers)
+        used = (
+            pages.tensor(n_pages)
+            if hasattr(pages, "tensor")
+            else torch.tensor(list(pages[:n_pages]), dtype=torch.int32)
+        ).to(device=device, dtype=torch.int32)
+        chunks.append(used)
         kv_indptr.append(kv_indptr[-1] + n_pages)
         qo_indptr.append(qo_indptr[-1] + extend)
         last_len.append(seq - (n_pages - 1) * page_size)
-        for pos in range(prefix, seq):
-            out_loc.append(used[pos // page_size] * page_size + pos % page_size)
-        positions.extend(range(prefix, seq))
+        pos = torch.arange(prefix, seq, dtype=torch.int64, device=device)
+        locs.append(used[pos // page_size].to(torch.int64) * page_size + pos % page_size)
+        positions.append(pos)
         seq_lens.append(seq)
 
     def i32(x: list[int]) -> torch.Tensor:
@@ -108,11 +116,11 @@ def build_metadata(
     return AttentionMetadata(
         qo_indptr=i32(qo_indptr),
         kv_indptr=i32(kv_indptr),
-        kv_indices=i32(kv_indices),
+        kv_indices=torch.cat(chunks),
         kv_last_page_len=i32(last_len),
         page_size=page_size,
-        out_cache_loc=torch.tensor(out_loc, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        out_cache_loc=torch.cat(locs),
+        positions=torch.cat(positions),
         seq_lens=seq_lens,
         extend_lens=list(extend_lens),
         is_decode=all(e == 1 for e in extend_lens),
