@@ -24,7 +24,7 @@ from mmserve.engine.grammar import GuidedDecoding
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.processor import InputProcessor, RequestError
 from mmserve.engine.request import GenerateResult, Request
-from mmserve.engine.sampling import sample_token, token_logprob
+from mmserve.engine.sampling import LogitsProcessors, sample_token, token_logprob
 from mmserve.engine.scheduler import Scheduler
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.vision.embedding_cache import EmbeddingCache
@@ -96,6 +96,7 @@ class Engine:
         self.guided = GuidedDecoding(
             model, self.processor.grammars, jump_forward=not config.disable_jump_forward
         )
+        self.processors = LogitsProcessors(shape.vocab_size, model.eos_token_ids, config.device)
         self.stats = EngineStats()
         self._by_rid: dict[str, Request] = {}
 
@@ -206,7 +207,11 @@ class Engine:
         else:
             return []
         self.stats.consecutive_failed_steps = 0
-        rows = self.guided.apply_masks(batch, rows)  # structured output: grammar masks
+        # logit_bias and penalties, then the grammar masks, then min_tokens (which
+        # yields to a grammar that allows only end of sequence): see engine.sampling
+        rows = self.processors.apply(batch, rows)
+        rows = self.guided.apply_masks(batch, rows)
+        rows = self.processors.apply_min_tokens(batch, rows)
         now = time.perf_counter()
         for req, row in zip(batch, rows, strict=True):
             try:
@@ -255,9 +260,10 @@ class Engine:
         if req.grammar is not None:  # may append jump-forward tokens
             reason = self.guided.advance(req, logits) or reason
         text = self.model.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        cut = first_stop(text, p.stop)
-        if cut is not None:
-            text, reason = text[:cut], "stop"
+        if p.stop and len(req.output_ids) >= p.min_tokens:  # vLLM: none before min_tokens
+            cut = first_stop(text, p.stop, self._stop_floor(req))
+            if cut is not None:
+                text, reason = text[:cut], "stop"
         req.text = text
         if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
@@ -269,6 +275,16 @@ class Engine:
             self.scheduler.extend(req)
         if req.on_update is not None:
             req.on_update(req)
+
+    def _stop_floor(self, req: Request) -> int:
+        """Characters of output text a stop string may not end within: the text of the
+        first ``min_tokens - 1`` tokens (a stop string must end in a later token)."""
+        if req.params.min_tokens <= 1:
+            return 0
+        if req.stop_floor is None:  # once, when min_tokens outputs first exist
+            head = req.output_ids[: req.params.min_tokens - 1]
+            req.stop_floor = len(self.model.tokenizer.decode(head, skip_special_tokens=True))
+        return req.stop_floor
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -332,13 +348,19 @@ class Engine:
         }
 
 
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
+def first_stop(text: str, stops: Sequence[str], floor: int = 0) -> int | None:
     """Where ``text`` must end: the start of the earliest occurrence of any stop string.
 
     The list order does not matter (OpenAI's behaviour); ties start at one position.
 
+    Args:
+        text: the output text so far.
+        stops: the stop strings (non-empty).
+        floor: only occurrences that end after character ``floor`` count (text before
+            ``min_tokens`` outputs existed is not searched).
+
     Returns:
         The character index to cut at, or None when no stop string occurs.
     """
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    found = [i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in stops) if i >= 0]
     return min(found) if found else None
