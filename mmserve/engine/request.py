@@ -29,11 +29,16 @@ class SamplingParams:
         seed: per-request sampling seed (None: random).
         stop: strings that end generation; the text is cut before them.
         ignore_eos: keep going after an end-of-sequence token.
-        return_logits: keep each step's fp32 logits ``[vocab]`` (tests, debugging).
+        return_logits: keep each step's fp32 logits ``[vocab]`` (tests, debugging): the
+            row sampled from, after the logits processors and the grammar mask, before
+            temperature.
         logprobs: None (off) or how many top alternatives (0..20) to report with each
             output token's log-probability (natural log, of the unscaled distribution;
             for a constrained request, of that distribution restricted to what the
-            grammar allows, see :mod:`mmserve.engine.grammar`).
+            grammar allows, see :mod:`mmserve.engine.grammar`). ``logit_bias``, the
+            penalties and ``min_tokens`` are included (the distribution the token is
+            drawn from, up to temperature, top-k and top-p; vLLM's default raw logprobs
+            leave them out).
         guided: structured output the text must match (a JSON schema, regex, choice or
             grammar; :class:`~mmserve.engine.grammar.GuidedSpec`), or None.
         logit_bias: token id -> bias in [-100, 100] added to that id's logit (OpenAI's
