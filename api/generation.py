@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -11,9 +12,12 @@ from api.errors import APIError
 from api.schemas import SamplingFields
 from api.structured import guided_spec
 from mmserve.engine.processor import InputProcessor, RequestError
-from mmserve.engine.request import ImageInput, Request, SamplingParams
+from mmserve.engine.request import ImageInput, ParamError, Request, SamplingParams
 
-_PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "stop", "top_logprobs")
+#: A ``logit_bias`` key: a token id written in decimal, no sign but "-", no leading
+#: zeros, spaces or underscores (which ``int`` would accept), so two keys never name
+#: one id.
+_TOKEN_ID = re.compile(r"-?(0|[1-9][0-9]{0,18})")
 
 
 def sampling_params(body: SamplingFields) -> SamplingParams:
@@ -38,14 +42,37 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
         ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         guided=guided_spec(body),
+        logit_bias=_logit_bias(body.logit_bias),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_tokens=body.min_tokens or 0,
     )
-    try:
-        replace(params, max_tokens=params.max_tokens or 1).validate()
-    except ValueError as e:
-        msg = str(e)
-        param = next((p for p in _PARAM_NAMES if msg.startswith(p)), None)
-        raise APIError(400, msg, param=param) from None
+    try:  # without max_tokens, make_requests picks one of at least min_tokens
+        replace(params, max_tokens=params.max_tokens or max(1, params.min_tokens)).validate()
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.param) from None
     return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` with its keys as ints (the vocabulary bound is checked by the
+    processor, which knows the tokenizer).
+
+    Raises:
+        APIError: 400 naming ``logit_bias`` for a key that is not a decimal token id.
+    """
+    if not bias:
+        return None
+    for key in bias:
+        if not _TOKEN_ID.fullmatch(key):
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids written as decimal integers "
+                f'(like "50256"), got {key[:40]!r}',
+                param="logit_bias",
+            )
+    return {int(k): v for k, v in bias.items()}
 
 
 async def make_requests(
@@ -61,17 +88,28 @@ async def make_requests(
 
     ``videos`` (each its frames) fill the video parts on a model with a video path.
 
-    ``params.max_tokens == 0`` means "not given": up to ``default_max_tokens``, capped at
-    what the context and the KV pool leave after the prompt.
+    ``params.max_tokens == 0`` means "not given": up to ``default_max_tokens`` (or
+    ``params.min_tokens`` if more), capped at what the context and the KV pool leave
+    after the prompt.
 
     Raises:
-        APIError: 400 for a prompt the engine refuses (too long, bad placeholders, ...).
+        APIError: 400 for a prompt the engine refuses (too long, bad placeholders, ...),
+            or ``min_tokens`` beyond the room the prompt leaves.
     """
     if not params.max_tokens:
         # the prompt alone must leave room for one token; the error then names the prompt
-        first = await _make(processor, messages, images, replace(params, max_tokens=1), videos)
+        one = replace(params, max_tokens=1, min_tokens=0)
+        first = await _make(processor, messages, images, one, videos)
         room = processor.output_room(first.prompt_len)
-        params = replace(params, max_tokens=max(1, min(default_max_tokens, room)))
+        if params.min_tokens > room:
+            raise APIError(
+                400,
+                f"min_tokens ({params.min_tokens}) is more than the {room} tokens the "
+                f"context and the KV pool leave after the {first.prompt_len}-token prompt",
+                param="min_tokens",
+            )
+        want = max(default_max_tokens, params.min_tokens)
+        params = replace(params, max_tokens=max(1, min(want, room)))
     reqs = []
     for i in range(n):
         p = params

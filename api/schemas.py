@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from mmserve.engine.request import MAX_TOP_LOGPROBS
+from mmserve.engine.request import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 #: The model config of every request body: unknown fields are refused.
 STRICT = ConfigDict(extra="forbid")
@@ -195,6 +195,28 @@ class SamplingFields(BaseModel):
     )
     guided_grammar: str | None = Field(
         default=None, description="vLLM extension: an EBNF grammar (root rule 'root')"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        description="token id (a decimal string) -> bias in [-100, 100] added to its logit",
+    )
+    presence_penalty: float | None = Field(
+        default=None, ge=-2.0, le=2.0, description="subtracted once per id already in the output"
+    )
+    frequency_penalty: float | None = Field(
+        default=None, ge=-2.0, le=2.0, description="times an id's count in the output, subtracted"
+    )
+    repetition_penalty: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_REPETITION_PENALTY,
+        description="vLLM extension: divides (multiplies if negative) logits of prompt and "
+        "output ids; 1 is off",
+    )
+    min_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="vLLM extension: no end of sequence or stop string before this many tokens",
     )
 
 

@@ -124,7 +124,8 @@ class TextStream:
         tokenizer: see :class:`IncrementalDetokenizer`.
         stop: strings that end the text (the earliest occurrence of any of them wins,
             whatever their order; the text is cut before it).
-        min_tokens: stop strings are not looked for before this many output tokens.
+        min_tokens: stop strings are not looked for before this many output tokens, and
+            must end after the text of the first ``min_tokens - 1`` (as vLLM).
 
     Attributes:
         text: the answer so far (cut at a stop string once one is found).
@@ -143,6 +144,8 @@ class TextStream:
         self.sent = 0
         self.stopped = False
         self.num_tokens = 0
+        self._floor = 0  # stop strings must end after this character (min_tokens)
+        self._searched = False
 
     def push(self, ids: Sequence[int]) -> str:
         """Add output ids (after a stop: ignored); returns text now safe to show."""
@@ -151,6 +154,9 @@ class TextStream:
                 break
             self.num_tokens += 1
             piece = self.detok.push([tok])
+            if self.num_tokens == self.min_tokens - 1:
+                # stop strings must end after the text of the first min_tokens - 1 tokens
+                self._floor = len(self.detok._decode(self.detok.ids))
             if piece:
                 self._add(piece)
         return self._release(final=self.stopped)
@@ -168,9 +174,12 @@ class TextStream:
         self.text += piece
         if not self.stop or self.num_tokens < self.min_tokens:
             return
-        # a stop may begin up to len(stop) - 1 characters before the new piece
-        lo = max(0, start - self._holdback)
-        found = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+        # a stop may begin up to len(stop) - 1 characters before the new piece; the
+        # first search (min_tokens just reached) looks back to the floor
+        lo = (start if self._searched else self._floor) - self._holdback
+        self._searched = True
+        hits = (self.text.find(s, max(0, lo, self._floor - len(s) + 1)) for s in self.stop)
+        found = [i for i in hits if i >= 0]
         if found:
             self.text = self.text[: min(found)]
             self.stopped = True
@@ -182,13 +191,19 @@ class TextStream:
         return out
 
 
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where ``text`` must end: the start of the earliest occurrence of any stop string.
+def first_stop(text: str, stops: Sequence[str], floor: int = 0) -> int | None:
+    """Where ``text`` must end: the start of the earliest occurrence of any stop string
+    (the one-shot reference of :class:`TextStream`).
 
     The list order does not matter (OpenAI's behaviour); ties start at one position.
+
+    Args:
+        text: the output text.
+        stops: the stop strings (non-empty).
+        floor: only occurrences that end after character ``floor`` count.
 
     Returns:
         The character index to cut at, or None when no stop string occurs.
     """
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    found = [i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in stops) if i >= 0]
     return min(found) if found else None

@@ -28,7 +28,7 @@ from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.output import OutputCollector
 from mmserve.engine.processor import InputProcessor, RequestError
 from mmserve.engine.request import GenerateResult, Request
-from mmserve.engine.sampling import sample_token, token_logprob
+from mmserve.engine.sampling import LogitsProcessors, sample_token, token_logprob
 from mmserve.engine.scheduler import Scheduler
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.vision.embedding_cache import EmbeddingCache
@@ -101,6 +101,7 @@ class Engine:
         self.guided = GuidedDecoding(
             model, self.processor.grammars, jump_forward=not config.disable_jump_forward
         )
+        self.processors = LogitsProcessors(shape.vocab_size, model.eos_token_ids, config.device)
         self.stats = EngineStats()
         self._by_rid: dict[str, Request] = {}
         self._stop_hits: list[str] = []  # tracked requests a stop string ended
@@ -235,7 +236,11 @@ class Engine:
         if not batch:
             return []
         rows = torch.cat(rows) if len(rows) > 1 else rows[0]
-        rows = self.guided.apply_masks(batch, rows)  # structured output: grammar masks
+        # logit_bias and penalties, then the grammar masks, then min_tokens (which
+        # yields to a grammar that allows only end of sequence): see engine.sampling
+        rows = self.processors.apply(batch, rows)
+        rows = self.guided.apply_masks(batch, rows)
+        rows = self.processors.apply_min_tokens(batch, rows)
         now = time.perf_counter()
         for req, row in zip(batch, rows, strict=True):
             try:

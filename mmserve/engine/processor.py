@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from mmserve.config import EngineConfig
 from mmserve.engine.grammar import GrammarCache, GrammarError
 from mmserve.engine.prompt import PromptBuilder, PromptError
-from mmserve.engine.request import ImageInput, Request, SamplingParams
+from mmserve.engine.request import ImageInput, ParamError, Request, SamplingParams
 from mmserve.engine.sampling import make_generator
 from mmserve.model.loader import LoadedModel
 from mmserve.vision.hashing import image_key, processor_fingerprint
@@ -57,6 +57,8 @@ class InputProcessor:
         self.shortest_edge = shortest_edge(model.processor.image_processor)
         #: compiled structured-output grammars (built here, off the engine thread)
         self.grammars = GrammarCache(model)
+        #: ids a client may name (``logit_bias``): the tokenizer's, padding rows excluded
+        self.vocab_size = len(model.tokenizer)
 
     def prepare_image(self, data: bytes) -> ImageInput:
         """Decode and hash an encoded image (no preprocessing).
@@ -92,7 +94,10 @@ class InputProcessor:
         """
         params = params or SamplingParams()
         try:
-            params.validate()
+            params.validate(vocab_size=self.vocab_size)
+        except ParamError as e:
+            raise RequestError(str(e), param=e.param) from None
+        try:
             if (messages is None) == (prompt is None):
                 raise RequestError("give exactly one of messages or prompt")
             if messages is not None:

@@ -17,6 +17,7 @@ from mmserve.cache.page_table import PageTable
 if TYPE_CHECKING:
     from mmserve.engine.grammar import GrammarState, GuidedSpec
     from mmserve.engine.messages import TokenDelta
+    from mmserve.engine.sampling import ProcessorState
 
 
 @dataclass
@@ -31,13 +32,33 @@ class SamplingParams:
         seed: per-request sampling seed (None: random).
         stop: strings that end generation; the text is cut before them.
         ignore_eos: keep going after an end-of-sequence token.
-        return_logits: keep each step's fp32 logits ``[vocab]`` (tests, debugging).
+        return_logits: keep each step's fp32 logits ``[vocab]`` (tests, debugging): the
+            row sampled from, after the logits processors and the grammar mask, before
+            temperature.
         logprobs: None (off) or how many top alternatives (0..20) to report with each
             output token's log-probability (natural log, of the unscaled distribution;
             for a constrained request, of that distribution restricted to what the
-            grammar allows, see :mod:`mmserve.engine.grammar`).
+            grammar allows, see :mod:`mmserve.engine.grammar`). ``logit_bias``, the
+            penalties and ``min_tokens`` are included (the distribution the token is
+            drawn from, up to temperature, top-k and top-p; vLLM's default raw logprobs
+            leave them out).
         guided: structured output the text must match (a JSON schema, regex, choice or
             grammar; :class:`~mmserve.engine.grammar.GuidedSpec`), or None.
+        logit_bias: token id -> bias in [-100, 100] added to that id's logit (OpenAI's
+            ``logit_bias``); None or empty: off. Ids must be vocabulary ids (checked
+            against the tokenizer by :meth:`validate` when given ``vocab_size``).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every id that
+            already occurs in the output (OpenAI's definition). 0: off.
+        frequency_penalty: in [-2, 2]; times an id's count in the output, subtracted
+            from its logit (OpenAI's definition). 0: off.
+        repetition_penalty: in (0, 2]; CTRL-style (Keskar et al., arXiv 1909.05858,
+            Section 4.1, as transformers and vLLM apply it) over prompt and output ids:
+            a positive logit is divided by it, a negative one multiplied. 1: off.
+        min_tokens: in [0, max_tokens]; until this many tokens are out, end-of-sequence
+            ids cannot be sampled and stop strings are not looked for (vLLM's meaning).
+
+    :mod:`mmserve.engine.sampling` (``LogitsProcessors``) says where and in which order
+    the last five apply.
     """
 
     max_tokens: int = 16
@@ -50,13 +71,41 @@ class SamplingParams:
     return_logits: bool = False
     logprobs: int | None = None
     guided: GuidedSpec | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
-    def validate(self) -> None:
+    def has_logits_processors(self) -> bool:
+        """Whether logit bias, a penalty or ``min_tokens`` changes the logits at all."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
         """Check ranges.
 
+        Args:
+            vocab_size: the tokenizer's size; when given, ``logit_bias`` ids must be
+                below it.
+
         Raises:
-            ValueError: naming the parameter that is out of range.
+            ParamError: (a ValueError) whose message starts with, and whose ``param``
+                is, the parameter that is out of range.
         """
+        try:
+            self._validate(vocab_size)
+        except ParamError:
+            raise
+        except ValueError as e:  # the message starts with the field's name
+            raise ParamError(str(e), str(e).split(" ", 1)[0]) from None
+
+    def _validate(self, vocab_size: int | None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -73,6 +122,60 @@ class SamplingParams:
             raise ValueError(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0.0 < rp <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 is off), got {rp!r}"
+            )
+        mt = self.min_tokens
+        if not _is_int(mt) or mt < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {mt!r}")
+        if mt > self.max_tokens:
+            raise ValueError(f"min_tokens ({mt}) must not exceed max_tokens ({self.max_tokens})")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+        for tok, value in bias.items():
+            if not _is_int(tok):
+                raise ValueError(f"logit_bias keys must be integer token ids, got {tok!r}")
+            if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                top = f"0..{vocab_size - 1}" if vocab_size is not None else "ids >= 0"
+                raise ValueError(f"logit_bias has token id {tok}, outside the vocabulary ({top})")
+            if not _is_number(value) or not -100.0 <= value <= 100.0:
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-100, 100], got {value!r} "
+                    f"for token id {tok}"
+                )
+
+
+class ParamError(ValueError):
+    """A sampling parameter out of range; ``param`` names it (``logit_bias``, ...)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: Largest ``SamplingParams.repetition_penalty`` (vLLM's documented range is (0, 2]).
+MAX_REPETITION_PENALTY = 2.0
 
 
 #: Most alternatives ``SamplingParams.logprobs`` may ask for (OpenAI's limit).
@@ -180,7 +283,10 @@ class Request:
     positions are backed by tree-owned pages locked through ``last_node``.
     ``pages`` lists the request's page ids in order; ``reserved_pages`` are
     promised for future decode steps. ``grammar`` is the matcher of a constrained
-    request (set by the front end), else None.
+    request (set by the front end), else None. ``processed`` says whether its
+    parameters change the logits (:meth:`SamplingParams.has_logits_processors`);
+    ``processor_state`` is then the engine's per-request state for that
+    (:class:`~mmserve.engine.sampling.ProcessorState`, made on first use).
     """
 
     def __init__(
@@ -219,6 +325,8 @@ class Request:
         self.abort_requested = False
         self.error: str | None = None
         self.grammar: GrammarState | None = None
+        self.processed = params.has_logits_processors()
+        self.processor_state: ProcessorState | None = None
 
     @property
     def prompt_len(self) -> int:
