@@ -40,6 +40,8 @@ class ServerSettings:
             their first token; beyond it the server answers 503 with ``Retry-After``.
         retry_after_seconds: the ``Retry-After`` value sent with a 503 (seconds).
         max_request_bytes: largest request body (bytes); larger gets 413.
+        max_json_depth: most nested arrays and objects in a JSON request body (the
+            body itself counts 1); deeper gets 400.
         max_questions: most questions in one ``/v1/images/{id}/ask`` call.
         max_n: most choices (``n``) in one chat completion.
         default_max_tokens: ``max_tokens`` when the client gives none (tokens; capped at
@@ -66,6 +68,7 @@ class ServerSettings:
     max_queued_requests: int = 256
     retry_after_seconds: int = 1
     max_request_bytes: int = 64 << 20
+    max_json_depth: int = 64
     max_questions: int = 32
     max_n: int = 16
     default_max_tokens: int = 256
@@ -95,6 +98,7 @@ class ServerSettings:
             "max_stored_image_bytes",
             "max_queued_requests",
             "max_request_bytes",
+            "max_json_depth",
             "max_questions",
             "max_n",
             "default_max_tokens",
