@@ -18,6 +18,7 @@ from api.auth import APIKeyMiddleware
 from api.body_limit import BodyLimitMiddleware
 from api.errors import APIError, install_error_handlers
 from api.image_store import ImageStore
+from api.json_body import JSONBodyRoute
 from api.media import MediaResolver
 from api.metrics import Metrics
 from api.settings import ServerSettings
@@ -70,6 +71,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         aengine.stop()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser
     app.state.mm = state
     app.state.engine = engine
     app.state.async_engine = aengine

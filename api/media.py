@@ -2,7 +2,8 @@
 
 Accepted: an uploaded image id (``img-...`` or ``mmserve://images/img-...``)
 and ``data:<mime>;base64,...`` URLs. ``http(s)://`` URLs only when the
-operator passed ``--allow-remote-images``; ``file://`` URLs only inside
+operator passed ``--allow-remote-images``, and then only to public addresses
+(:mod:`api.remote_fetch`); ``file://`` URLs only inside
 ``--allowed-local-media-path``. Everything else is a 400 that says how to
 upload instead.
 """
@@ -11,19 +12,21 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
 from api.image_store import ImageStore
+from api.remote_fetch import RemoteFetcher, RemoteFetchError, Resolver
 from api.settings import ServerSettings
 from mmserve.engine.request import ImageInput
 from mmserve.vision.image import ImageError, ImageLimits
+
+log = logging.getLogger(__name__)
 
 IMAGE_ID = re.compile(r"^(?:mmserve://images/)?(img-[0-9a-f]{32})$")
 UPLOAD_HINT = (
@@ -43,6 +46,8 @@ class MediaResolver:
         transient_images: images from data URLs, remote URLs and files kept (memory only,
             apart from the uploads so that they never evict an upload) so that a repeated
             one skips decoding.
+        resolver: host name -> addresses for remote URLs (default: the system's
+            ``getaddrinfo``); tests inject one.
     """
 
     def __init__(
@@ -51,6 +56,7 @@ class MediaResolver:
         limits: ImageLimits,
         settings: ServerSettings,
         transient_images: int = 64,
+        resolver: Resolver | None = None,
     ) -> None:
         self.store = store
         self.transient = ImageStore(store.prepare, max_images=transient_images)
@@ -58,6 +64,14 @@ class MediaResolver:
         self.settings = settings
         local = settings.allowed_local_media_path
         self.local_root = Path(local).resolve() if local else None
+        self.fetcher = RemoteFetcher(
+            max_bytes=limits.max_bytes,
+            timeout=settings.remote_image_timeout,
+            max_redirects=settings.remote_image_max_redirects,
+            allowed_networks=settings.allowed_networks(),
+        )
+        if resolver is not None:
+            self.fetcher.resolver = resolver
 
     async def resolve(self, url: str, param: str) -> ImageInput:
         """The image that ``url`` names.
@@ -117,23 +131,25 @@ class MediaResolver:
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_image") from None
 
     def _fetch(self, url: str, param: str) -> bytes:
-        limit = self.limits.max_bytes
-        req = urllib.request.Request(url, headers={"User-Agent": "mmserve"})
+        """The bytes of a remote image (:class:`~api.remote_fetch.RemoteFetcher` rules).
+
+        Raises:
+            APIError: 400 ``image_url_not_allowed`` for a URL, address or redirect the
+                server does not fetch; 400 ``invalid_image`` for a body over the byte
+                limit; 400 ``image_fetch_failed`` otherwise. The message never repeats
+                what the remote side answered.
+        """
         try:
-            with urllib.request.urlopen(req, timeout=self.settings.remote_image_timeout) as r:
-                data = r.read(limit + 1)
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise APIError(
-                400, f"{param}: could not fetch image: {e}", param=param, code="image_fetch_failed"
-            ) from None
-        if len(data) > limit:
-            raise APIError(
-                400,
-                f"{param}: remote image is over {limit} bytes",
-                param=param,
-                code="invalid_image",
-            )
-        return data
+            return self.fetcher.fetch(url)
+        except RemoteFetchError as e:
+            log.info("remote image %s refused or failed: %s (%s)", param, e.message, e.detail)
+            if e.refused:
+                code = "image_url_not_allowed"
+                msg = f"{param}: image URL refused: {e.message}"
+            else:
+                code = "invalid_image" if e.too_large else "image_fetch_failed"
+                msg = f"{param}: {e.message}"
+            raise APIError(400, msg, param=param, code=code) from None
 
     def _read_local(self, url: str, param: str) -> bytes:
         if self.local_root is None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.errors import APIError
+from api.json_body import refuse_body
 from api.state import State
 
 router = APIRouter()
@@ -36,11 +37,12 @@ async def cache_stats(st: State) -> dict:
 
 
 @router.post("/v1/cache/flush")
-async def flush_cache(st: State) -> dict:
+async def flush_cache(request: Request, st: State) -> dict:
     """Drop the radix tree (all its KV pages) and the vision-embedding cache.
 
-    Refused with 409 while any request waits or runs.
+    Refused with 409 while any request waits or runs; it takes no body (400 for one).
     """
+    await refuse_body(request)
 
     def flush() -> dict:
         try:

@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from api import routes_videos
 from api.errors import APIError, field_path
 from api.generation import make_requests, sampling_params
+from api.json_body import JSONBodyRoute
 from api.openai_format import TokenText, chat_completion, chat_stream
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.state import ServerState, State
@@ -20,7 +21,7 @@ from api.submit import ClientDisconnected
 from mmserve.engine.request import ImageInput
 from mmserve.vision.video import FrameSelection
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.get("/v1/models")

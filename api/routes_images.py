@@ -11,13 +11,14 @@ from fastapi.responses import Response
 from api.errors import APIError
 from api.generation import make_requests, sampling_params
 from api.image_store import StoredImage
+from api.json_body import JSONBodyRoute
 from api.openai_format import usage
 from api.schemas import AskRequest
 from api.state import ServerState, State
 from api.submit import ClientDisconnected
 from api.uploads import read_upload, upload_body
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 _UPLOAD_BODY = upload_body("image")
 

@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from api.errors import APIError, error_body
 from api.generation import make_requests, sampling_params
+from api.json_body import JSONBodyRoute
 from api.media import decode_data_url
 from api.schemas import FrameFields, VideoQARequest
 from api.state import ServerState, State
@@ -35,7 +36,7 @@ from api.video_store import (
 from mmserve.engine.request import Request as EngineRequest
 from mmserve.vision.video import FrameFailure, FrameSelection, VideoError
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 VIDEO_HINT = (
     "upload the video with POST /v1/videos (multipart field 'file') and pass its id "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from api.remote_fetch import IPNetwork, parse_networks
 from mmserve.vision.video import VideoLimits
 
 #: Environment variable read for the API key when ``--api-key`` is not given.
@@ -25,11 +26,22 @@ class ServerSettings:
         allow_remote_images: fetch ``http(s)://`` image URLs (default: refused).
         allowed_local_media_path: directory whose files ``file://`` image URLs may name
             (None: local paths refused).
-        remote_image_timeout: seconds allowed for fetching one remote image.
+        remote_image_timeout: seconds for fetching one remote image, name lookups,
+            connections, redirects and slow reads all included (a deadline, not a
+            per-read timeout).
+        remote_image_max_redirects: most redirects followed when fetching a remote image
+            (each hop is checked like the first; 0 follows none).
+        remote_image_allowed_networks: comma-separated CIDRs (e.g. 10.1.0.0/16,::1/128)
+            that remote image URLs may point to although they are not public; by default
+            a URL whose host resolves to any loopback, private, link-local, multicast,
+            unspecified or other non-global address (IPv4, IPv6 and IPv4 embedded in
+            IPv6) is refused, at every redirect.
         max_queued_requests: most requests submitted to the engine and still waiting for
             their first token; beyond it the server answers 503 with ``Retry-After``.
         retry_after_seconds: the ``Retry-After`` value sent with a 503 (seconds).
         max_request_bytes: largest request body (bytes); larger gets 413.
+        max_json_depth: most nested arrays and objects in a JSON request body (the
+            body itself counts 1); deeper gets 400.
         max_questions: most questions in one ``/v1/images/{id}/ask`` call.
         max_n: most choices (``n``) in one chat completion.
         default_max_tokens: ``max_tokens`` when the client gives none (tokens; capped at
@@ -51,9 +63,12 @@ class ServerSettings:
     allow_remote_images: bool = False
     allowed_local_media_path: str | None = None
     remote_image_timeout: float = 10.0
+    remote_image_max_redirects: int = 3
+    remote_image_allowed_networks: str = ""
     max_queued_requests: int = 256
     retry_after_seconds: int = 1
     max_request_bytes: int = 64 << 20
+    max_json_depth: int = 64
     max_questions: int = 32
     max_n: int = 16
     default_max_tokens: int = 256
@@ -83,6 +98,7 @@ class ServerSettings:
             "max_stored_image_bytes",
             "max_queued_requests",
             "max_request_bytes",
+            "max_json_depth",
             "max_questions",
             "max_n",
             "default_max_tokens",
@@ -97,3 +113,19 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retry_after_seconds < 0 or self.remote_image_timeout <= 0:
             raise ValueError("retry_after_seconds must be >= 0 and remote_image_timeout > 0")
+        if self.remote_image_max_redirects < 0:
+            raise ValueError(
+                f"remote_image_max_redirects must be >= 0, got {self.remote_image_max_redirects}"
+            )
+        try:
+            self.allowed_networks()
+        except ValueError as e:
+            raise ValueError(f"remote_image_allowed_networks: {e}") from None
+
+    def allowed_networks(self) -> tuple[IPNetwork, ...]:
+        """The networks of ``remote_image_allowed_networks``.
+
+        Raises:
+            ValueError: naming an entry that is not a CIDR.
+        """
+        return parse_networks(self.remote_image_allowed_networks or "")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 
 from fastapi import Request
 from starlette.datastructures import UploadFile
 
 from api.errors import APIError
+from api.json_body import json_media_type, read_json_object
 
 
 def upload_body(what: str) -> dict:
@@ -44,10 +44,12 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
     request field they came from.
 
     Raises:
-        APIError: 400 for a malformed body, 415 for another content type.
+        APIError: 400 for a malformed body (a JSON body goes through
+            :func:`api.json_body.read_json_object`) or unknown JSON fields, 415 for
+            another content type.
     """
     ctype = request.headers.get("content-type", "")
-    if ctype.startswith("multipart/form-data"):
+    if ctype.lower().startswith("multipart/form-data"):
         try:
             form = await request.form()
         except ValueError as e:  # starlette's MultiPartException, bad boundaries, ...
@@ -57,16 +59,17 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
             raise APIError(400, "multipart upload needs a file field named 'file'", param="file")
         _refuse_other_fields(list(form.keys()), "file", f"the {what} as the field 'file'")
         return await file.read(max_bytes + 1), "file"
-    if ctype.startswith("application/json"):
+    if json_media_type(ctype) or ctype.lower().startswith("application/json"):
+        _, body = await read_json_object(request)  # 400 for any body that is not an object
+        usage = f'JSON upload must be {{"data": "<base64 {what} bytes>"}}'
+        _refuse_other_fields(list(body), "data", f'{{"data": "<base64 {what} bytes>"}}')
+        data = body.get("data")
+        if not isinstance(data, str):
+            raise APIError(400, f"data: expected a base64 string; {usage}", param="data")
         try:
-            body = json.loads(await request.body())
-            if isinstance(body, dict):
-                _refuse_other_fields(list(body), "data", f'{{"data": "<base64 {what} bytes>"}}')
-            return base64.b64decode(body["data"], validate=True), "data"
-        except (ValueError, KeyError, TypeError, binascii.Error):
-            raise APIError(
-                400, f'JSON upload must be {{"data": "<base64 {what} bytes>"}}', param="data"
-            ) from None
+            return base64.b64decode(data, validate=True), "data"
+        except (ValueError, binascii.Error):
+            raise APIError(400, f"data: not valid base64; {usage}", param="data") from None
     raise APIError(
         415,
         'send multipart/form-data (field \'file\') or application/json ({"data": "<base64>"})',
@@ -83,9 +86,10 @@ def _refuse_other_fields(names: list[str], expected: str, shape: str) -> None:
     other = [n for n in names if n != expected]
     if other or names.count(expected) > 1:
         name = other[0] if other else expected
+        what = "unknown field" if other else "repeated upload field"
         raise APIError(
             400,
-            f"{name}: unknown or repeated upload field; the server does not act on it, so it "
+            f"{name}: {what}; the server does not act on it, so it "
             f"is refused rather than ignored: send only {shape}",
             param=name,
         )

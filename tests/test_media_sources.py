@@ -56,6 +56,10 @@ def test_remote_urls_only_when_allowed(make_engine, http_server, photos) -> None
         assert r.status_code == 400
         assert "--allow-remote-images" in r.json()["error"]["message"]
     allowed = ServerSettings(served_model_name=MODEL, allow_remote_images=True)
+    with TestClient(create_app(engine, allowed)) as c:  # loopback is not public
+        err = ask(c, url).json()["error"]
+        assert err["code"] == "image_url_not_allowed", err
+    allowed.remote_image_allowed_networks = "127.0.0.0/8"
     with TestClient(create_app(engine, allowed)) as c:
         r = ask(c, url)
         assert r.status_code == 200, r.text

@@ -38,6 +38,7 @@ from api.auth import APIKeyMiddleware
 from api.body_limit import BodyLimitMiddleware
 from api.errors import APIError, install_error_handlers
 from api.image_store import ImageStore
+from api.json_body import JSONBodyRoute, refuse_body
 from api.media import MediaResolver
 from api.metrics import Metrics
 from api.replicas.client import STREAMED, CancelGuard, ReplicaClient, ReplicaEngineClient
@@ -215,6 +216,7 @@ def create_ingress_app(
         videos=VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
     )
     app = FastAPI(title="mmserve", version="0.1.0")
+    app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser
     app.state.mm = state
     app.state.image_store = store
     app.state.replicas = replicas
@@ -281,9 +283,11 @@ def create_ingress_app(
         }
 
     @app.post("/v1/cache/flush")
-    async def flush_cache() -> dict:
+    async def flush_cache(request: Request) -> dict:
         """Flush every replica's prefix and embedding caches and the router's trees;
-        409 if any replica has requests running (the idle ones are flushed)."""
+        409 if any replica has requests running (the idle ones are flushed); it takes
+        no body (400 for one)."""
+        await refuse_body(request)
         got = await replicas.broadcast("flush")
         for uid, res in got.items():
             if isinstance(res, dict) and res.get("flushed"):
