@@ -171,3 +171,25 @@ def frameless(fmt: str) -> bytes:
         for p in [*a.encode(fr), *a.encode(), *s.encode()]:
             c.mux(p)
     return buf.getvalue()
+
+
+def pyav_frames(data: bytes) -> list[np.ndarray]:
+    """PyAV's own decode of every frame, in presentation order, as stored (no display
+    rotation): ``frame.to_ndarray(format="rgb24")``."""
+    av = pytest.importorskip("av")
+    with av.open(io.BytesIO(data)) as c:
+        frames = list(c.decode(video=0))
+    return [f.to_ndarray(format="rgb24") for f in sorted(frames, key=lambda f: f.pts)]
+
+
+def set_mp4_duration(data: bytes, seconds: float) -> bytes:
+    """MP4 ``data`` whose movie and media headers (``mvhd``, ``mdhd``, version 0, first
+    track) claim ``seconds``, whatever the frames' times say (FFmpeg then reads that as the
+    container's and the stream's duration)."""
+    for box in (b"mvhd", b"mdhd"):
+        at = data.index(box) + 4
+        assert data[at] == 0, "version 1 headers (64-bit fields) are not handled"
+        scale = int.from_bytes(data[at + 12 : at + 16], "big")
+        field = round(seconds * scale).to_bytes(4, "big")
+        data = data[: at + 16] + field + data[at + 20 :]
+    return data

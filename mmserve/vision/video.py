@@ -367,6 +367,19 @@ class _Index:
         """Decode position of the key frame that starts the group holding position ``p``."""
         return self.keys[bisect_right(self.keys, p) - 1]
 
+    def start_for(self, i: int) -> int:
+        """Decode position of a key frame from which decoding reaches frame ``i``: the last
+        key frame before its packet that is also shown no later than it. In an open group
+        of pictures (MPEG-4 Part 2, H.264 with open GOPs) the frames shown before their
+        group's key frame predict from the previous group; FFmpeg drops them after a seek
+        to their own key frame."""
+        p = self.pos[i]
+        k = bisect_right(self.keys, p) - 1
+        if self.timed:
+            while k > 0 and self.pts[self.keys[k]] > self.pts[p]:  # type: ignore[operator]
+                k -= 1
+        return self.keys[k]
+
 
 def _open(data: bytes):  # noqa: ANN202 - av.container.InputContainer
     import av
@@ -494,7 +507,7 @@ class _Pass:
         try:
             while self.pending:
                 first = min(self.pending, key=ix.pos.__getitem__)
-                start = ix.gop(ix.pos[first])
+                start = ix.start_for(first)
                 if self.packets is None or (
                     self.seekable and ix.pos[first] > self.cursor and start > self.cursor + 1
                 ):
@@ -581,11 +594,13 @@ class _Pass:
                 return
             self.fresh = False
             self.cursor = p
-            group = ix.gop(p)
-            if group in self.gop_error:
-                self.tainted[i] = (
-                    f"follows undecodable data in its key frame group ({self.gop_error[group]})"
-                )
+            # the groups it may predict from: its own, and the previous one if it is shown
+            # before its own key frame
+            lo, hi = ix.start_for(i), ix.gop(p)
+            hurt = ix.keys[bisect_right(ix.keys, lo) - 1 : bisect_right(ix.keys, hi)]
+            errors = [self.gop_error[g] for g in hurt if g in self.gop_error]
+            if errors:
+                self.tainted[i] = f"follows undecodable data it may predict from ({errors[0]})"
         try:
             frames = self.codec.decode(packet)
         except Exception as e:  # noqa: BLE001 - a damaged packet
