@@ -227,20 +227,31 @@ def selection(fields: FrameFields) -> FrameSelection:
 
 
 async def expand_video(
-    st: ServerState, data: bytes, sel: FrameSelection, param: str, skip: bool = False
+    st: ServerState,
+    data: bytes,
+    sel: FrameSelection,
+    param: str,
+    skip: bool = False,
+    fields_at: str = "",
 ) -> tuple[list[Frame], list[FrameFailure]]:
     """Decode and hash the selected frames of an encoded video.
 
     Args:
+        param: the request field holding the video (named by errors about the video).
         skip: leave out selected frames that do not decode (and return them) rather
             than refuse the video.
+        fields_at: where the frame selection fields sit in the request (``""`` for the
+            top level, ``"messages[0].content[1].video_url."`` for a content part).
 
     Returns:
         ``(frames, skipped)``; ``skipped`` is empty unless ``skip``.
 
     Raises:
-        APIError: 400 ``invalid_video`` naming the problem (bad file or selection, a
-            frame that does not decode when not ``skip``, or none that decodes).
+        APIError: 400 ``invalid_video`` naming the problem (bad file, a frame that does
+            not decode when not ``skip``, or none that decodes); 400
+            ``invalid_frame_selection`` naming the selection field (``timestamps``,
+            ``fps``, ``num_frames``) for a selection that does not fit the video, e.g. a
+            timestamp at or past its end (the message gives the duration).
     """
 
     def work() -> tuple[list[Frame], list[FrameFailure]]:
@@ -252,6 +263,11 @@ async def expand_video(
     try:
         return await run_in_threadpool(work)
     except VideoError as e:
+        if e.field is not None:
+            where = fields_at + e.field
+            raise APIError(
+                400, f"{where}: {e}", param=where, code="invalid_frame_selection"
+            ) from None
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_video") from None
 
 
@@ -274,13 +290,13 @@ async def resolve_video(st: ServerState, url: str, sel: FrameSelection, param: s
                 param=param,
                 code="video_not_found",
             )
-        return (await expand_video(st, entry.data, sel, param))[0]
+        return (await expand_video(st, entry.data, sel, param, fields_at=f"{param}."))[0]
     if url.split(":", 1)[0].lower() != "data":
         raise APIError(
             400, f"{param}: unsupported video url; {VIDEO_HINT}", param=param, code="invalid_video"
         )
     data = decode_data_url(url, param)
-    return (await expand_video(st, data, sel, param))[0]
+    return (await expand_video(st, data, sel, param, fields_at=f"{param}."))[0]
 
 
 def clip_prompt(

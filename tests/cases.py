@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, PngImagePlugin
 
-from tests.videos import rgb_frames
+from tests.videos import encode_video, marked_frames, rgb_frames, set_mp4_duration
 
 # File name -> what the file is. Names used by the tests must not change.
 CASES: dict[str, str] = {
@@ -58,6 +58,17 @@ CASES: dict[str, str] = {
     "one-frame.mp4": "H.264 MP4 64x48, 1 frame",
     "static-12.mp4": "H.264 MP4 64x48, 12 identical frames (lossless, decode identically)",
     "truncated.mp4": "the first half of a 30-frame MP4 with its moov atom at the end (no index)",
+    # valid videos that decord refused, and display rotation (marked_frames corners)
+    "tiny-8x8.mp4": "H.264 MP4 8x8, 3 frames",
+    "odd-13x7-yuv444.mp4": "H.264 4:4:4 MP4 13x7 (odd sizes), 3 frames",
+    "png-rgb24.mov": "PNG (rgb24, lossless) in MOV 48x32, 3 frames",
+    "rotated-90.mp4": "H.264 MP4 stored 64x48, display matrix 90 deg counter-clockwise (48x64)",
+    "rotated-180.mp4": "H.264 MP4 stored 64x48, display matrix 180 deg",
+    "rotated-270.mp4": "H.264 MP4 stored 64x48, display matrix 270 deg counter-clockwise (48x64)",
+    # variable frame rate: frames at 0, 0.1, 0.2, 2.0, 2.1 and 3.9 s
+    "vfr.mp4": "H.264 MP4 32x24, variable frame rate, lasts 4.0 s",
+    "vfr-audio-5s.mp4": "vfr.mp4 with a 5 s silent AAC track (container 5.0 s, video 4.0 s)",
+    "vfr-header-2.3s.mp4": "vfr.mp4 whose mvhd and mdhd headers claim 2.3 s",
 }
 
 
@@ -277,11 +288,25 @@ def _video_cases() -> dict[str, bytes]:
     assert mp4_boxes(longer)[-1] == b"moov", mp4_boxes(longer)
     truncated = longer[: len(longer) // 2]
     assert b"moov" not in mp4_boxes(truncated)
+    vfr = {"pts": [0, 100, 200, 2000, 2100, 3900], "end": 4000, "options": {"bf": "0"}}
+    marked = marked_frames(6, 32, 24)
     return {
         "three-frames.mp4": mp4(rgb_frames(3, seed=1)),
         "one-frame.mp4": mp4(rgb_frames(1, seed=2)),
         "static-12.mp4": mp4(static, qp="0"),
         "truncated.mp4": truncated,
+        "tiny-8x8.mp4": encode_video(marked_frames(3, 8, 8)),
+        "odd-13x7-yuv444.mp4": encode_video(marked_frames(3, 13, 7), pix_fmt="yuv444p"),
+        "png-rgb24.mov": encode_video(
+            marked_frames(3, 48, 32), codec="png", pix_fmt="rgb24", fmt="mov"
+        ),
+        **{
+            f"rotated-{deg}.mp4": encode_video(marked_frames(3, 64, 48), rotation=deg)
+            for deg in (90, 180, 270)
+        },
+        "vfr.mp4": encode_video(marked, **vfr),
+        "vfr-audio-5s.mp4": encode_video(marked, audio_seconds=5.0, **vfr),
+        "vfr-header-2.3s.mp4": set_mp4_duration(encode_video(marked, **vfr), 2.3),
     }
 
 

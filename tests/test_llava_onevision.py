@@ -320,7 +320,7 @@ def test_modes_have_distinct_keys(ov_loaded, shapes) -> None:  # noqa: ANN001
 def clip12() -> bytes:
     from tests.videos import encode_mp4, rgb_frames
 
-    pytest.importorskip("decord")
+    pytest.importorskip("av")
     return encode_mp4(rgb_frames(12, seed=11), fps=10)
 
 
@@ -437,7 +437,7 @@ def test_overlapping_clips_share_their_first_frames(make_ov_engine, clip12) -> N
 def test_static_video_runs_the_tower_once(make_ov_engine) -> None:  # noqa: ANN001
     from tests.videos import encode_mp4, rgb_frames
 
-    pytest.importorskip("decord")
+    pytest.importorskip("av")
     eng = make_ov_engine()
     static = encode_mp4([rgb_frames(1, seed=5)[0]] * 12)
     with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:

@@ -15,7 +15,7 @@ from mmserve.vision.video import (
 )
 from tests.videos import encode_mp4, frameless, rgb_frames
 
-pytest.importorskip("decord")
+pytest.importorskip("av")
 
 LIMITS = VideoLimits()
 
@@ -107,7 +107,10 @@ def test_variable_frame_rate() -> None:
     data = encode_mp4(rgb_frames(5), pts_ms=[0, 100, 500, 600, 1500])
     v = Video(data, LIMITS)
     assert v.info.frame_times == pytest.approx((0.0, 0.1, 0.5, 0.6, 1.5), abs=1e-3)
-    assert v.indices(FrameSelection(timestamps=(0.3, 1.0, 1.6))) == [1, 3, 4]
+    assert v.indices(FrameSelection(timestamps=(0.3, 1.0, 1.59))) == [1, 3, 4]
+    assert v.info.duration == pytest.approx(1.6)  # the last frame lasts 1/fps
+    with pytest.raises(VideoError, match=r"timestamp 1.6 s is at or beyond the video.s duration"):
+        v.indices(FrameSelection(timestamps=(1.6,)))
     assert v.indices(FrameSelection(fps=2.0)) == [0, 2, 3, 4]
 
 

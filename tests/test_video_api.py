@@ -13,7 +13,7 @@ from mmserve.vision.video import Video, VideoLimits
 from tests.conftest import png_bytes
 from tests.videos import encode_mp4, frameless, rgb_frames
 
-pytest.importorskip("decord")
+pytest.importorskip("av")
 
 QS = ["What is this?", "Describe the colors."]
 GREEDY = {"max_tokens": 3, "temperature": 0.0}

@@ -1,4 +1,5 @@
-"""Tiny test videos encoded with PyAV (H.264 in MP4), in memory."""
+"""Tiny test videos encoded with PyAV, in memory: H.264 MP4s, and any codec, container,
+pixel format, size, display rotation or variable frame rate (:func:`encode_video`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+
+#: Colours of the corner marks of :func:`marked_frames` (RGB).
+RED, GREEN, BLUE = (230, 20, 20), (20, 220, 20), (20, 20, 230)
 
 
 def rgb_frames(n: int, w: int = 64, h: int = 48, seed: int = 0) -> list[np.ndarray]:
@@ -25,23 +29,126 @@ def rgb_frames(n: int, w: int = 64, h: int = 48, seed: int = 0) -> list[np.ndarr
     return out
 
 
+def marked_frames(n: int, w: int, h: int) -> list[np.ndarray]:
+    """``n`` distinct ``h x w`` frames of any size (1 pixel up) whose orientation shows:
+    a red top-left, a green top-right and a blue bottom-left block (a third of each side,
+    at least 1 pixel) on a grey that changes from frame to frame."""
+    bw, bh = max(1, w // 3), max(1, h // 3)
+    out = []
+    for i in range(n):
+        f = np.full((h, w, 3), 90 + (37 * i) % 100, dtype=np.uint8)
+        f[:bh, :bw] = RED
+        f[:bh, w - bw :] = GREEN
+        f[h - bh :, :bw] = BLUE
+        out.append(f)
+    return out
+
+
+def corner_colours(frame: np.ndarray) -> str:
+    """The colour at each corner of an RGB frame, top-left, top-right, bottom-left,
+    bottom-right: ``R``, ``G``, ``B`` for a mark of :func:`marked_frames`, ``.`` for grey."""
+
+    def name(px: np.ndarray) -> str:
+        r, g, b = (int(v) for v in px)
+        if max(r, g, b) - min(r, g, b) < 80:
+            return "."
+        return "RGB"[int(np.argmax([r, g, b]))]
+
+    return "".join(name(frame[y, x]) for y, x in ((0, 0), (0, -1), (-1, 0), (-1, -1)))
+
+
+def encode_video(
+    frames: Sequence[np.ndarray],
+    *,
+    fps: int = 10,
+    codec: str = "libx264",
+    fmt: str = "mp4",
+    pix_fmt: str = "yuv420p",
+    pts: Sequence[int] | None = None,
+    end: int | None = None,
+    time_base: Fraction = Fraction(1, 1000),
+    rotation: float | None = None,
+    hflip: bool = False,
+    vflip: bool = False,
+    options: dict[str, str] | None = None,
+    audio_seconds: float | None = None,
+) -> bytes:
+    """Encode RGB ``frames`` with PyAV (one thread, so the bytes are the same anywhere).
+
+    Args:
+        frames: ``(h, w, 3)`` uint8 arrays, all the same shape.
+        fps: nominal frame rate (frames are ``1/fps`` apart unless ``pts`` is given).
+        codec, fmt, pix_fmt: encoder, container format and the stream's pixel format.
+        pts: each frame's presentation time in ``time_base`` units (a variable frame
+            rate); each packet's duration is set to the gap to the next frame.
+        end: when the last frame ends, in ``time_base`` units (default its pts + 1/fps);
+            with ``pts``, the video stream lasts until then.
+        time_base: the unit of ``pts`` and ``end``.
+        rotation: display rotation in degrees counter-clockwise (stored as the stream's
+            display matrix, with ``hflip``/``vflip`` mirrors after it).
+        options: encoder options (e.g. ``{"bf": "0"}``, ``{"qp": "0"}``).
+        audio_seconds: add a silent AAC track this long (the container then lasts as
+            long as the longer track).
+
+    Returns:
+        The file's bytes.
+    """
+    av = pytest.importorskip("av")
+    h, w = frames[0].shape[:2]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as c:
+        s = c.add_stream(codec, rate=fps, options=dict(options or {}))
+        s.width, s.height, s.pix_fmt = w, h, pix_fmt
+        s.codec_context.thread_count = 1
+        if rotation is not None or hflip or vflip:
+            s.set_display_rotation(rotation or 0, hflip=hflip, vflip=vflip)
+        audio = c.add_stream("aac", rate=8000) if audio_seconds else None
+        gaps: dict[int, int] = {}
+        if pts is not None:
+            s.codec_context.time_base = time_base
+            s.time_base = time_base
+            last = end if end is not None else pts[-1] + int(1 / (fps * time_base))
+            gaps = {t: b - t for t, b in zip(pts, [*pts[1:], last], strict=True)}
+        packets = []
+        for i, f in enumerate(frames):
+            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
+            if pts is not None:
+                vf.pts, vf.time_base = pts[i], time_base
+            packets += s.encode(vf)
+        packets += s.encode()
+        for p in packets:
+            if p.pts in gaps:
+                p.duration = gaps[p.pts]
+            c.mux(p)
+        if audio is not None:
+            samples = round(8000 * audio_seconds)
+            for k in range(0, samples, 1024):
+                n = min(1024, samples - k)
+                af = av.AudioFrame.from_ndarray(
+                    np.zeros((1, n), dtype=np.float32), format="fltp", layout="mono"
+                )
+                af.sample_rate, af.pts, af.time_base = 8000, k, Fraction(1, 8000)
+                for p in audio.encode(af):
+                    c.mux(p)
+            for p in audio.encode():
+                c.mux(p)
+    return buf.getvalue()
+
+
 def encode_mp4(
     frames: Sequence[np.ndarray], fps: int = 10, pts_ms: Sequence[int] | None = None
 ) -> bytes:
-    """H.264 MP4 bytes of RGB ``frames``; ``pts_ms`` gives a variable frame rate."""
+    """H.264 MP4 bytes of RGB ``frames``; ``pts_ms`` gives a variable frame rate (no
+    B-frames; the last frame lasts ``1/fps``)."""
+    if pts_ms is not None:
+        return encode_video(frames, fps=fps, pts=pts_ms, options={"bf": "0"})
     av = pytest.importorskip("av")
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as c:
         s = c.add_stream("libx264", rate=fps)
         s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
-        if pts_ms is not None:
-            s.codec_context.time_base = Fraction(1, 1000)
-            s.time_base = Fraction(1, 1000)
-        for i, f in enumerate(frames):
+        for f in frames:
             vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
-            if pts_ms is not None:
-                vf.pts = pts_ms[i]
-                vf.time_base = Fraction(1, 1000)
             for p in s.encode(vf):
                 c.mux(p)
         for p in s.encode():
@@ -64,3 +171,25 @@ def frameless(fmt: str) -> bytes:
         for p in [*a.encode(fr), *a.encode(), *s.encode()]:
             c.mux(p)
     return buf.getvalue()
+
+
+def pyav_frames(data: bytes) -> list[np.ndarray]:
+    """PyAV's own decode of every frame, in presentation order, as stored (no display
+    rotation): ``frame.to_ndarray(format="rgb24")``."""
+    av = pytest.importorskip("av")
+    with av.open(io.BytesIO(data)) as c:
+        frames = list(c.decode(video=0))
+    return [f.to_ndarray(format="rgb24") for f in sorted(frames, key=lambda f: f.pts)]
+
+
+def set_mp4_duration(data: bytes, seconds: float) -> bytes:
+    """MP4 ``data`` whose movie and media headers (``mvhd``, ``mdhd``, version 0, first
+    track) claim ``seconds``, whatever the frames' times say (FFmpeg then reads that as the
+    container's and the stream's duration)."""
+    for box in (b"mvhd", b"mdhd"):
+        at = data.index(box) + 4
+        assert data[at] == 0, "version 1 headers (64-bit fields) are not handled"
+        scale = int.from_bytes(data[at + 12 : at + 16], "big")
+        field = round(seconds * scale).to_bytes(4, "big")
+        data = data[: at + 16] + field + data[at + 20 :]
+    return data

@@ -1,27 +1,43 @@
-"""Decode videos with decord and sample frames; every sampled frame becomes an image.
+"""Decode videos with PyAV (FFmpeg) and sample frames; every sampled frame becomes an image.
 
 A frame is an RGB uint8 array turned into a PIL image and hashed like an
 uploaded photo (:func:`mmserve.vision.hashing.image_key`), so identical frames
 (a static scene, the same footage in two clips) share one key, one vision-tower
-run and their KV. Frame selection is a pure function of the video's frame count,
-frame rate, duration and the request (:func:`sample_frame_indices`).
+run and their KV. Frame selection is a pure function of the video's frame times,
+duration and the request (:func:`sample_frame_indices`).
 
-A damaged stream is decoded frame by frame (:meth:`Video.decode`): the frames that
+One decoder reads every video: PyAV, FFmpeg's own API. decord (used before) refused
+frames narrower than about 32 pixels and some odd widths (8, 12, 16, 24, 48, 72: "The
+size must exactly match"), and its decoder thread read ahead into damaged packets and
+dropped good frames before them now and then. Where decord decoded a frame, PyAV's
+``rgb24`` conversion gives the same bytes (both use libswscale's defaults; checked in
+``tests/test_video_decoders.py``).
+
+Timing follows what a player shows. A frame's time is its presentation timestamp
+(pts) relative to the container's start; the frame shown at time ``t`` is the last one
+whose time is ``<= t``. The duration is the container's, unless that ends before the
+last frame starts (then the last frame's end from the stream's own timing). The
+display matrix (rotation and mirroring) is applied as FFmpeg's command line does
+(:func:`orient`).
+
+A damaged stream is decoded packet by packet (:meth:`Video.decode`): frames that
 decode are returned and the others are listed with their times, so a caller can
-answer from what is left or refuse naming them. Every decord error is caught here
-and passed through :func:`~mmserve.vision.image.clean_decoder_message` (decord's
-text holds its build directory and a native stack trace).
+answer from what is left or refuse naming them. Every decoder error is passed
+through :func:`~mmserve.vision.image.clean_decoder_message`.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import time
+import struct
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
+from statistics import median
 
+import numpy as np
 from PIL import Image
 
 from mmserve.vision.image import (
@@ -35,22 +51,27 @@ from mmserve.vision.image import (
 #: Frames sampled when a request names neither ``num_frames``, ``fps`` nor ``timestamps``.
 DEFAULT_NUM_FRAMES = 8
 _EPS = 1e-6
-#: Pauses (seconds) between reads of one frame, each on a fresh reader, before it counts
-#: as undecodable (11 reads over 1.5 s). decord's decoder thread reads ahead of the frame
-#: asked for and its first error discards what it decoded, so a damaged packet after a
-#: good frame fails that frame whenever the reading thread is descheduled at the wrong
-#: moment: 5-20% of reads on busy CPUs, in bursts of up to 10 reads (0.4 s), hence
-#: pauses that grow. A frame that decodes once is decodable. Paid in full once per key
-#: frame group that holds damage (see :meth:`Video.decode`).
-_RETRY_PAUSES = (0.0, 0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.4, 0.55)
-#: Shorter pauses for the probe, which only needs some frame that decodes.
-_PROBE_PAUSES = (0.0, 0.0, 0.005, 0.02)
 #: Key frames after frame 0 tried for the probe when frame 0 does not decode.
 _PROBE_KEYFRAMES = 3
+#: Packets sent after a frame's own packet before a frame the decoder never returned
+#: counts as lost (FFmpeg's H.264 decoder holds at most 16 frames for reordering).
+_REORDER_SLACK = 32
+#: Length (seconds) given to a last frame that has no duration of its own and no
+#: neighbours or frame rate to take one from.
+_FALLBACK_FRAME_SECONDS = 0.04
 
 
 class VideoError(ValueError):
-    """A video or frame selection that cannot be accepted; the message says why (HTTP 400)."""
+    """A video or frame selection that cannot be accepted; the message says why (HTTP 400).
+
+    Attributes:
+        field: the request field at fault (``"timestamps"``, ``"fps"``, ``"num_frames"``),
+            or None when the video itself is at fault.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -62,12 +83,15 @@ class VideoLimits:
         max_frames: most frames sampled for one request.
         max_side: largest frame width or height (pixels).
         max_pixels: largest width*height of a frame (pixels).
+        max_video_frames: most frames a video may hold (the probe reads every packet
+            header, so this bounds its work: 100000 is 55 minutes at 30 fps).
     """
 
     max_bytes: int = 64 * 1024 * 1024
     max_frames: int = 64
     max_side: int = 3840
     max_pixels: int = 3840 * 2160
+    max_video_frames: int = 100_000
 
 
 @dataclass(frozen=True)
@@ -75,9 +99,12 @@ class FrameSelection:
     """Which frames a request wants: exactly one of the fields (none: 8 uniform frames).
 
     Attributes:
-        num_frames: frames spread uniformly over the video (each the centre of its segment).
-        fps: frames per second of video, starting at 0 s.
-        timestamps: explicit times (seconds); each picks the frame shown at that time.
+        num_frames: frames spread uniformly over the frame list (each the centre of its
+            segment; by index, so a variable frame rate does not bunch them).
+        fps: frames per second of video: the frames shown at ``0, 1/fps, 2/fps, ...``
+            seconds, before the end, each once.
+        timestamps: explicit times (seconds, ``0 <= t < duration``); each picks the frame
+            shown at that time.
     """
 
     num_frames: int | None = None
@@ -90,11 +117,13 @@ class VideoInfo:
     """What a probe of a video found.
 
     Attributes:
-        num_frames: decodable frames.
-        fps: average frame rate (frames per second).
-        duration: seconds, to the end of the last frame.
-        width, height: frame size (pixels).
-        frame_times: start time of each frame (seconds, ascending).
+        num_frames: frames in the video stream.
+        fps: average frame rate (frames per second): ``num_frames`` over the span from
+            the first frame's start to the last frame's end.
+        duration: seconds from the container's start to the end (see module docs).
+        width, height: frame size as displayed, after rotation (pixels).
+        frame_times: presentation time of each frame (seconds from the container's
+            start, ascending).
     """
 
     num_frames: int
@@ -116,20 +145,25 @@ def sample_frame_indices(
     """Frame indices for ``selection`` (ascending for ``num_frames``/``fps``; as asked for
     ``timestamps``).
 
+    The frame for a time ``t`` is the one a player shows then: the last frame whose
+    time is ``<= t`` (the first frame for a ``t`` before it).
+
     Args:
         num_frames: frames in the video.
-        fps: its average frame rate.
+        fps: its average frame rate (used only without ``frame_times``).
         duration: its length (seconds).
         selection: what the request asked for.
         max_frames: most frames allowed.
-        frame_times: each frame's start time (variable frame rate); default ``i / fps``.
+        frame_times: each frame's presentation time (seconds); default ``i / fps``.
 
     Returns:
         Indices into the video. ``num_frames`` beyond the video's frames gives every frame
         once (a 3-frame video asked for 8 gives 3); ``fps`` drops repeats of a frame.
 
     Raises:
-        VideoError: no frames, a bad or over-limit selection, or a timestamp beyond the end.
+        VideoError: no frames, a bad or over-limit selection, a timestamp that is
+            negative, not a number, or at or past the end (the message gives the
+            duration); ``field`` names the request field.
     """
     if num_frames < 1:
         raise VideoError("video has no frames")
@@ -143,7 +177,9 @@ def sample_frame_indices(
         if v is not None
     ]
     if len(given) > 1:
-        raise VideoError(f"give one of num_frames, fps or timestamps, not {' and '.join(given)}")
+        raise VideoError(
+            f"give one of num_frames, fps or timestamps, not {' and '.join(given)}", given[-1]
+        )
     times = list(frame_times) if frame_times is not None else [i / fps for i in range(num_frames)]
 
     def at(t: float) -> int:
@@ -152,28 +188,36 @@ def sample_frame_indices(
     if selection.timestamps is not None:
         ts = list(selection.timestamps)
         if not ts:
-            raise VideoError("timestamps is empty")
+            raise VideoError("timestamps is empty", "timestamps")
         _check_count(len(ts), max_frames, "timestamps")
+        span = f"from 0 up to but not including {duration:g} s, the video's duration"
         for t in ts:
             if not math.isfinite(t) or t < 0:
-                raise VideoError(f"timestamp {t} is not a time in the video")
-            if t >= duration + _EPS and not (num_frames == 1 and t <= _EPS):
                 raise VideoError(
-                    f"timestamp {t:g} s is beyond the video's duration ({duration:g} s)"
+                    f"timestamp {t} is not a time in the video (give times {span})", "timestamps"
+                )
+            # t = 0 stays valid for a video whose duration is unknown (0)
+            if t > duration - _EPS and t > _EPS:
+                raise VideoError(
+                    f"timestamp {t:g} s is at or beyond the video's duration ({duration:g} s); "
+                    f"give times {span}",
+                    "timestamps",
                 )
         return [at(t) for t in ts]
     if selection.fps is not None:
         rate = selection.fps
         if not math.isfinite(rate) or rate <= 0:
-            raise VideoError(f"fps must be > 0, got {rate}")
+            raise VideoError(f"fps must be > 0, got {rate}", "fps")
         span = duration * rate
         if not math.isfinite(span) or span > max_frames + 1:
             raise VideoError(
                 f"fps={rate:g} over {duration:g} s selects more than {max_frames} frames; "
-                f"the limit is {max_frames} frames per request"
+                f"the limit is {max_frames} frames per request",
+                "fps",
             )
+        # sample times k / rate before the end: 0 <= k / rate < duration
         count = max(1, math.ceil(span - _EPS))
-        _check_count(count, max_frames, f"fps={rate:g} over {duration:g} s")
+        _check_count(count, max_frames, f"fps={rate:g} over {duration:g} s", "fps")
         out: list[int] = []
         for k in range(count):
             i = at(k / rate)
@@ -182,17 +226,18 @@ def sample_frame_indices(
         return out
     n = DEFAULT_NUM_FRAMES if selection.num_frames is None else selection.num_frames
     if n < 1:
-        raise VideoError(f"num_frames must be >= 1, got {n}")
+        raise VideoError(f"num_frames must be >= 1, got {n}", "num_frames")
     _check_count(n, max_frames, "num_frames")
     if n >= num_frames:
         return list(range(num_frames))
     return [min(num_frames - 1, int((k + 0.5) * num_frames / n)) for k in range(n)]
 
 
-def _check_count(count: int, max_frames: int, what: str) -> None:
+def _check_count(count: int, max_frames: int, what: str, field: str | None = None) -> None:
     if count > max_frames:
         raise VideoError(
-            f"{what} selects {count} frames; the limit is {max_frames} frames per request"
+            f"{what} selects {count} frames; the limit is {max_frames} frames per request",
+            field or what,
         )
 
 
@@ -202,7 +247,7 @@ class FrameFailure:
 
     Attributes:
         index: its index in the video.
-        timestamp: its start time (seconds).
+        timestamp: its presentation time (seconds).
         reason: the decoder's short reason (no paths, see ``clean_decoder_message``).
     """
 
@@ -233,7 +278,8 @@ def undecodable_message(failed: Sequence[FrameFailure], asked: int) -> str:
 
     Returns:
         E.g. ``"2 of the 8 selected frames could not be decoded (damaged or corrupt
-        stream): frame 8 at 0.8 s, frame 12 at 1.2 s; decoder: Error sending packet."``
+        stream): frame 8 at 0.8 s, frame 12 at 1.2 s; decoder: Invalid data found when
+        processing input."``
     """
     listed = ", ".join(f"frame {f.index} at {f.timestamp:g} s" for f in failed)
     return (
@@ -242,19 +288,390 @@ def undecodable_message(failed: Sequence[FrameFailure], asked: int) -> str:
     )
 
 
-class Video:
-    """An opened video (decord ``VideoReader``) with its probed :class:`VideoInfo`.
+def orient(frame: np.ndarray, matrix: Sequence[int] | None) -> np.ndarray:
+    """A decoded frame as displayed: the display matrix's rotation and mirroring applied.
+
+    FFmpeg's display matrix (``AV_FRAME_DATA_DISPLAYMATRIX``, libavutil/display.h) maps
+    a stored pixel ``(x, y)`` (y down) to ``(a*x + c*y, b*x + d*y)`` up to a shift, with
+    ``a, b, c, d = m[0], m[1], m[3], m[4]`` in 16.16 fixed point. Quarter turns and
+    mirrors are applied exactly, as the ``ffmpeg`` command line's autorotation does
+    (``transpose``, ``hflip``, ``vflip``); other angles are rounded to the nearest quarter
+    turn (the command line rotates by the exact angle and fills the corners).
 
     Args:
-        data: the encoded file (MP4, WebM, MKV, AVI, ...).
+        frame: ``(H, W, C)`` array as stored.
+        matrix: the 9 int32 entries, or None for none.
+
+    Returns:
+        ``(H', W', C)`` C-contiguous array; ``H', W' = W, H`` for a quarter turn.
+    """
+    if matrix is None:
+        return frame
+    a, b, _, c, d = matrix[:5]
+    if a == b == c == d == 0:  # a degenerate matrix: display as stored
+        return frame
+    out = frame
+    if abs(a) >= abs(b):  # x' = a*x, y' = d*y
+        if a < 0:
+            out = out[:, ::-1]
+        if d < 0:
+            out = out[::-1]
+    else:  # x' = c*y, y' = b*x: rows become columns
+        out = out.transpose(1, 0, 2)
+        if c < 0:
+            out = out[:, ::-1]
+        if b < 0:
+            out = out[::-1]
+    return np.ascontiguousarray(out)
+
+
+def display_matrix(frame: object) -> tuple[int, ...] | None:
+    """The display matrix side data of a decoded PyAV frame (9 int32), or None."""
+    import av.sidedata.sidedata as sd
+
+    for entry in frame.side_data:  # type: ignore[attr-defined]
+        if entry.type == sd.Type.DISPLAYMATRIX:
+            raw = bytes(entry)
+            if len(raw) >= 36:
+                return struct.unpack("=9i", raw[:36])
+    return None
+
+
+class _Index:
+    """The video stream's packets, found by demuxing only (nothing decoded).
+
+    Frame ``i`` is the ``i``-th in presentation order; ``pos[i]`` is the position of its
+    packet in decode (file) order and ``index_at`` the inverse. ``timed``: every packet
+    has its own pts, so decoded frames are matched to indices by pts and seeking works;
+    otherwise (a raw elementary stream, repeated pts) they are matched by output order
+    in one pass from the start.
+    """
+
+    def __init__(self, pts: Sequence[int | None], keys: Sequence[bool]) -> None:
+        n = len(pts)
+        self.timed = None not in pts and len(set(pts)) == n
+        order = sorted(range(n), key=pts.__getitem__) if self.timed else list(range(n))
+        self.pts: tuple[int | None, ...] = tuple(pts)
+        self.pos: tuple[int, ...] = tuple(order)
+        at = [0] * n
+        for i, p in enumerate(order):
+            at[p] = i
+        self.index_at: tuple[int, ...] = tuple(at)
+        self.by_pts: dict[int | None, int] = (
+            {pts[p]: i for i, p in enumerate(order)} if self.timed else {}
+        )
+        # a stream that does not start with a key frame still starts a group at 0
+        self.keys: tuple[int, ...] = (0, *(p for p in range(1, n) if keys[p]))
+
+    def gop(self, p: int) -> int:
+        """Decode position of the key frame that starts the group holding position ``p``."""
+        return self.keys[bisect_right(self.keys, p) - 1]
+
+    def start_for(self, i: int) -> int:
+        """Decode position of a key frame from which decoding reaches frame ``i``: the last
+        key frame before its packet that is also shown no later than it. In an open group
+        of pictures (MPEG-4 Part 2, H.264 with open GOPs) the frames shown before their
+        group's key frame predict from the previous group; FFmpeg drops them after a seek
+        to their own key frame."""
+        p = self.pos[i]
+        k = bisect_right(self.keys, p) - 1
+        if self.timed:
+            while k > 0 and self.pts[self.keys[k]] > self.pts[p]:  # type: ignore[operator]
+                k -= 1
+        return self.keys[k]
+
+
+def _open(data: bytes):  # noqa: ANN202 - av.container.InputContainer
+    import av
+
+    return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+
+
+def _reason(e: BaseException) -> str:
+    """An FFmpeg error's text without its errno and function name, cleaned for clients."""
+    import av
+
+    args = getattr(e, "args", ())
+    if isinstance(e, av.FFmpegError) and len(args) >= 2 and isinstance(args[1], str):
+        return clean_decoder_message(args[1])
+    return clean_decoder_message(e)
+
+
+def _rate(stream: object) -> float:
+    """The stream's nominal frame rate (frames per second), or 0 if it gives none."""
+    for name in ("average_rate", "guessed_rate", "base_rate"):
+        r = getattr(stream, name, None)
+        if r and math.isfinite(float(r)) and float(r) > 0:
+            return float(r)
+    return 0.0
+
+
+def _probe(
+    container: object, limits: VideoLimits
+) -> tuple[_Index, tuple[float, ...], float, float]:
+    """Demux the first video stream: ``(index, frame times, duration, fps)``.
+
+    Raises:
+        VideoError: no frames, or more than ``limits.max_video_frames``.
+    """
+    stream = container.streams.video[0]  # type: ignore[attr-defined]
+    pts: list[int | None] = []
+    keys: list[bool] = []
+    durations: list[int] = []
+    positions: list[int | None] = []
+    try:
+        for packet in container.demux(stream):  # type: ignore[attr-defined]
+            # size 0: the end-of-stream marker; discard: before an edit list's start
+            if packet.size == 0 or packet.is_discard:
+                continue
+            if len(pts) >= limits.max_video_frames:
+                raise VideoError(
+                    f"video has more than {limits.max_video_frames} frames; the limit is "
+                    f"{limits.max_video_frames} frames per video"
+                )
+            pts.append(packet.pts)
+            keys.append(bool(packet.is_keyframe))
+            durations.append(packet.duration or 0)
+            positions.append(packet.pos)
+    except VideoError:
+        raise
+    except Exception:  # noqa: BLE001 - damaged or cut container data: the frames before it
+        pass
+    n = len(pts)
+    try:  # the container's own key frame table (MP4 stss), which damage cannot change
+        marked = {e.pos for e in stream.index_entries if e.is_keyframe and e.pos >= 0}
+    except Exception:  # noqa: BLE001 - no index: the packets' flags only
+        marked = set()
+    keys = [k or (q is not None and q in marked) for k, q in zip(keys, positions, strict=True)]
+    if n == 0:
+        raise VideoError(
+            "video stream has no frames (not a decodable video: corrupt, truncated, or "
+            "without video frames)"
+        )
+    index = _Index(pts, keys)
+    rate = _rate(stream)
+    start_us = container.start_time  # type: ignore[attr-defined]
+    tb = stream.time_base
+    if index.timed and tb:
+        starts = [float(Fraction(pts[p]) * tb) for p in index.pos]  # type: ignore[arg-type]
+        origin = start_us / 1e6 if start_us is not None else starts[0]
+        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False) if b > a]
+        last = durations[index.pos[-1]]
+        if last > 0:
+            last_seconds = float(last * tb)
+        elif gaps:
+            last_seconds = median(gaps)
+        else:
+            last_seconds = 1 / rate if rate else _FALLBACK_FRAME_SECONDS
+        times = [round(max(0.0, s - origin), 6) for s in starts]
+        video_end = max(starts[-1] + last_seconds - origin, times[-1])
+    else:
+        per = 1 / rate if rate else _FALLBACK_FRAME_SECONDS
+        origin = start_us / 1e6 if start_us is not None else 0.0
+        times = [round(i * per, 6) for i in range(n)]
+        video_end = n * per
+    duration = video_end
+    total_us = container.duration  # type: ignore[attr-defined]
+    if total_us is not None and total_us > 0:
+        # the container's end, on the frames' clock; kept unless it cuts off a frame start
+        container_end = (total_us + (start_us or 0)) / 1e6 - origin
+        if container_end > times[-1] + _EPS:
+            duration = container_end
+    span = video_end - times[0]
+    fps = n / span if span > 0 else rate
+    return index, tuple(times), round(duration, 6), round(fps, 6)
+
+
+class _Pass:
+    """One decoding pass over a video for a set of frames (see :meth:`Video.decode`)."""
+
+    def __init__(self, video: Video, wanted: Sequence[int]) -> None:
+        self.video = video
+        self.ix = video._index
+        self.pending = set(wanted)
+        self.got: dict[int, np.ndarray] = {}
+        self.failed: dict[int, str] = {}
+        self.gop_error: dict[int, str] = {}  # key position -> first error in its group
+        self.tainted: dict[int, str] = {}  # frame index -> the error its packet followed
+        self.seekable = self.ix.timed
+        self.container = None
+        self.packets: Iterator | None = None
+        self.cursor = -1  # decode position of the last packet sent
+        self.start = 0  # decode position the current run started from
+        self.fresh = True  # no packet read since the last (re)start
+        self.produced = 0  # frames returned since the start of the file (untimed)
+        self.last_error = ""
+
+    def run(self) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+        ix = self.ix
+        try:
+            while self.pending:
+                first = min(self.pending, key=ix.pos.__getitem__)
+                start = ix.start_for(first)
+                if self.packets is None or (
+                    self.seekable and ix.pos[first] > self.cursor and start > self.cursor + 1
+                ):
+                    self._restart(start)
+                    continue
+                packet = self._next()
+                if packet is None:
+                    self._drain()
+                    break
+                self._send(packet)
+                for i in [i for i in self.pending if ix.pos[i] < self.cursor - _REORDER_SLACK]:
+                    self._fail(i, self.gop_error.get(ix.gop(ix.pos[i]), "no frame returned"))
+        finally:
+            if self.container is not None:
+                self.container.close()
+        return self.got, self.failed
+
+    def _fail(self, i: int, reason: str) -> None:
+        self.pending.discard(i)
+        self.failed[i] = reason
+
+    def _fail_all(self, reason: str) -> None:
+        for i in list(self.pending):
+            self._fail(i, reason)
+
+    def _restart(self, start: int) -> None:
+        """Read from decode position ``start`` (a key frame): seek there, or reopen at 0."""
+        if not self.seekable:
+            start = 0
+        if self.container is not None and start > 0:
+            try:
+                self.container.seek(self.ix.pts[start], stream=self.stream, backward=True)
+                self.codec.flush_buffers()
+                self._begin(start)
+                return
+            except Exception:  # noqa: BLE001 - seeking failed: read from the start
+                self.seekable = False
+                start = 0
+        if self.container is not None:
+            self.container.close()
+            self.container = None
+        try:
+            self.container = _open(self.video._data)
+        except Exception as e:  # noqa: BLE001 - opened before; report, do not raise
+            self._fail_all(_reason(e))
+            return
+        self.stream = self.container.streams.video[0]
+        self.codec = self.stream.codec_context
+        self.codec.thread_count = 1  # errors surface at the packet that has them
+        self.produced = 0
+        if start > 0:
+            self._restart(start)
+        else:
+            self._begin(0)
+
+    def _begin(self, start: int) -> None:
+        self.packets = self.container.demux(self.stream)
+        self.start, self.cursor, self.fresh = start, start - 1, True
+
+    def _next(self):  # noqa: ANN202 - av.Packet or None at the end
+        try:
+            packet = next(self.packets)
+        except StopIteration:
+            return None
+        except Exception as e:  # noqa: BLE001 - damaged or cut container data: stop here
+            self.last_error = _reason(e)
+            return None
+        return None if packet.size == 0 else packet
+
+    def _send(self, packet) -> None:  # noqa: ANN001 - av.Packet
+        ix = self.ix
+        i: int | None
+        if packet.is_discard:
+            i = None  # decoded for its references; FFmpeg drops its frame
+        elif ix.timed:
+            i = ix.by_pts.get(packet.pts)
+        else:
+            i = ix.index_at[self.cursor + 1] if self.cursor + 1 < len(ix.pos) else None
+        if i is not None:
+            p = ix.pos[i]
+            if self.fresh and p > self.start:  # the seek went past the key frame
+                self.seekable = False
+                self._restart(0)
+                return
+            self.fresh = False
+            self.cursor = p
+            # the groups it may predict from: its own, and the previous one if it is shown
+            # before its own key frame
+            lo, hi = ix.start_for(i), ix.gop(p)
+            hurt = ix.keys[bisect_right(ix.keys, lo) - 1 : bisect_right(ix.keys, hi)]
+            errors = [self.gop_error[g] for g in hurt if g in self.gop_error]
+            if errors:
+                self.tainted[i] = f"follows undecodable data it may predict from ({errors[0]})"
+        try:
+            frames = self.codec.decode(packet)
+        except Exception as e:  # noqa: BLE001 - a damaged packet
+            self.last_error = _reason(e)
+            if not ix.timed:  # output order no longer tells which frame is which
+                self._fail_all(self.last_error)
+                return
+            if i is not None:
+                self.gop_error.setdefault(ix.gop(ix.pos[i]), self.last_error)
+                if i in self.pending:
+                    self._fail(i, self.last_error)
+            return
+        for frame in frames:
+            self._take(frame)
+
+    def _drain(self) -> None:
+        try:
+            for frame in self.codec.decode(None):
+                self._take(frame)
+        except VideoError:
+            raise
+        except Exception as e:  # noqa: BLE001 - nothing more to get
+            self.last_error = _reason(e)
+        self._fail_all(self.last_error or "no frame returned (the stream ends early)")
+
+    def _take(self, frame) -> None:  # noqa: ANN001 - av.VideoFrame
+        if self.ix.timed:
+            i = self.ix.by_pts.get(frame.pts)
+        else:
+            i = self.produced
+            self.produced += 1
+        if i is None or i not in self.pending:
+            return
+        if i in self.tainted:
+            self._fail(i, self.tainted[i])
+            return
+        w, h = frame.width, frame.height
+        lim = self.video.limits
+        if w > lim.max_side or h > lim.max_side or w * h > lim.max_pixels:
+            raise VideoError(
+                f"video frames are {w}x{h} pixels; limits are {lim.max_side} per side and "
+                f"{lim.max_pixels} pixels per frame"
+            )
+        self.pending.discard(i)
+        self.got[i] = orient(frame.to_ndarray(format="rgb24"), display_matrix(frame))
+
+
+def _image(frame: np.ndarray) -> Image.Image:
+    """An HxWx3 uint8 array as a PIL image (through ``to_8bit``, like every image path)."""
+    return to_8bit(Image.fromarray(frame, "RGB"))
+
+
+class Video:
+    """An opened, probed video: its :class:`VideoInfo`, and frames decoded on request.
+
+    Opening demuxes the whole video stream (packet headers, nothing decoded) to learn
+    every frame's time, then decodes one frame (frame 0, else the first key frames
+    after it) for the displayed size. The object holds only the encoded bytes and that
+    index; each :meth:`decode` opens its own demuxer and decoder (one thread).
+
+    Args:
+        data: the encoded file (MP4, MOV, WebM, MKV, AVI, MPEG-TS, ...).
         limits: video bounds.
         image_limits: image bounds each frame must also meet.
         shortest_edge: the image processor's resize target (pixels).
 
     Raises:
         VideoError: empty, over-size, corrupt, truncated or frameless data, no frame
-            among the first key frames that decodes, or frames over the size limits; no
-            decord installed. Messages never hold a server-side path.
+            among the first key frames that decodes, more frames than
+            ``limits.max_video_frames``, or frames over the size limits; no PyAV
+            installed. Messages never hold a server-side path.
     """
 
     def __init__(
@@ -269,96 +686,52 @@ class Video:
         if len(data) > limits.max_bytes:
             raise VideoError(f"video is {len(data)} bytes; the limit is {limits.max_bytes} bytes")
         try:
-            import decord  # noqa: F401 - checked here so that _open can assume it
+            import av  # noqa: F401 - checked here so that the rest can assume it
         except ImportError:  # pragma: no cover - a dependency
-            raise VideoError("video support needs decord (pip install decord)") from None
+            raise VideoError("video support needs PyAV (pip install av)") from None
         self._data = data
+        self.limits = limits
         try:
-            vr = self._open()
-            n = len(vr)
-        except Exception as e:  # DECORDError (a RuntimeError) for anything it cannot open
-            if "cannot find video stream" in str(e):
-                raise VideoError("file has no video stream (audio only, or not a video)") from None
+            container = _open(data)
+        except Exception as e:  # noqa: BLE001 - av.FFmpegError for what FFmpeg cannot open
             raise VideoError(
                 "data is not a decodable video (corrupt, truncated, without video frames, "
-                f"or not a video): {clean_decoder_message(e)}"
+                f"or not a video): {_reason(e)}"
             ) from None
-        if n < 1:
-            raise VideoError("video has no frames")
-        try:
-            pts = vr.get_frame_timestamp(list(range(n)))
-            fps = float(vr.get_avg_fps())
-            keys = sorted({int(k) for k in vr.get_key_indices() if 0 < k < n})
-        except Exception as e:
-            raise VideoError(f"video is truncated or corrupt: {clean_decoder_message(e)}") from None
-        self._reader: object | None = vr
-        self._keys = [0, *keys]
-        first = self._probe_frame([0, *keys[:_PROBE_KEYFRAMES]])
+        with container:
+            if not container.streams.video:
+                raise VideoError("file has no video stream (audio only, or not a video)")
+            self._index, times, duration, fps = _probe(container, limits)
+        n = len(times)
+        self.info = VideoInfo(n, fps, duration, 0, 0, times)
+        candidates = [0]
+        for p in self._index.keys[1:]:
+            i = self._index.index_at[p]
+            if len(candidates) > _PROBE_KEYFRAMES:
+                break
+            if i not in candidates:
+                candidates.append(i)
+        first = self._probe_frame(candidates)
         h, w = int(first.shape[0]), int(first.shape[1])
-        if w > limits.max_side or h > limits.max_side or w * h > limits.max_pixels:
-            raise VideoError(
-                f"video frames are {w}x{h} pixels; limits are {limits.max_side} per side and "
-                f"{limits.max_pixels} pixels per frame"
-            )
         if image_limits is not None:
             try:
                 check_size(w, h, image_limits, shortest_edge)
             except ImageError as e:
                 raise VideoError(f"video frames: {e}") from None
-        starts = [round(max(0.0, float(p[0])), 6) for p in pts]
-        if not math.isfinite(fps) or fps <= 0:
-            fps = 1.0
-        if any(b < a for a, b in zip(starts, starts[1:], strict=False)) or not all(
-            math.isfinite(s) for s in starts
-        ):
-            starts = [i / fps for i in range(n)]
-        end = float(pts[-1][1]) if math.isfinite(float(pts[-1][1])) else 0.0
-        duration = round(max(end, starts[-1] + 1 / fps), 6)
-        self.limits = limits
-        self.info = VideoInfo(n, round(fps, 6), duration, w, h, tuple(starts))
+        self.info = VideoInfo(n, fps, duration, w, h, times)
 
-    def _open(self):  # noqa: ANN202 - decord.VideoReader
-        import decord
-
-        return decord.VideoReader(io.BytesIO(self._data), ctx=decord.cpu(0), num_threads=1)
-
-    def _probe_frame(self, candidates: Sequence[int]):  # noqa: ANN202 - numpy array
+    def _probe_frame(self, candidates: Sequence[int]) -> np.ndarray:
         """The first of ``candidates`` that decodes (its size is the video's frame size)."""
         reason = ""
         for i in candidates:
-            try:
-                return self._decode_one(i, _PROBE_PAUSES)
-            except Exception as e:  # noqa: BLE001 - damaged there; try the next key frame
-                reason = clean_decoder_message(e)
+            got, failed = _Pass(self, [i]).run()
+            if i in got:
+                return got[i]
+            reason = failed.get(i, reason)
         tried = ", ".join(str(i) for i in candidates)
         raise VideoError(
             f"video is truncated or corrupt: no frame decodes (tried frames {tried}): {reason}"
         )
-
-    def _decode_one(self, index: int, pauses: Sequence[float] = _RETRY_PAUSES):  # noqa: ANN202
-        """Frame ``index`` as an HxWx3 uint8 array, read on fresh readers until one read
-        succeeds or ``pauses`` (seconds before each read) are spent.
-
-        Raises:
-            Exception: decord's last error when every read on a fresh reader failed.
-        """
-        tries = 0
-        while True:
-            fresh = self._reader is None
-            if fresh and tries:
-                time.sleep(pauses[tries])
-            try:
-                if self._reader is None:
-                    self._reader = self._open()
-                # one native call: vr[i] is two (seek, then read), and the decoder
-                # thread can meet the damage while Python runs between them
-                return self._reader.get_batch([index]).asnumpy()[0]
-            except Exception:
-                self._reader = None  # a decord reader keeps failing after an error
-                # a reused reader may carry an error from reading ahead: not a try
-                tries += fresh
-                if tries >= len(pauses):
-                    raise
 
     def indices(self, selection: FrameSelection) -> list[int]:
         """Frame indices for ``selection`` (see :func:`sample_frame_indices`)."""
@@ -382,45 +755,29 @@ class Video:
     def decode(self, indices: Sequence[int]) -> DecodedFrames:
         """Decode the frames at ``indices``, keeping those that decode.
 
-        All of them are read in one pass first; if that fails (a damaged stream), each
-        is read on its own, on fresh readers with pauses (``_RETRY_PAUSES``), and a frame
-        that never decodes is listed in ``failed`` with the decoder's cleaned reason.
-        decord decodes from the key frame before a frame and stops at the first bad
-        packet, so in each key frame's group the frames it can give are the first ones:
-        after a frame that fails, the later frames of its group are listed without
-        being read. Frames that decode with visible damage (the decoder conceals
-        errors) cannot be told apart and are kept.
+        Packets go to the decoder in file order from the key frame before the first
+        asked frame; groups of pictures without an asked frame are skipped by seeking.
+        A frame does not decode if the decoder refuses its packet, never returns it,
+        or returns it after refusing an earlier packet of the same key frame group:
+        such a frame may predict from the lost one, and FFmpeg fills the gap with
+        guessed pixels (error concealment). Frames whose packets went in before the
+        damage are kept, even when the decoder returns them after it (reordering).
+        Damage that the decoder does not report cannot be seen and is kept.
 
         Args:
             indices: frame indices (``0 <= i < num_frames``; repeats allowed).
 
         Returns:
-            :class:`DecodedFrames`; never raises for a damaged stream.
+            :class:`DecodedFrames`: RGB images as displayed (rotation applied, see
+            :func:`orient`); never raises for a damaged stream.
+
+        Raises:
+            VideoError: a decoded frame over the size limits (a stream whose frame
+                size changes midway).
         """
-        distinct = sorted(set(indices))
-        try:
-            if self._reader is None:
-                self._reader = self._open()
-            arrays = self._reader.get_batch(distinct).asnumpy()
-            images = {i: _image(a) for i, a in zip(distinct, arrays, strict=True)}
-            return DecodedFrames(images, ())
-        except Exception:  # noqa: BLE001 - a damaged stream: find which frames decode
-            self._reader = None
-        images: dict[int, Image.Image] = {}
-        failed: list[FrameFailure] = []
-        dead: tuple[int, str] | None = None  # (key frame, reason) of a group that failed
-        for i in distinct:
-            key = self._keys[bisect_right(self._keys, i) - 1]
-            if dead is None or dead[0] != key:
-                try:
-                    images[i] = _image(self._decode_one(i))
-                    continue
-                except Exception as e:  # noqa: BLE001 - this frame does not decode
-                    dead = (key, clean_decoder_message(e))
-            failed.append(FrameFailure(i, self.info.frame_times[i], dead[1]))
-        return DecodedFrames(images, tuple(failed))
-
-
-def _image(frame) -> Image.Image:  # noqa: ANN001 - HxWx3 uint8 numpy array
-    # decord gives 8-bit RGB; to_8bit keeps every image path behind one conversion
-    return to_8bit(Image.fromarray(frame, "RGB"))
+        arrays, failed = _Pass(self, sorted(set(indices))).run()
+        times = self.info.frame_times
+        return DecodedFrames(
+            {i: _image(a) for i, a in sorted(arrays.items())},
+            tuple(FrameFailure(i, times[i], failed[i]) for i in sorted(failed)),
+        )
