@@ -270,10 +270,12 @@ def test_api_refuses_times_outside_the_video(client: TestClient) -> None:
     refused(qa(client, vid, {"timestamps": [4.0]}), "timestamps", "4 s", "at or beyond")
     refused(qa(client, vid, {"timestamps": [0.5, 7.25]}), "timestamps", "7.25", "4 s")
     refused(qa(client, vid, {"timestamps": [-0.5]}), "timestamps", "-0.5", "4 s")
-    body = '{"questions": ["What?"], "timestamps": [NaN]}'
-    refused(qa(client, vid, body), "timestamps", "nan", "4 s")
-    body = '{"questions": ["What?"], "timestamps": [Infinity]}'
-    refused(qa(client, vid, body), "timestamps", "inf", "4 s")
+    # NaN and Infinity are not JSON: the body parser refuses them, naming the element
+    for literal in ("NaN", "Infinity"):
+        r = qa(client, vid, '{"questions": ["What?"], "timestamps": [%s]}' % literal)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "timestamps[0]" and literal in err["message"], err
     refused(qa(client, vid, {"fps": 16.25}), "fps", "limit is 16 frames")
     part = {"type": "video_url", "video_url": {"url": vid, "timestamps": [4.0]}}
     chat = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
