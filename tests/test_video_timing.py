@@ -272,7 +272,7 @@ def test_api_refuses_times_outside_the_video(client: TestClient) -> None:
     refused(qa(client, vid, {"timestamps": [-0.5]}), "timestamps", "-0.5", "4 s")
     # NaN and Infinity are not JSON: the body parser refuses them, naming the element
     for literal in ("NaN", "Infinity"):
-        r = qa(client, vid, '{"questions": ["What?"], "timestamps": [%s]}' % literal)
+        r = qa(client, vid, '{"questions": ["What?"], "timestamps": [' + literal + "]}")
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "timestamps[0]" and literal in err["message"], err
