@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import numpy as np
 from fastapi import params
 from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
@@ -37,6 +38,13 @@ MAX_INT_DIGITS = 100
 _THREAD_PARSE_BYTES = 1 << 20
 _CODE = "invalid_json"
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789E-", b"0000000000e+")
+_LONG_RUN = b"0" * (MAX_INT_DIGITS + 1)
+# a JSON string as an unrolled loop: each repetition starts at a backslash, so on valid
+# JSON it never backtracks
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_CHUNK = 1 << 22
 
 
 class _Bad:
@@ -56,20 +64,13 @@ class _Duplicated(dict):
         self.key = key
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict:
-    out = dict(pairs)
-    if len(out) == len(pairs):
-        return out
+def _duplicate(pairs: list[tuple[str, Any]]) -> _Duplicated:
     seen: set[str] = set()
     for k, _ in pairs:
         if k in seen:
             return _Duplicated(pairs, k)
         seen.add(k)
-    return out  # unreachable: a shorter dict means a repeated key
-
-
-def _constant(name: str) -> _Bad:
-    return _Bad(f"{name} is not a JSON number")
+    raise AssertionError("no duplicate key")  # only called when the dict came out shorter
 
 
 def _float(text: str) -> float | _Bad:
@@ -82,6 +83,62 @@ def _int(text: str) -> int | _Bad:
     if digits > MAX_INT_DIGITS:
         return _Bad(f"integer of {digits} digits is too large")
     return int(text)
+
+
+def _loads(text: str, raw: bytes) -> tuple[object, bool]:
+    """``json.loads`` of ``text`` (``raw`` decoded) that marks what JSON (or a double)
+    cannot hold; True if it met any.
+
+    The number hooks cost a Python call per number, so they are used only when the text
+    holds a long digit run or a 3-digit exponent, the only ways to overflow (found on a
+    copy with every digit made ``0``, by substring search: C speed).
+    """
+    flagged: list[bool] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        out = dict(items)
+        if len(out) == len(items):
+            return out
+        flagged.append(True)
+        return _duplicate(items)
+
+    def constant(name: str) -> _Bad:
+        flagged.append(True)
+        return _Bad(f"{name} is not a JSON number")
+
+    def marking(parse):  # noqa: ANN001, ANN202
+        def hook(literal: str) -> object:
+            value = parse(literal)
+            if type(value) is _Bad:
+                flagged.append(True)
+            return value
+
+        return hook
+
+    kw: dict[str, Any] = {"object_pairs_hook": pairs, "parse_constant": constant}
+    digits = raw.translate(_DIGITS_AS_ZERO)
+    long_run = _LONG_RUN in digits
+    if long_run:
+        kw["parse_int"] = marking(_int)
+    if long_run or b"0e000" in digits or b"0e+000" in digits:
+        kw["parse_float"] = marking(_float)
+    return json.loads(text, **kw), bool(flagged)
+
+
+def _depth(text: str, max_depth: int) -> int:
+    """Deepest nesting of arrays and objects in valid JSON ``text`` (an upper bound when
+    that is at most ``max_depth``), at C speed."""
+    if text.count("[") + text.count("{") <= max_depth:
+        return max_depth  # not enough containers to go deeper
+    # valid JSON: every string is closed, so this strip is linear
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).encode("ascii")
+    deepest, level = 0, 0
+    for i in range(0, len(brackets), _CHUNK):
+        steps = np.frombuffer(brackets, np.uint8, count=min(_CHUNK, len(brackets) - i), offset=i)
+        levels = np.cumsum(np.where((steps == 91) | (steps == 123), 1, -1), dtype=np.int64)
+        deepest = max(deepest, level + int(levels.max()))
+        level += int(levels[-1])
+    return deepest
 
 
 def _kind(value: object) -> str:
@@ -115,13 +172,7 @@ def parse_json_object(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[st
         msg = f"request body is not valid UTF-8 (byte {e.start}); JSON must be UTF-8"
         raise _error(msg) from None
     try:
-        value = json.loads(
-            text,
-            object_pairs_hook=_pairs,
-            parse_constant=_constant,
-            parse_float=_float,
-            parse_int=_int,
-        )
+        value, flagged = _loads(text, raw)
     except json.JSONDecodeError as e:
         raise _error(
             f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
@@ -132,7 +183,9 @@ def parse_json_object(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[st
         kind = "a bad number" if isinstance(value, _Bad) else _kind(value)
         raise _error(f"request body must be a JSON object, not {kind}")
     # "\ud800" is valid JSON syntax for a string that is not Unicode text
-    _check(value, max_depth, strings=_SURROGATE_ESCAPE.search(text) is not None)
+    strings = _SURROGATE_ESCAPE.search(text) is not None
+    if flagged or strings or _depth(text, max_depth) > max_depth:
+        _check(value, max_depth, strings)  # finds the problem and its field
     return value
 
 

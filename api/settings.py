@@ -41,7 +41,7 @@ class ServerSettings:
         retry_after_seconds: the ``Retry-After`` value sent with a 503 (seconds).
         max_request_bytes: largest request body (bytes); larger gets 413.
         max_json_depth: most nested arrays and objects in a JSON request body (the
-            body itself counts 1); deeper gets 400.
+            body itself counts 1; at most 512); deeper gets 400.
         max_questions: most questions in one ``/v1/images/{id}/ask`` call.
         max_n: most choices (``n``) in one chat completion.
         default_max_tokens: ``max_tokens`` when the client gives none (tokens; capped at
@@ -113,6 +113,8 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retry_after_seconds < 0 or self.remote_image_timeout <= 0:
             raise ValueError("retry_after_seconds must be >= 0 and remote_image_timeout > 0")
+        if self.max_json_depth > 512:  # deeper meets Python's recursion limit first
+            raise ValueError(f"max_json_depth must be <= 512, got {self.max_json_depth}")
         if self.remote_image_max_redirects < 0:
             raise ValueError(
                 f"remote_image_max_redirects must be >= 0, got {self.remote_image_max_redirects}"

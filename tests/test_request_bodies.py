@@ -177,8 +177,9 @@ def test_depth_bound_is_a_setting(make_engine) -> None:  # noqa: ANN001
         body["messages"][0]["content"] = [{"type": "text", "text": "hi"}]  # depth 5
         err = assert_400(c.post("/v1/chat/completions", json=body), "nested deeper than 4")
         assert err["param"] == "messages"
-    with pytest.raises(ValueError, match="max_json_depth"):
-        ServerSettings(max_json_depth=0).validate()
+    for bad in (0, 513):
+        with pytest.raises(ValueError, match="max_json_depth"):
+            ServerSettings(max_json_depth=bad).validate()
 
 
 # ---- the parser on its own --------------------------------------------------------------
@@ -199,6 +200,43 @@ _json = st.recursive(
 def test_valid_objects_parse_as_the_standard_library_does(obj) -> None:  # noqa: ANN001
     raw = json.dumps(obj, ensure_ascii=False).encode()
     assert parse_json_object(raw, max_depth=10_000) == json.loads(raw)
+
+
+def _true_depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_true_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_true_depth, value), default=0)
+    return 0
+
+
+_tricky_text = st.text(alphabet='[]{}"\\ab,:')
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        _tricky_text,
+        st.recursive(
+            st.integers() | _tricky_text,
+            lambda inner: (
+                st.lists(inner, max_size=3) | st.dictionaries(_tricky_text, inner, max_size=3)
+            ),
+            max_leaves=40,
+        ),
+        max_size=4,
+    ),
+    st.integers(1, 8),
+)
+def test_depth_limit_matches_the_real_depth(obj, limit) -> None:  # noqa: ANN001
+    """Brackets, quotes and backslashes inside strings never count as nesting."""
+    raw = json.dumps(obj).encode()
+    if _true_depth(obj) <= limit:
+        assert parse_json_object(raw, limit) == obj
+    else:
+        with pytest.raises(Exception) as e:
+            parse_json_object(raw, limit)
+        assert e.value.status == 400 and f"deeper than {limit}" in e.value.message
 
 
 @settings(max_examples=100, deadline=None)
