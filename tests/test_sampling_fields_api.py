@@ -186,6 +186,7 @@ BAD = [
     ({"logit_bias": {"1_0": 1}}, "logit_bias"),
     ({"logit_bias": {"2000": 1}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"-0": 1}}, "logit_bias"),
     ({"logit_bias": {"99999999999999999999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"5": -100.5}}, "logit_bias"),
