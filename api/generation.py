@@ -17,7 +17,7 @@ from mmserve.engine.request import ImageInput, ParamError, Request, SamplingPara
 #: A ``logit_bias`` key: a token id written in decimal, no sign but "-", no leading
 #: zeros, spaces or underscores (which ``int`` would accept), so two keys never name
 #: one id.
-_TOKEN_ID = re.compile(r"-?(0|[1-9][0-9]{0,18})")
+_TOKEN_ID = re.compile(r"0|-?[1-9][0-9]{0,18}")
 
 
 def sampling_params(body: SamplingFields) -> SamplingParams:

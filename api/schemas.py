@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from mmserve.engine.request import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
@@ -196,18 +196,28 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = Field(
         default=None, description="vLLM extension: an EBNF grammar (root rule 'root')"
     )
-    logit_bias: dict[str, float] | None = Field(
+    # strict: a JSON true or "1.5" is refused, never read as a number
+    logit_bias: dict[str, StrictFloat] | None = Field(
         default=None,
         description="token id (a decimal string) -> bias in [-100, 100] added to its logit",
     )
     presence_penalty: float | None = Field(
-        default=None, ge=-2.0, le=2.0, description="subtracted once per id already in the output"
+        default=None,
+        strict=True,
+        ge=-2.0,
+        le=2.0,
+        description="subtracted once per id already in the output",
     )
     frequency_penalty: float | None = Field(
-        default=None, ge=-2.0, le=2.0, description="times an id's count in the output, subtracted"
+        default=None,
+        strict=True,
+        ge=-2.0,
+        le=2.0,
+        description="times an id's count in the output, subtracted",
     )
     repetition_penalty: float | None = Field(
         default=None,
+        strict=True,
         gt=0.0,
         le=MAX_REPETITION_PENALTY,
         description="vLLM extension: divides (multiplies if negative) logits of prompt and "
@@ -215,6 +225,7 @@ class SamplingFields(BaseModel):
     )
     min_tokens: int | None = Field(
         default=None,
+        strict=True,
         ge=0,
         description="vLLM extension: no end of sequence or stop string before this many tokens",
     )

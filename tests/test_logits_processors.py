@@ -13,6 +13,7 @@ import json
 import math
 import pickle
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def reference_min_tokens(logits: list[float], p: SamplingParams, out: list[int])
     x = list(logits)
     if len(out) < p.min_tokens and not p.ignore_eos:
         masked = [-math.inf if j in STOP else v for j, v in enumerate(x)]
-        if any(v > -math.inf for v in masked):
+        if any(v > -math.inf for v in masked):  # else only EOS is left: it stays
             x = masked
     return x
 
@@ -93,25 +94,49 @@ def random_logits(seed: int, b: int) -> torch.Tensor:
 def test_processors_equal_the_definitions(batch, steps, as_tensor, seed) -> None:  # noqa: ANN001
     proc = LogitsProcessors(V, STOP, "cpu")
     reqs = [Request(list(prompt), [], p) for p, prompt in batch]
+    for k, r in enumerate(reqs):
+        if k % 2:
+            r.grammar = SimpleNamespace()  # constrained (the matcher itself is not read)
+    only_stop = torch.full((V,), float("-inf"))
+    only_stop[STOP] = 0.0
+
+    def grammar(rows, s: int):  # noqa: ANN001, ANN202
+        """Every other step, a constrained row's grammar allows only end of sequence."""
+        for k, r in enumerate(reqs):
+            if r.grammar is not None and s % 2:
+                rows[k] = rows[k] + only_stop
+        return rows
+
+    def process(rs, rows, s: int):  # noqa: ANN001, ANN202
+        rows = proc.apply(rs, rows)
+        rows = rows if rs is not reqs else grammar(rows, s)
+        return proc.apply_min_tokens(rs, rows)
+
     for s, chunk in enumerate(steps):
         for k, r in enumerate(reqs):
             r.output_ids.extend(chunk[k % 2 :])  # rows get different outputs
         logits = random_logits(seed + s, len(reqs))
         rows = logits.clone() if as_tensor else list(logits.clone())
-        got = proc.apply_min_tokens(reqs, proc.apply(reqs, rows))
+        got = process(reqs, rows, s)
         for k, r in enumerate(reqs):
             want = reference_row(logits[k].tolist(), r.params, r.input_ids, r.output_ids)
+            if r.grammar is not None and s % 2:
+                want = [v if j in STOP else -math.inf for j, v in enumerate(want)]
             want = reference_min_tokens(want, r.params, r.output_ids)
             torch.testing.assert_close(got[k], torch.tensor(want), rtol=1e-5, atol=1e-4)
             if not r.params.has_logits_processors():
-                assert torch.equal(got[k], logits[k]) and r.processor_state is None
+                assert r.processor_state is None
+                if r.grammar is None:
+                    assert torch.equal(got[k], logits[k])
             # the same row alone (state already up to date: nothing is counted twice)
-            alone = proc.apply_min_tokens([r], proc.apply([r], logits[k : k + 1].clone()))
-            assert torch.equal(alone[0], got[k])
+            if r.grammar is None or not s % 2:
+                alone = process([r], logits[k : k + 1].clone(), s)
+                assert torch.equal(alone[0], got[k])
     for r in reqs:  # incremental counts equal a recount of the whole output
-        counts = r.processor_state.counts if r.processor_state else None
-        if counts is not None:
-            assert counts.tolist() == [float(Counter(r.output_ids)[j]) for j in range(V)]
+        st = r.processor_state
+        if st is not None and st.ids is not None:
+            assert st.counts(V).tolist() == [float(Counter(r.output_ids)[j]) for j in range(V)]
+            assert len(set(st.ids.tolist())) == len(st.ids)  # each id once
 
 
 def test_rows_without_processors_are_the_same_object() -> None:
@@ -128,6 +153,7 @@ def test_min_tokens_yields_to_a_row_that_allows_only_eos() -> None:
     row = torch.full((1, V), float("-inf"))
     row[0, 2] = 1.5  # the grammar allows end of sequence only
     req = Request([1], [], SamplingParams(max_tokens=8, min_tokens=4))
+    req.grammar = SimpleNamespace()  # constrained (the matcher itself is not read)
     assert torch.equal(proc.apply_min_tokens([req], row.clone())[0], row[0])
     row[0, 9] = -50.0  # something else is allowed: EOS is held back
     out = proc.apply_min_tokens([req], row.clone())[0]

@@ -81,6 +81,8 @@ SETS = {
     "presence": {"presence_penalty": -1.0},
     "repetition": {"repetition_penalty": 1.7},
     "min_tokens": {"min_tokens": 4, "logit_bias": {"2": 100}},
+    # the first token is "dy": a stop string in it counts only without min_tokens
+    "min_tokens and stop": {"min_tokens": 2, "stop": ["dy", " ra"]},
     "all, sampled": {
         "temperature": 0.9,
         "seed": 11,
@@ -103,6 +105,10 @@ def test_streamed_equals_plain(client, name: str) -> None:  # noqa: ANN001
     assert deltas[-1]["finish_reason"] == plain["finish_reason"]
     streamed_lp = [t for d in deltas if d.get("logprobs") for t in d["logprobs"]["content"]]
     assert streamed_lp == plain["logprobs"]["content"]
+    if name == "min_tokens and stop":
+        assert complete(client, stop=["dy"])["choices"][0]["message"]["content"] == ""
+        assert plain["message"]["content"].startswith("dy")
+        assert " ra" not in plain["message"]["content"]
     if name == "min_tokens":  # EOS is biased up: it comes right after the 4 tokens
         assert len(plain["logprobs"]["content"]) == 5 and plain["finish_reason"] == "stop"
         assert plain["logprobs"]["content"][-1]["token"] == "</s>"
@@ -180,19 +186,28 @@ BAD = [
     ({"logit_bias": {"1_0": 1}}, "logit_bias"),
     ({"logit_bias": {"2000": 1}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"-0": 1}}, "logit_bias"),
     ({"logit_bias": {"99999999999999999999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"5": -100.5}}, "logit_bias"),
     ({"logit_bias": {"5": "x"}}, "logit_bias"),
+    ({"logit_bias": {"5": "1.5"}}, "logit_bias"),
+    ({"logit_bias": {"5": True}}, "logit_bias"),
+    ({"logit_bias": {"5": None}}, "logit_bias"),
     ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"presence_penalty": "x"}, "presence_penalty"),
+    ({"presence_penalty": True}, "presence_penalty"),
+    ({"frequency_penalty": "0.5"}, "frequency_penalty"),
+    ({"repetition_penalty": "1.2"}, "repetition_penalty"),
     ({"frequency_penalty": -2.01}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": -1}, "repetition_penalty"),
     ({"repetition_penalty": 2.5}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_tokens": "3"}, "min_tokens"),
+    ({"min_tokens": False}, "min_tokens"),
     ({"min_tokens": 11, "max_tokens": 10}, "min_tokens"),
 ]
 

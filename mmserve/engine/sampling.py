@@ -19,14 +19,14 @@ Order of operations on one step's fp32 logits ``[batch, vocab]`` (``Engine.step`
 
 Requests without any of these parameters (``Request.processed`` false) are never
 touched: no copy, no state. The others keep their state incrementally
-(:class:`ProcessorState`): an fp32 count of each output id, updated by one scatter of
-the ids added since the last step, never recounted.
+(:class:`ProcessorState`): the distinct ids their penalties touch and an fp32 count
+of each in the output, updated by one scatter of the ids added since the last step,
+never recounted; each step touches only those columns, never the whole vocabulary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,26 +123,40 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logp[token]), alts)
 
 
-@dataclass
 class ProcessorState:
-    """One request's logits-processor state, on the engine's device.
+    """One request's logits-processor state: the ids its penalties touch, with counts.
+
+    Only ids that occur matter to the penalties, so they are applied to those columns
+    alone (``O(distinct ids)`` per step, not ``O(vocab)``). The id bookkeeping is in
+    Python (the output ids are Python ints already), so no step waits on the device.
 
     Attributes:
-        counts: fp32 ``[vocab]``, how often each id occurs in the output so far; None
-            without a presence, frequency or repetition penalty.
-        counted: how many leading output ids ``counts`` includes.
-        prompt_seen: bool ``[vocab]``, ids that occur in the prompt (image pseudo-ids,
-            which are negative and no vocabulary ids, left out); None without a
-            repetition penalty.
+        ids: int64 ``[d]`` on the device: the distinct ids penalised so far, in order of
+            first occurrence; the prompt's text ids first with a repetition penalty
+            (image pseudo-ids are negative, no vocabulary ids, and left out), then each
+            output id the first time it is sampled. None without any penalty.
+        out_counts: fp32 ``[d]``: how often ``ids[i]`` occurs in the output (0 for an
+            id only in the prompt).
+        position: id -> its index in ``ids``.
+        counted: how many leading output ids ``out_counts`` includes.
         bias_ids: int64 ``[n]`` ids of ``logit_bias`` (None without one).
         bias_values: fp32 ``[n]`` their biases.
     """
 
-    counts: torch.Tensor | None = None
-    counted: int = 0
-    prompt_seen: torch.Tensor | None = None
-    bias_ids: torch.Tensor | None = None
-    bias_values: torch.Tensor | None = None
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None
+        self.out_counts: torch.Tensor | None = None
+        self.position: dict[int, int] = {}
+        self.counted = 0
+        self.bias_ids: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+
+    def counts(self, vocab_size: int) -> torch.Tensor:
+        """Output counts as a dense fp32 ``[vocab_size]`` (tests, debugging)."""
+        dense = torch.zeros(vocab_size, dtype=torch.float32)
+        if self.ids is not None:
+            dense[self.ids.cpu()] = self.out_counts.cpu()
+        return dense
 
 
 class LogitsProcessors:
@@ -161,6 +175,9 @@ class LogitsProcessors:
     - ``min_tokens`` ``m``: while ``len(output) < m``, ``l[eos] = -inf`` for every
       end-of-sequence id (unless ``ignore_eos``, where they end nothing).
 
+    Each kind is one gather and one scatter over the columns it touches, for all the
+    batch's rows together; rows given as one ``[B, vocab]`` tensor change in place.
+
     Args:
         vocab_size: logits columns (the decoder's vocabulary, padding included).
         stop_ids: end-of-sequence ids that ``min_tokens`` holds back.
@@ -175,7 +192,7 @@ class LogitsProcessors:
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=self.device)
 
     def state(self, req: Request) -> ProcessorState:
-        """``req``'s state, made on first use, with ``counts`` brought up to date.
+        """``req``'s state, made on first use, with its output counts brought up to date.
 
         Only the output ids added since the previous call are counted (sampled or
         jump-forward tokens alike), in one scatter.
@@ -183,40 +200,52 @@ class LogitsProcessors:
         st = req.processor_state
         if st is None:
             st = req.processor_state = self._new_state(req)
-        if st.counts is not None and st.counted < len(req.output_ids):
-            new = torch.tensor(req.output_ids[st.counted :], dtype=torch.long, device=self.device)
-            st.counts.index_put_((new,), torch.ones_like(new, dtype=torch.float32), accumulate=True)
+        if st.ids is not None and st.counted < len(req.output_ids):
+            new = req.output_ids[st.counted :]
             st.counted = len(req.output_ids)
+            self._track(st, new)
+            where = torch.tensor([st.position[t] for t in new], device=self.device)
+            st.out_counts.index_put_(
+                (where,), torch.ones(len(new), device=self.device), accumulate=True
+            )
         return st
 
     def _new_state(self, req: Request) -> ProcessorState:
         p = req.params
         st = ProcessorState()
-        V, dev = self.vocab_size, self.device
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            st.counts = torch.zeros(V, dtype=torch.float32, device=dev)
-        if p.repetition_penalty != 1.0:
-            ids = torch.tensor(req.input_ids, dtype=torch.long)
-            ids = ids[(ids >= 0) & (ids < V)]  # image pseudo-ids are negative
-            st.prompt_seen = torch.zeros(V, dtype=torch.bool, device=dev)
-            st.prompt_seen[ids.to(dev)] = True
+            st.ids = torch.zeros(0, dtype=torch.long, device=self.device)
+            st.out_counts = torch.zeros(0, dtype=torch.float32, device=self.device)
+            if p.repetition_penalty != 1.0:  # image pseudo-ids are negative: left out
+                self._track(st, [t for t in req.input_ids if 0 <= t < self.vocab_size])
         if p.logit_bias:
-            st.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+            st.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.device)
             st.bias_values = torch.tensor(
-                list(p.logit_bias.values()), dtype=torch.float32, device=dev
+                list(p.logit_bias.values()), dtype=torch.float32, device=self.device
             )
         return st
+
+    def _track(self, st: ProcessorState, ids: Sequence[int]) -> None:
+        """Add the ids not yet in ``st.ids`` (with count 0)."""
+        fresh = []
+        for t in ids:
+            if t not in st.position:
+                st.position[t] = len(st.position)
+                fresh.append(t)
+        if fresh:
+            st.ids = torch.cat([st.ids, torch.tensor(fresh, dtype=torch.long, device=self.device)])
+            st.out_counts = torch.cat([st.out_counts, torch.zeros(len(fresh), device=self.device)])
 
     def apply(self, reqs: Sequence[Request], rows: Rows) -> Rows:
         """Add ``logit_bias`` and apply the penalties to the rows of requests that ask.
 
         Args:
             reqs: the batch; ``reqs[i]`` samples from ``rows[i]``.
-            rows: fp32 logits ``[B, vocab]`` or B rows ``[vocab]``.
+            rows: fp32 logits ``[B, vocab]`` (changed in place) or B rows ``[vocab]``.
 
         Returns:
-            ``rows`` itself when no request asks; else the processed rows (a new
-            ``[B, vocab]`` tensor, or a new list where processed rows are new tensors).
+            ``rows`` itself when no request asks or when it is a tensor; else a new list
+            whose processed rows are new tensors.
         """
         picked = [i for i, r in enumerate(reqs) if r.processed]
         if not picked:
@@ -225,51 +254,44 @@ class LogitsProcessors:
         idx = [i for i in picked if _changes_logits(reqs[i].params)]
         if not idx:  # min_tokens alone: applied after the grammar mask
             return rows
-        x = _gather(rows, idx)
-        sts = [states[i] for i in idx]
-        params = [reqs[i].params for i in idx]
-
-        biased = [k for k, st in enumerate(sts) if st.bias_ids is not None]
-        if biased:
-            ids = [sts[k].bias_ids for k in biased]
-            where = self._index(biased).repeat_interleave(
-                torch.tensor([len(t) for t in ids], device=self.device)
-            )
-            cols = torch.cat(ids)
-            x[where, cols] = x[where, cols] + torch.cat([sts[k].bias_values for k in biased])
-
-        rep = [k for k, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if rep:
-            rk = self._index(rep)
-            seen = torch.stack([sts[k].prompt_seen | (sts[k].counts > 0) for k in rep])
-            r = self._column([params[k].repetition_penalty for k in rep])
-            factor = torch.where(seen, r, torch.ones_like(r))
-            sub = x[rk]
-            x[rk] = torch.where(sub > 0, sub / factor, sub * factor)
-
-        pen = [k for k, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
-        if pen:
-            pk = self._index(pen)
-            counts = torch.stack([sts[k].counts for k in pen])
-            f = self._column([params[k].frequency_penalty for k in pen])
-            pr = self._column([params[k].presence_penalty for k in pen])
-            x[pk] = x[pk] - (f * counts + pr * (counts > 0).float())
-        return _scatter(rows, idx, x)
+        with torch.inference_mode():  # the model's logits are inference tensors
+            x, at = _as_matrix(rows, idx)
+            params = [reqs[i].params for i in idx]
+            sts = [states[i] for i in idx]
+            ks = [k for k, st in enumerate(sts) if st.bias_ids is not None]
+            if ks:
+                r, cols = self._cells(at, ks, [sts[k].bias_ids for k in ks])
+                x[r, cols] = x[r, cols] + torch.cat([sts[k].bias_values for k in ks])
+            ks = [k for k, p in enumerate(params) if p.repetition_penalty != 1.0]
+            if ks:
+                r, cols = self._cells(at, ks, [sts[k].ids for k in ks])
+                pen = self._per_cell([params[k].repetition_penalty for k in ks], sts, ks)
+                v = x[r, cols]
+                x[r, cols] = torch.where(v > 0, v / pen, v * pen)
+            ks = [k for k, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+            if ks:
+                r, cols = self._cells(at, ks, [sts[k].ids for k in ks])
+                f = self._per_cell([params[k].frequency_penalty for k in ks], sts, ks)
+                pr = self._per_cell([params[k].presence_penalty for k in ks], sts, ks)
+                c = torch.cat([sts[k].out_counts for k in ks])
+                x[r, cols] = x[r, cols] - (f * c + pr * (c > 0).float())
+            return _from_matrix(rows, idx, x)
 
     def apply_min_tokens(self, reqs: Sequence[Request], rows: Rows) -> Rows:
         """End-of-sequence ids to ``-inf`` in the rows of requests short of ``min_tokens``.
 
-        A row where that would leave no finite logit (the grammar allows only end of
-        sequence) is left as it is: the request ends there.
+        A constrained request's row where that would leave no finite logit (the grammar
+        allows only end of sequence) is left as it is: the request ends there. Other
+        rows always keep finite logits (only ``never_sample_ids`` are ``-inf``), so only
+        constrained rows are checked (a pass over the vocabulary).
 
         Args:
             reqs: the batch; ``reqs[i]`` samples from ``rows[i]``.
-            rows: fp32 logits ``[B, vocab]`` or B rows ``[vocab]``,
+            rows: fp32 logits ``[B, vocab]`` (changed in place) or B rows ``[vocab]``,
                 after the grammar mask.
 
         Returns:
-            ``rows`` itself when no request is short of its ``min_tokens``; else the
-            masked rows (as :meth:`apply`).
+            As :meth:`apply`.
         """
         idx = [
             i
@@ -278,16 +300,35 @@ class LogitsProcessors:
         ]
         if not idx or not len(self.stop_ids):
             return rows
-        x = _gather(rows, idx)
-        masked = x.index_fill(1, self.stop_ids, float("-inf"))
-        left = (masked > float("-inf")).any(dim=1, keepdim=True)
-        return _scatter(rows, idx, torch.where(left, masked, x))
+        with torch.inference_mode():
+            x, at = _as_matrix(rows, idx)
+            r = torch.tensor(at, device=x.device).unsqueeze(1)
+            # only a grammar can leave nothing but end of sequence: check those rows alone
+            g = [k for k, i in enumerate(idx) if reqs[i].grammar is not None]
+            before = x[r[g], self.stop_ids] if g else None  # [len(g), stops]
+            x[r, self.stop_ids] = float("-inf")
+            if g:
+                rg = r[g]
+                left = (x[rg.squeeze(1)] > float("-inf")).any(dim=1, keepdim=True)
+                x[rg, self.stop_ids] = torch.where(left, x[rg, self.stop_ids], before)
+            return _from_matrix(rows, idx, x)
 
-    def _index(self, ks: list[int]) -> torch.Tensor:
-        return torch.tensor(ks, dtype=torch.long, device=self.device)
+    def _cells(
+        self, at: list[int], ks: list[int], cols: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and column indices of ``cols[j]`` in row ``at[ks[j]]``, for all ``j``."""
+        lens = [len(c) for c in cols]
+        rows = torch.tensor([at[k] for k in ks], device=self.device)
+        counts = torch.tensor(lens, device=self.device)
+        return rows.repeat_interleave(counts, output_size=sum(lens)), torch.cat(cols)
 
-    def _column(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
+    def _per_cell(
+        self, values: list[float], sts: list[ProcessorState], ks: list[int]
+    ) -> torch.Tensor:
+        """``values[j]`` repeated once per id of ``sts[ks[j]]`` (fp32 ``[cells]``)."""
+        lens = [len(sts[k].ids) for k in ks]
+        v = torch.tensor(values, dtype=torch.float32, device=self.device)
+        return v.repeat_interleave(torch.tensor(lens, device=self.device), output_size=sum(lens))
 
 
 def _changes_logits(p: SamplingParams) -> bool:
@@ -297,18 +338,18 @@ def _changes_logits(p: SamplingParams) -> bool:
     )
 
 
-def _gather(rows: Rows, idx: list[int]) -> torch.Tensor:
-    """A copy of ``rows[idx]`` as one ``[len(idx), vocab]`` tensor."""
+def _as_matrix(rows: Rows, idx: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A ``[n, vocab]`` tensor holding rows ``idx`` and where each is in it: ``rows``
+    itself (in place) when it is a tensor, else a stack of the selected rows."""
     if isinstance(rows, torch.Tensor):
-        return rows[torch.tensor(idx, dtype=torch.long, device=rows.device)]
-    return torch.stack([rows[i] for i in idx])
+        return rows, idx
+    return torch.stack([rows[i] for i in idx]), list(range(len(idx)))
 
 
-def _scatter(rows: Rows, idx: list[int], x: torch.Tensor) -> Rows:
-    """``rows`` with ``rows[idx[k]]`` replaced by ``x[k]`` (a new tensor: the model's
-    logits are inference tensors, which cannot change in place)."""
+def _from_matrix(rows: Rows, idx: list[int], x: torch.Tensor) -> Rows:
+    """``rows`` after :func:`_as_matrix`'s ``x`` was processed."""
     if isinstance(rows, torch.Tensor):
-        return rows.index_copy(0, torch.tensor(idx, dtype=torch.long, device=rows.device), x)
+        return rows
     out = list(rows)
     for k, i in enumerate(idx):
         out[i] = x[k]
