@@ -1,9 +1,23 @@
-"""Mixed steps (decode + prefill chunks in one batch) against separate steps."""
+"""The engine core: mixed steps against separate steps, batched sampling against row by
+row, and per-step work that does not grow with the answer."""
 
 from __future__ import annotations
 
-import pytest
+import sys
 
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmserve.engine.request import SamplingParams
+from mmserve.engine.sampling import (
+    batch_logprobs,
+    make_generator,
+    sample_batch,
+    sample_token,
+    token_logprob,
+)
 from tests.conftest import greedy, user
 
 
@@ -65,3 +79,77 @@ def test_a_chunk_never_exceeds_the_step_budget(make_engine, photos) -> None:  # 
     ]
     eng.generate(reqs)
     assert seen and max(seen) <= 64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.5, 1.0, 1.7]),  # temperature
+            st.sampled_from([-1, 1, 5, 50]),  # top_k
+            st.sampled_from([1.0, 0.9, 0.3]),  # top_p
+            st.sampled_from([None, 0, 3]),  # logprobs
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_batched_sampling_equals_row_by_row(seed: int, rows) -> None:  # noqa: ANN001
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), 97, generator=g) * 3
+    logits[:, :5] = float("-inf")  # never-sampled ids
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=seed + i, logprobs=lp)
+        for i, (t, k, p, lp) in enumerate(rows)
+    ]
+    batch = sample_batch(logits, params, [make_generator(p, "cpu") for p in params])
+    single = [sample_token(logits[i], p, make_generator(p, "cpu")) for i, p in enumerate(params)]
+    assert batch == single
+    lps = batch_logprobs(logits, batch, [p.logprobs for p in params])
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            assert lps[i] is None
+            continue
+        ref = token_logprob(logits[i], batch[i], p.logprobs)
+        assert lps[i].token_id == ref.token_id
+        assert lps[i].logprob == pytest.approx(ref.logprob, abs=1e-6)
+        assert [t for t, _ in lps[i].top] == [t for t, _ in ref.top]
+
+
+def _calls_in_one_step(eng) -> int:  # noqa: ANN001
+    calls = 0
+
+    def prof(frame, event, arg) -> None:  # noqa: ANN001
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(prof)
+    try:
+        eng.step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_per_step_work_does_not_grow_with_the_answer(make_engine, page_size) -> None:  # noqa: ANN001
+    """A counting test: Python calls made by one decode step (engine, sampling, the
+    delta, the front end's collector) at 40 output tokens and at 1,500."""
+    eng = make_engine(page_size=page_size, max_total_tokens=4096)
+    params = SamplingParams(max_tokens=1600, temperature=0.0, ignore_eos=True, logprobs=2)
+    req = eng.processor.make_request(messages=user("Tell a story."), images=[], params=params)
+    col = eng.track(req)
+    eng.add_request(req)
+    counts = {}
+    while not col.finished:
+        n = len(req.output_ids)
+        if n in (40, 41, 42, 1500, 1501, 1502):
+            counts[n] = _calls_in_one_step(eng)
+        else:
+            eng.step()
+    early = [counts[n] for n in (40, 41, 42)]
+    late = [counts[n] for n in (1500, 1501, 1502)]
+    assert max(late) <= max(early) * 1.05 + 5, (early, late)
+    assert len(col.result.output_ids) == 1600

@@ -125,7 +125,17 @@ def test_a_failure_while_sampling_fails_only_that_request(
             raise FloatingPointError("injected sampling fault")
         return real(logits, params, generator)
 
+    real_batch = engine_module.sample_batch
+
+    def flaky_batch(rows, params, generators):  # noqa: ANN001, ANN202
+        # the batched path fails for the whole batch; the engine then samples row by
+        # row, where only the poisoned request fails
+        if any(p.seed == 666 for p in params):
+            raise FloatingPointError("injected sampling fault")
+        return real_batch(rows, params, generators)
+
     monkeypatch.setattr(engine_module, "sample_token", flaky)
+    monkeypatch.setattr(engine_module, "sample_batch", flaky_batch)
     engine = make_engine()
     with TestClient(create_app(engine, ServerSettings(served_model_name="m"))) as c:
         answers: dict[int, object] = {}

@@ -27,8 +27,14 @@ from mmserve.engine.messages import TokenDelta
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.output import OutputCollector
 from mmserve.engine.processor import InputProcessor, RequestError
-from mmserve.engine.request import GenerateResult, Request
-from mmserve.engine.sampling import LogitsProcessors, sample_token, token_logprob
+from mmserve.engine.request import GenerateResult, Request, TokenLogprob
+from mmserve.engine.sampling import (
+    LogitsProcessors,
+    batch_logprobs,
+    sample_batch,
+    sample_token,
+    token_logprob,
+)
 from mmserve.engine.scheduler import Scheduler
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.vision.embedding_cache import EmbeddingCache
@@ -241,11 +247,25 @@ class Engine:
         rows = self.processors.apply(batch, rows)
         rows = self.guided.apply_masks(batch, rows)
         rows = self.processors.apply_min_tokens(batch, rows)
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.stack(list(rows))
         now = time.perf_counter()
-        for req, row in zip(batch, rows, strict=True):
+        try:  # the whole batch at once: one host-device sync
+            tokens = sample_batch(rows, [r.params for r in batch], [r.generator for r in batch])
+            lps = batch_logprobs(rows, tokens, [r.params.logprobs for r in batch])
+        except Exception:  # noqa: BLE001 - row by row below, failing only the bad row
+            tokens = lps = None
+        for i, req in enumerate(batch):
             try:
-                self._append_token(req, row, now)
-            except Exception:  # noqa: BLE001 - sampling or decoding failed for this one
+                if tokens is None:
+                    tok = sample_token(rows[i], req.params, req.generator)
+                    lp = None
+                    if req.params.logprobs is not None:
+                        lp = token_logprob(rows[i], tok, req.params.logprobs)
+                else:
+                    tok, lp = tokens[i], lps[i]
+                self._append_token(req, rows[i], tok, lp, now)
+            except Exception:  # noqa: BLE001 - sampling or its bookkeeping failed for this one
                 self._fail([req], "while sampling its next token")
         return batch
 
@@ -307,15 +327,21 @@ class Engine:
             self.stats.requests_failed += 1
             self._finish(req, "error")
 
-    def _append_token(self, req: Request, logits: torch.Tensor, now: float) -> None:
-        """Sample ``req``'s next token from ``logits`` (fp32 ``[vocab]``), advance its
-        grammar, end it on EOS, grammar end or ``max_tokens``, and emit the delta.
-        Text and stop strings are the front end's (:mod:`mmserve.engine.output`)."""
+    def _append_token(
+        self,
+        req: Request,
+        logits: torch.Tensor,
+        tok: int,
+        logprob: TokenLogprob | None,
+        now: float,
+    ) -> None:
+        """Append ``req``'s sampled token ``tok`` (from ``logits``, fp32 ``[vocab]``),
+        advance its grammar, end it on EOS, grammar end or ``max_tokens``, and emit the
+        delta. Text and stop strings are the front end's (:mod:`mmserve.engine.output`)."""
         if req.logits is not None:
             req.logits.append(logits.detach().cpu().clone())
-        tok = sample_token(logits, req.params, req.generator)
         if req.logprobs is not None:
-            req.logprobs.append(token_logprob(logits, tok, req.params.logprobs))
+            req.logprobs.append(logprob)
         req.output_ids.append(tok)
         if req.first_token_time is None:
             req.first_token_time = now

@@ -61,6 +61,101 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     return g
 
 
+def _sample_tensor(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """:func:`sample_token` without reading the result back: int64 ``[1]`` on the
+    logits' device (no host-device sync)."""
+    if is_greedy(params):
+        return torch.argmax(logits).reshape(1)
+    scaled = logits / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = cum - sorted_p >= params.top_p
+        drop[0] = False  # a top_p below fp32's range would otherwise drop every token
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def sample_batch(
+    rows: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row, with one host-device sync for the whole batch.
+
+    Greedy rows take one batched ``argmax``; each sampled row runs :func:`sample_token`'s
+    arithmetic with its own generator (so seeded outputs are identical to sampling rows
+    one at a time), and nothing is read back until every row is done.
+
+    Args:
+        rows: fp32 logits ``[B, vocab]`` (never-sampled ids at ``-inf``).
+        params: each row's sampling parameters.
+        generators: each row's generator (None for greedy rows).
+
+    Returns:
+        ``B`` token ids.
+
+    Raises:
+        RuntimeError: from torch for a row that cannot be sampled (e.g. all ``-inf``);
+            the caller then samples row by row to fail only that request.
+    """
+    greedy = [i for i, p in enumerate(params) if is_greedy(p)]
+    out = torch.empty(len(params), dtype=torch.int64, device=rows.device)
+    if greedy:
+        sel = greedy if len(greedy) < len(params) else slice(None)
+        out[sel] = torch.argmax(rows[sel], dim=-1)
+    for i, p in enumerate(params):
+        if not is_greedy(p):
+            out[i : i + 1] = _sample_tensor(rows[i], p, generators[i])
+    return out.tolist()
+
+
+def batch_logprobs(
+    rows: torch.Tensor, tokens: Sequence[int], tops: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """:func:`token_logprob` for the rows that ask for logprobs, in one pass.
+
+    Args:
+        rows: fp32 logits ``[B, vocab]`` as sampled.
+        tokens: the chosen id of each row.
+        tops: each row's ``params.logprobs`` (None: no logprobs for that row).
+
+    Returns:
+        One :class:`TokenLogprob` per row, None where ``tops`` is None.
+    """
+    want = [i for i, t in enumerate(tops) if t is not None]
+    out: list[TokenLogprob | None] = [None] * len(tops)
+    if not want:
+        return out
+    logp = torch.log_softmax(rows[want].float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor([tokens[i] for i in want], device=logp.device)[:, None])
+    k = min(max(tops[i] or 0 for i in want), logp.shape[1])
+    values = ids = None
+    if k > 0:
+        values, ids = torch.topk(logp, k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    chosen = chosen[:, 0].tolist()
+    for j, i in enumerate(want):
+        top = tops[i] or 0
+        alts = []
+        if top > 0:
+            alts = [
+                (t, v)
+                for t, v in zip(ids[j][:top], values[j][:top], strict=True)
+                if v != float("-inf")  # masked ids (a grammar may allow fewer than ``top``)
+            ]
+        out[i] = TokenLogprob(tokens[i], chosen[j], alts)
+    return out
+
+
 def sample_token(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -77,22 +172,7 @@ def sample_token(
         The chosen token id. Top-k then top-p (Holtzman et al., "The Curious
         Case of Neural Text Degeneration", arXiv 1904.09751, Section 3.1).
     """
-    if is_greedy(params):
-        return int(torch.argmax(logits))
-    scaled = logits / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = cum - sorted_p >= params.top_p
-        drop[0] = False  # a top_p below fp32's range would otherwise drop every token
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(_sample_tensor(logits, params, generator))
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
