@@ -11,8 +11,9 @@ from fastapi.concurrency import run_in_threadpool
 from api.errors import APIError
 from api.schemas import SamplingFields
 from api.structured import guided_spec
+from mmserve.engine.messages import EngineRequest
 from mmserve.engine.processor import InputProcessor, RequestError
-from mmserve.engine.request import ImageInput, ParamError, Request, SamplingParams
+from mmserve.engine.request import ImageInput, ParamError, SamplingParams
 
 #: A ``logit_bias`` key: a token id written in decimal, no sign but "-", no leading
 #: zeros, spaces or underscores (which ``int`` would accept), so two keys never name
@@ -83,7 +84,7 @@ async def make_requests(
     n: int = 1,
     default_max_tokens: int = 256,
     videos: Sequence[Sequence[ImageInput]] = (),
-) -> list[Request]:
+) -> list[EngineRequest]:
     """``n`` engine requests for one prompt; seeds ``seed``, ``seed + 1``, ... when seeded.
 
     ``videos`` (each its frames) fill the video parts on a model with a video path.
@@ -125,7 +126,7 @@ async def _make(
     images: Sequence[ImageInput],
     params: SamplingParams,
     videos: Sequence[Sequence[ImageInput]] = (),
-) -> Request:
+) -> EngineRequest:
     try:  # front-end work on a worker thread, off the event loop and the engine thread
         return await run_in_threadpool(
             processor.make_request,

@@ -16,7 +16,8 @@ from fastapi import Request as HTTPRequest
 from api.errors import APIError
 from api.metrics import Metrics
 from mmserve.engine.async_engine import AsyncEngine, StreamUpdate
-from mmserve.engine.request import GenerateResult, Request
+from mmserve.engine.messages import EngineRequest
+from mmserve.engine.request import GenerateResult
 
 
 class ClientDisconnected(Exception):
@@ -42,7 +43,7 @@ class EngineClient:
         self.retry_after = retry_after
         self.queued = 0
 
-    def submit(self, reqs: Sequence[Request]) -> Submission:
+    def submit(self, reqs: Sequence[EngineRequest]) -> Submission:
         """Start ``reqs`` (all or none).
 
         One call is always admitted into an empty queue, so a large ``n`` or many
@@ -86,14 +87,14 @@ class EngineClient:
 class Submission:
     """Requests running together; their updates arrive as ``(index, StreamUpdate)``."""
 
-    def __init__(self, client: EngineClient, reqs: Sequence[Request]) -> None:
+    def __init__(self, client: EngineClient, reqs: Sequence[EngineRequest]) -> None:
         self.client = client
         self.reqs = list(reqs)
         self.results: list[GenerateResult | None] = [None] * len(reqs)
         self._queue: asyncio.Queue[tuple[int, StreamUpdate | BaseException]] = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(i, r)) for i, r in enumerate(reqs)]
 
-    async def _pump(self, index: int, req: Request) -> None:
+    async def _pump(self, index: int, req: EngineRequest) -> None:
         waiting = True
         try:
             async for upd in self.client.aengine.stream(req):

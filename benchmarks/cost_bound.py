@@ -134,7 +134,7 @@ class CostModel:
         idx = [i % wl.num_requests for i in range(batch)]
         best, best_cpu = math.inf, math.inf
         for r in self.requests(eng, wl, idx, steps + 1):
-            eng.add_request(r)
+            eng.track(r)
         while eng.has_work():
             before = eng.stats.decode_steps
             wall, cpu = _timed(eng.step)

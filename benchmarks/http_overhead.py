@@ -16,6 +16,7 @@ event loop and the engine's own work took the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 from collections import defaultdict
@@ -28,7 +29,8 @@ import torch
 from benchmarks.workloads import Workload
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
-from mmserve.engine.request import Request, SamplingParams
+from mmserve.engine.output import OutputCollector
+from mmserve.engine.request import SamplingParams
 from mmserve.model.loader import LoadedModel
 
 
@@ -52,8 +54,7 @@ def replay_in_process(
     params = SamplingParams(max_tokens=wl.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = wl.prompts
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-    reqs: dict[int, Request] = {}
-    due: dict[int, float] = {}
+    cols: dict[int, OutputCollector] = {}
     nxt = 0
     steps: dict[str, Any] = {"prefill": 0, "prefill_s": 0.0, "decode": 0, "decode_s": 0.0}
     steps.update(decode_tokens=0, prefill_detail=[])
@@ -65,15 +66,13 @@ def replay_in_process(
             i = order[nxt]
             p = prompts[i]
             images = [eng.processor.prepare_image(wl.images[n]) for n in p.images]  # decode + hash
-            r = eng.processor.make_request(messages=p.messages, images=images, params=params)
-            r.arrival = t0 + arrivals[i]
-            due[i] = t0 + arrivals[i]
-            eng.add_request(r)
-            reqs[i] = r
+            msg = eng.processor.make_request(messages=p.messages, images=images, params=params)
+            cols[i] = eng.track(dataclasses.replace(msg, arrival=t0 + arrivals[i]))
             nxt += 1
         if eng.has_work():
             pre, dec = eng.stats.prefill_steps, eng.stats.decode_steps
-            done = {i: r.computed_len for i, r in reqs.items()}
+            # engine state read between steps, on this (the engine's) thread
+            done = {r.rid: (r.computed_len, r.cached_len) for r in eng.live_requests()}
             s0 = time.perf_counter()
             batch = eng.step()
             dt = time.perf_counter() - s0
@@ -81,9 +80,10 @@ def replay_in_process(
                 steps["prefill"] += 1
                 steps["prefill_s"] += dt
                 grew = [
-                    r.computed_len - done[i] - (r.cached_len if done[i] == 0 else 0)
-                    for i, r in reqs.items()
-                    if r.computed_len > done[i]
+                    r.computed_len - c - (r.cached_len if c == 0 else 0)
+                    for r in {x.rid: x for x in [*eng.live_requests(), *batch]}.values()
+                    for c, _ in [done.get(r.rid, (0, 0))]
+                    if r.computed_len > c
                 ]
                 steps["prefill_detail"].append(
                     {"requests": len(grew), "new_tokens": sum(grew), "seconds": dt}
@@ -94,26 +94,27 @@ def replay_in_process(
                 steps["decode_tokens"] += len(batch)
         elif nxt < len(order):
             time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
-    end = max(r.finish_time or t0 for r in reqs.values())
+    results = {i: c.result() for i, c in cols.items()}
+    end = max(r.latency + t0 + arrivals[i] for i, r in results.items())
     wall = end - (t0 + min(arrivals))
     cpu = time.process_time() - c0
-    ttft = [r.first_token_time - due[i] for i, r in reqs.items() if r.first_token_time]
+    ttft = [r.ttft for r in results.values() if r.completion_tokens]
     tpot = [
-        (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1)
-        for r in reqs.values()
-        if r.finish_time and r.first_token_time and len(r.output_ids) > 1
+        (r.latency - r.ttft) / (r.completion_tokens - 1)
+        for r in results.values()
+        if r.completion_tokens > 1
     ]
     stats = eng.cache_stats()
     return {
-        "requests": len(reqs),
+        "requests": len(results),
         "duration_s": wall,
         "cpu_s": cpu,
-        "request_throughput": len(reqs) / wall if wall else None,
+        "request_throughput": len(results) / wall if wall else None,
         "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
         "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
         "tpot_p50_s": float(np.percentile(tpot, 50)) if tpot else None,
         "cache_hit_rate": stats["cache_hit_rate"],
-        "all_finished": all(r.finish_reason == "length" for r in reqs.values()),
+        "all_finished": all(r.finish_reason == "length" for r in results.values()),
         "vision_tower_images": stats["vision_tower_images"],
         "steps": {
             **steps,

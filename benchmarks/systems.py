@@ -26,6 +26,7 @@ preprocessing (resize, normalise) and the vision tower are inside the timed regi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,8 @@ import torch
 from benchmarks.workloads import Prompt, Workload
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
-from mmserve.engine.request import GenerateResult, ImageInput, Request, SamplingParams
+from mmserve.engine.messages import EngineRequest
+from mmserve.engine.request import GenerateResult, ImageInput, SamplingParams
 from mmserve.model.loader import LoadedModel
 
 
@@ -298,7 +300,7 @@ class MMServeRunner:
 
 
 def _lock_step(
-    eng: Engine, reqs: list[Request], round_sizes: list[int]
+    eng: Engine, reqs: list[EngineRequest], round_sizes: list[int]
 ) -> tuple[dict[int, GenerateResult], float, float]:
     """Submit each round at once and wait for it; returns results by index, wall, CPU."""
     results: dict[int, GenerateResult] = {}
@@ -308,8 +310,7 @@ def _lock_step(
         batch = reqs[start : start + n]
         c0 = time.process_time()
         t0 = time.perf_counter()
-        for r in batch:
-            r.arrival = t0  # the whole round is submitted at t0
+        batch = [dataclasses.replace(r, arrival=t0) for r in batch]  # submitted at t0
         for i, res in enumerate(eng.generate(batch)):
             results[start + i] = res
         wall += time.perf_counter() - t0
@@ -319,7 +320,7 @@ def _lock_step(
 
 
 def _closed_loop(
-    eng: Engine, reqs: list[Request], sessions: list[list[int]]
+    eng: Engine, reqs: list[EngineRequest], sessions: list[list[int]]
 ) -> tuple[dict[int, GenerateResult], float, float]:
     """Closed-loop chat clients: one outstanding turn per session.
 
@@ -334,16 +335,15 @@ def _closed_loop(
     for turns in sessions:
         for a, b in zip(turns, turns[1:], strict=False):
             nxt[a] = b
-    index = {id(r): i for i, r in enumerate(reqs)}
+    index = {r.rid: i for i, r in enumerate(reqs)}
     results: dict[int, GenerateResult] = {}
     collectors = {}
     live = 0
 
     def submit(i: int) -> None:
         nonlocal live
-        reqs[i].arrival = time.perf_counter()
+        reqs[i] = dataclasses.replace(reqs[i], arrival=time.perf_counter())
         collectors[i] = eng.track(reqs[i])
-        eng.add_request(reqs[i])
         live += 1
 
     c0 = time.process_time()
@@ -355,7 +355,7 @@ def _closed_loop(
         if not batch and not eng.has_work():
             break  # nothing runs or waits but turns are outstanding: give up (reported)
         for r in batch:
-            i = index[id(r)]
+            i = index[r.rid]
             if collectors[i].finished and i not in results:
                 results[i] = collectors[i].result
                 live -= 1

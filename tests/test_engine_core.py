@@ -31,8 +31,7 @@ def _long_and_short(make_engine, photos, **cfg):  # noqa: ANN001, ANN201
         proc.make_request(messages=user(f"Say something {i}."), images=[], params=greedy(24))
         for i in range(3)
     ]
-    for r in short:
-        eng.add_request(r)
+    cols = [eng.track(r) for r in short]
     for _ in range(3):  # the short ones are running before the long ones arrive
         eng.step()
     long = [
@@ -43,12 +42,11 @@ def _long_and_short(make_engine, photos, **cfg):  # noqa: ANN001, ANN201
         ),
         proc.make_request(messages=user("word " * 300), images=[], params=greedy(10)),
     ]
-    for r in long:
-        eng.add_request(r)
+    cols += [eng.track(r) for r in long]
     while eng.has_work():
         eng.step()
     eng.scheduler.check_accounting()
-    return eng, [r.output_ids for r in short + long]
+    return eng, [c.result.output_ids for c in cols]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -141,10 +139,10 @@ def test_per_step_work_does_not_grow_with_the_answer(make_engine, page_size) -> 
     params = SamplingParams(max_tokens=1600, temperature=0.0, ignore_eos=True, logprobs=2)
     req = eng.processor.make_request(messages=user("Tell a story."), images=[], params=params)
     col = eng.track(req)
-    eng.add_request(req)
+    (state,) = eng.live_requests()
     counts = {}
     while not col.finished:
-        n = len(req.output_ids)
+        n = len(state.output_ids)
         if n in (40, 41, 42, 1500, 1501, 1502):
             counts[n] = _calls_in_one_step(eng)
         else:

@@ -57,17 +57,16 @@ def test_lone_requests_and_bursts_always_finish(make_engine, imgs, data) -> None
         msgs, images = _case(data, imgs)
         params = SamplingParams(max_tokens=data.draw(st.integers(1, 6)), ignore_eos=True)
         reqs.append(eng.processor.make_request(messages=msgs, images=images, params=params))
-    for r in reqs:
-        eng.add_request(r)
+    cols = [eng.track(r) for r in reqs]
     # drive the engine as the server loop does: step while it says there is work
     steps = 0
     while eng.has_work():
         eng.step()
         steps += 1
         assert steps < 2000, f"engine never went idle: {cfg}"
-    assert all(r.finished for r in reqs), (cfg, [r.finish_reason for r in reqs])
-    assert [r.finish_reason for r in reqs] == ["length"] * n
-    assert [len(r.output_ids) for r in reqs] == [r.params.max_tokens for r in reqs]
+    assert all(c.finished for c in cols), (cfg, [c.result for c in cols])
+    assert [c.result.finish_reason for c in cols] == ["length"] * n
+    assert [len(c.result.output_ids) for c in cols] == [r.params.max_tokens for r in reqs]
     acc = eng.scheduler.check_accounting()
     assert acc["running"] == 0
     assert not eng.live_requests()

@@ -47,7 +47,8 @@ def test_chunked_prefill_same_outputs(make_engine, imgs, baseline) -> None:  # n
 
 def test_chunks_avoid_splitting_an_image_when_they_can(make_engine, imgs) -> None:  # noqa: ANN001
     eng = make_engine()
-    req = eng.processor.make_request(messages=user("Look:", None, "What?"), images=[imgs[0]])
+    msg = eng.processor.make_request(messages=user("Look:", None, "What?"), images=[imgs[0]])
+    req = eng.request_state(msg)
     span = req.spans[0]
     assert span.start > 2
     # a budget that would end inside the image stops at its start instead

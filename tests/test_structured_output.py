@@ -486,7 +486,8 @@ def test_no_utf8_surrogates_after_a_lone_lead_byte(engine, images) -> None:  # n
     # decoded, over maxLength); the engine's second-byte rule forbids it
     vocab = engine.processor.grammars.vocab_bytes()
     ids = {v: i for i, v in enumerate(vocab) if len(v) == 1}
-    req = ask(engine, images[0], GuidedSpec.json_schema({"type": "string", "maxLength": 4}))
+    msg = ask(engine, images[0], GuidedSpec.json_schema({"type": "string", "maxLength": 4}))
+    req = engine.request_state(msg)
     for b in (b'"', b"\xed"):
         assert req.grammar.matcher.accept_token(ids[b])
         req.output_ids.append(ids[b])

@@ -29,9 +29,9 @@ from ray.exceptions import RayActorError
 from api.replicas.protocol import ControlCall, Hello, ReplicaRequest, SpanRef
 from api.replicas.registry import find_router
 from api.submit import EngineClient, Submission
-from mmserve.engine.messages import TokenDelta
+from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.output import OutputCollector, StreamUpdate
-from mmserve.engine.request import GenerateResult, ImageInput, Request
+from mmserve.engine.request import GenerateResult, ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class ReplicaEngineClient(EngineClient):
     """:class:`EngineClient` that also remembers each HTTP request's submissions, so that
     a request cancelled by Ray Serve (client gone) cancels them (see :class:`CancelGuard`)."""
 
-    def submit(self, reqs: Sequence[Request]) -> Submission:
+    def submit(self, reqs: Sequence[EngineRequest]) -> Submission:
         """As :meth:`EngineClient.submit`."""
         sub = super().submit(reqs)
         subs = SUBMISSIONS.get()
@@ -134,7 +134,7 @@ class ReplicaClient:
             self._ref_bytes -= gone
         return ref
 
-    def payload(self, req: Request) -> ReplicaRequest:
+    def payload(self, req: EngineRequest) -> ReplicaRequest:
         """The tokenized request a replica receives for ``req``."""
         spans = [
             SpanRef(s.start, s.length, s.image.key, s.image.mode, self._pixels(s.image))
@@ -142,7 +142,7 @@ class ReplicaClient:
         ]
         return ReplicaRequest(req.rid, list(req.input_ids), spans, req.params)
 
-    async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
+    async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
         """Run ``req`` on a replica; yields its updates, the last one with the result.
 
         The replica sends token deltas; text, stop strings and the result are built
@@ -195,11 +195,11 @@ class ReplicaClient:
             yield col.fail(error)
             return
 
-    def _finished(self, req: Request, result: GenerateResult, replica: str | None) -> None:
+    def _finished(self, req: EngineRequest, result: GenerateResult, replica: str | None) -> None:
         """The replica's tree in the router gains the output tokens."""
         router = find_router(self.app_name, self.deployment)
         if router is not None and replica is not None and result.finish_reason != "error":
-            router.record_output(replica, req.input_ids + result.output_ids)
+            router.record_output(replica, [*req.input_ids, *result.output_ids])
 
     # ---- control calls ---------------------------------------------------------
     async def call(self, kind: str, target: str | None = None, timeout: float = 10.0) -> dict:

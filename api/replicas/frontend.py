@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmserve.config import EngineConfig
+from mmserve.engine.messages import EngineRequest
 from mmserve.engine.processor import InputProcessor
-from mmserve.engine.request import ImageInput, Request
+from mmserve.engine.request import ImageInput
 from mmserve.model import loader
 from mmserve.model.llama import LlamaShape
 from mmserve.model.loader import LoadedModel, text_shape
@@ -78,7 +79,7 @@ class FrontEnd:
         """Same as ``self.processor.prepare_image``."""
         return self.processor.prepare_image(data)
 
-    def make_request(self, **kw) -> Request:
+    def make_request(self, **kw) -> EngineRequest:
         """Same as ``self.processor.make_request``."""
         return self.processor.make_request(**kw)
 

@@ -23,9 +23,8 @@ from api.replicas.protocol import ControlCall, Hello, ReplicaRequest
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
-from mmserve.engine.messages import TokenDelta
-from mmserve.engine.request import ImageInput, ImageSpan, Request
-from mmserve.engine.sampling import make_generator
+from mmserve.engine.messages import EngineRequest, TokenDelta
+from mmserve.engine.request import ImageInput, ImageSpan
 
 
 class RemoteImage(ImageInput):
@@ -96,16 +95,15 @@ class EngineReplica:
     def _fetched(self) -> None:
         self.pixel_fetches += 1
 
-    def _request(self, rr: ReplicaRequest) -> Request:
-        spans = [
+    def _request(self, rr: ReplicaRequest) -> EngineRequest:
+        spans = tuple(
             ImageSpan(s.start, s.length, RemoteImage(s.key, s.mode, s.pixels, self._fetched))
             for s in rr.spans
-        ]
-        req = Request(list(rr.input_ids), spans, rr.params, rid=rr.rid)
+        )
+        grammar = None
         if rr.params.guided is not None:  # compiled once per spec on this replica too
-            req.grammar = self.engine.processor.grammars.state(rr.params.guided)
-        req.generator = make_generator(rr.params, self.engine.config.device)
-        return req
+            grammar = self.engine.processor.grammars.compile(rr.params.guided)
+        return EngineRequest(tuple(rr.input_ids), spans, rr.params, rid=rr.rid, grammar=grammar)
 
     async def generate(self, rr: ReplicaRequest) -> AsyncIterator[Hello | TokenDelta]:
         """Run one request; yields :class:`Hello`, then the engine's

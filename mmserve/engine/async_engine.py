@@ -17,9 +17,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from mmserve.engine.engine import Engine
-from mmserve.engine.messages import TokenDelta
+from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.output import StreamUpdate
-from mmserve.engine.request import GenerateResult, Request
+from mmserve.engine.request import GenerateResult
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +117,16 @@ class AsyncEngine:
         """Engine steps that failed in a row (0 after any step succeeds)."""
         return self.engine.stats.consecutive_failed_steps
 
-    async def deltas(self, req: Request) -> AsyncIterator[TokenDelta]:
+    async def deltas(self, req: EngineRequest) -> AsyncIterator[TokenDelta]:
         """Submit ``req`` and yield its :class:`TokenDelta` messages, the last with its
         finish reason. Closing the iterator early aborts the request (its KV is kept)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        req.on_update = lambda delta: loop.call_soon_threadsafe(queue.put_nowait, delta)
-        self.call(lambda: self.engine.add_request(req))
+
+        def on_update(delta: TokenDelta) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+        self.call(lambda: self.engine.add_request(req, on_update))
         done = False
         try:
             while not done:
@@ -134,7 +137,7 @@ class AsyncEngine:
             if not done:
                 self.call(lambda: self.engine.abort(req.rid))
 
-    async def stream(self, req: Request) -> AsyncIterator[StreamUpdate]:
+    async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
         """Submit ``req`` and yield its updates (text and new ids); the last one carries
         the result.
 
@@ -155,7 +158,7 @@ class AsyncEngine:
         finally:
             await deltas.aclose()  # aborts the engine request unless it had finished
 
-    async def generate(self, req: Request) -> GenerateResult:
+    async def generate(self, req: EngineRequest) -> GenerateResult:
         """Submit ``req`` and wait for its result."""
         result = None
         async for upd in self.stream(req):

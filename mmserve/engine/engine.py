@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +22,8 @@ from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.radix_cache import RadixCache
 from mmserve.config import EngineConfig
 from mmserve.engine.detokenizer import first_stop
-from mmserve.engine.grammar import GuidedDecoding
-from mmserve.engine.messages import TokenDelta
+from mmserve.engine.grammar import GuidedDecoding, new_state
+from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.output import OutputCollector
 from mmserve.engine.processor import InputProcessor, RequestError
@@ -31,6 +31,7 @@ from mmserve.engine.request import GenerateResult, Request, TokenLogprob
 from mmserve.engine.sampling import (
     LogitsProcessors,
     batch_logprobs,
+    make_generator,
     sample_batch,
     sample_token,
     token_logprob,
@@ -112,10 +113,25 @@ class Engine:
         self._by_rid: dict[str, Request] = {}
         self._stop_hits: list[str] = []  # tracked requests a stop string ended
 
-    def add_request(self, req: Request) -> None:
-        """Queue a tokenized request built by :class:`InputProcessor`."""
+    def add_request(
+        self, msg: EngineRequest, on_update: Callable[[TokenDelta], None] | None = None
+    ) -> None:
+        """Queue a request message built by :class:`InputProcessor`; its progress goes to
+        ``on_update`` as :class:`TokenDelta` messages (on this thread)."""
+        req = self.request_state(msg)
+        req.on_update = on_update
         self._by_rid[req.rid] = req
         self.scheduler.add(req)
+
+    def request_state(self, msg: EngineRequest) -> Request:
+        """The engine's private state for ``msg`` (not queued; :meth:`add_request` queues
+        it): token lists, the grammar matcher, the sampling generator."""
+        req = Request(list(msg.input_ids), list(msg.spans), msg.params, rid=msg.rid)
+        req.arrival = msg.arrival
+        if msg.grammar is not None:
+            req.grammar = new_state(msg.grammar, msg.params.guided)
+        req.generator = make_generator(msg.params, self.config.device)
+        return req
 
     def abort(self, rid: str) -> bool:
         """Stop a request; its computed KV goes to the tree and its pages are freed.
@@ -394,28 +410,28 @@ class Engine:
         self._emit(req)
 
     # ---- offline API ------------------------------------------------------
-    def collector(self, req: Request) -> OutputCollector:
-        """A front-end collector for ``req``'s deltas (text, stop strings, result)."""
+    def collector(self, msg: EngineRequest) -> OutputCollector:
+        """A front-end collector for ``msg``'s deltas (text, stop strings, result)."""
         return OutputCollector(
-            req.rid, self.model.tokenizer, req.params, req.prompt_len, req.arrival
+            msg.rid, self.model.tokenizer, msg.params, msg.prompt_len, msg.arrival
         )
 
-    def track(self, req: Request) -> OutputCollector:
-        """Collect ``req``'s deltas on this thread (offline use, benchmarks): returns its
-        collector; a stop string found there aborts the request at the next step.
-        Call before :meth:`add_request`."""
-        col = self.collector(req)
+    def track(self, msg: EngineRequest) -> OutputCollector:
+        """Queue ``msg`` and collect its deltas on this thread (offline use, benchmarks):
+        returns its collector; a stop string found there aborts the request at the next
+        step."""
+        col = self.collector(msg)
 
         def on_update(delta: TokenDelta) -> None:
             col.add(delta)
             if col.stop_hit:
                 col.stop_hit = False
-                self._stop_hits.append(req.rid)
+                self._stop_hits.append(msg.rid)
 
-        req.on_update = on_update
+        self.add_request(msg, on_update)
         return col
 
-    def generate(self, requests: Sequence[Request]) -> list[GenerateResult]:
+    def generate(self, requests: Sequence[EngineRequest]) -> list[GenerateResult]:
         """Run ``requests`` to completion together (continuous batching), collecting
         their deltas on this thread (:meth:`track`).
 
@@ -426,12 +442,10 @@ class Engine:
             RuntimeError: if the engine runs out of work with a request unfinished
                 (a scheduler bug; never a silent unfinished result).
         """
-        collectors = [self.track(req) for req in requests]
-        for req in requests:
-            self.add_request(req)
+        collectors = [self.track(msg) for msg in requests]
         while not all(c.finished for c in collectors):
             if not self.has_work():
-                stuck = [r.rid for r, c in zip(requests, collectors, strict=True) if not c.finished]
+                stuck = [m.rid for m, c in zip(requests, collectors, strict=True) if not c.finished]
                 raise RuntimeError(f"engine idle with unfinished requests {stuck}")
             self.step()
         self._abort_stopped()

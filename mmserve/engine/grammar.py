@@ -413,6 +413,12 @@ class GrammarState:
         self.spec = spec
 
 
+def new_state(compiled: Any, spec: GuidedSpec) -> GrammarState:
+    """A fresh matcher of an already compiled grammar (what the engine makes for each
+    constrained request from its message)."""
+    return GrammarState(_xgrammar().GrammarMatcher(compiled), spec)
+
+
 class GrammarCache:
     """Compiles specs against one model's vocabulary; a bounded LRU of compiled grammars.
 
@@ -507,8 +513,7 @@ class GrammarCache:
         Raises:
             GrammarError: if the spec is refused or does not compile.
         """
-        compiled = self.compile(spec)
-        return GrammarState(_xgrammar().GrammarMatcher(compiled), spec)
+        return new_state(self.compile(spec), spec)
 
     def __len__(self) -> int:
         return len(self._cache)

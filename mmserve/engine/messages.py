@@ -10,11 +10,42 @@ tree node, the grammar matcher and sampling state belong to the engine thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from mmserve.engine.request import TokenLogprob
+from mmserve.engine.request import ImageSpan, SamplingParams, TokenLogprob, new_rid
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as the front end hands it to the engine; nothing changes it afterwards.
+
+    Attributes:
+        input_ids: prompt token ids; image (and video-frame) positions hold their
+            pseudo-token ids (negative, from the content key).
+        spans: the image runs of the prompt, each with its key and decoded image.
+        params: sampling parameters (validated; read only from here on).
+        rid: request id.
+        arrival: ``time.perf_counter()`` when the request arrived (seconds).
+        grammar: the compiled grammar of ``params.guided`` (compiled on the front end's
+            thread, shared by every request with the same spec), else None; the engine
+            makes the request's own matcher from it.
+    """
+
+    input_ids: tuple[int, ...]
+    spans: tuple[ImageSpan, ...]
+    params: SamplingParams
+    rid: str = field(default_factory=new_rid)
+    arrival: float = field(default_factory=time.perf_counter)
+    grammar: Any = None
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.input_ids)
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 from mmserve.config import EngineConfig
 from mmserve.engine.grammar import GrammarCache, GrammarError
+from mmserve.engine.messages import EngineRequest
 from mmserve.engine.prompt import PromptBuilder, PromptError
-from mmserve.engine.request import ImageInput, ParamError, Request, SamplingParams
-from mmserve.engine.sampling import make_generator
+from mmserve.engine.request import ImageInput, ParamError, SamplingParams, new_rid
 from mmserve.model.loader import LoadedModel
 from mmserve.vision.hashing import image_key, processor_fingerprint
 from mmserve.vision.image import decode_image
@@ -78,14 +78,16 @@ class InputProcessor:
         params: SamplingParams | None = None,
         rid: str | None = None,
         videos: Sequence[Sequence[ImageInput]] = (),
-    ) -> Request:
-        """Build a validated, tokenized request from chat ``messages`` or a raw ``prompt``.
+    ) -> EngineRequest:
+        """Build a validated, tokenized request message from chat ``messages`` or a raw
+        ``prompt``.
 
         ``images`` fill the image placeholders and ``videos`` (each its frames, decoded
         and hashed like images) the video placeholders of a model with a video path.
 
-        A constrained request (``params.guided``) gets its own grammar matcher; the
-        grammar is compiled once per distinct spec (:class:`GrammarCache`).
+        A constrained request (``params.guided``) carries its compiled grammar, compiled
+        here once per distinct spec (:class:`GrammarCache`); the engine makes the
+        request's matcher.
 
         Raises:
             RequestError: bad sampling parameters, placeholder/image mismatch, a
@@ -118,14 +120,15 @@ class InputProcessor:
                 param="messages",
             )
         self.check_length(len(ids), params.max_tokens, counts)
-        req = Request(ids, spans, params, rid=rid)
+        grammar = None
         if params.guided is not None:
             try:
-                req.grammar = self.grammars.state(params.guided)
+                grammar = self.grammars.compile(params.guided)
             except GrammarError as e:
                 raise RequestError(str(e), param=e.param) from None
-        req.generator = make_generator(params, self.config.device)
-        return req
+        return EngineRequest(
+            tuple(ids), tuple(spans), params, rid=rid or new_rid(), grammar=grammar
+        )
 
     def check_length(
         self, prompt_len: int, max_tokens: int, image_tokens: Sequence[int] = ()

@@ -274,8 +274,15 @@ class GenerateResult:
 _rid_counter = itertools.count()
 
 
+def new_rid() -> str:
+    """A process-unique request id (``req-N``)."""
+    return f"req-{next(_rid_counter)}"
+
+
 class Request:
-    """One generation request as the scheduler tracks it.
+    """One generation request as the engine tracks it: the engine thread's private state
+    (the front end hands in an :class:`~mmserve.engine.messages.EngineRequest` and gets
+    :class:`~mmserve.engine.messages.TokenDelta` messages back).
 
     Token bookkeeping (all in tokens): ``cached_len`` came from the radix cache
     at first admission (a retracted request is admitted again, ``admissions``
@@ -297,7 +304,7 @@ class Request:
         rid: str | None = None,
         on_update: Callable[[TokenDelta], None] | None = None,
     ) -> None:
-        self.rid = rid or f"req-{next(_rid_counter)}"
+        self.rid = rid or new_rid()
         self.input_ids = input_ids
         self.spans = spans
         self.params = params
