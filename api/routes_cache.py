@@ -28,7 +28,7 @@ async def metrics(st: State) -> Response:
 async def cache_stats(st: State) -> dict:
     """Pool, tree, hit-rate and latency figures as JSON.
 
-    ``accounting`` is the pool check of DESIGN.md invariant 3 (free + tree + running
+    ``accounting`` is the pool check of docs/architecture.md, invariants (free + tree + running
     pages = pool size) when no request is live, else null.
     """
 

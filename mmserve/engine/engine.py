@@ -110,7 +110,6 @@ class Engine:
         )
         self.processors = LogitsProcessors(shape.vocab_size, model.eos_token_ids, config.device)
         self.stats = EngineStats()
-        self._by_rid: dict[str, Request] = {}
         self._stop_hits: list[str] = []  # tracked requests a stop string ended
 
     def add_request(
@@ -120,7 +119,6 @@ class Engine:
         ``on_update`` as :class:`TokenDelta` messages (on this thread)."""
         req = self.request_state(msg)
         req.on_update = on_update
-        self._by_rid[req.rid] = req
         self.scheduler.add(req)
 
     def request_state(self, msg: EngineRequest) -> Request:
@@ -139,7 +137,7 @@ class Engine:
         Returns:
             True if the request was found waiting or running.
         """
-        req = self._by_rid.get(rid)
+        req = self.scheduler.get(rid)
         if req is None or req.finished:
             return False
         self.scheduler.abort(req)
@@ -150,9 +148,6 @@ class Engine:
         """End every live request (pages back to the pool); returns them."""
         reqs = self.scheduler.abort_all()
         for req in reqs:
-            req.error = error
-            self._finish(req, reason)
-        for req in list(self._by_rid.values()):  # added but never reached the scheduler
             req.error = error
             self._finish(req, reason)
         return reqs
@@ -166,7 +161,7 @@ class Engine:
         Raises:
             RuntimeError: while any request is live.
         """
-        if self._by_rid or self.has_work():
+        if self.scheduler.live or self.has_work():
             raise RuntimeError("requests are live")
         freed = self.scheduler.flush_cache()
         self.embedding_cache.clear()
@@ -192,7 +187,7 @@ class Engine:
 
     def live_requests(self) -> list[Request]:
         """Every request added and not yet finished (waiting, running or mid-step)."""
-        return list(self._by_rid.values())
+        return list(self.scheduler.live.values())
 
     # ---- stepping ---------------------------------------------------------
     def has_work(self) -> bool:
@@ -402,7 +397,6 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
-        self._by_rid.pop(req.rid, None)
         self.stats.requests_finished += 1
         self.stats.completion_tokens += len(req.output_ids)
         self.stats.prompt_tokens += req.prompt_len

@@ -60,6 +60,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefilling: Request | None = None
         self.extending: list[Request] = []
+        # the one registry of live requests (added, not yet finished or aborted)
+        self.live: dict[str, Request] = {}
         self.extend_batches = 0
         self.tree_seconds = 0.0
         self.retractions = 0
@@ -68,7 +70,12 @@ class Scheduler:
     # ---- queue ------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a request for admission."""
+        self.live[req.rid] = req
         self.waiting.append(req)
+
+    def get(self, rid: str) -> Request | None:
+        """The live request with id ``rid``, or None."""
+        return self.live.get(rid)
 
     def has_work(self) -> bool:
         """Whether any request is waiting, running or between prefill chunks.
@@ -313,6 +320,7 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """``req`` is done: its prompt and output KV go to the tree, the rest is freed."""
+        self.live.pop(req.rid, None)
         self.release(req)
 
     def abort(self, req: Request, cache: bool = True) -> None:
@@ -322,6 +330,7 @@ class Scheduler:
             cache: hand its computed KV to the tree (False after a failed batch, whose
                 writes are not trusted: only pages already in the tree stay there).
         """
+        self.live.pop(req.rid, None)
         if req in self.waiting:
             self.waiting.remove(req)
             return
@@ -330,8 +339,9 @@ class Scheduler:
         self.release(req)
 
     def abort_all(self) -> list[Request]:
-        """Remove every waiting, prefilling and running request; returns them."""
-        reqs = list(self.waiting) + self.active()
+        """Remove every live request (waiting, prefilling or running); returns them."""
+        reqs = list(self.live.values())
+        self.live.clear()
         self.waiting.clear()
         for req in self.active():
             self.release(req)
@@ -419,15 +429,18 @@ class Scheduler:
         return budget
 
     def check_accounting(self) -> dict[str, int]:
-        """Pool accounting at a quiescent point (DESIGN.md invariant 3).
+        """Pool accounting at a quiescent point (docs/architecture.md, invariants).
 
         Returns:
             ``{"free", "tree", "running", "total"}`` in pages, where
             running counts request-owned pages not in the tree.
 
         Raises:
-            AssertionError: if free + tree + running != pool size.
+            AssertionError: if free + tree + running != pool size, or the live
+                registry is not exactly the waiting and active requests.
         """
+        queued = {r.rid for r in self.waiting} | {r.rid for r in self.active()}
+        assert queued == set(self.live), (sorted(queued), sorted(self.live))
         P = self.page_size
         running = sum(len(r.pages) - r.tree_len // P for r in self.active())
         out = {
