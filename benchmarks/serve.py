@@ -53,8 +53,9 @@ def rate_label(rate: float) -> str:
 
 
 def _post(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, bytes]:
-    data = json.dumps(body or {}).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    data = json.dumps(body).encode() if body is not None else b""  # flush takes no body
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    req = urllib.request.Request(url, data, headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
