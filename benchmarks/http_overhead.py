@@ -204,6 +204,41 @@ def _split_builtin(st: dict, key: tuple[str, int, str], depth: int = 0) -> dict[
     return out
 
 
+#: Engine-thread functions whose cumulative time is "model forward" and "sampling"
+#: (file suffix, function names); the rest of ``Engine.step`` is the engine's overhead.
+FORWARD = ("engine/model_runner.py", ("prefill", "decode"))
+SAMPLING = (
+    "engine/sampling.py",
+    ("sample_batch", "batch_logprobs", "sample_token", "token_logprob"),
+)
+
+
+def engine_step_share(st: dict) -> dict[str, float] | None:
+    """Where the engine thread's steps go, from one thread's pstats dict.
+
+    Returns:
+        ``step_s`` (cumulative seconds in ``Engine.step``), ``forward_s`` (in
+        ``ModelRunner.prefill``/``decode``: embedding, vision tower, decoder, logits),
+        ``sampling_s`` (the sampling functions) and ``outside_share``: the share of
+        step time in neither (scheduling, grammar, page tables, deltas); None if the
+        thread never stepped.
+    """
+
+    def cum(suffix: str, names: tuple[str, ...]) -> float:
+        return sum(v[3] for k, v in st.items() if k[0].endswith(suffix) and k[2] in names)
+
+    step = cum("engine/engine.py", ("step",))
+    if step <= 0:
+        return None
+    forward, sampling = cum(*FORWARD), cum(*SAMPLING)
+    return {
+        "step_s": step,
+        "forward_s": forward,
+        "sampling_s": sampling,
+        "outside_share": max(0.0, 1.0 - (forward + sampling) / step),
+    }
+
+
 def breakdown(profile_path: Path, top: int = 12) -> dict[str, Any]:
     """Self time by thread and by category from a :mod:`benchmarks.profiled_server` dump.
 
@@ -211,7 +246,8 @@ def breakdown(profile_path: Path, top: int = 12) -> dict[str, Any]:
     time in cProfile and are left out everywhere. ``threads_s``: each thread's busy
     self time; the engine thread (``mmserve-engine``) counts whole, the other threads
     (event loop, worker pool) are split by category; ``largest`` is the top category
-    that is not the engine's.
+    that is not the engine's; ``engine_thread`` is :func:`engine_step_share` of the
+    engine thread.
     """
     stats: dict[str, dict] = pickle.loads(Path(profile_path).read_bytes())
     by_thread: dict[str, float] = {}
@@ -230,6 +266,9 @@ def breakdown(profile_path: Path, top: int = 12) -> dict[str, Any]:
             for cat, x in _split_builtin(st, key).items():
                 cats[cat] += x
             funcs[f"{Path(key[0]).name}:{key[1]}({func})"] += v[2]
+    engine = next(
+        (engine_step_share(st) for t, st in stats.items() if t.startswith("mmserve-engine")), None
+    )
     ranked = sorted(cats.items(), key=lambda kv: -kv[1])
     work = [(k, v) for k, v in ranked if not k.startswith("engine") and k != "other"]
     return {
@@ -237,6 +276,7 @@ def breakdown(profile_path: Path, top: int = 12) -> dict[str, Any]:
         "categories_s": dict(ranked),
         "top_functions_s": dict(sorted(funcs.items(), key=lambda kv: -kv[1])[:top]),
         "largest": work[0][0] if work else None,
+        "engine_thread": engine,
         "note": "cProfile self time (deterministic profiler: Python-heavy code is inflated "
         "relative to C); a C function's time goes to its callers' categories; engine "
         "thread reported whole, other threads by category",

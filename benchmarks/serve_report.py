@@ -317,4 +317,12 @@ def _overhead_section(ov: dict | None) -> list[str]:
         out += ["", "| function (non-engine threads) | self s |", "| --- | --- |"]
         out += [f"| `{fn}` | {v:.3f} |" for fn, v in p["top_functions_s"].items()]
         out += ["", f"Largest non-engine item: **{p['largest']}**.", ""]
+        e = p.get("engine_thread")
+        if e:
+            out += [
+                f"Engine thread: {e['step_s']:.2f} s in `Engine.step`, of which model forward "
+                f"{e['forward_s']:.2f} s and sampling {e['sampling_s']:.2f} s; "
+                f"**{e['outside_share']:.1%}** of step time is outside both.",
+                "",
+            ]
     return out
