@@ -611,3 +611,36 @@ def test_forced_text_that_ends_inside_a_utf8_character(make_engine, photos, jump
             assert res.finish_reason == "stop", res
             assert res.text in ("\u00e9\u00e9\u4e2d!", "\u00e9\u4e2d"), res.text
     eng.check_accounting()
+
+
+@pytest.mark.parametrize("jump", [True, False])
+def test_forced_end_of_sequence_is_not_an_answer_token(make_engine, photos, jump) -> None:  # noqa: ANN001
+    # Where the grammar allows nothing but end-of-sequence, that token is the grammar's,
+    # not the model's: appended by jump-forward before, sampled under the mask token by
+    # token; either way it must not be an output token (nor a logprob, nor counted).
+    eng = make_engine(disable_jump_forward=not jump)
+    tok = eng.model.tokenizer
+    eos = set(eng.model.eos_token_ids)
+    image = eng.processor.prepare_image(photos["cat.png"])
+    text = "\u5317\u4eac\u5728\u7ebf \U0001f600 ok"
+    for temperature in (0.0, 1.0):
+        req = ask(
+            eng, image, GuidedSpec("regex", text), "Say it.",
+            temperature=temperature, seed=5, logprobs=2, return_logits=True,
+        )  # fmt: skip
+        (res,) = eng.generate([req])
+        assert res.text == text and res.finish_reason == "stop"
+        assert not eos & set(res.output_ids)
+        assert tok.decode(res.output_ids) == text
+        assert len(res.logprobs) == len(res.output_ids) == res.completion_tokens
+        if not jump:  # one logits row per sampled token (jumped tokens have none)
+            assert len(res.logits) == len(res.output_ids)
+        assert [lp.token_id for lp in res.logprobs] == res.output_ids
+    # an end-of-sequence token the model chose where the grammar also allowed more text
+    # is part of the answer: it stays
+    biased = {i: 100.0 for i in eos}
+    req = ask(eng, image, GuidedSpec("regex", "(ab)+"), "Say it.", logit_bias=biased, logprobs=0)
+    (res,) = eng.generate([req])
+    assert re.fullmatch("(ab)+", res.text) and res.finish_reason == "stop"
+    assert res.output_ids[-1] in eos and len(res.logprobs) == len(res.output_ids)
+    eng.check_accounting()
