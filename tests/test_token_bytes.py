@@ -136,3 +136,28 @@ def test_token_string() -> None:
     assert token_string(b"\xe5\x8c") == "bytes:\\xe5\\x8c"
     assert token_string(b" \xf0") == "bytes:\\x20\\xf0"
     assert token_string(b"") == ""
+
+
+class WithoutRustDecoder:
+    """``tok`` seen as a tokenizer without a ``tokenizers`` backend (a Python one): only
+    token strings, ``decode`` and the added tokens."""
+
+    def __init__(self, tok) -> None:  # noqa: ANN001
+        self._tok = tok
+        self.added_tokens_decoder = tok.added_tokens_decoder
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return self._tok.convert_ids_to_tokens(ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_token_strings_alone_give_the_same_table(tok) -> None:  # noqa: ANN001
+    # without a Rust decoder to read, the kind (byte-level or SentencePiece) is judged
+    # from the token strings; the table must come out the same
+    fast, slow = token_bytes(tok), TokenBytes(WithoutRustDecoder(tok))
+    assert [slow.raw(i) for i in range(len(tok))] == [fast.raw(i) for i in range(len(tok))]
