@@ -4,45 +4,70 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
-from functools import lru_cache
 
 from api.errors import error_body
 from api.structured import ToolCalling, tool_call
 from api.submit import Submission
 from mmserve.engine.request import GenerateResult, TokenLogprob
+from mmserve.engine.token_bytes import TokenBytes, token_bytes, token_string
 
 #: Logprob reported for a token the model gives no probability (OpenAI's convention).
 MIN_LOGPROB = -9999.0
 
 
 class TokenText:
-    """Decodes single tokens for logprobs (cached per id).
+    """Formats logprobs: each token's text and its raw bytes (:mod:`mmserve.engine.token_bytes`).
+
+    ``bytes`` is what the token adds to the answer's text, so the ``bytes`` of a
+    choice's ``logprobs.content`` join to exactly the UTF-8 of its content (unless a
+    stop string cut the text inside a token, or the answer ends inside a character):
+    a byte-fallback or byte-level token holding part of a character gives its own
+    bytes, never those of U+FFFD; a SentencePiece token gives its leading space except
+    where decoding drops it (the answer's first word); a special token that the text
+    leaves out (an end-of-sequence the model sampled, with ``ignore_eos`` or at the end)
+    gives ``[]``. ``token`` is the bytes as text when they are whole UTF-8 characters,
+    else OpenAI's ``"bytes:\\xe5\\x8c"`` notation; a left-out special token shows its
+    own text (``"</s>"``). ``top_logprobs`` alternatives follow the same rules at their
+    position.
 
     Args:
-        decode: ``tokenizer.decode`` of a list of ids.
+        tokenizer: the model's tokenizer (its byte table is built once and cached).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = lru_cache(maxsize=65536)(lambda i: decode([i]))
+    def __init__(self, tokenizer: object) -> None:
+        self._bytes = token_bytes(tokenizer)
 
-    def entry(self, token_id: int, logprob: float) -> dict:
-        """``{"token", "logprob", "bytes"}`` for one token."""
-        text = self._decode(token_id)
-        return {
-            "token": text,
-            "logprob": max(logprob, MIN_LOGPROB),
-            "bytes": list(text.encode("utf-8")),
-        }
+    def choice(self) -> ChoiceLogprobs:
+        """A formatter for one choice's tokens, fed in order (possibly in pieces)."""
+        return ChoiceLogprobs(self._bytes)
+
+
+class ChoiceLogprobs:
+    """``logprobs.content`` entries of one choice; remembers whether its text has begun
+    (the first word's space may be dropped), so a stream can format it piece by piece.
+    Made by :meth:`TokenText.choice`."""
+
+    def __init__(self, table: TokenBytes) -> None:
+        self._bytes = table
+        self._first = True  # no text-bearing token yet
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        raw = self._bytes.at(token_id, self._first)
+        if token_id in self._bytes.skipped:
+            text = self._bytes.special_text[token_id]
+        else:
+            text = token_string(raw)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw)}
 
     def content(self, logprobs: Sequence[TokenLogprob]) -> list[dict]:
-        """The ``logprobs.content`` list of a choice."""
-        return [
-            {
-                **self.entry(lp.token_id, lp.logprob),
-                "top_logprobs": [self.entry(t, v) for t, v in lp.top],
-            }
-            for lp in logprobs
-        ]
+        """Entries ``{"token", "logprob", "bytes", "top_logprobs"}`` for the next tokens."""
+        out = []
+        for lp in logprobs:
+            entry = self._entry(lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self._entry(t, v) for t, v in lp.top]
+            out.append(entry)
+            self._first = self._first and lp.token_id in self._bytes.skipped
+        return out
 
 
 def usage(results: Sequence[GenerateResult]) -> dict:
@@ -89,7 +114,9 @@ def chat_completion(
                 "message": message,
                 "finish_reason": finish,
                 "logprobs": (
-                    {"content": tokens.content(r.logprobs or [])} if tokens is not None else None
+                    {"content": tokens.choice().content(r.logprobs or [])}
+                    if tokens is not None
+                    else None
                 ),
             }
         )
@@ -155,6 +182,7 @@ async def chat_stream(
     n = len(sub.reqs)
     sent = [""] * n
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent
+    formats = [tokens.choice() for _ in range(n)] if tokens is not None else []
     results: list[GenerateResult | None] = [None] * n
     for i in range(n):
         if named:
@@ -180,7 +208,7 @@ async def chat_stream(
         if tokens is not None:
             pending[i].extend(upd.delta_logprobs or ())
             if new_text or final:
-                lps = tokens.content(pending[i])
+                lps = formats[i].content(pending[i])
                 pending[i] = []
         finish = upd.result.finish_reason if final else None
         calls = tools.parse(text) if final and tools is not None and finish == "stop" else None

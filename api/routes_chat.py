@@ -7,6 +7,7 @@ import uuid
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
 from api import routes_videos
@@ -84,10 +85,12 @@ async def chat_completions(
     reqs = await make_requests(
         st.engine.processor, messages, images, params, n, st.settings.default_max_tokens, videos
     )
+    tokens = None
+    if params.logprobs is not None:  # the byte table is built once, off the event loop
+        tokens = await run_in_threadpool(TokenText, st.engine.model.tokenizer)
     sub = st.client.submit(reqs)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    tokens = TokenText(st.engine.model.tokenizer.decode) if params.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         holdback = max((len(s) for s in params.stop), default=1) - 1

@@ -154,8 +154,9 @@ def test_streamed_constrained_text_equals_the_non_streamed(client, image_ids) ->
         if c["choices"][0]["logprobs"]
         for lp in c["choices"][0]["logprobs"]["content"]
     ]
-    joined = "".join(lp["token"] for lp in streamed_lps)
-    assert joined == text + "</s>"  # every token, the end-of-sequence one included
+    # every answer token; the end-of-sequence token the grammar forced is not one
+    assert "".join(lp["token"] for lp in streamed_lps) == text
+    assert bytes(b for lp in streamed_lps for b in lp["bytes"]) == text.encode()
 
 
 def test_json_object_regex_choice_and_grammar(client, image_ids) -> None:  # noqa: ANN001

@@ -403,7 +403,8 @@ def test_jumped_tokens_logprobs_and_retokenized_boundary(engine, images) -> None
 def test_retokenized_boundary_gives_the_tokenizers_own_tokens(engine, images) -> None:  # noqa: ANN001
     # A one-element choice: the model samples some prefix of it as the first token, the
     # rest is one jump; re-tokenizing at the boundary must give exactly the tokenizer's
-    # tokens of the whole string (then the end-of-sequence token, also forced).
+    # tokens of the whole string (the end-of-sequence token it forces after them is not
+    # part of the answer).
     tok = engine.model.tokenizer
     texts = ["the photograph shows a cat", "description_of_the_picture", '{"key": "value"}']
     cases = [(t, q, temp) for t in texts for q in ("A", "Answer.") for temp in (0.0, 1.0)]
@@ -414,7 +415,7 @@ def test_retokenized_boundary_gives_the_tokenizers_own_tokens(engine, images) ->
     before = engine.guided.stats.retokenized
     for (text, _, _), r in zip(cases, engine.generate(reqs), strict=True):
         assert r.text == text and r.finish_reason == "stop"
-        assert r.output_ids == tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        assert r.output_ids == tok.encode(text, add_special_tokens=False)
     assert engine.guided.stats.retokenized > before  # some first token was not the tokenizer's
 
 
@@ -610,4 +611,37 @@ def test_forced_text_that_ends_inside_a_utf8_character(make_engine, photos, jump
             )
             assert res.finish_reason == "stop", res
             assert res.text in ("\u00e9\u00e9\u4e2d!", "\u00e9\u4e2d"), res.text
+    eng.check_accounting()
+
+
+@pytest.mark.parametrize("jump", [True, False])
+def test_forced_end_of_sequence_is_not_an_answer_token(make_engine, photos, jump) -> None:  # noqa: ANN001
+    # Where the grammar allows nothing but end-of-sequence, that token is the grammar's,
+    # not the model's: appended by jump-forward before, sampled under the mask token by
+    # token; either way it must not be an output token (nor a logprob, nor counted).
+    eng = make_engine(disable_jump_forward=not jump)
+    tok = eng.model.tokenizer
+    eos = set(eng.model.eos_token_ids)
+    image = eng.processor.prepare_image(photos["cat.png"])
+    text = "\u5317\u4eac\u5728\u7ebf \U0001f600 ok"
+    for temperature in (0.0, 1.0):
+        req = ask(
+            eng, image, GuidedSpec("regex", text), "Say it.",
+            temperature=temperature, seed=5, logprobs=2, return_logits=True,
+        )  # fmt: skip
+        (res,) = eng.generate([req])
+        assert res.text == text and res.finish_reason == "stop"
+        assert not eos & set(res.output_ids)
+        assert tok.decode(res.output_ids) == text
+        assert len(res.logprobs) == len(res.output_ids) == res.completion_tokens
+        if not jump:  # one logits row per sampled token (jumped tokens have none)
+            assert len(res.logits) == len(res.output_ids)
+        assert [lp.token_id for lp in res.logprobs] == res.output_ids
+    # an end-of-sequence token the model chose where the grammar also allowed more text
+    # is part of the answer: it stays
+    biased = {i: 100.0 for i in eos}
+    req = ask(eng, image, GuidedSpec("regex", "(ab)+"), "Say it.", logit_bias=biased, logprobs=0)
+    (res,) = eng.generate([req])
+    assert re.fullmatch("(ab)+", res.text) and res.finish_reason == "stop"
+    assert res.output_ids[-1] in eos and len(res.logprobs) == len(res.output_ids)
     eng.check_accounting()

@@ -30,6 +30,11 @@ masked row; the other jumped tokens were not sampled and report ``0.0``
 (probability 1: the grammar allowed nothing else), with themselves as the only
 alternative.
 
+An end-of-sequence token the grammar forces (the grammar has ended, or reached a dead
+end, and allows nothing else) is not part of the answer: it is never appended, or,
+decoding token by token, it is removed again once sampled, and the request ends with
+"stop". One the model chose while the grammar allowed more stays, like any token.
+
 xgrammar is imported lazily, so an engine serving no constrained request never
 loads it. It is installed with ``pip install --no-deps`` (its Linux package
 declares triton, which it does not need on the CPU; see the README).
@@ -680,10 +685,16 @@ class GuidedDecoding:
 
         Returns:
             "stop" when the grammar has ended (a stop token accepted, a dead end, or,
-            with jump-forward, nothing but a stop token left), else None.
+            with jump-forward, nothing but a stop token left), else None. A stop token
+            sampled where the grammar allowed nothing else is removed from the output
+            (with its logprob and logits): the grammar forced it.
         """
         m = req.grammar.matcher
-        if not m.accept_token(req.output_ids[-1]) or m.is_terminated():
+        tok = req.output_ids[-1]
+        if tok in self.stop_ids and self._only_stop(m):
+            _remove_last(req)
+            return "stop"
+        if not m.accept_token(tok) or m.is_terminated():
             return "stop"
         if not self.jump_forward:
             return None
@@ -698,9 +709,7 @@ class GuidedDecoding:
             self._jump(req, logits, jump, room)
             room = req.params.max_tokens - len(req.output_ids)
         if room > 0 and m.is_completed() and self._only_stop(m):
-            self._append_forced(req, [self.stop_ids[0]])
-            m.accept_token(self.stop_ids[0])
-            return "stop"
+            return "stop"  # only end-of-sequence may follow: not appended, not an answer token
         return None
 
     def _jump(self, req: Request, logits: torch.Tensor, jump: str, room: int) -> None:
@@ -761,6 +770,15 @@ class GuidedDecoding:
         allowed = self._unpack(bitmask, vocab)[0]
         allowed[self.stop_ids] = False
         return not bool(allowed.any())
+
+
+def _remove_last(req: Request) -> None:
+    """Take ``req``'s last output id back out, with its logprob and logits if kept."""
+    req.output_ids.pop()
+    if req.logprobs is not None:
+        req.logprobs.pop()
+    if req.logits is not None:
+        req.logits.pop()
 
 
 def _accept_all(m: Any, last: int, drop: int, ids: list[int]) -> bool:
