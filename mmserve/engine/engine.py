@@ -348,20 +348,36 @@ class Engine:
     ) -> None:
         """Append ``req``'s sampled token ``tok`` (from ``logits``, fp32 ``[vocab]``),
         advance its grammar, end it on EOS, grammar end or ``max_tokens``, and emit the
-        delta. Text and stop strings are the front end's (:mod:`mmserve.engine.output`)."""
-        if req.logits is not None:
-            req.logits.append(logits.detach().cpu().clone())
-        if req.logprobs is not None:
-            req.logprobs.append(logprob)
-        req.output_ids.append(tok)
+        delta. Text and stop strings are the front end's (:mod:`mmserve.engine.output`).
+
+        The engine is the only writer of ``output_ids``/``logprobs``/``logits``: a
+        grammar's jump-forward comes back as an :class:`~mmserve.engine.grammar.Advance`
+        and is applied here."""
+        p = req.params
+        forced: list[int] = []
+        keep, reason = True, None
+        if req.grammar is not None:
+            adv = self.guided.advance(req, tok, logits)
+            keep, reason, forced = adv.keep, adv.reason, adv.forced
+            if adv.token != tok:  # re-tokenized at a jump: its logprob from the same row
+                tok = adv.token
+                if logprob is not None:
+                    logprob = token_logprob(logits, tok, p.logprobs)
         if req.first_token_time is None:
             req.first_token_time = now
-        p = req.params
-        reason = None
-        if tok in self.model.eos_token_ids and not p.ignore_eos:
-            reason = "stop"
-        if req.grammar is not None:  # may append jump-forward tokens
-            reason = self.guided.advance(req, logits) or reason
+        if keep:
+            if req.logits is not None:
+                req.logits.append(logits.detach().cpu().clone())
+            if req.logprobs is not None:
+                req.logprobs.append(logprob)
+            req.output_ids.append(tok)
+            if tok in self.model.eos_token_ids and not p.ignore_eos:
+                reason = reason or "stop"
+        if forced:  # not sampled: probability 1 (the grammar allowed nothing else)
+            req.output_ids.extend(forced)
+            if req.logprobs is not None:
+                top = p.logprobs or 0
+                req.logprobs.extend(TokenLogprob(t, 0.0, [(t, 0.0)] if top else []) for t in forced)
         if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:

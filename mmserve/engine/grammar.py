@@ -54,9 +54,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mmserve.engine.request import TokenLogprob
-from mmserve.engine.sampling import token_logprob
-
 if TYPE_CHECKING:
     from mmserve.engine.request import Request
     from mmserve.model.loader import LoadedModel
@@ -572,6 +569,29 @@ class GuidedStats:
     retokenized: int = 0
 
 
+#: Output ids decoded around a jump-forward (enough for any token's text to settle).
+JUMP_CONTEXT = 16
+
+
+@dataclass
+class Advance:
+    """What a constrained request's grammar makes of its sampled token.
+
+    Attributes:
+        token: the id to append for the sampled token (a re-tokenized jump may
+            replace it).
+        forced: ids the grammar forces after it (jump-forward; logprob 0).
+        keep: False when the sampled token is a stop token the grammar forced: it is
+            not an answer token and is not appended.
+        reason: "stop" when the grammar has ended, else None.
+    """
+
+    token: int
+    forced: list[int] = field(default_factory=list)
+    keep: bool = True
+    reason: str | None = None
+
+
 class GuidedDecoding:
     """Masks, matcher advances and jump-forward for constrained requests (engine thread).
 
@@ -672,48 +692,53 @@ class GuidedDecoding:
         bits = (bitmask.unsqueeze(-1) >> self._shifts) & 1
         return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
-    def advance(self, req: Request, logits: torch.Tensor) -> str | None:
-        """Feed ``req``'s newly sampled token (its last output id) to its matcher,
-        then jump forward where the grammar allows only one continuation.
-
-        Jumped tokens extend ``req.output_ids`` (and ``req.logprobs``) in place, never
-        beyond ``max_tokens``; the caller schedules the extend step.
+    def advance(self, req: Request, tok: int, logits: torch.Tensor) -> Advance:
+        """Feed ``req``'s newly sampled token ``tok`` to its matcher, then jump forward
+        where the grammar allows only one continuation. Writes nothing on ``req`` but
+        its matcher: the engine applies the returned :class:`Advance`.
 
         Args:
-            req: a constrained request whose last output id was just sampled.
+            req: a constrained request; ``tok`` is not yet in ``req.output_ids``.
+            tok: the token sampled from ``logits``.
             logits: the masked fp32 row ``[vocab]`` it was sampled from.
 
         Returns:
-            "stop" when the grammar has ended (a stop token accepted, a dead end, or,
-            with jump-forward, nothing but a stop token left), else None. A stop token
-            sampled where the grammar allowed nothing else is removed from the output
-            (with its logprob and logits): the grammar forced it.
+            The token to append (``tok``, or its re-tokenized replacement), the forced
+            tokens after it (never beyond ``max_tokens``), whether ``tok`` is an answer
+            token at all (a stop token sampled where the grammar allowed nothing else
+            is not: the grammar forced it) and the finish reason: "stop" when the
+            grammar has ended (a stop token accepted, a dead end, or, with jump-forward,
+            nothing but a stop token left), else None.
         """
         m = req.grammar.matcher
-        tok = req.output_ids[-1]
         if tok in self.stop_ids and self._only_stop(m):
-            _remove_last(req)
-            return "stop"
+            return Advance(tok, keep=False, reason="stop")
         if not m.accept_token(tok) or m.is_terminated():
-            return "stop"
+            return Advance(tok, reason="stop")
         if not self.jump_forward:
-            return None
-        room = req.params.max_tokens - len(req.output_ids)
+            return Advance(tok)
+        room = req.params.max_tokens - len(req.output_ids) - 1
         if room <= 0:
-            return None
+            return Advance(tok)
         try:
             jump = m.find_jump_forward_string()
         except UnicodeDecodeError:  # forced bytes end inside a UTF-8 character: no jump
             jump = ""
-        if jump:
-            self._jump(req, logits, jump, room)
-            room = req.params.max_tokens - len(req.output_ids)
+        adv = self._jump(req, tok, jump, room) if jump else Advance(tok)
+        room -= len(adv.forced)
         if room > 0 and m.is_completed() and self._only_stop(m):
-            return "stop"  # only end-of-sequence may follow: not appended, not an answer token
-        return None
+            adv.reason = "stop"  # only end-of-sequence may follow: not appended, not an answer
+        return adv
 
-    def _jump(self, req: Request, logits: torch.Tensor, jump: str, room: int) -> None:
-        out = req.output_ids
+    def _jump(self, req: Request, sampled: int, jump: str, room: int) -> Advance:
+        """Tokens for the forced string ``jump`` after ``sampled``: re-tokenizing the
+        sampled token's text with it where that decodes to the same text, else ``jump``
+        alone; the first candidate the matcher accepts wins.
+
+        Only the last :data:`JUMP_CONTEXT` output ids are decoded (the check compares
+        the text a window gives before and after the change, so its cost does not grow
+        with the answer)."""
+        out = [*req.output_ids[-JUMP_CONTEXT:], sampled]
         tok = self.model.tokenizer
         m = req.grammar.matcher
 
@@ -736,30 +761,18 @@ class GuidedDecoding:
             candidates.append((0, ids))  # the jump string alone, after the sampled token
         for drop, ids in candidates:
             ids = ids[: room + drop]
-            if drop and ids == out[-1:]:
+            if drop and ids == [sampled]:
                 continue  # nothing new
-            if not _accept_all(m, out[-1], drop, ids):
+            if not _accept_all(m, sampled, drop, ids):
                 continue
-            last = out[-1]
-            rest = ids
-            if drop:
-                out[-1] = ids[0]
-                rest = ids[1:]
-                if req.logprobs is not None and ids[0] != last:
-                    req.logprobs[-1] = token_logprob(logits, ids[0], req.params.logprobs)
-            self._append_forced(req, rest)
             s = self.stats
             s.jumps += 1
             s.jumped_tokens += len(ids) - drop
-            s.retokenized += bool(drop and ids[0] != last)
-            return
-
-    def _append_forced(self, req: Request, ids: list[int]) -> None:
-        """Append tokens the grammar forced (not sampled): logprob 0.0 each."""
-        req.output_ids.extend(ids)
-        if req.logprobs is not None:
-            top = req.params.logprobs or 0
-            req.logprobs.extend(TokenLogprob(t, 0.0, [(t, 0.0)] if top else []) for t in ids)
+            s.retokenized += bool(drop and ids[0] != sampled)
+            if drop:
+                return Advance(ids[0], forced=ids[1:])
+            return Advance(sampled, forced=ids)
+        return Advance(sampled)
 
     def _only_stop(self, m: Any) -> bool:
         """Whether the matcher allows nothing but stop tokens next."""
@@ -770,15 +783,6 @@ class GuidedDecoding:
         allowed = self._unpack(bitmask, vocab)[0]
         allowed[self.stop_ids] = False
         return not bool(allowed.any())
-
-
-def _remove_last(req: Request) -> None:
-    """Take ``req``'s last output id back out, with its logprob and logits if kept."""
-    req.output_ids.pop()
-    if req.logprobs is not None:
-        req.logprobs.pop()
-    if req.logits is not None:
-        req.logits.pop()
 
 
 def _accept_all(m: Any, last: int, drop: int, ids: list[int]) -> bool:
