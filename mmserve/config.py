@@ -65,7 +65,7 @@ class EngineConfig:
             grammar allows only one continuation (jump-forward decoding off).
         kv_host_bytes: host-memory KV tier (bytes; 0 = off): pages the radix tree evicts
             are kept here, least recently used dropped first, and loaded back on a hit
-            (pinned memory on CUDA). See :mod:`mmserve.cache.kv_tiers`.
+            (pinned memory on CUDA); see mmserve/cache/kv_tiers.py.
         kv_disk_dir: disk KV tier directory (unset = off): evicted pages, and every
             cached page at shutdown, are written here, one checked file per page, in a
             subdirectory per model fingerprint, dtype and page size; servers sharing it

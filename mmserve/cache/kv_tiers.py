@@ -54,6 +54,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +72,8 @@ _MAGIC = b"MMKVPAGE"
 _HEADER = struct.Struct("<8sHH16s16sQQ4x")
 HEADER_BYTES = _HEADER.size  # 64
 _SUFFIX = ".kv"
+#: Threads reading pages from disk: one slow read does not hold up other requests' loads.
+LOADER_THREADS = 4
 #: Seconds between rescans of the disk directory (pages other processes wrote).
 RESCAN_SECONDS = 2.0
 #: Temporary files older than this (seconds) are left-overs of a crashed writer.
@@ -584,8 +587,7 @@ class KVTiers:
         self._done_event = threading.Event()
         self._jobs: set[str] = set()  # request ids whose disk load is in flight
         self._tried: set[str] = set()  # request ids that had a disk load since admission
-        self._load_queue: queue.Queue = queue.Queue()
-        self._loader: threading.Thread | None = None
+        self._loader: ThreadPoolExecutor | None = None
         # counters (tokens, bytes, seconds)
         self.host_hit_tokens = 0
         self.disk_hit_tokens = 0
@@ -708,22 +710,15 @@ class KVTiers:
         if not todo:
             return False
         if self._loader is None:
-            self._loader = threading.Thread(
-                target=self._load_loop, name="kv-disk-loader", daemon=True
-            )
-            self._loader.start()
+            self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kv-disk-loader")
         self._jobs.add(rid)
-        self._load_queue.put((rid, todo))
+        self._loader.submit(self._load, rid, todo)
         return True
 
-    def _load_loop(self) -> None:
-        while True:
-            item = self._load_queue.get()
-            if item is None:
-                return
-            rid, keys = item
-            t0 = time.perf_counter()
-            pages = []
+    def _load(self, rid: str, keys: list[bytes]) -> None:
+        t0 = time.perf_counter()
+        pages: list[tuple[bytes, torch.Tensor]] = []
+        try:
             for key in keys:
                 page = self.disk.read(key)
                 if page is None:
@@ -731,9 +726,12 @@ class KVTiers:
                 if self.pin:
                     page = page.pin_memory()
                 pages.append((key, page))
-            with self._done_lock:
-                self._done.append((rid, pages, time.perf_counter() - t0))
-            self._done_event.set()
+        except Exception:  # noqa: BLE001 - a failed load is a miss, never a stuck request
+            log.exception("KV disk tier: load failed")
+            pages = []
+        with self._done_lock:
+            self._done.append((rid, pages, time.perf_counter() - t0))
+        self._done_event.set()
 
     def poll(self) -> int:
         """Move finished disk loads into staging (engine thread); returns loads finished."""
@@ -802,8 +800,7 @@ class KVTiers:
     def close(self, timeout: float = 60.0) -> None:
         """Stop the loader and writer threads after queued writes finish."""
         if self._loader is not None:
-            self._load_queue.put(None)
-            self._loader.join(timeout)
+            self._loader.shutdown(wait=True, cancel_futures=True)
             self._loader = None
         if self.disk is not None:
             self.disk.close(timeout)
