@@ -406,3 +406,33 @@ def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Pat
     assert cached == again["usage"]["prompt_tokens"] - 1
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert stats["vision_tower_images"] == 0 and stats["tier_disk_hit_tokens"] == cached
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "llava_onevision"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_every_family_equal_after_loading_from_disk(
+    request: pytest.FixtureRequest, photos, tmp_path: Path, family: str, page_size: int
+) -> None:  # noqa: ANN001
+    make = request.getfixturevalue(
+        {"llava": "make_engine", "llava_next": "make_next_engine"}.get(family, "make_ov_engine")
+    )
+    photo = photos["cat.png"]
+
+    def ask(eng):  # noqa: ANN001, ANN202
+        img = eng.processor.prepare_image(photo)
+        req = eng.processor.make_request(
+            messages=user(None, "What is this?"), images=[img], params=greedy(5)
+        )
+        return eng.generate([req])[0]
+
+    base = ask(make(page_size=page_size))
+    first = make(page_size=page_size, kv_disk_dir=str(tmp_path))
+    ask(first)
+    first.close()
+    eng = make(page_size=page_size, kv_disk_dir=str(tmp_path))
+    res = ask(eng)
+    assert_same_generation(res.output_ids, base.output_ids, res.logits, base.logits, family)
+    whole = (res.prompt_tokens - 1) // page_size * page_size
+    assert res.cached_tokens == whole == eng.cache_stats()["tier_disk_hit_tokens"]
+    eng.scheduler.check_accounting()
+    eng.close()
