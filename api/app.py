@@ -69,6 +69,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         # after uvicorn's grace period: whatever still runs is aborted, pages freed
         aengine.call(lambda: engine.abort_all("abort"))
         aengine.stop()
+        # the engine thread is gone: write cached KV pages to the disk tier (if on)
+        engine.close()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser

@@ -170,6 +170,8 @@ class _EngineCollector(Collector):
             value=1 - s["free_pages"] / s["pool_pages"] if s["pool_pages"] else 0.0,
         )
         yield GaugeMetricFamily("mmserve_radix_tree_nodes", "Radix tree nodes.", s["tree_nodes"])
+        if "tier_host_hit_tokens" in s:  # host/disk KV tiers are on
+            yield from _tier_metrics(s)
         yield GaugeMetricFamily(
             "mmserve_num_requests_running", "Requests decoding.", value=s["running_requests"]
         )
@@ -178,3 +180,44 @@ class _EngineCollector(Collector):
             "Requests in the engine's waiting queue.",
             value=s["waiting_requests"],
         )
+
+
+def _tier_metrics(s: dict) -> Iterator[Metric]:
+    """Per-tier hits, bytes, pages and loads of the host/disk KV tiers."""
+    hits = CounterMetricFamily(
+        "mmserve_kv_tier_hit_tokens",
+        "Prompt tokens whose KV was loaded from a tier instead of computed.",
+        labels=["tier"],
+    )
+    hits.add_metric(["host"], s["tier_host_hit_tokens"])
+    hits.add_metric(["disk"], s["tier_disk_hit_tokens"])
+    yield hits
+    used = GaugeMetricFamily("mmserve_kv_tier_bytes", "Bytes held by a KV tier.", labels=["tier"])
+    used.add_metric(["host"], s["tier_host_bytes"])
+    used.add_metric(["disk"], s["tier_disk_bytes"])
+    yield used
+    pages = GaugeMetricFamily("mmserve_kv_tier_pages", "Pages held by a KV tier.", labels=["tier"])
+    pages.add_metric(["host"], s["tier_host_pages"])
+    pages.add_metric(["disk"], s["tier_disk_pages"])
+    yield pages
+    yield CounterMetricFamily(
+        "mmserve_kv_tier_disk_loads", "Disk loads (one per waiting request).", value=s["tier_loads"]
+    )
+    yield CounterMetricFamily(
+        "mmserve_kv_tier_disk_load_seconds",
+        "Time spent reading pages from disk.",
+        value=s["tier_load_seconds"],
+    )
+    yield CounterMetricFamily(
+        "mmserve_kv_tier_disk_writes", "Pages written to disk.", value=s["tier_disk_writes"]
+    )
+    yield CounterMetricFamily(
+        "mmserve_kv_tier_disk_read_failures",
+        "Disk pages refused (truncated, corrupted or foreign) and deleted.",
+        value=s["tier_disk_read_failures"],
+    )
+    yield GaugeMetricFamily(
+        "mmserve_kv_tier_disk_writable",
+        "1 while the disk tier writes; 0 after a write error turned it off.",
+        value=s["tier_disk_writable"],
+    )

@@ -63,6 +63,14 @@ class EngineConfig:
         image_limits: byte and pixel limits for decoded images.
         disable_jump_forward: decode structured output token by token even where the
             grammar allows only one continuation (jump-forward decoding off).
+        kv_host_bytes: host-memory KV tier (bytes; 0 = off): pages the radix tree evicts
+            are kept here, least recently used dropped first, and loaded back on a hit
+            (pinned memory on CUDA); see mmserve/cache/kv_tiers.py.
+        kv_disk_dir: disk KV tier directory (unset = off): evicted pages, and every
+            cached page at shutdown, are written here, one checked file per page, in a
+            subdirectory per model fingerprint, dtype and page size; servers sharing it
+            reuse each other's pages, a restarted server its own.
+        kv_disk_bytes: most bytes the disk KV tier keeps (least recently used deleted).
     """
 
     model_path: str | None = None
@@ -86,6 +94,9 @@ class EngineConfig:
     dedup_min_tokens: int = 32
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     disable_jump_forward: bool = False
+    kv_host_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30
 
     def validate(self) -> None:
         """Raises ValueError for a setting out of range."""
@@ -105,6 +116,8 @@ class EngineConfig:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         if self.max_num_batched_tokens < 2:
             raise ValueError("max_num_batched_tokens must be >= 2 (a decode and a prefill token)")
+        if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
+            raise ValueError("kv_host_bytes and kv_disk_bytes must be >= 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -82,3 +82,35 @@ class KVPool:
         """K+V bytes one token occupies across all layers."""
         k = self.k_buffers[0]
         return 2 * self.num_layers * k.shape[2] * k.shape[3] * k.element_size()
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """Copy whole pages out of the pool (for the host and disk tiers).
+
+        Args:
+            pages: page ids.
+
+        Returns:
+            ``[len(pages), 2, num_layers, P, Hkv, D]`` (K then V), a new tensor on the pool's
+            device and dtype.
+        """
+        idx = torch.tensor(pages, dtype=torch.long, device=self.k_buffers[0].device)
+        k = torch.stack([b.index_select(0, idx) for b in self.k_buffers], dim=1)
+        v = torch.stack([b.index_select(0, idx) for b in self.v_buffers], dim=1)
+        return torch.stack([k, v], dim=1)
+
+    def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Load whole pages into the pool: the tiers' counterpart of :meth:`write_kv`
+        (which writes new tokens' K/V during a forward).
+
+        Args:
+            pages: page ids (owned by the caller, not yet in the tree).
+            kv: ``[len(pages), 2, num_layers, P, Hkv, D]`` on any device; cast to the pool's
+                dtype.
+        """
+        dev = self.k_buffers[0].device
+        idx = torch.tensor(pages, dtype=torch.long, device=dev)
+        kv = kv.to(dev, non_blocking=True)
+        kv = kv.to(self.k_buffers[0].dtype)
+        for layer in range(self.num_layers):
+            self.k_buffers[layer].index_copy_(0, idx, kv[:, 0, layer])
+            self.v_buffers[layer].index_copy_(0, idx, kv[:, 1, layer])

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+import logging
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 # Tokens compared per slice when scanning for a mismatch inside an edge: one C-level slice compare
 # per block, then a short page-by-page scan inside the mismatching block.
@@ -36,9 +39,21 @@ class TreeNode:
         last_access: time of the last match/insert through this node (LRU key).
         uid: creation order, the LRU tie-breaker.
         in_heap: whether an eviction-heap entry for this node exists.
+        hkeys: content keys of ``pages`` (:class:`~mmserve.cache.kv_tiers.PageKeyChain`),
+            computed on first need when the tree has tiers; None until then.
     """
 
-    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access", "uid", "in_heap")
+    __slots__ = (
+        "children",
+        "parent",
+        "key",
+        "pages",
+        "lock_ref",
+        "last_access",
+        "uid",
+        "in_heap",
+        "hkeys",
+    )
 
     def __init__(
         self,
@@ -56,6 +71,7 @@ class TreeNode:
         self.last_access = last_access
         self.uid = uid
         self.in_heap = False
+        self.hkeys: list[bytes] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -108,6 +124,13 @@ class RadixCache:
             released immediately through ``free_pages``.
         clock: time source for LRU; must be non-decreasing. Defaults to an internal integer
             counter incremented once per :meth:`match_prefix` / :meth:`insert` (deterministic).
+        page_hasher: ``(parent_key, tokens) -> keys`` giving the content keys of the full
+            pages of ``tokens`` after the page keyed ``parent_key``
+            (:meth:`~mmserve.cache.kv_tiers.PageKeyChain.chain`); None when there are no tiers.
+        root_key: the chain key "before" the first page (``PageKeyChain.root``).
+        on_evict: ``(keys, pages)`` called by :meth:`evict` with the evicted pages and their
+            content keys before the pages are freed (the tiers copy them out); needs
+            ``page_hasher``. An exception in it is logged; eviction goes on.
 
     Raises:
         ValueError: if ``page_size < 1``.
@@ -119,6 +142,9 @@ class RadixCache:
         free_pages: Callable[[list[int]], None],
         disable: bool = False,
         clock: Callable[[], float] | None = None,
+        page_hasher: Callable[[bytes, list[int]], list[bytes]] | None = None,
+        root_key: bytes = b"",
+        on_evict: Callable[[list[bytes], list[int]], None] | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -126,6 +152,9 @@ class RadixCache:
         self.disable = disable
         self._free_pages = free_pages
         self._clock = clock
+        self._hasher = page_hasher
+        self.root_key = root_key
+        self._on_evict = on_evict if page_hasher is not None else None
         self._counter = 0
         self._uids = itertools.count()
         self._block = page_size * max(1, _SCAN_BLOCK_TOKENS // page_size)
@@ -192,6 +221,9 @@ class RadixCache:
         )
         # Same lock count on both halves keeps evictable/protected sizes unchanged.
         upper.lock_ref = child.lock_ref
+        if child.hkeys is not None:
+            upper.hkeys = child.hkeys[: m // P]
+            child.hkeys = child.hkeys[m // P :]
         child.key = child.key[m:]
         child.pages = child.pages[m // P :]
         child.parent = upper
@@ -365,6 +397,7 @@ class RadixCache:
         root = self.root
         P = self.page_size
         freed: list[int] = []
+        keys: list[bytes] = []
         evicted = 0
         while evicted < num_tokens and heap:
             t, _, node = heapq.heappop(heap)
@@ -376,6 +409,8 @@ class RadixCache:
                 continue
             parent = node.parent
             key = node.key
+            if self._on_evict is not None:
+                keys += self.page_keys(node)
             del parent.children[key[0] if P == 1 else tuple(key[:P])]
             node.parent = None
             freed += node.pages
@@ -389,9 +424,49 @@ class RadixCache:
             ):
                 self._push(parent)
         self._evictable -= evicted
+        if freed and self._on_evict is not None:
+            try:
+                self._on_evict(keys, freed)
+            except Exception:  # noqa: BLE001 - a tier failure must not cost the pool its pages
+                log.exception("on_evict failed; %d pages not kept in the tiers", len(freed))
         if freed:
             self._free_pages(freed)
         return evicted
+
+    def page_keys(self, node: TreeNode) -> list[bytes]:
+        """Content keys of ``node``'s pages (computed once per node, top-down from the
+        nearest ancestor that has them).
+
+        Raises:
+            ValueError: if the tree has no ``page_hasher``.
+        """
+        if self._hasher is None:
+            raise ValueError("page_keys needs a tree built with page_hasher")
+        if node is self.root:
+            return []
+        todo = []
+        while node is not self.root and node is not None and node.hkeys is None:
+            todo.append(node)
+            node = node.parent
+        for n in reversed(todo):
+            p = n.parent
+            parent_key = self.root_key if p is None or p is self.root else p.hkeys[-1]
+            n.hkeys = self._hasher(parent_key, n.key)
+        return (todo[0] if todo else node).hkeys
+
+    def last_page_key(self, node: TreeNode) -> bytes:
+        """Content key of the last page covered by ``node`` (``root_key`` for the root)."""
+        if node is self.root:
+            return self.root_key
+        return self.page_keys(node)[-1]
+
+    def iter_pages(self) -> Iterator[tuple[list[bytes], list[int]]]:
+        """``(keys, pages)`` of every node, parents before children (for a shutdown flush)."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield self.page_keys(node), list(node.pages)
+            stack.extend(node.children.values())
 
     def evictable_size(self) -> int:
         """Tokens in nodes with ``lock_ref == 0`` (O(1))."""

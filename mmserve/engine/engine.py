@@ -36,7 +36,7 @@ from mmserve.engine.sampling import (
     sample_token,
     token_logprob,
 )
-from mmserve.engine.scheduler import Scheduler
+from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.vision.embedding_cache import EmbeddingCache
 
@@ -94,10 +94,10 @@ class Engine:
             dtype=model.decoder.embed_tokens.weight.dtype,
             device=config.device,
         )
-        self.tree = RadixCache(
-            config.page_size, self.pool.allocator.free, disable=config.disable_radix_cache
-        )
-        self.scheduler = Scheduler(config, self.pool, self.tree)
+        # host/disk KV tiers behind the tree (None when off): see mmserve.cache.kv_tiers
+        self.tiers = make_kv_tiers(config, model, self.pool)
+        self.tree: RadixCache = make_tree(config, self.pool, self.tiers)
+        self.scheduler = Scheduler(config, self.pool, self.tree, self.tiers)
         self.embedding_cache = EmbeddingCache(config.vision_cache_bytes)
         self.runner = ModelRunner(
             model, self.pool, self.embedding_cache, config.device, config.attention_backend
@@ -165,7 +165,22 @@ class Engine:
             raise RuntimeError("requests are live")
         freed = self.scheduler.flush_cache()
         self.embedding_cache.clear()
+        if self.tiers is not None:
+            self.tiers.clear_memory()  # the disk tier, shared with other processes, stays
         return freed
+
+    def close(self, timeout: float = 60.0) -> int:
+        """Shutdown: write every cached page to the disk KV tier (if on) and stop the tiers'
+        threads (seconds: at most about ``timeout``). Call when the engine no longer steps.
+
+        Returns:
+            Pages written.
+        """
+        if self.tiers is None:
+            return 0
+        written = self.scheduler.flush_tiers(timeout)
+        self.tiers.close(timeout)
+        return written
 
     def stats_snapshot(self) -> dict:
         """:meth:`cache_stats` plus used pages, live requests and, when no request is
@@ -494,4 +509,5 @@ class Engine:
             "failed_steps": s.failed_steps,
             "consecutive_failed_steps": s.consecutive_failed_steps,
             "requests_failed": s.requests_failed,
+            **(self.tiers.stats() if self.tiers is not None else {}),
         }

@@ -14,6 +14,12 @@ tree and they wait again, to resume with identical output. A running request
 that got several tokens at once (structured output's jump-forward) leaves the
 decode batch for :attr:`Scheduler.extending`, and the next prefill batch computes
 those tokens the way a resumed request's are, before any new admission.
+
+With KV tiers (:mod:`mmserve.cache.kv_tiers`), admission looks past the device
+match: pages in host memory are copied into pool pages, inserted into the tree
+and counted as cached; pages on disk are read by a loader thread while the
+request waits ("loading", skipped by admission) and are taken from memory at
+its next admission attempt.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import random
 import time
 from collections import deque
 
+import torch
+
 from mmserve.cache.kv_pool import KVPool
-from mmserve.cache.radix_cache import RadixCache
+from mmserve.cache.kv_tiers import KVTiers, kv_namespace, model_fingerprint
+from mmserve.cache.radix_cache import MatchResult, RadixCache
 from mmserve.config import EngineConfig
 from mmserve.engine.policy import order_waiting
 from mmserve.engine.request import Request
@@ -34,6 +43,53 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def make_kv_tiers(config: EngineConfig, model: object, pool: KVPool) -> KVTiers | None:
+    """The host/disk KV tiers ``config`` asks for, or None (both off, or no radix cache).
+
+    Args:
+        config: ``kv_host_bytes``, ``kv_disk_dir``, ``kv_disk_bytes``, ``page_size``.
+        model: the loaded model (``config``, ``decoder``, ``vision``), fingerprinted so that
+            no two checkpoints share a page key or file.
+        pool: the KV pool.
+    """
+    if config.disable_radix_cache or (not config.kv_host_bytes and config.kv_disk_dir is None):
+        return None
+    named = list(model.decoder.named_parameters())
+    vision = getattr(model, "vision", None)
+    if hasattr(vision, "named_parameters"):
+        named += [("vision." + n, t) for n, t in vision.named_parameters()]
+    cfg = model.config
+    text = cfg.to_json_string() if hasattr(cfg, "to_json_string") else repr(cfg)
+    k = pool.k_buffers[0]
+    namespace = kv_namespace(
+        model_fingerprint(text, named),
+        k.dtype,
+        pool.page_size,
+        ("NHD", pool.num_layers, k.shape[2], k.shape[3]),
+    )
+    return KVTiers(
+        pool,
+        namespace,
+        host_bytes=config.kv_host_bytes,
+        disk_dir=config.kv_disk_dir,
+        disk_bytes=config.kv_disk_bytes,
+    )
+
+
+def make_tree(config: EngineConfig, pool: KVPool, tiers: KVTiers | None) -> RadixCache:
+    """The radix cache over ``pool``, with the tiers' page keys and eviction hook if any."""
+    if tiers is None:
+        return RadixCache(config.page_size, pool.allocator.free, disable=config.disable_radix_cache)
+    return RadixCache(
+        config.page_size,
+        pool.allocator.free,
+        disable=config.disable_radix_cache,
+        page_hasher=tiers.chain.chain,
+        root_key=tiers.chain.root,
+        on_evict=tiers.on_evict,
+    )
+
+
 class Scheduler:
     """Owns the waiting, prefilling and running requests and every page they hold.
 
@@ -41,6 +97,8 @@ class Scheduler:
         config: engine settings (page size, budgets, policy, cache switch).
         pool: the KV pool whose allocator both the tree and requests draw from.
         tree: the radix cache over that pool.
+        tiers: host/disk KV tiers behind the tree (None: off); the tree must have been
+            built with their page keys (:func:`make_tree`).
 
     Attributes:
         prefilling: the request whose prompt is being prefilled in chunks, if any.
@@ -50,8 +108,11 @@ class Scheduler:
         retractions: requests put back in the queue for lack of pages.
     """
 
-    def __init__(self, config: EngineConfig, pool: KVPool, tree: RadixCache) -> None:
+    def __init__(
+        self, config: EngineConfig, pool: KVPool, tree: RadixCache, tiers: KVTiers | None = None
+    ) -> None:
         self.config = config
+        self.tiers = tiers if not tree.disable else None
         self.pool = pool
         self.alloc = pool.allocator
         self.tree = tree
@@ -120,6 +181,8 @@ class Scheduler:
             budget = self.config.max_prefill_tokens
         if budget <= 0:
             return batch
+        if self.tiers is not None:
+            self.tiers.poll()
         if self.extending:
             budget = self._schedule_extends(batch, budget)
         if self.prefilling is not None:
@@ -147,6 +210,8 @@ class Scheduler:
         for req, _ in order:
             if len(self.active()) + len(admitted) >= self.config.max_running_requests:
                 break
+            if self.tiers is not None and self.tiers.is_loading(req.rid):
+                continue  # its disk pages are being read; others go on
             # match again: an eviction for an earlier admission may have cut the old match
             m = self._match(req)
             fill = req.seq_len
@@ -170,6 +235,14 @@ class Scheduler:
             if prompt_pages + reserve > available:
                 self._unlock(m.last_node)
                 break  # keep order: a big request is not overtaken forever
+            if self.tiers is not None:
+                loaded = self._load_from_tiers(req, m)
+                if loaded is None:  # reading its pages from disk: admit it later
+                    self._unlock(m.last_node)
+                    continue
+                m = loaded
+                prompt_pages = _ceil_div(fill, P) - len(m.pages)
+                self.tiers.forget(req.rid)
             req.pages.reset(list(m.pages) + self._alloc(prompt_pages))
             req.reserved_pages = reserve
             req.tree_len = req.computed_len = req.admit_len = m.length
@@ -188,7 +261,47 @@ class Scheduler:
                 break
         for req in admitted:
             self.waiting.remove(req)
+        if not batch and not self.running and self.tiers is not None and self.tiers.pending():
+            self.tiers.wait(0.02)  # only disk loads are left: sleep instead of spinning
         return batch
+
+    def _load_from_tiers(self, req: Request, m: MatchResult) -> MatchResult | None:
+        """Extend ``req``'s locked device match ``m`` with pages from the tiers.
+
+        Host (and already staged disk) pages are copied into new pool pages, inserted into
+        the tree and locked in place of ``m`` (whose lock is dropped); disk pages start a
+        load instead, on the first attempt since the request's last admission.
+
+        Returns:
+            The new match (locked), ``m`` itself when nothing was loaded, or None when a
+            disk load started (``m`` stays locked; the caller unlocks it).
+        """
+        P = self.page_size
+        ids = req.all_ids()
+        limit = len(ids) - 1  # one token is always computed
+        t0 = time.perf_counter()
+        parent = self.tree.last_page_key(m.last_node)
+        tm = self.tiers.lookup(parent, ids[m.length : limit])
+        self.tree_seconds += time.perf_counter() - t0
+        if tm.disk_pages and self.tiers.start_load(req.rid, tm.keys):
+            return None
+        pages = self.tiers.take(tm.keys)
+        if not pages:
+            return m
+        new = self._alloc(len(pages))  # fits: counted in the admission check
+        self.pool.write_pages(new, torch.stack(pages))
+        end = m.length + len(pages) * P
+        t0 = time.perf_counter()
+        prev = self.tree.insert(ids[:end], list(m.pages) + new)
+        # the match was locked, so the tree held exactly m.length tokens of this prefix
+        dup = new[: max(0, prev - m.length) // P]
+        if dup:
+            self.alloc.free(dup)
+        loaded = self.tree.match_prefix(ids[:end])
+        self.tree_seconds += time.perf_counter() - t0
+        self.tree.inc_lock_ref(loaded.last_node)
+        self.tree.dec_lock_ref(m.last_node)
+        return loaded
 
     def _decode_reserve(self, req: Request, fill: int) -> int:
         # a retracted request reserves all its remaining pages, which makes a second
@@ -331,6 +444,8 @@ class Scheduler:
                 writes are not trusted: only pages already in the tree stay there).
         """
         self.live.pop(req.rid, None)
+        if self.tiers is not None:
+            self.tiers.forget(req.rid)
         if req in self.waiting:
             self.waiting.remove(req)
             return
@@ -339,9 +454,13 @@ class Scheduler:
         self.release(req)
 
     def abort_all(self) -> list[Request]:
-        """Remove every live request (waiting, prefilling or running); returns them."""
+        """Remove every live request (waiting, loading, prefilling or running); returns
+        them."""
         reqs = list(self.live.values())
         self.live.clear()
+        if self.tiers is not None:
+            for req in reqs:
+                self.tiers.forget(req.rid)
         self.waiting.clear()
         for req in self.active():
             self.release(req)
@@ -427,6 +546,14 @@ class Scheduler:
             scheduled = True
         self.extend_batches += scheduled
         return budget
+
+    # ---- tiers ------------------------------------------------------------------
+    def flush_tiers(self, timeout: float = 60.0) -> int:
+        """Write every tree page (and the host tier) to the disk tier and wait for it
+        (shutdown; seconds: at most ``timeout``). Returns pages queued."""
+        if self.tiers is None:
+            return 0
+        return self.tiers.flush_tree(self.tree.iter_pages(), timeout)
 
     def check_accounting(self) -> dict[str, int]:
         """Pool accounting at a quiescent point (docs/architecture.md, invariants).

@@ -1,0 +1,830 @@
+"""Host-memory and disk KV tiers behind the radix tree, keyed by content.
+
+The radix tree (:mod:`mmserve.cache.radix_cache`) holds KV pages only while they
+are in the device pool. The tiers keep pages the tree evicts, so a prefix the
+pool lost (or a process that never computed it) can load its KV instead of
+recomputing it, the way SGLang's HiCache (device -> host -> storage) does.
+
+**Page keys.** A page's key is a hash chain (xxHash XXH3-128): the key of page
+``i`` is ``XXH3_128(key(i-1) || int64 bytes of its P token ids)``, and the chain
+starts from a root key that hashes the *namespace*: the model fingerprint
+(:func:`model_fingerprint`: config plus sampled weights), the KV dtype, the page
+size and the KV layout. A key therefore names the KV of a whole prefix on one
+checkpoint; image pseudo-token ids are content hashes, so images are included.
+Two checkpoints, dtypes or page sizes never share a key, and the disk tier also
+puts each namespace in its own directory and writes it in every file header.
+
+**Write policy: write-back on eviction.** When the tree evicts a node, its pages
+are copied to the host tier (synchronously, before the pool pages are reused)
+and queued for the disk writer thread (skipped when the disk already has that
+key). The host tier is a byte-bounded LRU that simply drops its least recently
+used pages (the disk has them). On shutdown (:meth:`KVTiers.flush_tree`) every
+page still in the tree goes to disk, so a restarted process finds them. Loaded
+pages re-enter the tree and are not written again (the key is on disk already).
+
+**Loading.** :meth:`KVTiers.lookup` walks the chain past the device match and
+reports how many pages are in host memory and how many more are on disk. Host
+pages are copied into the pool at once. Disk pages are read by a loader thread
+into a staging area; meanwhile the request waits ("loading") and the engine
+keeps running other batches; once loaded, the pages are taken from staging like
+host pages.
+
+**Disk format.** One file per page, ``DIR/<namespace hex>/<key hex>.kv``: a
+64-byte header (magic, format version, namespace, key, payload length, XXH3-64
+checksum of the payload) followed by the raw page ``[2, L, P, Hkv, D]`` bytes.
+Files are written to a unique temporary name in the same directory, then
+renamed over the final name (atomic on POSIX), so a reader sees a whole file or
+none, and concurrent writers of one page leave one whole file. A file whose
+header or checksum does not match is deleted and treated as a miss. The disk
+tier keeps an in-memory index (key -> bytes, least recently used first),
+rebuilt from the directory at start and rescanned every few seconds, so files
+written by another process sharing the directory are found without touching
+the file system on the engine thread. Past ``disk_bytes`` the least recently
+used files are deleted. An unwritable directory or a full disk turns writing
+off with one warning; serving goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from mmserve.cache.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
+
+#: Bumped whenever the file layout or the key derivation changes.
+FORMAT_VERSION = 1
+_MAGIC = b"MMKVPAGE"
+# magic, version, reserved, namespace (16), key (16), payload bytes, payload XXH3-64
+_HEADER = struct.Struct("<8sHH16s16sQQ4x")
+HEADER_BYTES = _HEADER.size  # 64
+_SUFFIX = ".kv"
+#: Threads reading pages from disk: one slow read does not hold up other requests' loads.
+LOADER_THREADS = 4
+#: Seconds between rescans of the disk directory (pages other processes wrote).
+RESCAN_SECONDS = 2.0
+#: Temporary files older than this (seconds) are left-overs of a crashed writer.
+_STALE_TMP_SECONDS = 3600.0
+
+
+def model_fingerprint(config_text: str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """Identity of a checkpoint: 16 bytes of XXH3-128 over its config and sampled weights.
+
+    Hashing every weight would read gigabytes at start; instead each tensor contributes its
+    name, shape, dtype and up to 1,024 evenly strided elements, which separates any two
+    checkpoints that differ in config, architecture or training.
+
+    Args:
+        config_text: the model config serialized as text (e.g. ``config.to_json_string()``).
+        named_tensors: ``(name, tensor)`` pairs (any device, any dtype).
+
+    Returns:
+        16-byte digest.
+    """
+    h = xxhash.xxh3_128()
+    h.update(config_text.encode())
+    for name, t in named_tensors:
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024]
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(sample.float().cpu().numpy().tobytes())
+    return h.digest()
+
+
+def kv_namespace(fingerprint: bytes, dtype: torch.dtype, page_size: int, layout: Sequence) -> bytes:
+    """Namespace of KV pages: model fingerprint, KV dtype, page size and layout (16 bytes).
+
+    Args:
+        fingerprint: :func:`model_fingerprint` of the checkpoint.
+        dtype: KV pool dtype.
+        page_size: tokens per page ``P``.
+        layout: anything else that changes a page's bytes, e.g.
+            ``("NHD", num_layers, num_kv_heads, head_dim)``.
+    """
+    text = f"v{FORMAT_VERSION}|{dtype}|P={page_size}|{tuple(layout)}".encode()
+    return xxhash.xxh3_128_digest(fingerprint + text)
+
+
+class PageKeyChain:
+    """Content keys of pages: ``key(i) = XXH3_128(key(i-1) || int64 token ids of page i)``.
+
+    Args:
+        namespace: :func:`kv_namespace` bytes; the chain's root key hashes it, so keys of
+            different checkpoints, dtypes or page sizes never collide.
+        page_size: tokens per page ``P``.
+    """
+
+    def __init__(self, namespace: bytes, page_size: int) -> None:
+        self.page_size = page_size
+        self.root = xxhash.xxh3_128_digest(b"root|" + namespace)
+
+    def chain(self, parent: bytes, tokens: Sequence[int]) -> list[bytes]:
+        """Keys of the full pages of ``tokens`` following the page keyed ``parent``.
+
+        Args:
+            parent: key of the page before ``tokens`` (:attr:`root` at the start).
+            tokens: token ids (text ids >= 0, image pseudo-ids negative int64); a trailing
+                partial page is ignored.
+
+        Returns:
+            ``len(tokens) // P`` keys of 16 bytes each.
+        """
+        P = self.page_size
+        n = len(tokens) // P
+        if n == 0:
+            return []
+        raw = np.asarray(tokens[: n * P], dtype=np.int64).tobytes()
+        step = 8 * P
+        out = []
+        h = parent
+        digest = xxhash.xxh3_128_digest
+        for i in range(0, n * step, step):
+            h = digest(h + raw[i : i + step])
+            out.append(h)
+        return out
+
+
+class HostTier:
+    """Byte-bounded LRU of page tensors in host memory (pinned when the pool is on CUDA).
+
+    Args:
+        capacity_bytes: most bytes held (0: holds nothing).
+        page_bytes: bytes of one page tensor (all pages have the same shape).
+    """
+
+    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.page_bytes = page_bytes
+        self._pages: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._pages
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the pages held."""
+        return len(self._pages) * self.page_bytes
+
+    def put(self, key: bytes, page: torch.Tensor) -> list[bytes]:
+        """Keep ``page`` (most recently used); returns keys dropped to stay in the bound."""
+        if self.page_bytes > self.capacity_bytes:
+            return []
+        self._pages[key] = page
+        self._pages.move_to_end(key)
+        dropped = []
+        while len(self._pages) * self.page_bytes > self.capacity_bytes:
+            dropped.append(self._pages.popitem(last=False)[0])
+        return dropped
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The page for ``key`` (now most recently used), or None."""
+        page = self._pages.get(key)
+        if page is not None:
+            self._pages.move_to_end(key)
+        return page
+
+    def pop(self, key: bytes) -> torch.Tensor | None:
+        """Remove and return the page for ``key``, or None."""
+        return self._pages.pop(key, None)
+
+    def clear(self) -> None:
+        """Drop every page."""
+        self._pages.clear()
+
+    def keys(self) -> list[bytes]:
+        """Keys from least to most recently used."""
+        return list(self._pages)
+
+
+class DiskTier:
+    """One file per page under ``root/<namespace hex>/``, LRU-bounded in bytes.
+
+    Thread safety: the index is guarded by a lock; :meth:`write` queues work for the writer
+    thread and never blocks (unless ``block``); :meth:`read` runs on the caller's thread (the
+    loader thread in :class:`KVTiers`).
+
+    Args:
+        root: directory shared by every process and checkpoint (created if missing).
+        namespace: :func:`kv_namespace` bytes; pages of other namespaces are never read.
+        capacity_bytes: most bytes of files (headers included) kept; least recently used
+            files are deleted beyond it.
+        page_shape: shape of one page tensor ``[2, L, P, Hkv, D]``.
+        dtype: page dtype.
+        rescan_seconds: how often the writer thread rescans the directory when idle.
+        max_queued_bytes: bytes of page writes waiting for the writer before new ones are
+            dropped (counted in ``writes_dropped``).
+
+    Attributes:
+        enabled: False when the directory could not be created or written at start.
+        writable: turned False (with one warning) by a write error such as a full disk.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        namespace: bytes,
+        capacity_bytes: int,
+        page_shape: Sequence[int],
+        dtype: torch.dtype,
+        rescan_seconds: float = RESCAN_SECONDS,
+        max_queued_bytes: int = 256 << 20,
+    ) -> None:
+        self.namespace = namespace
+        self.dir = os.path.join(root, namespace.hex())
+        self.capacity_bytes = capacity_bytes
+        self.page_shape = tuple(page_shape)
+        self.dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.payload_bytes = int(np.prod(self.page_shape)) * itemsize
+        self.file_bytes = HEADER_BYTES + self.payload_bytes
+        self.rescan_seconds = rescan_seconds
+        self.max_queued_bytes = max_queued_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        # pages queued for the writer: still in memory, so they count as hits
+        self._pending: dict[bytes, torch.Tensor] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._queued_bytes = 0
+        self._tmp_counter = 0
+        self.enabled = True
+        self.writable = True
+        self.writes = 0
+        self.writes_dropped = 0
+        self.reads = 0
+        self.read_failures = 0
+        self.deleted = 0
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            probe = os.path.join(self.dir, f".probe.{os.getpid()}.{threading.get_ident()}.tmp")
+            with open(probe, "wb") as f:
+                f.write(b"x")
+            os.unlink(probe)
+        except OSError as e:
+            log.warning("KV disk tier off: cannot write %s (%s)", self.dir, e)
+            self.enabled = self.writable = False
+            return
+        self.rescan()
+        self._stop = False
+        self._thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    # ---- index ------------------------------------------------------------
+    def _path(self, key: bytes) -> str:
+        return os.path.join(self.dir, key.hex() + _SUFFIX)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the indexed files."""
+        with self._lock:
+            return len(self._index) * self.file_bytes
+
+    def rescan(self) -> None:
+        """Sync the index with the directory: add files other processes wrote (ordered by
+        modification time), drop files that are gone, delete stale temporary files."""
+        if not self.enabled:
+            return
+        found: list[tuple[float, bytes]] = []
+        now = time.time()
+        try:
+            with os.scandir(self.dir) as it:
+                for entry in it:
+                    name = entry.name
+                    if name.startswith("."):
+                        if name.endswith(".tmp"):
+                            try:
+                                if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                                    os.unlink(entry.path)
+                            except OSError:
+                                pass
+                        continue
+                    if not name.endswith(_SUFFIX) or len(name) != 32 + len(_SUFFIX):
+                        continue
+                    try:
+                        key = bytes.fromhex(name[:32])
+                        found.append((entry.stat().st_mtime, key))
+                    except (ValueError, OSError):
+                        continue
+        except OSError as e:
+            log.warning("KV disk tier: cannot list %s (%s)", self.dir, e)
+            return
+        found.sort()
+        present = {k for _, k in found}
+        with self._lock:
+            for key in [k for k in self._index if k not in present]:
+                del self._index[key]
+            for _, key in found:
+                if key not in self._index:
+                    self._index[key] = self.file_bytes
+        self._trim()
+
+    def _trim(self) -> None:
+        victims = []
+        with self._lock:
+            while len(self._index) * self.file_bytes > self.capacity_bytes and self._index:
+                victims.append(self._index.popitem(last=False)[0])
+        for key in victims:
+            self._unlink(key)
+
+    def _unlink(self, key: bytes) -> None:
+        try:
+            os.unlink(self._path(key))
+            self.deleted += 1
+        except OSError:
+            pass
+
+    def _drop(self, key: bytes, delete: bool) -> None:
+        with self._lock:
+            self._index.pop(key, None)
+        if delete:
+            self._unlink(key)
+
+    # ---- writing ----------------------------------------------------------
+    def write(self, key: bytes, page: torch.Tensor, block: bool = False) -> bool:
+        """Queue ``page`` (``[2, L, P, Hkv, D]``, CPU, never modified afterwards) for disk.
+
+        Args:
+            key: the page's chain key.
+            page: page tensor.
+            block: wait for room in the queue instead of dropping the write (shutdown).
+
+        Returns:
+            False if not queued (tier off, key already on disk, or queue full).
+        """
+        if not self.writable or key in self:
+            return False
+        if self._queued_bytes + self.payload_bytes > self.max_queued_bytes:
+            if not block:
+                self.writes_dropped += 1
+                return False
+            while self._queued_bytes + self.payload_bytes > self.max_queued_bytes and self.writable:
+                time.sleep(0.005)
+        with self._lock:
+            if key in self._pending:
+                return False
+            self._queued_bytes += self.payload_bytes
+            self._pending[key] = page
+        self._queue.put((key, page))
+        return True
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued write is done (seconds: at most ``timeout``).
+
+        Returns:
+            True if the queue drained in time.
+        """
+        if not self.enabled:
+            return True
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish queued writes, then stop the writer thread."""
+        if not self.enabled:
+            return
+        self.flush(timeout)
+        self._stop = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _writer(self) -> None:
+        last_scan = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=self.rescan_seconds)
+            except queue.Empty:
+                item = False
+            if item is None or self._stop:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            if item is not False:
+                key, page = item
+                if self.writable and key not in self:
+                    self.write_now(key, page)
+                with self._lock:
+                    self._queued_bytes -= self.payload_bytes
+                    self._pending.pop(key, None)
+            if time.monotonic() - last_scan >= self.rescan_seconds and self._queue.empty():
+                self.rescan()
+                last_scan = time.monotonic()
+
+    def write_now(self, key: bytes, page: torch.Tensor) -> bool:
+        """Write ``page`` to its file on this thread (temporary file, then rename).
+
+        Returns:
+            True if written; an ``OSError`` (full disk, permissions) turns writing off with
+            one warning and returns False.
+        """
+        payload = page.detach().contiguous().cpu().view(torch.uint8).numpy()
+        if payload.nbytes != self.payload_bytes:
+            raise ValueError(f"page of {payload.nbytes} bytes, expected {self.payload_bytes}")
+        header = _HEADER.pack(
+            _MAGIC,
+            FORMAT_VERSION,
+            0,
+            self.namespace,
+            key,
+            self.payload_bytes,
+            xxhash.xxh3_64_intdigest(payload),
+        )
+        self._tmp_counter += 1
+        tmp = os.path.join(
+            self.dir, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.{self._tmp_counter}.tmp"
+        )
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload.data)
+            os.replace(tmp, self._path(key))
+        except OSError as e:
+            if self.writable:
+                log.warning("KV disk tier: writing off after %s (%s)", self._path(key), e)
+            self.writable = False
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+        self.writes += 1
+        with self._lock:
+            self._index[key] = self.file_bytes
+            self._index.move_to_end(key)
+        self._trim()
+        return True
+
+    # ---- reading ----------------------------------------------------------
+    def pending(self, key: bytes) -> torch.Tensor | None:
+        """The page for ``key`` if it waits in the write queue (in memory), else None."""
+        with self._lock:
+            return self._pending.get(key)
+
+    def read(self, key: bytes) -> torch.Tensor | None:
+        """Read and check the page for ``key`` on the caller's thread.
+
+        Returns:
+            The page tensor ``[2, L, P, Hkv, D]`` (CPU), or None for a miss. A file that is
+            missing, truncated, corrupted (checksum), or of another namespace, key, version
+            or size is a miss; a bad file is deleted.
+        """
+        if not self.enabled:
+            return None
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(self.file_bytes + 1)
+        except OSError:
+            self._drop(key, delete=False)
+            return None
+        ok = len(data) == self.file_bytes
+        if ok:
+            magic, version, _, ns, fkey, n, check = _HEADER.unpack_from(data)
+            payload = memoryview(data)[HEADER_BYTES:]
+            ok = (
+                magic == _MAGIC
+                and version == FORMAT_VERSION
+                and ns == self.namespace
+                and fkey == key
+                and n == self.payload_bytes
+                and xxhash.xxh3_64_intdigest(payload) == check
+            )
+        if not ok:
+            self.read_failures += 1
+            log.warning("KV disk tier: ignoring and deleting bad file %s", path)
+            self._drop(key, delete=True)
+            return None
+        self.reads += 1
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        buf = bytearray(payload)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).reshape(self.page_shape)
+
+
+@dataclass
+class TierMatch:
+    """Pages past the device match found in the tiers (:meth:`KVTiers.lookup`).
+
+    Attributes:
+        keys: chain keys of the consecutive pages found, in order.
+        host_pages: how many leading ``keys`` are in host memory (or staged from disk).
+        disk_pages: how many following ``keys`` need a disk read first (some may be in
+            host memory too; only the disk-only ones are read).
+    """
+
+    keys: list[bytes] = field(default_factory=list)
+    host_pages: int = 0
+    disk_pages: int = 0
+
+
+class KVTiers:
+    """Host and disk tiers for one KV pool (see the module docstring for the policy).
+
+    Engine-thread methods: :meth:`on_evict`, :meth:`lookup`, :meth:`take`, :meth:`start_load`,
+    :meth:`poll`, :meth:`flush_tree`. The loader thread only reads files and hands results
+    back through a locked list.
+
+    Args:
+        pool: the KV pool pages are copied from and loaded into.
+        namespace: :func:`kv_namespace` of the model, dtype, page size and layout.
+        host_bytes: host tier capacity (bytes; 0 = off).
+        disk_dir: disk tier directory (None = off).
+        disk_bytes: disk tier capacity (bytes of files).
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        namespace: bytes,
+        host_bytes: int = 0,
+        disk_dir: str | None = None,
+        disk_bytes: int = 16 << 30,
+    ) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.chain = PageKeyChain(namespace, pool.page_size)
+        k = pool.k_buffers[0]
+        self.page_shape = (2, pool.num_layers, *k.shape[1:])
+        self.page_bytes = int(np.prod(self.page_shape)) * k.element_size()
+        self.pin = k.device.type == "cuda"
+        self.host = HostTier(host_bytes, self.page_bytes)
+        self.disk = (
+            DiskTier(disk_dir, namespace, disk_bytes, self.page_shape, k.dtype)
+            if disk_dir is not None
+            else None
+        )
+        # pages read from disk for a waiting request, taken at its admission; bounded by
+        # the pool's size (LRU dropped beyond it)
+        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._staged_cap = pool.num_pages
+        self._done: list[tuple[str, list[tuple[bytes, torch.Tensor]], float]] = []
+        self._done_lock = threading.Lock()
+        self._done_event = threading.Event()
+        self._jobs: set[str] = set()  # request ids whose disk load is in flight
+        self._tried: set[str] = set()  # request ids that had a disk load since admission
+        self._loader: ThreadPoolExecutor | None = None
+        # counters (tokens, bytes, seconds)
+        self.host_hit_tokens = 0
+        self.disk_hit_tokens = 0
+        self.evicted_pages = 0
+        self.loads = 0
+        self.load_seconds = 0.0
+        self.loaded_bytes = 0
+
+    @property
+    def disk_on(self) -> bool:
+        """Whether the disk tier can be read."""
+        return self.disk is not None and self.disk.enabled
+
+    def _pending(self, key: bytes) -> torch.Tensor | None:
+        return self.disk.pending(key) if self.disk is not None else None
+
+    # ---- eviction (write-back) ----------------------------------------------
+    def on_evict(self, keys: list[bytes], pages: list[int]) -> None:
+        """Copy evicted pool ``pages`` (chain ``keys``) to the host tier and queue them for
+        disk. Runs before the tree frees the pages."""
+        if not pages:
+            return
+        todo = [
+            (k, p)
+            for k, p in zip(keys, pages, strict=True)
+            if (self.host.capacity_bytes and k not in self.host)
+            or (self.disk_on and k not in self.disk and self._pending(k) is None)
+        ]
+        if not todo:
+            return
+        self.evicted_pages += len(todo)
+        host = self._to_host([p for _, p in todo])
+        for i, (key, _) in enumerate(todo):
+            page = host[i]
+            if self.host.capacity_bytes:
+                self.host.put(key, page)
+            if self.disk_on:
+                self.disk.write(key, page)
+
+    def _to_host(self, pages: list[int]) -> torch.Tensor:
+        kv = self.pool.read_pages(pages)  # [n, 2, L, P, Hkv, D] on the pool's device
+        if kv.device.type == "cpu":
+            return kv
+        host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.pin)
+        host.copy_(kv)
+        return host
+
+    # ---- lookup and loading ---------------------------------------------------
+    def lookup(self, parent: bytes, tokens: Sequence[int]) -> TierMatch:
+        """Pages of ``tokens`` (following the page keyed ``parent``) held by the tiers.
+
+        Walks page by page and stops at the first page no tier has (a chain key needs every
+        page before it), so the cost is the hit pages plus one hash.
+
+        Args:
+            parent: chain key of the last device-cached page (``chain.root`` for none).
+            tokens: the token ids after the device match (partial last page ignored).
+        """
+        out = TierMatch()
+        P = self.page_size
+        h = parent
+        digest = xxhash.xxh3_128_digest
+        raw = np.asarray(tokens[: len(tokens) - len(tokens) % P], dtype=np.int64).tobytes()
+        step = 8 * P
+        on_disk = False
+        for i in range(0, len(raw), step):
+            h = digest(h + raw[i : i + step])
+            in_memory = h in self._staged or h in self.host or self._pending(h) is not None
+            if not on_disk and in_memory:
+                out.host_pages += 1
+            elif self.disk_on and (in_memory or h in self.disk):
+                on_disk = True
+                out.disk_pages += 1
+            else:
+                break
+            out.keys.append(h)
+        return out
+
+    def take(self, keys: list[bytes]) -> list[torch.Tensor]:
+        """Page tensors of the leading ``keys`` held in staging or host memory (stops at the
+        first one missing); staged pages are removed, host pages stay."""
+        out = []
+        for key in keys:
+            page = self._staged.pop(key, None)
+            if page is None:
+                page = self._pending(key)
+            if page is not None:
+                self.disk_hit_tokens += self.page_size
+            else:
+                page = self.host.get(key)
+                if page is None:
+                    break
+                self.host_hit_tokens += self.page_size
+            out.append(page)
+        return out
+
+    def is_loading(self, rid: str) -> bool:
+        """Whether request ``rid`` waits for a disk load."""
+        return rid in self._jobs
+
+    def start_load(self, rid: str, keys: list[bytes]) -> bool:
+        """Read the disk-only pages of ``keys`` for request ``rid`` on the loader thread.
+
+        Returns:
+            False (nothing started) if the disk tier is off, ``rid`` had a load since its
+            last :meth:`forget`, or every page is already in memory.
+        """
+        if not self.disk_on or rid in self._tried or rid in self._jobs:
+            return False
+        todo = []
+        for k in keys:
+            if k in self._staged or k in self.host:
+                continue
+            page = self._pending(k)
+            if page is not None:  # stage it now: once written it leaves the write queue
+                self._staged[k] = page
+            else:
+                todo.append(k)
+        self._tried.add(rid)
+        if not todo:
+            return False
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kv-disk-loader")
+        self._jobs.add(rid)
+        self._loader.submit(self._load, rid, todo)
+        return True
+
+    def _load(self, rid: str, keys: list[bytes]) -> None:
+        t0 = time.perf_counter()
+        pages: list[tuple[bytes, torch.Tensor]] = []
+        try:
+            for key in keys:
+                page = self.disk.read(key)
+                if page is None:
+                    break  # the chain is cut here: later pages cannot be used
+                if self.pin:
+                    page = page.pin_memory()
+                pages.append((key, page))
+        except Exception:  # noqa: BLE001 - a failed load is a miss, never a stuck request
+            log.exception("KV disk tier: load failed")
+            pages = []
+        with self._done_lock:
+            self._done.append((rid, pages, time.perf_counter() - t0))
+        self._done_event.set()
+
+    def poll(self) -> int:
+        """Move finished disk loads into staging (engine thread); returns loads finished."""
+        if not self._jobs:
+            return 0
+        with self._done_lock:
+            done, self._done = self._done, []
+            self._done_event.clear()
+        for rid, pages, seconds in done:
+            self._jobs.discard(rid)
+            self.loads += 1
+            self.load_seconds += seconds
+            self.loaded_bytes += len(pages) * self.page_bytes
+            for key, page in pages:
+                self._staged[key] = page
+                self._staged.move_to_end(key)
+        while len(self._staged) > self._staged_cap:
+            self._staged.popitem(last=False)
+        return len(done)
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a disk load finishes or ``timeout`` seconds pass (engine idle only)."""
+        if self._jobs:
+            self._done_event.wait(timeout)
+
+    def pending(self) -> int:
+        """Requests whose disk load is in flight."""
+        return len(self._jobs)
+
+    def forget(self, rid: str) -> None:
+        """``rid`` was admitted or left: a later admission may load from disk again."""
+        self._tried.discard(rid)
+
+    # ---- shutdown and maintenance -------------------------------------------
+    def flush_tree(
+        self, nodes: Iterator[tuple[list[bytes], list[int]]], timeout: float = 60.0
+    ) -> int:
+        """Write every page of ``nodes`` (``(keys, pages)`` per tree node) and of the host
+        tier to disk, then wait for the writer (seconds: at most ``timeout``).
+
+        Returns:
+            Pages queued for writing.
+        """
+        if not self.disk_on or not self.disk.writable:
+            return 0
+        n = 0
+        for key in self.host.keys():
+            page = self.host.get(key)
+            if page is not None and self.disk.write(key, page, block=True):
+                n += 1
+        for keys, pages in nodes:
+            todo = [(k, p) for k, p in zip(keys, pages, strict=True) if k not in self.disk]
+            for i in range(0, len(todo), 64):  # bounded host copies at a time
+                part = todo[i : i + 64]
+                host = self._to_host([p for _, p in part])
+                for j, (key, _) in enumerate(part):
+                    n += self.disk.write(key, host[j], block=True)
+        self.disk.flush(timeout)
+        return n
+
+    def clear_memory(self) -> None:
+        """Drop the host tier and staged pages (the disk, shared with others, stays)."""
+        self.host.clear()
+        self._staged.clear()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the loader and writer threads after queued writes finish."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader = None
+        if self.disk is not None:
+            self.disk.close(timeout)
+
+    def stats(self) -> dict[str, float]:
+        """Per-tier figures for ``/v1/cache/stats`` and ``/metrics``."""
+        disk = self.disk
+        return {
+            "tier_host_hit_tokens": self.host_hit_tokens,
+            "tier_disk_hit_tokens": self.disk_hit_tokens,
+            "tier_host_pages": len(self.host),
+            "tier_host_bytes": self.host.bytes_used,
+            "tier_host_capacity_bytes": self.host.capacity_bytes,
+            "tier_disk_pages": len(disk) if disk is not None else 0,
+            "tier_disk_bytes": disk.bytes_used if disk is not None else 0,
+            "tier_disk_capacity_bytes": disk.capacity_bytes if disk is not None else 0,
+            "tier_disk_on": int(self.disk_on),
+            "tier_disk_writable": int(disk is not None and disk.writable),
+            "tier_disk_writes": disk.writes if disk is not None else 0,
+            "tier_disk_writes_dropped": disk.writes_dropped if disk is not None else 0,
+            "tier_disk_read_failures": disk.read_failures if disk is not None else 0,
+            "tier_evicted_pages": self.evicted_pages,
+            "tier_loads": self.loads,
+            "tier_load_seconds": self.load_seconds,
+            "tier_loaded_bytes": self.loaded_bytes,
+            "tier_loading_requests": len(self._jobs),
+        }

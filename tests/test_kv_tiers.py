@@ -1,0 +1,436 @@
+"""Host and disk KV tiers behind the radix tree: the tiers against brute-force models,
+outputs with tiers equal outputs without, restarts, bad files, foreign namespaces."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import urllib.request
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmserve.cache.kv_tiers import (
+    HEADER_BYTES,
+    DiskTier,
+    HostTier,
+    PageKeyChain,
+    kv_namespace,
+)
+from tests.comparator import assert_same_generation
+from tests.conftest import greedy, user
+from tests.live_server import get_json, live_server_process
+
+NS = kv_namespace(b"f" * 16, torch.float32, 2, ("NHD", 1, 1, 2))
+PAGE_SHAPE = (2, 1, 2, 1, 2)  # [2, L, P, Hkv, D]
+PAGE_BYTES = 2 * 2 * 2 * 4
+
+
+def page(v: int) -> torch.Tensor:
+    return torch.full(PAGE_SHAPE, float(v))
+
+
+def key(k: int) -> bytes:
+    return k.to_bytes(16, "little")
+
+
+# ---- page keys --------------------------------------------------------------------
+@given(
+    a=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12),
+    b=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12),
+)
+def test_key_chain_is_a_prefix_hash(a: list[int], b: list[int]) -> None:
+    chain = PageKeyChain(NS, 2)
+    a = a[: len(a) - len(a) % 2]
+    whole = chain.chain(chain.root, a + b)
+    head = chain.chain(chain.root, a)
+    tail = chain.chain(head[-1] if head else chain.root, b)
+    assert whole == head + tail
+    assert len(set(whole)) == len(whole)  # a key names a whole prefix
+    other = PageKeyChain(kv_namespace(b"g" * 16, torch.float32, 2, ("NHD", 1, 1, 2)), 2)
+    assert not set(other.chain(other.root, a + b)) & set(whole)
+
+
+# ---- host tier against an LRU dict ----------------------------------------------------
+OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "pop"]), st.integers(0, 9)), max_size=60)
+
+
+@given(ops=OPS, cap_pages=st.integers(0, 5))
+def test_host_tier_is_a_byte_bounded_lru(ops: list[tuple[str, int]], cap_pages: int) -> None:
+    tier = HostTier(cap_pages * PAGE_BYTES, PAGE_BYTES)
+    model: OrderedDict[bytes, int] = OrderedDict()
+    for op, k in ops:
+        if op == "put":
+            dropped = tier.put(key(k), page(k))
+            if cap_pages:
+                model[key(k)] = k
+                model.move_to_end(key(k))
+                expect = []
+                while len(model) > cap_pages:
+                    expect.append(model.popitem(last=False)[0])
+                assert dropped == expect
+        elif op == "get":
+            got = tier.get(key(k))
+            assert (got is None) == (key(k) not in model)
+            if got is not None:
+                assert got[0, 0, 0, 0, 0].item() == k
+                model.move_to_end(key(k))
+        else:
+            got = tier.pop(key(k))
+            assert (got is None) == (model.pop(key(k), None) is None)
+        assert tier.keys() == list(model)
+        assert tier.bytes_used == len(model) * PAGE_BYTES <= cap_pages * PAGE_BYTES
+
+
+# ---- disk tier against an LRU dict ------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["write", "read"]), st.integers(0, 7)), max_size=40),
+    cap_files=st.integers(0, 4),
+)
+def test_disk_tier_is_a_byte_bounded_lru(
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]], cap_files: int
+) -> None:
+    root = tmp_path_factory.mktemp("disk")
+    tier = DiskTier(
+        str(root), NS, cap_files * (HEADER_BYTES + PAGE_BYTES), PAGE_SHAPE, torch.float32, 3600
+    )
+    model: OrderedDict[bytes, int] = OrderedDict()
+    try:
+        for op, k in ops:
+            if op == "write":
+                assert tier.write_now(key(k), page(k))
+                model[key(k)] = k
+                model.move_to_end(key(k))
+                while len(model) > cap_files:
+                    model.popitem(last=False)
+            else:
+                got = tier.read(key(k))
+                assert (got is None) == (key(k) not in model)
+                if got is not None:
+                    assert torch.equal(got, page(k))
+                    model.move_to_end(key(k))
+            files = sorted(p.name for p in Path(tier.dir).iterdir())
+            assert files == sorted(x.hex() + ".kv" for x in model)
+            assert tier.bytes_used == len(model) * tier.file_bytes
+        # a fresh index over the same directory (a restart) finds the same pages
+        again = DiskTier(str(root), NS, 1 << 30, PAGE_SHAPE, torch.float32, 3600)
+        assert {k for k in map(key, range(8)) if k in again} == set(model)
+        again.close()
+    finally:
+        tier.close()
+
+
+def _tier(root: Path) -> DiskTier:
+    return DiskTier(str(root), NS, 1 << 20, PAGE_SHAPE, torch.float32, 3600)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version"])
+def test_bad_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
+    tier = _tier(tmp_path)
+    assert tier.write_now(key(1), page(1))
+    path = Path(tier.dir) / (key(1).hex() + ".kv")
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:-3]
+    elif damage == "flip":
+        data[-1] ^= 0xFF
+    elif damage == "empty":
+        data = bytearray()
+    elif damage == "version":
+        data[8] += 1
+    else:  # the same page written under another namespace (another model or dtype)
+        other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
+        other.write_now(key(1), page(1))
+        data = bytearray((Path(other.dir) / path.name).read_bytes())
+        other.close()
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert tier.read(key(1)) is None
+    assert not path.exists() and key(1) not in tier
+    assert tier.read_failures == 1
+    assert tier.write_now(key(1), page(1))  # rewritten, read back whole
+    assert torch.equal(tier.read(key(1)), page(1))
+    tier.close()
+
+
+def test_unwritable_directory_turns_the_tier_off(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        tier = DiskTier(str(blocker), NS, 1 << 20, PAGE_SHAPE, torch.float32)
+    assert not tier.enabled and not tier.writable
+    assert not tier.write(key(1), page(1)) and tier.read(key(1)) is None
+    assert sum("KV disk tier off" in r.message for r in caplog.records) == 1
+
+
+def test_write_error_turns_writing_off_once(tmp_path: Path, caplog, monkeypatch) -> None:  # noqa: ANN001
+    import errno
+
+    tier = _tier(tmp_path)
+    assert tier.write_now(key(1), page(1))
+
+    def full(*_a: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with caplog.at_level(logging.WARNING):
+        assert not tier.write_now(key(2), page(2))
+        assert not tier.write(key(3), page(3))  # off: nothing queued
+    assert not tier.writable
+    assert sum("writing off" in r.message for r in caplog.records) == 1
+    assert not [p for p in Path(tier.dir).iterdir() if p.name.endswith(".tmp")]
+    assert torch.equal(tier.read(key(1)), page(1))  # reads go on
+    tier.close()
+
+
+def test_concurrent_writers_leave_whole_files(tmp_path: Path) -> None:
+    tiers = [_tier(tmp_path) for _ in range(2)]
+    pages = {k: page(k) for k in range(20)}
+
+    def writer(t: DiskTier) -> None:
+        for k, p in pages.items():
+            t.write_now(key(k), p)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in tiers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    reader = _tier(tmp_path)
+    for k, p in pages.items():
+        assert torch.equal(reader.read(key(k)), p)
+    assert not [p for p in Path(reader.dir).iterdir() if p.name.endswith(".tmp")]
+    for t in [*tiers, reader]:
+        t.close()
+
+
+# ---- the engine with tiers ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def imgs(make_engine, photos):  # noqa: ANN001, ANN201
+    eng = make_engine()
+    return [eng.processor.prepare_image(b) for b in list(photos.values())[:3]]
+
+
+def _rounds(eng, imgs, rounds: int = 2):  # noqa: ANN001, ANN202
+    """Each image asked about in turn, ``rounds`` times: a pool holding about two images
+    evicts each one before its next question."""
+    out = []
+    for r in range(rounds):
+        for img in imgs:
+            req = eng.processor.make_request(
+                messages=user(None, f"Question {r}?"), images=[img], params=greedy(5)
+            )
+            out.append(eng.generate([req])[0])
+            eng.scheduler.check_accounting()
+    return out
+
+
+POOL = 1400  # tokens: two 576-token images and their prompts, not three
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_evicted_pages_come_back_from_a_tier(
+    make_engine, imgs, tmp_path: Path, page_size: int, tier: str
+) -> None:  # noqa: ANN001
+    base = _rounds(make_engine(page_size=page_size, max_total_tokens=POOL), imgs)
+    kw = {"kv_host_bytes": 1 << 30} if tier == "host" else {"kv_disk_dir": str(tmp_path)}
+    eng = make_engine(page_size=page_size, max_total_tokens=POOL, **kw)
+    res = _rounds(eng, imgs)
+    for k, (a, b) in enumerate(zip(res, base, strict=True)):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, f"{tier} #{k}")
+    # without tiers the second round misses (the pool lost each image); with them every
+    # image's pages come back: all whole pages up to the question
+    assert all(r.cached_tokens < 576 for r in base[3:])
+    stats = eng.cache_stats()
+    loaded = stats[f"tier_{tier}_hit_tokens"]
+    assert loaded > 0
+    for r in res[3:]:
+        assert r.cached_tokens >= 576 // page_size * page_size
+    # cached tokens of the second round = device hits + tier loads
+    assert sum(r.cached_tokens for r in res) - sum(r.cached_tokens for r in base) <= loaded
+    if page_size == 1:
+        assert all(r.vision_tower_runs == 0 for r in res[3:])
+        assert eng.runner.vision_tower_images == 3
+    eng.close()
+
+
+def test_restart_reuses_disk_pages(make_engine, imgs, tmp_path: Path) -> None:  # noqa: ANN001
+    first = make_engine(kv_disk_dir=str(tmp_path))
+    before = _rounds(first, imgs, rounds=1)
+    assert first.cache_stats()["tier_disk_pages"] == 0  # nothing evicted: nothing written yet
+    assert first.close() > 0  # shutdown writes the tree's pages
+    second = make_engine(kv_disk_dir=str(tmp_path))
+    after = _rounds(second, imgs, rounds=1)
+    for a, b in zip(after, before, strict=True):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "restart")
+        prompt = a.prompt_tokens
+        assert a.cached_tokens == prompt - 1  # everything but the token that gives logits
+    assert second.runner.vision_tower_images == 0
+    # the chat template's leading text is shared: later images hit it in the pool
+    loaded = second.cache_stats()["tier_disk_hit_tokens"]
+    assert 3 * 576 <= loaded <= sum(r.cached_tokens for r in after)
+    second.close()
+    # another page size is another namespace: a miss, never wrong KV
+    other = make_engine(kv_disk_dir=str(tmp_path), page_size=16)
+    res = _rounds(other, imgs[:1], rounds=1)
+    assert res[0].cached_tokens == 0 and other.cache_stats()["tier_disk_hit_tokens"] == 0
+    other.close()
+
+
+def test_another_checkpoint_never_reads_the_pages(
+    make_engine, make_next_engine, imgs, tmp_path: Path
+) -> None:  # noqa: ANN001
+    eng = make_engine(kv_disk_dir=str(tmp_path))
+    _rounds(eng, imgs[:1], rounds=1)
+    eng.close()
+    nxt = make_next_engine(kv_disk_dir=str(tmp_path))
+    assert nxt.tiers.disk.dir != eng.tiers.disk.dir
+    assert len(nxt.tiers.disk) == 0 and len(eng.tiers.disk) > 0
+    nxt.close()
+
+
+def test_corrupted_disk_pages_are_recomputed(make_engine, imgs, tmp_path: Path) -> None:  # noqa: ANN001
+    first = make_engine(kv_disk_dir=str(tmp_path))
+    before = _rounds(first, imgs[:1], rounds=1)
+    first.close()
+    files = sorted(Path(first.tiers.disk.dir).iterdir())
+    for p in files[::7]:  # damage some pages: truncated or flipped
+        data = p.read_bytes()
+        p.write_bytes(data[: len(data) // 2] if len(data) % 2 else data[:-1] + b"\x00")
+    second = make_engine(kv_disk_dir=str(tmp_path))
+    after = _rounds(second, imgs[:1], rounds=1)
+    a, b = after[0], before[0]
+    assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "damaged")
+    assert second.tiers.disk.read_failures >= 1
+    assert a.cached_tokens < a.prompt_tokens - 1  # the chain stops at the first bad page
+    second.scheduler.check_accounting()
+    second.close()
+
+
+def test_disk_loads_do_not_block_other_requests(
+    make_engine, imgs, tmp_path: Path, monkeypatch
+) -> None:  # noqa: ANN001
+    first = make_engine(kv_disk_dir=str(tmp_path))
+    before = _rounds(first, imgs[:1], rounds=1)
+    first.close()
+    eng = make_engine(kv_disk_dir=str(tmp_path))
+    gate = threading.Event()
+    read = eng.tiers.disk.read
+    img_req = eng.processor.make_request(
+        messages=user(None, "Question 0?"), images=[imgs[0]], params=greedy(5)
+    )
+    text_req = eng.processor.make_request(messages=user("Only text."), params=greedy(5))
+    # the chat template's first tokens are shared: only the image's pages wait on the gate
+    chain = eng.tiers.chain
+    free = set(chain.chain(chain.root, list(text_req.input_ids)))
+    monkeypatch.setattr(eng.tiers.disk, "read", lambda k: (k in free or gate.wait(60)) and read(k))
+    img_col, text_col = eng.track(img_req), eng.track(text_req)  # queued
+    for _ in range(200):
+        eng.step()
+        if text_col.finished:
+            break
+    # the text request ran to the end while the image request waited for its pages
+    assert text_col.finished and not img_col.finished
+    assert eng.cache_stats()["tier_loading_requests"] == 1
+    gate.set()
+    for _ in range(2000):
+        if img_col.finished:
+            break
+        eng.step()
+    a, b = img_col.result, before[0]
+    assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "after load")
+    assert a.cached_tokens == a.prompt_tokens - 1
+    eng.close()
+
+
+def test_flush_clears_memory_tiers(make_engine, imgs) -> None:  # noqa: ANN001
+    eng = make_engine(max_total_tokens=POOL, kv_host_bytes=1 << 30)
+    _rounds(eng, imgs, rounds=1)
+    assert eng.cache_stats()["tier_host_pages"] > 0
+    eng.flush_cache()
+    assert eng.cache_stats()["tier_host_pages"] == 0
+    res = _rounds(eng, imgs[:1], rounds=1)
+    assert res[0].cached_tokens == 0
+
+
+# ---- through a live server ------------------------------------------------------------
+def _ask(url: str, image: str) -> dict:
+    body = {
+        "model": "llava-tiny",
+        "max_tokens": 5,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Path) -> None:  # noqa: ANN001
+    import base64
+
+    image = "data:image/png;base64," + base64.b64encode(photos["cat.png"]).decode()
+    args = ("--kv-disk-dir", str(tmp_path), "--served-model-name", "llava-tiny")
+    with live_server_process(model_dir, *args) as (url, proc):
+        first = _ask(url, image)
+        assert first["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    with live_server_process(model_dir, *args) as (url, _):
+        again = _ask(url, image)
+        stats = get_json(f"{url}/v1/cache/stats")
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == again["usage"]["prompt_tokens"] - 1
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert stats["vision_tower_images"] == 0 and stats["tier_disk_hit_tokens"] == cached
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "llava_onevision"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_every_family_equal_after_loading_from_disk(
+    request: pytest.FixtureRequest, photos, tmp_path: Path, family: str, page_size: int
+) -> None:  # noqa: ANN001
+    make = request.getfixturevalue(
+        {"llava": "make_engine", "llava_next": "make_next_engine"}.get(family, "make_ov_engine")
+    )
+    photo = photos["cat.png"]
+
+    def ask(eng):  # noqa: ANN001, ANN202
+        img = eng.processor.prepare_image(photo)
+        req = eng.processor.make_request(
+            messages=user(None, "What is this?"), images=[img], params=greedy(5)
+        )
+        return eng.generate([req])[0]
+
+    base = ask(make(page_size=page_size))
+    first = make(page_size=page_size, kv_disk_dir=str(tmp_path))
+    ask(first)
+    first.close()
+    eng = make(page_size=page_size, kv_disk_dir=str(tmp_path))
+    res = ask(eng)
+    assert_same_generation(res.output_ids, base.output_ids, res.logits, base.logits, family)
+    whole = (res.prompt_tokens - 1) // page_size * page_size
+    assert res.cached_tokens == whole == eng.cache_stats()["tier_disk_hit_tokens"]
+    eng.scheduler.check_accounting()
+    eng.close()
