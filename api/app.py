@@ -13,7 +13,14 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from api import routes_cache, routes_chat, routes_images, routes_page, routes_videos
+from api import (
+    routes_cache,
+    routes_chat,
+    routes_images,
+    routes_page,
+    routes_responses,
+    routes_videos,
+)
 from api.auth import APIKeyMiddleware
 from api.body_limit import BodyLimitMiddleware
 from api.errors import APIError, install_error_handlers
@@ -93,6 +100,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         return {"status": "ok"}
 
     app.include_router(routes_chat.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_images.router)
     app.include_router(routes_videos.router)
     app.include_router(routes_cache.router)
