@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import xxhash
+from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from api.batch_store import FileStore, fsync_dir, new_file_id, write_json_atomic
@@ -465,8 +466,8 @@ class BatchManager:
         if b["status"] == "finalizing":
             await self._finalize(bid, "completed")
             return
-        try:
-            raw = self.files.read(b["input_file_id"])
+        try:  # file reading and validation off the event loop (up to 64 MiB, 50k lines)
+            raw = await run_in_threadpool(self.files.read, b["input_file_id"])
         except APIError:
             b["status"], b["failed_at"] = "failed", int(time.time())
             b["errors"] = {
@@ -479,7 +480,7 @@ class BatchManager:
             }
             self._save(bid)
             return
-        lines, invalid = _validate(raw, b["endpoint"], self.st)
+        lines, invalid = await run_in_threadpool(_validate, raw, b["endpoint"], self.st)
         if b["status"] == "validating":
             for name in ("output.jsonl", "errors.jsonl"):  # nothing has run yet
                 (d / name).write_bytes(b"")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from starlette.datastructures import UploadFile
@@ -112,7 +113,7 @@ async def upload_file(request: Request, st: State) -> dict:
             raise APIError(400, msg, param="file")
         check_lines(data, st.settings.max_batch_lines, "file")
         name = (file.filename or "batch.jsonl")[:255]
-        return _manager(st).files.add(data, name, purpose)
+        return await run_in_threadpool(_manager(st).files.add, data, name, purpose)
     finally:
         await form.close()
 
