@@ -13,8 +13,18 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from api import routes_cache, routes_chat, routes_images, routes_page, routes_videos
+from api import (
+    routes_batches,
+    routes_cache,
+    routes_chat,
+    routes_images,
+    routes_page,
+    routes_responses,
+    routes_videos,
+)
 from api.auth import APIKeyMiddleware
+from api.batch_store import FileStore
+from api.batches import BatchManager
 from api.body_limit import BodyLimitMiddleware
 from api.errors import APIError, install_error_handlers
 from api.image_store import ImageStore
@@ -62,10 +72,16 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         videos=VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
     )
 
+    state.batches = BatchManager(
+        state, FileStore(settings.resolved_batch_dir(), settings.max_stored_file_bytes)
+    )
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         aengine.start()
+        state.batches.start()  # resumes unfinished batches
         yield
+        await state.batches.stop()
         # after uvicorn's grace period: whatever still runs is aborted, pages freed
         aengine.call(lambda: engine.abort_all("abort"))
         aengine.stop()
@@ -95,6 +111,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         return {"status": "ok"}
 
     app.include_router(routes_chat.router)
+    app.include_router(routes_responses.router)
+    app.include_router(routes_batches.router)
     app.include_router(routes_images.router)
     app.include_router(routes_videos.router)
     app.include_router(routes_cache.router)

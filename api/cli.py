@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass
 
 from api.replicas.settings import ROUTERS, ReplicaSettings
-from api.settings import ServerSettings
+from api.settings import BATCH_ORDERS, ServerSettings
 from mmserve.config import ATTENTION_BACKENDS, DTYPES, POLICIES, EngineConfig
 from mmserve.vision.image import ImageLimits
 
@@ -55,6 +55,7 @@ _CHOICES = {
     "policy": POLICIES,
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
     "replica_router": ROUTERS,
+    "batch_order": BATCH_ORDERS,
 }
 #: Flag names that differ from the field name (``--model`` is the checkpoint directory).
 _RENAMED = {("engine", "model_path"): "model"}

@@ -17,9 +17,10 @@ from api.json_body import JSONBodyRoute
 from api.openai_format import TokenText, chat_completion, chat_stream
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.state import ServerState, State
-from api.structured import tool_calling
+from api.structured import ToolCalling, tool_calling
 from api.submit import ClientDisconnected
-from mmserve.engine.request import ImageInput
+from mmserve.engine.messages import EngineRequest
+from mmserve.engine.request import ImageInput, SamplingParams
 from mmserve.vision.video import FrameSelection
 
 router = APIRouter(route_class=JSONBodyRoute)
@@ -67,24 +68,7 @@ async def chat_completions(
             "stream_options: not used without stream: true (a plain response always has usage)",
             param="stream_options",
         )
-    tools = tool_calling(body)
-    params = sampling_params(body)
-    if tools is not None:
-        params = replace(params, guided=tools.spec)
-    messages, urls = _split_images(body.messages, st.engine.config.max_images_per_request)
-    images = []
-    for url, param, sel in urls:
-        if sel is None:
-            images.append(await st.media.resolve(url, param))
-        else:  # a video: its sampled frames, each an image
-            images.append(await routes_videos.resolve_video(st, url, sel, param))
-    video_path = st.engine.model.video_token_id is not None
-    messages, images, videos = _expand_videos(
-        messages, images, st.engine.config.max_images_per_request, video_path
-    )
-    reqs = await make_requests(
-        st.engine.processor, messages, images, params, n, st.settings.default_max_tokens, videos
-    )
+    reqs, params, tools = await prepare_chat(st, body)
     tokens = None
     if params.logprobs is not None:  # the byte table is built once, off the event loop
         tokens = await run_in_threadpool(TokenText, st.engine.model.tokenizer)
@@ -114,6 +98,57 @@ async def chat_completions(
         if st.client.engine_failed(r):
             raise st.client.failure(r)
     return chat_completion(cid, created, st.model_name, results, tokens, tools)
+
+
+async def prepare_chat(
+    st: ServerState, body: ChatCompletionRequest
+) -> tuple[list[EngineRequest], SamplingParams, ToolCalling | None]:
+    """The engine requests of a chat completion body (``n`` of them), its sampling
+    parameters and its enforced tool call (None without one).
+
+    Shared by the route and batch jobs (:mod:`api.batches`); ``n`` and ``stream`` are
+    the caller's to check.
+
+    Raises:
+        APIError: 400 naming the field at fault (sampling fields, media, prompt limits).
+    """
+    tools = tool_calling(body)
+    params = sampling_params(body)
+    if tools is not None:
+        params = replace(params, guided=tools.spec)
+    messages, urls = _split_images(body.messages, st.engine.config.max_images_per_request)
+    reqs = await engine_requests(st, messages, urls, params, body.n or 1)
+    return reqs, params, tools
+
+
+async def engine_requests(
+    st: ServerState,
+    messages: list[dict],
+    urls: list[tuple[str, str, FrameSelection | None]],
+    params: SamplingParams,
+    n: int = 1,
+) -> list[EngineRequest]:
+    """Resolve the media of ``messages`` (``urls`` as :func:`_split_images` gives them:
+    upload ids, data URLs, allowed files or remote URLs; videos become their sampled
+    frames) and build ``n`` engine requests.
+
+    Raises:
+        APIError: 400 naming the part at fault (unknown id, undecodable image, too many
+            images, prompt too long, ...).
+    """
+    images = []
+    for url, param, sel in urls:
+        if sel is None:
+            images.append(await st.media.resolve(url, param))
+        else:  # a video: its sampled frames, each an image
+            images.append(await routes_videos.resolve_video(st, url, sel, param))
+    video_path = st.engine.model.video_token_id is not None
+    messages, images, videos = _expand_videos(
+        messages, images, st.engine.config.max_images_per_request, video_path
+    )
+    return await make_requests(
+        st.engine.processor, messages, images, params, n, st.settings.default_max_tokens, videos
+    )
 
 
 def _split_images(

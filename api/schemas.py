@@ -374,3 +374,153 @@ class ImageUploadJSON(BaseModel):
     model_config = STRICT
 
     data: str = Field(description="the image file, base64-encoded")
+
+
+# ---- Responses API (POST /v1/responses) -------------------------------------------------
+class InputTextPart(BaseModel):
+    """``{"type": "input_text", "text": ...}`` (``output_text`` in an earlier assistant turn)."""
+
+    model_config = STRICT
+    type: Literal["input_text", "output_text"]
+    text: str
+    # echoed back from an earlier response's output_text; descriptive only
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+    logprobs: list[Any] | None = None
+
+
+class InputImagePart(BaseModel):
+    """``{"type": "input_image", "image_url": ...}``: an uploaded image id (``img-...``),
+    a data URL, or an allowed file or remote URL, as in chat completions.
+
+    ``detail`` may only be ``"auto"``; ``file_id`` (OpenAI's file store) is refused:
+    upload images with ``POST /v1/images`` and pass the id as ``image_url``.
+    """
+
+    model_config = STRICT
+    type: Literal["input_image"]
+    image_url: str | None = None
+    detail: str | None = None
+    file_id: Any = None
+
+    @field_validator("detail")
+    @classmethod
+    def _detail(cls, value: str | None, info: ValidationInfo) -> str | None:
+        why = "images are always processed at the model's own resolution"
+        return _refuse_unless_default(value, info, {"detail": (None, "auto")}, why)
+
+    @field_validator("file_id")
+    @classmethod
+    def _file_id(cls, value: Any, info: ValidationInfo) -> Any:
+        why = "images are not read from /v1/files; upload with POST /v1/images and pass its id"
+        return _refuse_unless_default(value, info, {"file_id": (None,)}, why)
+
+
+class InputMessage(BaseModel):
+    """One ``input`` item: a message (``type`` ``"message"`` or absent).
+
+    ``id`` and ``status`` are accepted (and not used) so that an earlier response's
+    ``output`` items can be sent back as history.
+    """
+
+    model_config = STRICT
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputTextPart | InputImagePart]
+    id: str | None = None
+    status: str | None = None
+
+
+class TextFormat(BaseModel):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (name and schema on
+    the format object itself, unlike chat's ``response_format``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    """``text``: only ``format`` (``verbosity`` is refused unless null)."""
+
+    model_config = STRICT
+    format: TextFormat | None = None
+    verbosity: Any = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _verbosity(cls, value: Any, info: ValidationInfo) -> Any:
+        why = "the model has no verbosity setting"
+        return _refuse_unless_default(value, info, {"verbosity": (None,)}, why)
+
+
+#: Responses fields the server does not act on: the values accepted and why others
+#: are refused.
+_RESPONSES_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), "no tools are run by this server"),
+    "tool_choice": ((None, "auto", "none"), "no tools are run by this server"),
+    "parallel_tool_calls": ((None, True, False), "no tools are run by this server"),
+    "max_tool_calls": ((None,), "no tools are run by this server"),
+    "previous_response_id": ((None,), "responses are not stored; send the history as input"),
+    "conversation": ((None,), "conversations are not stored; send the history as input"),
+    "store": ((None, False), "responses are not stored"),
+    "background": ((None, False), "no background responses; use /v1/batches for offline work"),
+    "reasoning": ((None,), "the model has no reasoning setting"),
+    "include": ((None, []), "no extra output items are produced"),
+    "metadata": ((None, {}), "responses are not stored"),
+    "prompt": ((None,), "no stored prompt templates"),
+    "prompt_cache_key": ((None,), "the prefix cache needs no key"),
+    "prompt_cache_retention": ((None,), "the prefix cache needs no key"),
+    "safety_identifier": ((None,), "no per-user tracking"),
+    "user": ((None,), "no per-user tracking"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "truncation": ((None, "disabled"), "input is never truncated; a too long input is a 400"),
+    "top_logprobs": ((None, 0), "logprobs are not returned by /v1/responses"),
+    "stream_options": ((None,), "no stream options"),
+}
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` body (text and image input, text output).
+
+    The fields of :data:`_RESPONSES_DEFAULTS` are refused unless left at their defaults;
+    any other unknown field is refused as in every body.
+    """
+
+    model_config = STRICT
+    model: str | None = Field(default=None, description="the served model (default: it)")
+    input: str | list[InputMessage] = Field(min_length=1)
+    instructions: str | None = Field(default=None, description="a system message put first")
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool | None = False
+    text: TextConfig | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    max_tool_calls: Any = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    store: Any = None
+    background: Any = None
+    reasoning: Any = None
+    include: Any = None
+    metadata: Any = None
+    prompt: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+    user: Any = None
+    service_tier: Any = None
+    truncation: Any = None
+    top_logprobs: Any = None
+    stream_options: Any = None
+
+    @field_validator(*_RESPONSES_DEFAULTS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        defaults, why = _RESPONSES_DEFAULTS[info.field_name]
+        return _refuse_unless_default(value, info, {info.field_name: defaults}, why)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from api.remote_fetch import IPNetwork, parse_networks
 from mmserve.vision.video import VideoLimits
 
 #: Environment variable read for the API key when ``--api-key`` is not given.
 API_KEY_ENV = "MMSERVE_API_KEY"
+#: Orders a batch's requests may run in (``--batch-order``).
+BATCH_ORDERS = ("cache", "submitted")
 
 
 @dataclass
@@ -53,6 +56,19 @@ class ServerSettings:
         max_stored_video_bytes: most encoded video bytes the upload store keeps (bytes).
         unhealthy_after_failed_steps: engine steps failing in a row after which
             ``/health`` answers 503.
+        batch_dir: directory of ``/v1/files`` uploads and ``/v1/batches`` state, kept
+            across restarts (None: ``$MMSERVE_CACHE_DIR/batches``, else
+            ``~/.cache/mmserve/batches``; created on first use).
+        max_batch_file_bytes: largest ``/v1/files`` upload (bytes); larger gets 400.
+        max_batch_lines: most requests (lines) in one batch input file; more gets 400.
+        max_stored_file_bytes: most bytes all stored files may take (uploads and batch
+            output together); an upload beyond it gets 400 (delete files to make room).
+        batch_max_in_flight: most requests of batch jobs submitted to the engine at once.
+        batch_in_flight_with_online: most batch requests in flight while online (non-batch)
+            requests are running, so that interactive traffic keeps its latency.
+        batch_order: order of a batch's requests: "cache" (depth-first over their prompts'
+            segments, so requests about one image or prefix run together) or "submitted"
+            (input file order).
     """
 
     served_model_name: str | None = None
@@ -78,6 +94,13 @@ class ServerSettings:
     max_stored_videos: int = 32
     max_stored_video_bytes: int = 512 << 20
     unhealthy_after_failed_steps: int = 3
+    batch_dir: str | None = None
+    max_batch_file_bytes: int = 64 << 20
+    max_batch_lines: int = 50_000
+    max_stored_file_bytes: int = 8 << 30
+    batch_max_in_flight: int = 8
+    batch_in_flight_with_online: int = 1
+    batch_order: str = "cache"
 
     def video_limits(self) -> VideoLimits:
         """The video bounds these settings give."""
@@ -85,6 +108,13 @@ class ServerSettings:
         return VideoLimits(
             self.max_video_bytes, self.max_video_frames, side, min(side * side, 3840 * 2160)
         )
+
+    def resolved_batch_dir(self) -> Path:
+        """``batch_dir``, else ``$MMSERVE_CACHE_DIR/batches``, else ``~/.cache/mmserve/batches``."""
+        if self.batch_dir:
+            return Path(self.batch_dir)
+        root = os.environ.get("MMSERVE_CACHE_DIR") or Path.home() / ".cache" / "mmserve"
+        return Path(root) / "batches"
 
     def resolved_api_key(self) -> str | None:
         """The key to require: ``api_key``, else ``$MMSERVE_API_KEY``; None when neither is set."""
@@ -108,9 +138,16 @@ class ServerSettings:
             "max_stored_videos",
             "max_stored_video_bytes",
             "unhealthy_after_failed_steps",
+            "max_batch_file_bytes",
+            "max_batch_lines",
+            "max_stored_file_bytes",
+            "batch_max_in_flight",
+            "batch_in_flight_with_online",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_order not in BATCH_ORDERS:
+            raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {self.batch_order!r}")
         if self.retry_after_seconds < 0 or self.remote_image_timeout <= 0:
             raise ValueError("retry_after_seconds must be >= 0 and remote_image_timeout > 0")
         if self.max_json_depth > 512:  # deeper meets Python's recursion limit first

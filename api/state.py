@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -32,6 +32,7 @@ class ServerState:
         settings: HTTP-level settings.
         model_name: the served model's name.
         videos: uploaded videos.
+        batches: the :class:`~api.batches.BatchManager` (files and batch jobs).
     """
 
     engine: Engine
@@ -43,6 +44,7 @@ class ServerState:
     settings: ServerSettings
     model_name: str
     videos: VideoStore = field(default_factory=VideoStore)
+    batches: Any = None
 
     def check_model(self, name: str | None) -> None:
         """Accept ``None`` (the served model) or the served model's name.

@@ -42,12 +42,16 @@ class EngineClient:
         self.max_queued = max_queued
         self.retry_after = retry_after
         self.queued = 0
+        #: online (not batch-job) requests submitted and not yet finished; batch jobs
+        #: (:mod:`api.batches`) shrink their in-flight window while it is above zero
+        self.online = 0
 
-    def submit(self, reqs: Sequence[EngineRequest]) -> Submission:
+    def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
         """Start ``reqs`` (all or none).
 
         One call is always admitted into an empty queue, so a large ``n`` or many
-        questions cannot be refused forever.
+        questions cannot be refused forever. ``background`` marks batch-job work, which
+        is not counted in :attr:`online`.
 
         Raises:
             APIError: 503 with ``Retry-After`` when the queue is full.
@@ -63,7 +67,7 @@ class EngineClient:
                 headers={"Retry-After": str(self.retry_after)},
             )
         self._set_queued(self.queued + len(reqs))
-        return Submission(self, reqs)
+        return Submission(self, reqs, background)
 
     def _set_queued(self, n: int) -> None:
         self.queued = n
@@ -87,8 +91,13 @@ class EngineClient:
 class Submission:
     """Requests running together; their updates arrive as ``(index, StreamUpdate)``."""
 
-    def __init__(self, client: EngineClient, reqs: Sequence[EngineRequest]) -> None:
+    def __init__(
+        self, client: EngineClient, reqs: Sequence[EngineRequest], background: bool = False
+    ) -> None:
         self.client = client
+        self.background = background
+        if not background:
+            client.online += len(reqs)
         self.reqs = list(reqs)
         self.results: list[GenerateResult | None] = [None] * len(reqs)
         self._queue: asyncio.Queue[tuple[int, StreamUpdate | BaseException]] = asyncio.Queue()
@@ -108,6 +117,8 @@ class Submission:
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             self._queue.put_nowait((index, e))
         finally:
+            if not self.background:
+                self.client.online -= 1
             if waiting:
                 self.client._set_queued(self.client.queued - 1)
             if self.results[index] is None:  # cancelled: the engine aborts it

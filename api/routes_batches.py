@@ -1,0 +1,188 @@
+"""``/v1/files`` and ``/v1/batches`` in OpenAI's shapes (see :mod:`api.batches`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from starlette.datastructures import UploadFile
+
+from api.batch_store import UPLOAD_PURPOSES
+from api.batches import BatchManager, check_lines
+from api.errors import APIError
+from api.json_body import JSONBodyRoute
+from api.schemas import STRICT, _refuse_unless_default
+from api.state import State
+
+router = APIRouter(route_class=JSONBodyRoute)
+
+#: Most ``metadata`` keys on a batch (OpenAI's limit), and their lengths.
+MAX_METADATA_KEYS = 16
+
+
+class BatchCreateRequest(BaseModel):
+    """``POST /v1/batches`` body."""
+
+    model_config = STRICT
+    input_file_id: str
+    endpoint: str
+    completion_window: Literal["24h"]
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=MAX_METADATA_KEYS
+    )
+    output_expires_after: Any = None
+
+    @field_validator("output_expires_after")
+    @classmethod
+    def _expiry(cls, value: Any, info: ValidationInfo) -> Any:
+        why = "files are kept until deleted"
+        return _refuse_unless_default(value, info, {"output_expires_after": (None,)}, why)
+
+
+def _manager(st: State) -> BatchManager:
+    assert st.batches is not None
+    return st.batches
+
+
+def _page(items: list[dict], limit: int, after: str | None) -> dict:
+    """OpenAI's cursor page: items after the one with id ``after``, at most ``limit``."""
+    if after is not None:
+        ids = [o["id"] for o in items]
+        if after not in ids:
+            raise APIError(400, f"after: no object with id {after!r}", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+# ---- files ------------------------------------------------------------------------------
+@router.post("/v1/files")
+async def upload_file(request: Request, st: State) -> dict:
+    """Upload a batch input file: multipart fields ``file`` (JSONL) and ``purpose``
+    (``batch``). Bounded by ``--max-batch-file-bytes`` and ``--max-batch-lines`` (400)."""
+    ctype = request.headers.get("content-type", "")
+    if not ctype.lower().startswith("multipart/form-data"):
+        raise APIError(
+            415,
+            "send multipart/form-data with fields 'file' and 'purpose'",
+            code="unsupported_media_type",
+        )
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except ValueError as e:  # starlette's MultiPartException, bad boundaries, ...
+        raise APIError(400, f"malformed multipart body: {e}", param="file") from None
+    try:
+        stray = sorted(set(form.keys()) - {"file", "purpose"})
+        if stray:
+            raise APIError(
+                400,
+                f"{stray[0]}: unknown field; the server does not act on it, so it is "
+                "refused rather than ignored",
+                param=stray[0],
+            )
+        purpose = form.get("purpose")
+        if purpose not in UPLOAD_PURPOSES:
+            raise APIError(
+                400,
+                f"purpose: {purpose!r} is not supported; use one of {list(UPLOAD_PURPOSES)}",
+                param="purpose",
+            )
+        file = form.get("file")
+        if not isinstance(file, UploadFile):
+            raise APIError(400, "file: a file field named 'file' is required", param="file")
+        limit = st.settings.max_batch_file_bytes
+        data = await file.read(limit + 1)
+        if len(data) > limit:
+            raise APIError(
+                400,
+                f"file: larger than {limit} bytes (--max-batch-file-bytes)",
+                param="file",
+                code="file_too_large",
+            )
+        if not data.strip():
+            msg = "file: empty; a batch file has one JSON request per line"
+            raise APIError(400, msg, param="file")
+        check_lines(data, st.settings.max_batch_lines, "file")
+        name = (file.filename or "batch.jsonl")[:255]
+        return await run_in_threadpool(_manager(st).files.add, data, name, purpose)
+    finally:
+        await form.close()
+
+
+@router.get("/v1/files")
+async def list_files(
+    st: State,
+    purpose: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
+) -> dict:
+    """Stored files (uploads and batch outputs), newest first unless ``order=asc``."""
+    items = _manager(st).files.list(purpose)
+    if order == "asc":
+        items.reverse()
+    return _page(items, limit, after)
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(file_id: str, st: State) -> dict:
+    """A file object; 404 if unknown or deleted."""
+    return _manager(st).files.get(file_id)
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, st: State) -> Response:
+    """A file's bytes (JSONL)."""
+    return Response(_manager(st).files.read(file_id), media_type="application/jsonl")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, st: State) -> dict:
+    """Delete a file; 409 while an unfinished batch reads it."""
+    m = _manager(st)
+    m.files.get(file_id)
+    if m.uses_file(file_id):
+        raise APIError(
+            409,
+            f"file {file_id!r} is the input of an unfinished batch; cancel it first",
+            code="file_in_use",
+        )
+    m.files.delete(file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+# ---- batches ----------------------------------------------------------------------------
+@router.post("/v1/batches")
+async def create_batch(body: BatchCreateRequest, st: State) -> dict:
+    """Create a batch over an uploaded file (``endpoint`` ``/v1/chat/completions`` or
+    ``/v1/responses``, ``completion_window`` ``24h``); it starts ``validating``."""
+    return _manager(st).create(body.input_file_id, body.endpoint, body.metadata)
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    st: State, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None
+) -> dict:
+    """Batches, newest first (cursor pages: ``limit``, ``after``)."""
+    return _page(_manager(st).list(), limit, after)
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(batch_id: str, st: State) -> dict:
+    """A batch object (status, request counts, usage with cached tokens, file ids)."""
+    return _manager(st).get(batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, st: State) -> dict:
+    """Cancel a batch: ``cancelling`` at once, ``cancelled`` when its requests stop."""
+    return _manager(st).cancel(batch_id)

@@ -1,0 +1,262 @@
+"""``/v1/files`` + ``/v1/batches`` through the official ``openai`` client against live
+``mmserve serve`` processes: results equal online answers, bad lines, limits, cancel,
+and a SIGKILL in the middle of a batch."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from api.batches import prompt_key
+from api.schemas import ChatCompletionRequest
+from tests.live_server import live_server, live_server_process
+
+MODEL = "tiny"
+CHAT = "/v1/chat/completions"
+LIMITS = ["--max-batch-file-bytes", "4000000", "--max-batch-lines", "40"]
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    d = tmp_path_factory.mktemp("batches")
+    args = ["--served-model-name", MODEL, "--max-total-tokens", "8192", "--batch-dir", str(d)]
+    with live_server(model_dir, *args, *LIMITS) as url:
+        yield _client(url)
+
+
+def _chat_body(content: object, max_tokens: int = 4) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
+def _line(cid: str, body: dict, url: str = CHAT) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def _image(photos: dict[str, bytes], name: str) -> dict:
+    url = "data:image/png;base64," + base64.b64encode(photos[name]).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _run(client: openai.OpenAI, lines: list[str], endpoint: str = CHAT, timeout: float = 120):  # noqa: ANN202
+    f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+    assert batch.status == "validating" and batch.input_file_id == f.id
+    return _wait(client, batch.id, timeout)
+
+
+def _wait(client: openai.OpenAI, batch_id: str, timeout: float = 120):  # noqa: ANN202
+    deadline = time.time() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        assert time.time() < deadline, batch
+        time.sleep(0.2)
+
+
+def _records(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(t) for t in client.files.content(file_id).text.splitlines() if t]
+
+
+def test_batch_answers_equal_online_answers(client, photos) -> None:  # noqa: ANN001
+    questions = ["What is this?", "What colour is it?"]
+    bodies = {
+        f"{name}-{k}": _chat_body([_image(photos, name), {"type": "text", "text": q}])
+        for name in ("cat.png", "rocket.jpg")
+        for k, q in enumerate(questions)
+    }
+    bodies["text"] = _chat_body("Say something.", 6)
+    batch = _run(client, [_line(cid, b) for cid, b in bodies.items()])
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == batch.request_counts.completed == len(bodies)
+    assert batch.request_counts.failed == 0 and batch.error_file_id is None
+    assert batch.completed_at >= batch.in_progress_at >= batch.created_at
+    out = _records(client, batch.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(bodies)
+    # the second question about each image ran right after the first: the image was cached
+    assert batch.usage.input_tokens_details.cached_tokens >= 2 * 576
+    assert batch.usage.input_tokens == sum(
+        r["response"]["body"]["usage"]["prompt_tokens"] for r in out
+    )
+    for r in out:
+        assert r["error"] is None and r["response"]["status_code"] == 200
+        assert r["id"].startswith("batch_req_")
+        online = client.chat.completions.create(**bodies[r["custom_id"]])
+        body = r["response"]["body"]
+        assert r["response"]["request_id"] == body["id"]
+        assert body["choices"][0]["message"]["content"] == online.choices[0].message.content
+    info = client.files.retrieve(batch.output_file_id)
+    assert info.purpose == "batch_output" and info.bytes > 0
+
+
+def test_responses_batch(client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "input": "Name a fruit.", "max_output_tokens": 5, "temperature": 0}
+    batch = _run(client, [_line("r1", body, "/v1/responses")], "/v1/responses")
+    assert batch.status == "completed"
+    (rec,) = _records(client, batch.output_file_id)
+    online = client.responses.create(**body)
+    got = rec["response"]["body"]
+    assert got["object"] == "response" and got["output"][0]["content"][0]["text"] == (
+        online.output_text
+    )
+
+
+def test_malformed_lines_go_to_the_error_file_and_the_rest_run(client) -> None:  # noqa: ANN001
+    good = _chat_body("Hello.", 2)
+    lines = [
+        _line("ok-1", good),
+        "{not json",
+        json.dumps({"method": "POST", "url": CHAT, "body": good}),  # no custom_id
+        _line("ok-1", good),  # repeated custom_id
+        _line("bad-url", good, "/v1/embeddings"),
+        _line("bad-body", {**good, "temperature": 9}),
+        _line("bad-image", _chat_body([{"type": "image_url", "image_url": {"url": "img-nope"}}])),
+        _line("streamed", {**good, "stream": True}),
+        "",
+        _line("ok-2", good),
+    ]
+    batch = _run(client, lines)
+    assert batch.status == "completed"
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (9, 2, 7)
+    out = _records(client, batch.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == ["ok-1", "ok-2"]
+    errs = {(r["custom_id"], (r["error"] or {}).get("line")): r for r in _records(
+        client, batch.error_file_id
+    )}  # fmt: skip
+    lines_of = {k[1]: k[0] for k in errs if k[1] is not None}
+    assert lines_of == {
+        2: None,
+        3: None,
+        4: "ok-1",
+        5: "bad-url",
+        6: "bad-body",
+        8: "streamed",
+    }
+    assert errs[("bad-body", 6)]["error"]["param"] == "body.temperature"
+    assert "line 6" in errs[("bad-body", 6)]["error"]["message"]
+    # a line that validates but fails when run gets the route's answer as its response
+    (img,) = [r for (cid, _), r in errs.items() if cid == "bad-image"]
+    assert img["error"] is None and img["response"]["status_code"] == 400
+    assert img["response"]["body"]["error"]["param"].startswith("messages[0].content[0]")
+    assert {e.line for e in batch.errors.data} == set(lines_of)
+
+
+def test_limits_and_bad_requests_are_400s(client) -> None:  # noqa: ANN001
+    line = _line("x", _chat_body("Hi.", 1))
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.files.create(file=("big.jsonl", b"x" * 4000001), purpose="batch")
+    assert exc.value.body["param"] == "file" and "4000000" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.files.create(file=("many.jsonl", "\n".join([line] * 41).encode()), purpose="batch")
+    assert exc.value.body["code"] == "too_many_lines"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.files.create(file=("x.jsonl", line.encode()), purpose="fine-tune")
+    assert exc.value.body["param"] == "purpose"
+    f = client.files.create(file=("x.jsonl", line.encode()), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.batches.create(
+            input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+    assert exc.value.body["param"] == "endpoint"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="1h")
+    assert exc.value.body["param"] == "completion_window"
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+
+
+def test_cancel_stops_a_batch_and_keeps_finished_lines(client) -> None:  # noqa: ANN001
+    lines = [_line(f"c{i}", _chat_body(f"Tell me story number {i}.", 24)) for i in range(40)]
+    f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    deadline = time.time() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    batch = _wait(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    out = _records(client, batch.output_file_id)
+    assert 2 <= len(out) == batch.request_counts.completed < 40
+    assert len({r["custom_id"] for r in out}) == len(out)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+def test_sigkill_mid_batch_resumes_without_running_a_line_twice(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    args = ["--served-model-name", MODEL, "--max-total-tokens", "8192"]
+    args += ["--batch-dir", str(tmp_path), "--batch-max-in-flight", "2"]
+    bodies = {f"k{i}": _chat_body(f"Count to {i % 7} please.", 10) for i in range(24)}
+    with live_server_process(model_dir, *args) as (url, proc):
+        c = _client(url)
+        f = c.files.create(
+            file=("in.jsonl", "\n".join(_line(k, b) for k, b in bodies.items()).encode()),
+            purpose="batch",
+        )
+        batch = c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        deadline = time.time() + 60
+        while c.batches.retrieve(batch.id).request_counts.completed < 4:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+    state = json.loads((tmp_path / "batches" / batch.id / "state.json").read_text())
+    assert state["batch"]["status"] == "in_progress"  # killed in the middle
+    with live_server(model_dir, *args) as url:
+        c = _client(url)
+        done = _wait(c, batch.id)
+        assert done.status == "completed", done
+        out = _records(c, done.output_file_id)
+        ids = [r["custom_id"] for r in out]
+        assert sorted(ids) == sorted(bodies)  # each exactly once
+        assert done.request_counts.completed == 24 and done.error_file_id is None
+        for r in out:  # greedy: equal to an uninterrupted (online) answer
+            online = c.chat.completions.create(**bodies[r["custom_id"]])
+            text = r["response"]["body"]["choices"][0]["message"]["content"]
+            assert text == online.choices[0].message.content
+
+
+def test_cache_order_is_depth_first_over_prompts() -> None:
+    """Lines about one image end up adjacent, and so do equal questions under it."""
+    rng = random.Random(0)
+    bodies = []
+    for img in range(5):
+        for q in range(4):
+            content = [
+                {"type": "image_url", "image_url": {"url": f"img-{img:032x}"}},
+                {"type": "text", "text": f"question {q}"},
+            ]
+            bodies.append((img, q, ChatCompletionRequest.model_validate(_chat_body(content))))
+    rng.shuffle(bodies)
+    ordered = sorted(bodies, key=lambda t: prompt_key(t[2]))
+    images = [img for img, _, _ in ordered]
+    runs = [images[i] for i in range(len(images)) if i == 0 or images[i] != images[i - 1]]
+    assert sorted(runs) == list(range(5))  # each image is one contiguous run
+    for img in range(5):
+        assert [q for i, q, _ in ordered if i == img] == [0, 1, 2, 3]
