@@ -458,6 +458,27 @@ class TestCacheRouter:
             assert a.status_code == b.status_code == 400
             assert a.json() == b.json()
         assert httpx.get(f"{ep}/v1/models").json() == httpx.get(f"{single}/v1/models").json()
+        # the Responses API runs through the replicas too
+        rbody = {
+            "model": MODEL,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": gid},
+                        {"type": "input_text", "text": "Describe it."},
+                    ],
+                }
+            ],
+            "max_output_tokens": 6,
+            "temperature": 0,
+        }
+        a = httpx.post(f"{ep}/v1/responses", json=rbody, timeout=60)
+        b = httpx.post(f"{single}/v1/responses", json=rbody, timeout=60)
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        ta = [p["text"] for o in a.json()["output"] for p in o["content"]]
+        assert ta == [p["text"] for o in b.json()["output"] for p in o["content"]]
+        assert a.json()["usage"]["input_tokens"] == b.json()["usage"]["input_tokens"]
 
     def test_interleaved_workload_hit_rate_and_tower_runs(
         self, ep: str, single_workload: dict

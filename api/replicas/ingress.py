@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from ray import serve
 
-from api import routes_chat, routes_images, routes_page, routes_videos
+from api import routes_chat, routes_images, routes_page, routes_responses, routes_videos
 from api.auth import APIKeyMiddleware
 from api.body_limit import BodyLimitMiddleware
 from api.errors import APIError, install_error_handlers
@@ -304,6 +304,7 @@ def create_ingress_app(
         return {"flushed": True, "freed_pages": freed, "replicas": got}
 
     app.include_router(routes_chat.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_images.router)
     app.include_router(routes_videos.router)
     app.include_router(routes_page.router)
