@@ -33,6 +33,7 @@ from tests.videos import (
     marked_frames,
     pillow_animation,
     pyav_frames,
+    with_thumbnail_track,
 )
 
 pytest.importorskip("av")
@@ -278,6 +279,21 @@ def test_animated_gif_and_apng(size: tuple[int, int]) -> None:
         if fmt == "PNG":
             assert all(np.array_equal(a, b) for a, b in zip(frames, src, strict=True))
         assert v.indices(FrameSelection(timestamps=(0.29, 0.3, 0.64))) == [1, 2, 3]
+
+
+def test_the_video_stream_is_the_one_ffmpeg_picks() -> None:
+    """A thumbnail track before the video: the video is read, not the thumbnail (FFmpeg's
+    choice, ``av_find_best_stream``; a stream marked default would come first)."""
+    av = pytest.importorskip("av")
+    data = with_thumbnail_track(marked_frames(10, 64, 48), marked_frames(1, 16, 16)[0])
+    v, frames = decode_all(data)
+    assert (v.info.num_frames, v.info.width, v.info.height) == (10, 64, 48)
+    assert v.info.duration == pytest.approx(1.0)
+    with av.open(io.BytesIO(data)) as c:
+        assert [s.width for s in c.streams.video] == [16, 64]
+        theirs = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[1])]
+    assert all(np.array_equal(a, b) for a, b in zip(frames, theirs, strict=True))
+    assert np.array_equal(np.asarray(v.frames([7])[0]), theirs[7])
 
 
 # ---- the previous decoder ------------------------------------------------------------

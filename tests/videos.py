@@ -246,3 +246,26 @@ def exif_transposed(stored: np.ndarray, orientation: int) -> np.ndarray:
     im = Image.fromarray(stored)
     im.getexif()[0x0112] = orientation
     return np.asarray(ImageOps.exif_transpose(im))
+
+
+def with_thumbnail_track(
+    frames: Sequence[np.ndarray], thumb: np.ndarray, fmt: str = "matroska", fps: int = 10
+) -> bytes:
+    """H.264 ``frames`` in a file whose first video stream is a one-frame MJPEG thumbnail
+    (as some cameras and phones write): FFmpeg's default stream is the H.264 one."""
+    av = pytest.importorskip("av")
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as c:
+        t = c.add_stream("mjpeg", rate=1)
+        t.width, t.height, t.pix_fmt = thumb.shape[1], thumb.shape[0], "yuvj420p"
+        s = c.add_stream("libx264", rate=fps)
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+        s.codec_context.thread_count = 1
+        packets = t.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(thumb), "rgb24"))
+        packets += t.encode()
+        for f in frames:
+            packets += s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), "rgb24"))
+        packets += s.encode()
+        for p in packets:
+            c.mux(p)
+    return buf.getvalue()

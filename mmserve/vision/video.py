@@ -441,6 +441,14 @@ def _open(data: bytes):  # noqa: ANN202 - av.container.InputContainer
     return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
 
 
+def _video_stream(container: object):  # noqa: ANN202 - av.VideoStream
+    """The video stream FFmpeg's command line picks by default (``av_find_best_stream``:
+    not a cover picture, the largest and most decoded), not simply the first: a phone's
+    thumbnail track or a cover image may come before the video."""
+    streams = container.streams  # type: ignore[attr-defined]
+    return streams.best("video") or streams.video[0]
+
+
 def _reason(e: BaseException) -> str:
     """An FFmpeg error's text without its errno and function name, cleaned for clients."""
     import av
@@ -468,7 +476,7 @@ def _probe(
     Raises:
         VideoError: no frames, or more than ``limits.max_video_frames``.
     """
-    stream = container.streams.video[0]  # type: ignore[attr-defined]
+    stream = _video_stream(container)
     pts: list[int | None] = []
     keys: list[bool] = []
     durations: list[int] = []
@@ -609,7 +617,7 @@ class _Pass:
         except Exception as e:  # noqa: BLE001 - opened before; report, do not raise
             self._fail_all(_reason(e))
             return
-        self.stream = self.container.streams.video[0]
+        self.stream = _video_stream(self.container)
         self.codec = self.stream.codec_context
         self.codec.thread_count = 1  # errors surface at the packet that has them
         self.produced = 0
