@@ -30,6 +30,7 @@ through :func:`~mmserve.vision.image.clean_decoder_message`.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import struct
 from bisect import bisect_right
@@ -48,6 +49,8 @@ from mmserve.vision.image import (
     clean_decoder_message,
     to_8bit,
 )
+
+log = logging.getLogger(__name__)
 
 #: Frames sampled when a request names neither ``num_frames``, ``fps`` nor ``timestamps``.
 DEFAULT_NUM_FRAMES = 8
@@ -441,6 +444,12 @@ def _open(data: bytes):  # noqa: ANN202 - av.container.InputContainer
     return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
 
 
+_NO_DECODER = (
+    "the video stream's codec cannot be decoded (an unknown or unsupported codec, or a "
+    "corrupt file)"
+)
+
+
 def _video_stream(container: object):  # noqa: ANN202 - av.VideoStream
     """The video stream FFmpeg's command line picks by default (``av_find_best_stream``:
     not a cover picture, the largest and most decoded), not simply the first: a phone's
@@ -619,6 +628,9 @@ class _Pass:
             return
         self.stream = _video_stream(self.container)
         self.codec = self.stream.codec_context
+        if self.codec is None:  # checked when the video was opened; kept safe here
+            self._fail_all(_NO_DECODER)
+            return
         self.codec.thread_count = 1  # errors surface at the packet that has them
         self.produced = 0
         if start > 0:
@@ -771,9 +783,34 @@ class Video:
                 "data is not a decodable video (corrupt, truncated, without video frames, "
                 f"or not a video): {_reason(e)}"
             ) from None
-        with container:
-            if not container.streams.video:
-                raise VideoError("file has no video stream (audio only, or not a video)")
+        try:
+            self._read(container, limits, image_limits, shortest_edge)
+        except VideoError:
+            raise
+        except Exception as e:  # noqa: BLE001 - PyAV failing on hostile data: the data's fault
+            log.warning("video probe failed on client data", exc_info=True)
+            raise VideoError(
+                f"data is not a decodable video (corrupt or truncated): {_reason(e)}"
+            ) from None
+
+    def _read(
+        self,
+        container: object,
+        limits: VideoLimits,
+        image_limits: ImageLimits | None,
+        shortest_edge: int,
+    ) -> None:
+        """Probe the opened ``container`` and decode the probe frame (see the class doc)."""
+        with container:  # type: ignore[attr-defined]
+            if not container.streams.video:  # type: ignore[attr-defined]
+                kinds = sorted({str(s.type) for s in container.streams})  # type: ignore[attr-defined]
+                held = f"only {' and '.join(kinds)} streams" if kinds else "no streams"
+                raise VideoError(
+                    f"file has no video stream: it holds {held} (an audio file, a truncated "
+                    "or corrupt video, or not a video)"
+                )
+            if _video_stream(container).codec_context is None:
+                raise VideoError(_NO_DECODER)
             self._index, times, duration, fps = _probe(container, limits)
         n = len(times)
         self.info = VideoInfo(n, fps, duration, 0, 0, times)
@@ -850,7 +887,14 @@ class Video:
             VideoError: a decoded frame over the size limits (a stream whose frame
                 size changes midway).
         """
-        arrays, failed = _Pass(self, sorted(set(indices))).run()
+        wanted = sorted(set(indices))
+        try:
+            arrays, failed = _Pass(self, wanted).run()
+        except VideoError:
+            raise
+        except Exception as e:  # noqa: BLE001 - PyAV failing on hostile data: frames lost
+            log.warning("video decode failed on client data", exc_info=True)
+            arrays, failed = {}, dict.fromkeys(wanted, _reason(e))
         times = self.info.frame_times
         return DecodedFrames(
             {i: _image(a) for i, a in sorted(arrays.items())},
