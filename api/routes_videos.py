@@ -183,7 +183,8 @@ async def _events(
         if res is None:
             continue
         if st.client.engine_failed(res):
-            yield {"type": "error", **error_body(st.client.failure().message, "server_error")}
+            err = st.client.failure(res)
+            yield {"type": "error", **error_body(err.message, err.type, err.param, err.code)}
             sub.cancel()
             return
         done += 1

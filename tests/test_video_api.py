@@ -5,13 +5,24 @@ from __future__ import annotations
 import base64
 import json
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 
 from api.app import ServerSettings, create_app
 from mmserve.vision.video import Video, VideoLimits
 from tests.conftest import png_bytes
-from tests.videos import encode_mp4, frameless, rgb_frames
+from tests.videos import (
+    encode_mp4,
+    encode_video,
+    exif_transposed,
+    frameless,
+    jpeg_frames_video,
+    marked_frames,
+    pyav_frames,
+    rgb_frames,
+)
 
 pytest.importorskip("av")
 
@@ -232,3 +243,71 @@ def test_bad_videos_get_4xx_and_the_server_stays_healthy(
     msgs[0]["content"][0]["video_url"] = {"url": vid, "num_frames": 9}
     err(client.post("/v1/chat/completions", json={"messages": msgs}), 400, "limit is 8")
     assert_healthy(client, engine)
+
+
+def test_small_odd_rotated_and_exif_videos_upload_and_answer(client: TestClient, engine) -> None:  # noqa: ANN001
+    """The valid videos once refused as corrupt: small and odd frame sizes, display
+    rotation, rgb24 PNG-in-MOV, camera MJPEG with EXIF orientation, TIFF-in-MOV. Each
+    uploads with its displayed size, and every sampled frame is the image a viewer sees
+    (PyAV's decode, turned as the file says): the same image id as that frame uploaded as
+    a PNG."""
+    cases = []  # (data, displayed width, height, how a stored frame is shown)
+    for w, h in [(8, 8), (12, 12), (16, 16), (24, 16), (48, 64), (72, 48), (16, 12)]:
+        cases.append((encode_video(marked_frames(3, w, h)), w, h, lambda a: a))
+    for deg, k in [(90, 1), (270, 3)]:
+        data = encode_video(marked_frames(3, 64, 48), rotation=deg)
+        cases.append((data, 48, 64, lambda a, k=k: np.rot90(a, k)))
+    png = encode_video(marked_frames(3, 48, 32), codec="png", pix_fmt="rgb24", fmt="mov")
+    cases.append((png, 48, 32, lambda a: a))
+    tiff = encode_video(marked_frames(3, 16, 8), codec="tiff", pix_fmt="rgb24", fmt="mov")
+    cases.append((tiff, 16, 8, lambda a: a))
+    for o in (6, 7):
+        data = jpeg_frames_video(marked_frames(3, 32, 24), o)
+        cases.append((data, 24, 32, lambda a, o=o: exif_transposed(a, o)))
+    for data, w, h, shown in cases:
+        r = upload(client, data)
+        assert r.status_code == 200, r.text
+        info = r.json()
+        assert (info["width"], info["height"], info["num_frames"]) == (w, h, 3), info
+        assert info["duration"] == pytest.approx(0.3, abs=1e-3)
+        events = qa(client, info["id"], num_frames=3, questions=QS[:1], max_tokens=1)
+        assert events[-1]["answers"] == 3 and events[0]["skipped_frames"] == []
+        stored = pyav_frames(data)
+        for fr in events[0]["frames"]:
+            im = Image.fromarray(np.ascontiguousarray(shown(stored[fr["frame_index"]])))
+            r = client.post("/v1/images", files={"file": ("f.png", png_bytes(im))})
+            assert r.json()["id"] == fr["image_id"], (w, h, fr)
+    assert_healthy(client, engine)
+
+
+def test_engine_failure_during_video_qa_is_an_error_event(make_engine) -> None:  # noqa: ANN001
+    """A failed engine step ends the answer stream with an error event naming the request
+    (not an exception inside the stream); no request or page is left behind."""
+    engine = make_engine(max_total_tokens=4096)
+
+    def boom(*args):  # noqa: ANN002, ANN202
+        raise RuntimeError("injected /secret/path")
+
+    prefill, engine.runner.prefill = engine.runner.prefill, boom
+    settings = ServerSettings(max_video_bytes=200_000, max_video_frames=16, max_video_side=640)
+    with TestClient(create_app(engine, settings)) as c:
+        vid = upload(c, encode_mp4(rgb_frames(4))).json()["id"]
+        for fmt in ("ndjson", "sse"):
+            body = {**GREEDY, "questions": QS, "num_frames": 2, "stream_format": fmt}
+            r = c.post(f"/v1/videos/{vid}/qa", json=body)
+            assert r.status_code == 200, r.text
+            if fmt == "sse":
+                events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data:")]
+            else:
+                events = [json.loads(line) for line in r.text.splitlines() if line]
+            assert events[0]["type"] == "frames" and events[-1]["type"] == "error", events
+            err = events[-1]["error"]
+            assert err["type"] == "server_error" and err["code"] == "engine_error", err
+            assert "req-" in err["message"] and "RuntimeError" in err["message"], err
+            assert "/secret" not in err["message"]
+        stats = c.get("/v1/cache/stats").json()
+        assert stats["running_requests"] == stats["waiting_requests"] == 0
+        assert engine.pool.allocator.num_free + engine.tree.num_pages() == engine.pool.num_pages
+        engine.runner.prefill = prefill  # the fault goes away: answers come again
+        assert qa(c, vid, num_frames=2)[-1]["answers"] == 2 * len(QS)
+        assert c.get("/health").status_code == 200

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from api.app import ServerSettings, create_app
 from mmserve.vision.image import clean_decoder_message
@@ -256,3 +258,94 @@ def test_server_stays_healthy_and_a_sound_video_works(
     vid = upload(client, SAMPLE.read_bytes())["id"]  # ...a sound video still works
     events = qa(client, vid, num_frames=8)
     assert events[-1]["skipped_frames"] == [] and events[-1]["answers"] == 8
+
+
+# ---- any corruption: a clear VideoError or the frames that decode ------------------------
+
+_SOURCES: dict[str, bytes] = {}
+
+
+def _source(kind: str) -> bytes:
+    """A 12-frame 32x24 clip, key frame every 4 (encoded once per test session)."""
+    if kind not in _SOURCES:
+        from tests.videos import encode_video, marked_frames
+
+        fmt, codec, pix = kind.split("/")
+        _SOURCES[kind] = encode_video(
+            marked_frames(12, 32, 24), fmt=fmt, codec=codec, pix_fmt=pix, options={"g": "4"}
+        )
+    return _SOURCES[kind]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(
+        [
+            "mp4/libx264/yuv420p",
+            "matroska/libx264/yuv420p",
+            "webm/libvpx-vp9/yuv420p",
+            "mov/png/rgb24",
+            "avi/mjpeg/yuvj420p",
+        ]
+    ),
+    cut=st.floats(0.0, 1.0),
+    flips=st.lists(
+        st.tuples(st.floats(0.0, 1.0, exclude_max=True), st.integers(0, 255)), max_size=6
+    ),
+    prefix=st.binary(max_size=64),
+)
+def test_corrupt_input_is_a_clear_video_error_or_decodes(
+    kind: str, cut: float, flips: list[tuple[float, int]], prefix: bytes
+) -> None:
+    """Truncated, bit-flipped or garbage-prefixed files: either a VideoError whose message
+    says what is wrong (no path, no trace), or a video whose frames decode at its size or
+    are reported as not decodable; never another exception."""
+    data = bytearray(_source(kind)[: max(1, round(len(_source(kind)) * cut))])
+    for where, value in flips:
+        data[int(where * len(data))] = value
+    data = prefix + bytes(data)
+    try:
+        v = Video(data, VideoLimits())
+    except VideoError as e:
+        msg = str(e)
+        assert re.search(r"decodable|corrupt|truncated|no video stream|no frames", msg), msg
+        assert not LEAKS.search(msg), msg
+        return
+    got = v.decode(range(v.info.num_frames))
+    assert len(got.images) + len(got.failed) == v.info.num_frames
+    # damage can change a frame's size (a broken header); it stays within the limits
+    assert all(0 < im.width <= 3840 and 0 < im.height <= 3840 for im in got.images.values())
+    for f in got.failed:
+        assert not LEAKS.search(f.reason), f.reason
+
+
+def test_a_codec_nobody_decodes_is_a_video_error() -> None:
+    """A Matroska file whose codec id was damaged: PyAV opens it without a decoder."""
+    from tests.videos import encode_video, marked_frames
+
+    data = encode_video(marked_frames(3, 16, 16), fmt="matroska")
+    assert data.count(b"V_MPEG4/ISO/AVC") == 1
+    with pytest.raises(VideoError, match="codec cannot be decoded"):
+        Video(data.replace(b"V_MPEG4/ISO/AVC", b"V_MPEG4/ISO/XYZ"), VideoLimits())
+
+
+def test_any_other_failure_inside_pyav_is_the_datas_fault(monkeypatch) -> None:  # noqa: ANN001
+    """Whatever PyAV raises on hostile data, the caller gets a VideoError (a 400) naming the
+    problem, or the frames listed as not decodable; never another exception (a 500)."""
+    from mmserve.vision import video as video_module
+    from tests.videos import encode_video, marked_frames
+
+    data = encode_video(marked_frames(3, 16, 16))
+    v = Video(data, VideoLimits())
+
+    def run(self):  # noqa: ANN001, ANN202
+        raise UnicodeDecodeError("utf-8", b"\xc7", 0, 1, "invalid continuation byte")
+
+    monkeypatch.setattr(video_module._Pass, "run", run)
+    got = v.decode([2, 0])
+    assert got.images == {} and [f.index for f in got.failed] == [0, 2]
+    assert "invalid continuation byte" in got.failed[0].reason
+    with pytest.raises(VideoError, match="2 of the 2 selected frames could not be decoded"):
+        v.frames([0, 2])
+    with pytest.raises(VideoError, match="not a decodable video.*invalid continuation"):
+        Video(data, VideoLimits())

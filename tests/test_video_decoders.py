@@ -16,8 +16,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve.vision.video import FrameSelection, Video, VideoError, VideoLimits
-from tests.videos import corner_colours, encode_video, marked_frames, pyav_frames
+from mmserve.vision import video as video_module
+from mmserve.vision.video import (
+    FrameSelection,
+    Video,
+    VideoError,
+    VideoLimits,
+    display_matrix,
+    rotation_matrix,
+)
+from tests.videos import (
+    corner_colours,
+    encode_video,
+    exif_transposed,
+    jpeg_frames_video,
+    marked_frames,
+    pillow_animation,
+    pyav_frames,
+    with_thumbnail_track,
+)
 
 pytest.importorskip("av")
 
@@ -47,6 +64,16 @@ SIZES = [
     (40, 30, "libvpx-vp9", "yuv420p", "webm"),
     (20, 14, "libx264", "yuv420p", "matroska"),
     (32, 18, "libx264", "yuv420p", "mpegts"),
+    (16, 16, "libx264", "yuv420p10le", "mp4"),
+    (24, 12, "libx264", "gray", "mp4"),
+    (12, 8, "libvpx", "yuv420p", "webm"),
+    (72, 48, "mpeg2video", "yuv420p", "mpegts"),
+    (13, 7, "ffv1", "yuv420p", "matroska"),
+    (8, 8, "qtrle", "rgb24", "mov"),
+    (12, 12, "rawvideo", "bgr24", "avi"),  # AVI stores raw RGB as BGR
+    (16, 12, "utvideo", "gbrp", "avi"),
+    (24, 16, "prores", "yuv422p10le", "mov"),
+    (48, 16, "tiff", "rgb24", "mov"),  # frames carry EXIF side data (FFmpeg 8)
 ]
 
 
@@ -72,9 +99,9 @@ def test_every_size_and_format_decodes_as_pyav_does(
     for ours, ref in zip(frames, theirs, strict=True):
         assert ours.shape == (h, w, 3) and ours.dtype == np.uint8
         assert np.array_equal(ours, ref)
-    if pix == "rgb24":  # lossless: the very frames encoded
+    if pix in ("rgb24", "bgr24"):  # lossless: the very frames encoded
         assert all(np.array_equal(a, b) for a, b in zip(frames, src, strict=True))
-    elif min(w, h) >= 8:  # lossy, but the marks stay where they were
+    elif min(w, h) >= 8 and pix != "gray":  # lossy, but the marks stay where they were
         assert corner_colours(frames[0]) == SOURCE_CORNERS
     # any frame by itself, in any order, gives the same pixels
     again = Video(data, LIMITS).frames([2, 0])
@@ -143,6 +170,130 @@ def test_any_size_lossless_round_trip(w: int, h: int, n: int, turn: int | None) 
     k = (turn or 0) // 90
     assert (v.info.width, v.info.height) == ((h, w) if k % 2 else (w, h))
     assert all(np.array_equal(a, np.rot90(b, k)) for a, b in zip(frames, src, strict=True))
+
+
+@pytest.mark.parametrize("fmt", ["avi", "mov"])
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_of_jpeg_frames_is_applied(orientation: int, fmt: str) -> None:
+    """Camera MJPEG: each JPEG frame has EXIF. FFmpeg 8 turns the orientation tag into a
+    display matrix and keeps the rest as side data PyAV 18.1 does not name, which made
+    listing the frame's side data raise (a 500). Every orientation, mirrors included, is
+    shown as Pillow shows the same pixels with that tag."""
+    data = jpeg_frames_video(marked_frames(3, 32, 24), orientation, fmt)
+    v, frames = decode_all(data)
+    turned = orientation >= 5
+    assert (v.info.width, v.info.height) == ((24, 32) if turned else (32, 24))
+    stored = pyav_frames(data)
+    for ours, raw in zip(frames, stored, strict=True):
+        assert np.array_equal(ours, exif_transposed(raw, orientation))
+    # the marks of the first frame land where a viewer sees them
+    want = {1: "RGB.", 3: ".BGR", 6: "BR.G", 8: "G.RB", 2: "GR.B", 4: "B.RG", 5: "RBG.", 7: ".GBR"}
+    assert corner_colours(frames[0]) == want[orientation]
+
+
+def test_apng_with_exif_is_exact() -> None:
+    """A lossless APNG whose EXIF says orientation 6 (turn 90 degrees clockwise)."""
+    from PIL import Image
+
+    src = marked_frames(3, 16, 12)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    data = pillow_animation(src, "PNG", [100, 100, 100], exif=exif)
+    v, frames = decode_all(data)
+    assert (v.info.width, v.info.height, v.info.num_frames) == (12, 16, 3)
+    assert all(np.array_equal(a, np.rot90(b, -1)) for a, b in zip(frames, src, strict=True))
+    # FFmpeg attaches the orientation to the first frame only; a later frame decoded by
+    # itself is turned the same way
+    alone = Video(data, LIMITS).frames([2])[0]
+    assert np.array_equal(np.asarray(alone), np.rot90(src[2], -1))
+
+
+@pytest.mark.parametrize("deg", [90, 180, 270, -90])
+def test_rotation_matrix_is_the_stored_matrix_of_a_pure_rotation(deg: int) -> None:
+    av = pytest.importorskip("av")
+    data = encode_video(marked_frames(1, 16, 8), rotation=deg)
+    with av.open(io.BytesIO(data)) as c:
+        frame = next(c.decode(video=0))
+    stored = display_matrix(frame)
+    assert stored is not None
+    assert rotation_matrix(frame.rotation) == pytest.approx(stored, abs=2)
+    assert rotation_matrix(0) is None and rotation_matrix(360) is None
+
+
+def test_side_data_that_cannot_be_listed_falls_back_to_the_rotation() -> None:
+    class Frame:
+        rotation = -90
+
+        @property
+        def side_data(self):  # noqa: ANN202
+            raise ValueError("31 is not a valid Type")
+
+    assert display_matrix(Frame()) == rotation_matrix(-90)
+    frame = np.arange(24, dtype=np.uint8).reshape(2, 4, 3)
+    shown = video_module.orient(frame, display_matrix(Frame()))
+    assert np.array_equal(shown, np.rot90(frame, -1))  # 90 degrees clockwise
+
+
+def test_a_frame_that_cannot_be_converted_is_not_decodable(monkeypatch) -> None:  # noqa: ANN001
+    """Any failure turning a decoded frame into RGB pixels is that frame's failure (a 400
+    naming it), never an exception of another type (a 500)."""
+    data = encode_video(marked_frames(3, 16, 16))
+
+    def broken(frame: object) -> None:
+        raise RuntimeError("conversion failed")
+
+    monkeypatch.setattr(video_module, "display_matrix", broken)
+    with pytest.raises(VideoError, match="no frame decodes.*could not be converted to RGB"):
+        Video(data, LIMITS)
+
+
+def test_raw_elementary_streams_decode_as_pyav_does() -> None:
+    """An H.264 or MPEG-4 Part 2 elementary stream has no container timing: frames are
+    matched in output order and spaced by FFmpeg's guessed rate."""
+    for codec, fmt in [("libx264", "h264"), ("mpeg4", "m4v")]:
+        data = encode_video(marked_frames(5, 24, 16), codec=codec, fmt=fmt)
+        av = pytest.importorskip("av")
+        with av.open(io.BytesIO(data)) as c:
+            theirs = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+        v, ours = decode_all(data)
+        assert (v.info.num_frames, v.info.width, v.info.height) == (5, 24, 16)
+        assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        assert v.info.frame_times == tuple(sorted(v.info.frame_times))
+        assert np.array_equal(np.asarray(v.frames([3])[0]), theirs[3])
+
+
+@pytest.mark.parametrize("size", [(8, 8), (13, 7), (72, 48)], ids=str)
+def test_animated_gif_and_apng(size: tuple[int, int]) -> None:
+    """Pillow's animations: a GIF (palette) decodes as PyAV decodes it, an APNG exactly;
+    each frame lasts what the file says."""
+    w, h = size
+    src = marked_frames(4, w, h)
+    durations = [100, 200, 50, 300]
+    for fmt in ("GIF", "PNG"):
+        data = pillow_animation(src, fmt, durations)
+        v, frames = decode_all(data)
+        assert (v.info.num_frames, v.info.width, v.info.height) == (4, w, h), fmt
+        assert v.info.frame_times == pytest.approx((0.0, 0.1, 0.3, 0.35)), fmt
+        assert v.info.duration == pytest.approx(0.65), fmt
+        assert all(np.array_equal(a, b) for a, b in zip(frames, pyav_frames(data), strict=True))
+        if fmt == "PNG":
+            assert all(np.array_equal(a, b) for a, b in zip(frames, src, strict=True))
+        assert v.indices(FrameSelection(timestamps=(0.29, 0.3, 0.64))) == [1, 2, 3]
+
+
+def test_the_video_stream_is_the_one_ffmpeg_picks() -> None:
+    """A thumbnail track before the video: the video is read, not the thumbnail (FFmpeg's
+    choice, ``av_find_best_stream``; a stream marked default would come first)."""
+    av = pytest.importorskip("av")
+    data = with_thumbnail_track(marked_frames(10, 64, 48), marked_frames(1, 16, 16)[0])
+    v, frames = decode_all(data)
+    assert (v.info.num_frames, v.info.width, v.info.height) == (10, 64, 48)
+    assert v.info.duration == pytest.approx(1.0)
+    with av.open(io.BytesIO(data)) as c:
+        assert [s.width for s in c.streams.video] == [16, 64]
+        theirs = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[1])]
+    assert all(np.array_equal(a, b) for a, b in zip(frames, theirs, strict=True))
+    assert np.array_equal(np.asarray(v.frames([7])[0]), theirs[7])
 
 
 # ---- the previous decoder ------------------------------------------------------------

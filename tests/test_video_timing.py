@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -203,6 +204,21 @@ def test_variable_frame_rate_in_other_containers(kw: dict) -> None:
     assert v.info.frame_times == pytest.approx(TIMES, abs=1e-3)
     assert v.info.duration == pytest.approx(4.0, abs=1e-3)
     assert pick(v, fps=1.0) == [0, 2, 3, 4]
+
+
+@pytest.mark.parametrize("fmt", ["mp4", "matroska", "mov"])
+@pytest.mark.parametrize("tb", [Fraction(1, 10), Fraction(1, 90000), Fraction(1, 30000)], ids=str)
+def test_variable_frame_rate_at_any_time_base(tb: Fraction, fmt: str) -> None:
+    """The issue's clip written in ticks of 0.1 s, 1/90000 s and 1/30000 s."""
+    pts = [round(Fraction(ms, 1000) / tb) for ms in PTS_MS]
+    data = vfr(pts=pts, end=round(Fraction(END_MS, 1000) / tb), time_base=tb, fmt=fmt)
+    v = Video(data, LIMITS)
+    assert v.info.frame_times == pytest.approx(TIMES, abs=1e-6)
+    assert v.info.duration == pytest.approx(4.0, abs=1e-6)
+    assert pick(v, fps=1.0) == [0, 2, 3, 4]
+    assert pick(v, timestamps=[3.999]) == [5]
+    with pytest.raises(VideoError, match=r"4 s is at or beyond the video's duration \(4 s\)"):
+        pick(v, timestamps=[4.0])
 
 
 @pytest.mark.parametrize("fmt", ["mpegts", "mpeg"])

@@ -193,3 +193,79 @@ def set_mp4_duration(data: bytes, seconds: float) -> bytes:
         field = round(seconds * scale).to_bytes(4, "big")
         data = data[: at + 16] + field + data[at + 20 :]
     return data
+
+
+def jpeg_frames_video(
+    frames: Sequence[np.ndarray], orientation: int = 1, fmt: str = "avi", fps: int = 10
+) -> bytes:
+    """Motion JPEG whose frames are JPEGs written by Pillow, each with an EXIF orientation
+    tag (1-8, as a camera writes them), muxed unchanged (FFmpeg 8 reads the tag as the
+    frame's display matrix and keeps the rest of the EXIF as side data PyAV 18.1 does not
+    name)."""
+    av = pytest.importorskip("av")
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    exif[0x010F] = "mmserve test camera"  # Make: EXIF left over once the orientation is read
+    h, w = frames[0].shape[:2]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as c:
+        s = c.add_stream("mjpeg", rate=fps)
+        s.width, s.height, s.pix_fmt = w, h, "yuvj420p"
+        for i, f in enumerate(frames):
+            jpeg = io.BytesIO()
+            Image.fromarray(np.ascontiguousarray(f)).save(jpeg, "JPEG", quality=95, exif=exif)
+            p = av.Packet(jpeg.getvalue())
+            p.stream, p.pts, p.dts, p.time_base = s, i, i, Fraction(1, fps)
+            p.is_keyframe = True
+            c.mux(p)
+    return buf.getvalue()
+
+
+def pillow_animation(
+    frames: Sequence[np.ndarray], fmt: str, durations_ms: Sequence[int], **params: object
+) -> bytes:
+    """An animated GIF or APNG written by Pillow, each frame lasting its ``durations_ms``
+    (a variable frame rate); ``params`` go to ``Image.save`` (e.g. ``exif=``)."""
+    from PIL import Image
+
+    ims = [Image.fromarray(np.ascontiguousarray(f)) for f in frames]
+    buf = io.BytesIO()
+    ims[0].save(
+        buf, fmt, save_all=True, append_images=ims[1:], duration=list(durations_ms), **params
+    )
+    return buf.getvalue()
+
+
+def exif_transposed(stored: np.ndarray, orientation: int) -> np.ndarray:
+    """How Pillow shows a stored ``(h, w, 3)`` frame tagged with an EXIF ``orientation``
+    (``ImageOps.exif_transpose``): the oracle for decoded frames with that tag."""
+    from PIL import Image, ImageOps
+
+    im = Image.fromarray(stored)
+    im.getexif()[0x0112] = orientation
+    return np.asarray(ImageOps.exif_transpose(im))
+
+
+def with_thumbnail_track(
+    frames: Sequence[np.ndarray], thumb: np.ndarray, fmt: str = "matroska", fps: int = 10
+) -> bytes:
+    """H.264 ``frames`` in a file whose first video stream is a one-frame MJPEG thumbnail
+    (as some cameras and phones write): FFmpeg's default stream is the H.264 one."""
+    av = pytest.importorskip("av")
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as c:
+        t = c.add_stream("mjpeg", rate=1)
+        t.width, t.height, t.pix_fmt = thumb.shape[1], thumb.shape[0], "yuvj420p"
+        s = c.add_stream("libx264", rate=fps)
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+        s.codec_context.thread_count = 1
+        packets = t.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(thumb), "rgb24"))
+        packets += t.encode()
+        for f in frames:
+            packets += s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), "rgb24"))
+        packets += s.encode()
+        for p in packets:
+            c.mux(p)
+    return buf.getvalue()

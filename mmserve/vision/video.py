@@ -17,8 +17,9 @@ Timing follows what a player shows. A frame's time is its presentation timestamp
 (pts) relative to the container's start; the frame shown at time ``t`` is the last one
 whose time is ``<= t``. The duration is the container's, unless that ends before the
 last frame starts (then the last frame's end from the stream's own timing). The
-display matrix (rotation and mirroring) is applied as FFmpeg's command line does
-(:func:`orient`).
+display matrix (rotation and mirroring, also what FFmpeg makes of a JPEG or PNG frame's
+EXIF orientation) is applied as FFmpeg's command line does (:func:`orient`); a frame
+without one is shown as the first decoded frame was.
 
 A damaged stream is decoded packet by packet (:meth:`Video.decode`): frames that
 decode are returned and the others are listed with their times, so a caller can
@@ -29,6 +30,7 @@ through :func:`~mmserve.vision.image.clean_decoder_message`.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import struct
 from bisect import bisect_right
@@ -47,6 +49,8 @@ from mmserve.vision.image import (
     clean_decoder_message,
     to_8bit,
 )
+
+log = logging.getLogger(__name__)
 
 #: Frames sampled when a request names neither ``num_frames``, ``fps`` nor ``timestamps``.
 DEFAULT_NUM_FRAMES = 8
@@ -326,15 +330,68 @@ def orient(frame: np.ndarray, matrix: Sequence[int] | None) -> np.ndarray:
 
 
 def display_matrix(frame: object) -> tuple[int, ...] | None:
-    """The display matrix side data of a decoded PyAV frame (9 int32), or None."""
+    """The display matrix side data of a decoded PyAV frame (9 int32), or None.
+
+    A frame may also carry side data that PyAV does not name (FFmpeg 8's EXIF, which
+    its MJPEG, PNG, TIFF and WebP decoders attach; the EXIF orientation itself becomes
+    the display matrix): :func:`_name_side_data_types` gives such types placeholder
+    names, since PyAV refuses to list a frame's side data otherwise. If listing still
+    fails, the rotation PyAV reads from the matrix in C (``frame.rotation``) is used,
+    without mirroring.
+    """
     import av.sidedata.sidedata as sd
 
-    for entry in frame.side_data:  # type: ignore[attr-defined]
+    _name_side_data_types()
+    try:
+        entries = list(frame.side_data)  # type: ignore[attr-defined]
+    except ValueError:  # a side data type PyAV cannot name
+        return rotation_matrix(getattr(frame, "rotation", 0) or 0)
+    for entry in entries:
         if entry.type == sd.Type.DISPLAYMATRIX:
             raw = bytes(entry)
             if len(raw) >= 36:
                 return struct.unpack("=9i", raw[:36])
     return None
+
+
+def rotation_matrix(degrees: float) -> tuple[int, ...] | None:
+    """The display matrix of a rotation by ``degrees`` counter-clockwise (the angle
+    ``av_display_rotation_get`` reads, PyAV's ``frame.rotation``), as libavutil's
+    ``av_display_rotation_set`` writes it for the same turn given clockwise (16.16 fixed
+    point; 2.30 for the last entry), or None for no rotation."""
+    if not degrees % 360:
+        return None
+    rad = math.radians(degrees)
+    c, s = (round(v * (1 << 16)) for v in (math.cos(rad), math.sin(rad)))
+    return (c, -s, 0, s, c, 0, 0, 0, 1 << 30)
+
+
+_side_data_types_named = False
+
+
+def _name_side_data_types() -> None:
+    """Give every side data type that PyAV's ``Type`` enum lacks a placeholder member.
+
+    PyAV 18.1 names the types up to FFmpeg 7's; listing a frame's side data makes an
+    enum member of each entry's type, and an unnamed one (``AV_FRAME_DATA_EXIF`` = 31
+    in FFmpeg 8) raises ``ValueError`` for the whole list. A placeholder
+    (``UNNAMED_31``) is what :class:`enum.Enum` returns for a value it holds; named
+    types are left as they are. Idempotent.
+    """
+    global _side_data_types_named
+    if _side_data_types_named:
+        return
+    import av.sidedata.sidedata as sd
+
+    kind = sd.Type
+    known = kind._value2member_map_
+    for value in range(256):
+        if value not in known:
+            member = object.__new__(kind)
+            member._value_ = value
+            member._name_ = f"UNNAMED_{value}"
+            known.setdefault(value, member)
+    _side_data_types_named = True
 
 
 class _Index:
@@ -387,6 +444,20 @@ def _open(data: bytes):  # noqa: ANN202 - av.container.InputContainer
     return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
 
 
+_NO_DECODER = (
+    "the video stream's codec cannot be decoded (an unknown or unsupported codec, or a "
+    "corrupt file)"
+)
+
+
+def _video_stream(container: object):  # noqa: ANN202 - av.VideoStream
+    """The video stream FFmpeg's command line picks by default (``av_find_best_stream``:
+    not a cover picture, the largest and most decoded), not simply the first: a phone's
+    thumbnail track or a cover image may come before the video."""
+    streams = container.streams  # type: ignore[attr-defined]
+    return streams.best("video") or streams.video[0]
+
+
 def _reason(e: BaseException) -> str:
     """An FFmpeg error's text without its errno and function name, cleaned for clients."""
     import av
@@ -414,7 +485,7 @@ def _probe(
     Raises:
         VideoError: no frames, or more than ``limits.max_video_frames``.
     """
-    stream = container.streams.video[0]  # type: ignore[attr-defined]
+    stream = _video_stream(container)
     pts: list[int | None] = []
     keys: list[bool] = []
     durations: list[int] = []
@@ -501,6 +572,7 @@ class _Pass:
         self.fresh = True  # no packet read since the last (re)start
         self.produced = 0  # frames returned since the start of the file (untimed)
         self.last_error = ""
+        self.matrix: tuple[int, ...] | None = None  # display matrix of the last frame taken
 
     def run(self) -> tuple[dict[int, np.ndarray], dict[int, str]]:
         ix = self.ix
@@ -554,8 +626,11 @@ class _Pass:
         except Exception as e:  # noqa: BLE001 - opened before; report, do not raise
             self._fail_all(_reason(e))
             return
-        self.stream = self.container.streams.video[0]
+        self.stream = _video_stream(self.container)
         self.codec = self.stream.codec_context
+        if self.codec is None:  # checked when the video was opened; kept safe here
+            self._fail_all(_NO_DECODER)
+            return
         self.codec.thread_count = 1  # errors surface at the packet that has them
         self.produced = 0
         if start > 0:
@@ -644,8 +719,17 @@ class _Pass:
                 f"video frames are {w}x{h} pixels; limits are {lim.max_side} per side and "
                 f"{lim.max_pixels} pixels per frame"
             )
+        try:
+            # a frame without a display matrix is shown as the probe frame was: an APNG's
+            # EXIF orientation, say, comes with its first frame only
+            matrix = display_matrix(frame) or self.video._matrix
+            pixels = orient(frame.to_ndarray(format="rgb24"), matrix)
+        except Exception as e:  # noqa: BLE001 - a frame PyAV cannot convert: not decodable
+            self._fail(i, f"frame could not be converted to RGB: {_reason(e)}")
+            return
         self.pending.discard(i)
-        self.got[i] = orient(frame.to_ndarray(format="rgb24"), display_matrix(frame))
+        self.got[i] = pixels
+        self.matrix = matrix
 
 
 def _image(frame: np.ndarray) -> Image.Image:
@@ -691,6 +775,7 @@ class Video:
             raise VideoError("video support needs PyAV (pip install av)") from None
         self._data = data
         self.limits = limits
+        self._matrix: tuple[int, ...] | None = None  # the probe frame's display matrix
         try:
             container = _open(data)
         except Exception as e:  # noqa: BLE001 - av.FFmpegError for what FFmpeg cannot open
@@ -698,9 +783,34 @@ class Video:
                 "data is not a decodable video (corrupt, truncated, without video frames, "
                 f"or not a video): {_reason(e)}"
             ) from None
-        with container:
-            if not container.streams.video:
-                raise VideoError("file has no video stream (audio only, or not a video)")
+        try:
+            self._read(container, limits, image_limits, shortest_edge)
+        except VideoError:
+            raise
+        except Exception as e:  # noqa: BLE001 - PyAV failing on hostile data: the data's fault
+            log.warning("video probe failed on client data", exc_info=True)
+            raise VideoError(
+                f"data is not a decodable video (corrupt or truncated): {_reason(e)}"
+            ) from None
+
+    def _read(
+        self,
+        container: object,
+        limits: VideoLimits,
+        image_limits: ImageLimits | None,
+        shortest_edge: int,
+    ) -> None:
+        """Probe the opened ``container`` and decode the probe frame (see the class doc)."""
+        with container:  # type: ignore[attr-defined]
+            if not container.streams.video:  # type: ignore[attr-defined]
+                kinds = sorted({str(s.type) for s in container.streams})  # type: ignore[attr-defined]
+                held = f"only {' and '.join(kinds)} streams" if kinds else "no streams"
+                raise VideoError(
+                    f"file has no video stream: it holds {held} (an audio file, a truncated "
+                    "or corrupt video, or not a video)"
+                )
+            if _video_stream(container).codec_context is None:
+                raise VideoError(_NO_DECODER)
             self._index, times, duration, fps = _probe(container, limits)
         n = len(times)
         self.info = VideoInfo(n, fps, duration, 0, 0, times)
@@ -711,7 +821,7 @@ class Video:
                 break
             if i not in candidates:
                 candidates.append(i)
-        first = self._probe_frame(candidates)
+        first, self._matrix = self._probe_frame(candidates)
         h, w = int(first.shape[0]), int(first.shape[1])
         if image_limits is not None:
             try:
@@ -720,13 +830,15 @@ class Video:
                 raise VideoError(f"video frames: {e}") from None
         self.info = VideoInfo(n, fps, duration, w, h, times)
 
-    def _probe_frame(self, candidates: Sequence[int]) -> np.ndarray:
-        """The first of ``candidates`` that decodes (its size is the video's frame size)."""
+    def _probe_frame(self, candidates: Sequence[int]) -> tuple[np.ndarray, tuple[int, ...] | None]:
+        """The first of ``candidates`` that decodes (its size is the video's frame size)
+        and its display matrix (used for frames that carry none)."""
         reason = ""
         for i in candidates:
-            got, failed = _Pass(self, [i]).run()
+            probe = _Pass(self, [i])
+            got, failed = probe.run()
             if i in got:
-                return got[i]
+                return got[i], probe.matrix
             reason = failed.get(i, reason)
         tried = ", ".join(str(i) for i in candidates)
         raise VideoError(
@@ -775,7 +887,14 @@ class Video:
             VideoError: a decoded frame over the size limits (a stream whose frame
                 size changes midway).
         """
-        arrays, failed = _Pass(self, sorted(set(indices))).run()
+        wanted = sorted(set(indices))
+        try:
+            arrays, failed = _Pass(self, wanted).run()
+        except VideoError:
+            raise
+        except Exception as e:  # noqa: BLE001 - PyAV failing on hostile data: frames lost
+            log.warning("video decode failed on client data", exc_info=True)
+            arrays, failed = {}, dict.fromkeys(wanted, _reason(e))
         times = self.info.frame_times
         return DecodedFrames(
             {i: _image(a) for i, a in sorted(arrays.items())},
