@@ -63,6 +63,11 @@ class EngineConfig:
         image_limits: byte and pixel limits for decoded images.
         disable_jump_forward: decode structured output token by token even where the
             grammar allows only one continuation (jump-forward decoding off).
+        tp: tensor-parallel ranks: the decoder is split by heads and MLP columns over
+            this many processes (one per GPU on CUDA, gloo on CPU); must divide the
+            model's query heads (see :mod:`mmserve.distributed`).
+        tp_timeout_seconds: bound on every tensor-parallel collective (seconds); a rank
+            that dies or hangs longer fails the step's requests and takes the engine down.
     """
 
     model_path: str | None = None
@@ -86,6 +91,8 @@ class EngineConfig:
     dedup_min_tokens: int = 32
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     disable_jump_forward: bool = False
+    tp: int = 1
+    tp_timeout_seconds: float = 120.0
 
     def validate(self) -> None:
         """Raises ValueError for a setting out of range."""
@@ -105,6 +112,8 @@ class EngineConfig:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         if self.max_num_batched_tokens < 2:
             raise ValueError("max_num_batched_tokens must be >= 2 (a decode and a prefill token)")
+        if self.tp < 1 or self.tp_timeout_seconds <= 0:
+            raise ValueError("tp must be >= 1 and tp_timeout_seconds > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -123,6 +132,8 @@ class EngineConfig:
 
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        if self.tp < 1 or self.tp_timeout_seconds <= 0:
+            raise ValueError("tp must be >= 1 and tp_timeout_seconds > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         return getattr(torch, self.dtype)

@@ -107,7 +107,13 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of ``model_dir``: the shards its
+    ``model.safetensors.index.json`` lists, else every ``*.safetensors`` file.
+
+    Raises:
+        CheckpointError: for an unreadable index, no weights, or a listed shard missing.
+    """
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -121,7 +127,7 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
-    weights: dict[str, torch.Tensor] = {}
+    paths = []
     for name in files:
         path = model_dir / name
         if not path.exists():
@@ -129,6 +135,13 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
                 f"{model_dir}: weight shard {name} is listed in model.safetensors.index.json "
                 "but missing"
             )
+        paths.append(path)
+    return paths
+
+
+def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
         weights.update(load_file(str(path)))
     return weights
 
