@@ -27,8 +27,6 @@ import os
 import socket
 import threading
 import time
-import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,17 +37,19 @@ from mmserve.cache.kv_pool import KVPool
 from mmserve.config import EngineConfig
 from mmserve.distributed.layout import TPLayout, check_tp
 from mmserve.distributed.shard import ShardedDecoder
-from mmserve.kernels.metadata import AttentionMetadata
-from mmserve.kernels.select import make_attention_backend
-from mmserve.model.loader import (
-    LoadedModel,
-    _load_vision,
-    _split_weights,
-    assemble,
-    read_front_end,
-    text_shape,
-    weight_files,
+from mmserve.distributed.worker import (
+    StepHeader,
+    WorkerSpec,
+    gather_logits,
+    init_group,
+    rank_device,
+    step_tensors,
+    worker_main,
 )
+from mmserve.kernels.metadata import AttentionMetadata
+from mmserve.model.llama import LlamaShape
+from mmserve.model.loader import LoadedModel, _load_vision, assemble, read_front_end, text_shape
+from mmserve.model.weights import split_weights, weight_files
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,6 @@ START_TIMEOUT_S = 1800.0
 EXIT_GRACE_S = 5.0
 
 
-def rank_device(device: str, rank: int) -> str:
-    """Device of ``rank``: ``cuda:rank`` on CUDA, else ``device``."""
-    return f"cuda:{rank}" if device.startswith("cuda") else device
-
-
 def _loopback_ifname() -> str | None:
     """Name of the loopback interface ("lo" on Linux), for gloo's sockets."""
     try:
@@ -71,180 +66,6 @@ def _loopback_ifname() -> str | None:
     except OSError:
         return None
     return next((n for n in names if n.startswith("lo")), None)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs to load its shard and join (picklable; spawn hands it over)."""
-
-    rank: int
-    world: int
-    port: int
-    model_dir: str
-    device: str
-    dtype: torch.dtype
-    attention_backend: str
-    num_pages: int
-    page_size: int
-    timeout_s: float
-    threads: int
-
-
-@dataclass(frozen=True)
-class StepHeader:
-    """A step's shapes, sent over the pipe before its tensors are broadcast.
-
-    Attributes:
-        tokens: new tokens ``T`` of the batch (rows of the embeddings).
-        ints: lengths of the int64 pieces, in order: qo_indptr, kv_indptr, kv_indices,
-            kv_last_page_len, out_cache_loc, positions, logit_rows.
-        seq_lens, extend_lens: per request (tokens).
-        is_decode: every request has one new token.
-    """
-
-    tokens: int
-    ints: tuple[int, ...]
-    seq_lens: tuple[int, ...]
-    extend_lens: tuple[int, ...]
-    is_decode: bool
-
-
-def _pack(meta: AttentionMetadata, logit_rows: torch.Tensor) -> list[torch.Tensor]:
-    return [
-        meta.qo_indptr,
-        meta.kv_indptr,
-        meta.kv_indices,
-        meta.kv_last_page_len,
-        meta.out_cache_loc,
-        meta.positions,
-        logit_rows,
-    ]
-
-
-def _unpack(
-    head: StepHeader, ints: torch.Tensor, page_size: int
-) -> tuple[AttentionMetadata, torch.Tensor]:
-    parts = list(torch.split(ints, list(head.ints)))
-    i32 = [p.to(torch.int32) for p in parts[:4]]
-    meta = AttentionMetadata(
-        qo_indptr=i32[0],
-        kv_indptr=i32[1],
-        kv_indices=i32[2],
-        kv_last_page_len=i32[3],
-        page_size=page_size,
-        out_cache_loc=parts[4],
-        positions=parts[5],
-        seq_lens=list(head.seq_lens),
-        extend_lens=list(head.extend_lens),
-        is_decode=head.is_decode,
-    )
-    return meta, parts[6]
-
-
-def _gather_logits(local: torch.Tensor, layout: TPLayout) -> torch.Tensor | None:
-    """Rank 0: ``[B, V]`` logits from every rank's padded slice; others: None."""
-    if layout.rank != 0:
-        dist.gather(local, None, dst=0)
-        return None
-    parts = [torch.empty_like(local) for _ in range(layout.world)]
-    dist.gather(local, parts, dst=0)
-    return torch.cat(parts, dim=1)[:, : layout.full.vocab_size]
-
-
-def _init_group(spec: WorkerSpec, store: dist.Store) -> None:
-    backend = "nccl" if spec.device.startswith("cuda") else "gloo"
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=spec.rank,
-        world_size=spec.world,
-        timeout=datetime.timedelta(seconds=spec.timeout_s),
-    )
-
-
-def _watch_parent(parent: int) -> None:
-    """Exit this worker once its parent is gone (it was re-parented)."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
-def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection, parent: int) -> None:
-    """Entry point of ranks 1..N-1 (spawned by :class:`TPGroup`).
-
-    Loads the rank's shard, reports ``("loaded", weight_bytes)`` (or ``("error", text)``)
-    on ``conn``, joins the group, then runs one step per header received until it
-    receives None or the pipe closes.
-    """
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    torch.set_num_threads(spec.threads)
-    try:
-        device = rank_device(spec.device, spec.rank)
-        if device.startswith("cuda"):
-            torch.cuda.set_device(device)
-        model_dir = Path(spec.model_dir)
-        config, _, family = read_front_end(model_dir)
-        layout = TPLayout(spec.rank, spec.world, text_shape(config))
-        decoder = ShardedDecoder(layout, with_embedding=False)
-        decoder.load(model_dir, family, device, spec.dtype)
-        shape = decoder.shape
-        pool = KVPool(
-            spec.num_pages,
-            spec.page_size,
-            shape.num_layers,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=spec.dtype,
-            device=device,
-        )
-        backend = make_attention_backend(
-            spec.attention_backend,
-            device,
-            shape.num_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            spec.dtype,
-        )
-        conn.send(("loaded", decoder.weight_bytes()))
-        store = dist.TCPStore(
-            "127.0.0.1",
-            spec.port,
-            spec.world,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=spec.timeout_s),
-        )
-        _init_group(spec, store)
-    except Exception:  # noqa: BLE001 - reported to rank 0, which raises it at start-up
-        conn.send(("error", traceback.format_exc()))
-        return
-    hidden = layout.full.hidden_size
-    try:
-        while True:
-            try:
-                head = conn.recv()
-            except EOFError:  # rank 0 is gone
-                break
-            if head is None:
-                break
-            embeds = torch.empty(head.tokens, hidden, dtype=spec.dtype, device=device)
-            ints = torch.empty(sum(head.ints), dtype=torch.int64, device=device)
-            dist.broadcast(embeds, src=0)
-            dist.broadcast(ints, src=0)
-            meta, rows = _unpack(head, ints, spec.page_size)
-            backend.plan(meta)
-            local = decoder.forward_shard(embeds, meta.positions, backend, pool, rows)
-            _gather_logits(local, layout)
-    except Exception:  # noqa: BLE001 - tell rank 0 why, then exit; rank 0 fails the step
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
-        os._exit(1)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - exiting anyway
-        pass
 
 
 class TPGroupError(RuntimeError):
@@ -264,7 +85,9 @@ class TPGroup:
         worker_bytes: decoder weight bytes of each worker rank (1..N-1).
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, shape: LlamaShape, dtype: torch.dtype
+    ) -> None:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed group already exists in this process")
         self.world = config.tp
@@ -283,6 +106,7 @@ class TPGroup:
             world=self.world,
             port=self._store.port,
             model_dir=str(model_dir),
+            shape=shape,
             device=config.device,
             dtype=dtype,
             attention_backend=config.attention_backend,
@@ -340,7 +164,7 @@ class TPGroup:
                     raise TPGroupError(f"tensor-parallel rank {rank} failed to start: {why}")
                 self.worker_bytes[rank - 1] = msg[1]
                 del pending[rank]
-        _init_group(self._spec, self._store)
+        init_group(self._spec, self._store)
         self._watcher = threading.Thread(target=self._watch, name="mmserve-tp-watch", daemon=True)
         self._watcher.start()
 
@@ -485,10 +309,10 @@ class TPDecoder(ShardedDecoder):
         meta = backend.meta
         if meta is None or not isinstance(backend, PlanCapture):
             raise RuntimeError("TPDecoder.bind(runner) was not called")
-        ints = torch.cat([t.to(torch.int64) for t in _pack(meta, logit_rows)])
+        ints = torch.cat([t.to(torch.int64) for t in step_tensors(meta, logit_rows)])
         head = StepHeader(
             tokens=embeds.shape[0],
-            ints=tuple(t.numel() for t in _pack(meta, logit_rows)),
+            ints=tuple(t.numel() for t in step_tensors(meta, logit_rows)),
             seq_lens=tuple(meta.seq_lens),
             extend_lens=tuple(meta.extend_lens),
             is_decode=meta.is_decode,
@@ -498,7 +322,7 @@ class TPDecoder(ShardedDecoder):
             dist.broadcast(embeds.contiguous(), src=0)
             dist.broadcast(ints, src=0)
             local = self.forward_shard(embeds, positions, backend, pool, logit_rows)
-            return _gather_logits(local, self.layout)
+            return gather_logits(local, self.layout)
         except Exception as exc:
             # the ranks are out of step now: nothing can run on this group again
             self.group.fail(f"step failed on rank 0: {type(exc).__name__}: {exc}")
@@ -526,10 +350,10 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
     check_tp(shape, config.tp, config.device)
     dtype = config.torch_dtype()
     device = rank_device(config.device, 0)
-    group = TPGroup(config, model_dir, dtype)
+    group = TPGroup(config, model_dir, shape, dtype)
     try:
         decoder = TPDecoder(TPLayout(0, config.tp, shape), group)
-        decoder.load(model_dir, family, device, dtype)
+        decoder.load(model_dir, device, dtype)
         vision = family.build_vision()
         _load_vision(vision, _vision_state(model_dir, family))
         vision.to(device=device, dtype=dtype).eval()
@@ -547,7 +371,7 @@ def _vision_state(model_dir: Path, family: object) -> dict[str, dict]:
     out: dict[str, dict] = {attr: {} for attr in family.vision_prefixes.values()}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            _, vision = _split_weights({k: k for k in f.keys()}, family)  # noqa: SIM118
+            _, vision = split_weights({k: k for k in f.keys()}, family.vision_prefixes)  # noqa: SIM118
             for attr, names in vision.items():
                 for name, key in names.items():
                     out[attr][name] = f.get_tensor(key)

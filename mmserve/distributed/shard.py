@@ -23,9 +23,8 @@ from torch import nn
 from mmserve.cache.kv_pool import KVPool
 from mmserve.distributed.layout import TPLayout
 from mmserve.kernels.torch_backend import TorchAttentionBackend
-from mmserve.model.families.base import ModelFamily
 from mmserve.model.llama import DecoderLayer, LlamaDecoder, RMSNorm
-from mmserve.model.loader import CheckpointError, _split_weights, weight_files
+from mmserve.model.weights import CheckpointError, split_weights, weight_files
 
 
 class RowParallelLinear(nn.Linear):
@@ -104,7 +103,7 @@ class ShardedDecoder(nn.Module):
             ** (torch.arange(0, full.head_dim, 2, dtype=torch.float) / full.head_dim)
         )
 
-    def load(self, model_dir: Path, family: ModelFamily, device: str, dtype: torch.dtype) -> None:
+    def load(self, model_dir: Path, device: str, dtype: torch.dtype) -> None:
         """Read this rank's slices from ``model_dir``'s safetensors and move them to
         ``device`` / ``dtype``.
 
@@ -117,7 +116,7 @@ class ShardedDecoder(nn.Module):
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     where[key] = path
-        dec, _ = _split_weights({k: k for k in where}, family)  # decoder name -> stored key
+        dec, _ = split_weights({k: k for k in where}, {})  # decoder name -> stored key
         if self.layout.full.tie_word_embeddings:  # transformers ties and ignores a stored head
             dec.pop("lm_head.weight", None)
             if "embed_tokens.weight" in dec:
