@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -279,3 +281,14 @@ def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+@contextmanager
+def tp_engine(model_dir: Path, tp: int = 2, **kw) -> Iterator[Engine]:
+    """An Engine whose decoder runs on ``tp`` ranks (gloo on 127.0.0.1); its worker
+    processes are stopped afterwards, whatever the test did."""
+    eng = Engine(EngineConfig(model_path=str(model_dir), tp=tp, **kw))
+    try:
+        yield eng
+    finally:
+        eng.close()
