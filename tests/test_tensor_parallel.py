@@ -247,3 +247,22 @@ def test_server_tp2_answers_then_a_dead_rank_ends_it_cleanly(model_dir: Path) ->
         assert err["code"] == "engine_unhealthy" and "tensor-parallel" in err["message"]
         assert proc.wait(timeout=60) == 1  # shut itself down after --fatal-exit-seconds
     assert wait_gone(everyone, 10) == []
+
+
+def test_a_hung_worker_times_out_and_is_killed(model_dir) -> None:  # noqa: ANN001
+    with tp_engine(model_dir, tp_timeout_seconds=3) as eng:
+        pid = eng.model.decoder.group.pids[0]
+        os.kill(pid, signal.SIGSTOP)  # alive but never answers
+        res = eng.generate([eng.processor.make_request(prompt="hi", params=greedy(4))])[0]
+        assert res.finish_reason == "error" and "TPGroupError" in res.error
+        assert "Timed out" in eng.fatal_error()
+        assert wait_gone([pid], 10) == []
+
+
+def test_workers_exit_when_rank_0_is_killed(model_dir: Path) -> None:
+    with live_server_process(model_dir, "--tp", "2") as (_, proc):
+        everyone = child_pids(proc.pid)
+        assert everyone
+        proc.kill()  # no clean-up code runs in rank 0
+        proc.wait(timeout=10)
+        assert wait_gone(everyone, 15) == []
