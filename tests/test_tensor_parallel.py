@@ -266,3 +266,12 @@ def test_workers_exit_when_rank_0_is_killed(model_dir: Path) -> None:
         proc.kill()  # no clean-up code runs in rank 0
         proc.wait(timeout=10)
         assert wait_gone(everyone, 15) == []
+
+
+def test_a_replica_reserves_every_rank_on_one_actor() -> None:
+    from api.replicas.settings import ReplicaSettings
+
+    rs = ReplicaSettings(replicas=2, cpus_per_replica=2.0)
+    assert rs.actor_options("cuda", 4) == {"num_cpus": 8.0, "num_gpus": 4.0}
+    assert rs.actor_options("cpu", 2) == {"num_cpus": 4.0, "num_gpus": 0.0}
+    assert rs.actor_options("cuda") == {"num_cpus": 2.0, "num_gpus": 1.0}
