@@ -2,7 +2,9 @@
 
 ``python -m benchmarks.tensor_parallel [--size tiny|small] [--family ...] [--tp 2]``
 runs the same batch of text prompts greedily on ``--tp 1`` with ``--threads`` torch
-threads and on ``--tp N`` with ``threads / N`` threads per rank (gloo on 127.0.0.1),
+threads, on ``--tp 1`` with ``threads / N`` threads (a busy machine can make two
+OpenMP threads much slower than one) and on ``--tp N`` with ``threads / N`` threads
+per rank (gloo on 127.0.0.1),
 one after the other in this process, checks that both give the same tokens, and
 prints a JSON line: tokens/s of each, their ratio, and the decoder weight bytes of
 every rank against the whole decoder. On CPU, tensor parallelism is for testing: no
@@ -65,14 +67,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=32)
     a = p.parse_args(argv)
     model_dir = str(ensure_model(a.size, family=a.family))
+    per_rank = max(1, a.threads // a.tp)
     ids1, tps1, bytes1 = _run(model_dir, 1, a.threads, a.batch, a.tokens)
-    idsn, tpsn, bytesn = _run(model_dir, a.tp, max(1, a.threads // a.tp), a.batch, a.tokens)
+    _, tps1_few, _ = _run(model_dir, 1, per_rank, a.batch, a.tokens)
+    idsn, tpsn, bytesn = _run(model_dir, a.tp, per_rank, a.batch, a.tokens)
     out = {
         "family": a.family,
         "size": a.size,
         "tp": a.tp,
         "same_tokens": ids1 == idsn,
         "tokens_per_s_tp1": round(tps1, 1),
+        f"tokens_per_s_tp1_{per_rank}_threads": round(tps1_few, 1),
         f"tokens_per_s_tp{a.tp}": round(tpsn, 1),
         "ratio": round(tpsn / tps1, 3),
         "decoder_bytes_tp1": bytes1[0],
