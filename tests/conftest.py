@@ -36,6 +36,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small LLaVA-1.5 checkpoint (8 query heads, 2 K/V heads), built once per session."""
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "llava-small", "small")
+
+
+@pytest.fixture(scope="session")
 def loaded(model_dir: Path):  # noqa: ANN201
     """Our model loaded once; engines share it (weights are read-only)."""
     return load_model(model_dir)

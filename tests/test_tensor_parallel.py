@@ -21,6 +21,7 @@ import torch
 from api.cli import main
 from mmserve.config import EngineConfig
 from mmserve.distributed.layout import TPLayout, check_tp
+from mmserve.engine.engine import Engine
 from mmserve.engine.grammar import GuidedSpec
 from mmserve.engine.request import SamplingParams
 from mmserve.model.llama import LlamaShape
@@ -145,6 +146,22 @@ def test_tp2_equals_tp1_per_family(family: str, request, photos) -> None:  # noq
     _assert_equal_runs(res, ref, f"{family} tp2 vs tp1")
     assert res[-1].text in CHOICES
     assert wait_gone(pids, 10) == []
+
+
+def test_tp2_splits_kv_heads_of_the_small_checkpoint(small_model_dir: Path) -> None:
+    # the tiny checkpoints have one K/V head (replicated); the small one has two (split)
+    prompts = ["Once upon a time", "The capital of France is", "List three colours:"]
+
+    def run(eng):  # noqa: ANN001, ANN202
+        mk = eng.processor.make_request
+        return eng.generate([mk(prompt=p, params=greedy(8)) for p in prompts])
+
+    ref = run(Engine(EngineConfig(model_path=str(small_model_dir))))
+    with tp_engine(small_model_dir) as eng:
+        assert eng.model.decoder.layout.kv_heads == 1 and eng.pool.k_buffers[0].shape[2] == 1
+        assert eng.model.decoder.layout.kv_head_start == 0
+        res = run(eng)
+    _assert_equal_runs(res, ref, "small tp2 vs tp1")
 
 
 def test_tp2_cache_on_equals_cache_off(model_dir, make_engine, photos) -> None:  # noqa: ANN001
