@@ -85,7 +85,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         # after uvicorn's grace period: whatever still runs is aborted, pages freed
         aengine.call(lambda: engine.abort_all("abort"))
         aengine.stop()
-        # the engine thread is gone: write cached KV pages to the disk tier (if on)
+        # the engine thread is gone: KV pages to the disk tier (if on), TP workers stopped
         engine.close()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
@@ -100,6 +100,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def health() -> dict:
         """200 while the engine steps; 503 after ``unhealthy_after_failed_steps`` failed
         steps in a row, so a supervisor restarts the process (never needs the API key)."""
+        fatal = engine.fatal_error()
+        if fatal is not None:  # a tensor-parallel rank died or hung: nothing can run
+            raise APIError(
+                503, f"engine unhealthy: {fatal}", "server_error", code="engine_unhealthy"
+            )
         failed = aengine.consecutive_failures()
         if failed >= settings.unhealthy_after_failed_steps:
             raise APIError(

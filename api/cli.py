@@ -18,14 +18,20 @@ import logging
 import re
 import signal
 import sys
+import threading
+import time
 import types
 import typing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from api.replicas.settings import ROUTERS, ReplicaSettings
 from api.settings import BATCH_ORDERS, ServerSettings
 from mmserve.config import ATTENTION_BACKENDS, DTYPES, POLICIES, EngineConfig
 from mmserve.vision.image import ImageLimits
+
+if TYPE_CHECKING:
+    from mmserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +46,16 @@ class LaunchSettings:
         shutdown_grace_seconds: on SIGTERM or Ctrl-C, new connections are refused and
             running requests get this long to finish before the rest are aborted (seconds).
         log_level: uvicorn's log level.
+        fatal_exit_seconds: after a fault the engine cannot recover from (a
+            tensor-parallel rank died or hung), keep answering (``/health`` 503, requests
+            with errors) this long, then shut down and exit 1 (seconds).
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     shutdown_grace_seconds: float = 30.0
     log_level: str = "info"
+    fatal_exit_seconds: float = 5.0
 
 
 #: Flag choices for string settings that take one of a few values.
@@ -145,8 +155,8 @@ def settings_from_args(
     server = ServerSettings(**values["server"])
     engine.validate()
     server.validate()
-    if launch.shutdown_grace_seconds < 0:
-        raise ValueError("shutdown_grace_seconds must be >= 0")
+    if launch.shutdown_grace_seconds < 0 or launch.fatal_exit_seconds < 0:
+        raise ValueError("shutdown_grace_seconds and fatal_exit_seconds must be >= 0")
     return launch, engine, server
 
 
@@ -167,6 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
+    from mmserve.distributed.group import TPGroupError
     from mmserve.engine.engine import Engine
     from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
     from mmserve.model.make_checkpoint import ensure_model
@@ -187,7 +198,12 @@ def _serve(args: argparse.Namespace) -> int:
     except BackendUnavailableError as e:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2
-    app = create_app(Engine(config), server)
+    try:
+        engine = Engine(config)
+    except (ValueError, TPGroupError) as e:  # e.g. a --tp the model cannot split
+        print(f"mmserve serve: error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, server)
     uv = uvicorn.Config(
         app,
         host=launch.host,
@@ -200,8 +216,27 @@ def _serve(args: argparse.Namespace) -> int:
     # re-raises the signal to the handler it found; a no-op one makes that exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(uv).run()
-    return 0
+    userver = uvicorn.Server(uv)
+    _exit_on_fatal(engine, userver, launch.fatal_exit_seconds)
+    userver.run()
+    return 1 if engine.fatal_error() else 0
+
+
+def _exit_on_fatal(engine: Engine, userver: object, delay: float) -> None:
+    """Shut ``userver`` down ``delay`` seconds after ``engine`` reports a fatal fault
+    (uvicorn's graceful shutdown: the app's lifespan ends the requests and the workers)."""
+
+    def watch() -> None:
+        while not userver.should_exit:
+            why = engine.fatal_error()
+            if why is not None:
+                log.error("%s; shutting down in %.1f s", why, delay)
+                time.sleep(delay)
+                userver.should_exit = True
+                return
+            time.sleep(0.25)
+
+    threading.Thread(target=watch, name="mmserve-fatal-watch", daemon=True).start()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -71,6 +71,11 @@ class EngineConfig:
             subdirectory per model fingerprint, dtype and page size; servers sharing it
             reuse each other's pages, a restarted server its own.
         kv_disk_bytes: most bytes the disk KV tier keeps (least recently used deleted).
+        tp: tensor-parallel ranks: the decoder is split by heads and MLP columns over
+            this many processes (one per GPU on CUDA, gloo on CPU); must divide the
+            model's query heads (see :mod:`mmserve.distributed`).
+        tp_timeout_seconds: bound on every tensor-parallel collective (seconds); a rank
+            that dies or hangs longer fails the step's requests and takes the engine down.
     """
 
     model_path: str | None = None
@@ -97,6 +102,8 @@ class EngineConfig:
     kv_host_bytes: int = 0
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 16 << 30
+    tp: int = 1
+    tp_timeout_seconds: float = 120.0
 
     def validate(self) -> None:
         """Raises ValueError for a setting out of range."""
@@ -118,6 +125,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 2 (a decode and a prefill token)")
         if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
             raise ValueError("kv_host_bytes and kv_disk_bytes must be >= 0")
+        if self.tp < 1 or self.tp_timeout_seconds <= 0:
+            raise ValueError("tp must be >= 1 and tp_timeout_seconds > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -136,6 +145,8 @@ class EngineConfig:
 
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        if self.tp < 1 or self.tp_timeout_seconds <= 0:
+            raise ValueError("tp must be >= 1 and tp_timeout_seconds > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         return getattr(torch, self.dtype)

@@ -12,7 +12,8 @@
 # from the work tree (PYTHONPATH, no install). Without .gpu_bundle/ the environment
 # must already have flashinfer (e.g. `pip install -e ".[gpu,test]"`).
 #
-# Phases, each with its own timeout, 470 s in all (under 8 minutes). FlashInfer
+# Phases, each with its own timeout, 470 s in all (under 8 minutes; 620 s on a machine
+# with two GPUs, which adds the --tp 2 phase). FlashInfer
 # compiles its kernels on first use (JIT, into ~/.cache/flashinfer), which is most of
 # the pytest phase: on an H100/H200 the tests need the FA3 prefill module (10 files of
 # about 2 minutes of one core each, measured on a CPU machine) and the decode module
@@ -25,6 +26,8 @@
 #                equality with transformers in fp32 on CUDA) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
 #   benchmark    70 s: benchmarks/many_questions.py, small model on CUDA (cache on vs off)
+#   --tp 2      150 s, only with two GPUs (else a "skipped" row with the reason):
+#                tests/gpu/test_tp_gpu.py, tp 2 over NCCL against tp 1 (fp32 and bf16)
 #
 # Output, in OUT_DIR (the argument, else $GPU_CHECK_OUT, else $OUT, else gpu_check_out/):
 #   gpu_check.log  all output;  summary.txt  the phases table;  versions.json;
@@ -35,7 +38,7 @@
 # python3.12 that has torch), GPU_BUNDLE (.gpu_bundle), GPU_SITE (.gpu_site),
 # GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
 # `scripts/gpu_bundle.sh --check PYTHON`), INSTALL_TIMEOUT, ENV_TIMEOUT, PYTEST_TIMEOUT,
-# BENCH_TIMEOUT (seconds).
+# BENCH_TIMEOUT, TP_TIMEOUT (seconds).
 set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
@@ -57,6 +60,7 @@ INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-30}
 ENV_TIMEOUT=${ENV_TIMEOUT:-30}
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-340}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-70}
+TP_TIMEOUT=${TP_TIMEOUT:-150}
 HAVE_BUNDLE=0
 compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
 
@@ -276,7 +280,18 @@ if [[ $ONLY != setup ]]; then
   # GPU or flashinfer a failure (a skipped GPU test is not a pass).
   phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
     "$PY" -m pytest -v -rs --durations=10 -p no:cacheprovider \
-    --junitxml="$OUT_DIR/pytest.xml" tests/gpu tests/test_reference.py
+    --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py tests/gpu tests/test_reference.py
+
+  # --tp 2 (NCCL, one rank per GPU) only where there are two GPUs; else a skip row
+  NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [[ ${NGPU:-0} -ge 2 ]]; then
+    phase "pytest --tp 2 (2 GPUs)" "$TP_TIMEOUT" "$PY" -m pytest -v -rs -p no:cacheprovider \
+      tests/gpu/test_tp_gpu.py
+  else
+    echo "=== pytest --tp 2: skipped (needs 2 GPUs, ${NGPU:-0} visible) ==="
+    SUMMARY+=("$(printf '%-30s %-18s %4ss (limit %ss)' "pytest --tp 2 (2 GPUs)" "skipped: ${NGPU:-0} GPU" 0 "$TP_TIMEOUT")")
+    printf '%s\t%s\t%s\t%s\n' "pytest --tp 2 (2 GPUs)" "skipped: needs 2 GPUs, ${NGPU:-0} visible" 0 "$TP_TIMEOUT" >>"$PHASES_TSV"
+  fi
 
   phase "benchmark many_questions" "$BENCH_TIMEOUT" "$PY" -c '
 import json, sys

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,12 @@ torch.set_num_threads(1)
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoint, built once per test session."""
     return make_checkpoint(tmp_path_factory.mktemp("model") / "llava-tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small LLaVA-1.5 checkpoint (8 query heads, 2 K/V heads), built once per session."""
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "llava-small", "small")
 
 
 @pytest.fixture(scope="session")
@@ -279,3 +287,14 @@ def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+@contextmanager
+def tp_engine(model_dir: Path, tp: int = 2, **kw) -> Iterator[Engine]:
+    """An Engine whose decoder runs on ``tp`` ranks (gloo on 127.0.0.1); its worker
+    processes are stopped afterwards, whatever the test did."""
+    eng = Engine(EngineConfig(model_path=str(model_dir), tp=tp, **kw))
+    try:
+        yield eng
+    finally:
+        eng.close()

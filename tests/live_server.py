@@ -102,3 +102,43 @@ def metric(
     if default is not None:
         return default
     raise KeyError(name)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Process ids of ``pid``'s children and their descendants (Linux ``/proc``)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for k in kids:
+            out += [k, *child_pids(k)]
+    return out
+
+
+def cmdline(pid: int) -> str:
+    """``pid``'s command line with spaces between arguments ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for ``pids`` to exit; returns those still alive."""
+    deadline = time.time() + timeout
+    while True:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.1)

@@ -95,7 +95,7 @@ def build_application(
     threads = max(1, int(rs.cpus_per_replica))
     replicas = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=rs.replicas,
-        ray_actor_options={"num_cpus": rs.cpus_per_replica, "num_gpus": rs.gpus(config.device)},
+        ray_actor_options=rs.actor_options(config.device, config.tp),
         max_ongoing_requests=(
             server.max_queued_requests + config.max_running_requests + _CONTROL_SLACK
         ),

@@ -152,6 +152,9 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health check: raises when the engine's last steps all failed."""
+        fatal = self.engine.fatal_error()
+        if fatal is not None:  # a tensor-parallel rank died: Ray Serve replaces the replica
+            raise RuntimeError(f"engine unhealthy: {fatal}")
         failed = self.aengine.consecutive_failures()
         if failed >= self.unhealthy_after:
             raise RuntimeError(f"engine unhealthy: its last {failed} steps failed")
@@ -161,3 +164,4 @@ class EngineReplica:
         if aengine is not None:
             aengine.call(lambda: self.engine.abort_all("abort"))
             aengine.stop()
+            self.engine.close()  # tensor-parallel workers, if any

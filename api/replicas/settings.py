@@ -62,6 +62,14 @@ class ReplicaSettings:
             return self.gpus_per_replica
         return 1.0 if device.startswith("cuda") else 0.0
 
+    def actor_options(self, device: str, tp: int = 1) -> dict[str, float]:
+        """Ray actor resources of one replica running ``tp`` tensor-parallel ranks:
+        ``tp`` times one rank's CPUs and GPUs, in the one actor (so on one node). The
+        worker ranks are the actor's child processes on 127.0.0.1 and see only the GPUs
+        in its ``CUDA_VISIBLE_DEVICES``, so ``tp`` one-GPU bundles, of which the actor
+        would get the first only, would leave them without a device."""
+        return {"num_cpus": self.cpus_per_replica * tp, "num_gpus": self.gpus(device) * tp}
+
     def validate(self) -> None:
         """Raises ValueError for a setting out of range."""
         if self.replicas < 1:

@@ -80,7 +80,16 @@ class Engine:
                 from mmserve.model.make_checkpoint import ensure_model
 
                 config.model_path = str(ensure_model("tiny"))
-            model = load_model(config.model_path, device=config.device, dtype=config.torch_dtype())
+            if config.tp > 1:  # rank 0 of a tensor-parallel group; starts the other ranks
+                from mmserve.distributed.group import load_tp_model
+
+                model = load_tp_model(config)
+            else:
+                model = load_model(
+                    config.model_path, device=config.device, dtype=config.torch_dtype()
+                )
+        elif config.tp > 1:
+            raise ValueError("tp > 1 loads its own shards: pass no model")
         self.model = model
         shape = model.decoder.shape
         self.max_context = shape.max_position_embeddings
@@ -102,6 +111,8 @@ class Engine:
         self.runner = ModelRunner(
             model, self.pool, self.embedding_cache, config.device, config.attention_backend
         )
+        if hasattr(model.decoder, "bind"):  # tensor parallel: broadcasts each batch's plan
+            model.decoder.bind(self.runner)
         # front-end work (decode, hash, template, tokenize, limits) runs on callers'
         # threads through the processor; the engine itself accepts only its Requests
         self.processor = InputProcessor(model, config, self.pool.size_tokens)
@@ -111,6 +122,11 @@ class Engine:
         self.processors = LogitsProcessors(shape.vocab_size, model.eos_token_ids, config.device)
         self.stats = EngineStats()
         self._stop_hits: list[str] = []  # tracked requests a stop string ended
+
+    def fatal_error(self) -> str | None:
+        """Why this engine can serve nothing any more (a tensor-parallel rank died or
+        hung), else None."""
+        return getattr(self.model.decoder, "failure", None)
 
     def add_request(
         self, msg: EngineRequest, on_update: Callable[[TokenDelta], None] | None = None
@@ -170,16 +186,20 @@ class Engine:
         return freed
 
     def close(self, timeout: float = 60.0) -> int:
-        """Shutdown: write every cached page to the disk KV tier (if on) and stop the tiers'
-        threads (seconds: at most about ``timeout``). Call when the engine no longer steps.
+        """Shutdown: write every cached page to the disk KV tier (if on), stop the tiers'
+        threads (seconds: at most about ``timeout``) and the tensor-parallel worker
+        processes (if any). Call when the engine no longer steps.
 
         Returns:
             Pages written.
         """
-        if self.tiers is None:
-            return 0
-        written = self.scheduler.flush_tiers(timeout)
-        self.tiers.close(timeout)
+        written = 0
+        if self.tiers is not None:
+            written = self.scheduler.flush_tiers(timeout)
+            self.tiers.close(timeout)
+        close = getattr(self.model.decoder, "close", None)
+        if close is not None:
+            close()
         return written
 
     def stats_snapshot(self) -> dict:

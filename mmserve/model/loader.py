@@ -39,6 +39,8 @@ from transformers.utils import is_protobuf_available
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
 from mmserve.model.families.base import IMAGE_MODE, VisionModule
 from mmserve.model.llama import LlamaDecoder, LlamaShape
+from mmserve.model.weights import CheckpointError, split_weights, weight_files
+from mmserve.model.weights import short_error as _short
 
 #: Decoder ``model_type`` values our Llama decoder runs (Mistral and Qwen2 without a
 #: sliding window; Qwen2 with its q/k/v biases).
@@ -47,10 +49,6 @@ TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
 #: (transformers' ``Qwen2Attention``: biases on q/k/v, none on o); others read
 #: ``attention_bias``.
 _FIXED_ATTENTION_BIAS = {"qwen2": (True, False)}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing a file or holds an unsupported model."""
 
 
 @dataclass
@@ -99,36 +97,9 @@ class LoadedModel:
         return self.processor.tokenizer
 
 
-def _short(exc: BaseException) -> str:
-    """The first line of an exception's message, without the Hub advice, at most 200 chars."""
-    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    text = text.split(" If you were trying to load it from")[0].strip()
-    text = text or type(exc).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(
-                f"{model_dir}: model.safetensors.index.json is unreadable "
-                f"(needs a 'weight_map' of tensor name -> shard file): {_short(exc)}"
-            ) from exc
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
     weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = model_dir / name
-        if not path.exists():
-            raise CheckpointError(
-                f"{model_dir}: weight shard {name} is listed in model.safetensors.index.json "
-                "but missing"
-            )
+    for path in weight_files(model_dir):
         weights.update(load_file(str(path)))
     return weights
 
@@ -136,21 +107,8 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def _split_weights(
     weights: dict[str, torch.Tensor], family: ModelFamily
 ) -> tuple[dict, dict[str, dict]]:
-    """Route checkpoint keys to the decoder's state dict and, per vision attribute
-    (:attr:`ModelFamily.vision_prefixes`), its state dict (a parameter's is ``{"": t}``)."""
-    dec: dict = {}
-    vision: dict[str, dict] = {attr: {} for attr in family.vision_prefixes.values()}
-    for key, t in weights.items():
-        k = key.removeprefix("model.")
-        if k in ("lm_head.weight", "language_model.lm_head.weight"):
-            dec["lm_head.weight"] = t
-        elif k.startswith("language_model."):
-            dec[k.removeprefix("language_model.").removeprefix("model.")] = t
-        else:
-            for prefix, attr in family.vision_prefixes.items():
-                if k.startswith(prefix):
-                    vision[attr][k.removeprefix(prefix)] = t
-    return dec, vision
+    """:func:`~mmserve.model.weights.split_weights` with ``family``'s vision prefixes."""
+    return split_weights(weights, family.vision_prefixes)
 
 
 def _load_vision(vision: VisionModule, states: dict[str, dict]) -> None:

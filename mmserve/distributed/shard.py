@@ -1,0 +1,188 @@
+"""One rank's shard of the Llama decoder, read slice by slice from safetensors.
+
+The layers are :class:`~mmserve.model.llama.DecoderLayer` built with the rank's
+local shape (its query and K/V heads, its part of the MLP width), with ``o_proj``
+and ``down_proj`` swapped for :class:`RowParallelLinear`, which all-reduces the
+partial sums before adding the bias: two all-reduces per layer, the arithmetic
+otherwise that of :class:`~mmserve.model.llama.LlamaDecoder`. Weights are read with
+``safe_open(...).get_slice`` so a rank never reads, let alone holds, another rank's
+slice; modules are built on the ``meta`` device and take the loaded tensors as they
+are (``load_state_dict(assign=True)``), so nothing full-size is allocated first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.distributed.layout import TPLayout
+from mmserve.kernels.torch_backend import TorchAttentionBackend
+from mmserve.model.llama import DecoderLayer, LlamaDecoder, RMSNorm
+from mmserve.model.weights import CheckpointError, split_weights, weight_files
+
+
+class RowParallelLinear(nn.Linear):
+    """``y = all_reduce(x @ W_r^T) + b``: a linear layer whose input features are split
+    across ranks (``W_r`` is this rank's column slice ``[out, in / N]``); the bias is
+    whole on every rank and added once, after the sum."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[T, in / N]`` -> ``[T, out]`` (same dtype), summed over ranks."""
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def _slices(layout: TPLayout, name: str) -> tuple[str, tuple[int, int] | None]:
+    """``(axis, (lo, hi))`` of checkpoint tensor ``name`` this rank reads: axis "row"
+    or "col", or ``("all", None)`` for a replicated tensor."""
+    parts = name.split(".")
+    leaf = parts[-2] if len(parts) >= 2 else ""
+    kind = parts[-1]
+    if leaf == "q_proj":
+        return "row", layout.q_rows()
+    if leaf in ("k_proj", "v_proj"):
+        return "row", layout.kv_rows()
+    if leaf in ("gate_proj", "up_proj"):
+        return "row", layout.mlp_rows()
+    if leaf == "o_proj" and kind == "weight":
+        return "col", layout.q_rows()
+    if leaf == "down_proj" and kind == "weight":
+        return "col", layout.mlp_rows()
+    if name == "lm_head.weight":
+        return "row", layout.vocab_rows()
+    return "all", None  # norms, o_proj / down_proj biases, the embedding
+
+
+class ShardedDecoder(nn.Module):
+    """Rank ``layout.rank``'s part of :class:`~mmserve.model.llama.LlamaDecoder`.
+
+    Args:
+        layout: this rank's share.
+        with_embedding: hold the whole token embedding (rank 0, which embeds the
+            batch and scatters image features in before broadcasting it).
+
+    Attributes:
+        shape: the local shape (:meth:`TPLayout.local_shape`): local heads and MLP
+            width, whole hidden size and vocabulary.
+        lm_head: this rank's vocabulary rows ``[vocab_rows, hidden]``.
+    """
+
+    rope = LlamaDecoder.rope  # the same RoPE tables, from the same fp32 frequencies
+
+    def __init__(self, layout: TPLayout, with_embedding: bool) -> None:
+        super().__init__()
+        self.layout = layout
+        full = layout.full
+        self.shape = layout.local_shape()
+        lo, hi = layout.vocab_rows()
+        with torch.device("meta"):
+            self.embed_tokens = (
+                nn.Embedding(full.vocab_size, full.hidden_size) if with_embedding else None
+            )
+            layers = []
+            for i in range(full.num_layers):
+                layer = DecoderLayer(self.shape, i)
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.o_proj = RowParallelLinear(attn.h * attn.d, full.hidden_size, bias=full.o_bias)
+                mlp.down_proj = RowParallelLinear(
+                    self.shape.intermediate_size, full.hidden_size, bias=full.mlp_bias
+                )
+                layers.append(layer)
+            self.layers = nn.ModuleList(layers)
+            self.norm = RMSNorm(full.hidden_size, full.rms_norm_eps)
+            self.lm_head = nn.Linear(full.hidden_size, hi - lo, bias=False)
+        self._inv_freq_fp32 = 1.0 / (
+            full.rope_theta
+            ** (torch.arange(0, full.head_dim, 2, dtype=torch.float) / full.head_dim)
+        )
+
+    def load(self, model_dir: Path, device: str, dtype: torch.dtype) -> None:
+        """Read this rank's slices from ``model_dir``'s safetensors and move them to
+        ``device`` / ``dtype``.
+
+        Raises:
+            CheckpointError: when a tensor this rank needs is missing.
+        """
+        files = weight_files(model_dir)
+        where: dict[str, Path] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    where[key] = path
+        dec, _ = split_weights({k: k for k in where}, {})  # decoder name -> stored key
+        if self.layout.full.tie_word_embeddings:  # transformers ties and ignores a stored head
+            dec.pop("lm_head.weight", None)
+            if "embed_tokens.weight" in dec:
+                dec["lm_head.weight"] = dec["embed_tokens.weight"]
+        wanted = set(self.state_dict())
+        missing = sorted(wanted - set(dec))
+        if missing:
+            raise CheckpointError(f"decoder: weights missing from checkpoint: {missing[:8]}")
+        state: dict[str, torch.Tensor] = {}
+        by_file: dict[Path, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(where[dec[name]], []).append(name)
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    axis, span = _slices(self.layout, name)
+                    sl = f.get_slice(dec[name])
+                    if axis == "row":
+                        t = sl[span[0] : span[1]]
+                    elif axis == "col":
+                        t = sl[:, span[0] : span[1]]
+                    else:
+                        t = sl[:]
+                    state[name] = t.to(device=device, dtype=dtype)
+        self.load_state_dict(state, strict=True, assign=True)
+        if self.layout.full.tie_word_embeddings and self.embed_tokens is not None:
+            lo, hi = self.layout.vocab_rows()  # the head is a view of the embedding's rows
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight[lo:hi])
+        self.eval()
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's decoder weights (embedding included where held)."""
+        seen, total = set(), 0
+        for p in self.parameters():
+            key = (p.untyped_storage().data_ptr(), p.storage_offset())
+            if key not in seen:
+                seen.add(key)
+                total += p.numel() * p.element_size()
+        return total
+
+    @torch.inference_mode()
+    def forward_shard(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        backend: TorchAttentionBackend,
+        pool: KVPool,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """This rank's part of the forward pass (every rank calls it with the same batch).
+
+        Args:
+            embeds: ``[T, hidden]`` input embeddings, equal on every rank.
+            positions: int64 ``[T]``.
+            backend: attention backend planned for this batch, over this rank's heads.
+            pool: this rank's KV pool (its K/V heads only).
+            logit_rows: int64 ``[B]`` rows whose logits are wanted.
+
+        Returns:
+            fp32 logits ``[B, ceil(V / N)]`` of this rank's vocabulary rows, zero-padded.
+        """
+        cos, sin = self.rope(positions, embeds.dtype)
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, backend, pool)
+        x = self.norm(x[logit_rows])
+        logits = self.lm_head(x).float()
+        pad = self.layout.vocab_per_rank - logits.shape[1]
+        return F.pad(logits, (0, pad)) if pad else logits
