@@ -40,7 +40,7 @@ from mmserve.model.loader import LoadedModel
 from mmserve.vision.budget import DecodeBudget, RequestPixels, decoded_bytes
 from mmserve.vision.embedding_cache import EmbeddingCache
 from mmserve.vision.hashing import image_key, processor_fingerprint
-from mmserve.vision.image import decode_image
+from mmserve.vision.image import ImageError, decode_image
 
 
 class RequestError(ValueError):
@@ -237,7 +237,10 @@ class InputProcessor:
             def use(im: object) -> ImageInput:
                 return dataclasses.replace(item, pixels=self._preprocess(im, item.mode))
 
-            ready = self._decoded(item.source, None, use).pixels
+            try:
+                ready = self._decoded(item.source, None, use).pixels
+            except ImageError as e:  # decoded before; limits changed since
+                raise RequestError(f"an image can no longer be decoded: {e}", "messages") from None
         else:
             raise RequestError(
                 f"an image (key {item.key.hex()}) was prepared for another mode and has no "
