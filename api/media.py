@@ -57,7 +57,8 @@ class MediaResolver:
         resolver: host name -> addresses for remote URLs (default: the system's
             ``getaddrinfo``); tests inject one.
         processor: prepares images for requests (decode, hash, preprocess); None: the
-            store's ``prepare`` is the processor's bound ``prepare_image``.
+            object whose bound method the store's ``prepare`` is
+            (``InputProcessor.prepare_image``).
     """
 
     def __init__(
@@ -70,7 +71,9 @@ class MediaResolver:
         processor: InputProcessor | None = None,
     ) -> None:
         self.store = store
-        self.processor = processor or store.prepare.__self__
+        self.processor = processor or getattr(store.prepare, "__self__", None)
+        if self.processor is None:
+            raise ValueError("MediaResolver needs the InputProcessor (processor=...)")
         # keys and sizes of images that came with their bytes (no files, no pixels)
         self.transient = ImageStore(store.prepare, max_images=transient_images, keep_files=False)
         self.limits = limits

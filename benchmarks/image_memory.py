@@ -198,7 +198,8 @@ def table(rows: dict[str, dict]) -> str:
         status = f"{r['one_status']}, {r['two_status']}"
         lines.append(
             f"| {name} | {r['cold'] / MB:.0f} | {base / MB:.0f} | {f(r['one_peak'])} | "
-            f"{f(r['one_after'])} | {f(r['two_peak'])} | {f(r['two_after'])} | {r['hwm'] / MB:.0f} | {status} |"
+            f"{f(r['one_after'])} | {f(r['two_peak'])} | {f(r['two_after'])} | "
+            f"{r['hwm'] / MB:.0f} | {status} |"
         )
     return "\n".join(lines)
 
