@@ -65,7 +65,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             aengine, metrics, settings.max_queued_requests, settings.retry_after_seconds
         ),
         store=store,
-        media=MediaResolver(store, engine.config.image_limits, settings),
+        media=MediaResolver(
+            store, engine.config.image_limits, settings, processor=engine.processor
+        ),
         metrics=metrics,
         settings=settings,
         model_name=model_name,

@@ -9,11 +9,13 @@ from dataclasses import replace
 from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
+from api.media import busy_error
 from api.schemas import SamplingFields
 from api.structured import guided_spec
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.processor import InputProcessor, RequestError
 from mmserve.engine.request import ImageInput, ParamError, SamplingParams
+from mmserve.vision.budget import DecodeBusyError
 
 #: A ``logit_bias`` key: a token id written in decimal, no sign but "-", no leading
 #: zeros, spaces or underscores (which ``int`` would accept), so two keys never name
@@ -137,3 +139,5 @@ async def _make(
         )
     except RequestError as e:
         raise APIError(400, str(e), param=e.param or "messages") from None
+    except DecodeBusyError as e:  # an image decoded again (its features were evicted)
+        raise busy_error(e) from None

@@ -1,7 +1,12 @@
 """Bounded, content-addressed store of uploaded images, optionally kept on disk.
 
 The id is the image key (xxh3-128 of decoded pixels + processor fingerprint),
-so uploading the same pixels again returns the same id. A bytes memo
+so uploading the same pixels again returns the same id. The store keeps no decoded
+image: an entry is the key, size and mode found when it was decoded, and (for uploads)
+the encoded file, which the front end decodes again when a request needs the
+image's tower input and the embedding cache does not hold its features. A decoded
+6000x6000 image is about 108 MB; its PNG may be 100 KB, so keeping files rather than
+pixels keeps the store's memory what its byte bound says. A bytes memo
 (xxh3-64 of the file -> id) lets a repeated upload skip decoding; it never
 decides sharing by itself (DESIGN.md, "Two hashes, two jobs").
 
@@ -12,6 +17,7 @@ first, so uploads survive a restart; the bounds apply to the files too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -36,11 +42,14 @@ class StoredImage:
     """One entry of the store.
 
     Attributes:
-        image: the decoded image and its key.
-        nbytes: decoded pixel bytes (what the byte bound counts).
+        image: the image's key and size, with the encoded file as ``source`` when the
+            store keeps files (no decoded image, no pixels).
+        nbytes: bytes the entry holds in memory (its file, or 0; what the byte bound
+            counts).
         file_bytes: size of the encoded file as uploaded (bytes).
         created: when it was first stored (Unix seconds).
         persisted: whether its bytes are on disk.
+        color_mode: the decoded image's PIL mode (``RGB``, ``L``, ...).
     """
 
     image: ImageInput
@@ -48,16 +57,21 @@ class StoredImage:
     file_bytes: int
     created: float
     persisted: bool = False
+    color_mode: str = ""
 
 
 class ImageStore:
-    """LRU store of decoded images bounded by count and decoded bytes.
+    """LRU store of hashed images bounded by count and the bytes it holds.
 
     Args:
-        prepare: decodes and hashes bytes (``InputProcessor.prepare_image``); raises ImageError.
+        prepare: decodes and hashes bytes (``InputProcessor.prepare_image``, returning
+            the decoded image in ``image``, which the store drops); raises ImageError.
         max_images: most images kept.
-        max_bytes: most decoded pixel bytes kept (bytes).
+        max_bytes: most bytes of encoded files kept in memory (bytes).
         directory: where to keep uploads across restarts (None: memory only).
+        keep_files: keep each image's encoded file (uploads: a later request decodes it
+            again); False keeps only keys and sizes (a memo of data-URL and remote images,
+            whose requests bring the file again).
     """
 
     def __init__(
@@ -66,8 +80,10 @@ class ImageStore:
         max_images: int = 256,
         max_bytes: int = 1 << 30,
         directory: str | os.PathLike | None = None,
+        keep_files: bool = True,
     ) -> None:
         self.prepare = prepare
+        self.keep_files = keep_files
         self.max_images = max_images
         self.max_bytes = max_bytes
         self.directory = Path(directory) if directory else None
@@ -97,14 +113,39 @@ class ImageStore:
             if entry is not None:
                 self._entries.move_to_end(known)
         if entry is None:
-            image = self.prepare(data)
-            entry = StoredImage(image, _size(image), len(data), time.time())
+            entry = self._entry(self.prepare(data), data, time.time())
         if persist and not entry.persisted and self.directory is not None:
             self._write(entry.image.id, data)
             entry.persisted = True
         with self._lock:
             self._add(entry, digest)
         return entry.image
+
+    def lookup(self, data: bytes) -> ImageInput | None:
+        """The stored image of these exact bytes (marked recently used), or None; never
+        decodes."""
+        digest = xxhash.xxh3_64_intdigest(data)
+        with self._lock:
+            known = self._memo.get(digest)
+            entry = self._entries.get(known) if known is not None else None
+            if entry is not None:
+                self._entries.move_to_end(known)
+        return entry.image if entry is not None else None
+
+    def add(self, image: ImageInput, data: bytes) -> None:
+        """Keep an image the caller decoded and hashed from ``data`` (its decoded image
+        and pixels are not kept)."""
+        entry = self._entry(image, data, time.time())
+        with self._lock:
+            self._add(entry, xxhash.xxh3_64_intdigest(data))
+
+    def _entry(self, image: ImageInput, data: bytes, created: float) -> StoredImage:
+        mode = image.image.mode if image.image is not None else ""
+        source = data if self.keep_files else None
+        bare = dataclasses.replace(image, image=None, pixels=None, features=None, source=source)
+        return StoredImage(
+            bare, len(data) if self.keep_files else 0, len(data), created, False, mode
+        )
 
     def get(self, image_id: str) -> ImageInput | None:
         """The stored image (marked as recently used), or None."""
@@ -140,7 +181,7 @@ class ImageStore:
 
     @property
     def total_bytes(self) -> int:
-        """Decoded pixel bytes held (bytes)."""
+        """Bytes of encoded files held in memory (bytes)."""
         return self._bytes
 
     def __len__(self) -> int:
@@ -206,12 +247,7 @@ class ImageStore:
             created = path.stat().st_mtime
             if path.name != f"{image.id}{_SUFFIX}":  # another processor: another key
                 os.replace(path, self._path(image.id))
-            entry = StoredImage(image, _size(image), len(data), created, persisted=True)
+            entry = self._entry(image, data, created)
+            entry.persisted = True
             self._add(entry, xxhash.xxh3_64_intdigest(data))
         log.info("image store: %d images loaded from %s", len(self._entries), self.directory)
-
-
-def _size(image: ImageInput) -> int:
-    im = image.image
-    per_band = 4 if im.mode in ("I", "F") else 2 if "16" in im.mode else 1
-    return im.width * im.height * max(1, len(im.getbands())) * per_band

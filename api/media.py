@@ -1,4 +1,4 @@
-"""Turn an ``image_url`` value into a decoded, hashed image.
+"""Turn an ``image_url`` value into a hashed, preprocessed image.
 
 Accepted: an uploaded image id (``img-...`` or ``mmserve://images/img-...``)
 and ``data:<mime>;base64,...`` URLs. ``http(s)://`` URLs only when the
@@ -6,6 +6,12 @@ operator passed ``--allow-remote-images``, and then only to public addresses
 (:mod:`api.remote_fetch`); ``file://`` URLs only inside
 ``--allowed-local-media-path``. Everything else is a 400 that says how to
 upload instead.
+
+Each image is decoded, hashed and preprocessed in one go and its decoded pixels
+dropped before the next image of the request is read
+(:meth:`~mmserve.engine.processor.InputProcessor.prepare_image`); an image beyond the
+request's pixel budget is a 400 naming it, and a server whose decoded-image budget
+stays full answers 503 with ``Retry-After`` (:func:`busy_error`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from api.errors import APIError
 from api.image_store import ImageStore
 from api.remote_fetch import RemoteFetcher, RemoteFetchError, Resolver
 from api.settings import ServerSettings
+from mmserve.engine.processor import InputProcessor
 from mmserve.engine.request import ImageInput
+from mmserve.vision.budget import DecodeBusyError, PixelBudgetError, RequestPixels
 from mmserve.vision.image import ImageError, ImageLimits
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,9 @@ class MediaResolver:
             one skips decoding.
         resolver: host name -> addresses for remote URLs (default: the system's
             ``getaddrinfo``); tests inject one.
+        processor: prepares images for requests (decode, hash, preprocess); None: the
+            object whose bound method the store's ``prepare`` is
+            (``InputProcessor.prepare_image``).
     """
 
     def __init__(
@@ -55,11 +66,16 @@ class MediaResolver:
         store: ImageStore,
         limits: ImageLimits,
         settings: ServerSettings,
-        transient_images: int = 64,
+        transient_images: int = 256,
         resolver: Resolver | None = None,
+        processor: InputProcessor | None = None,
     ) -> None:
         self.store = store
-        self.transient = ImageStore(store.prepare, max_images=transient_images)
+        self.processor = processor or getattr(store.prepare, "__self__", None)
+        if self.processor is None:
+            raise ValueError("MediaResolver needs the InputProcessor (processor=...)")
+        # keys and sizes of images that came with their bytes (no files, no pixels)
+        self.transient = ImageStore(store.prepare, max_images=transient_images, keep_files=False)
         self.limits = limits
         self.settings = settings
         local = settings.allowed_local_media_path
@@ -73,18 +89,35 @@ class MediaResolver:
         if resolver is not None:
             self.fetcher.resolver = resolver
 
-    async def resolve(self, url: str, param: str) -> ImageInput:
-        """The image that ``url`` names.
+    async def resolve(
+        self,
+        url: str,
+        param: str,
+        mode: str | None = None,
+        pixels: RequestPixels | None = None,
+    ) -> ImageInput:
+        """The image that ``url`` names, prepared in ``mode`` for a request.
+
+        Args:
+            url: the ``image_url`` value.
+            param: its request field (named by errors).
+            mode: the mode to prepare it in (``InputProcessor.image_mode``); None returns
+                the stored or decoded image unprepared (hashed, with its decoded image
+                for a new one).
+            pixels: the request's pixel count, charged with this image.
 
         Raises:
             APIError: 400 for an unknown id, a bad data URL, an undecodable or over-limit
-                image, or a source the operator has not allowed.
+                image, an image past the request's pixel budget, or a source the operator
+                has not allowed; 503 when the server's decoded-image budget stays full.
         """
         url = url.strip()
         m = IMAGE_ID.match(url)
         if m:
             # only uploads are addressable by id: a data-URL image's id is not an upload
             image = self.store.get(m.group(1))
+            if image is not None and mode is not None:
+                return await self._prepare(image.source, param, mode, pixels, known=image)
             if image is None:
                 raise APIError(
                     400,
@@ -116,7 +149,28 @@ class MediaResolver:
                 param=param,
                 code="unsupported_image_url",
             )
-        return await self.store_bytes(data, param, upload=False)
+        if mode is None:
+            return await self.store_bytes(data, param, upload=False)
+        known = self.transient.lookup(data)
+        image = await self._prepare(data, param, mode, pixels, known=known)
+        if known is None:
+            self.transient.add(image, data)
+        return image
+
+    async def _prepare(
+        self,
+        data: bytes | None,
+        param: str,
+        mode: str,
+        pixels: RequestPixels | None,
+        known: ImageInput | None,
+    ) -> ImageInput:
+        try:
+            return await run_in_threadpool(self.processor.prepare_image, data, mode, pixels, known)
+        except ImageError as e:
+            raise image_error(e, param) from None
+        except DecodeBusyError as e:
+            raise busy_error(e) from None
 
     async def store_bytes(self, data: bytes, param: str, upload: bool = True) -> ImageInput:
         """Decode, hash and keep ``data``: in the upload store, else in the transient cache.
@@ -128,7 +182,9 @@ class MediaResolver:
         try:
             return await run_in_threadpool(store.put, data)
         except ImageError as e:
-            raise APIError(400, f"{param}: {e}", param=param, code="invalid_image") from None
+            raise image_error(e, param) from None
+        except DecodeBusyError as e:
+            raise busy_error(e) from None
 
     def _fetch(self, url: str, param: str) -> bytes:
         """The bytes of a remote image (:class:`~api.remote_fetch.RemoteFetcher` rules).
@@ -177,6 +233,24 @@ class MediaResolver:
                 code="invalid_image",
             )
         return path.read_bytes()
+
+
+def image_error(e: ImageError, param: str) -> APIError:
+    """The 400 for an image refused at ``param``: ``request_image_pixels_exceeded`` past the
+    request's pixel budget, else ``invalid_image``."""
+    code = "request_image_pixels_exceeded" if isinstance(e, PixelBudgetError) else "invalid_image"
+    return APIError(400, f"{param}: {e}", param=param, code=code)
+
+
+def busy_error(e: DecodeBusyError) -> APIError:
+    """The 503 (with ``Retry-After``) for a decoded-image budget that stayed full."""
+    return APIError(
+        503,
+        str(e),
+        "server_error",
+        code="image_decode_busy",
+        headers={"Retry-After": str(e.retry_after)},
+    )
 
 
 def decode_data_url(url: str, param: str) -> bytes:

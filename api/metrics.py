@@ -103,9 +103,11 @@ class Metrics:
         if result.completion_tokens >= 2:
             self.tpot.observe((result.latency - result.ttft) / (result.completion_tokens - 1))
 
-    def render(self, engine_stats: dict) -> bytes:
-        """Prometheus text exposition, with ``engine_stats`` from ``Engine.cache_stats()``."""
+    def render(self, engine_stats: dict, media_stats: dict | None = None) -> bytes:
+        """Prometheus text exposition, with ``engine_stats`` from ``Engine.cache_stats()``
+        and ``media_stats`` from :func:`media_stats`."""
         self._engine.stats = engine_stats
+        self._engine.media = media_stats or {}
         return generate_latest(self.registry)
 
     def summary(self) -> dict:
@@ -138,11 +140,13 @@ class _EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.stats: dict = {}
+        self.media: dict = {}
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
+        yield from _media_metrics(self.media)
         s = self.stats
         if not s:
             return
@@ -221,3 +225,73 @@ def _tier_metrics(s: dict) -> Iterator[Metric]:
         "1 while the disk tier writes; 0 after a write error turned it off.",
         value=s["tier_disk_writable"],
     )
+
+
+# (metric name, media_stats key, help, counter?) for decoded images and the image stores
+_MEDIA = (
+    (
+        "mmserve_decoded_image_bytes",
+        "decoded_bytes_in_use",
+        "Bytes of decoded images held now while requests decode and preprocess them.",
+        False,
+    ),
+    (
+        "mmserve_decoded_image_bytes_peak",
+        "decoded_bytes_peak",
+        "Most bytes of decoded images held at once since start.",
+        False,
+    ),
+    (
+        "mmserve_decoded_image_bytes_limit",
+        "decoded_bytes_limit",
+        "Server-wide budget for decoded images (--max-decoded-image-bytes).",
+        False,
+    ),
+    (
+        "mmserve_image_decode_waits",
+        "decode_waits",
+        "Image decodes that waited for room in the decoded-image budget.",
+        True,
+    ),
+    (
+        "mmserve_image_decode_refusals",
+        "decode_refusals",
+        "Image decodes refused (503) because the decoded-image budget stayed full.",
+        True,
+    ),
+    (
+        "mmserve_image_store_bytes",
+        "store_bytes",
+        "Bytes the image stores hold (encoded files; no decoded images are kept).",
+        False,
+    ),
+    ("mmserve_image_store_images", "store_images", "Images in the upload store.", False),
+    (
+        "mmserve_image_memo_images",
+        "memo_images",
+        "Keys of data-URL and remote images remembered to skip re-hashing.",
+        False,
+    ),
+)
+
+
+def _media_metrics(m: dict) -> Iterator[Metric]:
+    for name, key, help_, counter in _MEDIA:
+        if key in m:
+            cls = CounterMetricFamily if counter else GaugeMetricFamily
+            yield cls(name, help_, value=m[key])
+
+
+def media_stats(budget: object, store: object, memo: object) -> dict:
+    """Figures for :meth:`Metrics.render`: a ``DecodeBudget`` and the upload store and
+    memo (``ImageStore``)."""
+    return {
+        "decoded_bytes_in_use": budget.in_use,
+        "decoded_bytes_peak": budget.peak,
+        "decoded_bytes_limit": budget.capacity,
+        "decode_waits": budget.waits,
+        "decode_refusals": budget.refusals,
+        "store_bytes": store.total_bytes + memo.total_bytes,
+        "store_images": len(store),
+        "memo_images": len(memo),
+    }

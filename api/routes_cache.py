@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.errors import APIError
 from api.json_body import refuse_body
+from api.metrics import media_stats
 from api.state import State
 
 router = APIRouter()
@@ -21,7 +22,8 @@ class _Busy(Exception):
 async def metrics(st: State) -> Response:
     """Prometheus text format: requests, tokens, cache, vision tower, KV pool, latencies."""
     stats = await st.aengine.run_on_engine(st.engine.cache_stats)
-    return Response(st.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+    media = media_stats(st.engine.processor.decode_budget, st.store, st.media.transient)
+    return Response(st.metrics.render(stats, media), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/cache/stats")

@@ -21,6 +21,7 @@ from api.structured import ToolCalling, tool_calling
 from api.submit import ClientDisconnected
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.request import ImageInput, SamplingParams
+from mmserve.model.families.base import FRAME_MODE
 from mmserve.vision.video import FrameSelection
 
 router = APIRouter(route_class=JSONBodyRoute)
@@ -136,13 +137,21 @@ async def engine_requests(
         APIError: 400 naming the part at fault (unknown id, undecodable image, too many
             images, prompt too long, ...).
     """
+    video_path = st.engine.model.video_token_id is not None
+    processor = st.engine.processor
+    # one image at a time: decoded, hashed, preprocessed, its pixels dropped, in the mode
+    # its prompt gives it (frames without a video path are images of the prompt too)
+    pixels = processor.request_pixels()
+    mode = processor.image_mode(sum(sel is None for _, _, sel in urls))
+    frame_mode = FRAME_MODE if video_path else mode
     images = []
     for url, param, sel in urls:
         if sel is None:
-            images.append(await st.media.resolve(url, param))
+            images.append(await st.media.resolve(url, param, mode, pixels))
         else:  # a video: its sampled frames, each an image
-            images.append(await routes_videos.resolve_video(st, url, sel, param))
-    video_path = st.engine.model.video_token_id is not None
+            images.append(
+                await routes_videos.resolve_video(st, url, sel, param, frame_mode, pixels)
+            )
     messages, images, videos = _expand_videos(
         messages, images, st.engine.config.max_images_per_request, video_path
     )

@@ -65,13 +65,16 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
     (one question's request) and runs the others right after, as cache hits.
     """
     st.check_model(body.model)
-    image = _entry(st, image_id).image
+    _entry(st, image_id)
     if len(body.questions) > st.settings.max_questions:
         raise APIError(
             400,
             f"{len(body.questions)} questions; the limit is {st.settings.max_questions}",
             param="questions",
         )
+    # prepared once (decoded again only if its features are not cached), used by each question
+    processor = st.engine.processor
+    image = await st.media.resolve(image_id, "image_id", processor.image_mode(1))
     params = sampling_params(body)
     system = [{"role": "system", "content": body.system}] if body.system else []
     reqs = []
@@ -131,14 +134,14 @@ def _entry(st: ServerState, image_id: str) -> StoredImage:
 
 
 def _info(st: ServerState, entry: StoredImage) -> dict:
-    im = entry.image.image
+    im = entry.image
     return {
         "id": entry.image.id,
         "object": "image",
         "created_at": int(entry.created),
         "width": im.width,
         "height": im.height,
-        "mode": im.mode,
+        "mode": entry.color_mode,
         "bytes": entry.file_bytes,
         "num_image_tokens": st.engine.processor.image_tokens(entry.image),
     }

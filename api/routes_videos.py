@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from api.errors import APIError, error_body
 from api.generation import make_requests, sampling_params
 from api.json_body import JSONBodyRoute
-from api.media import decode_data_url
+from api.media import busy_error, decode_data_url, image_error
 from api.schemas import FrameFields, VideoQARequest
 from api.state import ServerState, State
 from api.uploads import read_upload, upload_body
@@ -34,6 +34,9 @@ from api.video_store import (
     sample_frames,
 )
 from mmserve.engine.request import Request as EngineRequest
+from mmserve.model.families.base import FRAME_MODE
+from mmserve.vision.budget import DecodeBusyError, RequestPixels
+from mmserve.vision.image import ImageError
 from mmserve.vision.video import FrameFailure, FrameSelection, VideoError
 
 router = APIRouter(route_class=JSONBodyRoute)
@@ -112,7 +115,15 @@ async def video_qa(
             param="questions",
         )
     params = sampling_params(body)
-    frames, skipped = await expand_video(st, entry.data, selection(body), "video", skip=True)
+    processor = st.engine.processor
+    if body.mode == "per_frame":  # each frame alone in its prompt
+        mode = processor.image_mode(1)
+    else:  # a video, or frames as the images of one prompt
+        video_path = st.engine.model.video_token_id is not None
+        mode = FRAME_MODE if video_path else processor.image_mode(st.settings.max_video_frames)
+    frames, skipped = await expand_video(
+        st, entry.data, selection(body), "video", True, "", mode, processor.request_pixels()
+    )
     system = [{"role": "system", "content": body.system}] if body.system else []
     default_tokens = st.settings.default_max_tokens
     jobs: list[tuple[int | None, int]] = []  # (position of the frame or None for clip, question)
@@ -234,8 +245,11 @@ async def expand_video(
     param: str,
     skip: bool = False,
     fields_at: str = "",
+    mode: str | None = None,
+    pixels: RequestPixels | None = None,
 ) -> tuple[list[Frame], list[FrameFailure]]:
-    """Decode and hash the selected frames of an encoded video.
+    """Decode and hash the selected frames of an encoded video and, given ``mode``,
+    preprocess them (their decoded images dropped).
 
     Args:
         param: the request field holding the video (named by errors about the video).
@@ -243,6 +257,8 @@ async def expand_video(
             than refuse the video.
         fields_at: where the frame selection fields sit in the request (``""`` for the
             top level, ``"messages[0].content[1].video_url."`` for a content part).
+        mode: the mode the frames take in their prompt (None: keep decoded images).
+        pixels: the request's pixel count, charged with every selected frame.
 
     Returns:
         ``(frames, skipped)``; ``skipped`` is empty unless ``skip``.
@@ -252,17 +268,23 @@ async def expand_video(
             not decode when not ``skip``, or none that decodes); 400
             ``invalid_frame_selection`` naming the selection field (``timestamps``,
             ``fps``, ``num_frames``) for a selection that does not fit the video, e.g. a
-            timestamp at or past its end (the message gives the duration).
+            timestamp at or past its end (the message gives the duration); 400
+            ``request_image_pixels_exceeded`` past the request's pixel budget; 503 when
+            the server's decoded-image budget stays full.
     """
 
     def work() -> tuple[list[Frame], list[FrameFailure]]:
         video = open_video(st.engine, data, st.settings.video_limits())
         if skip:
-            return sample_decodable_frames(st.engine, video, sel)
-        return sample_frames(st.engine, video, sel), []
+            return sample_decodable_frames(st.engine, video, sel, mode, pixels)
+        return sample_frames(st.engine, video, sel, mode, pixels), []
 
     try:
         return await run_in_threadpool(work)
+    except ImageError as e:
+        raise image_error(e, param) from None
+    except DecodeBusyError as e:
+        raise busy_error(e) from None
     except VideoError as e:
         if e.field is not None:
             where = fields_at + e.field
@@ -272,8 +294,16 @@ async def expand_video(
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_video") from None
 
 
-async def resolve_video(st: ServerState, url: str, sel: FrameSelection, param: str) -> list[Frame]:
-    """The frames of a ``video_url``: an uploaded ``vid-...`` id or a base64 data URL.
+async def resolve_video(
+    st: ServerState,
+    url: str,
+    sel: FrameSelection,
+    param: str,
+    mode: str | None = None,
+    pixels: RequestPixels | None = None,
+) -> list[Frame]:
+    """The frames of a ``video_url``: an uploaded ``vid-...`` id or a base64 data URL,
+    prepared in ``mode`` (see :func:`expand_video`).
 
     Raises:
         APIError: 400 for an unknown id, another kind of url, or a bad video (a frame
@@ -291,13 +321,13 @@ async def resolve_video(st: ServerState, url: str, sel: FrameSelection, param: s
                 param=param,
                 code="video_not_found",
             )
-        return (await expand_video(st, entry.data, sel, param, fields_at=f"{param}."))[0]
+        return (await expand_video(st, entry.data, sel, param, False, f"{param}.", mode, pixels))[0]
     if url.split(":", 1)[0].lower() != "data":
         raise APIError(
             400, f"{param}: unsupported video url; {VIDEO_HINT}", param=param, code="invalid_video"
         )
     data = decode_data_url(url, param)
-    return (await expand_video(st, data, sel, param, fields_at=f"{param}."))[0]
+    return (await expand_video(st, data, sel, param, False, f"{param}.", mode, pixels))[0]
 
 
 def clip_prompt(

@@ -21,6 +21,7 @@ import xxhash
 
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import ImageInput
+from mmserve.vision.budget import RequestPixels, decoded_bytes
 from mmserve.vision.hashing import image_key
 from mmserve.vision.video import (
     FrameFailure,
@@ -66,21 +67,32 @@ def open_video(engine: Engine, data: bytes, limits: VideoLimits) -> Video:
     return Video(data, limits, engine.config.image_limits, engine.processor.shortest_edge)
 
 
-def sample_frames(engine: Engine, video: Video, selection: FrameSelection) -> list[Frame]:
-    """Decode the selected frames and hash each as an image (equal pixels: one key).
+def sample_frames(
+    engine: Engine,
+    video: Video,
+    selection: FrameSelection,
+    mode: str | None = None,
+    pixels: RequestPixels | None = None,
+) -> list[Frame]:
+    """Decode the selected frames and hash each as an image (equal pixels: one key); given
+    ``mode``, preprocess each and drop its decoded image (:func:`_sample`).
 
     Raises:
         VideoError: a bad selection, or any selected frame that does not decode (the
             message names each such frame and its time).
     """
-    frames, failed = _sample(engine, video, selection)
+    frames, failed = _sample(engine, video, selection, mode, pixels)
     if failed:
         raise VideoError(undecodable_message(failed, len(failed) + len({f.index for f in frames})))
     return frames
 
 
 def sample_decodable_frames(
-    engine: Engine, video: Video, selection: FrameSelection
+    engine: Engine,
+    video: Video,
+    selection: FrameSelection,
+    mode: str | None = None,
+    pixels: RequestPixels | None = None,
 ) -> tuple[list[Frame], list[FrameFailure]]:
     """The selected frames that decode, hashed, and the selected frames that do not.
 
@@ -92,27 +104,52 @@ def sample_decodable_frames(
         VideoError: a bad selection, or no selected frame decodes (the message names
             every one of them).
     """
-    frames, failed = _sample(engine, video, selection)
+    frames, failed = _sample(engine, video, selection, mode, pixels)
     if not frames:
         raise VideoError(undecodable_message(failed, len(failed)))
     return frames, failed
 
 
 def _sample(
-    engine: Engine, video: Video, selection: FrameSelection
+    engine: Engine,
+    video: Video,
+    selection: FrameSelection,
+    mode: str | None = None,
+    pixels: RequestPixels | None = None,
 ) -> tuple[list[Frame], list[FrameFailure]]:
+    """The selected frames, decoded and hashed, with their decoded bytes held in the
+    server-wide budget from before decoding until they are preprocessed (``mode``) or
+    returned; every selected frame is charged to ``pixels``.
+
+    Raises:
+        PixelBudgetError, ImageError: past the request's pixel budget, or frames larger
+            than the whole server budget.
+        DecodeBusyError: the server-wide budget stayed full.
+    """
     indices = video.indices(selection)
-    got = video.decode(indices)
-    keys: dict[int, ImageInput] = {}
-    out = []
-    for i in indices:
-        im = got.images.get(i)
-        if im is None:
-            continue
-        if i not in keys:
-            keys[i] = ImageInput(image_key(im, engine.processor.fingerprint), im)
-        out.append(Frame(i, video.info.frame_times[i], keys[i]))
-    return out, list(got.failed)
+    w, h = video.info.width, video.info.height
+    if pixels is not None:
+        for _ in indices:
+            pixels.charge(w, h, "video frame")
+    processor = engine.processor
+    held = len(set(indices)) * decoded_bytes(w, h, "RGB")
+    processor.decode_budget.acquire(held)
+    try:
+        got = video.decode(indices)
+        keys: dict[int, ImageInput] = {}
+        for i in dict.fromkeys(indices):
+            im = got.images.get(i)
+            if im is not None:
+                keys[i] = ImageInput(image_key(im, processor.fingerprint), im)
+        if mode is not None:  # the tower input made here, the decoded frames dropped
+            ready = processor.prepare_frames(list(keys.values()), mode)
+            keys = dict(zip(keys, ready, strict=True))
+        out = [Frame(i, video.info.frame_times[i], keys[i]) for i in indices if i in keys]
+        failed = list(got.failed)
+        del got
+    finally:
+        processor.decode_budget.release(held)
+    return out, failed
 
 
 class VideoStore:

@@ -61,6 +61,13 @@ class EngineConfig:
             leading tokens are not prefilled in the same batch; the second waits
             one step and hits the cache instead.
         image_limits: byte and pixel limits for decoded images.
+        max_request_image_pixels: most decoded pixels (width x height, every image and
+            video frame) in one request; more gets a 400 naming the image that passes it,
+            before that image is decoded.
+        max_decoded_image_bytes: most bytes of decoded images (width x height x channels)
+            that all requests hold at once while they are decoded and preprocessed.
+        decoded_image_wait_seconds: how long a decode waits for room in
+            ``max_decoded_image_bytes`` before the request gets a 503 with Retry-After.
         disable_jump_forward: decode structured output token by token even where the
             grammar allows only one continuation (jump-forward decoding off).
         kv_host_bytes: host-memory KV tier (bytes; 0 = off): pages the radix tree evicts
@@ -98,6 +105,9 @@ class EngineConfig:
     max_images_per_request: int = 8
     dedup_min_tokens: int = 32
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    max_request_image_pixels: int = 300_000_000
+    max_decoded_image_bytes: int = 1 << 30
+    decoded_image_wait_seconds: float = 5.0
     disable_jump_forward: bool = False
     kv_host_bytes: int = 0
     kv_disk_dir: str | None = None
@@ -119,6 +129,10 @@ class EngineConfig:
             raise ValueError("max_wait_seconds must be > 0")
         if self.vision_cache_bytes < 0 or self.max_image_tokens_per_request < 1:
             raise ValueError("vision_cache_bytes must be >= 0, max_image_tokens_per_request >= 1")
+        if self.max_request_image_pixels < 1 or self.max_decoded_image_bytes < 1:
+            raise ValueError("max_request_image_pixels and max_decoded_image_bytes must be >= 1")
+        if self.decoded_image_wait_seconds < 0:
+            raise ValueError("decoded_image_wait_seconds must be >= 0")
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         if self.max_num_batched_tokens < 2:

@@ -117,16 +117,24 @@ class ReplicaClient:
 
     # ---- requests --------------------------------------------------------------
     def _pixels(self, image: ImageInput) -> object:
-        """The object-store reference of ``image``'s pixels, put on first use (images are
-        content-addressed: equal keys are equal pixels, put once)."""
+        """The object-store reference of ``image``'s tower input (``ImageInput.pixels``,
+        preprocessed by the ingress's front end), put on first use (items are
+        content-addressed: equal keys are equal pixels, put once).
+
+        Raises:
+            ValueError: an item without pixels for its mode (the front end always
+                prepares them where no embedding cache is at hand).
+        """
         hit = self._refs.get(image.key)
         if hit is not None:
             self._refs.move_to_end(image.key)
             return hit[0]
-        pil = image.image
-        ref = ray.put(pil)
+        pixels = image.pixels
+        if pixels is None or pixels.mode != image.mode:
+            raise ValueError(f"image {image.key.hex()} has no pixels for mode {image.mode!r}")
+        ref = ray.put(pixels)
         self.pixel_puts += 1
-        size = pil.width * pil.height * max(1, len(pil.getbands()))
+        size = pixels.nbytes
         self._refs[image.key] = (ref, size)
         self._ref_bytes += size
         while self._ref_bytes > self.max_pixel_bytes and len(self._refs) > 1:

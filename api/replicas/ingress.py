@@ -209,7 +209,7 @@ def create_ingress_app(
         aengine=replicas,  # type: ignore[arg-type]
         client=client,
         store=store,
-        media=MediaResolver(store, front.config.image_limits, settings),
+        media=MediaResolver(store, front.config.image_limits, settings, processor=front.processor),
         metrics=metrics,
         settings=settings,
         model_name=model_name,

@@ -31,7 +31,8 @@ class SpanRef:
         length: pseudo-tokens of the run.
         key: the item's content key (what the embedding cache is keyed by).
         mode: how the family encodes it (``ImageInput.mode``).
-        pixels: ``ray.ObjectRef`` of the decoded PIL image, put once by the ingress.
+        pixels: ``ray.ObjectRef`` of the item's preprocessed tower input
+            (:class:`~mmserve.vision.pixels.Pixels`), put once by the ingress.
     """
 
     start: int

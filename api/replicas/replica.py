@@ -28,34 +28,38 @@ from mmserve.engine.request import ImageInput, ImageSpan
 
 
 class RemoteImage(ImageInput):
-    """An image whose pixels stay in Ray's object store until first read.
+    """An item whose tower input stays in Ray's object store until first read.
 
     Args:
         key: the item's content key.
         mode: its ``ImageInput.mode``.
-        pixels: ``ObjectRef`` of the decoded PIL image.
+        pixels: ``ObjectRef`` of its :class:`~mmserve.vision.pixels.Pixels` (preprocessed
+            by the ingress).
         on_fetch: called once when the pixels are fetched.
     """
 
     def __init__(self, key: bytes, mode: str, pixels: object, on_fetch) -> None:  # noqa: ANN001
         self.key = key
         self.mode = mode
-        self._pixels = pixels
-        self._image = None
+        self.image = None
+        self.features = None
+        self.source = None
+        self._ref = pixels
+        self._pixels = None
         self._on_fetch = on_fetch
 
     @property
-    def image(self):  # noqa: ANN201
-        """The decoded PIL image, fetched from the object store on first use."""
-        if self._image is None:
-            self._image = ray.get(self._pixels)
+    def pixels(self):  # noqa: ANN201
+        """The item's ``Pixels``, fetched from the object store on first use."""
+        if self._pixels is None:
+            self._pixels = ray.get(self._ref)
             self._on_fetch()
-        return self._image
+        return self._pixels
 
     @property
     def fetched(self) -> bool:
         """Whether the pixels have been fetched."""
-        return self._image is not None
+        return self._pixels is not None
 
     def __repr__(self) -> str:
         return f"RemoteImage(key={self.key.hex()}, mode={self.mode!r}, fetched={self.fetched})"

@@ -115,7 +115,7 @@ class Engine:
             model.decoder.bind(self.runner)
         # front-end work (decode, hash, template, tokenize, limits) runs on callers'
         # threads through the processor; the engine itself accepts only its Requests
-        self.processor = InputProcessor(model, config, self.pool.size_tokens)
+        self.processor = InputProcessor(model, config, self.pool.size_tokens, self.embedding_cache)
         self.guided = GuidedDecoding(
             model, self.processor.grammars, jump_forward=not config.disable_jump_forward
         )

@@ -1,8 +1,13 @@
 """Runs one forward batch: input embeddings (text + image features), metadata, decoder.
 
-Image features come from the embedding cache when present; otherwise the
-images a batch still needs are preprocessed and encoded together in one vision
-tower call. Only positions a request actually computes need features, so an
+Image features come from the embedding cache when present, else from the features
+the request's item carries (the front end found them cached; the cache may have
+evicted them since); otherwise the items a batch still needs are encoded together
+from the tower input the front end prepared (``ImageInput.pixels``), one vision tower
+call per mode. The engine thread never runs the image processor for a request the
+front end built; an item built by hand with only a decoded image is preprocessed here.
+
+Only positions a request actually computes need features, so an
 image fully covered by the prefix match costs nothing, and a match that ends
 inside an image takes the tail of that image's features. Reserved pseudo-tokens that
 are no image (the video newline) take the fixed embeddings the vision module defines.
@@ -69,14 +74,36 @@ class ModelRunner:
         self.fixed_embeddings = model.vision.token_embeddings()
 
     def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
-        """Features ``[num_image_tokens, hidden]`` for each distinct image (or frame),
-        tower-encoded once (the family preprocesses and packs each in its mode)."""
-        feats = self.model.vision.encode_items(images)
-        self.vision_tower_images += len(images)
-        out = {}
-        for im, f in zip(images, feats, strict=True):
-            self.cache.put(im.key, f)
-            out[im.key] = f
+        """Features ``[num_image_tokens, hidden]`` for each distinct image (or frame): the
+        ones its item carries, else tower-encoded once from its prepared pixels (the
+        family packs each in its mode).
+
+        Raises:
+            ValueError: an item with neither features, pixels for its mode nor a decoded
+                image (fails the batch).
+        """
+        out: dict[bytes, torch.Tensor] = {}
+        todo: list[ImageInput] = []
+        for im in images:
+            if im.features is not None:
+                out[im.key] = im.features
+            else:
+                todo.append(im)
+        if todo:
+            vision = self.model.vision
+            pixels = []
+            for im in todo:
+                if im.pixels is not None and im.pixels.mode == im.mode:
+                    pixels.append(im.pixels)
+                elif im.image is not None:  # built by hand, not by the front end
+                    pixels.append(self.model.family.preprocess([im.image], im.mode)[0])
+                else:
+                    raise ValueError(f"image {im.key.hex()} has no pixels for mode {im.mode!r}")
+            feats = vision.encode_pixels(pixels)
+            self.vision_tower_images += len(todo)
+            out.update({im.key: f for im, f in zip(todo, feats, strict=True)})
+        for key, f in out.items():
+            self.cache.put(key, f)
         return out
 
     def _features(
@@ -96,7 +123,8 @@ class ModelRunner:
                 f = self.cache.get(key)
                 if f is None:
                     missing[key] = span.image
-                    req.vision_tower_runs += 1
+                    if span.image.features is None:  # else the request carries them
+                        req.vision_tower_runs += 1
                 else:
                     found[key] = f
         if missing:

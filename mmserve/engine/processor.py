@@ -1,25 +1,46 @@
-"""The front end: from an API-level request to a tokenized :class:`Request`.
+"""The front end: from an API-level request to a tokenized request message.
 
-Image decoding and hashing, the chat template, tokenization and every limit
-check happen here, on the caller's thread (HTTP workers), never on the engine
-thread. The engine only accepts the :class:`Request` objects this builds:
-token ids, image spans with their content keys and decoded images (pixels are
-preprocessed by the model runner only when the vision tower must run), and the
-sampling parameters.
+Image decoding, hashing and preprocessing (the checkpoint's transformers image
+processor), the chat template, tokenization and every limit check happen here, on
+the caller's thread (HTTP workers), never on the engine thread. The engine only
+accepts the :class:`~mmserve.engine.messages.EngineRequest` messages this builds:
+token ids, image spans whose items carry their content key and either the tower's
+input (``pixels``) or, where the embedding cache already held them, a reference to
+their features; and the sampling parameters.
+
+Images are handled one at a time (decode, hash, preprocess, drop the decoded image),
+so a request holds about one decoded image at once; the decoded bytes all requests
+hold together are bounded by a :class:`~mmserve.vision.budget.DecodeBudget`, the
+pixels of one request by :class:`~mmserve.vision.budget.RequestPixels`.
+
+Why a request keeps pixels (or features) until it finishes rather than only until
+the tower ran: the embedding cache may evict an image's features between the front
+end's look-up and the engine's, or before a retracted request computes its image
+positions again; the request then still has what the tower needs, and the engine
+never needs a decoded image.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 from mmserve.config import EngineConfig
 from mmserve.engine.grammar import GrammarCache, GrammarError
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.prompt import PromptBuilder, PromptError
-from mmserve.engine.request import ImageInput, ParamError, SamplingParams, new_rid
+from mmserve.engine.request import (
+    ImageInput,
+    ImageSpan,
+    ParamError,
+    SamplingParams,
+    new_rid,
+)
 from mmserve.model.loader import LoadedModel
+from mmserve.vision.budget import DecodeBudget, RequestPixels, decoded_bytes
+from mmserve.vision.embedding_cache import EmbeddingCache
 from mmserve.vision.hashing import image_key, processor_fingerprint
-from mmserve.vision.image import decode_image
+from mmserve.vision.image import ImageError, decode_image
 
 
 class RequestError(ValueError):
@@ -45,10 +66,26 @@ class InputProcessor:
         model: the loaded checkpoint (tokenizer, image processor, tokens per image).
         config: engine settings (image limits, images per request, device).
         kv_capacity_tokens: tokens the KV pool holds; a request must fit in it.
+        embedding_cache: the engine's cache of image features, only peeked at (None: a
+            front end without an engine, which always prepares pixels).
+
+    Attributes:
+        decode_budget: decoded image bytes all callers hold at once
+            (``config.max_decoded_image_bytes``).
     """
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, kv_capacity_tokens: int) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        kv_capacity_tokens: int,
+        embedding_cache: EmbeddingCache | None = None,
+    ) -> None:
         self.model = model
+        self.embedding_cache = embedding_cache
+        self.decode_budget = DecodeBudget(
+            config.max_decoded_image_bytes, config.decoded_image_wait_seconds
+        )
         self.config = config
         self.max_context = model.decoder.shape.max_position_embeddings
         self.kv_capacity_tokens = kv_capacity_tokens
@@ -60,14 +97,157 @@ class InputProcessor:
         #: ids a client may name (``logit_bias``): the tokenizer's, padding rows excluded
         self.vocab_size = len(model.tokenizer)
 
-    def prepare_image(self, data: bytes) -> ImageInput:
-        """Decode and hash an encoded image (no preprocessing).
+    def request_pixels(self) -> RequestPixels:
+        """A fresh per-request pixel count (``config.max_request_image_pixels``)."""
+        return RequestPixels(self.config.max_request_image_pixels)
+
+    def image_mode(self, num_images: int) -> str:
+        """The mode each image of a prompt with ``num_images`` images (videos not counted)
+        is prepared in (see :meth:`~mmserve.model.families.base.ModelFamily.image_mode`)."""
+        return self.model.family.image_mode(num_images)
+
+    def prepare_image(
+        self,
+        data: bytes,
+        mode: str | None = None,
+        pixels: RequestPixels | None = None,
+        known: ImageInput | None = None,
+    ) -> ImageInput:
+        """Decode, hash and (given ``mode``) preprocess an encoded image.
+
+        With ``mode`` (the front end's path) the result holds the image's key, size, the
+        encoded ``source`` and, unless the embedding cache already holds the features of
+        the image in that mode, its tower input (``pixels``); the decoded image is
+        dropped before returning, so the caller never holds it. Without ``mode`` the
+        decoded image is kept (``image``) and preprocessing is left to
+        :meth:`make_request`.
+
+        Args:
+            data: the encoded file.
+            mode: the mode to prepare the image in (:meth:`image_mode`), or None.
+            pixels: the request's pixel count, charged with this image before decoding.
+            known: the same bytes' image from a store (key and size known): it is
+                charged, and decoded again only when its tower input is needed.
 
         Raises:
-            ImageError: for empty, corrupt, over-size or degenerate images.
+            ImageError: for empty, corrupt, over-size or degenerate images, or
+                (``PixelBudgetError``) beyond the request's pixel budget.
+            DecodeBusyError: the server-wide decoded-image budget stayed full.
         """
-        im = decode_image(data, self.config.image_limits, self.shortest_edge)
-        return ImageInput(image_key(im, self.fingerprint), im)
+        if known is not None:
+            if pixels is not None:
+                pixels.charge(known.width, known.height)
+            base = dataclasses.replace(known, image=None, pixels=None, features=None, source=data)
+            if mode is None or self._cached(base, mode) is not None:
+                return base
+            return self._decoded(data, None, lambda im: self._prepared(base, im, mode))
+
+        def use(im: object) -> ImageInput:
+            item = ImageInput(image_key(im, self.fingerprint), im, source=data)
+            if mode is None:
+                return item
+            return self._prepared(item, im, mode)
+
+        return self._decoded(data, pixels, use)
+
+    def _cached(self, item: ImageInput, mode: str):  # noqa: ANN202
+        """The cached features of ``item`` in ``mode``, or None."""
+        if self.embedding_cache is None:
+            return None
+        return self.embedding_cache.peek(self.model.family.mode_item(item, mode).key)
+
+    def _prepared(self, item: ImageInput, im: object, mode: str) -> ImageInput:
+        """``item`` without its decoded image, with its tower input in ``mode`` unless
+        the embedding cache holds its features."""
+        ready = None if self._cached(item, mode) is not None else self._preprocess(im, mode)
+        return dataclasses.replace(item, image=None, pixels=ready, features=None)
+
+    def _preprocess(self, im: object, mode: str):  # noqa: ANN202
+        return self.model.family.preprocess([im], mode)[0]
+
+    def _decoded(
+        self, data: bytes, pixels: RequestPixels | None, use: Callable[[object], ImageInput]
+    ) -> ImageInput:
+        """``use(decoded image)`` with the decoded bytes held in the server-wide budget
+        (and charged to ``pixels``) from the header check until ``use`` returns."""
+        held = 0
+
+        def before(im) -> None:  # noqa: ANN001
+            nonlocal held
+            if pixels is not None:
+                pixels.charge(im.width, im.height)
+            n = decoded_bytes(im.width, im.height, im.mode)
+            self.decode_budget.acquire(n)
+            held = n
+
+        try:
+            im = decode_image(data, self.config.image_limits, self.shortest_edge, before)
+            out = use(im)
+            del im  # gone before the release, which may hand the heap back to the system
+            return out
+        finally:
+            if held:
+                self.decode_budget.release(held)
+
+    def prepare_frames(self, items: Sequence[ImageInput], mode: str) -> list[ImageInput]:
+        """Video frames (decoded and hashed, ``image`` set) with their tower input in
+        ``mode``, their decoded images dropped (the caller's list keeps them until it
+        lets go). A frame has no encoded source to decode again, so its pixels are made
+        even when its features are cached now (they may be evicted before the request
+        is built)."""
+        out: list[ImageInput] = []
+        done: dict[bytes, ImageInput] = {}
+        for it in items:
+            if it.key not in done:
+                pixels = self._preprocess(it.image, mode)
+                done[it.key] = dataclasses.replace(it, image=None, pixels=pixels, features=None)
+            out.append(done[it.key])
+        return out
+
+    def _finish_spans(self, spans: Sequence[ImageSpan]) -> list[ImageSpan]:
+        """Each span's item as the engine gets it: features from the embedding cache (a
+        reference), else its tower input for its mode (made here when the item's pixels
+        are missing or for another mode, from its decoded image or by decoding its source
+        again); never a decoded image or the encoded source.
+
+        Raises:
+            RequestError: an item that has none of these (a frame prepared for another
+                mode: a bug in the caller).
+        """
+        done: dict[bytes, ImageInput] = {}
+        out = []
+        for span in spans:
+            item = span.image
+            if item.key not in done:
+                done[item.key] = self._finish_item(item)
+            out.append(dataclasses.replace(span, image=done[item.key]))
+        return out
+
+    def _finish_item(self, item: ImageInput) -> ImageInput:
+        bare = {"image": None, "source": None}
+        feats = self.embedding_cache.peek(item.key) if self.embedding_cache is not None else None
+        if feats is not None:
+            return dataclasses.replace(item, pixels=None, features=feats, **bare)
+        if item.pixels is not None and item.pixels.mode == item.mode:
+            return dataclasses.replace(item, features=None, **bare)
+        if item.image is not None:
+            ready = self._preprocess(item.image, item.mode)
+        elif item.source is not None:
+
+            def use(im: object) -> ImageInput:
+                return dataclasses.replace(item, pixels=self._preprocess(im, item.mode))
+
+            try:
+                ready = self._decoded(item.source, None, use).pixels
+            except ImageError as e:  # decoded before; limits changed since
+                raise RequestError(f"an image can no longer be decoded: {e}", "messages") from None
+        else:
+            raise RequestError(
+                f"an image (key {item.key.hex()}) was prepared for another mode and has no "
+                f"decoded image or source to prepare it as {item.mode!r}",
+                param="messages",
+            )
+        return dataclasses.replace(item, pixels=ready, features=None, **bare)
 
     def make_request(
         self,
@@ -120,6 +300,15 @@ class InputProcessor:
                 param="messages",
             )
         self.check_length(len(ids), params.max_tokens, counts)
+        total = sum(s.image.width * s.image.height for s in spans)
+        if total > self.config.max_request_image_pixels:
+            raise RequestError(
+                f"the images and video frames have {total} pixels in all, more than the "
+                f"{self.config.max_request_image_pixels} decoded pixels a request may have "
+                "(--max-request-image-pixels): send fewer or smaller images",
+                param="messages",
+            )
+        spans = self._finish_spans(spans)
         grammar = None
         if params.guided is not None:
             try:
@@ -168,7 +357,7 @@ class InputProcessor:
 
     def image_tokens(self, image: ImageInput) -> int:
         """Pseudo-tokens ``image`` becomes for the served model."""
-        return self.model.image_tokens(image.image.width, image.image.height)
+        return self.model.image_tokens(image.width, image.height)
 
     def output_room(self, prompt_len: int) -> int:
         """Most output tokens a prompt of ``prompt_len`` tokens leaves room for."""

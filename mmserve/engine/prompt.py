@@ -263,7 +263,7 @@ class PromptBuilder:
 
         def add(image: ImageInput, mode: str) -> None:
             item = family.mode_item(image, mode)
-            n = self.model.image_tokens(image.image.width, image.image.height, mode)
+            n = self.model.image_tokens(image.width, image.height, mode)
             spans.append(ImageSpan(len(out), n, item))
             out.extend(self.pseudo_ids.get(item.key, n))
 

@@ -20,6 +20,7 @@ import json
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import xxhash
 from PIL import Image
@@ -74,9 +75,29 @@ def image_key(image: Image.Image, fingerprint: bytes) -> bytes:
     elif "transparency" in image.info:
         # an L/RGB tRNS colour makes the processor composite those pixels on white
         h.update(b"\x00trns\x00" + repr(image.info["transparency"]).encode())
-    h.update(image.tobytes())
+    for chunk in _pixel_chunks(image):
+        h.update(chunk)
     h.update(fingerprint)
     return h.digest()
+
+
+#: Bytes of pixels hashed per chunk: a huge image is hashed in bands of rows rather than
+#: copied whole (``tobytes`` of a 6000x6000 RGB image is another 108 MB).
+_CHUNK_BYTES = 8 << 20
+
+
+def _pixel_chunks(image: Image.Image) -> Iterator[bytes]:
+    """``image.tobytes()`` in consecutive bands of whole rows (their concatenation is
+    exactly ``tobytes()``: Pillow packs each row on its own, so xxh3's streaming digest
+    over the bands equals that of the whole)."""
+    w, h = image.size
+    row = max(1, len(image.crop((0, 0, w, 1)).tobytes())) if h else 1
+    if row * h <= _CHUNK_BYTES:
+        yield image.tobytes()
+        return
+    step = max(1, _CHUNK_BYTES // row)
+    for y in range(0, h, step):
+        yield image.crop((0, y, w, min(h, y + step))).tobytes()
 
 
 def pseudo_token_ids(key: bytes, num_tokens: int) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,13 +46,25 @@ class ImageLimits:
     max_resized_side: int = 336 * 16
 
 
-def decode_image(data: bytes, limits: ImageLimits, shortest_edge: int = 336) -> Image.Image:
+def decode_image(
+    data: bytes,
+    limits: ImageLimits,
+    shortest_edge: int = 336,
+    before_decode: Callable[[Image.Image], None] | None = None,
+) -> Image.Image:
     """Decode bytes into a loaded PIL image in its original mode, EXIF-rotated.
+
+    Pillow's ``draft`` (JPEG: decode at 1/2, 1/4 or 1/8 scale) and ``reduce`` would cut
+    the decode cost of a huge image, but both change the pixels the processor resizes
+    from, hence the key and the answer (transformers decodes at full size), so neither
+    is used: the budgets of :mod:`mmserve.vision.budget` bound the cost instead.
 
     Args:
         data: the encoded file (PNG, JPEG, GIF, WebP, ...).
         limits: bounds to enforce.
         shortest_edge: the processor's resize target for the short side (pixels).
+        before_decode: called with the opened, not yet decoded image once its header
+            passed the size checks (budgets charge it here); what it raises propagates.
 
     Returns:
         A fully loaded ``PIL.Image.Image`` (first frame for animations); images with
@@ -75,11 +88,15 @@ def decode_image(data: bytes, limits: ImageLimits, shortest_edge: int = 336) -> 
         raise ImageError(f"cannot read image header: {clean_decoder_message(e)}") from None
     w, h = im.size
     check_size(w, h, limits, shortest_edge)
+    if before_decode is not None:
+        before_decode(im)
     try:
         if getattr(im, "n_frames", 1) > 1:
             im.seek(0)
         im.load()
-        im = ImageOps.exif_transpose(im)
+        # in place: without an orientation tag the default returns a copy (a 6000x6000
+        # image is 108 MB more at the peak)
+        ImageOps.exif_transpose(im, in_place=True)
     except Exception as e:
         raise ImageError(f"image is truncated or corrupt: {clean_decoder_message(e)}") from None
     return to_8bit(im)

@@ -12,6 +12,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from mmserve.engine.request import ImageInput
+    from mmserve.vision.pixels import Pixels
 
 #: How an image is turned into features. ``IMAGE_MODE``: the family's own processing of
 #: an image (the only mode of LLaVA-1.5 and LLaVA-NeXT). ``BASE_MODE``: LLaVA-OneVision's
@@ -40,21 +41,46 @@ def check_vision_config(config: object) -> None:
 
 
 class VisionModule(nn.Module):
-    """A family's vision side: images in, one feature run per image out."""
+    """A family's vision side: preprocessing (front end) and encoding (engine).
 
-    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        """Preprocess, encode and project ``images``.
+    :meth:`preprocess` runs on the front end's threads (it only reads the image
+    processor's settings and the tower's dtype); :meth:`encode_pixels` runs on the engine
+    thread. Subclasses implement those two; :meth:`encode` and :meth:`encode_items` chain
+    them for callers that still hold decoded images (tests, benchmarks).
+    """
 
-        Returns:
-            One ``[num_image_tokens(image), text_hidden]`` tensor per image, in the
-            model's dtype, in the order its positions appear in the prompt.
+    def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
+        """The family's transformers image processing of ``images`` in ``mode``: one fp32
+        :class:`~mmserve.vision.pixels.Pixels` per image, equal to what a batched call
+        gives it (the processors treat images independently).
+
+        Raises:
+            ValueError: for a mode this family does not have.
         """
         raise NotImplementedError
 
-    def encode_items(self, items: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Features of prompt items, each in its own ``mode`` (see :data:`IMAGE_MODE`).
+    def encode_pixels(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
+        """Encode and project preprocessed items (one tower call per mode present).
 
-        The default handles :data:`IMAGE_MODE` only and calls :meth:`encode`.
+        Returns:
+            One ``[tokens, text_hidden]`` tensor per item, in the model's dtype, in order.
+
+        Raises:
+            ValueError: for a mode this family does not have.
+        """
+        raise NotImplementedError
+
+    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
+        """Preprocess, encode and project ``images`` (:data:`IMAGE_MODE`).
+
+        Returns:
+            One ``[num_image_tokens(image), text_hidden]`` tensor per image, in the
+            model's dtype, in the order given.
+        """
+        return self.encode_pixels(self.preprocess(images, IMAGE_MODE))
+
+    def encode_items(self, items: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Features of prompt items that hold decoded images, each in its own ``mode``.
 
         Returns:
             One ``[tokens, text_hidden]`` tensor per item, in order.
@@ -62,10 +88,7 @@ class VisionModule(nn.Module):
         Raises:
             ValueError: for a mode this family does not have.
         """
-        for it in items:
-            if it.mode != IMAGE_MODE:
-                raise ValueError(f"{type(self).__name__} has no {it.mode!r} mode")
-        return self.encode([it.image for it in items])
+        return self.encode_pixels([self.preprocess([it.image], it.mode)[0] for it in items])
 
     def token_embeddings(self) -> dict[int, torch.Tensor]:
         """Embeddings ``[text_hidden]`` of the reserved negative token ids this module
@@ -112,6 +135,18 @@ class ModelFamily:
 
     def build_vision(self) -> VisionModule:
         """A freshly initialised vision module (weights are loaded after)."""
+        raise NotImplementedError
+
+    def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
+        """The family's transformers image processing of ``images`` in ``mode`` (what its
+        vision module's :meth:`VisionModule.preprocess` does, without the module: the front
+        end calls this, also where no weights are loaded). One
+        :class:`~mmserve.vision.pixels.Pixels` per image, fp32, each equal to what a
+        batched call gives it.
+
+        Raises:
+            ValueError: for a mode this family does not have.
+        """
         raise NotImplementedError
 
     def num_image_tokens(self, width: int, height: int) -> int:

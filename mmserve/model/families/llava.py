@@ -7,6 +7,7 @@ dropped for the "default" strategy, a two-layer GELU MLP into the decoder.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -14,7 +15,8 @@ from PIL import Image
 from transformers import AutoModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from mmserve.model.families.base import ModelFamily, VisionModule, check_vision_config
+from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule, check_vision_config
+from mmserve.vision.pixels import Pixels
 
 
 class LlavaVision(VisionModule):
@@ -43,11 +45,39 @@ class LlavaVision(VisionModule):
             feats = feats[:, 1:]
         return self.multi_modal_projector(feats)
 
-    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        """See :meth:`VisionModule.encode`; one tower call for all images."""
-        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+    def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
+        """See :meth:`VisionModule.preprocess`: ``[1, 3, H, W]`` per image.
+
+        Raises:
+            ValueError: for a mode other than :data:`IMAGE_MODE`.
+        """
+        return preprocess_llava(self.image_processor, images, mode)
+
+    def encode_pixels(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
+        """See :meth:`VisionModule.encode_pixels`; one tower call for all items."""
+        for it in items:
+            _check_mode(it.mode)
         p = next(self.parameters())
+        pixels = torch.cat([it.values for it in items])
         return list(self(pixels.to(p.device, p.dtype)))
+
+
+def preprocess_llava(
+    image_processor: object, images: Sequence[Image.Image], mode: str
+) -> list[Pixels]:
+    """The checkpoint's image processor on ``images``: fp32 ``[1, 3, H, W]`` per image.
+
+    Raises:
+        ValueError: for a mode other than :data:`IMAGE_MODE`.
+    """
+    _check_mode(mode)
+    pixels = image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+    return [Pixels(mode, pixels[i : i + 1].clone()) for i in range(len(images))]
+
+
+def _check_mode(mode: str) -> None:
+    if mode != IMAGE_MODE:
+        raise ValueError(f"LLaVA-1.5 has no {mode!r} mode")
 
 
 class LlavaFamily(ModelFamily):
@@ -58,6 +88,9 @@ class LlavaFamily(ModelFamily):
 
     def build_vision(self) -> LlavaVision:
         return LlavaVision(self.config, self.processor.image_processor)
+
+    def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
+        return preprocess_llava(self.processor.image_processor, images, mode)
 
     def fixed_image_tokens(self) -> int:
         vc = self.config.vision_config

@@ -12,6 +12,7 @@ own ``pack_image_features``, so neither can drift from the reference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -24,7 +25,8 @@ from transformers.models.llava_next.modeling_llava_next import (
     image_size_to_num_patches,
 )
 
-from mmserve.model.families.base import ModelFamily, VisionModule, check_vision_config
+from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule, check_vision_config
+from mmserve.vision.pixels import Pixels
 
 
 class LlavaNextVision(VisionModule):
@@ -47,17 +49,25 @@ class LlavaNextVision(VisionModule):
         self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
         self.image_processor = image_processor
 
+    def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
+        """See :meth:`VisionModule.preprocess`: per image its ``[tiles, 3, H, W]`` (base
+        tile first, padding tiles dropped) and its ``image_size``.
+
+        Raises:
+            ValueError: for a mode other than :data:`IMAGE_MODE`.
+        """
+        return preprocess_anyres(self.image_processor, self.config, images, mode)
+
     @torch.inference_mode()
-    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        """See :meth:`VisionModule.encode`: every tile of every image in one tower call."""
+    def encode_pixels(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
+        """See :meth:`VisionModule.encode_pixels`: every tile of every item in one tower call."""
         cfg = self.config
-        out = self.image_processor(images=images, return_tensors="pt")
-        sizes = out["image_sizes"]  # [N, 2] (height, width) of each image
-        counts = [
-            image_size_to_num_patches(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
-            for s in sizes
-        ]
-        pixels = torch.cat([pv[:n] for pv, n in zip(out["pixel_values"], counts, strict=True)])
+        for it in items:
+            if it.mode != IMAGE_MODE:
+                raise ValueError(f"LLaVA-NeXT has no {it.mode!r} mode")
+        sizes = torch.stack([it.image_size for it in items])
+        counts = [it.values.shape[0] for it in items]
+        pixels = torch.cat([it.values for it in items])
         p = self.image_newline
         hidden = self.vision_tower(
             pixels.to(p.device, p.dtype), output_hidden_states=True, return_dict=True
@@ -73,6 +83,28 @@ class LlavaNextVision(VisionModule):
         return list(packed)
 
 
+def preprocess_anyres(
+    image_processor: object, config: object, images: Sequence[Image.Image], mode: str
+) -> list[Pixels]:
+    """The checkpoint's any-resolution image processor on ``images``: per image fp32
+    ``[tiles, 3, H, W]`` (base tile first, the batch's padding tiles dropped) and its
+    ``image_size`` (LLaVA-NeXT and OneVision's image mode).
+
+    Raises:
+        ValueError: for a mode other than :data:`IMAGE_MODE`.
+    """
+    if mode != IMAGE_MODE:
+        raise ValueError(f"{type(config).__name__} has no {mode!r} mode here")
+    out = image_processor(images=list(images), return_tensors="pt")
+    result = []
+    for pv, size in zip(out["pixel_values"], out["image_sizes"], strict=True):
+        n = image_size_to_num_patches(
+            size, config.image_grid_pinpoints, config.vision_config.image_size
+        )
+        result.append(Pixels(mode, pv[:n].clone(), size.clone()))
+    return result
+
+
 class LlavaNextFamily(ModelFamily):
     """LLaVA-NeXT: base tile + unpadded grid + one newline per row, per image."""
 
@@ -85,6 +117,9 @@ class LlavaNextFamily(ModelFamily):
 
     def build_vision(self) -> LlavaNextVision:
         return LlavaNextVision(self.config, self.processor.image_processor)
+
+    def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
+        return preprocess_anyres(self.processor.image_processor, self.config, images, mode)
 
     def num_image_tokens(self, width: int, height: int) -> int:
         data = self.processor._get_num_multimodal_tokens(image_sizes=[[height, width]])

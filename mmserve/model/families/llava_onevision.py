@@ -43,7 +43,6 @@ from transformers import AutoImageProcessor, AutoModel, AutoTokenizer, LlavaOnev
 from transformers.models.llava_onevision.modeling_llava_onevision import (
     LlavaOnevisionModel,
     LlavaOnevisionMultiModalProjector,
-    image_size_to_num_patches,
 )
 
 # the module, not ``transformers.LlavaOnevisionVideoProcessor`` (a stand-in that refuses
@@ -60,8 +59,10 @@ from mmserve.model.families.base import (
     VisionModule,
     check_vision_config,
 )
+from mmserve.model.families.llava_next import preprocess_anyres
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerprint
+from mmserve.vision.pixels import Pixels
 
 if TYPE_CHECKING:
     from mmserve.engine.request import ImageInput
@@ -182,40 +183,38 @@ class LlavaOnevisionVision(VisionModule):
         )
         return list(packed)
 
-    def _anyres(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        cfg = self.config
-        out = self.image_processor(images=images, return_tensors="pt")
-        sizes = out["image_sizes"]  # [N, 2] (height, width)
-        counts = [
-            image_size_to_num_patches(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
-            for s in sizes
-        ]
-        pixels = torch.cat([pv[:n] for pv, n in zip(out["pixel_values"], counts, strict=True)])
+    def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
+        """See :meth:`VisionModule.preprocess`.
+
+        Per image: ``[tiles, 3, tile, tile]`` and its ``image_size`` (image mode: base tile
+        plus grid, padding tiles dropped); ``[1, 3, tile, tile]`` and its ``image_size``
+        (base mode: padded to a square, one tile); ``[1, 3, tile, tile]`` (a frame).
+
+        Raises:
+            ValueError: for an unknown mode.
+        """
+        return preprocess_onevision(
+            self.image_processor, self.config, self.frame_prep, images, mode
+        )
+
+    def _anyres(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
+        counts = [it.values.shape[0] for it in items]
+        pixels = torch.cat([it.values for it in items])
+        sizes = torch.stack([it.image_size for it in items])
         return self._pack(torch.split(self._project(pixels), counts), sizes)
 
-    def _base(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        # one prompt's images as transformers batches them (a nested list); a lone image
-        # goes in twice, as the processor pads and resizes an image of a multi-image
-        # prompt (not tiled) only when its prompt holds more than one
-        batch = list(images) if len(images) > 1 else [images[0], images[0]]
-        out = self.image_processor(images=[batch], return_tensors="pt")
-        n = len(images)
-        feats = self._project(out["pixel_values"][:n, 0])
-        return self._pack([f[None] for f in feats], out["image_sizes"][:n])
+    def _base(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
+        feats = self._project(torch.cat([it.values for it in items]))
+        sizes = torch.stack([it.image_size for it in items])
+        return self._pack([f[None] for f in feats], sizes)
 
-    def _frames(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        feats = self._project(prepare_frames(images, self.frame_prep))
+    def _frames(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
+        feats = self._project(torch.cat([it.values for it in items]))
         return list(LlavaOnevisionModel.apply_pooling(self, feats))
 
     @torch.inference_mode()
-    def encode(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        """See :meth:`VisionModule.encode`: images alone in their prompts (tiled), every
-        tile of every image in one tower call."""
-        return self._anyres(images)
-
-    @torch.inference_mode()
-    def encode_items(self, items: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """See :meth:`VisionModule.encode_items`: one tower call per mode present.
+    def encode_pixels(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
+        """See :meth:`VisionModule.encode_pixels`: one tower call per mode present.
 
         Returns:
             Per item: ``[num_image_tokens(w, h), hidden]`` (image mode), ``[tile_patches +
@@ -232,13 +231,47 @@ class LlavaOnevisionVision(VisionModule):
         for mode, idx in by_mode.items():
             if mode not in run:
                 raise ValueError(f"LLaVA-OneVision has no {mode!r} mode")
-            for i, f in zip(idx, run[mode]([items[i].image for i in idx]), strict=True):
+            for i, f in zip(idx, run[mode]([items[i] for i in idx]), strict=True):
                 out[i] = f
         return out
 
     def token_embeddings(self) -> dict[int, torch.Tensor]:
         """The video newline: ``image_newline`` (``[text_hidden]``), after a video's frames."""
         return {VIDEO_NEWLINE_ID: self.image_newline}
+
+
+def preprocess_onevision(
+    image_processor: object,
+    config: object,
+    frame_prep: FramePrep,
+    images: Sequence[Image.Image],
+    mode: str,
+) -> list[Pixels]:
+    """OneVision's processing of ``images`` in ``mode``, fp32, one item per image.
+
+    Image mode: the any-resolution grid (:func:`preprocess_anyres`). Base mode:
+    ``[1, 3, tile, tile]`` and the image size, as transformers processes an image of a
+    prompt with several images (a nested list: it pads to a square and resizes to one
+    tile only when a prompt holds more than one; the result does not depend on the
+    other images, so each goes in twice). A frame: ``[1, 3, tile, tile]``
+    (:func:`~mmserve.vision.frames.prepare_frames`).
+
+    Raises:
+        ValueError: for an unknown mode.
+    """
+    if mode == IMAGE_MODE:
+        return preprocess_anyres(image_processor, config, images, mode)
+    if mode == FRAME_MODE:
+        frames = prepare_frames(list(images), frame_prep)
+        return [Pixels(mode, frames[i : i + 1].clone()) for i in range(len(images))]
+    if mode == BASE_MODE:
+        result = []
+        for im in images:
+            out = image_processor(images=[[im, im]], return_tensors="pt")
+            values = out["pixel_values"][:1, 0].clone()
+            result.append(Pixels(mode, values, out["image_sizes"][0].clone()))
+        return result
+    raise ValueError(f"LLaVA-OneVision has no {mode!r} mode")
 
 
 class LlavaOnevisionFamily(ModelFamily):
@@ -281,6 +314,11 @@ class LlavaOnevisionFamily(ModelFamily):
         data = self.processor._get_num_multimodal_tokens(image_sizes=[[height, width]])
         return int(data["num_image_tokens"][0])
 
+    def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
+        return preprocess_onevision(
+            self.processor.image_processor, self.config, self.frame_prep, images, mode
+        )
+
     def image_mode(self, num_images: int) -> str:
         """:data:`BASE_MODE` for each image of a prompt with several images, as
         ``LlavaOnevisionProcessor.replace_image_token`` counts them."""
@@ -302,7 +340,10 @@ class LlavaOnevisionFamily(ModelFamily):
         if mode not in (BASE_MODE, FRAME_MODE):
             return super().mode_item(image, mode)
         extra = self.video_fingerprint if mode == FRAME_MODE else b""
-        return dataclasses.replace(image, key=mode_key(image.key, mode, extra), mode=mode)
+        # features looked up under the image's own key are not this mode's
+        return dataclasses.replace(
+            image, key=mode_key(image.key, mode, extra), mode=mode, features=None
+        )
 
     def video_frame_tokens(self) -> int:
         return self._frame_tokens
