@@ -85,3 +85,29 @@ def test_only_the_scheduler_changes_its_queues_tree_and_pages() -> None:
             if owner in {"allocator", "alloc"} and method in ALLOC_EDITS:
                 bad.append(f"{rel(path)}:{node.lineno} allocator.{method}()")
     assert not bad, bad
+
+
+#: Request fields with one writer: the engine (sampling and finishing) for the output,
+#: the scheduler for progress and pages (the model runner and the grammar only read).
+OUTPUT_FIELDS = {"output_ids", "logprobs", "logits", "finish_reason", "error"}
+OUTPUT_COUNTS = {"images_needing_vision", "vision_tower_runs", "emitted", "first_token_time"}
+LIST_EDITS = {"append", "extend", "pop", "insert", "clear", "remove"}
+
+
+def test_the_engine_is_the_one_writer_of_a_requests_output() -> None:
+    readers = ["mmserve/engine/model_runner.py", "mmserve/engine/grammar.py"]
+    readers += [rel(p) for p in (ROOT / "mmserve" / "kernels").glob("*.py")]
+    bad = []
+    for name in readers:
+        for node in ast.walk(parse(ROOT / name)):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    while isinstance(t, ast.Subscript):  # out[-1] = ...
+                        t = t.value
+                    if isinstance(t, ast.Attribute) and t.attr in OUTPUT_FIELDS | OUTPUT_COUNTS:
+                        bad.append(f"{name}:{node.lineno} assigns .{t.attr}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in LIST_EDITS and _receiver(node.func) in OUTPUT_FIELDS:
+                    bad.append(f"{name}:{node.lineno} {_receiver(node.func)}.{node.func.attr}()")
+    assert not bad, bad

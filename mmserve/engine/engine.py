@@ -263,6 +263,11 @@ class Engine:
             return []
         failed_before = self.stats.failed_steps
         logits = self._run_mixed(decode, chunks)
+        found = self.runner.take_vision_counts()  # applied here: the engine writes requests
+        for req, _ in chunks:
+            needing, runs = found.get(req.rid, (0, 0))
+            req.images_needing_vision += needing
+            req.vision_tower_runs += runs
         if logits is None:
             return []
         if self.stats.failed_steps == failed_before:

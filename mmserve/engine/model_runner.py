@@ -42,6 +42,9 @@ class ModelRunner:
 
     Attributes:
         vision_tower_images: images encoded by the vision tower so far.
+        vision_counts: request id -> ``[images needing vision, tower runs]`` found by
+            prefills since :meth:`take_vision_counts` last emptied it (the engine
+            applies them to its requests: the runner writes no request state).
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class ModelRunner:
         self.cache = embedding_cache
         self.device = torch.device(device)
         self.vision_tower_images = 0
+        self.vision_counts: dict[str, list[int]] = {}
         self.dtype = model.decoder.embed_tokens.weight.dtype
         shape = model.decoder.shape
         # The model's actual dtype, not the config's: tests hand in pre-loaded models.
@@ -106,6 +110,11 @@ class ModelRunner:
             self.cache.put(key, f)
         return out
 
+    def take_vision_counts(self) -> dict[str, list[int]]:
+        """:attr:`vision_counts` so far, emptied."""
+        out, self.vision_counts = self.vision_counts, {}
+        return out
+
     def _features(
         self, reqs: list[Request], starts: list[int], ends: list[int]
     ) -> dict[bytes, torch.Tensor]:
@@ -115,8 +124,9 @@ class ModelRunner:
             for span in req.spans:
                 if span.end <= start or span.start >= end:
                     continue
+                counts = self.vision_counts.setdefault(req.rid, [0, 0])
                 if start <= span.start or start == req.admit_len:
-                    req.images_needing_vision += 1  # once per admission, not per chunk
+                    counts[0] += 1  # needing vision: once per admission, not per chunk
                 key = span.image.key
                 if key in found or key in missing:
                     continue
@@ -124,7 +134,7 @@ class ModelRunner:
                 if f is None:
                     missing[key] = span.image
                     if span.image.features is None:  # else the request carries them
-                        req.vision_tower_runs += 1
+                        counts[1] += 1  # a tower run
                 else:
                     found[key] = f
         if missing:
