@@ -29,7 +29,7 @@ def _client(url: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def client(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     d = tmp_path_factory.mktemp("batches")
-    args = ["--served-model-name", MODEL, "--max-total-tokens", "8192", "--batch-dir", str(d)]
+    args = ["--served-model-name", MODEL, "--max-total-tokens", "8192", "--data-dir", str(d)]
     with live_server(model_dir, *args, *LIMITS) as url:
         yield _client(url)
 
@@ -211,7 +211,7 @@ def test_sigkill_mid_batch_resumes_without_running_a_line_twice(
     model_dir: Path, tmp_path: Path
 ) -> None:
     args = ["--served-model-name", MODEL, "--max-total-tokens", "8192"]
-    args += ["--batch-dir", str(tmp_path), "--batch-max-in-flight", "2"]
+    args += ["--data-dir", str(tmp_path), "--batch-max-in-flight", "2"]
     bodies = {f"k{i}": _chat_body(f"Count to {i % 7} please.", 10) for i in range(24)}
     with live_server_process(model_dir, *args) as (url, proc):
         c = _client(url)
