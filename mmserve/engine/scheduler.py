@@ -1,6 +1,7 @@
 """Admission, page budgeting, retraction and radix-cache bookkeeping.
 
-The waiting queue is ordered by a policy (:mod:`mmserve.engine.policy`).
+The waiting queue is ordered by priority class (interactive before batch jobs), then
+by a policy inside each class (:mod:`mmserve.engine.policy`).
 Admission follows the SGLang paper's Algorithm 1 (arXiv 2312.07104, Section 3):
 a request fits if the pages of its uncached prompt plus a reservation for its
 future decode tokens fit in free pages plus evictable tree pages, minus what
@@ -9,9 +10,9 @@ leaf-first LRU). A prompt longer than the per-step token budget is prefilled in
 chunks. After each prefill the computed full pages go into the tree, so
 followers hit before the first request finishes; at finish the prompt and
 output go in and the request's lock is dropped. When decode runs out of pages,
-the newest running requests are retracted: their computed prefix goes to the
-tree and they wait again, to resume with identical output. A running request
-that got several tokens at once (structured output's jump-forward) leaves the
+the newest running requests are retracted, background ones first: their computed
+prefix goes to the tree and they wait again, to resume with identical output. A
+running request that got several tokens at once (structured output's jump-forward) leaves the
 decode batch for :attr:`Scheduler.extending`, and the next prefill batch computes
 those tokens the way a resumed request's are, before any new admission.
 
@@ -367,7 +368,8 @@ class Scheduler:
             candidates = self.active()
             if short <= have or len(candidates) <= 1:
                 break
-            victim = max(candidates, key=lambda r: (r.admitted_at, r.arrival))
+            # background work first, then the newest admitted
+            victim = max(candidates, key=lambda r: (r.priority, r.admitted_at, r.arrival))
             self.retract(victim)
             retracted.append(victim)
         for r in self.running:
