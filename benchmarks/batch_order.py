@@ -48,6 +48,8 @@ QUESTIONS = [
     "How many objects are visible?",
     "What time of day is it?",
     "Give this picture a title.",
+    "What is in the background?",
+    "Which object is largest?",
 ]
 
 

@@ -253,14 +253,15 @@ def test_interactive_request_is_admitted_before_waiting_background_ones(make_eng
             if r.rid not in order:
                 order.append(r.rid)
 
-    step()
-    assert order == [m.rid for m in background[:2]]  # two slots, both background
+    while len(eng.scheduler.active()) < 2:
+        step()
+    assert len(order) == 2 and set(order) <= {m.rid for m in background}  # both slots taken
     late = msg(9, INTERACTIVE)  # arrives last, while four background requests wait
     col = eng.track(late)
     while eng.has_work():
         step()
     assert order[2] == late.rid, "the interactive request must take the first free slot"
-    assert sorted(order[3:]) == sorted(m.rid for m in background[2:])  # then the rest
+    assert sorted(order[3:]) == sorted({m.rid for m in background} - set(order[:2]))
     assert col.result.finish_reason == "length"
     _, [ref] = run(make_engine, [(user(None, QUESTIONS[0] + " 9"), [imgs[1]])])
     assert col.result.output_ids == ref.output_ids  # priority never changes an answer
@@ -291,4 +292,37 @@ def test_decode_retracts_background_before_interactive(make_engine, imgs) -> Non
     for priority, active in retracted:
         assert priority == max(active)  # never an interactive one while background runs
     assert all(c.result.finish_reason in ("length", "stop") for c in cols)
+    eng.scheduler.check_accounting()
+
+
+def test_background_prompts_prefill_in_small_chunks(make_engine, imgs) -> None:  # noqa: ANN001
+    cases = [(user(None, QUESTIONS[k] + f" {k}"), [imgs[k]]) for k in range(3)]
+    _, base = run(make_engine, cases, max_tokens=6)
+    eng = make_engine(background_prefill_tokens=100)
+    msgs = []
+    for k, (m, i) in enumerate(cases):
+        r = eng.processor.make_request(messages=m, images=i, params=greedy(6))
+        msgs.append(dataclasses.replace(r, priority=INTERACTIVE if k == 2 else BACKGROUND))
+    cols = [eng.track(m) for m in msgs]
+    chunks: dict[str, list[int]] = {}
+    orig = eng.scheduler.schedule_prefill
+
+    def spy(budget=None):  # noqa: ANN001, ANN202
+        batch = orig(budget)
+        background = sum(n for r, n in batch if r.priority == BACKGROUND)
+        assert background <= 100  # the step's background share, all requests together
+        for r, n in batch:
+            chunks.setdefault(r.rid, []).append(n)
+        return batch
+
+    eng.scheduler.schedule_prefill = spy
+    while eng.has_work():
+        eng.step()
+    # each image prompt (over 500 tokens) goes in chunks of at most 100 tokens when it is
+    # background work, in one piece when interactive
+    for m in msgs[:2]:
+        assert len(chunks[m.rid]) >= m.prompt_len // 100 and max(chunks[m.rid]) <= 100
+    assert chunks[msgs[2].rid] == [msgs[2].prompt_len]
+    for c, b in zip(cols, base, strict=True):
+        assert c.result.output_ids == b.output_ids
     eng.scheduler.check_accounting()

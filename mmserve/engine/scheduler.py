@@ -186,11 +186,13 @@ class Scheduler:
             self.tiers.poll()
         if self.extending:
             budget = self._schedule_extends(batch, budget)
+        background = self.config.background_prefill_tokens  # left for background chunks
         if self.prefilling is not None:
             req = self.prefilling
-            n = self._chunk(req, req.computed_len, budget)
+            n = self._chunk(req, req.computed_len, self._cap(req, budget, background))
             batch.append((req, n))
             budget -= n
+            background -= n if req.priority else 0
         if (
             not self.waiting
             or budget <= 0
@@ -211,13 +213,20 @@ class Scheduler:
         for req, _ in order:
             if len(self.active()) + len(admitted) >= self.config.max_running_requests:
                 break
+            if admitted and req.priority > min(r.priority for r in admitted):
+                # a lower class never shares a prefill with a higher one: its prompt
+                # would lengthen the step that gives the interactive request its TTFT
+                break
             if self.tiers is not None and self.tiers.is_loading(req.rid):
                 continue  # its disk pages are being read; others go on
+            cap = self._cap(req, budget, background)
+            if cap <= 0:
+                continue  # background chunks used up this step's share; others go on
             # match again: an eviction for an earlier admission may have cut the old match
             m = self._match(req)
             fill = req.seq_len
             extend = fill - m.length
-            if extend > budget and (admitted or self.prefilling or batch):
+            if extend > cap and (admitted or self.prefilling or batch):
                 break
             # a request whose uncached part another one is computing (in this batch, or
             # chunk by chunk across steps) waits, to hit the tree once that is done
@@ -252,10 +261,11 @@ class Scheduler:
             req.admissions += 1
             req.admitted_at = time.perf_counter()
             req.last_node = m.last_node
-            n = self._chunk(req, m.length, budget)
+            n = self._chunk(req, m.length, cap)
             if n < extend:
                 self.prefilling = req
             budget -= n
+            background -= n if req.priority else 0
             admitted.append(req)
             batch.append((req, n))
             if self.prefilling is req or budget <= 0:
@@ -303,6 +313,11 @@ class Scheduler:
         self.tree.inc_lock_ref(loaded.last_node)
         self.tree.dec_lock_ref(m.last_node)
         return loaded
+
+    def _cap(self, req: Request, budget: int, background: int) -> int:
+        """Tokens ``req`` may prefill this step: the step's ``budget``, and for a
+        background request also what is left of ``background_prefill_tokens``."""
+        return min(budget, background) if req.priority else budget
 
     def _decode_reserve(self, req: Request, fill: int) -> int:
         # a retracted request reserves all its remaining pages, which makes a second
