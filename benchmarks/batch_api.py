@@ -180,7 +180,7 @@ async def run_ttft(url: str, lines: list[dict], n: int, period: float) -> dict:
         before = await probes(http, period, 0, lambda c: c >= n)
         batch_id = await create_batch(http, lines)
         done = asyncio.ensure_future(wait_batch(http, batch_id))
-        during = await probes(http, period, n, lambda c: done.done())
+        during = await probes(http, period, n, lambda c: c > 0 and done.done())
         b = await done
         after = await probes(http, period, 10 * n, lambda c: c >= n)
     assert b["status"] == "completed" and b["request_counts"]["failed"] == 0, b
@@ -196,8 +196,10 @@ async def run_ttft(url: str, lines: list[dict], n: int, period: float) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Run (a), (b) and (c), print the table; the figures as a dict."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the tiny one)")
     p.add_argument("--images", type=int, default=40)
     p.add_argument("--questions", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=4)
@@ -207,9 +209,9 @@ def main() -> None:
     p.add_argument("--ttft-scale", type=int, default=3, help="photos x this in (c)'s batch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-flags", default="", help="more mmserve serve flags (one string)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     flags = shlex.split(args.server_flags)
-    model = ensure_model("tiny")
+    model = args.model or ensure_model("tiny")
     lines = workload(args.images, args.questions, args.max_tokens, args.seed)
     engine = Engine(EngineConfig(model_path=str(model), max_total_tokens=args.max_total_tokens))
     best, total = optimum(engine, lines)
@@ -250,7 +252,9 @@ def main() -> None:
         f"({c['during_n']} probes); "
         f"ratio {c['ratio']:.2f}"
     )
-    print(json.dumps({"optimum": best, **{k: v for k, v in results.items()}}, default=str))
+    out = {"optimum": best, **results}
+    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
