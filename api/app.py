@@ -75,7 +75,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     )
 
     state.batches = BatchManager(
-        state, FileStore(settings.resolved_batch_dir(), settings.max_stored_file_bytes)
+        state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)
     )
 
     @asynccontextmanager

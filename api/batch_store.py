@@ -1,6 +1,6 @@
 """``/v1/files`` on disk: batch input files and batch output/error files.
 
-Layout under the batch directory (``--batch-dir``)::
+Layout under the data directory (``--data-dir``)::
 
     files/<file-id>.jsonl   the bytes
     files/<file-id>.json    the OpenAI file object (written atomically, after the bytes)
@@ -57,7 +57,7 @@ class FileStore:
     """Files of the batch API, on disk under ``root/files``.
 
     Args:
-        root: the batch directory (created on first write).
+        root: the data directory (``--data-dir``; created on first write).
         max_total_bytes: most bytes all files may take together.
     """
 

@@ -17,7 +17,7 @@ A batch is an uploaded JSONL file (``/v1/files``, purpose ``batch``) of requests
    submitted at once through the same :class:`~api.submit.EngineClient` as online
    requests, and at most ``--batch-in-flight-with-online`` while any online request
    runs, so interactive traffic keeps its latency.
-4. **Durable.** State lives under ``--batch-dir``: ``batches/<id>/state.json``
+4. **Durable.** State lives under ``--data-dir``: ``batches/<id>/state.json``
    (written atomically at each status change and every second while running) and
    ``output.jsonl`` / ``errors.jsonl``, appended as each line finishes and fsync'd at
    most a second apart. After a crash or restart an unfinished batch resumes: lines

@@ -56,9 +56,10 @@ class ServerSettings:
         max_stored_video_bytes: most encoded video bytes the upload store keeps (bytes).
         unhealthy_after_failed_steps: engine steps failing in a row after which
             ``/health`` answers 503.
-        batch_dir: directory of ``/v1/files`` uploads and ``/v1/batches`` state, kept
-            across restarts (None: ``$MMSERVE_CACHE_DIR/batches``, else
-            ``~/.cache/mmserve/batches``; created on first use).
+        data_dir: directory of the ``/v1/files`` uploads (batch input files, output and
+            error files) and the ``/v1/batches`` state and results, kept across restarts
+            (None: ``$MMSERVE_CACHE_DIR/batches``, else ``$XDG_CACHE_HOME/mmserve/batches``,
+            else ``~/.cache/mmserve/batches``; created on first use).
         max_batch_file_bytes: largest ``/v1/files`` upload (bytes); larger gets 400.
         max_batch_lines: most requests (lines) in one batch input file; more gets 400.
         max_stored_file_bytes: most bytes all stored files may take (uploads and batch
@@ -94,7 +95,7 @@ class ServerSettings:
     max_stored_videos: int = 32
     max_stored_video_bytes: int = 512 << 20
     unhealthy_after_failed_steps: int = 3
-    batch_dir: str | None = None
+    data_dir: str | None = None
     max_batch_file_bytes: int = 64 << 20
     max_batch_lines: int = 50_000
     max_stored_file_bytes: int = 8 << 30
@@ -109,11 +110,15 @@ class ServerSettings:
             self.max_video_bytes, self.max_video_frames, side, min(side * side, 3840 * 2160)
         )
 
-    def resolved_batch_dir(self) -> Path:
-        """``batch_dir``, else ``$MMSERVE_CACHE_DIR/batches``, else ``~/.cache/mmserve/batches``."""
-        if self.batch_dir:
-            return Path(self.batch_dir)
-        root = os.environ.get("MMSERVE_CACHE_DIR") or Path.home() / ".cache" / "mmserve"
+    def resolved_data_dir(self) -> Path:
+        """``data_dir``, else ``$MMSERVE_CACHE_DIR/batches``, else
+        ``$XDG_CACHE_HOME/mmserve/batches``, else ``~/.cache/mmserve/batches``."""
+        if self.data_dir:
+            return Path(self.data_dir)
+        root = os.environ.get("MMSERVE_CACHE_DIR")
+        if not root:
+            cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+            root = Path(cache) / "mmserve"
         return Path(root) / "batches"
 
     def resolved_api_key(self) -> str | None:

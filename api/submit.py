@@ -9,6 +9,7 @@ every request in it: the engine hands their KV to the tree and frees the rest.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request as HTTPRequest
@@ -16,7 +17,7 @@ from fastapi import Request as HTTPRequest
 from api.errors import APIError
 from api.metrics import Metrics
 from mmserve.engine.async_engine import AsyncEngine, StreamUpdate
-from mmserve.engine.messages import EngineRequest
+from mmserve.engine.messages import BACKGROUND, EngineRequest
 from mmserve.engine.request import GenerateResult
 
 
@@ -50,8 +51,9 @@ class EngineClient:
         """Start ``reqs`` (all or none).
 
         One call is always admitted into an empty queue, so a large ``n`` or many
-        questions cannot be refused forever. ``background`` marks batch-job work, which
-        is not counted in :attr:`online`.
+        questions cannot be refused forever. ``background`` marks batch-job work: it runs
+        at the engine's :data:`~mmserve.engine.messages.BACKGROUND` priority (admitted
+        after waiting interactive requests) and is not counted in :attr:`online`.
 
         Raises:
             APIError: 503 with ``Retry-After`` when the queue is full.
@@ -66,6 +68,8 @@ class EngineClient:
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after)},
             )
+        if background:
+            reqs = [dataclasses.replace(r, priority=max(r.priority, BACKGROUND)) for r in reqs]
         self._set_queued(self.queued + len(reqs))
         return Submission(self, reqs, background)
 

@@ -48,6 +48,8 @@ QUESTIONS = [
     "How many objects are visible?",
     "What time of day is it?",
     "Give this picture a title.",
+    "What is in the background?",
+    "Which object is largest?",
 ]
 
 
@@ -129,7 +131,7 @@ def run_order(order: str, lines: list[dict], max_total_tokens: int) -> dict:
         EngineConfig(model_path=str(ensure_model("tiny")), max_total_tokens=max_total_tokens)
     )
     with tempfile.TemporaryDirectory() as d:
-        settings = ServerSettings(served_model_name="tiny", batch_dir=d, batch_order=order)
+        settings = ServerSettings(served_model_name="tiny", data_dir=d, batch_order=order)
         with TestClient(create_app(engine, settings)) as http:
             client = openai.OpenAI(
                 base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0

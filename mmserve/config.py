@@ -40,6 +40,10 @@ class EngineConfig:
             what is left (at most ``max_prefill_tokens``), so a long prompt delays the
             running streams by one chunk's time per step, not by its whole prefill
             (vLLM's chunked prefill with the same name).
+        background_prefill_tokens: most prompt tokens background requests (batch jobs,
+            ``EngineRequest.priority`` > 0) prefill in one step (tokens); their prompts
+            go in chunks this size, so a step running them stays short and an
+            interactive request that arrives meanwhile waits at most one short step.
         disable_mixed_steps: run each step as either a prefill batch or a decode batch
             (prefill first), as before mixed steps; for comparison and debugging.
         disable_radix_cache: never reuse KV across requests (SGLang's flag).
@@ -94,6 +98,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     max_num_batched_tokens: int = 2048
+    background_prefill_tokens: int = 128
     disable_mixed_steps: bool = False
     disable_radix_cache: bool = False
     policy: str = "lpm"
@@ -135,6 +140,8 @@ class EngineConfig:
             raise ValueError("decoded_image_wait_seconds must be >= 0")
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
+        if self.background_prefill_tokens < 1:
+            raise ValueError("background_prefill_tokens must be >= 1")
         if self.max_num_batched_tokens < 2:
             raise ValueError("max_num_batched_tokens must be >= 2 (a decode and a prefill token)")
         if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:

@@ -12,9 +12,13 @@ from pathlib import Path
 
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+from api.app import create_app
 from api.batches import prompt_key
 from api.schemas import ChatCompletionRequest
+from api.settings import ServerSettings
+from mmserve.engine.messages import BACKGROUND, INTERACTIVE
 from tests.live_server import live_server, live_server_process
 
 MODEL = "tiny"
@@ -29,7 +33,7 @@ def _client(url: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def client(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     d = tmp_path_factory.mktemp("batches")
-    args = ["--served-model-name", MODEL, "--max-total-tokens", "8192", "--batch-dir", str(d)]
+    args = ["--served-model-name", MODEL, "--max-total-tokens", "8192", "--data-dir", str(d)]
     with live_server(model_dir, *args, *LIMITS) as url:
         yield _client(url)
 
@@ -211,7 +215,7 @@ def test_sigkill_mid_batch_resumes_without_running_a_line_twice(
     model_dir: Path, tmp_path: Path
 ) -> None:
     args = ["--served-model-name", MODEL, "--max-total-tokens", "8192"]
-    args += ["--batch-dir", str(tmp_path), "--batch-max-in-flight", "2"]
+    args += ["--data-dir", str(tmp_path), "--batch-max-in-flight", "2"]
     bodies = {f"k{i}": _chat_body(f"Count to {i % 7} please.", 10) for i in range(24)}
     with live_server_process(model_dir, *args) as (url, proc):
         c = _client(url)
@@ -260,3 +264,35 @@ def test_cache_order_is_depth_first_over_prompts() -> None:
     assert sorted(runs) == list(range(5))  # each image is one contiguous run
     for img in range(5):
         assert [q for i, q, _ in ordered if i == img] == [0, 1, 2, 3]
+
+
+def test_batch_requests_reach_the_engine_at_background_priority(make_engine, tmp_path) -> None:  # noqa: ANN001
+    engine = make_engine(max_total_tokens=8192)
+    seen: dict[str, int] = {}
+    add = engine.add_request
+
+    def spy(msg, on_update=None) -> None:  # noqa: ANN001
+        seen[msg.rid] = msg.priority
+        add(msg, on_update)
+
+    engine.add_request = spy
+    settings = ServerSettings(served_model_name=MODEL, data_dir=str(tmp_path))
+    with TestClient(create_app(engine, settings)) as c:
+        lines = [_line(f"k{i}", _chat_body(f"Count to {i}.")) for i in range(3)]
+        f = c.post(
+            "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", "\n".join(lines))}
+        )
+        assert f.status_code == 200, f.text
+        b = c.post(
+            "/v1/batches",
+            json={"input_file_id": f.json()["id"], "endpoint": CHAT, "completion_window": "24h"},
+        ).json()
+        deadline = time.time() + 60
+        while c.get(f"/v1/batches/{b['id']}").json()["status"] != "completed":
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert sorted(seen.values()) == [BACKGROUND] * 3
+        online = c.post(CHAT, json=_chat_body("Hello."))
+        assert online.status_code == 200
+        assert sorted(seen.values()) == [INTERACTIVE] + [BACKGROUND] * 3
+    assert (tmp_path / "batches" / b["id"] / "state.json").is_file()  # under --data-dir

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from benchmarks import batch_api
 from benchmarks.many_questions import format_table, main, sample_images
 
 
@@ -51,3 +52,16 @@ def test_table_without_off_figures_has_no_ratio() -> None:
     assert "2.00x" in table and "cache hit rate" in table
     hit_row = next(line for line in table.splitlines() if line.startswith("cache hit rate"))
     assert hit_row.rstrip().endswith("-")
+
+
+def test_batch_api_benchmark_tiny(model_dir, capsys) -> None:  # noqa: ANN001
+    args = ["--model", str(model_dir), "--images", "3", "--questions", "2", "--probes", "2"]
+    out = batch_api.main([*args, "--ttft-scale", "1", "--probe-period", "0.05"])
+    printed = capsys.readouterr().out
+    assert "/v1/batches" in printed and "chat burst" in printed and "TTFT p50" in printed
+    a, b, c = out["batch"], out["burst"], out["ttft"]
+    assert a["requests"] == b["requests"] == 6
+    # the pool holds every photo: the batch reaches the optimum, one tower run per photo
+    assert a["hit_rate"] == pytest.approx(out["optimum"], rel=0.02) and 0 < out["optimum"] < 1
+    assert a["tower_runs"] == 3 and b["tower_runs"] >= 3
+    assert c["during_n"] >= 1 and c["ratio"] == pytest.approx(c["during_p50"] / c["idle_p50"])

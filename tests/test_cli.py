@@ -102,3 +102,22 @@ def test_no_settings_travel_through_the_environment() -> None:
     for path in [*root.glob("api/*.py"), *root.glob("mmserve/**/*.py")]:
         assert "MMSERVE_SERVER_CONFIG" not in path.read_text(), path
     assert not (root / "mmserve" / "server_flags.py").exists()
+
+
+def test_data_dir_flag_and_its_default(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    _, _, server = settings_from_args(
+        build_parser().parse_args(["serve", "--data-dir", str(tmp_path / "d")])
+    )
+    assert server.data_dir == str(tmp_path / "d")
+    assert server.resolved_data_dir() == tmp_path / "d"
+    # no flag: $MMSERVE_CACHE_DIR, then $XDG_CACHE_HOME/mmserve, then ~/.cache/mmserve
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path / "m"))
+    assert ServerSettings().resolved_data_dir() == tmp_path / "m" / "batches"
+    monkeypatch.delenv("MMSERVE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert ServerSettings().resolved_data_dir() == tmp_path / "x" / "mmserve" / "batches"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert ServerSettings().resolved_data_dir() == tmp_path / "h" / ".cache" / "mmserve" / "batches"
+    with pytest.raises(SystemExit):  # the old name is gone
+        build_parser().parse_args(["serve", "--batch-dir", str(tmp_path)])

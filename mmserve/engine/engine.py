@@ -142,6 +142,7 @@ class Engine:
         it): token lists, the grammar matcher, the sampling generator."""
         req = Request(list(msg.input_ids), list(msg.spans), msg.params, rid=msg.rid)
         req.arrival = msg.arrival
+        req.priority = msg.priority
         if msg.grammar is not None:
             req.grammar = new_state(msg.grammar, msg.params.guided)
         req.generator = make_generator(msg.params, self.config.device)

@@ -18,6 +18,12 @@ import torch
 
 from mmserve.engine.request import ImageSpan, SamplingParams, TokenLogprob, new_rid
 
+#: :attr:`EngineRequest.priority` of interactive traffic (the default).
+INTERACTIVE = 0
+#: :attr:`EngineRequest.priority` of background work (batch jobs): admitted after every
+#: waiting interactive request and retracted first when decode runs out of pages.
+BACKGROUND = 1
+
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -33,6 +39,11 @@ class EngineRequest:
         grammar: the compiled grammar of ``params.guided`` (compiled on the front end's
             thread, shared by every request with the same spec), else None; the engine
             makes the request's own matcher from it.
+        priority: scheduling class, smaller first (:data:`INTERACTIVE` = 0,
+            :data:`BACKGROUND` = 1): the scheduler admits every waiting request of a
+            smaller class before any of a larger one (the cache-aware order holds inside
+            each class; a request past the starvation bound goes first whatever its
+            class), and retracts from the largest class first.
     """
 
     input_ids: tuple[int, ...]
@@ -41,6 +52,7 @@ class EngineRequest:
     rid: str = field(default_factory=new_rid)
     arrival: float = field(default_factory=time.perf_counter)
     grammar: Any = None
+    priority: int = INTERACTIVE
 
     @property
     def prompt_len(self) -> int:

@@ -2,8 +2,11 @@
 
 ``lpm`` and ``dfs-weight`` are the cache-aware orders of the SGLang paper
 (arXiv 2312.07104, Section 3, "Cache-aware scheduling" and Appendix A.3's
-DFS-weight); ``fcfs`` and ``random`` ignore the cache. A request that has
-waited longer than the starvation bound goes first whatever the policy.
+DFS-weight); ``fcfs`` and ``random`` ignore the cache. Requests are ordered by
+priority class first (``Request.priority``, smaller first: interactive traffic ahead of
+batch jobs), by the policy inside each class. A request that has waited longer than
+the starvation bound goes first whatever the policy and its class, so background work
+advances under a steady interactive load.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ def order_waiting(
     rng: random.Random,
     cache_on: bool,
 ) -> list[tuple[Request, MatchResult]]:
-    """Sort waiting requests for admission.
+    """Sort waiting requests for admission: the starved ones (oldest first), then each
+    priority class in turn (smallest ``priority`` first), in ``policy``'s order.
 
     Args:
-        items: ``(request, its current prefix match)`` in arrival order.
+        items: ``(request, its current prefix match)`` in arrival order; each request has
+            ``arrival`` (seconds) and ``priority`` (int).
         policy: "lpm", "dfs-weight", "fcfs" or "random".
         now: current ``time.perf_counter()`` (seconds).
         max_wait: starvation bound (seconds); older requests come first, oldest first.
@@ -37,14 +42,26 @@ def order_waiting(
         The items in admission order.
     """
     starved = [it for it in items if now - it[0].arrival > max_wait]
-    rest = [it for it in items if now - it[0].arrival <= max_wait]
+    classes: dict[int, list[tuple[Request, MatchResult]]] = {}
+    for it in items:
+        if now - it[0].arrival <= max_wait:
+            classes.setdefault(it[0].priority, []).append(it)
+    out = starved
+    for priority in sorted(classes):
+        out += _by_policy(classes[priority], policy, rng, cache_on)
+    return out
+
+
+def _by_policy(
+    rest: list[tuple[Request, MatchResult]], policy: str, rng: random.Random, cache_on: bool
+) -> list[tuple[Request, MatchResult]]:
     if policy == "random":
         rng.shuffle(rest)
     elif cache_on and policy == "lpm":
         rest.sort(key=lambda it: -it[1].length)  # stable: FCFS among equal matches
     elif cache_on and policy == "dfs-weight":
         rest = _dfs_weight(rest)
-    return starved + rest
+    return rest
 
 
 def _dfs_weight(items: list[tuple[Request, MatchResult]]) -> list[tuple[Request, MatchResult]]:

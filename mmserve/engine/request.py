@@ -328,6 +328,8 @@ class Request:
     parameters change the logits (:meth:`SamplingParams.has_logits_processors`);
     ``processor_state`` is then the engine's per-request state for that
     (:class:`~mmserve.engine.sampling.ProcessorState`, made on first use).
+    ``priority`` is the scheduling class (0 interactive, larger is background; see
+    :attr:`~mmserve.engine.messages.EngineRequest.priority`).
     """
 
     def __init__(
@@ -344,6 +346,7 @@ class Request:
         self.params = params
         self.on_update = on_update
         self.arrival = time.perf_counter()
+        self.priority = 0
         self.output_ids: list[int] = []
         self.emitted = 0  # output ids already handed out in a TokenDelta
         self.pages = PageTable()

@@ -1,6 +1,7 @@
 """Admission, page budgeting, retraction and radix-cache bookkeeping.
 
-The waiting queue is ordered by a policy (:mod:`mmserve.engine.policy`).
+The waiting queue is ordered by priority class (interactive before batch jobs), then
+by a policy inside each class (:mod:`mmserve.engine.policy`).
 Admission follows the SGLang paper's Algorithm 1 (arXiv 2312.07104, Section 3):
 a request fits if the pages of its uncached prompt plus a reservation for its
 future decode tokens fit in free pages plus evictable tree pages, minus what
@@ -9,9 +10,9 @@ leaf-first LRU). A prompt longer than the per-step token budget is prefilled in
 chunks. After each prefill the computed full pages go into the tree, so
 followers hit before the first request finishes; at finish the prompt and
 output go in and the request's lock is dropped. When decode runs out of pages,
-the newest running requests are retracted: their computed prefix goes to the
-tree and they wait again, to resume with identical output. A running request
-that got several tokens at once (structured output's jump-forward) leaves the
+the newest running requests are retracted, background ones first: their computed
+prefix goes to the tree and they wait again, to resume with identical output. A
+running request that got several tokens at once (structured output's jump-forward) leaves the
 decode batch for :attr:`Scheduler.extending`, and the next prefill batch computes
 those tokens the way a resumed request's are, before any new admission.
 
@@ -185,11 +186,13 @@ class Scheduler:
             self.tiers.poll()
         if self.extending:
             budget = self._schedule_extends(batch, budget)
+        background = self.config.background_prefill_tokens  # left for background chunks
         if self.prefilling is not None:
             req = self.prefilling
-            n = self._chunk(req, req.computed_len, budget)
+            n = self._chunk(req, req.computed_len, self._cap(req, budget, background))
             batch.append((req, n))
             budget -= n
+            background -= n if req.priority else 0
         if (
             not self.waiting
             or budget <= 0
@@ -210,13 +213,20 @@ class Scheduler:
         for req, _ in order:
             if len(self.active()) + len(admitted) >= self.config.max_running_requests:
                 break
+            if admitted and req.priority > min(r.priority for r in admitted):
+                # a lower class never shares a prefill with a higher one: its prompt
+                # would lengthen the step that gives the interactive request its TTFT
+                break
             if self.tiers is not None and self.tiers.is_loading(req.rid):
                 continue  # its disk pages are being read; others go on
+            cap = self._cap(req, budget, background)
+            if cap <= 0:
+                continue  # background chunks used up this step's share; others go on
             # match again: an eviction for an earlier admission may have cut the old match
             m = self._match(req)
             fill = req.seq_len
             extend = fill - m.length
-            if extend > budget and (admitted or self.prefilling or batch):
+            if extend > cap and (admitted or self.prefilling or batch):
                 break
             # a request whose uncached part another one is computing (in this batch, or
             # chunk by chunk across steps) waits, to hit the tree once that is done
@@ -251,10 +261,11 @@ class Scheduler:
             req.admissions += 1
             req.admitted_at = time.perf_counter()
             req.last_node = m.last_node
-            n = self._chunk(req, m.length, budget)
+            n = self._chunk(req, m.length, cap)
             if n < extend:
                 self.prefilling = req
             budget -= n
+            background -= n if req.priority else 0
             admitted.append(req)
             batch.append((req, n))
             if self.prefilling is req or budget <= 0:
@@ -302,6 +313,11 @@ class Scheduler:
         self.tree.inc_lock_ref(loaded.last_node)
         self.tree.dec_lock_ref(m.last_node)
         return loaded
+
+    def _cap(self, req: Request, budget: int, background: int) -> int:
+        """Tokens ``req`` may prefill this step: the step's ``budget``, and for a
+        background request also what is left of ``background_prefill_tokens``."""
+        return min(budget, background) if req.priority else budget
 
     def _decode_reserve(self, req: Request, fill: int) -> int:
         # a retracted request reserves all its remaining pages, which makes a second
@@ -367,7 +383,8 @@ class Scheduler:
             candidates = self.active()
             if short <= have or len(candidates) <= 1:
                 break
-            victim = max(candidates, key=lambda r: (r.admitted_at, r.arrival))
+            # background work first, then the newest admitted
+            victim = max(candidates, key=lambda r: (r.priority, r.admitted_at, r.arrival))
             self.retract(victim)
             retracted.append(victim)
         for r in self.running:
