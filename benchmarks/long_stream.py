@@ -6,7 +6,8 @@ Starts ``mmserve serve`` on the tiny checkpoint (127.0.0.1), streams one chat an
 gap between consecutive server-sent chunks. Reports the mean gap over the first and the
 last ``--window`` chunks and their ratio (target <= 1.2 at 6,000 tokens), plus the same
 ratio for engine steps measured in this process (``Engine.step`` on the same checkpoint,
-no HTTP), so the two sides of the boundary can be told apart.
+no HTTP, in thread CPU time), so the two sides of the boundary can be told apart. The
+stream's gaps are wall time: read them on a quiet machine.
 
     python -m benchmarks.long_stream                 # 6,000 tokens, ~1-2 min on 2 cores
     python -m benchmarks.long_stream --tokens 2000   # quicker
@@ -67,7 +68,9 @@ def stream_gaps(url: str, tokens: int, timeout: float = 600) -> list[float]:
 
 @torch.inference_mode()
 def step_times(model_dir: str, tokens: int) -> list[float]:
-    """Seconds per ``Engine.step`` for one request of ``tokens`` output tokens."""
+    """CPU seconds of this thread per ``Engine.step`` for one request of ``tokens``
+    output tokens (thread CPU time, not wall time: on a shared machine other processes
+    stretch wall time unevenly over a long run, CPU time counts the step's own work)."""
     loaded = load_model(model_dir)
     eng = Engine(EngineConfig(model_path=model_dir), model=loaded)
     msg = eng.processor.make_request(
@@ -77,9 +80,9 @@ def step_times(model_dir: str, tokens: int) -> list[float]:
     col = eng.track(msg)
     out = []
     while not col.finished:
-        t = time.perf_counter()
+        t = time.thread_time()
         eng.step()
-        out.append(time.perf_counter() - t)
+        out.append(time.thread_time() - t)
     return out[1:]  # the first step is the prefill
 
 
