@@ -94,7 +94,7 @@ def replay_in_process(
                 steps["decode_tokens"] += len(batch)
         elif nxt < len(order):
             time.sleep(max(0.0, arrivals[order[nxt]] - (time.perf_counter() - t0)))
-    results = {i: c.result() for i, c in cols.items()}
+    results = {i: c.result for i, c in cols.items()}
     end = max(r.latency + t0 + arrivals[i] for i, r in results.items())
     wall = end - (t0 + min(arrivals))
     cpu = time.process_time() - c0
