@@ -27,9 +27,9 @@ from api.routes_chat import engine_requests
 from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState, State
 from api.submit import ClientDisconnected, Submission
-from mmserve.engine.grammar import GrammarError, GuidedSpec, check_spec
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.request import GenerateResult
+from mmserve.structured.spec import GrammarError, GuidedSpec, check_spec
 
 router = APIRouter(route_class=JSONBodyRoute)
 

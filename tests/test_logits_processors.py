@@ -21,10 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.engine.engine import first_stop
-from mmserve.engine.grammar import GuidedSpec
 from mmserve.engine.processor import RequestError
 from mmserve.engine.request import ParamError, Request, SamplingParams
 from mmserve.engine.sampling import LogitsProcessors
+from mmserve.structured.spec import GuidedSpec
 from tests.comparator import assert_same_generation
 from tests.conftest import user
 

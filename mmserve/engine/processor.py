@@ -26,7 +26,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from mmserve.config import EngineConfig
-from mmserve.engine.grammar import GrammarCache, GrammarError
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.prompt import PromptBuilder, PromptError
 from mmserve.engine.request import (
@@ -37,6 +36,8 @@ from mmserve.engine.request import (
     new_rid,
 )
 from mmserve.model.loader import LoadedModel
+from mmserve.structured.compile import GrammarCache
+from mmserve.structured.spec import GrammarError
 from mmserve.vision.budget import DecodeBudget, RequestPixels, decoded_bytes
 from mmserve.vision.embedding_cache import EmbeddingCache
 from mmserve.vision.hashing import image_key, processor_fingerprint
