@@ -18,7 +18,6 @@ from api.openai_format import TokenText, chat_completion, chat_stream
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.state import ServerState, State
 from api.structured import ToolCalling, tool_calling
-from api.submit import ClientDisconnected
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.request import ImageInput, SamplingParams
 from mmserve.model.families.base import FRAME_MODE
@@ -79,25 +78,15 @@ async def chat_completions(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         holdback = max((len(s) for s in params.stop), default=1) - 1
-
-        def on_failure(result) -> str | None:  # noqa: ANN001
-            return st.client.failure(result).message if st.client.engine_failed(result) else None
-
         events = chat_stream(
-            sub, cid, created, st.model_name, tokens, include_usage, holdback, on_failure, tools
+            sub, cid, created, st.model_name, tokens, include_usage, holdback, tools
         )
         return StreamingResponse(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    try:
-        results = await sub.wait(request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    for r in results:
-        if st.client.engine_failed(r):
-            raise st.client.failure(r)
+    results = await sub.answers(request)
     return chat_completion(cid, created, st.model_name, results, tokens, tools)
 
 

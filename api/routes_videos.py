@@ -193,8 +193,8 @@ async def _events(
         res = upd.result
         if res is None:
             continue
-        if st.client.engine_failed(res):
-            err = st.client.failure(res)
+        err = st.client.failure(res)
+        if err is not None:
             yield {"type": "error", **error_body(err.message, err.type, err.param, err.code)}
             sub.cancel()
             return
