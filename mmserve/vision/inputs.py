@@ -1,5 +1,5 @@
 """The image items of a prompt: what the front end makes of an image or video frame
-(:class:`ImageInput`) and where its features go (:class:`ImageSpan`).
+(:class:`ImageInput`, :class:`Frame`) and where its features go (:class:`ImageSpan`).
 
 They live below the engine because the model families take them
 (``ModelFamily.preprocess``, ``VisionModule.encode_pixels``);
@@ -83,3 +83,14 @@ class ImageSpan:
     def end(self) -> int:
         """One past the last position."""
         return self.start + self.length
+
+
+@dataclass
+class Frame:
+    """A frame sampled from a video: its index in the video, its time (seconds) and its
+    hashed image (its tower input prepared, or its decoded image, see
+    :meth:`~mmserve.engine.processor.InputProcessor.sample_frames`)."""
+
+    index: int
+    timestamp: float
+    image: ImageInput
