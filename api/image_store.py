@@ -8,7 +8,8 @@ image's tower input and the embedding cache does not hold its features. A decode
 6000x6000 image is about 108 MB; its PNG may be 100 KB, so keeping files rather than
 pixels keeps the store's memory what its byte bound says. A bytes memo
 (xxh3-64 of the file -> id) lets a repeated upload skip decoding; it never
-decides sharing by itself (DESIGN.md, "Two hashes, two jobs").
+decides sharing by itself: the image key does (docs/architecture.md, section 2,
+invariant (1)).
 
 With a directory, each uploaded image's original bytes are written to
 ``<dir>/<id>.img`` and read back (decoded and hashed again) at start, oldest

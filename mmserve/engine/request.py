@@ -295,7 +295,6 @@ class Request:
         self.logits: list[torch.Tensor] | None = [] if params.return_logits else None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
-        self.abort_requested = False
         self.error: str | None = None
         self.grammar: GrammarState | None = None
         self.processed = params.has_logits_processors()

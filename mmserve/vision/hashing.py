@@ -2,7 +2,7 @@
 
 The image key is xxh3-128 over the decoded pixels with their mode and shape
 (and palette, for palette images) plus a fingerprint of the image processor
-(DESIGN.md, "Two hashes, two jobs"). Each of an image's N positions becomes a
+(docs/architecture.md, section 2, invariant (1)). Each of an image's N positions becomes a
 distinct negative int64 pseudo-token id derived from the key and the position,
 so text ids ``[0, vocab)`` and image ids never collide (invariant 2) and two
 prompts share KV for an image exactly when its pixels and processor agree
