@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from api import (
     routes_batches,
@@ -38,7 +38,72 @@ from api.video_store import VideoStore
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
 
-__all__ = ["ServerSettings", "create_app"]
+__all__ = ["ServerSettings", "assemble_app", "create_app", "server_state"]
+
+
+def server_state(
+    engine: Engine,
+    aengine: AsyncEngine,
+    client: EngineClient,
+    metrics: Metrics,
+    settings: ServerSettings,
+    model_name: str,
+) -> ServerState:
+    """What every route needs (``app.state.mm``), with the image and video stores and the
+    media resolver built from ``settings``; shared by :func:`create_app` and the replica
+    ingress (whose ``engine`` is a weightless front end and ``aengine`` a replica client).
+    """
+    store = ImageStore(
+        engine.processor.prepare_image,
+        max_images=settings.max_stored_images,
+        max_bytes=settings.max_stored_image_bytes,
+        directory=settings.image_store_dir,
+    )
+    return ServerState(
+        engine=engine,
+        aengine=aengine,
+        client=client,
+        store=store,
+        media=MediaResolver(
+            store, engine.config.image_limits, settings, processor=engine.processor
+        ),
+        metrics=metrics,
+        settings=settings,
+        model_name=model_name,
+        videos=VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
+    )
+
+
+def assemble_app(
+    state: ServerState,
+    routers: Sequence[APIRouter],
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    middleware: Sequence[type] = (),
+) -> FastAPI:
+    """One FastAPI app around ``state``: every route parses JSON with
+    :class:`~api.json_body.JSONBodyRoute`, errors answer in OpenAI's shape
+    (:func:`~api.errors.install_error_handlers`), the body limit and (when set) the API
+    key apply to every route.
+
+    Args:
+        state: what the routes read (``app.state.mm``).
+        routers: included in order (an earlier router's route wins a path both serve).
+        lifespan: the app's startup and shutdown.
+        middleware: extra middleware classes (no arguments), innermost first.
+    """
+    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser
+    app.state.mm = state
+    install_error_handlers(app)
+    for router in routers:
+        app.include_router(router)
+    for cls in middleware:
+        app.add_middleware(cls)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.settings.max_request_bytes)
+    key = state.settings.resolved_api_key()
+    if key:
+        app.add_middleware(APIKeyMiddleware, api_key=key)
+    return app
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -52,28 +117,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     model_name = settings.served_model_name or Path(engine.config.model_path or "mmserve").name
     aengine = AsyncEngine(engine)
     metrics = Metrics()
-    store = ImageStore(
-        engine.processor.prepare_image,
-        max_images=settings.max_stored_images,
-        max_bytes=settings.max_stored_image_bytes,
-        directory=settings.image_store_dir,
+    client = EngineClient(
+        aengine, metrics, settings.max_queued_requests, settings.retry_after_seconds
     )
-    state = ServerState(
-        engine=engine,
-        aengine=aengine,
-        client=EngineClient(
-            aengine, metrics, settings.max_queued_requests, settings.retry_after_seconds
-        ),
-        store=store,
-        media=MediaResolver(
-            store, engine.config.image_limits, settings, processor=engine.processor
-        ),
-        metrics=metrics,
-        settings=settings,
-        model_name=model_name,
-        videos=VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
-    )
-
+    state = server_state(engine, aengine, client, metrics, settings, model_name)
     state.batches = BatchManager(
         state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)
     )
@@ -90,15 +137,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         # the engine thread is gone: KV pages to the disk tier (if on), TP workers stopped
         engine.close()
 
-    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
-    app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser
-    app.state.mm = state
-    app.state.engine = engine
-    app.state.async_engine = aengine
-    app.state.image_store = store
-    install_error_handlers(app)
+    health_router = APIRouter(route_class=JSONBodyRoute)
 
-    @app.get("/health")
+    @health_router.get("/health")
     async def health() -> dict:
         """200 while the engine steps; 503 after ``unhealthy_after_failed_steps`` failed
         steps in a row, so a supervisor restarts the process (never needs the API key)."""
@@ -117,15 +158,14 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             )
         return {"status": "ok"}
 
-    app.include_router(routes_chat.router)
-    app.include_router(routes_responses.router)
-    app.include_router(routes_batches.router)
-    app.include_router(routes_images.router)
-    app.include_router(routes_videos.router)
-    app.include_router(routes_cache.router)
-    app.include_router(routes_page.router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    key = settings.resolved_api_key()
-    if key:
-        app.add_middleware(APIKeyMiddleware, api_key=key)
-    return app
+    routers = [
+        health_router,
+        routes_chat.router,
+        routes_responses.router,
+        routes_batches.router,
+        routes_images.router,
+        routes_videos.router,
+        routes_cache.router,
+        routes_page.router,
+    ]
+    return assemble_app(state, routers, lifespan=lifespan)

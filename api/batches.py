@@ -618,12 +618,9 @@ class BatchManager:
             reqs = await prepare_response(st, line.body)
         sub = await self._submit(reqs)
         try:
-            results = await sub.wait()
+            results = await sub.answers()
         finally:
             sub.cancel()
-        for r in results:
-            if st.client.engine_failed(r):
-                raise st.client.failure(r)
         if endpoint == "/v1/chat/completions":
             cid = f"chatcmpl-{uuid.uuid4().hex}"
             tok = None

@@ -8,10 +8,15 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the answer was ready (answered 499, which no
+    one reads: the handler only ends the route)."""
 
 
 class APIError(Exception):
@@ -134,6 +139,10 @@ def install_error_handlers(app: FastAPI) -> None:
             status_code=e.status,
             headers=e.headers,
         )
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

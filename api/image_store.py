@@ -8,7 +8,8 @@ image's tower input and the embedding cache does not hold its features. A decode
 6000x6000 image is about 108 MB; its PNG may be 100 KB, so keeping files rather than
 pixels keeps the store's memory what its byte bound says. A bytes memo
 (xxh3-64 of the file -> id) lets a repeated upload skip decoding; it never
-decides sharing by itself (DESIGN.md, "Two hashes, two jobs").
+decides sharing by itself: the image key does (docs/architecture.md, section 2,
+invariant (1)).
 
 With a directory, each uploaded image's original bytes are written to
 ``<dir>/<id>.img`` and read back (decoded and hashed again) at start, oldest
@@ -22,7 +23,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from pathlib import Path
 import xxhash
 
 from mmserve.engine.request import ImageInput
+from mmserve.lru import LRU
 from mmserve.vision.image import ImageError
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,11 @@ class ImageStore:
         self.max_images = max_images
         self.max_bytes = max_bytes
         self.directory = Path(directory) if directory else None
-        self._entries: OrderedDict[str, StoredImage] = OrderedDict()
+        # the newest image stays even when it alone is over max_bytes (it was accepted)
+        self._entries: LRU[str, StoredImage] = LRU(
+            max_images, max_bytes, size=lambda e: e.nbytes, keep_newest=True
+        )
         self._memo: dict[int, str] = {}
-        self._bytes = 0
         self._lock = threading.Lock()
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -110,8 +113,6 @@ class ImageStore:
         with self._lock:
             known = self._memo.get(digest)
             entry = self._entries.get(known) if known is not None else None
-            if entry is not None:
-                self._entries.move_to_end(known)
         if entry is None:
             entry = self._entry(self.prepare(data), data, time.time())
         if persist and not entry.persisted and self.directory is not None:
@@ -128,8 +129,6 @@ class ImageStore:
         with self._lock:
             known = self._memo.get(digest)
             entry = self._entries.get(known) if known is not None else None
-            if entry is not None:
-                self._entries.move_to_end(known)
         return entry.image if entry is not None else None
 
     def add(self, image: ImageInput, data: bytes) -> None:
@@ -154,10 +153,7 @@ class ImageStore:
 
     def info(self, image_id: str, touch: bool = False) -> StoredImage | None:
         """The entry of ``image_id`` or None; ``touch`` marks it recently used."""
-        with self._lock:
-            entry = self._entries.get(image_id)
-            if entry is not None and touch:
-                self._entries.move_to_end(image_id)
+        entry = self._entries.get(image_id, touch=touch)
         if entry is not None and touch and entry.persisted:
             self._touch(image_id)
         return entry
@@ -165,10 +161,9 @@ class ImageStore:
     def delete(self, image_id: str) -> bool:
         """Remove an image (and its file). Returns whether it was stored."""
         with self._lock:
-            entry = self._entries.pop(image_id, None)
+            entry = self._entries.pop(image_id)
             if entry is None:
                 return False
-            self._bytes -= entry.nbytes
             self._memo = {d: i for d, i in self._memo.items() if i != image_id}
         if entry.persisted:
             self._unlink(image_id)
@@ -176,13 +171,12 @@ class ImageStore:
 
     def list(self) -> list[StoredImage]:
         """Every entry, most recently used first (does not change the order)."""
-        with self._lock:
-            return list(reversed(self._entries.values()))
+        return self._entries.values()[::-1]
 
     @property
     def total_bytes(self) -> int:
         """Bytes of encoded files held in memory (bytes)."""
-        return self._bytes
+        return self._entries.nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -190,22 +184,14 @@ class ImageStore:
     # ---- internals --------------------------------------------------------
     def _add(self, entry: StoredImage, digest: int | None) -> None:
         image_id = entry.image.id
-        old = self._entries.get(image_id)
+        old = self._entries.get(image_id)  # marks it most recently used
         if old is None:
-            self._entries[image_id] = entry
-            self._bytes += entry.nbytes
+            evicted = self._entries.put(image_id, entry)
         else:
             old.persisted = old.persisted or entry.persisted
-        self._entries.move_to_end(image_id)
+            evicted = []
         if digest is not None:
             self._memo[digest] = image_id
-        evicted = []
-        while len(self._entries) > 1 and (
-            len(self._entries) > self.max_images or self._bytes > self.max_bytes
-        ):
-            old_id, gone = self._entries.popitem(last=False)
-            self._bytes -= gone.nbytes
-            evicted.append((old_id, gone))
         if len(self._memo) > 4 * self.max_images or evicted:
             self._memo = {d: i for d, i in self._memo.items() if i in self._entries}
         for old_id, gone in evicted:

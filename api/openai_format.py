@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from api.errors import error_body
 from api.structured import ToolCalling, tool_call
@@ -139,7 +139,6 @@ async def chat_stream(
     tokens: TokenText | None,
     include_usage: bool,
     holdback: int,
-    on_failure: Callable[[GenerateResult], str | None],
     tools: ToolCalling | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events of ``chat.completion.chunk`` objects, then ``data: [DONE]``.
@@ -148,7 +147,6 @@ async def chat_stream(
         sub: the running choices.
         holdback: characters kept back until more text arrives (longest stop string
             minus one), so that a stop string is never partly sent.
-        on_failure: message for a result cut short by an engine failure, else None.
         tools: an enforced tool call. A named function's call is announced in the
             first chunk (``tool_calls[0]`` with id, type and name) and its arguments
             stream as they are generated; with ``"required"`` the text is held back
@@ -158,7 +156,9 @@ async def chat_stream(
             arguments have been streamed; with ``"required"`` its text comes as
             ``content``.
 
-    Closing the generator (the client disconnected) cancels ``sub``.
+    A choice cut short by an engine failure ends the stream with an error event
+    (``sub.client.failure``). Closing the generator (the client disconnected) cancels
+    ``sub``.
     """
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
 
@@ -192,8 +192,8 @@ async def chat_stream(
             yield chunk(i, {"role": "assistant", "content": None if held else ""})
     async for i, upd in sub.updates():
         final = upd.result is not None
-        if final and (msg := on_failure(upd.result)) is not None:
-            yield f"data: {json.dumps(error_body(msg, 'server_error'))}\n\n"
+        if final and (err := sub.client.failure(upd.result)) is not None:
+            yield f"data: {json.dumps(error_body(err.message, 'server_error'))}\n\n"
             sub.cancel()
             break
         if held and not final:

@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from api import routes_videos
 from api.errors import APIError, field_path
 from api.generation import make_requests, sampling_params
 from api.json_body import JSONBodyRoute
@@ -18,7 +17,7 @@ from api.openai_format import TokenText, chat_completion, chat_stream
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.state import ServerState, State
 from api.structured import ToolCalling, tool_calling
-from api.submit import ClientDisconnected
+from api.video_media import frame_parts, resolve_video, selection
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.request import ImageInput, SamplingParams
 from mmserve.model.families.base import FRAME_MODE
@@ -79,25 +78,15 @@ async def chat_completions(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         holdback = max((len(s) for s in params.stop), default=1) - 1
-
-        def on_failure(result) -> str | None:  # noqa: ANN001
-            return st.client.failure(result).message if st.client.engine_failed(result) else None
-
         events = chat_stream(
-            sub, cid, created, st.model_name, tokens, include_usage, holdback, on_failure, tools
+            sub, cid, created, st.model_name, tokens, include_usage, holdback, tools
         )
         return StreamingResponse(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    try:
-        results = await sub.wait(request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    for r in results:
-        if st.client.engine_failed(r):
-            raise st.client.failure(r)
+    results = await sub.answers(request)
     return chat_completion(cid, created, st.model_name, results, tokens, tools)
 
 
@@ -149,9 +138,7 @@ async def engine_requests(
         if sel is None:
             images.append(await st.media.resolve(url, param, mode, pixels))
         else:  # a video: its sampled frames, each an image
-            images.append(
-                await routes_videos.resolve_video(st, url, sel, param, frame_mode, pixels)
-            )
+            images.append(await resolve_video(st, url, sel, param, frame_mode, pixels))
     messages, images, videos = _expand_videos(
         messages, images, st.engine.config.max_images_per_request, video_path
     )
@@ -203,7 +190,7 @@ def _split_images(
                         param=where,
                     )
                 fields = src if on_url else p
-                urls.append((url, f"{param}.video_url", routes_videos.selection(fields)))
+                urls.append((url, f"{param}.video_url", selection(fields)))
                 parts.append({"type": "video"})
             else:
                 urls.append((url, f"{param}.image_url", None))
@@ -289,7 +276,7 @@ def _expand_videos(
             elif p["type"] == "video":
                 frames = next(it)
                 images += [fr.image for fr in frames]
-                parts += routes_videos.frame_parts(frames)
+                parts += frame_parts(frames)
             else:
                 parts.append(p)
         out.append({**m, "content": parts})

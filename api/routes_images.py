@@ -15,7 +15,6 @@ from api.json_body import JSONBodyRoute
 from api.openai_format import usage
 from api.schemas import AskRequest
 from api.state import ServerState, State
-from api.submit import ClientDisconnected
 from api.uploads import read_upload, upload_body
 
 router = APIRouter(route_class=JSONBodyRoute)
@@ -85,13 +84,7 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
             st.engine.processor, msgs, [image], params, 1, st.settings.default_max_tokens
         )
     sub = st.client.submit(reqs)
-    try:
-        results = await sub.wait(request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    for r in results:
-        if st.client.engine_failed(r):
-            raise st.client.failure(r)
+    results = await sub.answers(request)
     answers = [
         {
             "index": i,

@@ -26,10 +26,10 @@ from api.json_body import JSONBodyRoute
 from api.routes_chat import engine_requests
 from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState, State
-from api.submit import ClientDisconnected, Submission
-from mmserve.engine.grammar import GrammarError, GuidedSpec, check_spec
+from api.submit import Submission
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.request import GenerateResult
+from mmserve.structured.spec import GrammarError, GuidedSpec, check_spec
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -49,12 +49,7 @@ async def create_response(body: ResponsesRequest, request: Request, st: State) -
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    try:
-        results = await sub.wait(request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    if st.client.engine_failed(results[0]):
-        raise st.client.failure(results[0])
+    results = await sub.answers(request)
     return response_object(st, body, rid, msg_id, created, results[0])
 
 
@@ -262,8 +257,9 @@ async def response_stream(
     sent = ""
     async for _, upd in sub.updates():
         res = upd.result
-        if res is not None and st.client.engine_failed(res):
-            err = error_body(st.client.failure(res).message, "server_error")["error"]
+        failed = st.client.failure(res) if res is not None else None
+        if failed is not None:
+            err = error_body(failed.message, "server_error")["error"]
             yield event("error", code="engine_error", message=err["message"], param=None)
             return
         text = upd.text if res is not None else upd.text.rstrip("\ufffd")

@@ -22,29 +22,17 @@ from fastapi.responses import StreamingResponse
 from api.errors import APIError, error_body
 from api.generation import make_requests, sampling_params
 from api.json_body import JSONBodyRoute
-from api.media import busy_error, decode_data_url, image_error
-from api.schemas import FrameFields, VideoQARequest
+from api.schemas import VideoQARequest
 from api.state import ServerState, State
 from api.uploads import read_upload, upload_body
-from api.video_store import (
-    Frame,
-    StoredVideo,
-    open_video,
-    sample_decodable_frames,
-    sample_frames,
-)
+from api.video_media import expand_video, frame_parts, selection
+from api.video_store import StoredVideo
 from mmserve.engine.request import Request as EngineRequest
 from mmserve.model.families.base import FRAME_MODE
-from mmserve.vision.budget import DecodeBusyError, RequestPixels
-from mmserve.vision.image import ImageError
-from mmserve.vision.video import FrameFailure, FrameSelection, VideoError
+from mmserve.vision.inputs import Frame
+from mmserve.vision.video import FrameFailure, VideoError
 
 router = APIRouter(route_class=JSONBodyRoute)
-
-VIDEO_HINT = (
-    "upload the video with POST /v1/videos (multipart field 'file') and pass its id "
-    "(vid-...) as the url, or send a data:video/...;base64,... URL"
-)
 
 
 @router.post("/v1/videos", openapi_extra=upload_body("video"))
@@ -64,7 +52,7 @@ async def upload_video(request: Request, st: State) -> dict:
             code="video_too_large",
         )
     try:
-        video = await run_in_threadpool(open_video, st.engine, data, limits)
+        video = await run_in_threadpool(st.engine.processor.open_video, data, limits)
     except VideoError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_video") from None
     return _info(st.videos.put(data, video.info))
@@ -193,8 +181,8 @@ async def _events(
         res = upd.result
         if res is None:
             continue
-        if st.client.engine_failed(res):
-            err = st.client.failure(res)
+        err = st.client.failure(res)
+        if err is not None:
             yield {"type": "error", **error_body(err.message, err.type, err.param, err.code)}
             sub.cancel()
             return
@@ -232,104 +220,6 @@ async def _events(
     }
 
 
-def selection(fields: FrameFields) -> FrameSelection:
-    """The frame selection named by request fields."""
-    ts = tuple(fields.timestamps) if fields.timestamps is not None else None
-    return FrameSelection(fields.num_frames, fields.fps, ts)
-
-
-async def expand_video(
-    st: ServerState,
-    data: bytes,
-    sel: FrameSelection,
-    param: str,
-    skip: bool = False,
-    fields_at: str = "",
-    mode: str | None = None,
-    pixels: RequestPixels | None = None,
-) -> tuple[list[Frame], list[FrameFailure]]:
-    """Decode and hash the selected frames of an encoded video and, given ``mode``,
-    preprocess them (their decoded images dropped).
-
-    Args:
-        param: the request field holding the video (named by errors about the video).
-        skip: leave out selected frames that do not decode (and return them) rather
-            than refuse the video.
-        fields_at: where the frame selection fields sit in the request (``""`` for the
-            top level, ``"messages[0].content[1].video_url."`` for a content part).
-        mode: the mode the frames take in their prompt (None: keep decoded images).
-        pixels: the request's pixel count, charged with every selected frame.
-
-    Returns:
-        ``(frames, skipped)``; ``skipped`` is empty unless ``skip``.
-
-    Raises:
-        APIError: 400 ``invalid_video`` naming the problem (bad file, a frame that does
-            not decode when not ``skip``, or none that decodes); 400
-            ``invalid_frame_selection`` naming the selection field (``timestamps``,
-            ``fps``, ``num_frames``) for a selection that does not fit the video, e.g. a
-            timestamp at or past its end (the message gives the duration); 400
-            ``request_image_pixels_exceeded`` past the request's pixel budget; 503 when
-            the server's decoded-image budget stays full.
-    """
-
-    def work() -> tuple[list[Frame], list[FrameFailure]]:
-        video = open_video(st.engine, data, st.settings.video_limits())
-        if skip:
-            return sample_decodable_frames(st.engine, video, sel, mode, pixels)
-        return sample_frames(st.engine, video, sel, mode, pixels), []
-
-    try:
-        return await run_in_threadpool(work)
-    except ImageError as e:
-        raise image_error(e, param) from None
-    except DecodeBusyError as e:
-        raise busy_error(e) from None
-    except VideoError as e:
-        if e.field is not None:
-            where = fields_at + e.field
-            raise APIError(
-                400, f"{where}: {e}", param=where, code="invalid_frame_selection"
-            ) from None
-        raise APIError(400, f"{param}: {e}", param=param, code="invalid_video") from None
-
-
-async def resolve_video(
-    st: ServerState,
-    url: str,
-    sel: FrameSelection,
-    param: str,
-    mode: str | None = None,
-    pixels: RequestPixels | None = None,
-) -> list[Frame]:
-    """The frames of a ``video_url``: an uploaded ``vid-...`` id or a base64 data URL,
-    prepared in ``mode`` (see :func:`expand_video`).
-
-    Raises:
-        APIError: 400 for an unknown id, another kind of url, or a bad video (a frame
-            that does not decode included: a prompt cannot skip it).
-    """
-    url = url.strip()
-    vid = url.removeprefix("mmserve://videos/")
-    if vid.startswith("vid-"):
-        entry = st.videos.get(vid)
-        if entry is None:
-            raise APIError(
-                400,
-                f"{param}: unknown video id {vid!r} (never uploaded, deleted or evicted); "
-                "upload it with POST /v1/videos",
-                param=param,
-                code="video_not_found",
-            )
-        return (await expand_video(st, entry.data, sel, param, False, f"{param}.", mode, pixels))[0]
-    if url.split(":", 1)[0].lower() != "data":
-        raise APIError(
-            400, f"{param}: unsupported video url; {VIDEO_HINT}", param=param, code="invalid_video"
-        )
-    data = decode_data_url(url, param)
-    return (await expand_video(st, data, sel, param, False, f"{param}.", mode, pixels))[0]
-
-
 def clip_prompt(
     st: ServerState, frames: list[Frame], system: list[dict], question: str
 ) -> tuple[list[dict], list, list[list]]:
@@ -340,14 +230,6 @@ def clip_prompt(
     if st.engine.model.video_token_id is not None:
         return [*system, _user([{"type": "video"}, text])], [], [[fr.image for fr in frames]]
     return [*system, _user([*frame_parts(frames), text])], [fr.image for fr in frames], []
-
-
-def frame_parts(frames: list[Frame]) -> list[dict]:
-    """Content parts of a clip: ``Frame at 1.5s: <image>`` per frame, in order."""
-    parts: list[dict] = []
-    for fr in frames:
-        parts += [{"type": "text", "text": f"Frame at {fr.timestamp:.1f}s: "}, {"type": "image"}]
-    return parts
 
 
 def _check_clip_count(st: ServerState, n: int) -> None:

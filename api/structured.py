@@ -1,4 +1,4 @@
-"""Structured-output request fields -> a checked :class:`~mmserve.engine.grammar.GuidedSpec`.
+"""Structured-output request fields -> a checked :class:`~mmserve.structured.spec.GuidedSpec`.
 
 OpenAI's ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}``; ``{"type": "text"}`` is no
@@ -22,7 +22,7 @@ from typing import Any
 
 from api.errors import APIError
 from api.schemas import ChatCompletionRequest, SamplingFields
-from mmserve.engine.grammar import GrammarError, GuidedSpec, check_spec
+from mmserve.structured.spec import GrammarError, GuidedSpec, check_spec
 
 #: The structured-output fields, in the order they are named in errors.
 FIELDS = ("response_format", "guided_regex", "guided_choice", "guided_grammar")

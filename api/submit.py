@@ -14,15 +14,11 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request as HTTPRequest
 
-from api.errors import APIError
+from api.errors import APIError, ClientDisconnected
 from api.metrics import Metrics
 from mmserve.engine.async_engine import AsyncEngine, StreamUpdate
 from mmserve.engine.messages import BACKGROUND, EngineRequest
 from mmserve.engine.request import GenerateResult
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before the answer was ready."""
 
 
 class EngineClient:
@@ -77,12 +73,11 @@ class EngineClient:
         self.queued = n
         self.metrics.queue_length.set(n)
 
-    def engine_failed(self, result: GenerateResult) -> bool:
-        """Whether ``result`` was cut short by a failed engine step."""
-        return result.finish_reason == "error"
-
-    def failure(self, result: GenerateResult) -> APIError:
-        """The 500 answered for a request whose batch failed (names the request id)."""
+    def failure(self, result: GenerateResult) -> APIError | None:
+        """The 500 answered for a request whose batch failed (names the request id), or
+        None when ``result`` was not cut short by a failed engine step."""
+        if result.finish_reason != "error":
+            return None
         return APIError(
             500,
             f"request {result.rid} failed: {result.error or 'engine error'}; the server log "
@@ -172,6 +167,19 @@ class Submission:
                 raise ClientDisconnected
             gather.result()
         return [r for r in self.results if r is not None]
+
+    async def answers(self, http: HTTPRequest | None = None) -> list[GenerateResult]:
+        """All results, in request order, as a route answers them (:meth:`wait`).
+
+        Raises:
+            ClientDisconnected: ``http``'s client went away first (the app answers 499).
+            APIError: 500 ``engine_error`` for the first request whose batch failed.
+        """
+        results = await self.wait(http)
+        for r in results:
+            if (err := self.client.failure(r)) is not None:
+                raise err
+        return results
 
     def cancel(self) -> None:
         """Abort every request still running (their pages go to the tree or the free list)."""

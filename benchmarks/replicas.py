@@ -171,10 +171,10 @@ def prompt_ids(model_dir: str | Path, wl: Interleaved) -> tuple[list[list[int]],
     from mmserve.engine.request import SamplingParams
 
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
-    images = {n: front.prepare_image(b) for n, b in wl.images.items()}
+    images = {n: front.processor.prepare_image(b) for n, b in wl.images.items()}
     params = SamplingParams(max_tokens=wl.max_tokens)
     seqs = [
-        front.make_request(
+        front.processor.make_request(
             messages=j.messages, images=[images[n] for n in j.images], params=params
         ).input_ids
         for j in wl.jobs()

@@ -31,10 +31,10 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
-from mmserve.engine.grammar import GuidedSpec
 from mmserve.engine.request import SamplingParams
 from mmserve.model.loader import load_model
 from mmserve.model.make_checkpoint import ensure_model
+from mmserve.structured.spec import GuidedSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "samples" / "images"

@@ -1,4 +1,4 @@
-"""The one output comparator of DESIGN.md invariant 4.
+"""The one output comparator of invariant (4) (docs/architecture.md, section 2).
 
 Tokens must match, except at a near-tie of the reference: if at the first
 differing step the reference's gap between its top two logits is below

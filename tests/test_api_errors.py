@@ -1,7 +1,8 @@
 """Bad input gets a clear 4xx and leaves the server healthy; odd but valid images are answered.
 
 After every refusal the same app answers a normal request and the KV pool
-accounting holds (free + tree + running pages = pool size, DESIGN.md invariant 3).
+accounting holds (free + tree + running pages = pool size: invariant (3),
+docs/architecture.md, section 2).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """32 clients at once, 4 questions each about one of 4 images, on a real server.
 
-Every answer must equal the answer to the same request sent alone (greedy;
-DESIGN.md invariant 4's near-tie rule, judged from the reference's top-2
-logprobs), each image must go through the vision tower once, and the cache
-hit rate reported by /metrics must be above 0.7.
+Every answer must equal the answer to the same request sent alone (greedy; the
+near-tie rule of invariant (4) in docs/architecture.md, section 2, judged from the
+reference's top-2 logprobs), each image must go through the vision tower once, and
+the cache hit rate reported by /metrics must be above 0.7.
 """
 
 from __future__ import annotations

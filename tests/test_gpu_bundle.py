@@ -43,7 +43,8 @@ GPU_CHECK_ROOTS = [
 #: Imports inside functions that the GPU check never calls: (file, package) -> why.
 NOT_ON_THE_GPU_PATH = {
     ("tests/cases.py", "av"): "only the cases_dir fixture, which tests/gpu does not use",
-    ("mmserve/engine/grammar.py", "xgrammar"): "only requests with structured output",
+    ("mmserve/structured/spec.py", "xgrammar"): "only requests with structured output",
+    ("mmserve/vision/video.py", "av"): "only requests with videos (the front end decodes them)",
     ("mmserve/model/make_checkpoint.py", "sentencepiece"): "only --family llava-next",
 }
 

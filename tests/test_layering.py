@@ -4,6 +4,8 @@ the scheduler, tree or allocator, and only the scheduler changes its queues."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,48 @@ def test_core_never_imports_the_http_layer() -> None:
             bad += [f"{rel(path)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "api"]
     assert not bad, bad
     assert CORE and API
+
+
+#: Packages below the engine (the engine imports them, never the reverse).
+BELOW_ENGINE = ("cache", "kernels", "model", "vision", "distributed", "structured")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``path``, ``TYPE_CHECKING`` blocks included."""
+    out = []
+    for node in ast.walk(parse(path)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def test_packages_below_the_engine_never_import_it() -> None:
+    bad = []
+    for pkg in BELOW_ENGINE:
+        paths = sorted((ROOT / "mmserve" / pkg).rglob("*.py"))
+        assert paths, pkg
+        for path in paths:
+            bad += [
+                f"{rel(path)}:{line} {name}"
+                for line, name in _imports(path)
+                if name.startswith("mmserve.engine")
+            ]
+    assert not bad, bad
+
+
+def test_structured_specs_and_the_lru_load_without_torch() -> None:
+    # the HTTP layer checks specs with mmserve.structured.spec; it must stay light
+    code = (
+        "import sys, mmserve.lru, mmserve.structured, mmserve.structured.spec\n"
+        "heavy = sorted({'torch', 'transformers', 'xgrammar'} & set(sys.modules))\n"
+        "assert not heavy, heavy"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_routes_do_not_reach_into_engine_internals() -> None:
@@ -95,7 +139,7 @@ LIST_EDITS = {"append", "extend", "pop", "insert", "clear", "remove"}
 
 
 def test_the_engine_is_the_one_writer_of_a_requests_output() -> None:
-    readers = ["mmserve/engine/model_runner.py", "mmserve/engine/grammar.py"]
+    readers = ["mmserve/engine/model_runner.py", "mmserve/structured/decode.py"]
     readers += [rel(p) for p in (ROOT / "mmserve" / "kernels").glob("*.py")]
     bad = []
     for name in readers:

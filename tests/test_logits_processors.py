@@ -21,10 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.engine.engine import first_stop
-from mmserve.engine.grammar import GuidedSpec
 from mmserve.engine.processor import RequestError
 from mmserve.engine.request import ParamError, Request, SamplingParams
 from mmserve.engine.sampling import LogitsProcessors
+from mmserve.structured.spec import GuidedSpec
 from tests.comparator import assert_same_generation
 from tests.conftest import user
 
@@ -446,7 +446,9 @@ def test_front_end_checks_and_replicas_carry_the_fields(engine, model_dir) -> No
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     vocab = engine.processor.vocab_size
     with pytest.raises(RequestError) as e:
-        front.make_request(messages=user("Hi"), params=SamplingParams(logit_bias={vocab: 1.0}))
+        front.processor.make_request(
+            messages=user("Hi"), params=SamplingParams(logit_bias={vocab: 1.0})
+        )
     assert e.value.param == "logit_bias" and str(vocab) in str(e.value)
     p = SamplingParams(
         max_tokens=7,
@@ -456,6 +458,6 @@ def test_front_end_checks_and_replicas_carry_the_fields(engine, model_dir) -> No
         repetition_penalty=1.5,
         min_tokens=2,
     )
-    req = front.make_request(messages=user("Hi"), params=p)
+    req = front.processor.make_request(messages=user("Hi"), params=p)
     back = pickle.loads(pickle.dumps(ReplicaRequest(req.rid, req.input_ids, [], req.params)))
     assert back.params == p

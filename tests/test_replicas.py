@@ -227,7 +227,7 @@ def test_front_end_without_weights_builds_the_engines_requests(make_engine, mode
     eng = make_engine()
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     assert front.model.vision is None and front.max_context == eng.max_context
-    assert front.pool.size_tokens == eng.pool.size_tokens
+    assert front.processor.kv_capacity_tokens == eng.pool.size_tokens
     red, blue = png((200, 10, 10)), png((10, 10, 200), (64, 64))
     cases = [
         ([{"role": "user", "content": "Hello there."}], []),
@@ -247,8 +247,9 @@ def test_front_end_without_weights_builds_the_engines_requests(make_engine, mode
         a = proc.make_request(
             messages=messages, images=[proc.prepare_image(b) for b in imgs], params=params
         )
-        b = front.make_request(
-            messages=messages, images=[front.prepare_image(x) for x in imgs], params=params
+        fp = front.processor
+        b = fp.make_request(
+            messages=messages, images=[fp.prepare_image(x) for x in imgs], params=params
         )
         assert a.input_ids == b.input_ids
         assert [(s.start, s.length, s.image.key, s.image.mode) for s in a.spans] == [

@@ -14,15 +14,15 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from mmserve.engine.grammar import (
+from mmserve.engine.request import SamplingParams
+from mmserve.structured.compile import GrammarCache
+from mmserve.structured.spec import (
     ENFORCED_KEYWORDS,
     XGRAMMAR_VERSION,
-    GrammarCache,
     GrammarError,
     GuidedSpec,
     check_spec,
 )
-from mmserve.engine.request import SamplingParams
 from tests.conftest import user
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,9 +22,9 @@ from api.cli import main
 from mmserve.config import EngineConfig
 from mmserve.distributed.layout import TPLayout, check_tp
 from mmserve.engine.engine import Engine
-from mmserve.engine.grammar import GuidedSpec
 from mmserve.engine.request import SamplingParams
 from mmserve.model.llama import LlamaShape
+from mmserve.structured.spec import GuidedSpec
 from tests.conftest import greedy, tp_engine, user, workload
 from tests.live_server import child_pids, cmdline, live_server_process, pid_alive, wait_gone
 

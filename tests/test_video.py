@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.video_store import VideoStore, open_video, sample_frames
+from api.video_store import VideoStore
 from mmserve.vision.image import ImageLimits
 from mmserve.vision.video import (
     FrameSelection,
@@ -18,6 +18,12 @@ from tests.videos import encode_mp4, frameless, rgb_frames
 pytest.importorskip("av")
 
 LIMITS = VideoLimits()
+
+
+def sampled(engine, data: bytes, n: int) -> list:  # noqa: ANN001
+    """``n`` frames of ``data`` as the front end samples them (decoded images kept)."""
+    proc = engine.processor
+    return proc.sample_frames(proc.open_video(data, LIMITS), FrameSelection(num_frames=n))[0]
 
 
 def idx(sel: FrameSelection, n: int = 12, fps: float = 10.0, **kw) -> list[int]:  # noqa: ANN003
@@ -90,7 +96,7 @@ def test_probe_and_frames(clip12: bytes) -> None:
 def test_frames_hash_like_images(engine, clip12: bytes) -> None:  # noqa: ANN001
     from tests.conftest import png_bytes
 
-    frames = sample_frames(engine, open_video(engine, clip12, LIMITS), FrameSelection(num_frames=4))
+    frames = sampled(engine, clip12, 4)
     assert [f.index for f in frames] == [1, 4, 7, 10]
     assert len({f.image.key for f in frames}) == 4
     again = engine.processor.prepare_image(png_bytes(frames[0].image.image))
@@ -99,7 +105,7 @@ def test_frames_hash_like_images(engine, clip12: bytes) -> None:  # noqa: ANN001
 
 def test_static_video_has_one_key(engine) -> None:  # noqa: ANN001
     data = encode_mp4([rgb_frames(1)[0]] * 12)
-    frames = sample_frames(engine, open_video(engine, data, LIMITS), FrameSelection(num_frames=12))
+    frames = sampled(engine, data, 12)
     assert len(frames) == 12 and len({f.image.key for f in frames}) == 1
 
 
@@ -142,7 +148,7 @@ def test_shared_cases(cases_dir, engine) -> None:  # noqa: ANN001
 
     def frames(name: str, n: int) -> list:
         data = (cases_dir / name).read_bytes()
-        return sample_frames(engine, open_video(engine, data, LIMITS), FrameSelection(num_frames=n))
+        return sampled(engine, data, n)
 
     assert [f.index for f in frames("three-frames.mp4", 8)] == [0, 1, 2]
     assert [f.index for f in frames("one-frame.mp4", 8)] == [0]

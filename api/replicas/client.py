@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 
 import ray
@@ -32,6 +31,7 @@ from api.submit import EngineClient, Submission
 from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.output import OutputCollector, StreamUpdate
 from mmserve.engine.request import GenerateResult, ImageInput
+from mmserve.lru import LRU
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,11 @@ class ReplicaClient:
         self.app_name = app_name
         self.deployment = handle.deployment_name
         self.max_pixel_bytes = max_pixel_bytes
-        self._refs: OrderedDict[bytes, tuple[object, int]] = OrderedDict()
-        self._ref_bytes = 0
+        # key -> (object-store reference, pixel bytes); the newest stays even when alone
+        # over the bound (the request being sent needs it)
+        self._refs: LRU[bytes, tuple[object, int]] = LRU(
+            max_bytes=max_pixel_bytes, size=lambda ref: ref[1], keep_newest=True
+        )
         self.retries = 0
         self.replica_failures = 0
         self.pixel_puts = 0
@@ -127,19 +130,13 @@ class ReplicaClient:
         """
         hit = self._refs.get(image.key)
         if hit is not None:
-            self._refs.move_to_end(image.key)
             return hit[0]
         pixels = image.pixels
         if pixels is None or pixels.mode != image.mode:
             raise ValueError(f"image {image.key.hex()} has no pixels for mode {image.mode!r}")
         ref = ray.put(pixels)
         self.pixel_puts += 1
-        size = pixels.nbytes
-        self._refs[image.key] = (ref, size)
-        self._ref_bytes += size
-        while self._ref_bytes > self.max_pixel_bytes and len(self._refs) > 1:
-            _, (_, gone) = self._refs.popitem(last=False)
-            self._ref_bytes -= gone
+        self._refs.put(image.key, (ref, pixels.nbytes))
         return ref
 
     def payload(self, req: EngineRequest) -> ReplicaRequest:

@@ -1,11 +1,11 @@
 """The front end without weights: what the ingress needs to turn requests into token ids.
 
 :class:`FrontEnd` offers the part of :class:`~mmserve.engine.engine.Engine` that the
-routes read (``config``, ``model.tokenizer``, ``processor``, ``make_request``,
-``prepare_image``, ``max_context``, ...) from the checkpoint's config, tokenizer and
-image processor only: the decoder and vision weights stay on the replicas, so the
-ingress needs no GPU and little memory. Its requests are identical to an engine's
-(``tests/test_replicas.py`` checks token ids and spans).
+routes read (``config``, ``model``, ``processor``, ``max_context``) from the
+checkpoint's config, tokenizer and image processor only: the decoder and vision
+weights stay on the replicas, so the ingress needs no GPU and little memory. Its
+requests are identical to an engine's (``tests/test_replicas.py`` checks token ids
+and spans).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmserve.config import EngineConfig
-from mmserve.engine.messages import EngineRequest
 from mmserve.engine.processor import InputProcessor
-from mmserve.engine.request import ImageInput
 from mmserve.model import loader
 from mmserve.model.llama import LlamaShape
 from mmserve.model.loader import LoadedModel, text_shape
@@ -27,13 +25,6 @@ class ShapeOnly:
     """Stands in for the decoder where only its shape is read (context length, vocab)."""
 
     shape: LlamaShape
-
-
-@dataclass
-class KVCapacity:
-    """Stands in for the KV pool where only its capacity is read (``size_tokens``)."""
-
-    size_tokens: int
 
 
 def kv_capacity_tokens(config: EngineConfig) -> int:
@@ -69,35 +60,4 @@ class FrontEnd:
         self.config = config
         self.model = model
         self.max_context = model.decoder.shape.max_position_embeddings
-        self.kv = KVCapacity(kv_capacity_tokens(config))
-        self.processor = InputProcessor(model, config, self.kv.size_tokens)
-
-    #: ``engine.pool.size_tokens`` for routes that read the pool's capacity.
-    pool = property(lambda self: self.kv)
-
-    def prepare_image(self, data: bytes) -> ImageInput:
-        """Same as ``self.processor.prepare_image``."""
-        return self.processor.prepare_image(data)
-
-    def make_request(self, **kw) -> EngineRequest:
-        """Same as ``self.processor.make_request``."""
-        return self.processor.make_request(**kw)
-
-    def output_room(self, prompt_len: int) -> int:
-        """Same as ``self.processor.output_room``."""
-        return self.processor.output_room(prompt_len)
-
-    @property
-    def prompts(self):  # noqa: ANN201
-        """The processor's prompt builder."""
-        return self.processor.prompts
-
-    @property
-    def fingerprint(self) -> bytes:
-        """The image processor's fingerprint (part of every image key)."""
-        return self.processor.fingerprint
-
-    @property
-    def shortest_edge(self) -> int:
-        """The image processor's short-side resize target (pixels)."""
-        return self.processor.shortest_edge
+        self.processor = InputProcessor(model, config, kv_capacity_tokens(config))

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,19 +34,15 @@ from prometheus_client.registry import Collector
 from ray import serve
 
 from api import routes_chat, routes_images, routes_page, routes_responses, routes_videos
-from api.auth import APIKeyMiddleware
-from api.body_limit import BodyLimitMiddleware
-from api.errors import APIError, install_error_handlers
-from api.image_store import ImageStore
+from api.app import assemble_app, server_state
+from api.errors import APIError
 from api.json_body import JSONBodyRoute, refuse_body
-from api.media import MediaResolver
 from api.metrics import Metrics
 from api.replicas.client import STREAMED, CancelGuard, ReplicaClient, ReplicaEngineClient
 from api.replicas.frontend import FrontEnd, load_frontend_model
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
-from api.state import ServerState, State
-from api.video_store import VideoStore
+from api.state import State
 from mmserve.config import EngineConfig
 
 #: ``cache_stats`` keys that are not summed over replicas.
@@ -195,34 +191,14 @@ def create_ingress_app(
     metrics = Metrics()
     fleet = FleetCollector()
     metrics.registry.register(fleet)
-    store = ImageStore(
-        front.prepare_image,
-        max_images=settings.max_stored_images,
-        max_bytes=settings.max_stored_image_bytes,
-        directory=settings.image_store_dir,
-    )
     client = ReplicaEngineClient(
         replicas, metrics, settings.max_queued_requests, settings.retry_after_seconds
     )
-    state = ServerState(
-        engine=front,  # type: ignore[arg-type]
-        aengine=replicas,  # type: ignore[arg-type]
-        client=client,
-        store=store,
-        media=MediaResolver(store, front.config.image_limits, settings, processor=front.processor),
-        metrics=metrics,
-        settings=settings,
-        model_name=model_name,
-        videos=VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
-    )
-    app = FastAPI(title="mmserve", version="0.1.0")
-    app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser
-    app.state.mm = state
-    app.state.image_store = store
-    app.state.replicas = replicas
-    install_error_handlers(app)
+    state = server_state(front, replicas, client, metrics, settings, model_name)  # type: ignore[arg-type]
+    store = state.store
+    fleet_routes = APIRouter(route_class=JSONBodyRoute)
 
-    @app.get("/health")
+    @fleet_routes.get("/health")
     async def health() -> dict:
         """200 while a replica is healthy ("degraded" when fewer than expected are);
         503 when none is (never needs the API key)."""
@@ -244,7 +220,7 @@ def create_ingress_app(
             )
         return body
 
-    @app.post("/v1/chat/completions", response_model=None, include_in_schema=False)
+    @fleet_routes.post("/v1/chat/completions", response_model=None, include_in_schema=False)
     async def chat_completions(body: ChatCompletionRequest, request: Request, st: State):  # noqa: ANN202
         """The single-process route; a streamed answer is marked as such for retries."""
         STREAMED.set(bool(body.stream))
@@ -255,7 +231,7 @@ def create_ingress_app(
         fine = {u: r for u, r in got.items() if isinstance(r, dict)}
         return aggregate(fine), got
 
-    @app.get("/metrics", response_class=Response)
+    @fleet_routes.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
         """Prometheus text: totals under the single-process names, plus per replica and
         router series."""
@@ -264,7 +240,7 @@ def create_ingress_app(
         fleet.router = replicas.router_snapshot()
         return Response(metrics.render(total), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/cache/stats")
+    @fleet_routes.get("/v1/cache/stats")
     async def cache_stats() -> dict:
         """Totals over the replicas (the single-process keys), each replica's figures and
         the router's counters."""
@@ -282,7 +258,7 @@ def create_ingress_app(
             "router": replicas.router_snapshot(),
         }
 
-    @app.post("/v1/cache/flush")
+    @fleet_routes.post("/v1/cache/flush")
     async def flush_cache(request: Request) -> dict:
         """Flush every replica's prefix and embedding caches and the router's trees;
         409 if any replica has requests running (the idle ones are flushed); it takes
@@ -303,17 +279,16 @@ def create_ingress_app(
         freed = sum(r.get("freed_pages", 0) for r in got.values() if isinstance(r, dict))
         return {"flushed": True, "freed_pages": freed, "replicas": got}
 
-    app.include_router(routes_chat.router)
-    app.include_router(routes_responses.router)
-    app.include_router(routes_images.router)
-    app.include_router(routes_videos.router)
-    app.include_router(routes_page.router)
-    app.add_middleware(CancelGuard)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    key = settings.resolved_api_key()
-    if key:
-        app.add_middleware(APIKeyMiddleware, api_key=key)
-    return app
+    # no batch jobs or cache routes of a single engine: the fleet routes above stand in
+    routers = [
+        fleet_routes,
+        routes_chat.router,
+        routes_responses.router,
+        routes_images.router,
+        routes_videos.router,
+        routes_page.router,
+    ]
+    return assemble_app(state, routers, middleware=[CancelGuard])
 
 
 def served_name(settings: ServerSettings, model_path: str | None) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -41,6 +41,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from api.replicas import registry
 from api.replicas.prefix_tree import PrefixTree
 from api.replicas.protocol import ControlCall, ReplicaRequest
+from mmserve.lru import LRU
 
 #: Routing reasons counted per replica.
 REASONS = ("prefix", "no_match", "load", "pow2", "round_robin")
@@ -88,7 +89,9 @@ class _Tracking:
         self._routed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._routed_tokens: dict[str, int] = defaultdict(int)
         self._matched_tokens: dict[str, int] = defaultdict(int)
-        self._decisions: OrderedDict[str, tuple[set[str], str, int | None]] = OrderedDict()
+        # request id -> (first-choice replicas, reason, matched tokens) until it is routed;
+        # bounded for requests cancelled before being routed
+        self._decisions: LRU[str, tuple[set[str], str, int | None]] = LRU(max_items=4096)
         self._owner: dict[str, str] = {}
         dep = self._deployment_id
         registry.register(dep.app_name, dep.name, self)
@@ -120,9 +123,7 @@ class _Tracking:
         ranked = [rank for rank in ranked if rank]
         if pending_request is not None and ranked:
             key = pending_request.metadata.internal_request_id
-            self._decisions[key] = ({_uid(r) for r in ranked[0]}, reason, matched)
-            while len(self._decisions) > 4096:  # requests cancelled before being routed
-                self._decisions.popitem(last=False)
+            self._decisions.put(key, ({_uid(r) for r in ranked[0]}, reason, matched))
         return ranked
 
     async def _choose(
@@ -139,7 +140,7 @@ class _Tracking:
         super().on_request_routed(pending_request, replica_id, result)  # type: ignore[misc]
         payload = _payload(pending_request)
         key = pending_request.metadata.internal_request_id
-        decision = self._decisions.pop(key, None)
+        decision = self._decisions.pop(key)
         if not isinstance(payload, ReplicaRequest):
             return
         uid = _uid(replica_id)
@@ -162,7 +163,7 @@ class _Tracking:
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request left its replica: one less in flight there."""
         super().on_request_completed(replica_id, internal_request_id)  # type: ignore[misc]
-        self._decisions.pop(internal_request_id, None)
+        self._decisions.pop(internal_request_id)
         with self._lock:
             uid = self._owner.pop(internal_request_id, None)
             if uid is not None:

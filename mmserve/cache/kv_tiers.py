@@ -52,7 +52,6 @@ import queue
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -62,6 +61,7 @@ import torch
 import xxhash
 
 from mmserve.cache.kv_pool import KVPool
+from mmserve.lru import LRU
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,9 @@ class HostTier:
     def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.page_bytes = page_bytes
-        self._pages: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._pages: LRU[bytes, torch.Tensor] = LRU(
+            max_bytes=capacity_bytes, size=lambda _page: page_bytes
+        )
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._pages
@@ -179,29 +181,20 @@ class HostTier:
     @property
     def bytes_used(self) -> int:
         """Bytes of the pages held."""
-        return len(self._pages) * self.page_bytes
+        return self._pages.nbytes
 
     def put(self, key: bytes, page: torch.Tensor) -> list[bytes]:
-        """Keep ``page`` (most recently used); returns keys dropped to stay in the bound."""
-        if self.page_bytes > self.capacity_bytes:
-            return []
-        self._pages[key] = page
-        self._pages.move_to_end(key)
-        dropped = []
-        while len(self._pages) * self.page_bytes > self.capacity_bytes:
-            dropped.append(self._pages.popitem(last=False)[0])
-        return dropped
+        """Keep ``page`` (most recently used); returns keys dropped to stay in the bound
+        (a page larger than the whole tier is not kept)."""
+        return [k for k, _ in self._pages.put(key, page)]
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The page for ``key`` (now most recently used), or None."""
-        page = self._pages.get(key)
-        if page is not None:
-            self._pages.move_to_end(key)
-        return page
+        return self._pages.get(key)
 
     def pop(self, key: bytes) -> torch.Tensor | None:
         """Remove and return the page for ``key``, or None."""
-        return self._pages.pop(key, None)
+        return self._pages.pop(key)
 
     def clear(self) -> None:
         """Drop every page."""
@@ -209,7 +202,7 @@ class HostTier:
 
     def keys(self) -> list[bytes]:
         """Keys from least to most recently used."""
-        return list(self._pages)
+        return self._pages.keys()
 
 
 class DiskTier:
@@ -256,7 +249,9 @@ class DiskTier:
         self.rescan_seconds = rescan_seconds
         self.max_queued_bytes = max_queued_bytes
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()
+        # one entry per page file, least recently used first; trimmed to capacity_bytes
+        # after each write or rescan (the files go with their entries)
+        self._index: LRU[bytes, None] = LRU(size=lambda _entry: self.file_bytes)
         # pages queued for the writer: still in memory, so they count as hits
         self._pending: dict[bytes, torch.Tensor] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -289,18 +284,15 @@ class DiskTier:
         return os.path.join(self.dir, key.hex() + _SUFFIX)
 
     def __contains__(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._index
+        return key in self._index
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
+        return len(self._index)
 
     @property
     def bytes_used(self) -> int:
         """Bytes of the indexed files."""
-        with self._lock:
-            return len(self._index) * self.file_bytes
+        return self._index.nbytes
 
     def rescan(self) -> None:
         """Sync the index with the directory: add files other processes wrote (ordered by
@@ -334,19 +326,15 @@ class DiskTier:
         found.sort()
         present = {k for _, k in found}
         with self._lock:
-            for key in [k for k in self._index if k not in present]:
-                del self._index[key]
+            for key in [k for k in self._index.keys() if k not in present]:
+                self._index.pop(key)
             for _, key in found:
                 if key not in self._index:
-                    self._index[key] = self.file_bytes
+                    self._index.put(key, None)
         self._trim()
 
     def _trim(self) -> None:
-        victims = []
-        with self._lock:
-            while len(self._index) * self.file_bytes > self.capacity_bytes and self._index:
-                victims.append(self._index.popitem(last=False)[0])
-        for key in victims:
+        for key, _ in self._index.evict(max_bytes=self.capacity_bytes):
             self._unlink(key)
 
     def _unlink(self, key: bytes) -> None:
@@ -357,8 +345,7 @@ class DiskTier:
             pass
 
     def _drop(self, key: bytes, delete: bool) -> None:
-        with self._lock:
-            self._index.pop(key, None)
+        self._index.pop(key)
         if delete:
             self._unlink(key)
 
@@ -472,9 +459,7 @@ class DiskTier:
                 pass
             return False
         self.writes += 1
-        with self._lock:
-            self._index[key] = self.file_bytes
-            self._index.move_to_end(key)
+        self._index.put(key, None)
         self._trim()
         return True
 
@@ -519,9 +504,7 @@ class DiskTier:
             self._drop(key, delete=True)
             return None
         self.reads += 1
-        with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+        self._index.touch(key)
         buf = bytearray(payload)
         return torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).reshape(self.page_shape)
 
@@ -580,8 +563,7 @@ class KVTiers:
         )
         # pages read from disk for a waiting request, taken at its admission; bounded by
         # the pool's size (LRU dropped beyond it)
-        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self._staged_cap = pool.num_pages
+        self._staged: LRU[bytes, torch.Tensor] = LRU(max_items=pool.num_pages)
         self._done: list[tuple[str, list[tuple[bytes, torch.Tensor]], float]] = []
         self._done_lock = threading.Lock()
         self._done_event = threading.Event()
@@ -671,7 +653,7 @@ class KVTiers:
         first one missing); staged pages are removed, host pages stay."""
         out = []
         for key in keys:
-            page = self._staged.pop(key, None)
+            page = self._staged.pop(key)
             if page is None:
                 page = self._pending(key)
             if page is not None:
@@ -703,7 +685,7 @@ class KVTiers:
                 continue
             page = self._pending(k)
             if page is not None:  # stage it now: once written it leaves the write queue
-                self._staged[k] = page
+                self._staged.put(k, page)
             else:
                 todo.append(k)
         self._tried.add(rid)
@@ -746,10 +728,7 @@ class KVTiers:
             self.load_seconds += seconds
             self.loaded_bytes += len(pages) * self.page_bytes
             for key, page in pages:
-                self._staged[key] = page
-                self._staged.move_to_end(key)
-        while len(self._staged) > self._staged_cap:
-            self._staged.popitem(last=False)
+                self._staged.put(key, page)
         return len(done)
 
     def wait(self, timeout: float) -> None:

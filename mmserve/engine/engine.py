@@ -22,7 +22,6 @@ from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.radix_cache import RadixCache
 from mmserve.config import EngineConfig
 from mmserve.engine.detokenizer import first_stop
-from mmserve.engine.grammar import GuidedDecoding, new_state
 from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.output import OutputCollector
@@ -38,6 +37,8 @@ from mmserve.engine.sampling import (
 )
 from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree
 from mmserve.model.loader import LoadedModel, load_model
+from mmserve.structured.compile import new_state
+from mmserve.structured.decode import GuidedDecoding
 from mmserve.vision.embedding_cache import EmbeddingCache
 
 log = logging.getLogger(__name__)
@@ -392,7 +393,7 @@ class Engine:
         delta. Text and stop strings are the front end's (:mod:`mmserve.engine.output`).
 
         The engine is the only writer of ``output_ids``/``logprobs``/``logits``: a
-        grammar's jump-forward comes back as an :class:`~mmserve.engine.grammar.Advance`
+        grammar's jump-forward comes back as an :class:`~mmserve.structured.decode.Advance`
         and is applied here."""
         p = req.params
         forced: list[int] = []

@@ -26,7 +26,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from mmserve.config import EngineConfig
-from mmserve.engine.grammar import GrammarCache, GrammarError
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.prompt import PromptBuilder, PromptError
 from mmserve.engine.request import (
@@ -37,10 +36,21 @@ from mmserve.engine.request import (
     new_rid,
 )
 from mmserve.model.loader import LoadedModel
+from mmserve.structured.compile import GrammarCache
+from mmserve.structured.spec import GrammarError
 from mmserve.vision.budget import DecodeBudget, RequestPixels, decoded_bytes
 from mmserve.vision.embedding_cache import EmbeddingCache
 from mmserve.vision.hashing import image_key, processor_fingerprint
 from mmserve.vision.image import ImageError, decode_image
+from mmserve.vision.inputs import Frame
+from mmserve.vision.video import (
+    FrameFailure,
+    FrameSelection,
+    Video,
+    VideoError,
+    VideoLimits,
+    undecodable_message,
+)
 
 
 class RequestError(ValueError):
@@ -203,6 +213,74 @@ class InputProcessor:
                 done[it.key] = dataclasses.replace(it, image=None, pixels=pixels, features=None)
             out.append(done[it.key])
         return out
+
+    def open_video(self, data: bytes, limits: VideoLimits) -> Video:
+        """Open and probe an encoded video against ``limits`` and the image limits (its
+        frames are images of this model).
+
+        Raises:
+            VideoError: naming the problem.
+        """
+        return Video(data, limits, self.config.image_limits, self.shortest_edge)
+
+    def sample_frames(
+        self,
+        video: Video,
+        selection: FrameSelection,
+        mode: str | None = None,
+        pixels: RequestPixels | None = None,
+        skip: bool = False,
+    ) -> tuple[list[Frame], list[FrameFailure]]:
+        """Decode the selected frames and hash each as an image (equal pixels: one key);
+        given ``mode``, prepare each one's tower input and drop its decoded image
+        (:meth:`prepare_frames`).
+
+        The frames' decoded bytes are held in the server-wide :attr:`decode_budget` from
+        before decoding until they are prepared (or returned); every selected frame is
+        charged to ``pixels``.
+
+        Args:
+            skip: leave out selected frames that do not decode (returned as failures)
+                rather than refuse the video.
+
+        Returns:
+            ``(frames, skipped)``: frames in selection order, and each undecodable frame
+            once, ascending by index (empty unless ``skip``).
+
+        Raises:
+            VideoError: a bad selection; a selected frame that does not decode (unless
+                ``skip``), or none that does (the message names each such frame).
+            PixelBudgetError, ImageError: past the request's pixel budget, or frames
+                larger than the whole server budget.
+            DecodeBusyError: the server-wide budget stayed full.
+        """
+        indices = video.indices(selection)
+        w, h = video.info.width, video.info.height
+        if pixels is not None:
+            for _ in indices:
+                pixels.charge(w, h, "video frame")
+        held = len(set(indices)) * decoded_bytes(w, h, "RGB")
+        self.decode_budget.acquire(held)
+        try:
+            got = video.decode(indices)
+            items: dict[int, ImageInput] = {}
+            for i in dict.fromkeys(indices):
+                im = got.images.get(i)
+                if im is not None:
+                    items[i] = ImageInput(image_key(im, self.fingerprint), im)
+            if mode is not None:  # the tower input made here, the decoded frames dropped
+                items = dict(
+                    zip(items, self.prepare_frames(list(items.values()), mode), strict=True)
+                )
+            frames = [Frame(i, video.info.frame_times[i], items[i]) for i in indices if i in items]
+            failed = list(got.failed)
+            del got
+        finally:
+            self.decode_budget.release(held)
+        if failed and (not skip or not frames):
+            decoded = len({f.index for f in frames})
+            raise VideoError(undecodable_message(failed, len(failed) + decoded))
+        return frames, failed
 
     def _finish_spans(self, spans: Sequence[ImageSpan]) -> list[ImageSpan]:
         """Each span's item as the engine gets it: features from the embedding cache (a

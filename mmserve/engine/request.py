@@ -10,15 +10,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from PIL import Image
 
 from mmserve.cache.page_table import PageTable
-from mmserve.vision.pixels import Pixels
+from mmserve.vision.inputs import ImageInput as ImageInput  # re-exported: lives below the
+from mmserve.vision.inputs import ImageSpan as ImageSpan  # engine, for the model families
 
 if TYPE_CHECKING:
-    from mmserve.engine.grammar import GrammarState, GuidedSpec
     from mmserve.engine.messages import TokenDelta
     from mmserve.engine.sampling import ProcessorState
+    from mmserve.structured.compile import GrammarState
+    from mmserve.structured.spec import GuidedSpec
 
 
 @dataclass
@@ -39,12 +40,12 @@ class SamplingParams:
         logprobs: None (off) or how many top alternatives (0..20) to report with each
             output token's log-probability (natural log, of the unscaled distribution;
             for a constrained request, of that distribution restricted to what the
-            grammar allows, see :mod:`mmserve.engine.grammar`). ``logit_bias``, the
+            grammar allows, see :mod:`mmserve.structured`). ``logit_bias``, the
             penalties and ``min_tokens`` are included (the distribution the token is
             drawn from, up to temperature, top-k and top-p; vLLM's default raw logprobs
             leave them out).
         guided: structured output the text must match (a JSON schema, regex, choice or
-            grammar; :class:`~mmserve.engine.grammar.GuidedSpec`), or None.
+            grammar; :class:`~mmserve.structured.spec.GuidedSpec`), or None.
         logit_bias: token id -> bias in [-100, 100] added to that id's logit (OpenAI's
             ``logit_bias``); None or empty: off. Ids must be vocabulary ids (checked
             against the tokenizer by :meth:`validate` when given ``vocab_size``).
@@ -199,75 +200,6 @@ class TokenLogprob:
 
 
 @dataclass
-class ImageInput:
-    """An image (or video frame) of a prompt: its content key and what the engine needs to
-    get its features.
-
-    The front end (:class:`~mmserve.engine.processor.InputProcessor`) decodes, hashes and
-    preprocesses an image on a request thread and then drops the decoded image, so an
-    item that reaches the engine holds ``pixels`` (the tower must run) or ``features``
-    (the embedding cache held them when the request was made; the request keeps a
-    reference so that an eviction in between cannot leave it without them). ``image`` is
-    the decoded image only while the front end works on it (or for callers that build
-    items by hand; the engine then preprocesses it itself).
-
-    Attributes:
-        key: 16-byte xxh3-128 image key (for a ``mode`` other than "image", the key
-            derived for that mode, :func:`mmserve.vision.hashing.mode_key`).
-        image: the decoded PIL image (original mode, EXIF-rotated), or None once dropped.
-        mode: how the family turns it into features
-            (:data:`mmserve.model.families.base.IMAGE_MODE` and the others there).
-        width, height: the decoded image's size (pixels); taken from ``image`` when 0.
-        pixels: the tower input prepared for ``pixels.mode`` (used only when it equals
-            ``mode``), or None.
-        features: ``[tokens, text_hidden]`` features found in the embedding cache for
-            ``key``, or None.
-        source: the encoded file, kept until the request is built so the front end can
-            decode it again if it must prepare another mode; None for video frames and
-            in requests.
-    """
-
-    key: bytes
-    image: Image.Image | None = None
-    mode: str = "image"
-    width: int = 0
-    height: int = 0
-    pixels: Pixels | None = field(default=None, repr=False)
-    features: torch.Tensor | None = field(default=None, repr=False)
-    source: bytes | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.image is not None and not self.width:
-            self.width, self.height = self.image.size
-
-    @property
-    def id(self) -> str:
-        """Hex form of the key, used as the public image id."""
-        return "img-" + self.key.hex()
-
-    @property
-    def ready(self) -> bool:
-        """Whether the engine can get its features without the decoded image."""
-        return self.features is not None or (
-            self.pixels is not None and self.pixels.mode == self.mode
-        )
-
-
-@dataclass
-class ImageSpan:
-    """Positions ``[start, start + length)`` of a prompt filled by one image's features."""
-
-    start: int
-    length: int
-    image: ImageInput
-
-    @property
-    def end(self) -> int:
-        """One past the last position."""
-        return self.start + self.length
-
-
-@dataclass
 class GenerateResult:
     """What a finished request reports.
 
@@ -366,7 +298,6 @@ class Request:
         self.logits: list[torch.Tensor] | None = [] if params.return_logits else None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
-        self.abort_requested = False
         self.error: str | None = None
         self.grammar: GrammarState | None = None
         self.processed = params.has_logits_processors()

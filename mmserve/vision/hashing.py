@@ -2,7 +2,7 @@
 
 The image key is xxh3-128 over the decoded pixels with their mode and shape
 (and palette, for palette images) plus a fingerprint of the image processor
-(DESIGN.md, "Two hashes, two jobs"). Each of an image's N positions becomes a
+(docs/architecture.md, section 2, invariant (1)). Each of an image's N positions becomes a
 distinct negative int64 pseudo-token id derived from the key and the position,
 so text ids ``[0, vocab)`` and image ids never collide (invariant 2) and two
 prompts share KV for an image exactly when its pixels and processor agree
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import xxhash
 from PIL import Image
+
+from mmserve.lru import LRU
 
 _KEY_DOMAIN = b"mmserve-image-key-v1\x00"
 _MODE_DOMAIN = b"mmserve-mode-key-v1\x00"
@@ -147,23 +147,18 @@ def mode_key(key: bytes, mode: str, fingerprint: bytes = b"") -> bytes:
 
 
 class PseudoIdCache:
-    """LRU memo of :func:`pseudo_token_ids` per image key (capacity in images)."""
+    """LRU memo of :func:`pseudo_token_ids` per image key (capacity in images; HTTP
+    handlers tokenize on worker threads, the LRU is thread-safe)."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
-        self._ids: OrderedDict[bytes, list[int]] = OrderedDict()
-        self._lock = threading.Lock()  # HTTP handlers tokenize on worker threads
+        self._ids: LRU[bytes, list[int]] = LRU(max_items=capacity)
 
     def get(self, key: bytes, num_tokens: int) -> list[int]:
         """Pseudo-ids for ``key``, computed once per key while it stays cached."""
-        with self._lock:
-            ids = self._ids.get(key)
-            if ids is not None and len(ids) == num_tokens:
-                self._ids.move_to_end(key)
-                return ids
+        ids = self._ids.get(key)
+        if ids is not None and len(ids) == num_tokens:
+            return ids
         ids = pseudo_token_ids(key, num_tokens)
-        with self._lock:
-            self._ids[key] = ids
-            while len(self._ids) > self.capacity:
-                self._ids.popitem(last=False)
+        self._ids.put(key, ids)
         return ids

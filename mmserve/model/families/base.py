@@ -11,7 +11,7 @@ from PIL import Image
 from torch import nn
 
 if TYPE_CHECKING:
-    from mmserve.engine.request import ImageInput
+    from mmserve.vision.inputs import ImageInput
     from mmserve.vision.pixels import Pixels
 
 #: How an image is turned into features. ``IMAGE_MODE``: the family's own processing of

@@ -65,7 +65,7 @@ from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerp
 from mmserve.vision.pixels import Pixels
 
 if TYPE_CHECKING:
-    from mmserve.engine.request import ImageInput
+    from mmserve.vision.inputs import ImageInput
 
 #: ``LlavaOnevisionProcessor.__init__`` arguments read from ``processor_config.json``.
 _PROCESSOR_ARGS = (
