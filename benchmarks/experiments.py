@@ -549,10 +549,10 @@ def big_png(side: int, seed: int) -> bytes:
     return workloads.png(Image.fromarray(arr, "RGB"))
 
 
-def _rss(pid: int) -> int:
-    """Resident bytes of ``pid`` (``VmRSS`` of ``/proc/PID/status``)."""
+def _rss(pid: int, field: str = "VmRSS") -> int:
+    """``field`` of ``/proc/PID/status`` in bytes (``VmRSS``: resident; ``VmHWM``: its peak)."""
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return int(next(ln.split()[1] for ln in status if ln.startswith("VmRSS:"))) * 1024
+    return int(next(ln.split()[1] for ln in status if ln.startswith(field + ":"))) * 1024
 
 
 def _send_watching(pid: int, url: str, bodies: list[dict]) -> tuple[int, list[int]]:
@@ -604,10 +604,12 @@ def image_memory(args: argparse.Namespace, model_dir: str | None) -> int:
                 status += got
                 time.sleep(3)
                 figs.append(_rss(proc.pid))
+            hwm = _rss(proc.pid, "VmHWM")
         above = [f"{v / mb:.0f} (+{(v - base) / mb:.0f})" for v in figs]
-        rows.append((str(repo), f"{base / mb:.0f}", *above, status))
+        rows.append((str(repo), f"{base / mb:.0f}", *above, f"{hwm / mb:.0f}", status))
     print(f"eight distinct {args.side}x{args.side} PNGs per request; resident MB (above baseline)")
-    head = ("server", "baseline", "1 request: peak", "after", "2 at once: peak", "after", "status")
+    head = ("server", "baseline", "1 request: peak", "after", "2 at once: peak", "after")
+    head += ("VmHWM", "status")
     print(report.md_table(head, rows))
     return 0
 

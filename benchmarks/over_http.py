@@ -428,6 +428,7 @@ def mmserve_server(
     launcher: Sequence[str] = ("-m", "api.cli"),
     env: dict | None = None,
     repo: Path = ROOT,
+    timeout: float = 180,
 ) -> Any:
     """:func:`server` of ``mmserve serve`` (from checkout ``repo``) on ``model`` (None: the
     bundled one) with ``threads`` OpenMP threads."""
@@ -436,4 +437,4 @@ def mmserve_server(
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
     if repo != ROOT:
         env["PYTHONPATH"] = str(repo)
-    return server([*cmd, *flags], env, log_path, cwd=repo)
+    return server([*cmd, *flags], env, log_path, timeout, cwd=repo)

@@ -51,8 +51,9 @@ def ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
 
-def md_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A Markdown table; cells are formatted with :func:`fmt`."""
+def md_table(head: str | Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; ``head`` is a sequence or "|"-separated; cells go through :func:`fmt`."""
+    head = head.split("|") if isinstance(head, str) else head
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -99,16 +100,11 @@ def targets_table(targets: list[dict]) -> str:
     """The targets as a Markdown table."""
     met = {True: "met", False: "**MISSED**", None: "not measured"}
     rows = [
-        (
-            t["target"],
-            fmt(t["value"], ".4g"),
-            f"{t['op']} {t['threshold']}",
-            met[t["met"]],
-            t["detail"],
-        )
+        (t["target"], fmt(t["value"], ".4g"), f"{t['op']} {t['threshold']}", met[t["met"]])
+        + (t["detail"],)
         for t in targets
     ]
-    return md_table(("target", "value", "threshold", "met", "detail"), rows)
+    return md_table("target|value|threshold|met|detail", rows)
 
 
 # ---- in-process suite ---------------------------------------------------------------------
@@ -128,81 +124,48 @@ def engine_targets(results: dict[str, dict], sweeps: dict[str, dict], policy: st
     on, out = f"mmserve-{policy}", []
     mq = results.get("many_questions")
     c = _system(mq, on)
-    for ref, what, need in (
-        ("transformers", "transformers", SPEEDUP_VS_TRANSFORMERS),
-        ("mmserve-off", "cache-off", SPEEDUP_VS_CACHE_OFF),
-    ):
+    refs = (("transformers", SPEEDUP_VS_TRANSFORMERS), ("mmserve-off", SPEEDUP_VS_CACHE_OFF))
+    for ref, need in refs:
         r = _system(mq, ref)
         for key, unit in (("requests_per_s", "wall"), ("requests_per_cpu_s", "CPU")):
             if c and r:
-                out.append(
-                    target(
-                        f"many_questions: cache-on req/s vs {what} ({unit} time)",
-                        c[key] / r[key],
-                        ">=",
-                        need,
-                        f"{c[key]:.3g} vs {r[key]:.3g} req/s",
-                    )
-                )
-    for name, label, need in (
-        ("many_questions", on, HIT_OF_OPTIMUM),
-        ("video_frames", on, HIT_OF_OPTIMUM),
-        ("multi_turn", f"{on}-halfpool", HIT_OF_OPTIMUM_HALF_POOL),
-    ):
-        res = results.get(name)
-        c = _system(res, label)
-        if c:
+                name = f"many_questions: cache-on req/s vs {ref} ({unit} time)"
+                detail = f"{c[key]:.3g} vs {r[key]:.3g} req/s"
+                out.append(target(name, c[key] / r[key], ">=", need, detail))
+    hits = (("many_questions", on, HIT_OF_OPTIMUM), ("video_frames", on, HIT_OF_OPTIMUM))
+    for name, label, need in (*hits, ("multi_turn", f"{on}-halfpool", HIT_OF_OPTIMUM_HALF_POOL)):
+        if c := _system(res := results.get(name), label):
             opt = res["prompts"]["optimal_hit_rate"]
             detail = f"{c['cache_hit_rate']:.4f} vs optimum {opt:.4f}, pool {c['pool_tokens']}"
+            value = c["cache_hit_rate"] / opt if opt else None
             out.append(
-                target(
-                    f"{name} ({label}): hit rate / offline optimum",
-                    c["cache_hit_rate"] / opt if opt else None,
-                    ">=",
-                    need,
-                    detail,
-                )
+                target(f"{name} ({label}): hit rate / offline optimum", value, ">=", need, detail)
             )
     ns = results.get("no_sharing")
     b, c = _system(ns, "mmserve-off"), _system(ns, on)
     if b and c:
-        out.append(
-            target(
-                "no_sharing: radix-tree time / wall time",
-                c["tree_fraction"],
-                "<=",
-                MAX_TREE_FRACTION,
-                f"{c['tree_seconds'] * 1e3:.3g} ms",
-            )
-        )
+        name, ms_ = "no_sharing: radix-tree time / wall time", f"{c['tree_seconds'] * 1e3:.3g} ms"
+        out.append(target(name, c["tree_fraction"], "<=", MAX_TREE_FRACTION, ms_))
         pairs = ns.get("paired_on_off")
         for key, unit in (("requests_per_s", "wall"), ("requests_per_cpu_s", "cpu")):
             if pairs:  # median of back-to-back pairs: drift and other load cancel out
                 value, detail = statistics.median(pairs[f"{unit}_ratios"]), "median of pairs"
             else:
                 value, detail = c[key] / b[key], "single runs"
-            out.append(
-                target(
-                    f"no_sharing: cache-on / cache-off throughput ({unit} time)",
-                    value,
-                    ">=",
-                    MIN_ON_OFF_THROUGHPUT,
-                    detail,
-                )
-            )
-    for name, sweep in sweeps.items():
+            name = f"no_sharing: cache-on / cache-off throughput ({unit} time)"
+            out.append(target(name, value, ">=", MIN_ON_OFF_THROUGHPUT, detail))
+    for wl, sweep in sweeps.items():
         p = min(sweep["points"], key=lambda q: q["pool_tokens"])
         ok = p["all_finished"] and p["output_mismatches"] == 0 and bool(p["leak_free"])
-        out.append(
-            target(
-                f"{name}, smallest pool: all finish, outputs == uncached, no leak",
-                float(ok),
-                ">=",
-                1.0,
-                f"pool {p['pool_tokens']}, retractions {p['retractions']}",
-            )
-        )
+        name = f"{wl}, smallest pool: all finish, outputs == uncached, no leak"
+        detail = f"pool {p['pool_tokens']}, retractions {p['retractions']}"
+        out.append(target(name, float(ok), ">=", 1.0, detail))
     return out
+
+
+def pick(d: dict, keys: str) -> list:
+    """``d``'s values for the space-separated ``keys``."""
+    return [d[k] for k in keys.split()]
 
 
 def workload_table(res: dict) -> str:
@@ -212,122 +175,61 @@ def workload_table(res: dict) -> str:
     rows = []
     for s in res["systems"]:
         cmp = res.get("comparisons", {}).get(s["system"], {})
-        ratios = [
-            fmt(s[k] / ref[k] if ref else None, ".2f")
-            for k in ("requests_per_s", "requests_per_cpu_s")
-            for ref in (a, b)
-        ]
-        rows.append(
-            (
-                s["system"] + (" *" if s["measured_requests"] < s["requests"] else ""),
-                s["requests_per_s"],
-                s["requests_per_cpu_s"],
-                s["output_tokens_per_s"],
-                s["ttft_p50_s"],
-                s["ttft_p99_s"],
-                fmt(s["cache_hit_rate"], ".4f"),
-                fmt(s["cache_hit_rate"] / opt if opt else None, ".3f"),
-                s["vision_tower_runs"],
-                fmt(100 * s["tree_fraction"], ".3f") if s["kind"] == "mmserve" else None,
-                *ratios,
-                cmp.get("mismatches_vs_off"),
-                cmp.get("agree_with_transformers"),
-            )
-        )
-    head = (
-        "system",
-        "req/s",
-        "req/CPU-s",
-        "out tok/s",
-        "TTFT p50 (s)",
-        "TTFT p99 (s)",
-        "hit",
-        "hit/opt",
-        "vision runs",
-        "tree time %",
-        "x (a)",
-        "x (b)",
-        "x (a) CPU",
-        "x (b) CPU",
-        "mismatch vs (b)",
-        "agree (a)",
-    )
+        row = [s["system"] + (" *" if s["measured_requests"] < s["requests"] else "")]
+        row += pick(s, "requests_per_s requests_per_cpu_s output_tokens_per_s")
+        row += pick(s, "ttft_p50_s ttft_p99_s") + [fmt(s["cache_hit_rate"], ".4f")]
+        row += [fmt(s["cache_hit_rate"] / opt if opt else None, ".3f"), s["vision_tower_runs"]]
+        row += [fmt(100 * s["tree_fraction"], ".3f") if s["kind"] == "mmserve" else None]
+        for k in ("requests_per_s", "requests_per_cpu_s"):
+            row += [fmt(s[k] / ref[k] if ref else None, ".2f") for ref in (a, b)]
+        rows.append(row + [cmp.get("mismatches_vs_off"), cmp.get("agree_with_transformers")])
+    head = "system|req/s|req/CPU-s|out tok/s|TTFT p50 (s)|TTFT p99 (s)|hit|hit/opt|vision runs"
+    head += "|tree time %|x (a)|x (b)|x (a) CPU|x (b) CPU|mismatch vs (b)|agree (a)"
     return md_table(head, rows)
 
 
 def sweep_table(sweep: dict) -> str:
     """The KV-pool sweep of one workload."""
     ws, opt = sweep["working_set_tokens"], sweep["optimal_hit_rate"]
-    rows = [
-        (
-            p["pool_tokens"],
-            fmt(p["pool_tokens"] / ws, ".3f"),
-            fmt(p["cache_hit_rate"], ".4f"),
-            fmt(p["cache_hit_rate"] / opt, ".3f"),
-            p["requests_per_s"],
-            p["requests_per_cpu_s"],
-            p["ttft_p50_s"],
-            p["retractions"],
-            p["all_finished"],
-            p["output_mismatches"],
-            p["leak_free"],
-        )
-        for p in sweep["points"]
-    ]
-    head = (
-        "pool (tokens)",
-        "pool / working set",
-        "hit rate",
-        "hit/opt",
-        "req/s",
-        "req/CPU-s",
-        "TTFT p50 (s)",
-        "retractions",
-        "finished",
-        "mismatch vs uncached",
-        "leak-free",
-    )
-    return md_table(head, rows)
+    rows = []
+    for p in sweep["points"]:
+        row = [p["pool_tokens"], fmt(p["pool_tokens"] / ws, ".3f")]
+        row += [fmt(p["cache_hit_rate"], ".4f"), fmt(p["cache_hit_rate"] / opt, ".3f")]
+        keys = "requests_per_s requests_per_cpu_s ttft_p50_s retractions all_finished"
+        rows.append(row + pick(p, keys + " output_mismatches leak_free"))
+    head = "pool (tokens)|pool / working set|hit rate|hit/opt|req/s|req/CPU-s|TTFT p50 (s)"
+    return md_table(head + "|retractions|finished|mismatch vs uncached|leak-free", rows)
 
 
 def engine_summary(results: dict, sweeps: dict, targets: list[dict], meta: dict) -> str:
     """``summary.md`` of the in-process suite."""
-    lines = [
-        "# mmserve benchmark summary (in-process)",
-        "",
-        f"- model `{meta['model']}`, torch threads {meta['threads']}, scale {meta['scale']}, "
-        f"seed {meta['seed']}; {meta['total_seconds']:.1f} s; load average "
-        f"{meta['loadavg_start']} -> {meta['loadavg_end']} (other load inflates wall times, "
-        "not the CPU-time figures)",
+    m = meta
+    lines = ["# mmserve benchmark summary (in-process)", ""]
+    lines += [
+        f"- model `{m['model']}`, torch threads {m['threads']}, scale {m['scale']}, seed "
+        f"{m['seed']}; {m['total_seconds']:.1f} s; load average {m['loadavg_start']} -> "
+        f"{m['loadavg_end']} (other load inflates wall times, not the CPU-time figures)",
         "- (a) = transformers `generate`, one request at a time; (b) = `mmserve-off` (radix "
         "and vision-embedding caches off); `mmserve-<policy>` = caches on. Same prompts, "
         "greedy, `max_tokens` tokens each; TTFT from submission (queueing included).",
         "- `*` = subsampled; hit/opt = hit rate / offline optimum (SGLang Theorem 3.1); "
         "mismatch = requests whose tokens differ from (b); agree (a) = equal to transformers'.",
-        "",
-        "## Targets",
-        "",
-        targets_table(targets),
     ]
+    lines += ["", "## Targets", "", targets_table(targets)]
     for name, res in results.items():
         pr = res["prompts"]
+        lines += [f"## {name}", ""]
         lines += [
-            f"## {name}",
-            "",
-            f"{res['description']}. {pr['requests']} requests, "
-            f"{pr['total_tokens']} prompt tokens, {pr['distinct_tokens']} distinct, "
-            f"optimum {pr['optimal_hit_rate']:.4f}, working set "
-            f"{pr['working_set_tokens']} tokens.",
-            "",
-            workload_table(res),
+            f"{res['description']}. {pr['requests']} requests, {pr['total_tokens']} prompt "
+            f"tokens, {pr['distinct_tokens']} distinct, optimum {pr['optimal_hit_rate']:.4f}, "
+            f"working set {pr['working_set_tokens']} tokens."
         ]
         notes = res.get("notes", []) + res.get("skipped", [])
         notes += [f"{s['system']}: {n}" for s in res["systems"] for n in s.get("notes", [])]
-        lines += [f"- {n}" for n in notes] + [""]
+        lines += ["", workload_table(res)] + [f"- {n}" for n in notes] + [""]
     for sw in sweeps.values():
+        lines += [f"## KV pool sweep ({sw['workload']}, policy {sw['policy']})", ""]
         lines += [
-            f"## KV pool sweep ({sw['workload']}, policy {sw['policy']})",
-            "",
             f"Working set {sw['working_set_tokens']} tokens, one request "
             f"{sw['one_request_tokens']}; plot: `pool_sweep.png`.",
             "",
@@ -408,25 +310,12 @@ def http_targets(res: dict, workload: str, fraction: float, min_agree: int) -> l
     out = []
     if "mmserve" in res["workloads"].get(workload, {}).get("runs", {}):
         a = achieved(res, workload, "mmserve")
-        out += [
-            target(
-                f"{workload}: mmserve achieved / bound ({u} time, {a['rate']} run)",
-                a[u],
-                ">=",
-                fraction,
-            )
-            for u in ("wall", "cpu")
-        ]
+        for u in ("wall", "cpu"):
+            name = f"{workload}: mmserve achieved / bound ({u} time, {a['rate']} run)"
+            out.append(target(name, a[u], ">=", fraction))
     if ag := res.get("agreement"):
-        out.append(
-            target(
-                "llama.cpp agreement: equal text-only greedy answers",
-                ag["text_agree"],
-                ">=",
-                min_agree,
-                f"of {ag['text_total']}",
-            )
-        )
+        name, detail = "llama.cpp agreement: equal text-only answers", f"of {ag['text_total']}"
+        out.append(target(name, ag["text_agree"], ">=", min_agree, detail))
     return out
 
 
@@ -469,9 +358,8 @@ def plot_latency(path: Path, res: dict) -> Path | None:
 def http_summary(res: dict, plot: Path | None) -> str:
     """``serve_summary.md`` of the HTTP suite."""
     m, slo = res["meta"], res["meta"]["slo"]
-    lines = [
-        "# HTTP serving benchmark (`python -m benchmarks serve`)",
-        "",
+    lines = ["# HTTP serving benchmark (`python -m benchmarks serve`)", ""]
+    lines += [
         f"Model `{m['model']}`, scale `{m['scale']}`, {m['threads']} thread(s) per server, "
         f"{m['cpus']} CPUs, load average {m['loadavg_start']} -> {m.get('loadavg_end')}, "
         f"{m.get('total_seconds', 0):.0f} s. Rates (req/s): {', '.join(m['rates'])}. Goodput "
@@ -484,65 +372,39 @@ def http_summary(res: dict, plot: Path | None) -> str:
     if res.get("targets"):
         lines += ["## Targets", "", targets_table(res["targets"])]
     if ag := res.get("agreement"):
+        lines += ["## Agreement with llama.cpp (greedy, before timing)", ""]
         lines += [
-            "## Agreement with llama.cpp (greedy, before timing)",
-            "",
             f"Text-only: **{ag['text_agree']}/{ag['text_total']}** equal; images: "
             f"**{ag['image_agree']}/{ag['image_total']}**; passed: {fmt(ag['passed'])}. "
             "Compared as token ids (mmserve's engine in-process, its text checked equal "
             "to its HTTP answer; llama.cpp's `/completion` with `return_tokens`).",
             "",
-            md_table(
-                ("chat", "prompt tokens (mmserve, llama.cpp)", "equal", "reason"),
-                [
-                    (i["chat"], i["prompt_tokens"], i["agree"], i.get("reason", ""))
-                    for i in ag["items"]
-                ],
-            ),
         ]
-    bounded = [(n, w) for n, w in res["workloads"].items() if w.get("bound")]
-    if bounded:
+        rows = [pick(i, "chat prompt_tokens agree") + [i.get("reason", "")] for i in ag["items"]]
+        lines.append(md_table("chat|prompt tokens (mmserve, llama.cpp)|equal|reason", rows))
+    if bounded := [(n, w) for n, w in res["workloads"].items() if w.get("bound")]:
         servers = sorted({s for _, w in bounded for s in w["runs"]})
         rows = []
         for name, w in bounded:
             b = w["bound"]
-            rows.append(
-                (
-                    name,
-                    f"{b['distinct_prompt_tokens']} / {b['prompt_tokens']}",
-                    f"{b['distinct_images']} / {b['images']}",
-                    fmt(b["prefill_s_per_token"] * 1e3, ".3f"),
-                    ms(b["tower_s_per_image"]),
-                    f"{ms(b['decode_step_s'])} ({b['decode_batch']})",
-                    f"{b['bound_s']:.2f} ({b['bound_cpu_s']:.2f})",
-                    fmt(b["max_speedup_from_reuse"]),
-                    *(
-                        f"{fmt(a['wall'], '.2f')} ({fmt(a['cpu'], '.2f')})"
-                        for a in (achieved(res, name, s) for s in servers)
-                    ),
-                )
-            )
+            row = [name, f"{b['distinct_prompt_tokens']} / {b['prompt_tokens']}"]
+            row += [f"{b['distinct_images']} / {b['images']}"]
+            row += [fmt(b["prefill_s_per_token"] * 1e3, ".3f"), ms(b["tower_s_per_image"])]
+            row += [f"{ms(b['decode_step_s'])} ({b['decode_batch']})"]
+            row += [f"{b['bound_s']:.2f} ({b['bound_cpu_s']:.2f})", b["max_speedup_from_reuse"]]
+            for a in (achieved(res, name, s) for s in servers):
+                row.append(f"{fmt(a['wall'], '.2f')} ({fmt(a['cpu'], '.2f')})")
+            rows.append(row)
+        head = "workload|distinct / total tokens|distinct / all images|prefill ms/tok"
+        head += "|tower ms/img|decode ms/step (batch)|bound s (CPU s)|max speedup from reuse"
+        head += "".join(f"|{s} wall (CPU)" for s in servers)
+        lines += ["## Cost bound", ""]
         lines += [
-            "## Cost bound",
-            "",
             "The least time any server could take here (see `cost_bound.py`); "
             "`achieved / bound` = bound / the server's time on the burst run, wall "
             "(CPU: bound CPU s / server CPU s); 1.0 = at the bound.",
             "",
-            md_table(
-                (
-                    "workload",
-                    "distinct / total tokens",
-                    "distinct / all images",
-                    "prefill ms/tok",
-                    "tower ms/img",
-                    "decode ms/step (batch)",
-                    "bound s (CPU s)",
-                    "max speedup from reuse",
-                    *(f"{s} wall (CPU)" for s in servers),
-                ),
-                rows,
-            ),
+            md_table(head, rows),
         ]
     lines += ["## Runs", ""]
     lines += [f"![latency against offered rate]({Path(plot).name})", ""] if plot else []
@@ -551,69 +413,30 @@ def http_summary(res: dict, plot: Path | None) -> str:
         "server process's; tok ok: every answer had exactly N tokens.",
         "",
     ]
-    head = (
-        "server",
-        "rate",
-        "req/s",
-        "out tok/s",
-        "TTFT p50",
-        "TTFT p99",
-        "TPOT p50",
-        "TPOT p99",
-        "ITL p99",
-        "goodput",
-        "hit",
-        "CPU s",
-        "tok ok",
-    )
+    head = "server|rate|req/s|out tok/s|TTFT p50|TTFT p99|TPOT p50|TPOT p99|ITL p99|goodput"
     for name, w in res["workloads"].items():
-        rows = [
-            (
-                s,
-                rate,
-                r["request_throughput"],
-                r["output_throughput"],
-                ms(r["ttft_s"]["p50"]),
-                ms(r["ttft_s"]["p99"]),
-                ms(r["tpot_s"]["p50"]),
-                ms(r["tpot_s"]["p99"]),
-                ms(r["itl_s"]["p99"]),
-                r["goodput"],
-                fmt(r["cache_hit_rate"], ".2f"),
-                r["server_cpu_s"],
-                r["token_counts_ok"],
-            )
-            for s, by_rate in w["runs"].items()
-            for rate, r in by_rate.items()
-        ]
-        lines += [
-            f"### {name}",
-            "",
-            f"{w['description']}; {w['requests']} requests, N = {w['max_tokens']}.",
-            "",
-            md_table(head, rows),
-        ]
+        rows = []
+        for s, by_rate in w["runs"].items():
+            for rate, r in by_rate.items():
+                row = [s, rate, r["request_throughput"], r["output_throughput"]]
+                row += [ms(r[k][p]) for k, p in (("ttft_s", "p50"), ("ttft_s", "p99"))]
+                row += [ms(r["tpot_s"]["p50"]), ms(r["tpot_s"]["p99"]), ms(r["itl_s"]["p99"])]
+                row += [r["goodput"], fmt(r["cache_hit_rate"], ".2f")]
+                rows.append(row + pick(r, "server_cpu_s token_counts_ok"))
+        lines += [f"### {name}", ""]
+        lines += [f"{w['description']}; {w['requests']} requests, N = {w['max_tokens']}.", ""]
+        lines.append(md_table(head + "|hit|CPU s|tok ok", rows))
     if ov := res.get("overhead"):
-        ip, st = ov["in_process"], ov["in_process"]["steps"]
+        ip, st, h = ov["in_process"], ov["in_process"]["steps"], ov["http"]
+        rows = [("in-process", ip["wall_s"], ip["cpu_s"], ms(ip["ttft_p50_s"]))]
+        rows += [("HTTP", h["duration_s"], h["server_cpu_s"], ms(ov["http_ttft_p50_s"]))]
+        lines += ["## HTTP overhead (mmserve, cache on)", ""]
         lines += [
-            "## HTTP overhead (mmserve, cache on)",
-            "",
             f"`{ov['workload']}` at rate `{ov['rate']}` (mmserve's peak run), the same "
             "arrivals through HTTP (cache flushed) and through an in-process engine doing "
             f"the front-end work, {ov['pairs']} back-to-back pairs, medians.",
             "",
-            md_table(
-                ("", "seconds", "CPU s", "TTFT p50 ms"),
-                [
-                    ("in-process", ip["wall_s"], ip["cpu_s"], ms(ip["ttft_p50_s"])),
-                    (
-                        "HTTP",
-                        ov["http"]["duration_s"],
-                        ov["http"]["server_cpu_s"],
-                        ms(ov["http_ttft_p50_s"]),
-                    ),
-                ],
-            ),
+            md_table("|seconds|CPU s|TTFT p50 ms", rows),
             f"In-process steps: {st['prefill']} prefill {st['prefill_s']:.2f} s, "
             f"{st['decode']} decode {st['decode_s']:.2f} s (mean batch "
             f"{st['decode_rows'] / max(st['decode'], 1):.1f}).",
@@ -623,58 +446,29 @@ def http_summary(res: dict, plot: Path | None) -> str:
             "",
         ]
         if p := ov.get("profile"):
-            lines += [
-                f"Where the non-engine time goes (cProfile of one more run; {p['note']}):",
-                "",
-                md_table(
-                    ("category (non-engine threads)", "self s"),
-                    [(c, fmt(v, ".2f")) for c, v in p["categories_s"].items()],
-                ),
-                f"Largest non-engine item: **{p['largest']}**.",
-                "",
-            ]
+            rows = [(c, fmt(v, ".2f")) for c, v in p["categories_s"].items()]
+            lines += [f"Where the non-engine time goes (one more run; {p['note']}):", ""]
+            lines += [md_table("category (non-engine threads)|self s", rows)]
+            lines += [f"Largest non-engine item: **{p['largest']}**.", ""]
     return "\n".join(lines) + "\n"
 
 
 def replicas_table(results: dict) -> str:
     """The replica setups side by side (``python -m benchmarks replicas``)."""
     w = results["workload"]
-    rows = [
-        (
-            name,
-            fmt(r["hit_rate"], ".3f"),
-            fmt(r["hit_rate_over_optimum"] or 0.0, ".3f"),
-            fmt(r["tower_runs_per_image"], ".2f"),
-            r["pixel_fetches"],
-            fmt(r["requests_per_second"], ".2f"),
-            fmt(r["output_tokens_per_second"], ".1f"),
-            fmt(r["ttft_p50_ms"], ".0f"),
-            fmt(r["ttft_p99_ms"], ".0f"),
-            r["errors"],
-            ", ".join(f"{k} {v}" for k, v in sorted((r.get("router") or {}).items())),
-        )
-        for name, r in results["setups"].items()
-    ]
+    rows = []
+    for name, r in results["setups"].items():
+        row = [name, fmt(r["hit_rate"], ".3f"), fmt(r["hit_rate_over_optimum"] or 0.0, ".3f")]
+        row += [fmt(r["tower_runs_per_image"], ".2f"), r["pixel_fetches"]]
+        row += [fmt(r["requests_per_second"], ".2f"), fmt(r["output_tokens_per_second"], ".1f")]
+        row += [fmt(r["ttft_p50_ms"], ".0f"), fmt(r["ttft_p99_ms"], ".0f"), r["errors"]]
+        rows.append(row + [", ".join(f"{k} {v}" for k, v in sorted(r.get("router", {}).items()))])
+    head = "setup|hit rate|hit / optimum|tower runs / image|pixel fetches|req/s|output tok/s"
     return (
         f"# Replica routing benchmark\n\n{w['requests']} requests ({w['images']} images x "
         f"{w['questions']} questions + {w['sessions']} sessions x {w['turns']} turns) from "
         f"{w['concurrency']} clients, {w['max_tokens']} tokens each, {w['distinct_images']} "
         f"distinct images, offline-optimal hit rate {w['optimal_hit_rate']:.3f}; model "
         f"`{Path(results['model']).name}`.\n\n"
-        + md_table(
-            (
-                "setup",
-                "hit rate",
-                "hit / optimum",
-                "tower runs / image",
-                "pixel fetches",
-                "req/s",
-                "output tok/s",
-                "TTFT p50 ms",
-                "TTFT p99 ms",
-                "errors",
-                "routed",
-            ),
-            rows,
-        )
+        + md_table(head + "|TTFT p50 ms|TTFT p99 ms|errors|routed", rows)
     )

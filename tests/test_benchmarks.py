@@ -156,7 +156,7 @@ def test_targets_from_known_figures() -> None:
     vs_hf = got["many_questions: cache-on req/s vs transformers (wall time)"]
     assert vs_hf["value"] == pytest.approx(7.0) and vs_hf["met"] is True
     assert got["many_questions: cache-on req/s vs transformers (CPU time)"]["met"] is False  # 2.5
-    assert got["many_questions: cache-on req/s vs cache-off (wall time)"]["value"] == 3.5
+    assert got["many_questions: cache-on req/s vs mmserve-off (wall time)"]["value"] == 3.5
     hit = got["many_questions (mmserve-lpm): hit rate / offline optimum"]
     assert hit["value"] == pytest.approx(0.975) and hit["met"] is False  # needs 0.98
     assert got["no_sharing: radix-tree time / wall time"]["met"] is False  # 1 % > 0.3 %
