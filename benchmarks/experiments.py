@@ -70,44 +70,24 @@ def run_setup(
     load = http.summarize(results, wl.max_tokens, http.SLO(float("inf"), float("inf")), wall)
     distinct = distinct or len(wl.images)
     hit = delta("cached_tokens") / delta("prompt_tokens") if delta("prompt_tokens") else 0.0
-    out = {
-        "requests": len(results),
-        "errors": load["failed"],
-        "error_messages": load["errors"],
-        "wall_seconds": wall,
-        "requests_per_second": load["request_throughput"] or 0.0,
-        "output_tokens_per_second": load["output_throughput"] or 0.0,
-        "ttft_p50_ms": 1000 * (load["ttft_s"]["p50"] or 0.0),
-        "ttft_p99_ms": 1000 * (load["ttft_s"]["p99"] or 0.0),
-        "prompt_tokens": delta("prompt_tokens"),
-        "cached_tokens": delta("cached_tokens"),
-        "hit_rate": hit,
-        "hit_rate_over_optimum": hit / optimum if optimum else None,
-        "distinct_images": distinct,
-        "vision_tower_runs": delta("vision_tower_images"),
-        "tower_runs_per_image": delta("vision_tower_images") / distinct,
-        "pixel_fetches": delta("pixel_fetches"),
-        "retries": delta("retries"),
-        "replies": [
-            {
-                "ok": r.ok,
-                "text": r.text,
-                "prompt_tokens": r.prompt_tokens,
-                "cached_tokens": r.cached_tokens,
-                "error": r.error,
-            }
-            for r in results
-        ],
-    }
+    out = dict(requests=len(results), errors=load["failed"], error_messages=load["errors"])
+    out.update(wall_seconds=wall, requests_per_second=load["request_throughput"] or 0.0)
+    out.update(output_tokens_per_second=load["output_throughput"] or 0.0)
+    out.update({f"ttft_{p}_ms": 1000 * (load["ttft_s"][p] or 0.0) for p in ("p50", "p99")})
+    out.update({k: delta(k) for k in ("prompt_tokens", "cached_tokens", "pixel_fetches")})
+    out.update(retries=delta("retries"), hit_rate=hit, distinct_images=distinct)
+    out["hit_rate_over_optimum"] = hit / optimum if optimum else None
+    out["vision_tower_runs"] = tower = delta("vision_tower_images")
+    out["tower_runs_per_image"] = tower / distinct
+    keys = ("ok", "text", "prompt_tokens", "cached_tokens", "error")
+    out["replies"] = [{k: getattr(r, k) for k in keys} for r in results]
     if after.get("router") is not None:
         out["router"] = after["router"]["by_reason"]
     if isinstance(after.get("replicas"), dict):
+        keys = {"requests": "requests_finished", "hit_rate": "cache_hit_rate"}
+        keys["tower_runs"] = "vision_tower_images"
         out["per_replica"] = {
-            uid: {
-                "requests": s.get("requests_finished"),
-                "hit_rate": s.get("cache_hit_rate"),
-                "tower_runs": s.get("vision_tower_images"),
-            }
+            uid: {k: s.get(v) for k, v in keys.items()}
             for uid, s in after["replicas"].items()
             if isinstance(s, dict)
         }
@@ -131,18 +111,9 @@ def replicas(args: argparse.Namespace, model_dir: str) -> int:
     mm = MMServeRunner(load_model(model_dir), model_dir)
     opt = workloads.optimal_hit_rate(mm.prompt_ids(wl))
     distinct = len({mm.decoded[b].key for b in wl.images.values()})
-    results = {
-        "scale": args.scale,
-        "model": model_dir,
-        "setups": {},
-        "workload": {
-            **wl.params,
-            "requests": wl.num_requests,
-            "distinct_images": distinct,
-            "concurrency": clients,
-            **opt,
-        },
-    }
+    params = {**wl.params, "requests": wl.num_requests, "distinct_images": distinct, **opt}
+    results = {"scale": args.scale, "model": model_dir, "setups": {}}
+    results["workload"] = {**params, "concurrency": clients}
     init_ray_local()
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -205,22 +176,15 @@ def kv_tiers(args: argparse.Namespace, model_dir: str) -> int:
     host_bytes = 4 * total * mm.last_engine.pool.bytes_per_token()
     out, runs = {}, {}
     with tempfile.TemporaryDirectory() as disk:
-        setups = {
-            "off": {},
-            "host": {"kv_host_bytes": host_bytes},
-            "disk": {"kv_disk_dir": disk},
-            "optimum": {"max_total_tokens": 2 * total},
-        }
+        setups = {"off": {}, "host": {"kv_host_bytes": host_bytes}, "disk": {"kv_disk_dir": disk}}
+        setups["optimum"] = {"max_total_tokens": 2 * total}
         for name, kw in setups.items():
             r = runs[name] = mm.run(wl, name, closed_loop=False, **{"max_total_tokens": pool, **kw})
             stats = mm.last_engine.cache_stats()
             mm.last_engine.close()  # the disk tier writes the tree's pages on shutdown
-            out[name] = {
-                **r.summary(),
-                "ttft_p90_s": report.percentiles(r.ttfts_s)["p90"],
-                "host_hit_tokens": stats.get("tier_host_hit_tokens", 0),
-                "disk_hit_tokens": stats.get("tier_disk_hit_tokens", 0),
-            }
+            out[name] = {**r.summary(), "ttft_p90_s": report.percentiles(r.ttfts_s)["p90"]}
+            out[name]["host_hit_tokens"] = stats.get("tier_host_hit_tokens", 0)
+            out[name]["disk_hit_tokens"] = stats.get("tier_disk_hit_tokens", 0)
             if r.outputs != runs["off"].outputs and name != "optimum":
                 raise AssertionError(f"{name}: outputs differ from tiers off")
         eng = mm.engine(kv_disk_dir=disk, max_total_tokens=pool)
@@ -230,44 +194,24 @@ def kv_tiers(args: argparse.Namespace, model_dir: str) -> int:
             span = req.spans[0]
             image_tokens += span.end - span.start
             cached += max(0, min(res.cached_tokens, span.end) - span.start)
-        out["restart"] = {
-            "images": k,
-            "image_tokens_cached_share": cached / image_tokens,
-            "vision_tower_runs": eng.runner.vision_tower_images,
-        }
+        share = cached / image_tokens
+        out["restart"] = {"images": k, "image_tokens_cached_share": share}
+        out["restart"]["vision_tower_runs"] = eng.runner.vision_tower_images
         eng.close()
     opt, base = out["optimum"]["cache_hit_rate"], out["off"]["requests_per_s"]
-    rows = [
-        (
-            name,
-            f"{f['cache_hit_rate']:.3f}",
-            f"{f['cache_hit_rate'] / opt:.3f}",
-            f"{f['requests_per_s']:.1f}",
-            f"{f['requests_per_s'] / base:.2f}x",
-            report.ms(f["ttft_p50_s"]),
-            report.ms(f["ttft_p90_s"]),
-            f["vision_tower_runs"],
-        )
-        for name, f in ((n, out[n]) for n in setups)
-    ]
+    rows = []
+    for name in setups:
+        f = out[name]
+        row = [name, f"{f['cache_hit_rate']:.3f}", f"{f['cache_hit_rate'] / opt:.3f}"]
+        row += [f"{f['requests_per_s']:.1f}", f"{f['requests_per_s'] / base:.2f}x"]
+        rows.append(row + [report.ms(f["ttft_p50_s"]), report.ms(f["ttft_p90_s"])])
+        rows[-1].append(f["vision_tower_runs"])
     print(
         f"{args.images} photos x {args.questions} questions, ~{per_image} prompt tokens each; "
         f"pool {pool} tokens = 1/{total / pool:.1f} of their KV; page size {args.page_size}"
     )
     print(
-        report.md_table(
-            (
-                "setup",
-                "hit rate",
-                "/ optimum",
-                "req/s",
-                "vs off",
-                "TTFT p50 ms",
-                "p90 ms",
-                "tower runs",
-            ),
-            rows,
-        )
+        report.md_table("setup|hit rate|/ optimum|req/s|vs off|TTFT p50 ms|p90 ms|tower runs", rows)
     )
     print("restart:", json.dumps(out["restart"]))
     report.write_json(args.out / "kv_tiers.json", out)
@@ -340,24 +284,15 @@ def structured_run(
     g, tokens = eng.guided.stats, sum(len(r.output_ids) for r in results)
     decode = eng.stats.decode_steps - decode0
     steps = decode + eng.stats.prefill_steps - prefill0
-    return {
-        "mode": mode,
-        "requests": n,
-        "decode_steps": decode,
-        "extend_steps": eng.scheduler.extend_batches,
-        "engine_steps": steps,
-        "output_tokens": tokens,
-        "mean_output_tokens": tokens / n,
-        "jumped_tokens": g.jumped_tokens,
-        "wall_s": wall,
-        "output_tokens_per_s": tokens / wall,
-        "output_chars_per_s": sum(len(r.text) for r in results) / wall,
-        "requests_per_s": n / wall,
-        "step_ms": 1000 * wall / max(1, steps),
-        "mask_ms_per_step": 1000 * g.mask_seconds / max(1, g.mask_steps),
-        "mask_us_per_row": 1e6 * g.mask_seconds / max(1, g.masked_rows),
-        "example": results[0].text,
-    }
+    out = dict(mode=mode, requests=n, decode_steps=decode, engine_steps=steps)
+    out.update(extend_steps=eng.scheduler.extend_batches, jumped_tokens=g.jumped_tokens)
+    out.update(output_tokens=tokens, mean_output_tokens=tokens / n, wall_s=wall)
+    out.update(output_tokens_per_s=tokens / wall, requests_per_s=n / wall)
+    out["output_chars_per_s"] = sum(len(r.text) for r in results) / wall
+    out["step_ms"] = 1000 * wall / max(1, steps)
+    out["mask_ms_per_step"] = 1000 * g.mask_seconds / max(1, g.mask_steps)
+    out["mask_us_per_row"] = 1e6 * g.mask_seconds / max(1, g.masked_rows)
+    return {**out, "example": results[0].text}
 
 
 def structured(args: argparse.Namespace, model_dir: str) -> int:
@@ -369,21 +304,9 @@ def structured(args: argparse.Namespace, model_dir: str) -> int:
     off = structured_run(mm, n, "off", args.max_tokens)
     on = structured_run(mm, n, "on", args.max_tokens)
     free = structured_run(mm, n, "free", args.max_tokens, max(1, round(off["mean_output_tokens"])))
-    cols = (
-        "mode",
-        "decode_steps",
-        "extend_steps",
-        "engine_steps",
-        "mean_output_tokens",
-        "jumped_tokens",
-        "wall_s",
-        "output_tokens_per_s",
-        "output_chars_per_s",
-        "requests_per_s",
-        "step_ms",
-        "mask_ms_per_step",
-        "mask_us_per_row",
-    )
+    cols = "mode decode_steps extend_steps engine_steps mean_output_tokens jumped_tokens wall_s"
+    cols = (cols + " output_tokens_per_s output_chars_per_s requests_per_s step_ms").split()
+    cols += ["mask_ms_per_step", "mask_us_per_row"]
     saved = 1 - on["decode_steps"] / off["decode_steps"]
     md = report.md_table(cols, [[r[c] for c in cols] for r in (off, on, free)]) + (
         f"\n- decode steps saved by jump-forward: {saved:.0%} ({off['decode_steps']} -> "
@@ -518,21 +441,12 @@ def tensor_parallel(args: argparse.Namespace, model_dir: str) -> int:
     ids1, tps1, bytes1 = run(1, args.threads)
     _, tps_few, _ = run(1, per_rank)
     idsn, tpsn, bytesn = run(args.tp, per_rank)
-    print(
-        json.dumps(
-            {
-                "tp": args.tp,
-                "same_tokens": ids1 == idsn,
-                "tokens_per_s_tp1": round(tps1, 1),
-                f"tokens_per_s_tp1_{per_rank}_threads": round(tps_few, 1),
-                f"tokens_per_s_tp{args.tp}": round(tpsn, 1),
-                "ratio": round(tpsn / tps1, 3),
-                "decoder_bytes_tp1": bytes1[0],
-                "decoder_bytes_per_rank": bytesn,
-                "rank_fraction": [round(b / bytes1[0], 3) for b in bytesn],
-            }
-        )
-    )
+    out = {"tp": args.tp, "same_tokens": ids1 == idsn, "tokens_per_s_tp1": round(tps1, 1)}
+    out[f"tokens_per_s_tp1_{per_rank}_threads"] = round(tps_few, 1)
+    out.update({f"tokens_per_s_tp{args.tp}": round(tpsn, 1), "ratio": round(tpsn / tps1, 3)})
+    out.update(decoder_bytes_tp1=bytes1[0], decoder_bytes_per_rank=bytesn)
+    out["rank_fraction"] = [round(b / bytes1[0], 3) for b in bytesn]
+    print(json.dumps(out))
     return 0
 
 
@@ -630,34 +544,23 @@ def video_qa(args: argparse.Namespace, model_dir: str) -> int:
     out = {}
     for name, kw in (("on", {}), ("off", {"disable_radix_cache": True, "vision_cache_bytes": 0})):
         with TestClient(create_app(mm.engine(**kw))) as c:
-            c.post(
-                "/v1/chat/completions",
-                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-            )
+            hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            c.post("/v1/chat/completions", json=hi)  # warm-up, text only
             video = (workloads.ROOT / "samples" / "video" / "pans.mp4").read_bytes()
             vid = c.post("/v1/videos", files={"file": ("v.mp4", video)}).json()["id"]
-            body = {
-                "questions": QUESTIONS,
-                "num_frames": args.num_frames,
-                "max_tokens": args.max_tokens,
-                "temperature": 0.0,
-            }
+            body = {"questions": QUESTIONS, "num_frames": args.num_frames, "temperature": 0.0}
+            body["max_tokens"] = args.max_tokens
             t0 = time.perf_counter()
-            events = [
-                json.loads(x) for x in c.post(f"/v1/videos/{vid}/qa", json=body).text.splitlines()
-            ]
+            answer = c.post(f"/v1/videos/{vid}/qa", json=body).text
+            secs = round(time.perf_counter() - t0, 2)
+        events = [json.loads(x) for x in answer.splitlines()]
         s = events[-1]
-        out[name] = {
-            "seconds": round(time.perf_counter() - t0, 2),
-            "answers": s["answers"],
-            "vision_tower_runs": s["vision_tower_runs"],
-            "cache_hit_rate": round(s["cache_hit_rate"], 3),
-            "texts": sorted(
-                (e["frame"], e["question_index"], e["text"])
-                for e in events
-                if e["type"] == "answer"
-            ),
-        }
+        out[name] = {"seconds": secs, "answers": s["answers"], "tower_runs": s["vision_tower_runs"]}
+        out[name]["cache_hit_rate"] = round(s["cache_hit_rate"], 3)
+        texts = [
+            (e["frame"], e["question_index"], e["text"]) for e in events if e["type"] == "answer"
+        ]
+        out[name]["texts"] = sorted(texts)
     same = out["on"].pop("texts") == out["off"].pop("texts")
     print(json.dumps({"model": model_dir, **out, "same_answers": same}, indent=1))
     return 0
