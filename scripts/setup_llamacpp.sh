@@ -16,7 +16,7 @@
 #      convert_image_encoder_to_gguf.py --use-f32)
 #   5. write DIR/setup.json (versions, paths, seconds per step)
 #
-# Runs outside CI; `python -m benchmarks.serve` uses DIR when it exists.
+# Runs outside CI; `python -m benchmarks serve` uses DIR when it exists.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
