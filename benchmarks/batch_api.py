@@ -32,19 +32,110 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import json
+import random
 import shlex
 import statistics
 import tempfile
 import time
 
 import httpx
+import numpy as np
+from PIL import Image
 
-from benchmarks.batch_order import optimum, workload
-from benchmarks.servers import mmserve_server
+from benchmarks.over_http import mmserve_server
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
+from mmserve.engine.request import SamplingParams
 from mmserve.model.make_checkpoint import ensure_model
+
+QUESTIONS = [
+    "What is in this photo?",
+    "Describe the colours you can see.",
+    "Is this photo taken indoors or outdoors?",
+    "What is the main object?",
+    "Write a one-sentence caption.",
+    "How many objects are visible?",
+    "What time of day is it?",
+    "Give this picture a title.",
+    "What is in the background?",
+    "Which object is largest?",
+]
+
+
+def photos(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` distinct 64x64 PNGs (seeded noise)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def workload(n_images: int, n_questions: int, max_tokens: int, seed: int) -> list[dict]:
+    """The batch's lines (as dicts), shuffled with ``seed``."""
+    lines = []
+    for i, png in enumerate(photos(n_images, seed)):
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        for k in range(n_questions):
+            content = [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": QUESTIONS[k % len(QUESTIONS)]},
+            ]
+            body = {
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            lines.append(
+                {
+                    "custom_id": f"img{i}-q{k}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": body,
+                }
+            )
+    random.Random(seed).shuffle(lines)
+    return lines
+
+
+def optimum(engine: Engine, lines: list[dict]) -> tuple[float, int]:
+    """Offline optimum hit rate of ``lines`` and their prompt tokens in all.
+
+    With an unbounded cache, each request at best reuses the longest prefix of any
+    other request before it; over all orders that is maximised by a depth-first
+    order, where it is the common prefix with the lexicographic predecessor (capped
+    at all but the last token, which is always computed).
+    """
+    images: dict[str, object] = {}
+    seqs = []
+    for ln in lines:
+        parts = ln["body"]["messages"][0]["content"]
+        url = parts[0]["image_url"]["url"]
+        if url not in images:
+            images[url] = engine.processor.prepare_image(base64.b64decode(url.split(",", 1)[1]))
+        msgs = [{"role": "user", "content": [{"type": "image"}, parts[1]]}]
+        req = engine.processor.make_request(
+            messages=msgs, images=[images[url]], params=SamplingParams(max_tokens=1)
+        )
+        seqs.append(req.input_ids)
+    seqs.sort()
+    total = sum(len(s) for s in seqs)
+    cached = 0
+    for prev, cur in zip(seqs, seqs[1:], strict=False):
+        lcp = 0
+        for a, b in zip(prev, cur, strict=False):
+            if a != b:
+                break
+            lcp += 1
+        cached += min(lcp, len(cur) - 1)
+    return cached / total, total
+
 
 MODEL = "tiny"
 TERMINAL = ("completed", "failed", "cancelled", "expired")

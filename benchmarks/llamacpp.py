@@ -1,60 +1,57 @@
-"""llama.cpp's ``llama-server`` as a benchmark baseline, on the benchmark's own weights.
+"""llama.cpp's ``llama-server`` as the baseline, on the benchmark's own weights, and the
+greedy agreement check between it and mmserve.
 
-``scripts/setup_llamacpp.sh`` builds ``llama-server`` from the llama.cpp source that
-the ``llama-cpp-python`` sdist vendors and calls the helpers here (``python -m
-benchmarks.llamacpp ...``) to write and convert the checkpoint:
+``scripts/setup_llamacpp.sh`` builds ``llama-server`` from the llama.cpp source the
+``llama-cpp-python`` sdist vendors, and calls ``python -m benchmarks llamacpp ...``:
+``make-checkpoint`` (the ``small`` LLaVA-1.5 checkpoint -- same size and seed, hence the
+same weights, as ``mmserve make-model`` -- with the SentencePiece tokenizer llama.cpp's
+converter accepts), ``export-lm`` (the language model alone for ``convert_hf_to_gguf.py``)
+and ``vit-dir`` (the CLIP tower as a ``CLIPVisionModel`` directory for the legacy
+``convert_image_encoder_to_gguf.py``). :func:`find_setup` reads the ``setup.json`` it writes.
 
-- ``make-checkpoint``: the LLaVA-1.5 benchmark checkpoint (``mmserve make-model``'s
-  size and seed, hence the same weights) with the SentencePiece tokenizer that the
-  real LLaVA-1.5 has and that llama.cpp's converter accepts (it refuses our byte-level
-  BPE). mmserve's default ``small`` checkpoint is not changed: this one lives in the
-  setup folder, and ``benchmarks.serve`` serves it on every server when it exists.
-- ``export-lm``: the language model alone (``LlamaForCausalLM`` + tokenizer) for
-  ``convert_hf_to_gguf.py``.
-- ``vit-dir``: after ``llava_surgery_v2.py``, the CLIP tower as a ``CLIPVisionModel``
-  directory for the legacy ``convert_image_encoder_to_gguf.py --clip-model-is-vision``.
-
-:func:`find_setup` reads ``<dir>/setup.json`` (written by the script) and
-:class:`LlamaServer` runs the server with the benchmark's settings.
+Agreement (:func:`agreement`): ten text-only chats (4 with the system prompt, 4 bare, 2
+with a canned history) and three image chats, greedy, stopping at EOS, compared as token
+ids (the detokenizers differ): mmserve's from its engine in-process on the served
+checkpoint (its text checked equal to the server's), llama.cpp's from ``/completion``
+with ``return_tokens`` on its own rendering of the chat, ``logit_bias`` -inf on the ids
+mmserve never samples. A difference gets the first reason that holds: template
+(``/apply-template`` renders another string), tokenizer (other prompt ids; llama.cpp is
+then given mmserve's ids, and agreeing then proves the model equal; for images, another
+prompt length: llama.cpp tokenizes the text after an image as its own chunk, with a
+leading "▁"), preprocessing (a non-square image: llama.cpp pads LLaVA-1.5 images to a
+square, transformers crops the centre), float order (mmserve's top-2 log-probability gap
+at the first differing token below :data:`NEAR_TIE`), else "unexplained".
 """
 
 from __future__ import annotations
 
-import argparse
+import base64
+import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import workloads
+from benchmarks.over_http import post_json, server
+from benchmarks.workloads import ROOT, Prompt
+
 DEFAULT_DIR = ROOT / ".llamacpp"
-CHAT_TEMPLATE = ROOT / "mmserve" / "model" / "assets" / "chat_template.jinja"
-#: llama.cpp's media marker (pinned through ``LLAMA_MEDIA_MARKER``; random otherwise): the
-#: server turns each image part into this text, and ``/completion`` prompts use it.
+#: llama.cpp's media marker, pinned (it is random otherwise).
 MEDIA_MARKER = "<__media__>"
+NEAR_TIE = 0.05
+MIN_TEXT_AGREE = 8
 
 
 @dataclass
 class LlamaCppSetup:
-    """What ``scripts/setup_llamacpp.sh`` left in its folder.
-
-    Attributes:
-        dir: the setup folder.
-        server: the ``llama-server`` binary.
-        model_gguf: the language model (f32 GGUF).
-        mmproj_gguf: CLIP tower + projector (legacy llava GGUF).
-        hf_dir: the Hugging Face checkpoint both were converted from (mmserve serves it).
-        chat_template: the Jinja template given to ``llama-server --chat-template-file``.
-        info: the rest of ``setup.json`` (versions, seconds per step).
-    """
+    """What ``scripts/setup_llamacpp.sh`` left in ``dir``: the ``llama-server`` binary, the
+    f32 language model and CLIP+projector GGUFs, the Hugging Face checkpoint they came from
+    (which mmserve serves), the chat template, and ``info`` (the rest of ``setup.json``)."""
 
     dir: Path
     server: Path
@@ -66,45 +63,49 @@ class LlamaCppSetup:
 
 
 def find_setup(path: str | Path | None = None) -> tuple[LlamaCppSetup | None, str]:
-    """The llama.cpp setup in ``path`` (default ``.llamacpp``, or ``$MMSERVE_LLAMACPP_DIR``).
-
-    Returns:
-        ``(setup, "")``, or ``(None, why)`` when it is absent or incomplete.
-    """
+    """The setup in ``path`` (default ``$MMSERVE_LLAMACPP_DIR`` or ``.llamacpp``):
+    ``(setup, "")``, or ``(None, why)`` when absent or incomplete."""
     d = Path(path or os.environ.get("MMSERVE_LLAMACPP_DIR") or DEFAULT_DIR)
-    meta = d / "setup.json"
-    if not meta.is_file():
+    if not (d / "setup.json").is_file():
         return None, f"no llama.cpp setup in {d} (run scripts/setup_llamacpp.sh; not done in CI)"
-    info = json.loads(meta.read_text(encoding="utf-8"))
-    s = LlamaCppSetup(
-        dir=d,
-        server=d / info["server"],
-        model_gguf=d / info["model_gguf"],
-        mmproj_gguf=d / info["mmproj_gguf"],
-        hf_dir=d / info["hf_dir"],
-        chat_template=d / info["chat_template"],
-        info=info,
-    )
-    missing = [
-        str(p) for p in (s.server, s.model_gguf, s.mmproj_gguf, s.hf_dir, s.chat_template)
-        if not p.exists()
-    ]  # fmt: skip
+    info = json.loads((d / "setup.json").read_text(encoding="utf-8"))
+    keys = ("server", "model_gguf", "mmproj_gguf", "hf_dir", "chat_template")
+    s = LlamaCppSetup(d, *(d / info[k] for k in keys), info=info)
+    missing = [str(getattr(s, k)) for k in keys if not getattr(s, k).exists()]
     if missing:
         return None, f"llama.cpp setup in {d} is incomplete (missing {', '.join(missing)})"
     return s, ""
 
 
-# ---- checkpoint and conversion helpers (called by scripts/setup_llamacpp.sh) --------
+def llama_server(
+    setup: LlamaCppSetup,
+    threads: int = 1,
+    slots: int = 4,
+    log_path: Path | None = None,
+    ctx_per_slot: int = 4096,
+    cache_ram_mib: int = 1024,
+) -> AbstractContextManager[tuple[str, Any]]:
+    """``llama-server`` on 127.0.0.1: ``threads`` for generation, batches and the CLIP
+    encoder, ``slots`` requests decoded together, f32 KV cache, prompt cache on
+    (``--cache-ram``), mmserve's chat template; yields ``(url, process)`` once healthy."""
+    cmd = [
+        str(setup.server), "-m", str(setup.model_gguf), "--mmproj", str(setup.mmproj_gguf),
+        "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+        "-c", str(slots * ctx_per_slot), "-b", "2048", "-ub", "2048", "-ctk", "f32",
+        "-ctv", "f32", "--jinja", "--chat-template-file", str(setup.chat_template),
+        "--no-warmup", "-a", setup.hf_dir.name, "--cache-ram", str(cache_ram_mib),
+    ]  # fmt: skip
+    env = {"OMP_NUM_THREADS": str(threads), "LLAMA_MEDIA_MARKER": MEDIA_MARKER}
+    return server(cmd, env, log_path, timeout=120)
+
+
+# ---- checkpoint and conversion helpers (scripts/setup_llamacpp.sh) -------------------------
 
 
 def make_sp_checkpoint(out: Path, size: str = "small", seed: int = 0) -> Path:
-    """``make_checkpoint(out, size, seed)`` with a SentencePiece tokenizer.
-
-    The weights are those of the default checkpoint of the same size and seed (the
-    re-initialisation is seeded by parameter name and the vocabulary has the same
-    2,000 ids); only the tokenizer differs. Written through a temporary sibling that is
-    renamed into place.
-    """
+    """``make_checkpoint(out, size, seed)`` with a SentencePiece tokenizer (same weights:
+    the initialisation is seeded by parameter name, and the vocabulary has the same ids),
+    written through a temporary sibling renamed into place."""
     from mmserve.model import make_checkpoint as mc
 
     out = Path(out)
@@ -126,44 +127,36 @@ def make_sp_checkpoint(out: Path, size: str = "small", seed: int = 0) -> Path:
 def export_language_model(hf_dir: Path, out: Path) -> Path:
     """The checkpoint's Llama language model (with ``lm_head``) and tokenizer in ``out``."""
     import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
-    from transformers import LlavaForConditionalGeneration as Llava
+    from transformers import AutoTokenizer, LlamaForCausalLM, LlavaForConditionalGeneration
 
-    model = Llava.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
     lm = LlamaForCausalLM(model.config.text_config)
     lm.model.load_state_dict(model.model.language_model.state_dict())
     lm.lm_head.load_state_dict(model.lm_head.state_dict())
     out.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(hf_dir)
-    tok.save_pretrained(out)
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
     shutil.copy(Path(hf_dir) / "tokenizer.model", out / "tokenizer.model")
     return out
 
 
 def write_vit_dir(hf_dir: Path, surgery_dir: Path, out: Path) -> Path:
-    """A ``CLIPVisionModel`` directory for ``convert_image_encoder_to_gguf.py``.
-
-    ``llava.clip`` (from ``llava_surgery_v2.py -C``) becomes ``pytorch_model.bin`` (keys
-    renamed ``vision_tower.*`` -> ``vision_model.*``); the
-    config is the checkpoint's ``vision_config`` plus ``vision_feature_layer`` (so the
-    converter keeps the layers up to the one LLaVA reads, -2) and the projector file is
-    copied beside it.
-    """
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
-    vision = dict(cfg["vision_config"])
-    vision["model_type"] = "clip_vision_model"
-    vision["architectures"] = ["CLIPVisionModel"]
-    vision["vision_feature_layer"] = cfg.get("vision_feature_layer", -2)
+    """A ``CLIPVisionModel`` directory from ``llava_surgery_v2.py -C``'s ``llava.clip``
+    (``vision_tower.*`` renamed ``vision_model.*``), the checkpoint's ``vision_config``
+    plus ``vision_feature_layer`` (so the converter keeps the layers LLaVA reads), and
+    the projector beside it."""
     import torch
 
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
+    vision = {**cfg["vision_config"], "model_type": "clip_vision_model"}
+    vision["architectures"] = ["CLIPVisionModel"]
+    vision["vision_feature_layer"] = cfg.get("vision_feature_layer", -2)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(vision, indent=2), encoding="utf-8")
     clip = torch.load(surgery_dir / "llava.clip", map_location="cpu")
-    # this checkpoint's layout names the tower "vision_tower.<...>" (no "vision_model."
-    # inside, so the surgery keeps the name); CLIPVisionModel wants "vision_model.<...>"
+    prefix = "vision_tower."
     clip = {
-        "vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.") else k: v
+        ("vision_model." + k[len(prefix) :] if k.startswith(prefix) else k): v
         for k, v in clip.items()
     }
     torch.save(clip, out / "pytorch_model.bin")
@@ -171,113 +164,162 @@ def write_vit_dir(hf_dir: Path, surgery_dir: Path, out: Path) -> Path:
     return out
 
 
-# ---- running the server -------------------------------------------------------------
+# ---- agreement ------------------------------------------------------------------------------
 
 
-@dataclass
-class LlamaServerConfig:
-    """Flags of one ``llama-server`` run.
+def text_chats() -> list[list[dict]]:
+    """Ten text-only chats: 4 with the system prompt, 4 bare, 2 with a chat history."""
+    sys_msg = {"role": "system", "content": workloads.SYSTEM_PROMPT}
+    q = workloads.QUESTIONS
+    chats = [[sys_msg, {"role": "user", "content": q[i]}] for i in (0, 2, 5, 8)]
+    chats += [[{"role": "user", "content": q[i]}] for i in (1, 10, 14, 12)]
+    for t in (1, 2):
+        msgs = [sys_msg, {"role": "user", "content": q[3]}]
+        for j in range(t):
+            msgs += [
+                {"role": "assistant", "content": workloads.CANNED_ANSWERS[j]},
+                {"role": "user", "content": workloads.FOLLOW_UPS[j]},
+            ]
+        chats.append(msgs)
+    return chats
 
-    Attributes:
-        threads: ``-t`` and ``-tb`` (generation and batch threads; also the CLIP encoder).
-        slots: ``-np``: requests decoded together (continuous batching).
-        ctx_per_slot: context tokens per slot (``-c`` = slots x this).
-        batch: ``-b``/``-ub``: tokens per prompt-processing batch.
-        cache_prompt: reuse a slot's previous prompt prefix (llama.cpp's prompt cache).
-        cache_ram_mib: ``--cache-ram`` host-memory prompt cache across slots (MiB; 0 off).
-        extra: more flags.
+
+def image_chats() -> list[tuple[str, bytes, list[dict]]]:
+    """``(label, image bytes, messages)``: two non-square photos and a 336-px frame."""
+    return [
+        (label, data, workloads.ask(workloads.QUESTIONS[1]))
+        for label, data in (
+            ("cat.png", workloads.photo_bytes("cat.png")),
+            ("rocket.jpg", workloads.photo_bytes("rocket.jpg")),
+            ("pan frame 336x336", workloads.pan_frames(2, repeat_every=0)[1]),
+        )
+    ]
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+
+
+def agreement(
+    mm_url: str, ll_url: str, engine: Any, never: list[int], max_tokens: int = 16
+) -> dict:
+    """Compare greedy answers of mmserve (``mm_url``; token ids from ``engine``, in-process
+    on the same checkpoint) and llama.cpp (``ll_url``).
+
+    Returns:
+        ``items`` (per chat: label, prompt tokens of both, ``agree``, ``reason``), counts
+        ``text_agree``/``text_total``/``image_agree``/``image_total``, ``unexplained``,
+        ``engine_equals_http`` and ``passed`` (>= :data:`MIN_TEXT_AGREE` text chats equal,
+        nothing unexplained).
     """
+    from mmserve.engine.request import SamplingParams
 
-    threads: int = 1
-    slots: int = 4
-    ctx_per_slot: int = 4096
-    batch: int = 2048
-    cache_prompt: bool = True
-    cache_ram_mib: int = 1024
-    extra: list[str] = field(default_factory=list)
+    bias = [[i, False] for i in never]
+    gen = {
+        "n_predict": max_tokens,
+        "temperature": 0.0,
+        "logit_bias": bias,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
+    tok = engine.model.tokenizer
+    items = []
+    chats = [(None, None, m) for m in text_chats()] + image_chats()
+    for label, data, msgs in chats:
+        imgs = [data] if data else []
+        req = engine.processor.make_request(
+            messages=msgs,
+            images=[engine.processor.prepare_image(b) for b in imgs],
+            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2),
+        )
+        mine = engine.generate([req])[0]
+        oai = workloads.openai_messages(
+            Prompt(msgs, [label] if data else []), {label: workloads.data_url(data)} if data else {}
+        )
+        body = {"messages": oai, "max_tokens": max_tokens, "temperature": 0.0}
+        http = post_json(f"{mm_url}/v1/chat/completions", body)
+        if data:  # llama.cpp flattens parts and drops the template's "\n" after <image>
+            oai[-1]["content"][1] = {"type": "text", "text": "\n" + oai[-1]["content"][1]["text"]}
+        rendered = post_json(f"{ll_url}/apply-template", {"messages": oai})["prompt"]
+        prompt: Any = rendered
+        if data:
+            prompt = {
+                "prompt_string": rendered,
+                "multimodal_data": [base64.b64encode(data).decode()],
+            }
+        theirs = post_json(f"{ll_url}/completion", {"prompt": prompt, **gen}).get("tokens") or []
+        ll_chat = post_json(
+            f"{ll_url}/v1/chat/completions",
+            {**body, "messages": oai, "logit_bias": bias, "cache_prompt": False},
+        )
+        a, b = list(mine.output_ids), list(theirs)
+        item = {
+            "chat": label or f"text, {len(msgs)} messages: {msgs[-1]['content'][:40]!r}",
+            "kind": "image" if data else "text",
+            "prompt_tokens": [http["usage"]["prompt_tokens"], ll_chat["usage"]["prompt_tokens"]],
+            "mmserve": http["choices"][0]["message"]["content"] or "",
+            "llamacpp": ll_chat["choices"][0]["message"]["content"] or "",
+            "agree": a == b,
+        }
+        item["engine_equals_http"] = mine.text == item["mmserve"]
+        if not item["agree"]:
+            k = _first_diff(a, b)
+            top = (mine.logprobs or [])[k].top if k < len(mine.logprobs or []) else []
+            gap = top[0][1] - top[1][1] if len(top) > 1 else None
+            item.update(token_index=k, top2_gap=gap)
+            ours = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            reasons = []
+            if data:
+                if item["prompt_tokens"][0] != item["prompt_tokens"][1]:
+                    reasons.append(
+                        "tokenizer (llama.cpp tokenizes the text after the image "
+                        "as its own chunk, with a leading '▁')"
+                    )
+                from PIL import Image
 
-
-def server_command(setup: LlamaCppSetup, port: int, cfg: LlamaServerConfig) -> list[str]:
-    """The ``llama-server`` command line for ``setup`` on 127.0.0.1:``port``."""
-    cmd = [
-        str(setup.server),
-        "-m", str(setup.model_gguf),
-        "--mmproj", str(setup.mmproj_gguf),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "-t", str(cfg.threads),
-        "-tb", str(cfg.threads),
-        "-np", str(cfg.slots),
-        "-c", str(cfg.slots * cfg.ctx_per_slot),
-        "-b", str(cfg.batch),
-        "-ub", str(cfg.batch),
-        "-ctk", "f32",
-        "-ctv", "f32",
-        "--jinja",
-        "--chat-template-file", str(setup.chat_template),
-        "--no-warmup",
-        "-a", setup.hf_dir.name,
-    ]  # fmt: skip
-    cmd += ["--cache-ram", str(cfg.cache_ram_mib if cfg.cache_prompt else 0)]
-    if not cfg.cache_prompt:
-        cmd += ["--no-cache-prompt"]
-    return cmd + list(cfg.extra)
-
-
-@contextmanager
-def llama_server(
-    setup: LlamaCppSetup, cfg: LlamaServerConfig, log_path: Path | None = None, timeout: float = 120
-) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run ``llama-server``; yields ``(base url, process)`` once ``/health`` answers 200."""
-    from benchmarks.servers import free_port, stop_process, wait_healthy
-
-    port = free_port()
-    log = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
-    proc = subprocess.Popen(
-        server_command(setup, port, cfg), stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "LLAMA_MEDIA_MARKER": MEDIA_MARKER},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout, log)
-        yield url, proc
-    finally:
-        stop_process(proc)
-        log.close()
-
-
-def props(url: str) -> dict:
-    """``GET /props`` of a running llama-server (build info, slots, chat template)."""
-    with urllib.request.urlopen(f"{url}/props", timeout=10) as r:
-        return json.loads(r.read())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Setup helpers: ``make-checkpoint OUT``, ``export-lm HF OUT``, ``vit-dir HF SURGERY OUT``."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("make-checkpoint")
-    a.add_argument("out", type=Path)
-    a.add_argument("--size", default="small")
-    a.add_argument("--seed", type=int, default=0)
-    b = sub.add_parser("export-lm")
-    b.add_argument("hf_dir", type=Path)
-    b.add_argument("out", type=Path)
-    c = sub.add_parser("vit-dir")
-    c.add_argument("hf_dir", type=Path)
-    c.add_argument("surgery_dir", type=Path)
-    c.add_argument("out", type=Path)
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    if args.cmd == "make-checkpoint":
-        print(make_sp_checkpoint(args.out, args.size, args.seed))
-    elif args.cmd == "export-lm":
-        print(export_language_model(args.hf_dir, args.out))
-    else:
-        print(write_vit_dir(args.hf_dir, args.surgery_dir, args.out))
-    print(f"{args.cmd}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+                with Image.open(io.BytesIO(data)) as im:
+                    if im.width != im.height:
+                        reasons.append(
+                            "preprocessing (llama.cpp pads to a square; "
+                            "transformers crops the centre)"
+                        )
+            elif rendered != ours:
+                reasons.append("template")
+            else:
+                ids = post_json(
+                    f"{ll_url}/tokenize",
+                    {"content": ours, "add_special": True, "parse_special": True},
+                )["tokens"]
+                if list(ids) != list(req.input_ids):
+                    j = _first_diff(list(ids), list(req.input_ids))
+                    same = (
+                        post_json(
+                            f"{ll_url}/completion", {"prompt": list(req.input_ids), **gen}
+                        ).get("tokens")
+                        == a
+                    )
+                    reasons.append(
+                        f"tokenizer: prompt ids differ from position {j} (llama.cpp puts '▁' "
+                        "after a special token); given mmserve's ids llama.cpp's answer "
+                        + ("equals mmserve's" if same else "still differs")
+                    )
+            if not reasons and (data or (gap is not None and gap < NEAR_TIE)):
+                reasons.append(
+                    f"float order (token {k}: top-2 gap {gap}; for images ggml's "
+                    "patch convolution also takes f16 input)"
+                )
+            item["reason"] = "; ".join(reasons) or f"unexplained (token {k}, top-2 gap {gap})"
+        items.append(item)
+    text = [i for i in items if i["kind"] == "text"]
+    out = {
+        "items": items,
+        "max_tokens": max_tokens,
+        "text_agree": sum(i["agree"] for i in text),
+        "text_total": len(text),
+        "image_agree": sum(i["agree"] for i in items if i["kind"] == "image"),
+        "image_total": len(items) - len(text),
+        "unexplained": sum("unexplained" in i.get("reason", "") for i in items),
+        "engine_equals_http": all(i["engine_equals_http"] for i in items),
+    }
+    out["passed"] = out["text_agree"] >= MIN_TEXT_AGREE and not out["unexplained"]
+    return out

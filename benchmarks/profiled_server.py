@@ -1,12 +1,10 @@
-"""``mmserve serve`` under cProfile, every thread profiled (for the HTTP-overhead figure).
+"""``mmserve serve`` under cProfile, every thread profiled, and where its time goes.
 
-``python -m benchmarks.profiled_server serve --model DIR ...`` runs the normal CLI
-with a ``cProfile.Profile`` in the main thread (uvicorn's event loop) and one per
-thread started afterwards (the engine thread, the worker threads that decode
-images and tokenize). ``SIGUSR1`` clears every profile (so start-up and warm-up are
-left out), ``SIGUSR2`` writes ``$MMSERVE_PROFILE_OUT`` (a pickle of ``{thread name:
-pstats stats dict}``) for :func:`benchmarks.http_overhead.breakdown`; on exit the
-profiles go there too (to ``<path>.exit`` if it already exists).
+``python -m benchmarks.profiled_server serve --model DIR ...`` (the HTTP suite's
+launcher for the HTTP-overhead profile) runs the normal CLI with a ``cProfile.Profile``
+in the main thread and one in each thread started later (engine, workers). ``SIGUSR1``
+clears them (start-up and warm-up left out), ``SIGUSR2`` writes ``$MMSERVE_PROFILE_OUT``
+(a pickle of ``{thread name: pstats dict}``). :func:`breakdown` sums that by category.
 """
 
 from __future__ import annotations
@@ -18,12 +16,97 @@ import pstats
 import signal
 import sys
 import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 _profiles: list[tuple[str, cProfile.Profile]] = []
 _lock = threading.Lock()
 
+#: Self-time categories, first match wins: (name, substrings of "file:function").
+CATEGORIES = (
+    ("JSON (parse, dump)", ("json/", "_json", "json.", "orjson")),
+    ("pydantic validation", ("pydantic",)),
+    ("base64 / data URL", ("base64", "binascii", "b2a_", "a2b_", "api/media.py")),
+    ("image decode + hash", ("PIL/", "PIL.", "Imaging", "xxhash", "mmserve/vision/")),
+    ("tokenize + chat template", ("tokenizers", "tokenization", "jinja2", "engine/prompt.py",
+                                  "engine/processor.py", "api/generation.py")),
+    ("SSE chunks", ("api/openai_format.py", "sse", "StreamingResponse")),
+    ("event loop + HTTP", ("asyncio", "uvicorn", "h11", "httptools", "starlette", "fastapi",
+                           "anyio", "selectors", "socket", "api/", "concurrent/futures",
+                           "threading.py", "queue.py")),
+    ("engine (model, scheduler, cache)", ("mmserve/", "torch")),
+)  # fmt: skip
+#: Blocking waits are self time in cProfile; they are left out.
+WAITS = ("select", "acquire", "wait", "sleep", "epoll", "poll", "_worker")
 
-def _start_thread_profile(frame, event, arg):  # noqa: ANN001, ANN202 - sys.setprofile hook
+
+def category(filename: str, func: str) -> str:
+    """The :data:`CATEGORIES` name of a profiled function, else "other"."""
+    text = f"{filename}:{func}"
+    return next((n for n, needles in CATEGORIES if any(x in text for x in needles)), "other")
+
+
+#: Engine-thread functions whose cumulative time is "model forward" and "sampling"
+#: (file suffix, function names); the rest of ``Engine.step`` is the engine's overhead.
+FORWARD = ("engine/model_runner.py", ("prefill", "decode"))
+SAMPLING = (
+    "engine/sampling.py",
+    ("sample_batch", "batch_logprobs", "sample_token", "token_logprob"),
+)
+
+
+def engine_step_share(st: dict) -> dict[str, float] | None:
+    """Where the engine thread's steps go, from its pstats dict: ``step_s`` (cumulative
+    seconds in ``Engine.step``), ``forward_s`` (``ModelRunner.prefill``/``decode``:
+    embedding, vision tower, decoder, logits), ``sampling_s`` and ``outside_share``, the
+    share of step time in neither (scheduling, grammar, page tables, deltas); None if
+    the thread never stepped."""
+
+    def cum(suffix: str, names: tuple[str, ...]) -> float:
+        return sum(v[3] for k, v in st.items() if k[0].endswith(suffix) and k[2] in names)
+
+    step = cum("engine/engine.py", ("step",))
+    if step <= 0:
+        return None
+    forward, sampling = cum(*FORWARD), cum(*SAMPLING)
+    outside = max(0.0, 1.0 - (forward + sampling) / step)
+    return {"step_s": step, "forward_s": forward, "sampling_s": sampling, "outside_share": outside}
+
+
+def breakdown(profile_path: Path) -> dict[str, Any]:
+    """Busy self time per thread, and of the non-engine threads by category (a C
+    function's time, file ``~``, goes to its callers' categories in proportion)."""
+    stats: dict[str, dict] = pickle.loads(Path(profile_path).read_bytes())
+    threads, cats = {}, defaultdict(float)
+    for name, st in stats.items():
+        busy = {k: v for k, v in st.items() if not any(w in k[2] for w in WAITS)}
+        threads[name] = sum(v[2] for v in busy.values())
+        if name.startswith("mmserve-engine"):
+            continue
+        for (file, _, func), (_, _, tt, _, callers) in busy.items():
+            if file != "~" or not callers:
+                cats[category(file, func)] += tt
+                continue
+            total = sum(c[2] for c in callers.values()) or 1.0
+            for caller, c in callers.items():
+                cats[category(caller[0], caller[2])] += tt * c[2] / total
+    ranked = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
+    work = [k for k in ranked if not k.startswith("engine") and k != "other"]
+    engine = next(
+        (engine_step_share(st) for n, st in stats.items() if n.startswith("mmserve-engine")), None
+    )
+    return {
+        "engine_thread": engine,
+        "threads_s": dict(sorted(threads.items(), key=lambda kv: -kv[1])),
+        "categories_s": ranked,
+        "largest": work[0] if work else None,
+        "note": "cProfile self time (Python-heavy code inflated against C); engine thread "
+        "whole, other threads by category",
+    }
+
+
+def _start_thread_profile(*_: Any) -> None:
     sys.setprofile(None)
     p = cProfile.Profile()
     with _lock:
@@ -37,46 +120,35 @@ def _dump(path: str) -> None:
         profiles = list(_profiles)
     for name, p in profiles:
         try:
-            st = pstats.Stats(p)
-        except (TypeError, ValueError):  # a profile that never recorded anything
+            st = pstats.Stats(p).stats  # type: ignore[attr-defined]
+        except (TypeError, ValueError):  # never recorded anything
             continue
-        key = name
-        i = 1
+        key, i = name, 1
         while key in out:
-            i += 1
-            key = f"{name}#{i}"
-        out[key] = st.stats  # type: ignore[attr-defined]
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+            key, i = f"{name}#{i + 1}", i + 1
+        out[key] = st
+    with open(f"{path}.tmp", "wb") as f:
         pickle.dump(out, f)
-    os.replace(tmp, path)  # readers never see half a file
-
-
-def _clear(*_: object) -> None:
-    with _lock:
-        for _, p in _profiles:
-            p.clear()
+    os.replace(f"{path}.tmp", path)  # readers never see half a file
 
 
 def main() -> int:
-    """Run ``api.cli.main(sys.argv[1:])`` profiled; write the profiles on exit."""
+    """``api.cli.main(sys.argv[1:])`` profiled; the profiles are written on exit too."""
     from api.cli import main as cli_main
 
     path = os.environ.get("MMSERVE_PROFILE_OUT", "mmserve-profile.pkl")
-    signal.signal(signal.SIGUSR1, _clear)
+    signal.signal(signal.SIGUSR1, lambda *_: [p.clear() for _, p in list(_profiles)])
     signal.signal(signal.SIGUSR2, lambda *_: _dump(path))
     threading.setprofile(_start_thread_profile)
     main_prof = cProfile.Profile()
-    with _lock:
-        _profiles.append(("MainThread", main_prof))
+    _profiles.append(("MainThread", main_prof))
     main_prof.enable()
     try:
-        rc = cli_main(sys.argv[1:])
+        return cli_main(sys.argv[1:])
     finally:
         main_prof.disable()
         threading.setprofile(None)
         _dump(path if not os.path.exists(path) else f"{path}.exit")
-    return rc
 
 
 if __name__ == "__main__":

@@ -1,366 +1,481 @@
-"""Markdown summary, target checks and the pool-sweep plot.
+"""The one report: percentiles, Markdown tables, targets, plots and JSON files of every suite.
 
-Inputs are the JSON-ready dicts that :mod:`benchmarks.run` writes to
-``results/<workload>.json`` and ``results/pool_sweep.json``.
+Inputs are the JSON-ready dicts the suites write (``<workload>.json``, ``pool_sweep.json``,
+``serve.json``, ...); nothing here measures anything.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-#: Targets of the issue (thresholds are ratios or fractions).
-SPEEDUP_VS_TRANSFORMERS = 6.0
-SPEEDUP_VS_CACHE_OFF = 3.0
-HIT_OF_OPTIMUM = 0.98
-HIT_OF_OPTIMUM_HALF_POOL = 0.90
-MAX_TREE_FRACTION = 0.003
-MIN_ON_OFF_THROUGHPUT = 0.98
+#: Targets of the in-process suite (ratios or fractions).
+SPEEDUP_VS_TRANSFORMERS, SPEEDUP_VS_CACHE_OFF = 6.0, 3.0
+HIT_OF_OPTIMUM, HIT_OF_OPTIMUM_HALF_POOL = 0.98, 0.90
+MAX_TREE_FRACTION, MIN_ON_OFF_THROUGHPUT = 0.003, 0.98
 
 
-def _system(res: dict, name: str) -> dict | None:
-    for s in res.get("systems", []):
-        if s["system"] == name:
-            return s
-    return None
+def percentiles(xs: Sequence[float]) -> dict[str, float | None]:
+    """``mean``, ``p50``, ``p90``, ``p99`` of ``xs`` (linear interpolation between order
+    statistics, numpy's default); all None for no values."""
+    if not len(xs):
+        return dict.fromkeys(("mean", "p50", "p90", "p99"))
+    s = sorted(float(x) for x in xs)
+
+    def q(p: float) -> float:
+        k = (len(s) - 1) * p / 100
+        lo = math.floor(k)
+        return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
+
+    return {"mean": sum(s) / len(s), "p50": q(50), "p90": q(90), "p99": q(99)}
 
 
-def _fmt(x: Any, spec: str = ".3g") -> str:
+def fmt(x: Any, spec: str = ".3g") -> str:
+    """``x`` for a table: "-" for None, yes/NO for booleans, ``spec`` for floats."""
     if x is None:
         return "-"
     if isinstance(x, bool):
         return "yes" if x else "NO"
     if isinstance(x, float):
-        return format(x, spec)
+        return "inf" if math.isinf(x) else format(x, spec)
     return str(x)
 
 
-def _target(name: str, value: float | None, op: str, threshold: float, detail: str) -> dict:
-    if value is None:
-        met = None
-    else:
-        met = value >= threshold if op == ">=" else value <= threshold
-    return {
-        "target": name,
-        "value": value,
-        "op": op,
-        "threshold": threshold,
-        "met": met,
-        "detail": detail,
-    }
+def ms(x: float | None) -> str:
+    """Seconds as whole milliseconds ("-" for None)."""
+    return "-" if x is None else f"{x * 1000:.0f}"
 
 
-def check_targets(
-    results: dict[str, dict], sweeps: dict[str, dict], main_policy: str
-) -> list[dict]:
-    """Evaluate the issue's targets on the measured numbers.
+def md_table(head: str | Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; ``head`` is a sequence or "|"-separated; cells go through :func:`fmt`."""
+    head = head.split("|") if isinstance(head, str) else head
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def ratio_table(keys: Sequence[str], on: dict, off: dict) -> str:
+    """Plain-text table of ``keys`` with the caches on, off, and on / off."""
+    lines = [f"{'':<22}{'cache on':>12}{'cache off':>12}{'on/off':>10}"]
+    for k in keys:
+        a, b = on[k], off[k]
+        r = f"{a / b:>9.2f}x" if b else f"{'-':>10}"
+        lines.append(f"{k:<22}{fmt(a, '.4g'):>12}{fmt(b, '.4g'):>12}{r}")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as indented JSON; NaN becomes null and infinity "inf"."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None if math.isnan(x) else "inf"
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        return [clean(v) for v in x] if isinstance(x, list | tuple) else x
+
+    Path(path).write_text(json.dumps(clean(obj), indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def loadavg() -> str:
+    """The 1/5/15-minute load averages, or "n/a"."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def target(name: str, value: float | None, op: str, threshold: float, detail: str = "") -> dict:
+    """A target's record; ``met`` is None when ``value`` was not measured."""
+    met = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
+    return dict(target=name, value=value, op=op, threshold=threshold, met=met, detail=detail)
+
+
+def targets_table(targets: list[dict]) -> str:
+    """The targets as a Markdown table."""
+    met = {True: "met", False: "**MISSED**", None: "not measured"}
+    rows = [
+        (t["target"], fmt(t["value"], ".4g"), f"{t['op']} {t['threshold']}", met[t["met"]])
+        + (t["detail"],)
+        for t in targets
+    ]
+    return md_table("target|value|threshold|met|detail", rows)
+
+
+# ---- in-process suite ---------------------------------------------------------------------
+
+
+def _system(res: dict | None, name: str) -> dict | None:
+    return next((s for s in (res or {}).get("systems", []) if s["system"] == name), None)
+
+
+def engine_targets(results: dict[str, dict], sweeps: dict[str, dict], policy: str) -> list[dict]:
+    """The in-process suite's targets on the measured figures.
 
     Args:
-        results: per-workload result dicts (``run.py`` format), by workload name.
-        sweeps: pool-sweep dicts by workload (empty if not run).
-        main_policy: the cache-on policy the targets refer to (``lpm``).
-
-    Returns:
-        One dict per target: ``target``, ``value``, ``op``, ``threshold``, ``met``
-        (True/False, None when not measured) and ``detail``.
+        results: per-workload result dicts by workload name; sweeps: pool sweeps by workload.
+        policy: the cache-on policy the targets refer to.
     """
-    on = f"mmserve-{main_policy}"
-    out = []
+    on, out = f"mmserve-{policy}", []
     mq = results.get("many_questions")
-    if mq:
-        a, b, c = _system(mq, "transformers"), _system(mq, "mmserve-off"), _system(mq, on)
-        for ref, what, need in (
-            (a, "transformers", SPEEDUP_VS_TRANSFORMERS),
-            (b, "cache-off", SPEEDUP_VS_CACHE_OFF),
-        ):
-            if c is None or ref is None:
-                continue
-            for key, unit in (("requests_per_s", "wall"), ("requests_per_cpu_s", "CPU")):
-                out.append(
-                    _target(
-                        f"many_questions: cache-on req/s vs {what} ({unit} time)",
-                        c[key] / ref[key],
-                        ">=",
-                        need,
-                        f"{c[key]:.3g} vs {ref[key]:.3g} req/s ({unit} time)",
-                    )
-                )
-    for name in ("many_questions", "video_frames"):
-        res = results.get(name)
-        c = _system(res, on) if res else None
-        if c:
-            opt = res["prompts"]["optimal_hit_rate"]
-            out.append(
-                _target(
-                    f"{name}: {main_policy} hit rate / offline optimum",
-                    c["cache_hit_rate"] / opt if opt else None,
-                    ">=",
-                    HIT_OF_OPTIMUM,
-                    f"{c['cache_hit_rate']:.4f} vs optimum {opt:.4f}",
-                )
-            )
-    mt = results.get("multi_turn")
-    c = _system(mt, f"{on}-halfpool") if mt else None
-    if c:
-        opt = mt["prompts"]["optimal_hit_rate"]
-        others = [
-            f"{s['system'].removeprefix('mmserve-').removesuffix('-halfpool')} "
-            f"{s['cache_hit_rate'] / opt:.3f}"
-            for s in mt["systems"]
-            if s["system"].endswith("-halfpool") and s["system"] != c["system"] and opt
-        ]
-        out.append(
-            _target(
-                f"multi_turn (pool = half the working set): {main_policy} hit / optimum",
-                c["cache_hit_rate"] / opt if opt else None,
-                ">=",
-                HIT_OF_OPTIMUM_HALF_POOL,
-                f"{c['cache_hit_rate']:.4f} vs optimum {opt:.4f}, pool {c['pool_tokens']} of "
-                f"working set {mt['prompts']['working_set_tokens']} tokens; arrival "
-                f"{mt.get('arrival', 'rounds')}"
-                + (f"; other policies' hit/opt: {', '.join(others)}" if others else ""),
-            )
-        )
-    ns = results.get("no_sharing")
-    if ns:
-        b, c = _system(ns, "mmserve-off"), _system(ns, on)
-        if c:
-            out.append(
-                _target(
-                    "no_sharing: radix-tree time / wall time",
-                    c["tree_fraction"],
-                    "<=",
-                    MAX_TREE_FRACTION,
-                    f"{c['tree_seconds'] * 1e3:.3g} ms of {c['wall_s']:.3g} s",
-                )
-            )
-        pr = ns.get("paired_on_off")
+    c = _system(mq, on)
+    refs = (("transformers", SPEEDUP_VS_TRANSFORMERS), ("mmserve-off", SPEEDUP_VS_CACHE_OFF))
+    for ref, need in refs:
+        r = _system(mq, ref)
         for key, unit in (("requests_per_s", "wall"), ("requests_per_cpu_s", "CPU")):
-            if not (b and c):
-                continue
-            if pr:  # median of back-to-back pairs: drift and other processes cancel out
-                ratios = sorted(pr["wall_ratios" if unit == "wall" else "cpu_ratios"])
-                value = statistics.median(ratios)
-                detail = (
-                    f"median of {len(ratios)} back-to-back on/off pairs; pair ratios "
-                    f"{', '.join(f'{x:.3f}' for x in ratios)}"
-                )
-            else:
-                value = c[key] / b[key]
-                detail = f"{c[key]:.4g} vs {b[key]:.4g} req/s (single runs)"
+            if c and r:
+                name = f"many_questions: cache-on req/s vs {ref} ({unit} time)"
+                detail = f"{c[key]:.3g} vs {r[key]:.3g} req/s"
+                out.append(target(name, c[key] / r[key], ">=", need, detail))
+    hits = (("many_questions", on, HIT_OF_OPTIMUM), ("video_frames", on, HIT_OF_OPTIMUM))
+    for name, label, need in (*hits, ("multi_turn", f"{on}-halfpool", HIT_OF_OPTIMUM_HALF_POOL)):
+        if c := _system(res := results.get(name), label):
+            opt = res["prompts"]["optimal_hit_rate"]
+            detail = f"{c['cache_hit_rate']:.4f} vs optimum {opt:.4f}, pool {c['pool_tokens']}"
+            value = c["cache_hit_rate"] / opt if opt else None
             out.append(
-                _target(
-                    f"no_sharing: cache-on / cache-off throughput ({unit} time)",
-                    value,
-                    ">=",
-                    MIN_ON_OFF_THROUGHPUT,
-                    detail,
-                )
+                target(f"{name} ({label}): hit rate / offline optimum", value, ">=", need, detail)
             )
-    for name, sweep in sweeps.items():
-        if not sweep.get("points"):
-            continue
+    ns = results.get("no_sharing")
+    b, c = _system(ns, "mmserve-off"), _system(ns, on)
+    if b and c:
+        name, ms_ = "no_sharing: radix-tree time / wall time", f"{c['tree_seconds'] * 1e3:.3g} ms"
+        out.append(target(name, c["tree_fraction"], "<=", MAX_TREE_FRACTION, ms_))
+        pairs = ns.get("paired_on_off")
+        for key, unit in (("requests_per_s", "wall"), ("requests_per_cpu_s", "cpu")):
+            if pairs:  # median of back-to-back pairs: drift and other load cancel out
+                value, detail = statistics.median(pairs[f"{unit}_ratios"]), "median of pairs"
+            else:
+                value, detail = c[key] / b[key], "single runs"
+            name = f"no_sharing: cache-on / cache-off throughput ({unit} time)"
+            out.append(target(name, value, ">=", MIN_ON_OFF_THROUGHPUT, detail))
+    for wl, sweep in sweeps.items():
         p = min(sweep["points"], key=lambda q: q["pool_tokens"])
-        ok = bool(p["all_finished"] and p["output_mismatches"] == 0 and p["leak_free"])
-        out.append(
-            _target(
-                f"{name}, smallest pool: all finish, outputs == uncached, no page leak",
-                1.0 if ok else 0.0,
-                ">=",
-                1.0,
-                f"pool {p['pool_tokens']} tokens: finished={p['all_finished']}, "
-                f"mismatches={p['output_mismatches']}, leak_free={p['leak_free']}, "
-                f"retractions={p.get('retractions', 0)}",
-            )
-        )
+        ok = p["all_finished"] and p["output_mismatches"] == 0 and bool(p["leak_free"])
+        name = f"{wl}, smallest pool: all finish, outputs == uncached, no leak"
+        detail = f"pool {p['pool_tokens']}, retractions {p['retractions']}"
+        out.append(target(name, float(ok), ">=", 1.0, detail))
     return out
 
 
+def pick(d: dict, keys: str) -> list:
+    """``d``'s values for the space-separated ``keys``."""
+    return [d[k] for k in keys.split()]
+
+
 def workload_table(res: dict) -> str:
-    """Markdown table of one workload's systems with ratios vs (a) and (b)."""
-    a = _system(res, "transformers")
-    b = _system(res, "mmserve-off")
+    """One workload's systems, with ratios against transformers (a) and cache-off (b)."""
+    a, b = _system(res, "transformers"), _system(res, "mmserve-off")
     opt = res["prompts"]["optimal_hit_rate"]
-    head = (
-        "| system | req/s | req/CPU-s | out tok/s | TTFT p50 (s) | TTFT p99 (s) | hit rate "
-        "| optimum | hit/opt | vision runs | tree time % | x (a) | x (b) | x (a) CPU "
-        "| x (b) CPU | mismatch vs (b) | agree (a) |\n"
-        "|---|" + "---:|" * 16 + "\n"
-    )
     rows = []
     for s in res["systems"]:
         cmp = res.get("comparisons", {}).get(s["system"], {})
-        ra = s["requests_per_s"] / a["requests_per_s"] if a else None
-        rb = s["requests_per_s"] / b["requests_per_s"] if b else None
-        ca = s["requests_per_cpu_s"] / a["requests_per_cpu_s"] if a else None
-        cb = s["requests_per_cpu_s"] / b["requests_per_cpu_s"] if b else None
-        hit = s["cache_hit_rate"]
-        agree = cmp.get("agree_with_transformers")
-        rows.append(
-            "| "
-            + " | ".join(
-                [
-                    s["system"] + (" *" if s["measured_requests"] < s["requests"] else ""),
-                    _fmt(s["requests_per_s"]),
-                    _fmt(s["requests_per_cpu_s"]),
-                    _fmt(s["output_tokens_per_s"]),
-                    _fmt(s["ttft_p50_s"]),
-                    _fmt(s["ttft_p99_s"]),
-                    _fmt(hit, ".4f"),
-                    _fmt(opt, ".4f"),
-                    _fmt(hit / opt if opt else None, ".3f"),
-                    _fmt(s["vision_tower_runs"]),
-                    _fmt(100 * s["tree_fraction"], ".3f") if s["kind"] == "mmserve" else "-",
-                    _fmt(ra, ".2f"),
-                    _fmt(rb, ".2f"),
-                    _fmt(ca, ".2f"),
-                    _fmt(cb, ".2f"),
-                    _fmt(cmp.get("mismatches_vs_off")),
-                    agree or "-",
-                ]
-            )
-            + " |"
-        )
-    return head + "\n".join(rows) + "\n"
+        row = [s["system"] + (" *" if s["measured_requests"] < s["requests"] else "")]
+        row += pick(s, "requests_per_s requests_per_cpu_s output_tokens_per_s")
+        row += pick(s, "ttft_p50_s ttft_p99_s") + [fmt(s["cache_hit_rate"], ".4f")]
+        row += [fmt(s["cache_hit_rate"] / opt if opt else None, ".3f"), s["vision_tower_runs"]]
+        row += [fmt(100 * s["tree_fraction"], ".3f") if s["kind"] == "mmserve" else None]
+        for k in ("requests_per_s", "requests_per_cpu_s"):
+            row += [fmt(s[k] / ref[k] if ref else None, ".2f") for ref in (a, b)]
+        rows.append(row + [cmp.get("mismatches_vs_off"), cmp.get("agree_with_transformers")])
+    head = "system|req/s|req/CPU-s|out tok/s|TTFT p50 (s)|TTFT p99 (s)|hit|hit/opt|vision runs"
+    head += "|tree time %|x (a)|x (b)|x (a) CPU|x (b) CPU|mismatch vs (b)|agree (a)"
+    return md_table(head, rows)
 
 
 def sweep_table(sweep: dict) -> str:
-    """Markdown table of the KV-pool sweep."""
-    head = (
-        "| pool (tokens) | pool / working set | hit rate | hit/opt | req/s | req/CPU-s "
-        "| out tok/s | TTFT p50 (s) | retractions | finished | mismatch vs uncached "
-        "| leak-free |\n"
-        "|" + "---:|" * 12 + "\n"
-    )
-    opt = sweep["optimal_hit_rate"]
+    """The KV-pool sweep of one workload."""
+    ws, opt = sweep["working_set_tokens"], sweep["optimal_hit_rate"]
     rows = []
     for p in sweep["points"]:
-        rows.append(
-            f"| {p['pool_tokens']} | {p['pool_tokens'] / sweep['working_set_tokens']:.3f} "
-            f"| {p['cache_hit_rate']:.4f} | {p['cache_hit_rate'] / opt:.3f} "
-            f"| {p['requests_per_s']:.3g} | {p['requests_per_cpu_s']:.3g} "
-            f"| {p['output_tokens_per_s']:.3g} "
-            f"| {p['ttft_p50_s']:.3g} | {p.get('retractions', 0)} | {_fmt(p['all_finished'])} "
-            f"| {p['output_mismatches']} | {_fmt(p['leak_free'])} |"
-        )
-    return head + "\n".join(rows) + "\n"
+        row = [p["pool_tokens"], fmt(p["pool_tokens"] / ws, ".3f")]
+        row += [fmt(p["cache_hit_rate"], ".4f"), fmt(p["cache_hit_rate"] / opt, ".3f")]
+        keys = "requests_per_s requests_per_cpu_s ttft_p50_s retractions all_finished"
+        rows.append(row + pick(p, keys + " output_mismatches leak_free"))
+    head = "pool (tokens)|pool / working set|hit rate|hit/opt|req/s|req/CPU-s|TTFT p50 (s)"
+    return md_table(head + "|retractions|finished|mismatch vs uncached|leak-free", rows)
 
 
-def write_summary(
-    path: Path,
-    results: dict[str, dict],
-    sweeps: dict[str, dict],
-    targets: list[dict],
-    meta: dict,
-) -> str:
-    """Write ``summary.md`` and return its text."""
-    lines = [
-        "# mmserve benchmark summary",
-        "",
-        f"- model: `{meta['model']}` ({meta['model_dir']}), torch threads: {meta['threads']}, "
-        f"scale: {meta['scale']}, seed: {meta['seed']}",
-        f"- total run time: {meta['total_seconds']:.1f} s; load average at start/end: "
-        f"{meta['loadavg_start']} / {meta['loadavg_end']} (other processes on the machine "
-        "inflate wall times; CPU-time figures (req/CPU-s) are not inflated by them)",
-        "- (a) = `transformers` generate (the checkpoint's ForConditionalGeneration class), "
-        "one request at a time; "
-        "(b) = `mmserve-off` (radix cache and vision-embedding cache disabled); "
-        "`mmserve-<policy>` = cache on",
-        "- every system: same prompts, greedy, `max_tokens` output tokens (ignore_eos / "
-        "min_new_tokens). TTFT counted from the request's submission (includes queueing): "
-        "a round's for one-round workloads, each turn's for closed-loop multi_turn; "
-        "transformers TTFT measured with a generate() streamer.",
-        "- `*` = subsampled system (see notes); `hit/opt` = hit rate / offline optimum "
-        "(SGLang Theorem 3.1: 1 - trie tokens / prompt tokens); mismatch = requests whose "
-        "greedy tokens differ from (b); agree (a) = requests equal to transformers' tokens.",
-        "- vision runs: images encoded by the vision tower; (b) has no embedding cache but "
-        "encodes each distinct image once per prefill step, so it can be below the request "
-        "count.",
-        "",
-        "## Targets",
-        "",
-        "| target | value | threshold | met | detail |",
-        "|---|---:|---:|---|---|",
+def engine_summary(results: dict, sweeps: dict, targets: list[dict], meta: dict) -> str:
+    """``summary.md`` of the in-process suite."""
+    m = meta
+    lines = ["# mmserve benchmark summary (in-process)", ""]
+    lines += [
+        f"- model `{m['model']}`, torch threads {m['threads']}, scale {m['scale']}, seed "
+        f"{m['seed']}; {m['total_seconds']:.1f} s; load average {m['loadavg_start']} -> "
+        f"{m['loadavg_end']} (other load inflates wall times, not the CPU-time figures)",
+        "- (a) = transformers `generate`, one request at a time; (b) = `mmserve-off` (radix "
+        "and vision-embedding caches off); `mmserve-<policy>` = caches on. Same prompts, "
+        "greedy, `max_tokens` tokens each; TTFT from submission (queueing included).",
+        "- `*` = subsampled; hit/opt = hit rate / offline optimum (SGLang Theorem 3.1); "
+        "mismatch = requests whose tokens differ from (b); agree (a) = equal to transformers'.",
     ]
-    for t in targets:
-        met = {True: "met", False: "**MISSED**", None: "not measured"}[t["met"]]
-        lines.append(
-            f"| {t['target']} | {_fmt(t['value'], '.4g')} | {t['op']} {t['threshold']} "
-            f"| {met} | {t['detail']} |"
-        )
+    lines += ["", "## Targets", "", targets_table(targets)]
     for name, res in results.items():
         pr = res["prompts"]
+        lines += [f"## {name}", ""]
         lines += [
-            "",
-            f"## {name}",
-            "",
-            res["description"] + ".",
-            f"{pr['requests']} requests, {pr['total_tokens']} prompt tokens, "
-            f"{pr['distinct_tokens']} distinct (trie) tokens, offline-optimal hit rate "
-            f"{pr['optimal_hit_rate']:.4f}, working set {pr['working_set_tokens']} tokens, "
-            f"{res['params']['max_tokens']} output tokens per request.",
-            "",
-            workload_table(res),
+            f"{res['description']}. {pr['requests']} requests, {pr['total_tokens']} prompt "
+            f"tokens, {pr['distinct_tokens']} distinct, optimum {pr['optimal_hit_rate']:.4f}, "
+            f"working set {pr['working_set_tokens']} tokens."
         ]
-        notes = list(res.get("notes", []))
-        for s in res["systems"]:
-            notes += [f"{s['system']}: {n}" for n in s.get("notes", [])]
-        notes += res.get("skipped", [])
-        lines += [f"- {n}" for n in notes]
-    for sweep in sweeps.values():
+        notes = res.get("notes", []) + res.get("skipped", [])
+        notes += [f"{s['system']}: {n}" for s in res["systems"] for n in s.get("notes", [])]
+        lines += ["", workload_table(res)] + [f"- {n}" for n in notes] + [""]
+    for sw in sweeps.values():
+        lines += [f"## KV pool sweep ({sw['workload']}, policy {sw['policy']})", ""]
         lines += [
+            f"Working set {sw['working_set_tokens']} tokens, one request "
+            f"{sw['one_request_tokens']}; plot: `pool_sweep.png`.",
             "",
-            f"## KV pool sweep ({sweep['workload']}, policy {sweep['policy']}, "
-            f"arrival {sweep.get('arrival', 'rounds')})",
-            "",
-            f"Working set {sweep['working_set_tokens']} tokens (trie tokens + all outputs); "
-            f"one request needs {sweep['one_request_tokens']} tokens; offline optimum "
-            f"{sweep['optimal_hit_rate']:.4f}. Plot: `pool_sweep.png`.",
-            "",
-            sweep_table(sweep),
+            sweep_table(sw),
         ]
-    text = "\n".join(lines) + "\n"
-    path.write_text(text, encoding="utf-8")
-    return text
+    return "\n".join(lines) + "\n"
 
 
-def plot_sweep(path: Path, sweeps: dict[str, dict]) -> bool:
-    """Plot hit rate / optimum and throughput against pool size / working set.
-
-    One line per swept workload. Returns False if matplotlib is missing.
-    """
+def _pyplot() -> Any:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_sweep(path: Path, sweeps: dict[str, dict]) -> bool:
+    """Hit rate / optimum and requests/s against pool size / working set, a line per
+    workload. False when matplotlib is missing."""
+    if (plt := _pyplot()) is None:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for k, (name, sweep) in enumerate(sweeps.items()):
-        color = f"C{k}"
-        pts = sorted(sweep["points"], key=lambda p: p["pool_tokens"])
-        ws = sweep["working_set_tokens"]
-        x = [p["pool_tokens"] / ws for p in pts]
-        opt = sweep["optimal_hit_rate"]
-        ax1.plot(x, [p["cache_hit_rate"] / opt for p in pts], "o-", c=color, label=name)
-        ax2.plot(x, [p["requests_per_s"] for p in pts], "o-", c=color, label=f"{name} (wall)")
-        cpu = [p["requests_per_cpu_s"] for p in pts]
-        ax2.plot(x, cpu, "s--", c=color, alpha=0.5, label=f"{name} (CPU time)")
-        ax1.axvline(sweep["one_request_tokens"] / ws, ls=":", c=color)
-    ax1.axhline(1.0, ls="--", c="gray")
-    ax1.set_xlabel("KV pool / working set (dotted: one request fits)")
-    ax1.set_ylabel("hit rate / offline optimum")
-    ax1.set_ylim(0, 1.05)
+    for k, (name, sw) in enumerate(sweeps.items()):
+        pts = sorted(sw["points"], key=lambda p: p["pool_tokens"])
+        x = [p["pool_tokens"] / sw["working_set_tokens"] for p in pts]
+        ax1.plot(
+            x,
+            [p["cache_hit_rate"] / sw["optimal_hit_rate"] for p in pts],
+            "o-",
+            c=f"C{k}",
+            label=name,
+        )
+        ax2.plot(x, [p["requests_per_s"] for p in pts], "o-", c=f"C{k}", label=f"{name} wall")
+        ax2.plot(
+            x,
+            [p["requests_per_cpu_s"] for p in pts],
+            "s--",
+            c=f"C{k}",
+            alpha=0.5,
+            label=f"{name} CPU",
+        )
+    ax1.set(xlabel="KV pool / working set", ylabel="hit rate / offline optimum", ylim=(0, 1.05))
+    ax2.set(xlabel="KV pool / working set", ylabel="requests / s", ylim=(0, None))
     ax1.legend()
-    ax2.set_xlabel("KV pool / working set")
-    ax2.set_ylabel("requests / s")
-    ax2.set_ylim(bottom=0)
-    ax2.legend(fontsize="small", loc="lower right")
-    policy = next(iter(sweeps.values()))["policy"] if sweeps else ""
-    fig.suptitle(f"hit rate and throughput vs KV pool size (policy {policy})")
+    ax2.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+# ---- HTTP suite --------------------------------------------------------------------------
+
+
+def burst_key(by_rate: dict[str, dict]) -> str | None:
+    """The burst run's key, else the highest finite rate's."""
+    return "burst" if "burst" in by_rate else max(by_rate, key=float, default=None)
+
+
+def achieved(res: dict, wl: str, server: str) -> dict[str, Any]:
+    """``bound / the server's time`` on the burst run, in wall and in server CPU seconds."""
+    w = res["workloads"][wl]
+    bound, runs = w.get("bound") or {}, w["runs"].get(server) or {}
+    key = burst_key(runs)
+    if not bound or key is None:
+        return {"wall": None, "cpu": None, "rate": key}
+    r = runs[key]
+    cpu = bound["bound_cpu_s"] / r["server_cpu_s"] if r.get("server_cpu_s") else None
+    wall = bound["bound_s"] / r["duration_s"] if r.get("duration_s") else None
+    return {"wall": wall, "cpu": cpu, "rate": key}
+
+
+def http_targets(res: dict, workload: str, fraction: float, min_agree: int) -> list[dict]:
+    """mmserve reaches ``fraction`` of ``workload``'s bound; llama.cpp agreement."""
+    out = []
+    if "mmserve" in res["workloads"].get(workload, {}).get("runs", {}):
+        a = achieved(res, workload, "mmserve")
+        for u in ("wall", "cpu"):
+            name = f"{workload}: mmserve achieved / bound ({u} time, {a['rate']} run)"
+            out.append(target(name, a[u], ">=", fraction))
+    if ag := res.get("agreement"):
+        name, detail = "llama.cpp agreement: equal text-only answers", f"of {ag['text_total']}"
+        out.append(target(name, ag["text_agree"], ">=", min_agree, detail))
+    return out
+
+
+def plot_latency(path: Path, res: dict) -> Path | None:
+    """TTFT p50/p99 and TPOT p50 against offered rate, one column per workload."""
+    wls = [n for n, w in res["workloads"].items() if w["runs"]]
+    if not wls or (plt := _pyplot()) is None:
+        return None
+    fig, axes = plt.subplots(2, len(wls), figsize=(4 * len(wls), 6.5), squeeze=False)
+    for j, name in enumerate(wls):
+        runs = res["workloads"][name]["runs"]
+        finite = sorted({float(k) for r in runs.values() for k in r if k != "burst"}) or [1.0]
+        for i, (s, by_rate) in enumerate(runs.items()):
+            pts = sorted(
+                (finite[-1] * 2 if k == "burst" else float(k), v) for k, v in by_rate.items()
+            )
+            xs = [x for x, _ in pts]
+            for row, (metric, pct) in enumerate((("ttft_s", "p50"), ("tpot_s", "p50"))):
+                ys = [v[metric][pct] for _, v in pts]
+                axes[row][j].plot(xs, ys, "o-", color=f"C{i}", label=f"{s} {pct}")
+            axes[0][j].plot(
+                xs, [v["ttft_s"]["p99"] for _, v in pts], "x--", color=f"C{i}", label=f"{s} p99"
+            )
+        for row, ylabel in enumerate(("TTFT (s)", "TPOT (s)")):
+            ax = axes[row][j]
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="offered rate (req/s; right: burst)",
+                ylabel=ylabel,
+                title=name if row == 0 else "",
+            )
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def http_summary(res: dict, plot: Path | None) -> str:
+    """``serve_summary.md`` of the HTTP suite."""
+    m, slo = res["meta"], res["meta"]["slo"]
+    lines = ["# HTTP serving benchmark (`python -m benchmarks serve`)", ""]
+    lines += [
+        f"Model `{m['model']}`, scale `{m['scale']}`, {m['threads']} thread(s) per server, "
+        f"{m['cpus']} CPUs, load average {m['loadavg_start']} -> {m.get('loadavg_end')}, "
+        f"{m.get('total_seconds', 0):.0f} s. Rates (req/s): {', '.join(m['rates'])}. Goodput "
+        f"SLO: TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s']:g} s. Every request: "
+        "streaming chat completion, images as data URLs, `max_tokens` N with `ignore_eos`, "
+        "greedy.",
+        "",
+    ]
+    lines += [f"- {n}" for n in res.get("notes", [])] + [""]
+    if res.get("targets"):
+        lines += ["## Targets", "", targets_table(res["targets"])]
+    if ag := res.get("agreement"):
+        lines += ["## Agreement with llama.cpp (greedy, before timing)", ""]
+        lines += [
+            f"Text-only: **{ag['text_agree']}/{ag['text_total']}** equal; images: "
+            f"**{ag['image_agree']}/{ag['image_total']}**; passed: {fmt(ag['passed'])}. "
+            "Compared as token ids (mmserve's engine in-process, its text checked equal "
+            "to its HTTP answer; llama.cpp's `/completion` with `return_tokens`).",
+            "",
+        ]
+        rows = [pick(i, "chat prompt_tokens agree") + [i.get("reason", "")] for i in ag["items"]]
+        lines.append(md_table("chat|prompt tokens (mmserve, llama.cpp)|equal|reason", rows))
+    if bounded := [(n, w) for n, w in res["workloads"].items() if w.get("bound")]:
+        servers = sorted({s for _, w in bounded for s in w["runs"]})
+        rows = []
+        for name, w in bounded:
+            b = w["bound"]
+            row = [name, f"{b['distinct_prompt_tokens']} / {b['prompt_tokens']}"]
+            row += [f"{b['distinct_images']} / {b['images']}"]
+            row += [fmt(b["prefill_s_per_token"] * 1e3, ".3f"), ms(b["tower_s_per_image"])]
+            row += [f"{ms(b['decode_step_s'])} ({b['decode_batch']})"]
+            row += [f"{b['bound_s']:.2f} ({b['bound_cpu_s']:.2f})", b["max_speedup_from_reuse"]]
+            for a in (achieved(res, name, s) for s in servers):
+                row.append(f"{fmt(a['wall'], '.2f')} ({fmt(a['cpu'], '.2f')})")
+            rows.append(row)
+        head = "workload|distinct / total tokens|distinct / all images|prefill ms/tok"
+        head += "|tower ms/img|decode ms/step (batch)|bound s (CPU s)|max speedup from reuse"
+        head += "".join(f"|{s} wall (CPU)" for s in servers)
+        lines += ["## Cost bound", ""]
+        lines += [
+            "The least time any server could take here (see `cost_bound.py`); "
+            "`achieved / bound` = bound / the server's time on the burst run, wall "
+            "(CPU: bound CPU s / server CPU s); 1.0 = at the bound.",
+            "",
+            md_table(head, rows),
+        ]
+    lines += ["## Runs", ""]
+    lines += [f"![latency against offered rate]({Path(plot).name})", ""] if plot else []
+    lines += [
+        "Times in ms; throughput over the first send to the last answer; CPU s: the "
+        "server process's; tok ok: every answer had exactly N tokens.",
+        "",
+    ]
+    head = "server|rate|req/s|out tok/s|TTFT p50|TTFT p99|TPOT p50|TPOT p99|ITL p99|goodput"
+    for name, w in res["workloads"].items():
+        rows = []
+        for s, by_rate in w["runs"].items():
+            for rate, r in by_rate.items():
+                row = [s, rate, r["request_throughput"], r["output_throughput"]]
+                row += [ms(r[k][p]) for k, p in (("ttft_s", "p50"), ("ttft_s", "p99"))]
+                row += [ms(r["tpot_s"]["p50"]), ms(r["tpot_s"]["p99"]), ms(r["itl_s"]["p99"])]
+                row += [r["goodput"], fmt(r["cache_hit_rate"], ".2f")]
+                rows.append(row + pick(r, "server_cpu_s token_counts_ok"))
+        lines += [f"### {name}", ""]
+        lines += [f"{w['description']}; {w['requests']} requests, N = {w['max_tokens']}.", ""]
+        lines.append(md_table(head + "|hit|CPU s|tok ok", rows))
+    if ov := res.get("overhead"):
+        ip, st, h = ov["in_process"], ov["in_process"]["steps"], ov["http"]
+        rows = [("in-process", ip["wall_s"], ip["cpu_s"], ms(ip["ttft_p50_s"]))]
+        rows += [("HTTP", h["duration_s"], h["server_cpu_s"], ms(ov["http_ttft_p50_s"]))]
+        lines += ["## HTTP overhead (mmserve, cache on)", ""]
+        lines += [
+            f"`{ov['workload']}` at rate `{ov['rate']}` (mmserve's peak run), the same "
+            "arrivals through HTTP (cache flushed) and through an in-process engine doing "
+            f"the front-end work, {ov['pairs']} back-to-back pairs, medians.",
+            "",
+            md_table("|seconds|CPU s|TTFT p50 ms", rows),
+            f"In-process steps: {st['prefill']} prefill {st['prefill_s']:.2f} s, "
+            f"{st['decode']} decode {st['decode_s']:.2f} s (mean batch "
+            f"{st['decode_rows'] / max(st['decode'], 1):.1f}).",
+            "",
+            f"Overhead: **{ov['wall_overhead']:+.1%}** wall, "
+            f"**{fmt(ov['cpu_overhead'], '+.1%')}** server CPU.",
+            "",
+        ]
+        if p := ov.get("profile"):
+            rows = [(c, fmt(v, ".2f")) for c, v in p["categories_s"].items()]
+            lines += [f"Where the non-engine time goes (one more run; {p['note']}):", ""]
+            lines += [md_table("category (non-engine threads)|self s", rows)]
+            lines += [f"Largest non-engine item: **{p['largest']}**.", ""]
+            if e := p.get("engine_thread"):
+                lines += [
+                    f"Engine thread: {e['step_s']:.2f} s in `Engine.step`, model forward "
+                    f"{e['forward_s']:.2f} s, sampling {e['sampling_s']:.2f} s: "
+                    f"**{e['outside_share']:.1%}** of step time outside both.",
+                    "",
+                ]
+    return "\n".join(lines) + "\n"
+
+
+def replicas_table(results: dict) -> str:
+    """The replica setups side by side (``python -m benchmarks replicas``)."""
+    w = results["workload"]
+    rows = []
+    for name, r in results["setups"].items():
+        row = [name, fmt(r["hit_rate"], ".3f"), fmt(r["hit_rate_over_optimum"] or 0.0, ".3f")]
+        row += [fmt(r["tower_runs_per_image"], ".2f"), r["pixel_fetches"]]
+        row += [fmt(r["requests_per_second"], ".2f"), fmt(r["output_tokens_per_second"], ".1f")]
+        row += [fmt(r["ttft_p50_ms"], ".0f"), fmt(r["ttft_p99_ms"], ".0f"), r["errors"]]
+        rows.append(row + [", ".join(f"{k} {v}" for k, v in sorted(r.get("router", {}).items()))])
+    head = "setup|hit rate|hit / optimum|tower runs / image|pixel fetches|req/s|output tok/s"
+    return (
+        f"# Replica routing benchmark\n\n{w['requests']} requests ({w['images']} images x "
+        f"{w['questions']} questions + {w['sessions']} sessions x {w['turns']} turns) from "
+        f"{w['concurrency']} clients, {w['max_tokens']} tokens each, {w['distinct_images']} "
+        f"distinct images, offline-optimal hit rate {w['optimal_hit_rate']:.3f}; model "
+        f"`{Path(results['model']).name}`.\n\n"
+        + md_table(head + "|TTFT p50 ms|TTFT p99 ms|errors|routed", rows)
+    )

@@ -1,47 +1,26 @@
-"""Seeded benchmark workloads and their offline-optimal cache hit rate.
+"""Seeded benchmark workloads, their sizes per scale, and their offline-optimal hit rate.
 
-A :class:`Workload` is a list of *rounds*; every request of a round is
-submitted at once, and a round starts when the previous one has finished. A
-workload with *sessions* (multi_turn) is instead driven closed-loop by the mmserve
-runner: turn 0 of every session is submitted at once, and each session sends its
-next turn as soon as its previous answer arrives (a chat client); its rounds are
-then only the lock-step alternative and the one-at-a-time baseline's order.
-Images are encoded PNG/JPEG bytes, so every system decodes the same
-pixels. All randomness comes from ``random.Random(seed)`` (and a seeded numpy
-generator for noise images): the same arguments give the same prompts.
+A :class:`Workload` is requests in *rounds* (a round is submitted at once; the next
+starts when it has finished) plus, for chat-like workloads, *sessions*: chains of
+request indices where each request is sent when the previous one is answered (a chat
+client). Images are encoded PNG/JPEG bytes, so every system decodes the same pixels.
+All randomness comes from ``random.Random(seed)`` and ``numpy.random.default_rng(seed)``:
+the same arguments give the same prompts, byte for byte.
 
-Workloads:
-
-- ``many_questions``: K sample photos x M llava-bench-style questions each,
-  one shared system prompt, one round, arrival order shuffled.
-- ``multi_turn``: C chat sessions, each with its own photo in the first user turn,
-  T turns each. Turn ``t`` of every session forms round ``t`` (lock-step order);
-  :attr:`Workload.sessions` lists each session's turns for the closed-loop
-  driver. Each prompt is the whole
-  history; the assistant turns in the history are FIXED canned sentences (not
-  what a system generated), so prompts are identical across systems.
-- ``video_frames``: F frames x Q questions (per-frame QA, one round). There is
-  no sample video in the repository yet, so the frames are a camera pan: square
-  crops sliding diagonally across ``samples/images/astronaut.png``, resized to
-  336 x 336. Every third frame repeats the previous one exactly (a static
-  scene), so identical frames share their pseudo-tokens.
-- ``no_sharing``: distinct random-noise images and random word texts, no system
-  prompt: nothing is shared but the chat template's first few tokens.
-
-The offline optimum follows Theorem 3.1 of the SGLang paper (arXiv 2312.07104):
-with unlimited cache, the best schedule computes every edge of the prefix tree
-of all prompts once, so ``optimal hit rate = 1 - distinct / total`` where
-``distinct`` is the number of nodes of the token trie of all prompts and
-``total`` the sum of prompt lengths (both in tokens).
+The offline optimum is Theorem 3.1 of the SGLang paper (arXiv 2312.07104): with an
+unbounded cache the best schedule computes each node of the token trie of all prompts
+once, so ``optimal hit rate = 1 - trie nodes / prompt tokens``.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -49,12 +28,10 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES_DIR = ROOT / "samples" / "images"
 PHOTOS = ("astronaut.png", "cat.png", "coffee.png", "rocket.jpg")
-
 SYSTEM_PROMPT = (
     "A chat between a curious user and an artificial intelligence assistant. "
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
-
 #: llava-bench-in-the-wild style questions (conversation, detail, reasoning).
 QUESTIONS = (
     "What is the main object in this image?",
@@ -74,8 +51,6 @@ QUESTIONS = (
     "Explain the lighting in this photograph.",
     "Which object is closest to the camera?",
 )
-
-#: Follow-up questions for turns after the first (multi_turn).
 FOLLOW_UPS = (
     "Can you tell me more about that?",
     "Why do you think so?",
@@ -86,8 +61,8 @@ FOLLOW_UPS = (
     "Give one more detail.",
     "Which part is the most interesting?",
 )
-
-#: Canned assistant answers placed in the multi-turn history (indexed by turn).
+#: Fixed assistant turns of multi_turn's history (by turn), so prompts never depend on
+#: what a system generated.
 CANNED_ANSWERS = (
     "The photo shows the main subject in the center, with a plain background.",
     "Because of the shapes and the colors, which are typical for this kind of scene.",
@@ -97,25 +72,18 @@ CANNED_ANSWERS = (
     "At night the colors would be darker and the lights would stand out.",
     "The texture of the surface is visible in the lower part of the image.",
 )
-
-#: Words for random texts (no_sharing).
 WORDS = (
-    "apple river stone cloud garden window yellow quiet market bridge forest candle "
-    "silver engine harbor pencil winter violin desert planet ladder mirror orange "
-    "thunder basket marble jungle rocket saddle meadow tunnel falcon copper lantern "
-    "island velvet canyon meteor pillow glacier trumpet compass blossom dragon puzzle "
-    "feather horizon"
+    "apple river stone cloud garden window yellow quiet market bridge forest candle silver "
+    "engine harbor pencil winter violin desert planet ladder mirror orange thunder basket "
+    "marble jungle rocket saddle meadow tunnel falcon copper lantern island velvet canyon "
+    "meteor pillow glacier trumpet compass blossom dragon puzzle feather horizon"
 ).split()
 
 
 @dataclass
 class Prompt:
-    """One request of a workload.
-
-    Attributes:
-        messages: chat messages; an image is a ``{"type": "image"}`` content part.
-        images: names (keys of :attr:`Workload.images`) filling the image parts, in order.
-    """
+    """One request: chat messages (an image is a ``{"type": "image"}`` part) and the names
+    (keys of :attr:`Workload.images`) of the images filling those parts, in order."""
 
     messages: list[dict]
     images: list[str]
@@ -123,18 +91,18 @@ class Prompt:
 
 @dataclass
 class Workload:
-    """Requests grouped in rounds, plus the encoded images they use.
+    """Requests in rounds, the encoded images they use, and optional session chains.
 
     Attributes:
         name: workload name (also the results file name).
-        description: one line on what the workload models.
+        description: one line on what it models.
         images: encoded image bytes by name.
         rounds: requests submitted together; round ``r + 1`` starts when round ``r`` ends.
-        max_tokens: output tokens per request (every system produces exactly this many).
-        params: the generator's arguments (for the report).
-        notes: how the data was made (for the report).
-        sessions: for closed-loop chat workloads, each session's requests in turn
-            order, as indices into :attr:`prompts`; empty for open workloads.
+        max_tokens: output tokens per request (``ignore_eos``: always exactly this many).
+        params: the generator's arguments.
+        notes: how the data was made.
+        sessions: chains of indices into :attr:`prompts`; closed-loop drivers send a
+            chain's next request when its previous one is answered. Empty: open workload.
     """
 
     name: str
@@ -157,51 +125,34 @@ class Workload:
         return sum(len(r) for r in self.rounds)
 
 
-# ---- offline optimum ------------------------------------------------------------
-
-
 def trie_size(seqs: Sequence[Sequence[int]]) -> int:
-    """Number of nodes (root excluded) of the token trie holding every sequence.
-
-    Equals ``sum(len(s)) - sum(lcp(s_i, s_{i-1}))`` over the lexicographically
-    sorted sequences, which is what this computes (O(total tokens)).
-    """
-    ordered = sorted(tuple(s) for s in seqs)
-    nodes = 0
-    prev: tuple[int, ...] = ()
-    for s in ordered:
+    """Nodes (root excluded) of the token trie of ``seqs``: ``sum(len) - sum(lcp)`` of
+    lexicographic neighbours, O(total tokens)."""
+    nodes, prev = 0, ()
+    for s in sorted(tuple(s) for s in seqs):
         n = min(len(s), len(prev))
-        i = 0
-        while i < n and s[i] == prev[i]:
-            i += 1
-        nodes += len(s) - i
-        prev = s
+        i = next((j for j in range(n) if s[j] != prev[j]), n)
+        nodes, prev = nodes + len(s) - i, s
     return nodes
 
 
 def optimal_hit_rate(seqs: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Offline-optimal cache hit rate of a set of prompts (SGLang Theorem 3.1).
-
-    Args:
-        seqs: prompt token ids (image pseudo-tokens included), one per request.
+    """Offline-optimal hit rate of prompts ``seqs`` (token ids, image pseudo-ids included).
 
     Returns:
-        ``{"total_tokens", "distinct_tokens", "optimal_hit_rate"}``: tokens summed
-        over prompts, nodes of their trie (tokens), and ``1 - distinct / total``.
+        ``total_tokens`` (sum of lengths), ``distinct_tokens`` (trie nodes) and
+        ``optimal_hit_rate`` = ``1 - distinct / total`` (0 for no tokens).
     """
-    total = sum(len(s) for s in seqs)
-    distinct = trie_size(seqs)
-    return {
-        "total_tokens": total,
-        "distinct_tokens": distinct,
-        "optimal_hit_rate": 1.0 - distinct / total if total else 0.0,
-    }
+    total, distinct = sum(len(s) for s in seqs), trie_size(seqs)
+    rate = 1.0 - distinct / total if total else 0.0
+    return {"total_tokens": total, "distinct_tokens": distinct, "optimal_hit_rate": rate}
 
 
-# ---- images ---------------------------------------------------------------------
+# ---- images ---------------------------------------------------------------------------
 
 
-def _png(im: Image.Image) -> bytes:
+def png(im: Image.Image) -> bytes:
+    """``im`` encoded as PNG."""
     buf = io.BytesIO()
     im.save(buf, "PNG")
     return buf.getvalue()
@@ -212,157 +163,189 @@ def photo_bytes(name: str) -> bytes:
     return (SAMPLES_DIR / name).read_bytes()
 
 
-def photos(k: int) -> dict[str, bytes]:
-    """``k`` distinct real images: the sample photos, then mirrored copies of them.
+#: Orientations of the copies past the sample photos (copy ``j`` of a photo uses entry
+#: ``j - 1``; beyond them, pixel values are shifted); each gives other pixels, so another key.
+_VARIANTS = (
+    Image.Transpose.TRANSPOSE,  # = flip left-right, then rotate 90 (the first copies so far)
+    Image.Transpose.ROTATE_180,
+    Image.Transpose.FLIP_TOP_BOTTOM,
+    Image.Transpose.ROTATE_90,
+    Image.Transpose.ROTATE_270,
+    Image.Transpose.FLIP_LEFT_RIGHT,
+    Image.Transpose.TRANSVERSE,
+)
 
-    The mirrors (left-right flips, PNG) have different pixels, hence different keys.
-    """
+
+def photos(k: int) -> dict[str, bytes]:
+    """``k`` distinct real images by name: the sample photos, then flipped, rotated and
+    (past seven orientations) tinted PNG copies of them."""
     out: dict[str, bytes] = {}
     for i in range(k):
-        name = PHOTOS[i % len(PHOTOS)]
-        if i < len(PHOTOS):
+        name, j = PHOTOS[i % len(PHOTOS)], i // len(PHOTOS)
+        if j == 0:
             out[name] = photo_bytes(name)
-        else:
-            im = Image.open(SAMPLES_DIR / name).convert("RGB")
-            for _ in range(i // len(PHOTOS)):
-                im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT).rotate(90, expand=True)
-            out[f"{Path(name).stem}-v{i // len(PHOTOS)}.png"] = _png(im)
+            continue
+        im = Image.open(SAMPLES_DIR / name).convert("RGB")
+        im = im.transpose(_VARIANTS[(j - 1) % len(_VARIANTS)])
+        if j > len(_VARIANTS):
+            im = im.point(lambda v, s=j: (v + s) % 256)
+        out[f"{Path(name).stem}-v{j}.png"] = png(im)
     return out
 
 
 def pan_frames(num_frames: int, repeat_every: int = 3, size: int = 336) -> list[bytes]:
-    """Frames of a synthetic camera pan across ``astronaut.png`` (PNG bytes).
-
-    A square window of 3/4 of the photo's side slides diagonally from the top-left
-    to the bottom-right corner; each crop is resized to ``size`` x ``size``. Frame
-    ``i`` with ``i % repeat_every == repeat_every - 1`` repeats frame ``i - 1``
-    exactly (a static scene); ``repeat_every=0`` disables repeats.
-    """
+    """Frames (PNG) of a camera pan across ``astronaut.png``: a square of 3/4 of its side
+    slides from the top-left to the bottom-right corner, resized to ``size``; frame ``i``
+    with ``i % repeat_every == repeat_every - 1`` repeats frame ``i - 1`` (a static shot;
+    0 = no repeats)."""
     src = Image.open(SAMPLES_DIR / "astronaut.png").convert("RGB")
     w, h = src.size
     side = min(w, h) * 3 // 4
+    repeat = [
+        repeat_every > 0 and i > 0 and i % repeat_every == repeat_every - 1
+        for i in range(num_frames)
+    ]
+    steps = max(repeat.count(False) - 1, 1)
     frames: list[bytes] = []
-    pos = 0  # index of the next distinct camera position
-    moving = [i for i in range(num_frames) if not _is_repeat(i, repeat_every)]
-    steps = max(len(moving) - 1, 1)
     for i in range(num_frames):
-        if _is_repeat(i, repeat_every) and frames:
+        if repeat[i]:
             frames.append(frames[-1])
             continue
-        x = (w - side) * pos // steps
-        y = (h - side) * pos // steps
-        crop = src.crop((x, y, x + side, y + side)).resize((size, size), Image.Resampling.BICUBIC)
-        frames.append(_png(crop))
-        pos += 1
+        pos = len(frames) - sum(repeat[:i])
+        x, y = (w - side) * pos // steps, (h - side) * pos // steps
+        crop = src.crop((x, y, x + side, y + side))
+        frames.append(png(crop.resize((size, size), Image.Resampling.BICUBIC)))
     return frames
 
 
-def _is_repeat(i: int, every: int) -> bool:
-    return every > 0 and i > 0 and i % every == every - 1
-
-
 def noise_image(rng: np.random.Generator, size: int) -> bytes:
-    """A random RGB noise image of ``size`` x ``size`` pixels (PNG bytes)."""
-    arr = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
-    return _png(Image.fromarray(arr, "RGB"))
+    """A ``size`` x ``size`` RGB noise PNG."""
+    return png(Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB"))
 
 
-# ---- workloads ------------------------------------------------------------------
+def data_url(data: bytes) -> str:
+    """``data:<mime>;base64,...`` for encoded PNG, JPEG, GIF or WebP bytes."""
+    mime = "application/octet-stream"
+    if data.startswith(b"\x89PNG"):
+        mime = "image/png"
+    elif data.startswith(b"\xff\xd8"):
+        mime = "image/jpeg"
+    elif data[:6] in (b"GIF87a", b"GIF89a"):
+        mime = "image/gif"
+    elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        mime = "image/webp"
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def _image_turn(text: str) -> dict:
-    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+def openai_messages(p: Prompt, urls: dict[str, str]) -> list[dict]:
+    """``p``'s messages in the OpenAI shape: each image part becomes an ``image_url`` part
+    with ``urls[name]`` (a data URL or an uploaded image's id)."""
+    names = iter(p.images)
+    out = []
+    for m in p.messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [
+                {"type": "image_url", "image_url": {"url": urls[next(names)]}}
+                if part.get("type") == "image"
+                else part
+                for part in content
+            ]
+        out.append({"role": m["role"], "content": content})
+    return out
 
 
-def many_questions(k: int, m: int, max_tokens: int, seed: int = 0) -> Workload:
-    """K images x M questions each, shared system prompt, all in one round."""
+# ---- workloads --------------------------------------------------------------------------
+
+
+def _pick(rnd: random.Random, pool: Sequence[str], n: int) -> list[str]:
+    """``n`` items of ``pool``, without repeats while possible, then cycling."""
+    items, out = list(pool), []
+    while len(out) < n:
+        rnd.shuffle(items)
+        out.extend(items[: n - len(out)])
+    return out
+
+
+def ask(question: str, system: bool = True) -> list[dict]:
+    """Messages asking ``question`` about one image (after the system prompt if ``system``)."""
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+    return msgs + [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+    ]
+
+
+def many_questions(
+    k: int, m: float, max_tokens: int, seed: int = 0, name: str = "many_questions"
+) -> Workload:
+    """``k`` photos x ``m`` questions each (``round(k * m)`` in all, spread evenly when
+    ``m`` is fractional: ``llava_bench``, the SGLang paper's llava-bench-in-the-wild shape),
+    shared system prompt, one round in shuffled order."""
     rnd = random.Random(seed)
     imgs = photos(k)
-    prompts = []
-    for name in imgs:
-        for q in _pick(rnd, QUESTIONS, m):
-            msgs = [{"role": "system", "content": SYSTEM_PROMPT}, _image_turn(q)]
-            prompts.append(Prompt(msgs, [name]))
+    total = max(k, round(k * m))
+    prompts = [
+        Prompt(ask(q), [n])
+        for i, n in enumerate(imgs)
+        for q in _pick(rnd, QUESTIONS, total // k + (i < total % k))
+    ]
     rnd.shuffle(prompts)
     return Workload(
-        "many_questions",
-        f"{k} images x {m} questions each (llava-bench style), shared system prompt, "
-        "submitted at once in shuffled order",
+        name,
+        f"{k} images x {m:g} questions each ({total} requests, llava-bench style), shared "
+        "system prompt, submitted at once in shuffled order",
         imgs,
         [prompts],
         max_tokens,
         {"images": k, "questions_per_image": m, "max_tokens": max_tokens, "seed": seed},
-        [f"images: {', '.join(imgs)}"],
+        [f"images: {', '.join(imgs)} (past the 4 sample photos: flipped/rotated copies)"],
     )
 
 
 def multi_turn(c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
-    """C chat sessions x T turns; round ``r`` holds turn ``r`` of every session."""
+    """``c`` chat sessions x ``t`` turns, each session with its own photo in its first turn;
+    round ``r`` holds turn ``r`` of every session (shuffled), :attr:`Workload.sessions`
+    each session's turns. The history holds :data:`CANNED_ANSWERS`."""
     rnd = random.Random(seed)
     imgs = photos(c)
     names = list(imgs)
-    sessions = []
-    for _ in range(c):
-        first = rnd.choice(QUESTIONS)
-        follow = _pick(rnd, FOLLOW_UPS, t - 1)
-        sessions.append([first, *follow])
-    rounds = []
-    at: list[list[int]] = [[0] * t for _ in range(c)]  # (session, turn) -> prompt index
+    asked = [[rnd.choice(QUESTIONS), *_pick(rnd, FOLLOW_UPS, t - 1)] for _ in range(c)]
+    rounds, chains = [], [[0] * t for _ in range(c)]
     for turn in range(t):
         batch = []
         for s in range(c):
-            msgs: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
-            for j in range(turn + 1):
-                q = sessions[s][j]
-                msgs.append(_image_turn(q) if j == 0 else {"role": "user", "content": q})
-                if j < turn:
-                    answer = CANNED_ANSWERS[j % len(CANNED_ANSWERS)]
-                    msgs.append({"role": "assistant", "content": answer})
+            msgs = ask(asked[s][0])
+            for j in range(1, turn + 1):
+                msgs.append({"role": "assistant", "content": CANNED_ANSWERS[(j - 1) % 7]})
+                msgs.append({"role": "user", "content": asked[s][j]})
             batch.append((s, Prompt(msgs, [names[s]])))
         rnd.shuffle(batch)
-        base = turn * c
         for i, (s, _) in enumerate(batch):
-            at[s][turn] = base + i
+            chains[s][turn] = turn * c + i
         rounds.append([p for _, p in batch])
     return Workload(
         "multi_turn",
-        f"{c} chat sessions x {t} turns, each session with its own photo in the first "
-        "turn; closed loop: every session starts at once and sends its next turn as soon "
-        "as its previous answer arrives",
+        f"{c} chat sessions x {t} turns, each session with its own photo in the first turn; "
+        "closed loop: a session sends its next turn when its previous answer arrives",
         imgs,
         rounds,
         max_tokens,
         {"sessions": c, "turns": t, "max_tokens": max_tokens, "seed": seed},
         [
-            "history holds fixed canned assistant answers, not generated text, so every "
-            "system sees identical prompts",
-            "mmserve: closed loop, at most one outstanding turn per session; TTFT from each "
-            "turn's submission. transformers: one request at a time in round order "
-            "(round t = turn t of every session)",
+            "history holds fixed canned assistant answers, so every system sees the same prompts",
             f"images: {', '.join(names)}",
         ],
-        at,
+        chains,
     )
 
 
 def video_frames(f: int, q: int, max_tokens: int, seed: int = 0, repeat_every: int = 3) -> Workload:
-    """F pan frames x Q questions per frame, one round, shuffled."""
+    """``f`` frames of :func:`pan_frames` x ``q`` questions per frame, one shuffled round."""
     rnd = random.Random(seed)
-    frames = pan_frames(f, repeat_every)
-    imgs: dict[str, bytes] = {}
-    order = []
-    for i, data in enumerate(frames):
-        name = f"frame{i:03d}"
-        imgs[name] = data
-        order.append(name)
+    imgs = {f"frame{i:03d}": b for i, b in enumerate(pan_frames(f, repeat_every))}
     questions = _pick(rnd, QUESTIONS, q)
-    prompts = []
-    for name in order:
-        for question in questions:
-            msgs = [{"role": "system", "content": SYSTEM_PROMPT}, _image_turn(question)]
-            prompts.append(Prompt(msgs, [name]))
+    prompts = [Prompt(ask(question), [n]) for n in imgs for question in questions]
     rnd.shuffle(prompts)
-    repeats = [i for i in range(f) if _is_repeat(i, repeat_every)]
     return Workload(
         "video_frames",
         f"{f} video frames x {q} questions per frame (per-frame QA), submitted at once",
@@ -371,36 +354,27 @@ def video_frames(f: int, q: int, max_tokens: int, seed: int = 0, repeat_every: i
         max_tokens,
         {"frames": f, "questions_per_frame": q, "max_tokens": max_tokens, "seed": seed},
         [
-            "no sample video in the repo: frames are a synthetic camera pan (square crops of "
-            "3/4 side sliding diagonally across samples/images/astronaut.png, resized to "
-            "336x336, PNG)",
-            f"frames {repeats} repeat the previous frame exactly (static scene)",
+            "frames: a synthetic pan (3/4-side squares sliding across astronaut.png, 336 px); "
+            f"every {repeat_every}rd frame repeats the previous one (a static shot)"
         ],
     )
 
 
 def no_sharing(n: int, max_tokens: int, seed: int = 0, image_size: int = 336) -> Workload:
-    """N requests with distinct random-noise images and random texts, one round."""
-    rnd = random.Random(seed)
-    rng = np.random.default_rng(seed)
-    imgs: dict[str, bytes] = {}
-    prompts = []
+    """``n`` requests with distinct noise images and random word texts, no system prompt:
+    only the chat template's first tokens are shared."""
+    rnd, rng = random.Random(seed), np.random.default_rng(seed)
+    imgs, prompts = {}, []
     for i in range(n):
-        name = f"noise{i:03d}"
-        imgs[name] = noise_image(rng, image_size)
+        imgs[name := f"noise{i:03d}"] = noise_image(rng, image_size)
         lead = " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(4, 10)))
         tail = " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(6, 14)))
-        msgs = [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": f"{lead.capitalize()}: "},
-                    {"type": "image"},
-                    {"type": "text", "text": f"{tail}?"},
-                ],
-            }
+        content = [
+            {"type": "text", "text": f"{lead.capitalize()}: "},
+            {"type": "image"},
+            {"type": "text", "text": f"{tail}?"},
         ]
-        prompts.append(Prompt(msgs, [name]))
+        prompts.append(Prompt([{"role": "user", "content": content}], [name]))
     return Workload(
         "no_sharing",
         f"{n} requests with distinct random-noise images and random texts (overhead check)",
@@ -408,18 +382,74 @@ def no_sharing(n: int, max_tokens: int, seed: int = 0, image_size: int = 336) ->
         [prompts],
         max_tokens,
         {"requests": n, "max_tokens": max_tokens, "seed": seed},
-        [
-            "no system prompt; text before the image differs per request, so only the "
-            "chat template's first tokens are shared"
-        ],
     )
 
 
-def _pick(rnd: random.Random, pool: Sequence[str], n: int) -> list[str]:
-    """``n`` items from ``pool`` without repeats while possible, then cycling."""
-    items = list(pool)
-    out: list[str] = []
-    while len(out) < n:
-        rnd.shuffle(items)
-        out.extend(items[: n - len(out)])
-    return out
+def interleaved(k: int, m: int, c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
+    """:func:`many_questions` (``k`` x ``m``) and :func:`multi_turn` (``c`` x ``t``, on
+    photos ``k .. k + c - 1``, so no image is shared) mixed: every question is a
+    one-request session, and the sessions come in a seeded shuffled order."""
+    mq, mt = many_questions(k, m, max_tokens, seed), multi_turn(c, t, max_tokens, seed + 1)
+    imgs = photos(k + c)
+    rename = dict(zip(mt.images, list(imgs)[k:], strict=True))
+    turns = [Prompt(p.messages, [rename[n] for n in p.images]) for p in mt.prompts]
+    q = mq.num_requests
+    chains = [[i] for i in range(q)] + [[q + i for i in s] for s in mt.sessions]
+    random.Random(seed).shuffle(chains)
+    return Workload(
+        "interleaved",
+        f"{k} images x {m} questions and {c} sessions x {t} turns, interleaved",
+        imgs,
+        [mq.prompts + turns],
+        max_tokens,
+        {"images": k, "questions": m, "sessions": c, "turns": t, "max_tokens": max_tokens},
+        sessions=chains,
+    )
+
+
+FACTORIES: dict[str, Any] = {
+    "many_questions": many_questions,
+    "llava_bench": lambda k, m, n, seed: many_questions(k, m, n, seed, "llava_bench"),
+    "multi_turn": multi_turn,
+    "video_frames": video_frames,
+    "no_sharing": no_sharing,
+}
+
+#: Sizes per suite and scale: a workload's generator arguments before ``max_tokens``.
+#: ``engine`` (in-process; ``baseline_max``: transformers requests per workload,
+#: ``repeats``: on/off pairs on no_sharing, ``sweep_points``: KV-pool sizes) and ``http``
+#: (``rates``: offered req/s, inf = a burst).
+SCALES: dict[str, dict[str, dict[str, Any]]] = {
+    "engine": {
+        "ci": dict(many_questions=(2, 2), multi_turn=(2, 2), video_frames=(3, 1),
+                   no_sharing=(2,), max_tokens=2, baseline_max=2, repeats=1, sweep_points=2),
+        "quick": dict(many_questions=(3, 6), multi_turn=(4, 4), video_frames=(6, 2),
+                      no_sharing=(4,), max_tokens=8, baseline_max=6, repeats=4, sweep_points=3),
+        "full": dict(many_questions=(4, 10), multi_turn=(8, 5), video_frames=(16, 4),
+                     no_sharing=(12,), max_tokens=16, baseline_max=None, repeats=3,
+                     sweep_points=6),
+    },
+    "http": {
+        "ci": dict(many_questions=(1, 2), llava_bench=(2, 1), multi_turn=(1, 2),
+                   video_frames=(2, 1), no_sharing=(2,), max_tokens=3, rates=[float("inf")]),
+        "quick": dict(many_questions=(3, 6), llava_bench=(8, 2), multi_turn=(4, 3),
+                      video_frames=(6, 2), no_sharing=(4,), max_tokens=8,
+                      rates=[1.0, float("inf")]),
+        "full": dict(many_questions=(4, 10), llava_bench=(24, 2.5), multi_turn=(8, 5),
+                     video_frames=(16, 4), no_sharing=(12,), max_tokens=16,
+                     rates=[0.5, 1.0, 2.0, float("inf")]),
+    },
+}  # fmt: skip
+ENGINE_WORKLOADS = ("many_questions", "multi_turn", "video_frames", "no_sharing")
+HTTP_WORKLOADS = ("many_questions", "llava_bench", "multi_turn", "video_frames", "no_sharing")
+
+
+def build(name: str, scale: dict[str, Any], seed: int = 0) -> Workload:
+    """Workload ``name`` at ``scale`` (a value of :data:`SCALES`).
+
+    Raises:
+        ValueError: an unknown name, or one the scale has no size for.
+    """
+    if name not in FACTORIES or name not in scale:
+        raise ValueError(f"unknown workload {name!r}")
+    return FACTORIES[name](*scale[name], scale["max_tokens"], seed)

@@ -25,7 +25,7 @@
 #   pytest       340 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
 #                equality with transformers in fp32 on CUDA) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
-#   benchmark    70 s: benchmarks/many_questions.py, small model on CUDA (cache on vs off)
+#   benchmark    70 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
 #   --tp 2      150 s, only with two GPUs (else a "skipped" row with the reason):
 #                tests/gpu/test_tp_gpu.py, tp 2 over NCCL against tp 1 (fp32 and bf16)
 #
@@ -295,11 +295,12 @@ if [[ $ONLY != setup ]]; then
 
   phase "benchmark many_questions" "$BENCH_TIMEOUT" "$PY" -c '
 import json, sys
-from benchmarks.many_questions import main
-result = main(sys.argv[2:])
+from benchmarks import in_process, workloads
+wl = workloads.many_questions(4, 4, 16)
+result = in_process.cache_on_off(in_process.model_dir("small"), wl, device="cuda")
 with open(sys.argv[1], "w") as f:
     json.dump(result, f, indent=2, default=str)
-' "$OUT_DIR/benchmark.json" --size small --device cuda --images 4 --questions 4 --max-tokens 16
+' "$OUT_DIR/benchmark.json"
 fi
 
 # ---- summary ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@
 #      convert_image_encoder_to_gguf.py --use-f32)
 #   5. write DIR/setup.json (versions, paths, seconds per step)
 #
-# Runs outside CI; `python -m benchmarks.serve` uses DIR when it exists.
+# Runs outside CI; `python -m benchmarks serve` uses DIR when it exists.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -67,7 +67,7 @@ t=$(date +%s)
 HF="$DIR/model/hf"
 if [ ! -f "$HF/model.safetensors" ]; then
   step "writing the $SIZE LLaVA-1.5 checkpoint with a SentencePiece tokenizer to $HF"
-  (cd "$ROOT" && nice -n 10 "$PY" -m benchmarks.llamacpp make-checkpoint "$HF" --size "$SIZE") >>"$LOG" 2>&1
+  (cd "$ROOT" && nice -n 10 "$PY" -m benchmarks llamacpp make-checkpoint "$HF" --size "$SIZE") >>"$LOG" 2>&1
 fi
 SECS[checkpoint]=$(($(date +%s) - t))
 
@@ -78,7 +78,7 @@ LM_GGUF="$DIR/model/lm-f32.gguf"
 if [ ! -f "$LM_GGUF" ]; then
   step "language model -> $LM_GGUF (convert_hf_to_gguf.py --outtype f32)"
   rm -rf "$DIR/model/lm"
-  (cd "$ROOT" && nice -n 10 "$PY" -m benchmarks.llamacpp export-lm "$HF" "$DIR/model/lm") >>"$LOG" 2>&1
+  (cd "$ROOT" && nice -n 10 "$PY" -m benchmarks llamacpp export-lm "$HF" "$DIR/model/lm") >>"$LOG" 2>&1
   nice -n 10 "$PY" "$SRC/convert_hf_to_gguf.py" "$DIR/model/lm" --outtype f32 --outfile "$LM_GGUF" >>"$LOG" 2>&1
 fi
 MMPROJ="$DIR/model/vit/mmproj-model-f32.gguf"
@@ -89,7 +89,7 @@ if [ ! -f "$MMPROJ" ]; then
   # the surgery reads <dir>/model*.safetensors and writes llava.clip + llava.projector beside it
   cp "$HF/config.json" "$SURG/" && ln -s "$HF/model.safetensors" "$SURG/model.safetensors"
   nice -n 10 "$PY" "$SRC/tools/mtmd/legacy-models/llava_surgery_v2.py" -C -m "$SURG" >>"$LOG" 2>&1
-  (cd "$ROOT" && "$PY" -m benchmarks.llamacpp vit-dir "$HF" "$SURG" "$DIR/model/vit") >>"$LOG" 2>&1
+  (cd "$ROOT" && "$PY" -m benchmarks llamacpp vit-dir "$HF" "$SURG" "$DIR/model/vit") >>"$LOG" 2>&1
   # a patched copy: --use-f32 still writes the projector and the patch-embedding conv in f16,
   # the copy keeps them f32 too (ggml's conv im2col input is f16 whatever the weight type);
   # and it runs under transformers 5 (see the shim below)
@@ -147,4 +147,4 @@ if os.path.exists(prev):  # keep the first run's timings of steps a rerun skippe
 json.dump(info, open(prev, "w"), indent=2)
 print(json.dumps(info, indent=2))
 PYEOF
-step "done in $(($(date +%s) - T0)) s; python -m benchmarks.serve picks up $DIR"
+step "done in $(($(date +%s) - T0)) s; python -m benchmarks serve picks up $DIR"

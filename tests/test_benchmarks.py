@@ -1,20 +1,22 @@
-"""The benchmark harness (benchmarks/): offline optimum, and a tiny end-to-end run.
-
-These check the harness (files, systems, hit-rate bookkeeping, output equality),
-not speed: timings on a shared CI machine mean nothing.
-"""
+"""The benchmark tool's behaviour (benchmarks/): workloads, the offline optimum, the report's
+arithmetic, the cost bound's totals and the in-process runner. Timings on a shared machine
+mean nothing, so nothing here asserts a speed."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
-from benchmarks import workloads
-from benchmarks.run import MAIN_POLICY, POLICIES, WORKLOADS, main
-from benchmarks.systems import MMServeRunner, policy_supported
+from benchmarks import batch_api, report, workloads
+from benchmarks.__main__ import main
+from benchmarks.cost_bound import share_costs, totals
+from benchmarks.in_process import MMServeRunner, cache_on_off, spread
 
 
 def _naive_trie_nodes(seqs: list[list[int]]) -> int:
@@ -32,16 +34,12 @@ def _naive_trie_nodes(seqs: list[list[int]]) -> int:
 
 def test_offline_optimum_hand_made() -> None:
     # trie: 1-2-3, 1-2-4, 5-6 (the second [1, 2, 3] and the prefix [1, 2] add nothing)
-    seqs = [[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, 6], [1, 2]]
-    got = workloads.optimal_hit_rate(seqs)
-    assert got["total_tokens"] == 13
-    assert got["distinct_tokens"] == 6
+    got = workloads.optimal_hit_rate([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, 6], [1, 2]])
+    assert (got["total_tokens"], got["distinct_tokens"]) == (13, 6)
     assert got["optimal_hit_rate"] == pytest.approx(1 - 6 / 13)
     assert workloads.optimal_hit_rate([])["optimal_hit_rate"] == 0.0
-    # image pseudo-ids are negative; a shared image run counts once
-    img = list(range(-1, -577, -1))
-    two = workloads.optimal_hit_rate([[1, *img, 7], [1, *img, 8]])
-    assert two["distinct_tokens"] == 1 + 576 + 2
+    img = list(range(-1, -577, -1))  # a shared image run counts once
+    assert workloads.trie_size([[1, *img, 7], [1, *img, 8]]) == 1 + 576 + 2
 
 
 def test_trie_size_matches_naive_trie() -> None:
@@ -51,94 +49,228 @@ def test_trie_size_matches_naive_trie() -> None:
         assert workloads.trie_size(seqs) == _naive_trie_nodes(seqs)
 
 
-def test_workloads_are_seeded_and_shaped() -> None:
-    a = workloads.many_questions(2, 3, 4, seed=1)
-    b = workloads.many_questions(2, 3, 4, seed=1)
-    assert [p.messages for p in a.prompts] == [p.messages for p in b.prompts]
-    assert a.num_requests == 6 and len(a.rounds) == 1
+def _pixels(data: bytes) -> bytes:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).tobytes()
+
+
+def test_workloads_are_deterministic_per_seed() -> None:
+    for name in workloads.HTTP_WORKLOADS:
+        scale = workloads.SCALES["http"]["quick"]
+        a, b = workloads.build(name, scale, seed=3), workloads.build(name, scale, seed=3)
+        assert [p.messages for p in a.prompts] == [p.messages for p in b.prompts], name
+        assert a.images == b.images and a.sessions == b.sessions, name
+    one = workloads.many_questions(3, 4, 2, seed=1).prompts
+    other = workloads.many_questions(3, 4, 2, seed=2).prompts
+    assert [p.messages for p in one] != [p.messages for p in other]
+    with pytest.raises(ValueError, match="unknown workload"):
+        workloads.build("llava_bench", workloads.SCALES["engine"]["ci"])
+
+
+def test_photos_are_distinct_pixels_past_the_samples() -> None:
+    imgs = workloads.photos(16)  # rotating a mirror twice would repeat the originals
+    assert len({_pixels(b) for b in imgs.values()}) == 16
+    assert imgs["cat.png"] == workloads.photo_bytes("cat.png")
+
+
+def test_workload_shapes() -> None:
+    lb = workloads.build("llava_bench", {"llava_bench": (3, 2.5), "max_tokens": 2})
+    per_image = [sum(p.images == [n] for p in lb.prompts) for n in lb.images]
+    assert per_image == [3, 3, 2]  # round(3 * 2.5) = 8, spread as evenly as possible
     mt = workloads.multi_turn(2, 3, 4)
     assert [len(r) for r in mt.rounds] == [2, 2, 2]
-    last = mt.rounds[2][0].messages
-    assert [m["role"] for m in last] == ["system", "user", "assistant", "user", "assistant", "user"]
-    # sessions: turn t of session s is in round t, same image, history grows by one exchange
-    assert len(mt.sessions) == 2 and all(len(s) == 3 for s in mt.sessions)
-    assert sorted(i for s in mt.sessions for i in s) == list(range(mt.num_requests))
+    assert sorted(i for s in mt.sessions for i in s) == list(range(6))
     for s in mt.sessions:
         turns = [mt.prompts[i] for i in s]
-        assert [i // 2 for i in s] == [0, 1, 2]
-        assert len({tuple(p.images) for p in turns}) == 1
-        for a, b in zip(turns, turns[1:], strict=False):
+        assert [i // 2 for i in s] == [0, 1, 2] and len({p.images[0] for p in turns}) == 1
+        for a, b in zip(turns, turns[1:], strict=False):  # history grows by one exchange
             assert b.messages[: len(a.messages)] == a.messages
-    assert len({mt.prompts[s[0]].images[0] for s in mt.sessions}) == 2
+            assert [m["role"] for m in b.messages[len(a.messages) :]] == ["assistant", "user"]
     frames = workloads.pan_frames(6, repeat_every=3)
-    assert frames[2] == frames[1] and frames[5] == frames[4]
-    assert len(set(frames)) == 4
+    assert frames[2] == frames[1] and frames[5] == frames[4] and len(set(frames)) == 4
+    mixed = workloads.interleaved(3, 3, 2, 3, 4)
+    assert sorted(i for s in mixed.sessions for i in s) == list(range(mixed.num_requests))
+    chats = [s for s in mixed.sessions if len(s) > 1]
+    asked = {n for s in mixed.sessions if len(s) == 1 for n in mixed.prompts[s[0]].images}
+    chatted = {n for s in chats for i in s for n in mixed.prompts[i].images}
+    assert len(chats) == 2 and len(asked) == 3 and len(chatted) == 2 and not asked & chatted
 
 
-def test_closed_loop_matches_lock_step(loaded, model_dir: Path) -> None:
+def test_openai_messages_put_urls_in_image_order() -> None:
+    p = workloads.Prompt(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}],
+            }
+        ],
+        ["b", "a"],
+    )
+    parts = workloads.openai_messages(p, {"a": "data:A", "b": "id-b"})[0]["content"]
+    assert [x.get("image_url", {}).get("url") for x in parts] == ["id-b", None, "data:A"]
+    assert workloads.data_url(b"\x89PNG....").startswith("data:image/png;base64,")
+
+
+def test_percentiles_match_numpy() -> None:
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100):
+        xs = list(rng.exponential(size=n))
+        got = report.percentiles(xs)
+        for q in (50, 90, 99):
+            assert got[f"p{q}"] == pytest.approx(float(np.percentile(xs, q)))
+        assert got["mean"] == pytest.approx(float(np.mean(xs)))
+    assert report.percentiles([])["p50"] is None
+    assert spread(10, 3) == [0, 4, 9] and spread(3, None) == [0, 1, 2]
+
+
+def _system(name: str, rps: float, cpu_rps: float, hit: float = 0.0, **kw: object) -> dict:
+    return dict(
+        system=name,
+        requests_per_s=rps,
+        requests_per_cpu_s=cpu_rps,
+        cache_hit_rate=hit,
+        pool_tokens=100,
+        **kw,
+    )
+
+
+def test_targets_from_known_figures() -> None:
+    mq = {
+        "prompts": {"optimal_hit_rate": 0.8},
+        "systems": [
+            _system("transformers", 1.0, 2.0),
+            _system("mmserve-off", 2.0, 2.0),
+            _system("mmserve-lpm", 7.0, 5.0, hit=0.78),
+        ],
+    }
+    ns = {
+        "systems": [
+            _system("mmserve-off", 2.0, 2.0),
+            _system("mmserve-lpm", 1.0, 1.0, tree_fraction=0.01, tree_seconds=0.1),
+        ],
+        "paired_on_off": {"wall_ratios": [0.9, 1.0, 1.2], "cpu_ratios": [1.0, 1.0, 0.5]},
+    }
+    got = {
+        t["target"]: t
+        for t in report.engine_targets({"many_questions": mq, "no_sharing": ns}, {}, "lpm")
+    }
+    vs_hf = got["many_questions: cache-on req/s vs transformers (wall time)"]
+    assert vs_hf["value"] == pytest.approx(7.0) and vs_hf["met"] is True
+    assert got["many_questions: cache-on req/s vs transformers (CPU time)"]["met"] is False  # 2.5
+    assert got["many_questions: cache-on req/s vs mmserve-off (wall time)"]["value"] == 3.5
+    hit = got["many_questions (mmserve-lpm): hit rate / offline optimum"]
+    assert hit["value"] == pytest.approx(0.975) and hit["met"] is False  # needs 0.98
+    assert got["no_sharing: radix-tree time / wall time"]["met"] is False  # 1 % > 0.3 %
+    wall = got["no_sharing: cache-on / cache-off throughput (wall time)"]
+    assert wall["value"] == 1.0 and wall["met"] is True  # median of the pairs, not the runs' 0.5
+
+
+def test_http_achieved_over_bound() -> None:
+    res = {
+        "workloads": {
+            "w": {
+                "bound": {"bound_s": 1.0, "bound_cpu_s": 0.5},
+                "runs": {
+                    "mmserve": {
+                        "1": {"duration_s": 9.0, "server_cpu_s": 9.0},
+                        "burst": {"duration_s": 2.0, "server_cpu_s": 1.0},
+                    }
+                },
+            }
+        }
+    }
+    assert report.achieved(res, "w", "mmserve") == {"wall": 0.5, "cpu": 0.5, "rate": "burst"}
+    got = report.http_targets(res, "w", 0.95, 8)
+    assert [t["met"] for t in got] == [False, False]
+
+
+def test_cost_bound_totals_and_shared_costs() -> None:
+    a = dict(
+        distinct_prompt_tokens=100,
+        prompt_tokens=400,
+        distinct_images=2,
+        images=8,
+        decode_steps=10,
+        prefill_s_per_token=0.01,
+        prefill_cpu_s_per_token=0.02,
+        tower_s_per_image=0.5,
+        tower_cpu_s_per_image=0.5,
+        decode_step_s=0.1,
+        decode_step_cpu_s=0.1,
+    )
+    totals(a)
+    assert a["bound_s"] == pytest.approx(1.0 + 1.0 + 1.0)
+    assert a["bound_cpu_s"] == pytest.approx(2.0 + 1.0 + 1.0)
+    assert a["max_speedup_from_reuse"] == pytest.approx((4.0 + 4.0 + 1.0) / 3.0)
+    b = {**a, "prefill_s_per_token": 0.005, "tower_s_per_image": 0.9}
+    share_costs([a, b])
+    assert a["prefill_s_per_token"] == b["prefill_s_per_token"] == 0.005
+    assert a["tower_s_per_image"] == b["tower_s_per_image"] == 0.5
+    assert b["own_tower_s_per_image"] == 0.9 and b["bound_s"] == pytest.approx(0.5 + 1.0 + 1.0)
+
+
+def test_closed_loop_equals_lock_step_and_arrivals(loaded, model_dir: Path) -> None:  # noqa: ANN001
     mm = MMServeRunner(loaded, str(model_dir))
     wl = workloads.multi_turn(3, 3, 2)
-    closed = mm.run(wl, "closed", radix_cache=True)
-    lock = mm.run(wl, "lock", radix_cache=True, closed_loop=False)
-    assert any("closed loop" in n for n in closed.notes)
-    assert not any("closed loop" in n for n in lock.notes)
-    for r in (closed, lock):
+    closed = mm.run(wl, "closed")
+    lock = mm.run(wl, "lock", closed_loop=False)
+    timed = mm.run(wl, "timed", arrivals=[0.01 * i for i in range(wl.num_requests)])
+    for r in (closed, lock, timed):
         assert r.all_finished and r.leak_free and len(r.outputs) == wl.num_requests
-        assert len(r.ttfts_s) == wl.num_requests and min(r.ttfts_s) >= 0.0
-    assert closed.outputs == lock.outputs  # same prompts, greedy: same tokens
+        assert r.steps["prefill"] >= 1 and r.steps["decode"] >= 1
+    assert closed.outputs == lock.outputs == timed.outputs  # same prompts, greedy
+    # a turn's history is cached when it arrives after its previous answer
+    assert closed.cached_tokens > 0 and closed.summary()["cache_hit_rate"] > 0.5
     with pytest.raises(ValueError, match="no sessions"):
-        mm.run(workloads.many_questions(1, 1, 2), "x", radix_cache=True, closed_loop=True)
+        mm.run(workloads.many_questions(1, 1, 2), "x", closed_loop=True)
 
 
-def test_harness_end_to_end(tmp_path: Path, model_dir: Path) -> None:
+def test_cache_on_off_counts_reuse(model_dir: Path, capsys) -> None:  # noqa: ANN001
+    k, m = 2, 3
+    got = cache_on_off(str(model_dir), workloads.many_questions(k, m, 2))
+    on, off = got["on"], got["off"]
+    assert on["requests"] == off["requests"] == k * m and on["output_tokens"] == k * m * 2
+    assert on["vision_tower_runs"] == k and on["image_prefills"] == k
+    assert off["image_prefills"] == k * m and off["cache_hit_rate"] == 0.0
+    assert 0 < on["cache_hit_rate"] < 1
+    assert got["ratio"]["image_prefills"] == pytest.approx(1 / m)
+    assert "image_prefills" in capsys.readouterr().out
+
+
+def test_run_suite_ci(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "results"
-    assert main(["--scale", "ci", "--model", str(model_dir), "--out", str(out)]) == 0
-    on_policies = [p for p in POLICIES if policy_supported(p) is None]
-    assert MAIN_POLICY in on_policies
-    for name in WORKLOADS:
+    argv = ["run", "--scale", "ci", "--model", str(model_dir), "--out", str(out)]
+    assert main([*argv, "--policies", "lpm,fcfs", "--baseline-max", "1"]) == 0
+    for name in workloads.ENGINE_WORKLOADS:
         res = json.loads((out / f"{name}.json").read_text())
         systems = {s["system"]: s for s in res["systems"]}
-        expected = {"transformers", "mmserve-off", *(f"mmserve-{p}" for p in on_policies)}
-        assert expected <= set(systems), (name, set(systems))
-        opt = res["prompts"]["optimal_hit_rate"]
-        assert 0.0 <= opt < 1.0
-        for s in systems.values():
-            assert 0.0 <= s["cache_hit_rate"] <= 1.0, (name, s["system"])
-            assert 0.0 <= s["tree_fraction"] <= 1.0
-            assert s["requests_per_s"] > 0 and s["output_tokens"] > 0
-            assert s["all_finished"], (name, s["system"])
-            if s["kind"] == "mmserve":
-                assert s["leak_free"], (name, s["system"], s["notes"])
-                # cache-on may not beat the offline optimum (one token is always computed)
-                assert s["cache_hit_rate"] <= opt + 1e-9
+        assert {"transformers", "mmserve-off", "mmserve-lpm", "mmserve-fcfs"} <= set(systems)
         assert systems["mmserve-off"]["cache_hit_rate"] == 0.0
-        assert systems["transformers"]["cache_hit_rate"] == 0.0
-        if name != "no_sharing":
-            assert systems[f"mmserve-{MAIN_POLICY}"]["cache_hit_rate"] > 0.0
-        for label, cmp in res["comparisons"].items():
-            if label.startswith("mmserve"):
-                assert cmp["mismatches_vs_off"] == 0, (name, label)
-    mt = json.loads((out / "multi_turn.json").read_text())
-    assert mt["arrival"] == "closed-loop"
-    halves = {s["system"] for s in mt["systems"] if s["system"].endswith("-halfpool")}
-    assert halves == {f"mmserve-{p}-halfpool" for p in on_policies}
+        for label, cmp in res["comparisons"].items():  # caches never change greedy tokens
+            assert cmp.get("mismatches_vs_off", 0) == 0, (name, label)
+        assert all(s["leak_free"] for s in systems.values() if s["kind"] == "mmserve")
     sweeps = json.loads((out / "pool_sweep.json").read_text())
-    assert set(sweeps) == {"many_questions", "multi_turn"}
     for sweep in sweeps.values():
         pools = [p["pool_tokens"] for p in sweep["points"]]
-        assert max(pools) == sweep["working_set_tokens"]
-        assert min(pools) == sweep["one_request_tokens"]
-        for p in sweep["points"]:
-            assert p["all_finished"] and p["leak_free"] and p["output_mismatches"] == 0
-            assert 0.0 <= p["cache_hit_rate"] <= sweep["optimal_hit_rate"] + 1e-9
-    try:
-        import matplotlib  # noqa: F401  (optional: the "bench" extra)
-    except ImportError:
-        pass
-    else:
-        assert (out / "pool_sweep.png").stat().st_size > 0
-    summary = (out / "summary.md").read_text()
-    assert "## Targets" in summary and "## many_questions" in summary
+        assert (max(pools), min(pools)) == (
+            sweep["working_set_tokens"],
+            sweep["one_request_tokens"],
+        )
+        assert all(p["all_finished"] and p["output_mismatches"] == 0 for p in sweep["points"])
     targets = json.loads((out / "targets.json").read_text())["targets"]
-    assert len(targets) >= 10
-    assert all(t["met"] in (True, False) for t in targets)
+    names = [t["target"] for t in targets]
+    assert "multi_turn (mmserve-lpm-halfpool): hit rate / offline optimum" in names
+    summary = (out / "summary.md").read_text()
+    assert "## Targets" in summary and "| mmserve-fcfs-halfpool |" in summary
+
+
+def test_batch_api_benchmark_tiny(model_dir: Path, capsys) -> None:  # noqa: ANN001
+    args = ["--model", str(model_dir), "--images", "3", "--questions", "2", "--probes", "2"]
+    out = batch_api.main([*args, "--ttft-scale", "1", "--probe-period", "0.05"])
+    printed = capsys.readouterr().out
+    assert "/v1/batches" in printed and "chat burst" in printed and "TTFT p50" in printed
+    a, b, c = out["batch"], out["burst"], out["ttft"]
+    assert a["requests"] == b["requests"] == 6
+    # the pool holds every photo: the batch reaches the optimum, one tower run per photo
+    assert a["hit_rate"] == pytest.approx(out["optimum"], rel=0.02) and 0 < out["optimum"] < 1
+    assert a["tower_runs"] == 3 and b["tower_runs"] >= 3
+    assert c["during_n"] >= 1 and c["ratio"] == pytest.approx(c["during_p50"] / c["idle_p50"])

@@ -35,7 +35,8 @@ from api.cli import build_parser, replica_settings_from_args  # noqa: E402
 from api.replicas.frontend import FrontEnd, load_frontend_model  # noqa: E402
 from api.replicas.prefix_tree import PrefixTree  # noqa: E402
 from api.replicas.settings import ReplicaSettings  # noqa: E402
-from benchmarks import replicas as bench  # noqa: E402
+from benchmarks import experiments as bench  # noqa: E402
+from benchmarks import report, workloads  # noqa: E402
 from mmserve.config import EngineConfig  # noqa: E402
 from mmserve.engine.request import SamplingParams  # noqa: E402
 from tests.live_server import live_server, metric  # noqa: E402
@@ -45,7 +46,7 @@ MODEL = "tiny"
 RAY_ARGS = ("--replicas", "2", "--cpus-per-replica", "0.5", "--served-model-name", MODEL)
 #: Ray, two replicas and an ingress on two shared cores: start-up takes a while.
 START_TIMEOUT = 300
-#: The interleaved workload of the hit-rate tests (benchmarks/replicas.py, "ci" scale).
+#: The interleaved workload of the hit-rate tests (`python -m benchmarks replicas`, "ci" scale).
 WORKLOAD = dict(k=3, m=3, c=2, t=3, max_tokens=4)
 CONCURRENCY = 3
 
@@ -125,7 +126,7 @@ def wait_for(cond, timeout: float, what: str, every: float = 0.5):  # noqa: ANN0
 def run_workload(url: str) -> dict:
     """The interleaved workload from cold caches; the benchmark's figures."""
     flush(url)
-    wl = bench.interleaved(**WORKLOAD)
+    wl = workloads.interleaved(**WORKLOAD)
     res = bench.run_setup(url, MODEL, wl, CONCURRENCY)
     assert res["errors"] == 0, res["error_messages"]
     return res
@@ -344,14 +345,11 @@ def test_cache_router_policy() -> None:
 
 
 def test_benchmark_workload_and_summary_side_by_side() -> None:
-    wl = bench.interleaved(**WORKLOAD)
+    wl = workloads.interleaved(**WORKLOAD)
     assert wl.num_requests == 3 * 3 + 2 * 3
-    for s, turns in enumerate(wl.sessions):  # turn t holds the history of turns < t
-        assert [j.turn for j in turns] == [0, 1, 2] and {j.session for j in turns} == {s}
-        assert [len(j.messages) for j in turns] == [2, 4, 6]
-    asked = {n for j in wl.arrivals if j.session is None for n in j.images}
-    chatted = {n for turns in wl.sessions for j in turns for n in j.images}
-    assert len(asked) == 3 and len(chatted) == 2 and not asked & chatted
+    chats = [s for s in wl.sessions if len(s) > 1]
+    for turns in chats:  # turn t holds the history of turns < t
+        assert [len(wl.prompts[i].messages) for i in turns] == [2, 4, 6]
     row = dict(
         hit_rate=0.5,
         hit_rate_over_optimum=0.9,
@@ -370,7 +368,7 @@ def test_benchmark_workload_and_summary_side_by_side() -> None:
         | {"optimal_hit_rate": 0.6},
         "setups": {name: row for name, _, _ in bench.SETUPS},
     }
-    md = bench.summary_markdown(results)
+    md = report.replicas_table(results)
     for name in ("1 replica", "2 replicas, cache", "2 replicas, pow2", "2 replicas, round_robin"):
         assert f"| {name} | 0.500 | 0.900 | 1.00 |" in md
 

@@ -1,0 +1,456 @@
+"""The in-process runner: workloads on mmserve's :class:`Engine` and on transformers.
+
+Systems (same prompts, greedy, ``max_tokens`` tokens each, ``ignore_eos``):
+
+- ``transformers``: ``generate`` of the checkpoint's ``*ForConditionalGeneration`` one
+  request at a time (``max_new_tokens = min_new_tokens = N``), TTFT from a streamer;
+  optionally an evenly spaced subsample, wall time extrapolated (mean latency x requests);
+- ``mmserve-off``: the engine with ``disable_radix_cache`` and ``vision_cache_bytes=0``;
+- ``mmserve-<policy>``: the engine with its caches on and that scheduling policy.
+
+An engine run is driven one of three ways: lock-step rounds (each round submitted at
+once, the next when it has finished), closed-loop sessions (every chain's first request
+at once, each next one when its predecessor finishes), or arrival times (requests
+submitted at given offsets, doing the server's front-end work -- image decode and hash,
+chat template, tokenizing -- at each arrival: the in-process side of the HTTP-overhead
+figure). Otherwise image decoding, hashing and tokenizing happen before timing; TTFT
+counts from submission, so it includes queueing. Times come from ``time.perf_counter``
+and CPU times from ``time.process_time`` (not inflated by other processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks.report import percentiles, ratio_table
+from benchmarks.workloads import Workload
+from mmserve.config import EngineConfig
+from mmserve.engine.engine import Engine
+from mmserve.engine.messages import EngineRequest
+from mmserve.engine.request import GenerateResult, ImageInput, SamplingParams
+from mmserve.model.loader import LoadedModel, load_model
+
+#: ``EngineConfig`` fields of "cache off": no KV and no image features reused.
+CACHE_OFF = {"disable_radix_cache": True, "vision_cache_bytes": 0}
+
+
+def model_dir(size: str = "tiny", family: str = "llava", path: Any = None) -> str:
+    """``path``, else the seeded random checkpoint of ``size`` and ``family`` (built once)."""
+    if path:
+        return str(path)
+    from mmserve.model.make_checkpoint import ensure_model
+
+    return str(ensure_model(size, family))
+
+
+@dataclass
+class Run:
+    """Measurements of one system on one workload (seconds; CPU: this process, all threads).
+
+    ``measured_requests`` < ``requests`` when a baseline was subsampled (``wall_s`` and
+    ``cpu_s`` then extrapolated); ``outputs`` are token ids by request index; ``leak_free``:
+    pool accounting held and every page was free after evicting the tree (None: not
+    checked); ``steps``: prefill/decode step counts and seconds of the engine.
+    """
+
+    system: str
+    kind: str
+    requests: int
+    wall_s: float
+    cpu_s: float
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    vision_tower_runs: int
+    policy: str | None = None
+    radix_cache: bool = False
+    pool_tokens: int | None = None
+    measured_requests: int = 0
+    image_prefills: int = 0
+    ttfts_s: list[float] = field(default_factory=list)
+    tpots_s: list[float] = field(default_factory=list)
+    service_ttfts_s: list[float] = field(default_factory=list)
+    tree_seconds: float = 0.0
+    outputs: dict[int, list[int]] = field(default_factory=dict)
+    all_finished: bool = True
+    leak_free: bool | None = None
+    retractions: int = 0
+    repeats: int = 1
+    steps: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready figures: the fields without per-request lists, plus rates."""
+        lists = ("outputs", "ttfts_s", "tpots_s", "service_ttfts_s")
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in lists}
+        per = lambda x, t: x / t if t > 0 else 0.0  # noqa: E731
+        d.update(
+            requests_per_s=per(self.requests, self.wall_s),
+            requests_per_cpu_s=per(self.requests, self.cpu_s),
+            output_tokens_per_s=per(self.output_tokens, self.wall_s),
+            cache_hit_rate=per(self.cached_tokens, self.prompt_tokens),
+            tree_fraction=per(self.tree_seconds, self.wall_s),
+            ttft_p50_s=percentiles(self.ttfts_s)["p50"],
+            ttft_p99_s=percentiles(self.ttfts_s)["p99"],
+            tpot_p50_s=percentiles(self.tpots_s)["p50"],
+            service_ttft_p50_s=percentiles(self.service_ttfts_s)["p50"],
+        )
+        return d
+
+
+def policy_supported(policy: str) -> str | None:
+    """None if ``EngineConfig(policy=policy)`` validates, else its error message."""
+    try:
+        EngineConfig(policy=policy).validate()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def leak_check(eng: Engine) -> tuple[bool, str]:
+    """At a quiescent point: accounting holds, nothing waits, and after evicting the whole
+    tree every page is free. Returns ``(ok, why not)``."""
+    try:
+        eng.scheduler.check_accounting()
+    except AssertionError as e:
+        return False, f"accounting failed: {e}"
+    if eng.has_work():
+        return False, "requests still waiting or running"
+    if not eng.tree.disable:
+        eng.tree.evict(eng.tree.evictable_size())
+    free, total = eng.pool.allocator.num_free, eng.pool.num_pages
+    return free == total, "" if free == total else f"{total - free} of {total} pages not free"
+
+
+class MMServeRunner:
+    """Runs workloads on fresh engines sharing one loaded model.
+
+    Args:
+        model: the loaded checkpoint (read-only weights shared by every engine).
+        model_path: its directory.
+        engine_kwargs: ``EngineConfig`` fields for every engine (device, dtype, ...).
+    """
+
+    def __init__(self, model: LoadedModel, model_path: str, **engine_kwargs: Any) -> None:
+        self.model, self.model_path, self.engine_kwargs = model, model_path, engine_kwargs
+        self.decoded: dict[bytes, ImageInput] = {}  # decoded, hashed images by encoded bytes
+        self.last_engine: Engine | None = None  # the engine of the latest run (its stats)
+
+    def engine(self, **kw: Any) -> Engine:
+        """A fresh engine (empty pool, tree and embedding cache)."""
+        cfg = EngineConfig(model_path=self.model_path, **{**self.engine_kwargs, **kw})
+        return Engine(cfg, model=self.model)
+
+    def requests(
+        self, eng: Engine, wl: Workload, params: SamplingParams | None = None, cached: bool = True
+    ) -> list[EngineRequest]:
+        """Engine requests of every prompt (greedy, ``ignore_eos``, ``wl.max_tokens`` by
+        default); images decoded and hashed once per runner unless ``cached`` is False."""
+        params = params or SamplingParams(
+            max_tokens=wl.max_tokens, temperature=0.0, ignore_eos=True
+        )
+        out = []
+        for p in wl.prompts:
+            imgs = []
+            for n in p.images:
+                data = wl.images[n]
+                if not cached:
+                    imgs.append(eng.processor.prepare_image(data))
+                    continue
+                if data not in self.decoded:
+                    self.decoded[data] = eng.processor.prepare_image(data)
+                imgs.append(self.decoded[data])
+            out.append(eng.processor.make_request(messages=p.messages, images=imgs, params=params))
+        return out
+
+    def prompt_ids(self, wl: Workload) -> list[list[int]]:
+        """Every prompt's token ids, image pseudo-ids included."""
+        eng = self.engine(**CACHE_OFF)
+        return [r.input_ids for r in self.requests(eng, wl, SamplingParams(max_tokens=1))]
+
+    def run(
+        self,
+        wl: Workload,
+        label: str,
+        *,
+        radix_cache: bool = True,
+        policy: str = "lpm",
+        closed_loop: bool | None = None,
+        arrivals: list[float] | None = None,
+        check_leaks: bool = True,
+        **engine_kw: Any,
+    ) -> Run:
+        """Run ``wl`` on a fresh engine and measure it.
+
+        Args:
+            closed_loop: drive ``wl.sessions`` closed-loop (None: when it has sessions);
+                False: lock-step rounds.
+            arrivals: submit request ``i`` at ``arrivals[i]`` seconds, doing the front-end
+                work then (overrides ``closed_loop``).
+            engine_kw: more ``EngineConfig`` fields (``max_total_tokens``, tiers, ...).
+
+        Raises:
+            ValueError: ``closed_loop`` for a workload without sessions.
+        """
+        if closed_loop and not wl.sessions:
+            raise ValueError(f"workload {wl.name!r} has no sessions to drive closed-loop")
+        closed_loop = bool(wl.sessions) if closed_loop is None else closed_loop
+        kw = {"policy": policy, **({} if radix_cache else CACHE_OFF), **engine_kw}
+        eng = self.engine(**kw)
+        n = wl.num_requests
+        if arrivals is not None:
+            build = lambda i: self.requests(eng, _one(wl, i), cached=False)[0]  # noqa: E731
+            got = _drive(eng, build, [range(n)], {}, arrivals)
+        else:
+            reqs = self.requests(eng, wl)
+            if closed_loop:
+                nxt = {a: b for s in wl.sessions for a, b in zip(s, s[1:], strict=False)}
+                got = _drive(eng, reqs.__getitem__, [sorted(s[0] for s in wl.sessions)], nxt)
+            else:
+                ends = list(itertools.accumulate(len(r) for r in wl.rounds))
+                groups = [range(a, b) for a, b in zip([0, *ends], ends, strict=False)]
+                got = _drive(eng, reqs.__getitem__, groups, {})
+        results, wall, cpu, steps = got
+        res = [results[i] for i in sorted(results)]
+        stats = eng.cache_stats()
+        run = Run(
+            system=label,
+            kind="mmserve",
+            requests=n,
+            measured_requests=n,
+            wall_s=wall,
+            cpu_s=cpu,
+            output_tokens=sum(r.completion_tokens for r in res),
+            prompt_tokens=sum(r.prompt_tokens for r in res),
+            cached_tokens=sum(r.cached_tokens for r in res),
+            vision_tower_runs=int(stats["vision_tower_images"]),
+            policy=policy if radix_cache else None,
+            radix_cache=radix_cache,
+            pool_tokens=eng.pool.size_tokens,
+            image_prefills=sum(r.images_needing_vision for r in res),
+            ttfts_s=[r.ttft for r in res],
+            tpots_s=[
+                (r.latency - r.ttft) / (r.completion_tokens - 1)
+                for r in res
+                if r.completion_tokens > 1
+            ],
+            tree_seconds=float(stats.get("tree_seconds", 0.0)),
+            outputs={i: list(r.output_ids) for i, r in results.items()},
+            all_finished=len(res) == n and all(r.finish_reason == "length" for r in res),
+            retractions=int(stats.get("retractions", 0)),
+            steps=steps,
+        )
+        if closed_loop and arrivals is None:
+            run.notes.append(
+                f"closed loop: {len(wl.sessions)} sessions start at once; each sends its next "
+                "request when its previous answer arrives; TTFT from each one's submission"
+            )
+        if check_leaks:
+            run.leak_free, note = leak_check(eng)
+            run.notes += [note] if note else []
+        self.last_engine = eng
+        return run
+
+
+def _one(wl: Workload, i: int) -> Workload:
+    """Request ``i`` of ``wl`` alone (same images and ``max_tokens``)."""
+    return Workload(wl.name, "", wl.images, [[wl.prompts[i]]], wl.max_tokens)
+
+
+def _drive(
+    eng: Engine,
+    build: Any,
+    groups: list[Any],
+    nxt: dict[int, int],
+    at: list[float] | None = None,
+) -> tuple[dict[int, GenerateResult], float, float, dict[str, float]]:
+    """Step ``eng`` over request groups, one group at a time (a lock-step round).
+
+    Within a group, request ``build(i)`` is submitted at once (or at ``at[i]`` seconds
+    after the start) and ``nxt[i]`` as soon as ``i`` finishes (before the next step).
+
+    Returns:
+        ``(results by index, wall s, CPU s, steps)``; ``steps`` counts prefill and decode
+        steps, their seconds, and decode rows (mean batch = rows / steps).
+    """
+    results: dict[int, GenerateResult] = {}
+    steps = dict(prefill=0, prefill_s=0.0, decode=0, decode_s=0.0, decode_rows=0)
+    wall = cpu = 0.0
+    for group in groups:
+        pending = sorted(group, key=lambda i: at[i] if at else 0.0)
+        cols, index = {}, {}
+        c0, t0 = time.process_time(), time.perf_counter()
+        while True:
+            now = time.perf_counter() - t0
+            while pending and (at is None or at[pending[0]] <= now):
+                i = pending.pop(0)
+                arrival = t0 + at[i] if at else time.perf_counter()
+                req = dataclasses.replace(build(i), arrival=arrival)
+                index[req.rid], cols[i] = i, eng.track(req)
+            if not eng.has_work():
+                if not pending or at is None:
+                    break  # done (or, closed loop, nothing left to run: reported as unfinished)
+                time.sleep(max(0.0, at[pending[0]] - (time.perf_counter() - t0)))
+                continue
+            pre, s0 = eng.stats.prefill_steps, time.perf_counter()
+            batch = eng.step()
+            kind = "prefill" if eng.stats.prefill_steps > pre else "decode"
+            steps[kind] += 1
+            steps[f"{kind}_s"] += time.perf_counter() - s0
+            steps["decode_rows"] += len(batch) if kind == "decode" else 0
+            for r in batch:
+                i = index.get(r.rid)
+                if i is not None and cols[i].finished and i not in results:
+                    results[i] = cols[i].result
+                    pending += [nxt[i]] if i in nxt else []
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+    return results, wall, cpu, steps
+
+
+class _FirstToken:
+    """A ``generate`` streamer noting when the first new token arrives (call 1 is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersRunner:
+    """transformers' ``generate`` (the class the checkpoint names) one request at a time.
+
+    Args:
+        model_path: checkpoint directory.
+        never_sample_ids: ids mmserve never samples, passed as ``suppress_tokens``.
+    """
+
+    def __init__(self, model_path: str, never_sample_ids: list[int]) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        from mmserve.model.loader import load_processor
+
+        self.model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
+        self.processor = load_processor(model_path)  # OneVision's needs no torchvision
+        self.never = list(never_sample_ids) or None
+
+    def run(
+        self, wl: Workload, render: Any, images: dict[str, Any], lens: list[int], most: Any = None
+    ) -> Run:
+        """Run ``wl`` (or ``most`` evenly spaced requests of it).
+
+        Args:
+            render: ``messages -> prompt text`` (mmserve's template: both see one string).
+            images: decoded PIL images by name.
+            lens: mmserve's prompt length of each request (tokens).
+        """
+        n = wl.num_requests
+        chosen = spread(n, most)
+        out, lat, cpu, service = {}, {}, {}, {}
+        for i in chosen:
+            p = wl.prompts[i]
+            c0, t0 = time.process_time(), time.perf_counter()
+            inputs = self.processor(
+                images=[images[m] for m in p.images] or None,
+                text=render(p.messages),
+                return_tensors="pt",
+            )
+            streamer = _FirstToken()
+            with torch.inference_mode():
+                ids = self.model.generate(
+                    **inputs,
+                    max_new_tokens=wl.max_tokens,
+                    min_new_tokens=wl.max_tokens,
+                    do_sample=False,
+                    suppress_tokens=self.never,
+                    streamer=streamer,
+                )
+            out[i] = ids[0, inputs["input_ids"].shape[1] :].tolist()
+            lat[i] = time.perf_counter() - t0
+            service[i] = (streamer.first or time.perf_counter()) - t0
+            cpu[i] = time.process_time() - c0
+        mean = sum(lat.values()) / len(lat)
+        ttfts, i = [], 0
+        for rnd in wl.rounds:  # queueing: request i of a round waits for those before it
+            start = 0.0
+            for _ in rnd:
+                if i in lat:
+                    ttfts.append(start + service[i])
+                start, i = start + lat.get(i, mean), i + 1
+        run = Run(
+            system="transformers",
+            kind="transformers",
+            requests=n,
+            measured_requests=len(chosen),
+            wall_s=mean * n if len(chosen) < n else sum(lat.values()),
+            cpu_s=sum(cpu.values()) * n / len(cpu),
+            output_tokens=n * wl.max_tokens,
+            prompt_tokens=sum(lens[i] for i in chosen),
+            cached_tokens=0,
+            vision_tower_runs=sum(len(p.images) for p in wl.prompts),
+            ttfts_s=ttfts,
+            service_ttfts_s=[service[i] for i in chosen],
+            outputs=out,
+        )
+        if len(chosen) < n:
+            run.notes.append(
+                f"SUBSAMPLED: ran {len(chosen)} of {n} requests (evenly spaced); wall time "
+                f"extrapolated as mean latency x {n}"
+            )
+        return run
+
+
+def spread(n: int, k: int | None) -> list[int]:
+    """``k`` evenly spaced indices of ``range(n)`` (all of them when k is None or >= n)."""
+    if k is None or k >= n:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(max(k, 1))})
+
+
+def cache_on_off(path: str, wl: Workload, **engine_kw: Any) -> dict[str, Any]:
+    """``wl`` on one loaded model with the caches on, then off (after an untimed warm-up),
+    as the GPU check runs it; prints the side-by-side table.
+
+    Args:
+        engine_kw: ``EngineConfig`` fields (``device``, ``dtype``, ``attention_backend``).
+
+    Returns:
+        ``{"config", "on", "off", "ratio"}``: the two runs' summaries and on / off per figure.
+    """
+    from mmserve.kernels.select import resolve_attention_backend
+
+    cfg = EngineConfig(model_path=path, **engine_kw)
+    cfg.validate()
+    model = load_model(path, device=cfg.device, dtype=cfg.torch_dtype())
+    mm = MMServeRunner(model, path, **engine_kw)
+    mm.run(_one(wl, 0), "warm-up", check_leaks=False)
+    on, off = mm.run(wl, "on").summary(), mm.run(wl, "off", radix_cache=False).summary()
+    backend = resolve_attention_backend(
+        cfg.attention_backend, cfg.device, model.decoder.embed_tokens.weight.dtype
+    )
+    config = {"model": path, **wl.params, "attention_backend": backend, **engine_kw}
+    print(f"{wl.name}: {wl.description}; {config}")
+    keys = (
+        "requests_per_s",
+        "output_tokens_per_s",
+        "ttft_p50_s",
+        "cache_hit_rate",
+        "vision_tower_runs",
+        "image_prefills",
+        "wall_s",
+    )
+    print(ratio_table(keys, on, off))
+    ratio = {k: on[k] / off[k] if isinstance(on[k], float | int) and off[k] else None for k in on}
+    return {"config": config, "on": on, "off": off, "ratio": ratio}

@@ -1,0 +1,440 @@
+"""The HTTP runner: a load generator for OpenAI-compatible servers, and server processes.
+
+Every request is a streaming ``POST /v1/chat/completions`` (images as ``data:`` URLs or
+uploaded ids), ``max_tokens`` N with ``ignore_eos``, greedy, and
+``stream_options.include_usage`` (token counts come from the final usage chunk and are
+checked against N). Requests go open-loop -- each at its time from a seeded Poisson
+process, or all at once (a burst, ``rate = inf``), whatever the server is doing -- or
+closed-loop from a number of clients, a session's next turn queued when its previous
+answer arrives. :func:`summarize` gives what SGLang's ``bench_serving`` and ``vllm
+bench serve`` report: TTFT (send to first content), TPOT (``(latency - TTFT) / (tokens -
+1)``), inter-token latency (gaps between content chunks), end-to-end latency, request and
+token throughput over the span from the first send to the last answer, and goodput
+(requests/s meeting an SLO on TTFT and TPOT).
+
+Why our own and not ``guidellm``: its wheel pulls ``datasets`` (pyarrow, pandas), sanic,
+uvloop and a dozen more; this is httpx's ``AsyncClient`` and about 150 lines.
+Bodies are serialised before a run, so JSON and base64 work is not timed.
+
+Servers run as processes on a free 127.0.0.1 port with a set thread count; their CPU
+seconds are read from ``/proc`` around each run (a figure other load does not inflate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import numpy as np
+
+from benchmarks.report import percentiles
+from benchmarks.workloads import ROOT, Workload, data_url, openai_messages
+
+#: ``mmserve serve`` flags of the two mmserve systems.
+MMSERVE_SYSTEMS: dict[str, list[str]] = {
+    "mmserve": [],
+    "mmserve-off": ["--disable-radix-cache", "--vision-cache-bytes", "0"],
+}
+
+
+def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Send offsets (s) of ``n`` requests: all 0 for ``rate`` inf, else a Poisson process
+    at ``rate`` req/s (seeded exponential gaps, the first at 0).
+
+    Raises:
+        ValueError: ``rate`` <= 0.
+    """
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 or inf, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    gaps[0] = 0.0
+    return [float(x) for x in np.cumsum(gaps)]
+
+
+def request_bodies(
+    wl: Workload, model: str | None, extra: dict | None = None, urls: dict | None = None
+) -> list[bytes]:
+    """Serialised streaming bodies of every request of ``wl``.
+
+    Args:
+        model: the ``model`` field (None: left out).
+        extra: more fields for every body (e.g. llama.cpp's ``cache_prompt``).
+        urls: image URL by name (default: data URLs of the bytes; or uploaded ids).
+    """
+    urls = urls or {n: data_url(b) for n, b in wl.images.items()}
+    out = []
+    for p in wl.prompts:
+        body = {
+            "messages": openai_messages(p, urls),
+            "max_tokens": wl.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"model": model} if model else {}),
+            **(extra or {}),
+        }
+        out.append(json.dumps(body).encode())
+    return out
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it (seconds from the run's start).
+
+    ``ok``: HTTP 200, a usage chunk and no error event; ``ttft``: send to the first chunk
+    with content; ``latency``: send to the end of the stream; ``chunk_times``: arrivals of
+    content chunks; token counts from the usage chunk (cached: ``prompt_tokens_details``,
+    or llama.cpp's ``timings.cache_n``).
+    """
+
+    index: int
+    scheduled: float
+    sent: float = 0.0
+    ok: bool = False
+    error: str = ""
+    ttft: float | None = None
+    latency: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first (None below two tokens)."""
+        n = self.completion_tokens or 0
+        if self.ttft is None or self.latency is None or n < 2:
+            return None
+        return (self.latency - self.ttft) / (n - 1)
+
+
+async def send(
+    client: httpx.AsyncClient, url: str, body: bytes, res: RequestResult, t0: float
+) -> None:
+    """Send ``body`` to ``url`` at ``t0 + res.scheduled`` and fill ``res`` from the stream."""
+    await asyncio.sleep(max(0.0, t0 + res.scheduled - time.perf_counter()))
+    sent = time.perf_counter()
+    res.sent, text = sent - t0, []
+    try:
+        headers = {"Content-Type": "application/json"}
+        async with client.stream("POST", url, content=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return
+            async for line in resp.aiter_lines():
+                data = line[5:].strip() if line.startswith("data:") else None
+                if data == "[DONE]":
+                    break
+                if not data:
+                    continue
+                now, chunk = time.perf_counter(), json.loads(data)
+                if "error" in chunk:
+                    res.error = f"error event: {str(chunk['error'])[:300]}"
+                for choice in chunk.get("choices") or []:
+                    if content := (choice.get("delta") or {}).get("content"):
+                        res.ttft = now - sent if res.ttft is None else res.ttft
+                        res.chunk_times.append(now - t0)
+                        text.append(content)
+                    res.finish_reason = choice.get("finish_reason") or res.finish_reason
+                if usage := chunk.get("usage"):
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                    res.completion_tokens = usage.get("completion_tokens")
+                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    )
+                timings = chunk.get("timings") or {}  # llama.cpp
+                if res.cached_tokens is None and "cache_n" in timings:
+                    res.cached_tokens = timings["cache_n"]
+        res.latency, res.text = time.perf_counter() - sent, "".join(text)
+        if not res.error and res.completion_tokens is None:
+            res.error = "no usage chunk (stream_options.include_usage ignored?)"
+        res.ok = not res.error
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        res.error, res.latency = f"{type(e).__name__}: {e}"[:300], time.perf_counter() - sent
+
+
+def _client(timeout: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits)
+
+
+def run_load(
+    base_url: str, bodies: Sequence[bytes], arrivals: Sequence[float], timeout: float = 600.0
+) -> tuple[list[RequestResult], float]:
+    """Open loop: ``bodies[i]`` sent ``arrivals[i]`` s after the start; waits for every answer.
+
+    Returns:
+        ``(results in body order, wall seconds from the start to the last answer)``.
+    """
+
+    async def go() -> tuple[list[RequestResult], float]:
+        url = base_url.rstrip("/") + "/v1/chat/completions"
+        results = [RequestResult(i, float(a)) for i, a in enumerate(arrivals)]
+        async with _client(timeout) as client:
+            t0 = time.perf_counter()
+            await asyncio.gather(
+                *(send(client, url, b, r, t0) for b, r in zip(bodies, results, strict=True))
+            )
+            return results, time.perf_counter() - t0
+
+    return asyncio.run(go())
+
+
+def run_sessions(
+    base_url: str,
+    bodies: Sequence[bytes],
+    sessions: list[list[int]],
+    clients: int,
+    timeout: float = 300.0,
+) -> tuple[list[RequestResult], float]:
+    """Closed loop: ``clients`` clients take session chains' requests in order from one
+    queue (each chain's first request, in chain order); when request ``i`` is answered,
+    its chain's next request joins the end of the queue.
+
+    Returns:
+        ``(results by body index, wall seconds)``.
+    """
+    nxt = {a: b for s in sessions for a, b in zip(s, s[1:], strict=False)}
+
+    async def go() -> tuple[list[RequestResult], float]:
+        url = base_url.rstrip("/") + "/v1/chat/completions"
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for s in sessions:
+            queue.put_nowait(s[0])
+        results: dict[int, RequestResult] = {}
+
+        async def client(http: httpx.AsyncClient, t0: float) -> None:
+            while len(results) < len(bodies):
+                try:
+                    i = await asyncio.wait_for(queue.get(), 0.05)
+                except asyncio.TimeoutError:
+                    continue  # another client's answer may still queue a next turn
+                results[i] = RequestResult(i, time.perf_counter() - t0)
+                await send(http, url, bodies[i], results[i], t0)
+                if i in nxt:
+                    queue.put_nowait(nxt[i])
+
+        async with _client(timeout) as http:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client(http, t0) for _ in range(clients)))
+            return [results[i] for i in sorted(results)], time.perf_counter() - t0
+
+    return asyncio.run(go())
+
+
+@dataclass
+class SLO:
+    """Goodput's objective: a request is good when TTFT <= ``ttft_s`` and TPOT <= ``tpot_s``."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, r: RequestResult) -> bool:
+        """``r`` succeeded within both bounds (TPOT holds for one-token answers)."""
+        ok = r.ok and r.ttft is not None and r.ttft <= self.ttft_s
+        return ok and (r.tpot is None or r.tpot <= self.tpot_s)
+
+
+def summarize(
+    results: Sequence[RequestResult], expected_tokens: int, slo: SLO, wall: float | None = None
+) -> dict[str, Any]:
+    """Figures of one run; ``token_counts_ok``: every request succeeded with exactly
+    ``expected_tokens`` completion tokens."""
+    ok = [r for r in results if r.ok]
+    span = max((r.sent + (r.latency or 0.0) for r in results), default=0.0) - min(
+        (r.sent for r in results), default=0.0
+    )
+    per = lambda x: x / span if span else None  # noqa: E731
+    out_tok = sum(r.completion_tokens or 0 for r in ok)
+    in_tok = sum(r.prompt_tokens or 0 for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    wrong = [r.index for r in ok if r.completion_tokens != expected_tokens]
+    good = sum(slo.met(r) for r in results)
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": span,
+        "wall_s": wall,
+        "request_throughput": per(len(ok)),
+        "output_throughput": per(out_tok),
+        "total_token_throughput": per(in_tok + out_tok),
+        "prompt_tokens": in_tok,
+        "output_tokens": out_tok,
+        "cached_tokens": sum(cached) if cached else None,
+        "cache_hit_rate": sum(cached) / in_tok if cached and in_tok else None,
+        "token_counts_ok": not wrong and len(ok) == len(results),
+        "wrong_token_counts": wrong[:20],
+        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": percentiles([t for r in ok if (t := r.tpot) is not None]),
+        "itl_s": percentiles(itl),
+        "e2e_s": percentiles([r.latency for r in ok if r.latency is not None]),
+        "slo": asdict(slo),
+        "good_requests": good,
+        "goodput": per(good),
+        "client_lateness_max_s": max((r.sent - r.scheduled for r in results), default=None),
+    }
+
+
+# ---- server processes ------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 60) -> Any:
+    """GET ``url``, parsed."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post(url: str, body: Any = None, timeout: float = 300) -> tuple[int, bytes]:
+    """POST ``body`` (JSON; raw bytes as given; None: empty) and return ``(status, body)``."""
+    data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def post_json(url: str, body: Any, timeout: float = 300) -> Any:
+    """POST ``body`` as JSON and parse the answer.
+
+    Raises:
+        RuntimeError: a status other than 200.
+    """
+    status, data = post(url, body, timeout)
+    if status != 200:
+        raise RuntimeError(f"{url}: {status} {data[:300]!r}")
+    return json.loads(data)
+
+
+def served_model(url: str) -> str | None:
+    """The first id of ``GET /v1/models``, None if the server does not say."""
+    try:
+        return (get_json(f"{url}/v1/models", 10).get("data") or [{}])[0].get("id")
+    except (OSError, ValueError):
+        return None
+
+
+def flush(url: str) -> None:
+    """Empty mmserve's prefix and vision caches (retried while requests finish, 10 s).
+
+    Raises:
+        RuntimeError: still refused after 10 s.
+    """
+    for _ in range(40):
+        status, body = post(f"{url}/v1/cache/flush")
+        if status == 200:
+            return
+        time.sleep(0.25)
+    raise RuntimeError(f"cache flush refused: {status} {body[:200]!r}")
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all threads); None off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def server(
+    cmd: list[str],
+    env: dict[str, str],
+    log_path: Path | None = None,
+    timeout: float = 180,
+    cwd: Path = ROOT,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``cmd`` plus ``--port`` on a free port; yield ``(url, process)`` once
+    ``/health`` answers 200; SIGTERM (SIGKILL after 20 s) on exit.
+
+    Raises:
+        RuntimeError: the process exited or was not healthy in ``timeout`` s (with its log).
+    """
+    port = free_port()
+    log: IO[bytes] = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)],
+        env={**os.environ, **env},
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                log.flush()
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"server {cmd[:4]} not healthy (exit {proc.poll()}): {tail}")
+            time.sleep(0.25)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def mmserve_server(
+    model: str | None,
+    flags: Sequence[str] = (),
+    threads: int = 1,
+    log_path: Path | None = None,
+    launcher: Sequence[str] = ("-m", "api.cli"),
+    env: dict | None = None,
+    repo: Path = ROOT,
+    timeout: float = 180,
+) -> Any:
+    """:func:`server` of ``mmserve serve`` (from checkout ``repo``) on ``model`` (None: the
+    bundled one) with ``threads`` OpenMP threads."""
+    cmd = [sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--log-level", "warning"]
+    cmd += [*(["--model", str(model)] if model else []), "--max-queued-requests", "4096"]
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
+    if repo != ROOT:
+        env["PYTHONPATH"] = str(repo)
+    return server([*cmd, *flags], env, log_path, timeout, cwd=repo)
