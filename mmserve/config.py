@@ -35,11 +35,15 @@ class EngineConfig:
         max_running_requests: most requests decoding at once.
         max_prefill_tokens: new-token budget of one prefill step (tokens); a longer
             prompt is prefilled in chunks of at most this many tokens.
-        max_num_batched_tokens: most tokens one mixed step computes (tokens): every
-            running request's decode token, then prefill chunks of waiting requests in
-            what is left (at most ``max_prefill_tokens``), so a long prompt delays the
-            running streams by one chunk's time per step, not by its whole prefill
-            (vLLM's chunked prefill with the same name).
+        max_num_batched_tokens: most tokens one mixed step computes while requests are
+            decoding (tokens): every running request's decode token, then prefill chunks
+            of waiting requests in what is left (at most ``max_prefill_tokens``), so a
+            long prompt delays the running streams by one chunk's time per step, not by
+            its whole prefill (vLLM's chunked prefill with the same name). A step with
+            nothing decoding prefills up to ``max_prefill_tokens``. 0 = by device: 2048
+            on CUDA, 256 on the CPU (where a prefill token costs about as much as a
+            decode step's share of a small batch, so 2048 would hold streams for
+            seconds).
         background_prefill_tokens: most prompt tokens background requests (batch jobs,
             ``EngineRequest.priority`` > 0) prefill in one step (tokens); their prompts
             go in chunks this size, so a step running them stays short and an
@@ -97,7 +101,7 @@ class EngineConfig:
     max_total_tokens: int = 32768
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 0
     background_prefill_tokens: int = 128
     disable_mixed_steps: bool = False
     disable_radix_cache: bool = False
@@ -119,6 +123,12 @@ class EngineConfig:
     kv_disk_bytes: int = 16 << 30
     tp: int = 1
     tp_timeout_seconds: float = 120.0
+
+    def mixed_step_tokens(self) -> int:
+        """``max_num_batched_tokens`` with 0 resolved for ``device`` (tokens)."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        return 2048 if str(self.device).startswith("cuda") else 256
 
     def validate(self) -> None:
         """Raises ValueError for a setting out of range."""
@@ -142,8 +152,11 @@ class EngineConfig:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         if self.background_prefill_tokens < 1:
             raise ValueError("background_prefill_tokens must be >= 1")
-        if self.max_num_batched_tokens < 2:
-            raise ValueError("max_num_batched_tokens must be >= 2 (a decode and a prefill token)")
+        if self.max_num_batched_tokens != 0 and self.max_num_batched_tokens < 2:
+            raise ValueError(
+                "max_num_batched_tokens must be 0 (by device) or >= 2 (a decode and a "
+                "prefill token)"
+            )
         if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
             raise ValueError("kv_host_bytes and kv_disk_bytes must be >= 0")
         if self.tp < 1 or self.tp_timeout_seconds <= 0:

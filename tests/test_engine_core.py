@@ -61,22 +61,30 @@ def test_mixed_steps_equal_separate_steps(make_engine, photos, page_size) -> Non
     assert apart.stats.mixed_steps == 0
 
 
-def test_a_chunk_never_exceeds_the_step_budget(make_engine, photos) -> None:  # noqa: ANN001
-    eng = make_engine(max_num_batched_tokens=64)
-    seen = []
+def test_a_chunk_never_exceeds_the_step_budget_while_streams_decode(make_engine, photos) -> None:  # noqa: ANN001
+    eng = make_engine(max_num_batched_tokens=64, max_prefill_tokens=300)
+    seen = []  # (tokens in the forward, whether requests were decoding)
     real = eng.runner.prefill
 
     def spy(reqs, extends):  # noqa: ANN001, ANN202
-        seen.append(sum(extends))
+        seen.append((sum(extends), bool(eng.scheduler.running)))
         return real(reqs, extends)
 
     eng.runner.prefill = spy
-    reqs = [
-        eng.processor.make_request(messages=user("word " * 200), images=[], params=greedy(4))
+    first = eng.processor.make_request(messages=user("hi"), images=[], params=greedy(40))
+    col = eng.track(first)
+    eng.step()  # prefilled alone: it decodes from now on
+    cols = [
+        eng.track(eng.processor.make_request(messages=user("word " * 200), params=greedy(4)))
         for _ in range(2)
     ]
-    eng.generate(reqs)
-    assert seen and max(seen) <= 64
+    while eng.has_work():
+        eng.step()
+    assert col.finished and all(c.finished for c in cols)
+    mixed = [n for n, decoding in seen if decoding]
+    assert mixed and max(mixed) <= 64  # decode tokens plus chunks within the budget
+    # with nothing decoding a step may prefill up to max_prefill_tokens
+    assert seen[0][0] <= 300 and not seen[0][1]
 
 
 @settings(max_examples=60, deadline=None)

@@ -236,7 +236,7 @@ class Engine:
 
         A mixed step carries every running request's next token plus prefill chunks
         of waiting (or chunk-prefilling) requests in what is left of
-        ``config.max_num_batched_tokens``. With ``config.disable_mixed_steps`` a step
+        ``config.mixed_step_tokens()``. With ``config.disable_mixed_steps`` a step
         is a prefill batch when anything can be admitted, else a decode batch.
 
         An exception while running the batch fails only that batch's requests
@@ -259,8 +259,10 @@ class Engine:
             if sched.running:
                 sched.prepare_decode()
                 decode = list(sched.running)
-            budget = max(1, self.config.max_num_batched_tokens - len(decode))
-            chunks = sched.schedule_prefill(min(budget, self.config.max_prefill_tokens))
+            budget = self.config.max_prefill_tokens
+            if decode:  # streams wait for this step: one bounded chunk's time at most
+                budget = min(budget, max(1, self.config.mixed_step_tokens() - len(decode)))
+            chunks = sched.schedule_prefill(budget)
         if not chunks and not decode:
             return []
         failed_before = self.stats.failed_steps
