@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
-from tests.conftest import assert_healthy, chat, upload
+from tests.helpers import assert_healthy, chat, upload
 
 MODEL = "llava-tiny"
 

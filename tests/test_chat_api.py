@@ -120,6 +120,7 @@ def test_n_choices_streamed(client) -> None:  # noqa: ANN001
 
 
 def test_stream_chunk_shape(client) -> None:  # noqa: ANN001
+    plain = complete(client)  # caches the prompt: the stream below reuses all but its last token
     chunks = stream(client, stream_options={"include_usage": True})
     ids = {c["id"] for c in chunks}
     assert len(ids) == 1 and next(iter(ids)).startswith("chatcmpl-")
@@ -127,10 +128,13 @@ def test_stream_chunk_shape(client) -> None:  # noqa: ANN001
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
     usage = chunks[-1]["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+    prompt = plain["usage"]["prompt_tokens"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt, 6)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+    assert usage["total_tokens"] == prompt + 6
     no_usage = stream(client)
     assert all("usage" not in c for c in no_usage)
-    assert streamed_text(no_usage) == complete(client)["choices"][0]["message"]["content"]
+    assert streamed_text(no_usage) == plain["choices"][0]["message"]["content"]
 
 
 def test_stop_string_never_leaks_into_the_stream(client) -> None:  # noqa: ANN001

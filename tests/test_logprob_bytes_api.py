@@ -11,24 +11,21 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from api.app import ServerSettings, create_app
+from tests.helpers import TINY_FAMILIES
 
 MODEL = "m"
 TEXT = "\u5317\u4eac\u5728\u7ebf \U0001f600 ok"  # 北京在线 😀 ok
 REPLACEMENT = list("\ufffd".encode())
-ENGINES = {
-    "model_dir": "make_engine",
-    "next_model_dir": "make_next_engine",
-    "ov_model_dir": "make_ov_engine",
-}
 
 
-@pytest.fixture(scope="module", params=sorted(ENGINES))
-def client(request):  # noqa: ANN001, ANN201
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
+def client(request, families):  # noqa: ANN001, ANN201
     """A server on each family's tiny checkpoint (llava: byte-level BPE; next:
     SentencePiece with byte fallback; onevision: Qwen2-style byte-level BPE)."""
-    engine = request.getfixturevalue(ENGINES[request.param])(max_total_tokens=8192)
+    family = families[request.param]
+    engine = family.make_engine(max_total_tokens=8192)
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
-        c.tok = AutoTokenizer.from_pretrained(request.getfixturevalue(request.param))
+        c.tok = AutoTokenizer.from_pretrained(family.model_dir)
         c.eos = engine.model.eos_token_ids
         yield c
     engine.check_accounting()

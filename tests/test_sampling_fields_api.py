@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
-from tests.conftest import MODEL, assert_error, assert_healthy
+from tests.helpers import MODEL, assert_error, assert_healthy
 
 KEEP = 1234  # the one id the "all but one" bias leaves
 
