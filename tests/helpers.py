@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -315,6 +316,17 @@ def chat_json(client, content, **kw) -> dict:  # noqa: ANN001
     r = chat(client, content, **kw)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def stream_chunks(client, body: dict) -> list[dict]:  # noqa: ANN001
+    """POST ``body`` with ``"stream": true`` to ``/v1/chat/completions``; assert a 200 event
+    stream that ends with ``data: [DONE]``, and return the chunks before it, parsed."""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
 
 
 def image_part(url: str) -> dict:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
+from tests.helpers import stream_chunks
 
 MODEL = "llava-tiny"
 
@@ -38,12 +38,7 @@ def complete(client, **kw) -> dict:  # noqa: ANN001
 
 
 def stream(client, **kw) -> list[dict]:  # noqa: ANN001
-    with client.stream("POST", "/v1/chat/completions", json=body(stream=True, **kw)) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(ln[6:]) for ln in lines[:-1]]
+    return stream_chunks(client, body(**kw))
 
 
 def streamed_text(chunks: list[dict], index: int = 0) -> str:
