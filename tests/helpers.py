@@ -250,6 +250,15 @@ def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cp
 
 # ---- engine workloads shared by cache, scheduling and tensor-parallel tests ---------------
 
+#: EngineConfig fields for "cache on and off" tests: page sizes 1 and 16, radix cache on/off
+CACHE_CONFIGS = [
+    {"page_size": 1},
+    {"page_size": 16},
+    {"page_size": 1, "disable_radix_cache": True},
+    {"page_size": 16, "disable_radix_cache": True},
+]
+
+
 QUESTIONS = ["What is this?", "What colour is it?", "Is it indoors or outdoors?"]
 
 

@@ -19,6 +19,7 @@ from PIL import Image
 from api.app import ServerSettings, create_app
 from mmserve.model.make_checkpoint import make_checkpoint
 from tests.helpers import (
+    CACHE_CONFIGS,
     MODEL,
     TINY_FAMILIES,
     chat_json,
@@ -46,12 +47,6 @@ API_CASES = {
     "llava-next": (["wide"], ["tall"]),
     "llava-onevision": (["tall"], ["wide", "square"]),
 }
-CACHE_CONFIGS = [
-    {"page_size": 1},
-    {"page_size": 16},
-    {"page_size": 1, "disable_radix_cache": True},
-    {"page_size": 16, "disable_radix_cache": True},
-]
 
 
 # ---- greedy equality with transformers, in the engine -----------------------------------

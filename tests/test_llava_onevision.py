@@ -18,6 +18,7 @@ from mmserve.model.families.base import BASE_MODE, FRAME_MODE, IMAGE_MODE
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID
 from tests.helpers import (
+    CACHE_CONFIGS,
     MODEL,
     chat_json,
     check_against_reference,
@@ -101,14 +102,6 @@ def test_two_images_take_base_tiles(make_ov_engine, shapes, photos) -> None:  # 
 
 
 # --- through the API --------------------------------------------------------------------
-
-
-CACHE_CONFIGS = [
-    {"page_size": 1},
-    {"page_size": 16},
-    {"page_size": 1, "disable_radix_cache": True},
-    {"page_size": 16, "disable_radix_cache": True},
-]
 
 
 def test_an_image_alone_and_among_others_share_no_image_kv(make_ov_engine, shapes) -> None:  # noqa: ANN001
