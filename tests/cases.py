@@ -249,20 +249,9 @@ def mp4(frames: Sequence[np.ndarray], fps: int = 10, **x264: str) -> bytes:
     Returns:
         The file's bytes, with the moov atom (the index) after the media data.
     """
-    import av  # a test dependency; missing it must fail, not skip
+    import av  # noqa: F401 - a test dependency; missing it must fail, not skip
 
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as c:
-        s = c.add_stream("libx264", rate=fps, options=dict(x264))
-        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
-        s.codec_context.thread_count = 1
-        for f in frames:
-            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
-            for p in s.encode(vf):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return buf.getvalue()
+    return encode_video(frames, fps=fps, options=x264)
 
 
 def mp4_boxes(data: bytes) -> list[bytes]:

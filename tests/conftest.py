@@ -1,12 +1,13 @@
-"""Shared fixtures: the tiny checkpoint (built once), a loaded model, engines, images."""
+"""Shared fixtures: the tiny checkpoints (built once), loaded models, engines, images.
+
+Fixtures only: tests import nothing from here (their helpers are in ``tests/helpers.py``).
+"""
 
 from __future__ import annotations
 
-import base64
 import io
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,11 @@ from PIL import Image
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
-from mmserve.engine.request import SamplingParams
 from mmserve.model.loader import load_model
 from mmserve.model.make_checkpoint import make_checkpoint
 from tests.cases import write_cases
+from tests.helpers import ROOT, SAMPLES, TINY_FAMILIES, png_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLES = ROOT / "samples" / "images"
 GPU_TESTS = ROOT / "tests" / "gpu"
 
 # Two cores shared by a server and the tests: OpenMP spinning across processes
@@ -29,10 +28,77 @@ GPU_TESTS = ROOT / "tests" / "gpu"
 torch.set_num_threads(1)
 
 
+class TinyFamily:
+    """One model family's tiny checkpoint and what the tests build on it, each made on
+    first use and kept for the session: ``model_dir`` (``make_checkpoint(..., "tiny")``),
+    ``loaded`` (our model; engines share it, the weights are read-only), ``ref``
+    (transformers' model and processor) and :meth:`make_engine`."""
+
+    #: family -> transformers' model class (the processor is ``AutoProcessor``'s, except
+    #: OneVision's: transformers' processor class without torchvision)
+    REFERENCE_CLASSES = {
+        "llava": "LlavaForConditionalGeneration",
+        "llava-next": "LlavaNextForConditionalGeneration",
+        "llava-onevision": "LlavaOnevisionForConditionalGeneration",
+    }
+
+    def __init__(self, family: str, root: Path) -> None:
+        self.family, self.root = family, root
+
+    @cached_property
+    def model_dir(self) -> Path:
+        return make_checkpoint(self.root / f"{self.family}-tiny", "tiny", family=self.family)
+
+    @cached_property
+    def loaded(self):  # noqa: ANN201
+        return load_model(self.model_dir)
+
+    def make_engine(self, **kw) -> Engine:
+        """A fresh Engine on the shared model; ``kw`` are EngineConfig fields."""
+        return Engine(EngineConfig(model_path=str(self.model_dir), **kw), model=self.loaded)
+
+    @cached_property
+    def ref(self):  # noqa: ANN201
+        import transformers
+
+        model_class = getattr(transformers, self.REFERENCE_CLASSES[self.family])
+        model = model_class.from_pretrained(self.model_dir).eval()
+        if self.family == "llava-onevision":
+            from mmserve.model.families.llava_onevision import load_onevision_processor
+
+            return model, load_onevision_processor(self.model_dir)
+        return model, transformers.AutoProcessor.from_pretrained(self.model_dir)
+
+
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint, built once per test session."""
-    return make_checkpoint(tmp_path_factory.mktemp("model") / "llava-tiny", "tiny")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyFamily]:
+    """:class:`TinyFamily` by family name (``tests.helpers.TINY_FAMILIES``)."""
+    root = tmp_path_factory.mktemp("model")
+    return {name: TinyFamily(name, root) for name in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def model_dir(families: dict[str, TinyFamily]) -> Path:
+    """The tiny LLaVA-1.5 checkpoint, built once per test session."""
+    return families["llava"].model_dir
+
+
+@pytest.fixture(scope="session")
+def loaded(families: dict[str, TinyFamily]):  # noqa: ANN201
+    """Our tiny LLaVA-1.5 model loaded once; engines share it (weights are read-only)."""
+    return families["llava"].loaded
+
+
+@pytest.fixture(scope="session")
+def make_engine(families: dict[str, TinyFamily]):  # noqa: ANN201
+    """Factory: ``make_engine(**EngineConfig fields)`` -> a fresh Engine on the tiny LLaVA-1.5."""
+    return families["llava"].make_engine
+
+
+@pytest.fixture(scope="session")
+def ref_model(families: dict[str, TinyFamily]):  # noqa: ANN201
+    """transformers' LlavaForConditionalGeneration and processor on the tiny LLaVA-1.5."""
+    return families["llava"].ref
 
 
 @pytest.fixture(scope="session")
@@ -42,102 +108,18 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def loaded(model_dir: Path):  # noqa: ANN201
-    """Our model loaded once; engines share it (weights are read-only)."""
-    return load_model(model_dir)
-
-
-@pytest.fixture(scope="session")
-def make_engine(loaded, model_dir):  # noqa: ANN001, ANN201
-    """Factory: ``make_engine(**EngineConfig fields)`` -> a fresh Engine on the shared model."""
-
-    def make(**kw) -> Engine:
-        return Engine(EngineConfig(model_path=str(model_dir), **kw), model=loaded)
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def ref_model(model_dir: Path):  # noqa: ANN201
-    """transformers' LlavaForConditionalGeneration and processor on the same checkpoint."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
-    return model, AutoProcessor.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="session")
-def next_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny LLaVA-NeXT checkpoint (112-px tiles), built once per test session."""
-    out = tmp_path_factory.mktemp("model") / "llava-next-tiny"
-    return make_checkpoint(out, "tiny", family="llava-next")
-
-
-@pytest.fixture(scope="session")
-def next_loaded(next_model_dir: Path):  # noqa: ANN201
-    """Our LLaVA-NeXT model loaded once."""
-    return load_model(next_model_dir)
-
-
-@pytest.fixture(scope="session")
-def make_next_engine(next_loaded, next_model_dir):  # noqa: ANN001, ANN201
-    """Factory: ``make_next_engine(**EngineConfig fields)`` -> an Engine on the NeXT model."""
-
-    def make(**kw) -> Engine:
-        return Engine(EngineConfig(model_path=str(next_model_dir), **kw), model=next_loaded)
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def next_ref_model(next_model_dir: Path):  # noqa: ANN201
-    """transformers' LlavaNextForConditionalGeneration and processor on the NeXT checkpoint."""
-    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
-
-    model = LlavaNextForConditionalGeneration.from_pretrained(next_model_dir).eval()
-    return model, AutoProcessor.from_pretrained(next_model_dir)
-
-
-@pytest.fixture(scope="session")
-def ov_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny LLaVA-OneVision checkpoint (98-px tiles, Qwen2), built once per session."""
-    out = tmp_path_factory.mktemp("model") / "llava-onevision-tiny"
-    return make_checkpoint(out, "tiny", family="llava-onevision")
-
-
-@pytest.fixture(scope="session")
-def ov_loaded(ov_model_dir: Path):  # noqa: ANN201
-    """Our LLaVA-OneVision model loaded once."""
-    return load_model(ov_model_dir)
-
-
-@pytest.fixture(scope="session")
-def make_ov_engine(ov_loaded, ov_model_dir):  # noqa: ANN001, ANN201
-    """Factory: ``make_ov_engine(**EngineConfig fields)`` -> an Engine on the OneVision model."""
-
-    def make(**kw) -> Engine:
-        return Engine(EngineConfig(model_path=str(ov_model_dir), **kw), model=ov_loaded)
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def ov_ref_model(ov_model_dir: Path):  # noqa: ANN201
-    """transformers' LlavaOnevisionForConditionalGeneration and its processor (without
-    torchvision: transformers' processor class holding the tokenizer and PIL image
-    processor) on the OneVision checkpoint."""
-    from transformers import LlavaOnevisionForConditionalGeneration
-
-    from mmserve.model.families.llava_onevision import load_onevision_processor
-
-    model = LlavaOnevisionForConditionalGeneration.from_pretrained(ov_model_dir).eval()
-    return model, load_onevision_processor(ov_model_dir)
-
-
-@pytest.fixture(scope="session")
 def photos() -> dict[str, bytes]:
     """Encoded bytes of the sample photographs, by file name."""
     return {p.name: p.read_bytes() for p in sorted(SAMPLES.iterdir()) if p.suffix != ".md"}
+
+
+@pytest.fixture(scope="session")
+def shapes(photos: dict[str, bytes]) -> dict[str, bytes]:
+    """PNGs of one photo in three aspect ratios ("square", "wide", "tall": three tile
+    grids) and a "large" one (400 x 380: past OneVision's "anyres_max_9")."""
+    im = Image.open(io.BytesIO(photos["astronaut.png"])).convert("RGB")
+    sizes = {"square": (200, 190), "wide": (260, 130), "tall": (90, 270), "large": (400, 380)}
+    return {name: png_bytes(im.resize(size)) for name, size in sizes.items()}
 
 
 @pytest.fixture(scope="session")
@@ -189,112 +171,3 @@ def pytest_configure(config: pytest.Config) -> None:
     """Register :class:`SkipGuard` when ``MMSERVE_FAIL_ON_SKIP=1``."""
     if os.environ.get("MMSERVE_FAIL_ON_SKIP") == "1":
         config.pluginmanager.register(SkipGuard(config.rootpath), "mmserve-skip-guard")
-
-
-def png_bytes(im: Image.Image, fmt: str = "PNG") -> bytes:
-    """Encode a PIL image."""
-    buf = io.BytesIO()
-    im.save(buf, fmt)
-    return buf.getvalue()
-
-
-def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
-    """Greedy sampling params that keep logits for the comparator."""
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, return_logits=True, **kw)
-
-
-def user(*parts: str | None) -> list[dict]:
-    """One user message: ``None`` parts are images, strings are text."""
-    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
-    return [{"role": "user", "content": content}]
-
-
-# ---- engine workloads shared by cache and scheduling tests ----------------------
-QUESTIONS = ["What is this?", "What colour is it?", "Is it indoors or outdoors?"]
-
-
-def workload(imgs):  # noqa: ANN001, ANN201
-    """Requests that share images, a system prompt and a chat history."""
-    system = {"role": "system", "content": "You are a careful visual assistant."}
-    out = []
-    for k, img in enumerate(imgs[:3]):
-        for q in QUESTIONS[: 3 - k]:
-            out.append(([system, *user(None, q)], [img]))
-    history = user(None, "What is this?") + [
-        {"role": "assistant", "content": "A photo."},
-        {"role": "user", "content": "Tell me more."},
-    ]
-    out.append((history, imgs[:1]))
-    out.append((user("No image here, just text."), []))
-    return out
-
-
-def run(make_engine, cases, max_tokens: int = 6, **cfg):  # noqa: ANN001, ANN201
-    eng = make_engine(**cfg)
-    reqs = [
-        eng.processor.make_request(messages=m, images=i, params=greedy(max_tokens))
-        for m, i in cases
-    ]
-    res = eng.generate(reqs)
-    eng.scheduler.check_accounting()
-    return eng, res
-
-
-# ---- HTTP helpers for TestClient apps serving the tiny model as "llava-tiny" ----
-MODEL = "llava-tiny"
-
-
-def chat(client, content, **kw):  # noqa: ANN001, ANN201
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 3,
-        "temperature": 0,
-        **kw,
-    }
-    return client.post("/v1/chat/completions", json=body)
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
-    return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
-
-
-def assert_healthy(client) -> None:  # noqa: ANN001
-    """A normal request is answered and the pool accounting holds at rest."""
-    r = chat(client, "Say hello.")
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 3
-    stats = client.get("/v1/cache/stats").json()
-    assert stats["running_requests"] == 0 and stats["live_requests"] == 0
-    acc = stats["accounting"]
-    assert acc["ok"] and acc["running"] == 0, acc
-    assert acc["free"] + acc["tree"] == acc["total"] == stats["pool_pages"]
-
-
-def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  # noqa: ANN001
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert words in err["message"], err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
-
-
-@contextmanager
-def tp_engine(model_dir: Path, tp: int = 2, **kw) -> Iterator[Engine]:
-    """An Engine whose decoder runs on ``tp`` ranks (gloo on 127.0.0.1); its worker
-    processes are stopped afterwards, whatever the test did."""
-    eng = Engine(EngineConfig(model_path=str(model_dir), tp=tp, **kw))
-    try:
-        yield eng
-    finally:
-        eng.close()

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import base64
-import json
 
 import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
-from tests.conftest import assert_healthy, chat, upload
+from tests.helpers import assert_healthy, chat, stream_chunks, upload
 
 MODEL = "llava-tiny"
 
@@ -67,13 +66,9 @@ def test_streaming_sse(client, photos) -> None:  # noqa: ANN001
         "messages": [{"role": "user", "content": ask(image_id, "Stream?")}],
         "max_tokens": 3,
         "temperature": 0,
-        "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    chunks = stream_chunks(client, body)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == plain
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576

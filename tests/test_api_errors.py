@@ -20,7 +20,7 @@ from PIL import Image, ImageOps
 
 from api.app import ServerSettings, create_app
 from mmserve.vision.image import ImageLimits
-from tests.conftest import (
+from tests.helpers import (
     assert_error,
     assert_healthy,
     chat,

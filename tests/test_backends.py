@@ -15,7 +15,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mmserve.cache.kv_pool import KVPool
 from mmserve.config import EngineConfig
@@ -27,8 +26,7 @@ from mmserve.kernels import (
 )
 from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend
 from mmserve.kernels.torch_backend import TorchAttentionBackend
-from tests.comparator import BF16_LOGIT_RTOL, random_batch
-from tests.conftest import greedy, user
+from tests.helpers import BF16_LOGIT_RTOL, greedy, random_batch, user
 
 
 # ---- selection ------------------------------------------------------------------
@@ -311,19 +309,6 @@ def test_flashinfer_backend_plumbing_matches_torch(monkeypatch, page_size: int, 
     kind = "Decode" if mode == "decode" else "Prefill"
     run = f"run:Batch{kind}WithPagedKVCacheWrapper"
     assert fake.calls == [f"plan:{kind.lower()}", run, run]
-
-
-def test_fake_attention_is_an_independent_check() -> None:
-    """The stand-in's attention agrees with plain causal SDPA on one contiguous request."""
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(5, 2, 8, generator=g) for _ in range(3))
-    pages = k.view(5, 1, 2, 8), v.view(5, 1, 2, 8)  # page size 1, pages 0..4 in order
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    got = _paged_attention(q, *pages, i32([0, 5]), i32([0, 5]), i32(range(5)), i32([1]), True)
-    want = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-    ).transpose(0, 1)
-    torch.testing.assert_close(got, want)
 
 
 def test_flashinfer_backend_rejects_fp32(monkeypatch) -> None:  # noqa: ANN001

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.comparator import assert_same_generation
-from tests.conftest import QUESTIONS, greedy, run, user, workload
+from tests.helpers import QUESTIONS, assert_same_generation, greedy, run_workload, user, workload
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +24,8 @@ def imgs(make_engine, photos):  # noqa: ANN001, ANN201
 )
 def test_cache_and_page_size_do_not_change_outputs(make_engine, imgs, cfg) -> None:  # noqa: ANN001
     cases = workload(imgs)
-    _, base = run(make_engine, cases, page_size=1)
-    _, other = run(make_engine, cases, **cfg)
+    _, base = run_workload(make_engine, cases, page_size=1)
+    _, other = run_workload(make_engine, cases, **cfg)
     for k, (a, b) in enumerate(zip(other, base, strict=True)):
         assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, f"{cfg} #{k}")
     if not cfg.get("disable_radix_cache"):
@@ -65,7 +64,7 @@ def test_same_instant_questions_prefill_the_image_once(make_engine, imgs) -> Non
 
 def test_page_size_16_match_ends_inside_image(make_engine, imgs) -> None:
     cases = [(user(None, q), [imgs[2]]) for q in QUESTIONS[:2]]
-    _, base = run(make_engine, cases, disable_radix_cache=True)
+    _, base = run_workload(make_engine, cases, disable_radix_cache=True)
     eng = make_engine(page_size=16, vision_cache_bytes=0)
     first = eng.generate(
         [eng.processor.make_request(messages=cases[0][0], images=cases[0][1], params=greedy(6))]
@@ -82,7 +81,7 @@ def test_page_size_16_match_ends_inside_image(make_engine, imgs) -> None:
 
 def test_eviction_cut_inside_image(make_engine, imgs) -> None:
     msgs = user(None, QUESTIONS[0])
-    _, (base,) = run(make_engine, [(msgs, [imgs[0]])], disable_radix_cache=True)
+    _, (base,) = run_workload(make_engine, [(msgs, [imgs[0]])], disable_radix_cache=True)
     eng = make_engine(page_size=1)
     req = eng.processor.make_request(messages=msgs, images=[imgs[0]], params=greedy(6))
     eng.generate([req])
@@ -104,11 +103,11 @@ def test_small_pool_completes_50_requests_without_leaks(make_engine, imgs) -> No
     for k in range(50):
         img = imgs[k % len(imgs)]
         cases.append((user(None, QUESTIONS[k % 3] + f" ({k % 7})"), [img]))
-    _, base = run(
+    _, base = run_workload(
         make_engine, cases, max_tokens=4, disable_radix_cache=True, max_total_tokens=32768
     )
     # room for about three requests at a time
-    eng, res = run(make_engine, cases, max_tokens=4, page_size=4, max_total_tokens=4 * 460)
+    eng, res = run_workload(make_engine, cases, max_tokens=4, page_size=4, max_total_tokens=4 * 460)
     for k, (a, b) in enumerate(zip(res, base, strict=True)):
         assert a.finish_reason in ("length", "stop")
         assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, f"small #{k}")

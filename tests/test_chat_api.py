@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
+from tests.helpers import stream_chunks
 
 MODEL = "llava-tiny"
 
@@ -38,12 +38,7 @@ def complete(client, **kw) -> dict:  # noqa: ANN001
 
 
 def stream(client, **kw) -> list[dict]:  # noqa: ANN001
-    with client.stream("POST", "/v1/chat/completions", json=body(stream=True, **kw)) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(ln[6:]) for ln in lines[:-1]]
+    return stream_chunks(client, body(**kw))
 
 
 def streamed_text(chunks: list[dict], index: int = 0) -> str:
@@ -120,6 +115,7 @@ def test_n_choices_streamed(client) -> None:  # noqa: ANN001
 
 
 def test_stream_chunk_shape(client) -> None:  # noqa: ANN001
+    plain = complete(client)  # caches the prompt: the stream below reuses all but its last token
     chunks = stream(client, stream_options={"include_usage": True})
     ids = {c["id"] for c in chunks}
     assert len(ids) == 1 and next(iter(ids)).startswith("chatcmpl-")
@@ -127,10 +123,13 @@ def test_stream_chunk_shape(client) -> None:  # noqa: ANN001
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
     usage = chunks[-1]["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+    prompt = plain["usage"]["prompt_tokens"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt, 6)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+    assert usage["total_tokens"] == prompt + 6
     no_usage = stream(client)
     assert all("usage" not in c for c in no_usage)
-    assert streamed_text(no_usage) == complete(client)["choices"][0]["message"]["content"]
+    assert streamed_text(no_usage) == plain["choices"][0]["message"]["content"]
 
 
 def test_stop_string_never_leaks_into_the_stream(client) -> None:  # noqa: ANN001

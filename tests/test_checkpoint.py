@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
+from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
 
 from mmserve.model import make_checkpoint as mc
+from tests.helpers import SAMPLES
 
-SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "images"
 PHOTOS = ("astronaut.png", "cat.png", "coffee.png", "rocket.jpg")
 CONVERSATION = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
@@ -22,19 +22,20 @@ CONVERSATION = [
 RENDERED = "USER: <image>\nWhat is this? ASSISTANT: A cat.</s>USER: And the colour?"
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return mc.make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", size="tiny", seed=0)
+@pytest.fixture(scope="module")
+def tiny_dir(model_dir: Path) -> Path:
+    """The session's tiny checkpoint (``make_checkpoint(..., "tiny", seed=0)``)."""
+    return model_dir
 
 
-@pytest.fixture(scope="session")
-def model(tiny_dir: Path) -> LlavaForConditionalGeneration:
-    return LlavaForConditionalGeneration.from_pretrained(tiny_dir).eval()
+@pytest.fixture(scope="module")
+def model(ref_model) -> LlavaForConditionalGeneration:  # noqa: ANN001
+    return ref_model[0]
 
 
-@pytest.fixture(scope="session")
-def processor(tiny_dir: Path):
-    return AutoProcessor.from_pretrained(tiny_dir)
+@pytest.fixture(scope="module")
+def processor(ref_model):  # noqa: ANN001, ANN201
+    return ref_model[1]
 
 
 def _digests(d: Path) -> dict[str, str]:
@@ -106,9 +107,8 @@ def test_chat_template(processor, source: str) -> None:
     )
 
 
-def test_deterministic_build(tiny_dir: Path, tmp_path: Path) -> None:
-    again = mc.make_checkpoint(tmp_path / "again", size="tiny", seed=0)
-    assert _digests(again) == _digests(tiny_dir)
+def test_another_seed_gives_other_weights(tiny_dir: Path, tmp_path: Path) -> None:
+    # the same seed rebuilds byte for byte: tests/test_families.py
     other = mc.make_checkpoint(tmp_path / "seed1", size="tiny", seed=1)
     assert _digests(other)["model.safetensors"] != _digests(tiny_dir)["model.safetensors"]
 

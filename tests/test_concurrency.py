@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.comparator import TIE_EPS
+from tests.helpers import TIE_EPS
 from tests.live_server import live_server, metric
 
 MODEL = "tiny"

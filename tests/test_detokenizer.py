@@ -8,18 +8,17 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer, TextStream, first_stop
-
-FAMILY_DIRS = ["model_dir", "next_model_dir", "ov_model_dir"]
+from tests.helpers import TINY_FAMILIES
 
 
 def special_ids(tok) -> set[int]:  # noqa: ANN001
     return set(tok.all_special_ids)
 
 
-@pytest.fixture(scope="module", params=FAMILY_DIRS)
-def tok(request):  # noqa: ANN001, ANN201
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
+def tok(request, families):  # noqa: ANN001, ANN201
     """Each family's tiny tokenizer (SentencePiece, SentencePiece + byte fallback, BPE)."""
-    return AutoTokenizer.from_pretrained(request.getfixturevalue(request.param))
+    return AutoTokenizer.from_pretrained(families[request.param].model_dir)
 
 
 def _ids(tok) -> st.SearchStrategy[list[int]]:  # noqa: ANN001

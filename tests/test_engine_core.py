@@ -18,7 +18,7 @@ from mmserve.engine.sampling import (
     sample_token,
     token_logprob,
 )
-from tests.conftest import greedy, user
+from tests.helpers import greedy, user
 
 
 def _long_and_short(make_engine, photos, **cfg):  # noqa: ANN001, ANN201

@@ -15,7 +15,7 @@ from PIL import Image
 
 from mmserve.vision.hashing import image_key
 from mmserve.vision.image import ImageLimits, decode_image, to_8bit
-from tests.conftest import greedy, png_bytes, user
+from tests.helpers import greedy, png_bytes, user
 
 NAN, INF = float("nan"), float("inf")
 # (mode, numpy dtype of the raw bytes, values, expected 8-bit values)

@@ -23,7 +23,7 @@ from mmserve.model.families.base import BASE_MODE, FRAME_MODE, IMAGE_MODE
 from mmserve.vision.budget import DecodeBudget, DecodeBusyError, RequestPixels, decoded_bytes
 from mmserve.vision.frames import prepare_frames
 from mmserve.vision.image import ImageError
-from tests.conftest import MODEL, assert_error, chat, data_url, greedy, image_part, png_bytes, user
+from tests.helpers import MODEL, assert_error, chat, data_url, greedy, image_part, png_bytes, user
 
 
 def noise(size: tuple[int, int], seed: int) -> Image.Image:
@@ -50,7 +50,8 @@ def test_llava_per_image_pixels_equal_batched(loaded) -> None:  # noqa: ANN001
         loaded.family.preprocess(ims, FRAME_MODE)
 
 
-def test_next_per_image_tiles_equal_batched(next_loaded) -> None:  # noqa: ANN001
+def test_next_per_image_tiles_equal_batched(families) -> None:  # noqa: ANN001
+    next_loaded = families["llava-next"].loaded
     from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
     fam, cfg = next_loaded.family, next_loaded.family.config
@@ -65,7 +66,8 @@ def test_next_per_image_tiles_equal_batched(next_loaded) -> None:  # noqa: ANN00
         assert torch.equal(px.image_size, out["image_sizes"][k])
 
 
-def test_onevision_base_and_frames_equal_batched(ov_loaded) -> None:  # noqa: ANN001
+def test_onevision_base_and_frames_equal_batched(families) -> None:  # noqa: ANN001
+    ov_loaded = families["llava-onevision"].loaded
     fam = ov_loaded.family
     ims = [noise((90, 30), 5), noise((33, 64), 6), noise((64, 64), 7)]
     # transformers' batch of one prompt holding three images (base mode)

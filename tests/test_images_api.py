@@ -10,7 +10,7 @@ from PIL import Image
 
 from api.app import ServerSettings, create_app
 from api.image_store import ImageStore
-from tests.conftest import png_bytes
+from tests.helpers import png_bytes
 
 MODEL = "llava-tiny"
 

@@ -24,8 +24,7 @@ from mmserve.cache.kv_tiers import (
     PageKeyChain,
     kv_namespace,
 )
-from tests.comparator import assert_same_generation
-from tests.conftest import greedy, user
+from tests.helpers import TINY_FAMILIES, assert_same_generation, greedy, user
 from tests.live_server import get_json, live_server_process
 
 NS = kv_namespace(b"f" * 16, torch.float32, 2, ("NHD", 1, 1, 2))
@@ -287,12 +286,12 @@ def test_restart_reuses_disk_pages(make_engine, imgs, tmp_path: Path) -> None:  
 
 
 def test_another_checkpoint_never_reads_the_pages(
-    make_engine, make_next_engine, imgs, tmp_path: Path
+    make_engine, families, imgs, tmp_path: Path
 ) -> None:  # noqa: ANN001
     eng = make_engine(kv_disk_dir=str(tmp_path))
     _rounds(eng, imgs[:1], rounds=1)
     eng.close()
-    nxt = make_next_engine(kv_disk_dir=str(tmp_path))
+    nxt = families["llava-next"].make_engine(kv_disk_dir=str(tmp_path))
     assert nxt.tiers.disk.dir != eng.tiers.disk.dir
     assert len(nxt.tiers.disk) == 0 and len(eng.tiers.disk) > 0
     nxt.close()
@@ -406,14 +405,12 @@ def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Pat
     assert stats["vision_tower_images"] == 0 and stats["tier_disk_hit_tokens"] == cached
 
 
-@pytest.mark.parametrize("family", ["llava", "llava_next", "llava_onevision"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_every_family_equal_after_loading_from_disk(
-    request: pytest.FixtureRequest, photos, tmp_path: Path, family: str, page_size: int
+    families, photos, tmp_path: Path, family: str, page_size: int
 ) -> None:  # noqa: ANN001
-    make = request.getfixturevalue(
-        {"llava": "make_engine", "llava_next": "make_next_engine"}.get(family, "make_ov_engine")
-    )
+    make = families[family].make_engine
     photo = photos["cat.png"]
 
     def ask(eng):  # noqa: ANN001, ANN202

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.request import SamplingParams
-from tests.conftest import user
+from tests.helpers import user
 
 WORDS = "red green blue cat dog sky tree house water light dark small big".split()
 

@@ -1,12 +1,11 @@
-"""LLaVA-OneVision: token counts from transformers' processor, greedy equality with
-``LlavaOnevisionForConditionalGeneration.generate`` (images on the any-resolution grid,
-several images as base tiles, videos as pooled frames), the Qwen2 decoder (q/k/v biases,
-tied embeddings), and video frames keyed and cached one by one."""
+"""LLaVA-OneVision only: base-tile and video token counts from transformers' processor,
+several images as base tiles, videos as pooled frames equal to
+``LlavaOnevisionForConditionalGeneration.generate``, the Qwen2 decoder (q/k/v biases, tied
+embeddings, a padded vocabulary), and video frames keyed and cached one by one. Greedy
+equality on text and images for every family is in tests/test_families.py."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import io
 
 import pytest
@@ -16,96 +15,51 @@ from PIL import Image
 
 from api.app import ServerSettings, create_app
 from mmserve.model.families.base import BASE_MODE, FRAME_MODE, IMAGE_MODE
-from mmserve.model.make_checkpoint import make_checkpoint
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID
-from tests.comparator import assert_same_generation
-from tests.conftest import greedy, png_bytes, user
+from tests.helpers import (
+    CACHE_CONFIGS,
+    MODEL,
+    chat_json,
+    check_against_reference,
+    data_url,
+    image_part,
+    reference_generate,
+    user,
+)
 
 MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def shapes(photos) -> dict[str, bytes]:  # noqa: ANN001
-    """Three aspect ratios (three grids) and a large image (a 4 x 4 grid, past
-    "anyres_max_9", so its grid features are shrunk)."""
-    im = Image.open(io.BytesIO(photos["astronaut.png"])).convert("RGB")
-    return {
-        "square": png_bytes(im.resize((200, 190))),
-        "wide": png_bytes(im.resize((260, 130))),
-        "tall": png_bytes(im.resize((90, 270))),
-        "large": png_bytes(im.resize((400, 380))),
-    }
+def ov(families):  # noqa: ANN001, ANN201
+    """The tiny OneVision checkpoint (``TinyFamily``: model_dir, loaded, ref, make_engine)."""
+    return families["llava-onevision"]
 
 
-def reference(ref, text: str, images: list, never: list[int], videos: list | None = None):  # noqa: ANN001, ANN201
-    """transformers' greedy ``generate``: ``(ids, logits, prompt_len)``.
-
-    The images of one prompt go in as one nested list (as a chat template hands them),
-    so that several images take transformers' multi-image path. A video is handed in
-    as ``pixel_values_videos`` (our frame preprocessing), its ``<video>`` placeholder
-    repeated as the processor's ``replace_video_token`` says.
-    """
-    model, processor = ref
-    if videos:
-        assert not images
-        prep = FramePrep.from_processor(processor.video_settings)
-        pixels = [prepare_frames(v, prep)[None] for v in videos]  # [1, frames, 3, H, W] each
-        pieces = text.split(processor.video_token)
-        assert len(pieces) == len(pixels) + 1
-        text = pieces[0] + "".join(
-            processor.replace_video_token({"pixel_values_videos": pv}, 0) + piece
-            for pv, piece in zip(pixels, pieces[1:], strict=True)
-        )
-        inputs = dict(processor.tokenizer(text, return_tensors="pt"))
-        inputs["pixel_values_videos"] = torch.cat(pixels)
-    else:
-        inputs = processor(images=[images] if images else None, text=text, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            suppress_tokens=never,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    n = inputs["input_ids"].shape[1]
-    logits = [step[0].float() for step in out.logits]
-    for lg in logits:
-        lg[never] = float("-inf")
-    return out.sequences[0, n:].tolist(), logits, n
+@pytest.fixture(scope="module")
+def ov_loaded(ov):  # noqa: ANN001, ANN201
+    return ov.loaded
 
 
-def check(engine, ref, messages, images, what: str, videos=None) -> None:  # noqa: ANN001
-    text = engine.processor.prompts.render_chat(messages)
-    req = engine.processor.make_request(
-        messages=messages, images=images, videos=videos or [], params=greedy(MAX_NEW)
-    )
-    (res,) = engine.generate([req])
-    never = engine.model.never_sample_ids
-    frames = [[f.image for f in v] for v in videos] if videos else None
-    ref_ids, ref_logits, ref_len = reference(ref, text, [i.image for i in images], never, frames)
-    assert res.prompt_tokens == ref_len, f"{what}: prompt length {res.prompt_tokens} vs {ref_len}"
-    assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, what)
+@pytest.fixture(scope="module")
+def make_ov_engine(ov):  # noqa: ANN001, ANN201
+    return ov.make_engine
 
 
-# --- the family, the decoder and the checkpoint ------------------------------------------
+# --- the family and the decoder ---------------------------------------------------------
 
 
-def test_token_counts_equal_the_processors(ov_loaded, ov_ref_model) -> None:  # noqa: ANN001
-    _, processor = ov_ref_model
+def test_base_tile_and_video_token_counts_equal_the_processors(ov) -> None:  # noqa: ANN001
+    ov_loaded, (_, processor) = ov.loaded, ov.ref
     image_id = processor.image_token_id
     sizes = [(w, h) for w in (1, 30, 97, 98, 99, 200, 333, 640) for h in (1, 57, 98, 250, 481)]
     for w, h in sizes:
-        ids = processor(images=[Image.new("RGB", (w, h))], text="<image>")["input_ids"][0]
-        assert ov_loaded.image_tokens(w, h) == list(ids).count(image_id), (w, h)
         # an image of a two-image prompt: the base tile and one newline, whatever its size
         two = [[Image.new("RGB", (w, h)), Image.new("RGB", (5, 7))]]
         ids = list(processor(images=two, text="<image>x<image>")["input_ids"][0])
         run = next(i for i in range(len(ids)) if ids[i] != image_id)
         assert ov_loaded.image_tokens(w, h, BASE_MODE) == run == ids.count(image_id) // 2
-    assert len({ov_loaded.image_tokens(w, h) for w, h in sizes}) > 5  # not a fixed count
     tile = ov_loaded.config.vision_config.image_size
     for frames in (1, 8):
         want = processor._get_num_multimodal_tokens(video_sizes=[[frames, tile, tile]])
@@ -130,162 +84,32 @@ def test_decoder_is_qwen2_shaped(ov_loaded) -> None:  # noqa: ANN001
     assert "<|im_start|>" in tok.all_special_tokens
 
 
-def test_rebuild_is_byte_identical(ov_model_dir, tmp_path) -> None:  # noqa: ANN001
-    again = make_checkpoint(tmp_path / "again", "tiny", family="llava-onevision")
-    names = sorted(p.name for p in ov_model_dir.iterdir())
-    assert names == sorted(p.name for p in again.iterdir())
-    assert "video_preprocessor_config.json" in names
-    for name in names:
-        a, b = (d / name for d in (ov_model_dir, again))
-        assert hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest()
-
-
 def test_nothing_assumes_384_px(ov_loaded) -> None:  # noqa: ANN001
     vc = ov_loaded.config.vision_config
     assert (vc.image_size, vc.patch_size) == (98, 14)  # 7 x 7 patches, pooled to 4 x 4
     assert ov_loaded.family.video_frame_tokens() == 16
 
 
-# --- greedy equality with transformers ------------------------------------------------
-
-
-def test_text_only(make_ov_engine, ov_ref_model) -> None:  # noqa: ANN001
-    msgs = [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "Name three colours of a sunset."},
-    ]
-    check(make_ov_engine(), ov_ref_model, msgs, [], "text only")
-
-
-@pytest.mark.parametrize("shape", ["square", "wide", "tall", "large"])
-def test_one_image_in_three_aspect_ratios_and_a_large_one(
-    make_ov_engine, ov_ref_model, shapes, shape
-) -> None:  # noqa: ANN001
-    eng = make_ov_engine()
-    img = eng.processor.prepare_image(shapes[shape])
-    check(eng, ov_ref_model, user(None, "What is in this photo?"), [img], shape)
-
-
-def test_aspect_ratios_choose_different_grids(ov_loaded, shapes) -> None:  # noqa: ANN001
-    counts = {k: ov_loaded.image_tokens(*Image.open(io.BytesIO(v)).size) for k, v in shapes.items()}
-    assert len(set(counts.values())) == 4, counts
-
-
-def test_two_images(make_ov_engine, ov_ref_model, shapes, photos) -> None:  # noqa: ANN001
+def test_two_images_take_base_tiles(make_ov_engine, shapes, photos) -> None:  # noqa: ANN001
     eng = make_ov_engine()
     imgs = [
         eng.processor.prepare_image(shapes["wide"]),
         eng.processor.prepare_image(photos["cat.png"]),
     ]
-    msgs = user(None, "and", None, "Which is brighter?")
-    req = eng.processor.make_request(messages=msgs, images=imgs)
+    req = eng.processor.make_request(messages=user(None, "and", None, "Hi"), images=imgs)
     assert [s.image.mode for s in req.spans] == [BASE_MODE, BASE_MODE]
     assert {s.image.key for s in req.spans}.isdisjoint({i.key for i in imgs})
-    check(eng, ov_ref_model, msgs, imgs, "two images")
-
-
-def test_multi_turn_chat_with_an_image(make_ov_engine, ov_ref_model, photos) -> None:  # noqa: ANN001
-    eng = make_ov_engine()
-    img = eng.processor.prepare_image(photos["coffee.png"])
-    msgs = user(None, "What is in the cup?") + [
-        {"role": "assistant", "content": "Coffee with milk foam."},
-        {"role": "user", "content": "What colour is the saucer?"},
-    ]
-    check(eng, ov_ref_model, msgs, [img], "multi-turn")
-
-
-def test_different_images_and_questions_give_different_answers(make_ov_engine, shapes) -> None:  # noqa: ANN001
-    eng = make_ov_engine()
-    answers = set()
-    for data in shapes.values():
-        img = eng.processor.prepare_image(data)
-        for q in ("What is this?", "Where is it?"):
-            req = eng.processor.make_request(messages=user(None, q), images=[img], params=greedy(6))
-            answers.add(tuple(eng.generate([req])[0].output_ids))
-    assert len(answers) == 8
 
 
 # --- through the API --------------------------------------------------------------------
 
 
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def ask(c: TestClient, parts: list, max_tokens: int = MAX_NEW) -> dict:
-    r = c.post(
-        "/v1/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": parts}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        },
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-CACHE_CONFIGS = [
-    {"page_size": 1},
-    {"page_size": 16},
-    {"page_size": 1, "disable_radix_cache": True},
-    {"page_size": 16, "disable_radix_cache": True},
-]
-
-
-@pytest.mark.parametrize("cfg", CACHE_CONFIGS)
-def test_api_images_equal_reference_cache_on_and_off(
-    make_ov_engine, ov_ref_model, shapes, cfg
-) -> None:  # noqa: ANN001
-    eng = make_ov_engine(**cfg)
-    tok = eng.model.tokenizer
-    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
-        cases = [["tall"], ["wide", "square"]]  # one image (grid), two images (base tiles)
-        for names in cases:
-            imgs = [eng.processor.prepare_image(shapes[k]) for k in names]
-            msgs = user(*([None] * len(names)), "What is in this photo?")
-            text = eng.processor.prompts.render_chat(msgs)
-            ref_ids, _, ref_len = reference(
-                ov_ref_model, text, [i.image for i in imgs], eng.model.never_sample_ids
-            )
-            parts = [
-                {"type": "image_url", "image_url": {"url": data_url(shapes[k])}} for k in names
-            ]
-            parts.append({"type": "text", "text": "What is in this photo?"})
-            for _ in range(2):  # the second one hits the cache (when on)
-                out = ask(c, parts)
-                assert out["usage"]["prompt_tokens"] == ref_len
-                want = tok.decode(ref_ids, skip_special_tokens=True)
-                assert out["choices"][0]["message"]["content"] == want, names
-
-
-def test_uploaded_image_second_question_caches_its_whole_run(make_ov_engine, shapes) -> None:  # noqa: ANN001
-    eng = make_ov_engine(page_size=16)
-    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
-        info = c.post("/v1/images", files={"file": ("t.png", shapes["large"])}).json()
-        img = eng.processor.prepare_image(shapes["large"])
-        n = eng.processor.image_tokens(img)
-        assert info["num_image_tokens"] == n
-        req = eng.processor.make_request(messages=user(None, "What is it?"), images=[img])
-        end = req.spans[0].end
-        r = c.post(
-            f"/v1/images/{info['id']}/ask", json={"questions": ["What is it?"], "max_tokens": 4}
-        )
-        assert r.status_code == 200, r.text
-        runs = eng.runner.vision_tower_images
-        r = c.post(f"/v1/images/{info['id']}/ask", json={"questions": ["Why?"], "max_tokens": 4})
-        cached = r.json()["answers"][0]["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= (end // 16) * 16 >= n - 16
-        assert eng.runner.vision_tower_images == runs  # no tower run for the second question
-
-
 def test_an_image_alone_and_among_others_share_no_image_kv(make_ov_engine, shapes) -> None:  # noqa: ANN001
     eng = make_ov_engine()
-    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
-        url = {"type": "image_url", "image_url": {"url": data_url(shapes["square"])}}
-        other = {"type": "image_url", "image_url": {"url": data_url(shapes["tall"])}}
-        ask(c, [url, {"type": "text", "text": "Hi"}])
-        b = ask(c, [url, other, {"type": "text", "text": "Hi"}])
+    with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
+        url, other = (image_part(data_url(shapes[k])) for k in ("square", "tall"))
+        chat_json(c, [url, {"type": "text", "text": "Hi"}], max_tokens=MAX_NEW)
+        b = chat_json(c, [url, other, {"type": "text", "text": "Hi"}], max_tokens=MAX_NEW)
         img = eng.processor.prepare_image(shapes["square"])
         prefix = eng.processor.make_request(messages=user(None), images=[img]).spans[0].start
         assert b["usage"]["prompt_tokens_details"]["cached_tokens"] <= prefix
@@ -293,13 +117,13 @@ def test_an_image_alone_and_among_others_share_no_image_kv(make_ov_engine, shape
 
 def test_typed_video_placeholder_is_refused(make_ov_engine) -> None:  # noqa: ANN001
     eng = make_ov_engine()
-    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+    with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         r = c.post(
             "/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "a <video> here"}], "max_tokens": 2},
         )
         assert r.status_code == 400 and "<video>" in r.json()["error"]["message"]
-        typed = ask(c, [{"type": "text", "text": "<|im_start|>system"}], 2)  # plain text
+        typed = chat_json(c, "<|im_start|>system", max_tokens=2)  # plain text
         assert typed["usage"]["completion_tokens"] == 2
 
 
@@ -336,8 +160,8 @@ def decoded_frames(eng, data: bytes, indices: list[int]) -> list:  # noqa: ANN00
     ]
 
 
-def test_frame_preparation_follows_the_processors(ov_ref_model, photos) -> None:  # noqa: ANN001
-    _, processor = ov_ref_model
+def test_frame_preparation_follows_the_processors(ov, photos) -> None:  # noqa: ANN001
+    _, processor = ov.ref
     prep = FramePrep.from_processor(processor.video_settings)
     assert (prep.height, prep.width, prep.resample) == (98, 98, 3)
     assert prep.image_mean == prep.image_std == (0.5, 0.5, 0.5)
@@ -355,7 +179,7 @@ def test_frame_preparation_follows_the_processors(ov_ref_model, photos) -> None:
         prepare_frames([], prep)
 
 
-def test_video_of_8_frames_equals_reference(make_ov_engine, ov_ref_model, clip12) -> None:  # noqa: ANN001
+def test_video_of_8_frames_equals_reference(make_ov_engine, ov, clip12) -> None:  # noqa: ANN001
     eng = make_ov_engine()
     frames = decoded_frames(eng, clip12, list(range(8)))
     msgs = [
@@ -366,7 +190,7 @@ def test_video_of_8_frames_equals_reference(make_ov_engine, ov_ref_model, clip12
     assert [s.length for s in req.spans] == [per] * 8
     assert [s.image.mode for s in req.spans] == [FRAME_MODE] * 8
     assert req.input_ids[req.spans[-1].end] == VIDEO_NEWLINE_ID
-    check(eng, ov_ref_model, msgs, [], "8-frame video", videos=[frames])
+    check_against_reference(eng, ov.ref, msgs, [], "8-frame video", videos=[frames])
 
 
 def qa(c: TestClient, vid: str, **body) -> list[dict]:  # noqa: ANN003
@@ -381,7 +205,7 @@ VIDEO_Q = "What happens in this clip?"
 
 
 @pytest.fixture(scope="module")
-def video_reference(make_ov_engine, ov_ref_model, clip12) -> tuple[str, int]:  # noqa: ANN001
+def video_reference(make_ov_engine, ov, clip12) -> tuple[str, int]:  # noqa: ANN001
     """transformers' answer (text, prompt length) for 8 uniform frames of ``clip12``."""
     from mmserve.vision.video import FrameSelection, Video, VideoLimits
 
@@ -390,7 +214,9 @@ def video_reference(make_ov_engine, ov_ref_model, clip12) -> tuple[str, int]:  #
     frames = [f.image for f in decoded_frames(eng, clip12, indices)]
     msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": VIDEO_Q}]}]
     text = eng.processor.prompts.render_chat(msgs)
-    ids, _, n = reference(ov_ref_model, text, [], eng.model.never_sample_ids, [frames])
+    ids, _, n = reference_generate(
+        ov.ref, text, [], eng.model.never_sample_ids, MAX_NEW, videos=[frames]
+    )
     return eng.model.tokenizer.decode(ids, skip_special_tokens=True), n
 
 
@@ -400,7 +226,7 @@ def test_api_video_clip_and_video_url_equal_reference_cache_on_and_off(
 ) -> None:  # noqa: ANN001
     want, ref_len = video_reference
     eng = make_ov_engine(**cfg)
-    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+    with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         vid = c.post("/v1/videos", files={"file": ("v.mp4", clip12)}).json()["id"]
         for _ in range(2):  # the second one hits the cache (when on)
             events = qa(c, vid, questions=[VIDEO_Q], mode="clip", num_frames=8)
@@ -408,18 +234,19 @@ def test_api_video_clip_and_video_url_equal_reference_cache_on_and_off(
             assert (answer["text"], answer["prompt_tokens"]) == (want, ref_len)
             url = {"url": vid, "num_frames": 8}
             parts = [{"type": "video_url", "video_url": url}, {"type": "text", "text": VIDEO_Q}]
-            out = ask(c, parts)
+            out = chat_json(c, parts, max_tokens=MAX_NEW)
             assert out["choices"][0]["message"]["content"] == want
             assert out["usage"]["prompt_tokens"] == ref_len
-            b64 = "data:video/mp4;base64," + base64.b64encode(clip12).decode()
+            b64 = data_url(clip12, "video/mp4")
             parts[0] = {"type": "video_url", "video_url": {"url": b64, "num_frames": 8}}
-            assert ask(c, parts)["choices"][0]["message"]["content"] == want
+            out = chat_json(c, parts, max_tokens=MAX_NEW)
+            assert out["choices"][0]["message"]["content"] == want
 
 
 def test_overlapping_clips_share_their_first_frames(make_ov_engine, clip12) -> None:  # noqa: ANN001
     eng = make_ov_engine(page_size=16)
     per = eng.model.family.video_frame_tokens()
-    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+    with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         vid = c.post("/v1/videos", files={"file": ("v.mp4", clip12)}).json()["id"]
         first = [round(0.1 * i, 2) for i in range(8)]
         second = [round(0.1 * i, 2) for i in (0, 1, 2, 3, 8, 9, 10, 11)]
@@ -440,7 +267,7 @@ def test_static_video_runs_the_tower_once(make_ov_engine) -> None:  # noqa: ANN0
     pytest.importorskip("av")
     eng = make_ov_engine()
     static = encode_mp4([rgb_frames(1, seed=5)[0]] * 12)
-    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+    with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         vid = c.post("/v1/videos", files={"file": ("s.mp4", static)}).json()["id"]
         events = qa(c, vid, questions=[VIDEO_Q], mode="clip", num_frames=12, max_tokens=2)
         assert events[-1]["distinct_frames"] == 1 and events[-1]["vision_tower_runs"] == 1
@@ -450,7 +277,7 @@ def test_static_video_runs_the_tower_once(make_ov_engine) -> None:  # noqa: ANN0
 
 def test_per_frame_mode_stays_one_image_per_prompt(make_ov_engine, clip12) -> None:  # noqa: ANN001
     eng = make_ov_engine()
-    with TestClient(create_app(eng, ServerSettings(served_model_name="ov"))) as c:
+    with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         vid = c.post("/v1/videos", files={"file": ("v.mp4", clip12)}).json()["id"]
         events = qa(c, vid, questions=["What is here?"], num_frames=3, max_tokens=2)
         answers = [e for e in events if e["type"] == "answer"]
@@ -461,7 +288,7 @@ def test_per_frame_mode_stays_one_image_per_prompt(make_ov_engine, clip12) -> No
         assert want.spans[0].image.mode == IMAGE_MODE  # the image path: its grid
 
 
-def test_loader_reads_a_onevision_dir_without_torchvision(ov_model_dir, tmp_path) -> None:  # noqa: ANN001
+def test_loader_reads_a_onevision_dir_without_torchvision(ov, tmp_path) -> None:  # noqa: ANN001
     import json
     import shutil
 
@@ -478,13 +305,13 @@ def test_loader_reads_a_onevision_dir_without_torchvision(ov_model_dir, tmp_path
         from transformers import AutoProcessor
 
         with pytest.raises(Exception):  # noqa: B017 - whatever transformers raises
-            AutoProcessor.from_pretrained(ov_model_dir)
-    proc = load_processor(ov_model_dir)
+            AutoProcessor.from_pretrained(ov.model_dir)
+    proc = load_processor(ov.model_dir)
     assert proc.num_image_tokens == 49 and proc.vision_aspect_ratio == "anyres_max_9"
     # a legacy layout: no video config anywhere -> the video processor reads the
     # image processor's file, as transformers does
     legacy = tmp_path / "legacy"
-    shutil.copytree(ov_model_dir, legacy)
+    shutil.copytree(ov.model_dir, legacy)
     (legacy / "video_preprocessor_config.json").unlink()
     cfg = json.loads((legacy / "processor_config.json").read_text())
     del cfg["video_processor"]
@@ -495,7 +322,7 @@ def test_loader_reads_a_onevision_dir_without_torchvision(ov_model_dir, tmp_path
         load_processor(legacy)
 
 
-def test_padded_vocabulary_loads_and_equals_reference(ov_model_dir, tmp_path) -> None:  # noqa: ANN001
+def test_padded_vocabulary_loads_and_equals_reference(ov, tmp_path) -> None:  # noqa: ANN001
     """Qwen2 checkpoints pad the embedding matrix past the tokenizer (151,646 tokens in
     152,000 rows): such a directory loads and still equals transformers."""
     import json
@@ -509,7 +336,7 @@ def test_padded_vocabulary_loads_and_equals_reference(ov_model_dir, tmp_path) ->
     from mmserve.model.loader import load_model
 
     padded = tmp_path / "padded"
-    shutil.copytree(ov_model_dir, padded)
+    shutil.copytree(ov.model_dir, padded)
     weights = load_file(str(padded / "model.safetensors"))
     key = next(k for k in weights if k.endswith("embed_tokens.weight"))
     rows = weights[key]
@@ -525,4 +352,5 @@ def test_padded_vocabulary_loads_and_equals_reference(ov_model_dir, tmp_path) ->
         LlavaOnevisionForConditionalGeneration.from_pretrained(padded).eval(),
         eng.model.processor,
     )
-    check(eng, ref, [{"role": "user", "content": "Say something."}], [], "padded vocab")
+    msgs = [{"role": "user", "content": "Say something."}]
+    check_against_reference(eng, ref, msgs, [], "padded vocab")

@@ -23,8 +23,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.model.loader import CheckpointError, load_model
 from mmserve.model.make_checkpoint import CORPUS_PATH
-from tests.comparator import assert_same_generation, reference_generate
-from tests.conftest import greedy, user
+from tests.helpers import check_against_reference, greedy, user
 
 MAX_NEW = 8
 SHARD_SIZE = "300KB"  # the tiny checkpoint is ~4 MB: several shards
@@ -66,10 +65,6 @@ def prompts(plain_engine: Engine, photos: dict[str, bytes]) -> dict[str, tuple[l
     }
 
 
-def reference(ref_model, text: str, images: list, never: list[int]):  # noqa: ANN001, ANN201
-    return reference_generate(ref_model, text, images, never, MAX_NEW)
-
-
 def run(engine: Engine, messages: list, images: list):  # noqa: ANN201
     req = engine.processor.make_request(messages=messages, images=images, params=greedy(MAX_NEW))
     (res,) = engine.generate([req])
@@ -91,13 +86,7 @@ def test_saved_layout_greedy_equals_transformers(
     plain_engine: Engine, plain_ref, prompts, kind: str
 ) -> None:
     messages, images = prompts[kind]
-    res = run(plain_engine, messages, images)
-    never = plain_engine.model.never_sample_ids
-    text = plain_engine.processor.prompts.render_chat(messages)
-    ref_ids, ref_logits, ref_len = reference(plain_ref, text, [i.image for i in images], never)
-    assert res.prompt_tokens == ref_len
-    assert len(res.output_ids) > 0
-    assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, f"saved, {kind}")
+    check_against_reference(plain_engine, plain_ref, messages, images, f"saved, {kind}", MAX_NEW)
 
 
 # ---- (b) sharded weights with model.safetensors.index.json --------------------------------

@@ -25,8 +25,7 @@ from mmserve.engine.processor import RequestError
 from mmserve.engine.request import ParamError, Request, SamplingParams
 from mmserve.engine.sampling import LogitsProcessors
 from mmserve.structured.spec import GuidedSpec
-from tests.comparator import assert_same_generation
-from tests.conftest import user
+from tests.helpers import assert_same_generation, user
 
 V = 40  # vocabulary of the unit tests
 STOP = [2, 5]  # their end-of-sequence ids

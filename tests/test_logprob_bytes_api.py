@@ -11,24 +11,21 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from api.app import ServerSettings, create_app
+from tests.helpers import TINY_FAMILIES, stream_chunks
 
 MODEL = "m"
 TEXT = "\u5317\u4eac\u5728\u7ebf \U0001f600 ok"  # 北京在线 😀 ok
 REPLACEMENT = list("\ufffd".encode())
-ENGINES = {
-    "model_dir": "make_engine",
-    "next_model_dir": "make_next_engine",
-    "ov_model_dir": "make_ov_engine",
-}
 
 
-@pytest.fixture(scope="module", params=sorted(ENGINES))
-def client(request):  # noqa: ANN001, ANN201
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
+def client(request, families):  # noqa: ANN001, ANN201
     """A server on each family's tiny checkpoint (llava: byte-level BPE; next:
     SentencePiece with byte fallback; onevision: Qwen2-style byte-level BPE)."""
-    engine = request.getfixturevalue(ENGINES[request.param])(max_total_tokens=8192)
+    family = families[request.param]
+    engine = family.make_engine(max_total_tokens=8192)
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
-        c.tok = AutoTokenizer.from_pretrained(request.getfixturevalue(request.param))
+        c.tok = AutoTokenizer.from_pretrained(family.model_dir)
         c.eos = engine.model.eos_token_ids
         yield c
     engine.check_accounting()
@@ -54,11 +51,7 @@ def plain(client, **kw) -> dict:  # noqa: ANN001
 
 def streamed(client, **kw) -> tuple[str, list[dict], str]:  # noqa: ANN001
     """(content, logprob entries, finish reason) of a streamed answer."""
-    with client.stream("POST", "/v1/chat/completions", json=body(stream=True, **kw)) as r:
-        assert r.status_code == 200
-        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    choices = [json.loads(ln)["choices"][0] for ln in lines[:-1]]
+    choices = [c["choices"][0] for c in stream_chunks(client, body(**kw))]
     text = "".join(c["delta"].get("content") or "" for c in choices)
     entries = [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
     return text, entries, choices[-1]["finish_reason"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmserve.engine.request import SamplingParams
-from tests.conftest import user
+from tests.helpers import user
 
 
 def test_greedy_logprobs_match_the_logits(make_engine) -> None:  # noqa: ANN001

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.server
 import threading
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,27 +12,17 @@ from fastapi.testclient import TestClient
 from api.app import ServerSettings, create_app
 from api.cli import build_parser, settings_from_args
 from api.settings import API_KEY_ENV
-
-MODEL = "llava-tiny"
+from tests.helpers import MODEL, SAMPLES, chat, image_part
 
 
 def ask(client, url: str):  # noqa: ANN001, ANN201
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]
-    return client.post(
-        "/v1/chat/completions",
-        json={
-            "model": MODEL,
-            "max_tokens": 2,
-            "temperature": 0,
-            "messages": [{"role": "user", "content": content}],
-        },
-    )
+    return chat(client, [image_part(url), {"type": "text", "text": "?"}], max_tokens=2)
 
 
 @pytest.fixture(scope="module")
 def http_server():  # noqa: ANN201
     """Serves tests/../samples/images on 127.0.0.1."""
-    root = Path(__file__).resolve().parents[1] / "samples" / "images"
+    root = SAMPLES
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def __init__(self, *a, **kw) -> None:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api.app import ServerSettings, create_app
-from tests.conftest import user
+from tests.helpers import user
 
 TYPED = ["</s>", "<s>", "<pad>", "<unk>"]
 

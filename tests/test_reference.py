@@ -1,27 +1,21 @@
-"""Invariant 5: greedy output equals transformers' LlavaForConditionalGeneration.generate."""
+"""Invariant 5 on LLaVA-1.5: greedy output equals transformers'
+LlavaForConditionalGeneration.generate with the image anywhere in the prompt and in a
+batch of different lengths. Text, two images and a chat, for every family, are in
+tests/test_families.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.comparator import assert_same_generation, reference_generate
-from tests.conftest import greedy, user
+from tests.helpers import (
+    assert_same_generation,
+    check_against_reference,
+    greedy,
+    reference_generate,
+    user,
+)
 
 MAX_NEW = 8
-
-
-def reference(ref_model, text: str, images: list, never: list[int], max_new: int = MAX_NEW):  # noqa: ANN001, ANN201
-    return reference_generate(ref_model, text, images, never, max_new)
-
-
-def check(engine, ref_model, messages, images, what: str) -> None:  # noqa: ANN001
-    text = engine.processor.prompts.render_chat(messages)
-    req = engine.processor.make_request(messages=messages, images=images, params=greedy(MAX_NEW))
-    (res,) = engine.generate([req])
-    never = engine.model.never_sample_ids
-    ref_ids, ref_logits, ref_len = reference(ref_model, text, [i.image for i in images], never)
-    assert res.prompt_tokens == ref_len, f"{what}: prompt length {res.prompt_tokens} vs {ref_len}"
-    assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, what)
 
 
 @pytest.fixture(scope="module")
@@ -32,38 +26,17 @@ def imgs(make_engine, photos):  # noqa: ANN001, ANN201
     ]
 
 
-def test_text_only(make_engine, ref_model) -> None:
-    msgs = [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "Name three colours of a sunset."},
-    ]
-    check(make_engine(), ref_model, msgs, [], "text only")
-
-
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_one_image_positions(make_engine, ref_model, imgs, where: str) -> None:
+def test_one_image_positions(make_engine, ref_model, imgs, where: str) -> None:  # noqa: ANN001
     parts = {
         "first": (None, "What animal is this?"),
         "middle": ("Look at this photo:", None, "What animal is this?"),
         "last": ("What animal is in the following photo?", None),
     }[where]
-    check(make_engine(), ref_model, user(*parts), imgs[:1], f"image {where}")
+    check_against_reference(make_engine(), ref_model, user(*parts), imgs[:1], f"image {where}")
 
 
-def test_two_images(make_engine, ref_model, imgs) -> None:
-    msgs = user(None, "and", None, "Which photo is brighter?")
-    check(make_engine(), ref_model, msgs, imgs[:2], "two images")
-
-
-def test_multi_turn_chat(make_engine, ref_model, imgs) -> None:
-    msgs = user(None, "What is in the cup?") + [
-        {"role": "assistant", "content": "Coffee with milk foam."},
-        {"role": "user", "content": "What colour is the saucer?"},
-    ]
-    check(make_engine(), ref_model, msgs, imgs[1:2], "multi-turn")
-
-
-def test_batch_of_different_lengths(make_engine, ref_model, imgs) -> None:
+def test_batch_of_different_lengths(make_engine, ref_model, imgs) -> None:  # noqa: ANN001
     eng = make_engine()
     cases = [
         (user("Hi."), []),
@@ -78,7 +51,10 @@ def test_batch_of_different_lengths(make_engine, ref_model, imgs) -> None:
     never = eng.model.never_sample_ids
     for k, ((msgs, images), res) in enumerate(zip(cases, results, strict=True)):
         text = eng.processor.prompts.render_chat(msgs)
-        ref_ids, ref_logits, _ = reference(ref_model, text, [i.image for i in images], never)
+        ref_ids, ref_logits, ref_len = reference_generate(
+            ref_model, text, [i.image for i in images], never, MAX_NEW
+        )
+        assert res.prompt_tokens == ref_len, f"batch #{k}"
         assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, f"batch #{k}")
     assert eng.stats.prefill_steps >= 1
     eng.scheduler.check_accounting()

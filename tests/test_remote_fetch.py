@@ -17,7 +17,6 @@ import ssl
 import threading
 import time
 import urllib.parse
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -34,9 +33,9 @@ from api.remote_fetch import (
     literal_address,
     parse_networks,
 )
+from tests.helpers import MODEL, SAMPLES, chat, image_part
 
-MODEL = "llava-tiny"
-CAT = (Path(__file__).resolve().parents[1] / "samples" / "images" / "cat.png").read_bytes()
+CAT = (SAMPLES / "cat.png").read_bytes()
 SECRET = "Secret-Internal-Banner"
 LOOPBACK = parse_networks("127.0.0.1/32")
 
@@ -571,16 +570,7 @@ def test_allowed_networks_setting_and_flags() -> None:
 
 
 def _ask(client, url: str):  # noqa: ANN001, ANN202
-    content = [{"type": "text", "text": "?"}, {"type": "image_url", "image_url": {"url": url}}]
-    return client.post(
-        "/v1/chat/completions",
-        json={
-            "model": MODEL,
-            "max_tokens": 2,
-            "temperature": 0,
-            "messages": [{"role": "user", "content": content}],
-        },
-    )
+    return chat(client, [{"type": "text", "text": "?"}, image_part(url)], max_tokens=2)
 
 
 def test_chat_route_answers_400_naming_the_field(make_engine, srv) -> None:  # noqa: ANN001

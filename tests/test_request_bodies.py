@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from api.app import ServerSettings, create_app
 from api.json_body import MAX_INT_DIGITS, JSONBodyRoute, json_media_type, parse_json_object
-from tests.conftest import assert_healthy
+from tests.helpers import assert_healthy
 
 MODEL = "llava-tiny"
 IMG = "img-" + "0" * 32

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from api.app import ServerSettings, create_app
 from api.structured import MAX_PARALLEL_TOOL_CALLS, ToolCalling
 from mmserve.structured.spec import GuidedSpec
-from tests.conftest import assert_error, assert_healthy, image_part, png_bytes
+from tests.helpers import assert_error, assert_healthy, image_part, png_bytes
 
 MODEL = "llava-tiny"
 

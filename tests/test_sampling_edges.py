@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve.engine.request import SamplingParams
-from tests.conftest import user
+from tests.helpers import user
 
 
 @pytest.mark.parametrize(

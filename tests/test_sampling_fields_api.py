@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
-from tests.conftest import MODEL, assert_error, assert_healthy
+from tests.helpers import MODEL, assert_error, assert_healthy, stream_chunks
 
 KEEP = 1234  # the one id the "all but one" bias leaves
 
@@ -48,11 +48,7 @@ def complete(client, **kw) -> dict:  # noqa: ANN001
 
 
 def stream(client, **kw) -> list[dict]:  # noqa: ANN001
-    with client.stream("POST", "/v1/chat/completions", json=body(stream=True, **kw)) as r:
-        assert r.status_code == 200, r.read()
-        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(ln[6:]) for ln in lines[:-1]]
+    return stream_chunks(client, body(**kw))
 
 
 def all_but(engine, keep: int) -> dict[str, float]:  # noqa: ANN001

@@ -14,8 +14,7 @@ from mmserve.cache.radix_cache import RadixCache
 from mmserve.engine.messages import BACKGROUND, INTERACTIVE
 from mmserve.engine.policy import order_waiting
 from mmserve.engine.request import SamplingParams
-from tests.comparator import assert_same_generation
-from tests.conftest import QUESTIONS, greedy, run, user, workload
+from tests.helpers import QUESTIONS, assert_same_generation, greedy, run_workload, user, workload
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def imgs(make_engine, photos):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def baseline(make_engine, imgs):  # noqa: ANN001, ANN201
-    _, res = run(make_engine, workload(imgs), disable_radix_cache=True)
+    _, res = run_workload(make_engine, workload(imgs), disable_radix_cache=True)
     return res
 
 
@@ -37,13 +36,13 @@ def same(results, base, what: str) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs", "random"])
 def test_every_policy_gives_the_same_outputs(make_engine, imgs, baseline, policy) -> None:  # noqa: ANN001
-    eng, res = run(make_engine, workload(imgs), policy=policy)
+    eng, res = run_workload(make_engine, workload(imgs), policy=policy)
     same(res, baseline, policy)
     assert sum(r.cached_tokens for r in res) > 0
 
 
 def test_chunked_prefill_same_outputs(make_engine, imgs, baseline) -> None:  # noqa: ANN001
-    eng, res = run(make_engine, workload(imgs), max_prefill_tokens=100, page_size=4)
+    eng, res = run_workload(make_engine, workload(imgs), max_prefill_tokens=100, page_size=4)
     same(res, baseline, "chunked")
     # a 576-token image needs several 100-token chunks, so more prefill steps than requests
     assert eng.stats.prefill_steps > len(res)
@@ -63,9 +62,9 @@ def test_chunks_avoid_splitting_an_image_when_they_can(make_engine, imgs) -> Non
 
 def test_retraction_resumes_with_identical_output(make_engine, imgs) -> None:  # noqa: ANN001
     cases = [(user(None, QUESTIONS[k % 3] + f" {k}"), [imgs[k % 4]]) for k in range(12)]
-    _, base = run(make_engine, cases, max_tokens=24, disable_radix_cache=True)
+    _, base = run_workload(make_engine, cases, max_tokens=24, disable_radix_cache=True)
     # reserve nothing for decode and leave little room: decode must run out and retract
-    eng, res = run(
+    eng, res = run_workload(
         make_engine,
         cases,
         max_tokens=24,
@@ -161,10 +160,10 @@ def test_unknown_policy_is_refused(make_engine) -> None:  # noqa: ANN001
 
 
 def test_running_limit_queues_without_changing_outputs(make_engine, imgs, baseline) -> None:  # noqa: ANN001
-    eng, res = run(make_engine, workload(imgs), max_running_requests=2)
+    eng, res = run_workload(make_engine, workload(imgs), max_running_requests=2)
     same(res, baseline, "max_running_requests=2")
     # at most two decode together: (6 - 1) decode steps per pair of requests
-    free, _ = run(make_engine, workload(imgs))
+    free, _ = run_workload(make_engine, workload(imgs))
     assert eng.stats.decode_steps == 5 * len(res) // 2 > free.stats.decode_steps
 
 
@@ -263,7 +262,7 @@ def test_interactive_request_is_admitted_before_waiting_background_ones(make_eng
     assert order[2] == late.rid, "the interactive request must take the first free slot"
     assert sorted(order[3:]) == sorted({m.rid for m in background} - set(order[:2]))
     assert col.result.finish_reason == "length"
-    _, [ref] = run(make_engine, [(user(None, QUESTIONS[0] + " 9"), [imgs[1]])])
+    _, [ref] = run_workload(make_engine, [(user(None, QUESTIONS[0] + " 9"), [imgs[1]])])
     assert col.result.output_ids == ref.output_ids  # priority never changes an answer
     eng.scheduler.check_accounting()
 
@@ -297,7 +296,7 @@ def test_decode_retracts_background_before_interactive(make_engine, imgs) -> Non
 
 def test_background_prompts_prefill_in_small_chunks(make_engine, imgs) -> None:  # noqa: ANN001
     cases = [(user(None, QUESTIONS[k] + f" {k}"), [imgs[k]]) for k in range(3)]
-    _, base = run(make_engine, cases, max_tokens=6)
+    _, base = run_workload(make_engine, cases, max_tokens=6)
     eng = make_engine(background_prefill_tokens=100)
     msgs = []
     for k, (m, i) in enumerate(cases):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SAMPLES
+from tests.helpers import SAMPLES
 from tests.live_server import live_server
 
 

@@ -23,7 +23,7 @@ from mmserve.structured.spec import (
     GuidedSpec,
     check_spec,
 )
-from tests.conftest import user
+from tests.helpers import user
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ["astronaut.png", "cat.png", "rocket.jpg"]

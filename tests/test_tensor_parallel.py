@@ -25,7 +25,7 @@ from mmserve.engine.engine import Engine
 from mmserve.engine.request import SamplingParams
 from mmserve.model.llama import LlamaShape
 from mmserve.structured.spec import GuidedSpec
-from tests.conftest import greedy, tp_engine, user, workload
+from tests.helpers import TINY_FAMILIES, greedy, tp_engine, user, workload
 from tests.live_server import child_pids, cmdline, live_server_process, pid_alive, wait_gone
 
 TP_LOGIT_RTOL = 1e-4
@@ -123,11 +123,10 @@ def test_layout_slices_tile_every_weight(world: int) -> None:
 # ---- equal outputs ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llava", "llava_next", "llava_onevision"])
-def test_tp2_equals_tp1_per_family(family: str, request, photos) -> None:  # noqa: ANN001
-    prefix = {"llava": "", "llava_next": "next_", "llava_onevision": "ov_"}[family]
-    model_dir = request.getfixturevalue(f"{prefix}model_dir")
-    one = request.getfixturevalue(f"make_{prefix}engine")()
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_tp2_equals_tp1_per_family(family: str, families, photos) -> None:  # noqa: ANN001
+    model_dir = families[family].model_dir
+    one = families[family].make_engine()
     imgs = [one.processor.prepare_image(b) for b in list(photos.values())[:3]]
     ref = one.generate(_requests(one, imgs))
     with tp_engine(model_dir) as two:

@@ -11,8 +11,8 @@ from tokenizers import decoders
 from transformers import AutoTokenizer
 
 from mmserve.engine.token_bytes import TokenBytes, token_bytes, token_string
+from tests.helpers import TINY_FAMILIES
 
-FAMILY_DIRS = ["model_dir", "next_model_dir", "ov_model_dir"]
 #: Text heavy on characters that byte-fallback and byte-level tokens split.
 ALPHABET = st.one_of(
     st.sampled_from(list("北京在线中文字 \n\t.,!é😀🎉👍🏽Ωñ")),
@@ -21,11 +21,11 @@ ALPHABET = st.one_of(
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module", params=FAMILY_DIRS)
-def tok(request):  # noqa: ANN001, ANN201
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
+def tok(request, families):  # noqa: ANN001, ANN201
     """Each family's tiny tokenizer: llava (byte-level BPE), next (SentencePiece with byte
     fallback), onevision (Qwen2-style byte-level BPE)."""
-    return AutoTokenizer.from_pretrained(request.getfixturevalue(request.param))
+    return AutoTokenizer.from_pretrained(families[request.param].model_dir)
 
 
 def sentencepiece_variants(next_model_dir):  # noqa: ANN001, ANN201
@@ -100,8 +100,8 @@ def test_bytes_of_any_ids_give_the_decoders_text(tok, data) -> None:  # noqa: AN
     assert lossy_text(tok, table, ids) == tok.decode(ids, skip_special_tokens=True)
 
 
-def test_other_sentencepiece_decoders(next_model_dir) -> None:  # noqa: ANN001
-    for tok in sentencepiece_variants(next_model_dir):
+def test_other_sentencepiece_decoders(families) -> None:  # noqa: ANN001
+    for tok in sentencepiece_variants(families["llava-next"].model_dir):
         table = TokenBytes(tok)
         for text in ["北京 hello 😀 world", " two  spaces", "é", "a\nb"]:
             ids = tok.encode(text, add_special_tokens=True)
@@ -109,8 +109,8 @@ def test_other_sentencepiece_decoders(next_model_dir) -> None:  # noqa: ANN001
             assert b"".join(table.text_bytes(ids)) == want, (tok.backend_tokenizer.decoder, text)
 
 
-def test_known_tokens(next_model_dir, ov_model_dir) -> None:  # noqa: ANN001
-    sp = AutoTokenizer.from_pretrained(next_model_dir)
+def test_known_tokens(families) -> None:  # noqa: ANN001
+    sp = AutoTokenizer.from_pretrained(families["llava-next"].model_dir)
     table = token_bytes(sp)
     assert token_bytes(sp) is table  # built once per tokenizer
     ids = sp.encode("北", add_special_tokens=False)
@@ -121,7 +121,7 @@ def test_known_tokens(next_model_dir, ov_model_dir) -> None:  # noqa: ANN001
     assert table.raw(hello) == b" he" and table.at(hello, first=True) == b"he"
     assert table.raw(sp.eos_token_id) == b"" and sp.eos_token_id in table.skipped
     assert table.special_text[sp.eos_token_id] == "</s>"
-    bl = AutoTokenizer.from_pretrained(ov_model_dir)
+    bl = AutoTokenizer.from_pretrained(families["llava-onevision"].model_dir)
     table = token_bytes(bl)
     ids = bl.encode("😀 ok", add_special_tokens=False)
     assert b"".join(table.text_bytes(ids)) == "😀 ok".encode()

@@ -13,6 +13,7 @@ from mmserve.vision.video import (
     VideoLimits,
     sample_frame_indices,
 )
+from tests.helpers import ROOT, png_bytes
 from tests.videos import encode_mp4, frameless, rgb_frames
 
 pytest.importorskip("av")
@@ -94,7 +95,6 @@ def test_probe_and_frames(clip12: bytes) -> None:
 
 
 def test_frames_hash_like_images(engine, clip12: bytes) -> None:  # noqa: ANN001
-    from tests.conftest import png_bytes
 
     frames = sampled(engine, clip12, 4)
     assert [f.index for f in frames] == [1, 4, 7, 10]
@@ -188,8 +188,6 @@ def test_absurd_fps_is_a_clear_error() -> None:
 
 
 def test_sample_video() -> None:
-    from tests.conftest import ROOT
-
     v = Video((ROOT / "samples" / "video" / "pans.mp4").read_bytes(), LIMITS)
     assert (v.info.num_frames, v.info.fps, v.info.width, v.info.height) == (40, 10.0, 320, 240)
     assert v.info.duration == pytest.approx(4.0, abs=1e-3)

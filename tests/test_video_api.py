@@ -12,7 +12,7 @@ from PIL import Image
 
 from api.app import ServerSettings, create_app
 from mmserve.vision.video import Video, VideoLimits
-from tests.conftest import png_bytes
+from tests.helpers import png_bytes
 from tests.videos import (
     encode_mp4,
     encode_video,

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from api.app import ServerSettings, create_app
 from mmserve.vision.image import clean_decoder_message
 from mmserve.vision.video import Video, VideoError, VideoLimits
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 av = pytest.importorskip("av")
 

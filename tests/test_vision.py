@@ -12,9 +12,7 @@ from PIL import Image
 from mmserve.engine.engine import RequestError
 from mmserve.vision.hashing import image_key, processor_fingerprint, pseudo_token_ids
 from mmserve.vision.image import ImageError, ImageLimits, decode_image
-from tests.comparator import assert_same_generation
-from tests.comparator import reference_generate as reference
-from tests.conftest import greedy, png_bytes, user
+from tests.helpers import assert_same_generation, check_against_reference, greedy, png_bytes, user
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +119,7 @@ def test_byte_limit() -> None:
 def test_odd_modes_are_answered_like_transformers(eng, ref_model, cases_dir, name) -> None:  # noqa: ANN001
     img = eng.processor.prepare_image(read(cases_dir, name))
     msgs = user(None, "What is this?")
-    (res,) = eng.generate(
-        [eng.processor.make_request(messages=msgs, images=[img], params=greedy(4))]
-    )
-    ref_ids, ref_logits, _ = reference(
-        ref_model,
-        eng.processor.prompts.render_chat(msgs),
-        [img.image],
-        eng.model.never_sample_ids,
-        4,
-    )
-    assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, name)
+    check_against_reference(eng, ref_model, msgs, [img], name, max_new=4)
 
 
 def test_similar_image_after_another_gets_no_wrong_hit(make_engine, cases_dir) -> None:  # noqa: ANN001

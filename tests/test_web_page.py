@@ -25,7 +25,7 @@ import pytest
 from PIL import Image
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from tests.conftest import SAMPLES
+from tests.helpers import SAMPLES
 from tests.live_server import live_server
 
 CHROMIUM = os.environ.get("MMSERVE_CHROMIUM", "/usr/bin/chromium")

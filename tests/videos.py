@@ -142,18 +142,7 @@ def encode_mp4(
     B-frames; the last frame lasts ``1/fps``)."""
     if pts_ms is not None:
         return encode_video(frames, fps=fps, pts=pts_ms, options={"bf": "0"})
-    av = pytest.importorskip("av")
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as c:
-        s = c.add_stream("libx264", rate=fps)
-        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
-        for f in frames:
-            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
-            for p in s.encode(vf):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return buf.getvalue()
+    return encode_video(frames, fps=fps)
 
 
 def frameless(fmt: str) -> bytes:

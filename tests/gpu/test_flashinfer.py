@@ -29,8 +29,13 @@ from mmserve.kernels.flashinfer_backend import (
     flashinfer_import_problem,
 )
 from mmserve.kernels.torch_backend import TorchAttentionBackend
-from tests.comparator import BF16_LOGIT_RTOL, assert_same_generation, random_batch
-from tests.conftest import greedy, user
+from tests.helpers import (
+    BF16_LOGIT_RTOL,
+    check_against_reference,
+    greedy,
+    random_batch,
+    user,
+)
 
 _CUDA = torch.cuda.is_available()
 _FI_PROBLEM = flashinfer_import_problem() if _CUDA else "no CUDA GPU"
@@ -190,28 +195,4 @@ def test_cuda_fp32_torch_backend_matches_transformers(
         "image": (user("Look at this photo:", None, "What animal is this?"), imgs[:1]),
         "two_images": (user(None, "and", None, "Which photo is brighter?"), imgs),
     }[case]
-    req = eng.processor.make_request(messages=msgs, images=images, params=greedy(MAX_NEW))
-    (res,) = eng.generate([req])
-
-    model, processor = ref_model_cuda
-    never = eng.model.never_sample_ids
-    text = eng.processor.prompts.render_chat(msgs)
-    inputs = processor(images=[i.image for i in images] or None, text=text, return_tensors="pt").to(
-        "cuda"
-    )
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            suppress_tokens=never,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    n_prompt = inputs["input_ids"].shape[1]
-    ref_ids = out.sequences[0, n_prompt:].tolist()
-    ref_logits = [step[0].float().cpu() for step in out.logits]
-    for lg in ref_logits:  # generate's logits are pre-processor; mask as our sampler does
-        lg[never] = float("-inf")
-    assert res.prompt_tokens == n_prompt
-    assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, f"cuda fp32 {case}")
+    check_against_reference(eng, ref_model_cuda, msgs, images, f"cuda fp32 {case}", MAX_NEW)

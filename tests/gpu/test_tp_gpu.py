@@ -15,20 +15,13 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
-from mmserve.model.make_checkpoint import make_checkpoint
-from tests.comparator import BF16_LOGIT_RTOL
-from tests.conftest import greedy, tp_engine
+from tests.helpers import BF16_LOGIT_RTOL, greedy, tp_engine
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason=f"needs 2 CUDA devices ({torch.cuda.device_count()} visible)",
 )
 PROMPTS = ["Once upon a time", "The capital of France is", "List three colours:"]
-
-
-@pytest.fixture(scope="module")
-def small_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    return make_checkpoint(tmp_path_factory.mktemp("model") / "llava-small", "small")
 
 
 def _run(eng: Engine) -> list:
@@ -42,13 +35,13 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype,backend", [("float32", "torch"), ("bfloat16", "auto")])
-def test_tp2_on_two_gpus_equals_tp1(small_dir, dtype: str, backend: str) -> None:  # noqa: ANN001
+def test_tp2_on_two_gpus_equals_tp1(small_model_dir, dtype: str, backend: str) -> None:  # noqa: ANN001
     cfg = {"device": "cuda", "dtype": dtype, "attention_backend": backend}
-    one = Engine(EngineConfig(model_path=str(small_dir), **cfg))
+    one = Engine(EngineConfig(model_path=str(small_model_dir), **cfg))
     ref = _run(one)
     del one
     torch.cuda.empty_cache()
-    with tp_engine(small_dir, **cfg) as two:
+    with tp_engine(small_model_dir, **cfg) as two:
         res = _run(two)
         assert two.fatal_error() is None
     for a, b in zip(res, ref, strict=True):

@@ -1,0 +1,377 @@
+"""Helpers the tests import: request builders, the output comparator and the
+transformers reference, HTTP shortcuts for ``TestClient`` apps, and engine workloads.
+
+Fixtures (checkpoints, loaded models, engines, photos) live in ``tests/conftest.py``
+and are never imported. Three sibling helper modules hold the larger jobs:
+``tests/live_server.py`` (a real ``mmserve serve`` process), ``tests/videos.py``
+(tiny test videos encoded with PyAV) and ``tests/cases.py`` (odd and broken input
+files). No test imports another ``test_*.py`` module.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.config import EngineConfig
+from mmserve.engine.engine import Engine
+from mmserve.engine.request import SamplingParams
+from mmserve.kernels.metadata import build_metadata
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "samples" / "images"
+#: the model families with a tiny checkpoint (``families`` fixture in tests/conftest.py)
+TINY_FAMILIES = ("llava", "llava-next", "llava-onevision")
+
+# ---- requests ----------------------------------------------------------------------
+
+
+def png_bytes(im: Image.Image, fmt: str = "PNG") -> bytes:
+    """Encode a PIL image (PNG unless ``fmt`` names another Pillow format)."""
+    buf = io.BytesIO()
+    im.save(buf, fmt)
+    return buf.getvalue()
+
+
+def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
+    """Greedy sampling params that keep logits for the comparator."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, return_logits=True, **kw)
+
+
+def user(*parts: str | None) -> list[dict]:
+    """One user message: ``None`` parts are images, strings are text."""
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+# ---- the comparator (invariant 4 in docs/architecture.md) ------------------------------
+#
+# Tokens must match, except at a near-tie of the reference: if at the first differing
+# step the reference's gap between its top two logits is below ``TIE_EPS``, the two
+# runs may legitimately pick different tokens; from there on only that step's logits
+# are compared, within ``LOGIT_RTOL`` of the reference's largest logit.
+
+TIE_EPS = 1e-3
+LOGIT_RTOL = 1e-3  # of the reference's largest |logit|; fp32 kernels differ by ~1e-5
+# Largest |logit difference| accepted between a bf16 and a reference run, as a
+# fraction of the reference's largest |logit|. bf16 vs fp32 on the tiny model
+# measures up to ~0.021 (tests/test_backends.py); two bf16 kernels should be closer.
+BF16_LOGIT_RTOL = 4e-2
+
+
+def _logits_close(ours: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    ours, ref = ours.float(), ref.float()
+    finite = torch.isfinite(ref)
+    if not torch.equal(finite, torch.isfinite(ours)):
+        return False, float("inf")
+    diff = (ours[finite] - ref[finite]).abs().max().item()
+    return diff <= LOGIT_RTOL * max(1.0, ref[finite].abs().max().item()), diff
+
+
+def assert_same_generation(
+    ours_ids: Sequence[int],
+    ref_ids: Sequence[int],
+    ours_logits: Sequence[torch.Tensor] | None = None,
+    ref_logits: Sequence[torch.Tensor] | None = None,
+    what: str = "",
+) -> None:
+    """Assert two greedy generations agree under the near-tie rule.
+
+    Args:
+        ours_ids, ref_ids: generated token ids.
+        ours_logits, ref_logits: per-step fp32 logits ``[vocab]`` (needed to accept
+            a divergence; without them any divergence fails).
+        what: label for the failure message.
+    """
+    for step, (a, b) in enumerate(zip(ours_ids, ref_ids, strict=False)):
+        if a == b:
+            if ours_logits is not None and ref_logits is not None:
+                ok, diff = _logits_close(ours_logits[step], ref_logits[step])
+                assert ok, f"{what}: step {step} logits differ by {diff}"
+            continue
+        assert ours_logits is not None and ref_logits is not None, (
+            f"{what}: token {step} differs ({a} vs {b}) and no logits to check a near-tie; "
+            f"ours={list(ours_ids)} ref={list(ref_ids)}"
+        )
+        top2 = torch.topk(ref_logits[step].float(), 2).values
+        gap = (top2[0] - top2[1]).item()
+        assert gap < TIE_EPS, (
+            f"{what}: token {step} differs ({a} vs {b}) but the reference's top-2 gap is "
+            f"{gap:.4g} >= {TIE_EPS}; ours={list(ours_ids)} ref={list(ref_ids)}"
+        )
+        ok, diff = _logits_close(ours_logits[step], ref_logits[step])
+        assert ok, f"{what}: near-tie at step {step}, logits differ by {diff}"
+        return
+    assert len(ours_ids) == len(ref_ids), (
+        f"{what}: lengths differ {len(ours_ids)} vs {len(ref_ids)}: {list(ours_ids)} / "
+        f"{list(ref_ids)}"
+    )
+
+
+# ---- the transformers reference --------------------------------------------------------
+
+
+def reference_generate(  # noqa: ANN201
+    ref_model,  # noqa: ANN001
+    text: str,
+    images: list[Image.Image],
+    never: list[int],
+    max_new: int = 8,
+    videos: list[list[Image.Image]] | None = None,
+):
+    """transformers' greedy ``generate`` on ``ref_model = (model, processor)``.
+
+    The images of one prompt go in as one nested list (as a chat template hands them;
+    LLaVA-OneVision takes its multi-image path only so). Videos (LLaVA-OneVision only)
+    go in as ``pixel_values_videos`` made by our frame preprocessing, each ``<video>``
+    placeholder repeated as the processor's ``replace_video_token`` says.
+
+    Returns:
+        ``(ids, logits, prompt_len)``: the generated ids, fp32 ``[vocab]`` logits per
+        step on the CPU with the ``never`` ids at -inf (as our sampler masks them), and
+        the prompt's length in tokens. The inputs go to the model's device.
+    """
+    model, processor = ref_model
+    if videos:
+        from mmserve.vision.frames import FramePrep, prepare_frames
+
+        assert not images, "the reference takes images or videos, not both"
+        prep = FramePrep.from_processor(processor.video_settings)
+        pixels = [prepare_frames(v, prep)[None] for v in videos]  # [1, frames, 3, H, W] each
+        pieces = text.split(processor.video_token)
+        assert len(pieces) == len(pixels) + 1
+        text = pieces[0] + "".join(
+            processor.replace_video_token({"pixel_values_videos": pv}, 0) + piece
+            for pv, piece in zip(pixels, pieces[1:], strict=True)
+        )
+        inputs = dict(processor.tokenizer(text, return_tensors="pt"))
+        inputs["pixel_values_videos"] = torch.cat(pixels)
+    else:
+        inputs = processor(images=[images] if images else None, text=text, return_tensors="pt")
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new,
+            do_sample=False,
+            suppress_tokens=never,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    n = inputs["input_ids"].shape[1]
+    logits = [step[0].float().cpu() for step in out.logits]
+    # generate's logits are pre-processor; apply the same mask our sampler uses
+    for lg in logits:
+        lg[never] = float("-inf")
+    return out.sequences[0, n:].tolist(), logits, n
+
+
+def check_against_reference(  # noqa: PLR0913
+    engine: Engine,
+    ref_model,  # noqa: ANN001
+    messages: list[dict],
+    images: list,
+    what: str,
+    max_new: int = 8,
+    videos: list[list] | None = None,
+) -> None:
+    """Generate greedily on ``engine`` and assert the prompt length and the output equal
+    :func:`reference_generate` on ``ref_model`` (under the near-tie rule).
+
+    ``images`` are prepared ``ImageInput`` s; ``videos`` lists of prepared frames.
+    """
+    text = engine.processor.prompts.render_chat(messages)
+    req = engine.processor.make_request(
+        messages=messages, images=images, videos=videos or [], params=greedy(max_new)
+    )
+    (res,) = engine.generate([req])
+    frames = [[f.image for f in v] for v in videos] if videos else None
+    ref_ids, ref_logits, ref_len = reference_generate(
+        ref_model,
+        text,
+        [i.image for i in images],
+        engine.model.never_sample_ids,
+        max_new,
+        videos=frames,
+    )
+    assert res.prompt_tokens == ref_len, f"{what}: prompt length {res.prompt_tokens} vs {ref_len}"
+    assert_same_generation(res.output_ids, ref_ids, res.logits, ref_logits, what)
+
+
+# ---- attention kernels --------------------------------------------------------------
+
+
+def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cpu", seed=0):  # noqa: ANN001, ANN201
+    """A pool filled with random K/V plus a batch of 4 requests over shuffled pages.
+
+    ``mode``: "prefill" (no cached prefix), "partial" (a cached prefix that ends
+    mid-page when ``page_size > 1``) or "decode" (one new token after a prefix).
+    Returns ``(pool, meta, q, k, v)``; q/k/v are the new tokens' ``[T, H, 64]``.
+    """
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    d, layers = 64, 2
+    seqs = [rng.randint(2, 40) for _ in range(4)]
+    if mode == "prefill":
+        prefix = [0] * 4
+    elif mode == "decode":
+        prefix = [s - 1 for s in seqs]
+    else:
+        prefix = [rng.randint(1, s - 1) for s in seqs]
+    n_pages = sum(-(-s // page_size) for s in seqs) + 3
+    pool = KVPool(n_pages, page_size, layers, hkv, d, dtype=dtype, device=device)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+    ids = list(range(n_pages))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for s in seqs:
+        n = -(-s // page_size)
+        tables.append(ids[at : at + n])
+        at += n
+    extend = [s - p for s, p in zip(seqs, prefix, strict=True)]
+    meta = build_metadata(tables, prefix, extend, page_size, device)
+    t = sum(extend)
+
+    def rnd(h: int) -> torch.Tensor:
+        return torch.randn(t, h, d, generator=gen).to(dtype).to(device)
+
+    return pool, meta, rnd(hq), rnd(hkv), rnd(hkv)
+
+
+# ---- engine workloads shared by cache, scheduling and tensor-parallel tests ---------------
+
+#: EngineConfig fields for "cache on and off" tests: page sizes 1 and 16, radix cache on/off
+CACHE_CONFIGS = [
+    {"page_size": 1},
+    {"page_size": 16},
+    {"page_size": 1, "disable_radix_cache": True},
+    {"page_size": 16, "disable_radix_cache": True},
+]
+
+
+QUESTIONS = ["What is this?", "What colour is it?", "Is it indoors or outdoors?"]
+
+
+def workload(imgs: list) -> list[tuple[list[dict], list]]:
+    """``(messages, images)`` pairs that share images, a system prompt and a chat history."""
+    system = {"role": "system", "content": "You are a careful visual assistant."}
+    out = []
+    for k, img in enumerate(imgs[:3]):
+        for q in QUESTIONS[: 3 - k]:
+            out.append(([system, *user(None, q)], [img]))
+    history = user(None, "What is this?") + [
+        {"role": "assistant", "content": "A photo."},
+        {"role": "user", "content": "Tell me more."},
+    ]
+    out.append((history, imgs[:1]))
+    out.append((user("No image here, just text."), []))
+    return out
+
+
+def run_workload(make_engine, cases: list, max_tokens: int = 6, **cfg):  # noqa: ANN001, ANN201
+    """Generate ``cases`` greedily in one batch on ``make_engine(**cfg)``, check the pool
+    accounting after, and return ``(engine, results)``."""
+    eng = make_engine(**cfg)
+    reqs = [
+        eng.processor.make_request(messages=m, images=i, params=greedy(max_tokens))
+        for m, i in cases
+    ]
+    res = eng.generate(reqs)
+    eng.scheduler.check_accounting()
+    return eng, res
+
+
+@contextmanager
+def tp_engine(model_dir: Path, tp: int = 2, **kw) -> Iterator[Engine]:
+    """An Engine whose decoder runs on ``tp`` ranks (gloo on 127.0.0.1); its worker
+    processes are stopped afterwards, whatever the test did."""
+    eng = Engine(EngineConfig(model_path=str(model_dir), tp=tp, **kw))
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+# ---- HTTP shortcuts for TestClient apps serving the tiny model as "llava-tiny" ----------
+
+MODEL = "llava-tiny"
+
+
+def chat(client, content, **kw):  # noqa: ANN001, ANN201
+    """POST one user message (``content``: a string or parts) to ``/v1/chat/completions``:
+    greedy, 3 tokens unless ``kw`` says otherwise. Returns the response."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 3,
+        "temperature": 0,
+        **kw,
+    }
+    return client.post("/v1/chat/completions", json=body)
+
+
+def chat_json(client, content, **kw) -> dict:  # noqa: ANN001
+    """:func:`chat` that must be answered with 200; returns the JSON body."""
+    r = chat(client, content, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chunks(client, body: dict) -> list[dict]:  # noqa: ANN001
+    """POST ``body`` with ``"stream": true`` to ``/v1/chat/completions``; assert a 200 event
+    stream that ends with ``data: [DONE]``, and return the chunks before it, parsed."""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def image_part(url: str) -> dict:
+    """An OpenAI ``image_url`` content part."""
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    """``data:`` URL of ``data``, base64-encoded."""
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
+    """POST ``data`` to ``/v1/images`` as a multipart file; returns the response."""
+    return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
+
+
+def assert_healthy(client) -> None:  # noqa: ANN001
+    """A normal request is answered and the pool accounting holds at rest."""
+    r = chat(client, "Say hello.")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    stats = client.get("/v1/cache/stats").json()
+    assert stats["running_requests"] == 0 and stats["live_requests"] == 0
+    acc = stats["accounting"]
+    assert acc["ok"] and acc["running"] == 0, acc
+    assert acc["free"] + acc["tree"] == acc["total"] == stats["pool_pages"]
+
+
+def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  # noqa: ANN001
+    """Assert ``r`` is an OpenAI-shaped error with ``status`` whose message contains
+    ``words`` (and whose code is ``code`` when given); returns the error object."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
