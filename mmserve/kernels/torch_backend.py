@@ -1,13 +1,27 @@
 """Reference attention backend in plain torch, for any device.
 
-It executes :class:`~mmserve.kernels.metadata.AttentionMetadata` literally:
-gather each request's pages by ``kv_indices``, keep ``seq_len`` tokens, and run
-causal attention in which query row ``j`` of a request with ``q_len`` new tokens
+Its literal path executes :class:`~mmserve.kernels.metadata.AttentionMetadata` as
+written: gather each request's pages by ``kv_indices``, keep ``seq_len`` tokens, and
+run causal attention in which query row ``j`` of a request with ``q_len`` new tokens
 sees keys ``0 .. seq_len - q_len + j`` (the new tokens are the tail of the
 sequence). Grouped-query attention maps ``Hq / Hkv`` query heads to each K/V head.
+
+On CPU, decode tokens and short extends (a new question after a cached prefix) take
+the *view* path instead, which reads the pool in place: a request's slots are split
+into contiguous runs; each long run is attended as a strided view of the pool (no
+copy) and only the short leftovers (for example decode tokens interleaved with other
+requests') are gathered. Grouped-query heads are never expanded: the ``G = Hq / Hkv``
+query heads of one K/V head are attended as ``G`` query rows of that head. The
+partial results are merged with their log-sum-exp (the split-softmax merge of
+FlashDecoding / FlashInfer's ``merge_state``: ``o = sum_i o_i exp(lse_i - m) /
+sum_i exp(lse_i - m)``, ``m = max_i lse_i``). Requests whose longest run is the same
+pool range (many questions about one image) attend to it in one call, their query
+rows stacked (cascade attention in spirit).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,16 +29,55 @@ import torch.nn.functional as F
 from mmserve.cache.kv_pool import KVPool
 from mmserve.kernels.metadata import AttentionMetadata
 
+#: CPU flash-attention kernel that also returns the log-sum-exp of each query row
+#: (``[B, H, L_q]`` fp32, natural log): what merging partial attentions needs.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+#: Extends longer than this (prompt prefills) take the literal path: their compute
+#: dwarfs any copy, and ``is_causal`` beats an explicit mask.
+MAX_VIEW_EXTEND = 64
+#: Contiguous runs shorter than this (tokens) are gathered instead of viewed: a view
+#: costs one kernel call, a gathered token a 256-byte copy.
+MIN_RUN = 32
+#: At most this many runs per request are viewed (the longest ones); the rest is
+#: gathered, so a fragmented pool costs one copy, not hundreds of kernel calls.
+MAX_RUNS = 4
+
+
+@dataclass
+class _Chunk:
+    """Part of one view-path request's K/V: slots ``[start, start + length)`` of the
+    flat pool (a view), or gathered ``slots`` when ``start`` is None.
+
+    ``rows``: the requests (indices into the view-path list) attending to it, several
+    only for decode runs shared by several requests. ``mask``: bool ``[q_len, length]``,
+    True where a key lies after the query's position; None when all keys are visible.
+    """
+
+    rows: list[int]
+    start: int | None
+    length: int
+    slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    dead: bool = False  # some query row sees none of these keys
+
 
 class TorchAttentionBackend:
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Call :meth:`plan` once per batch, then :meth:`forward` once per layer.
+
+    Args:
+        views: take the view path (see the module docstring) for decode tokens and
+            extends of at most :data:`MAX_VIEW_EXTEND` tokens when the pool is on CPU;
+            False runs everything literally (the executable specification).
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, views: bool = True) -> None:
+        self.views = views and _FLASH is not None
+        self._view_reqs: list[int] = []
+        self._chunks: list[_Chunk] = []
         self._meta: AttentionMetadata | None = None
         self._slots: list[torch.Tensor] = []
         self._masks: list[torch.Tensor | None] = []
@@ -54,9 +107,14 @@ class TorchAttentionBackend:
                 rows = torch.arange(q_len, device=slots.device)[:, None] + (seq - q_len)
                 cols = torch.arange(seq, device=slots.device)[None, :]
                 self._masks.append(cols <= rows)
+        viewable = self.views and meta.kv_indices.device.type == "cpu"
+        self._view_reqs = [
+            i for i, q_len in enumerate(meta.extend_lens) if viewable and q_len <= MAX_VIEW_EXTEND
+        ]
+        self._chunks = self._plan_views(meta) if self._view_reqs else []
         # Requests with one new token (decode, also inside a mixed step) attend in one
         # padded batch instead of one SDPA call each.
-        single = [i for i, q_len in enumerate(meta.extend_lens) if q_len == 1]
+        single = [i for i, q_len in enumerate(meta.extend_lens) if q_len == 1 and not viewable]
         if len(single) > 1:
             # Built where the slots live: on CUDA, filling a host tensor from device
             # slots would cost one synchronising copy per request.
@@ -75,6 +133,56 @@ class TorchAttentionBackend:
         else:
             self._decode_index = self._decode_mask = self._decode_rows = None
             self._loop = list(range(meta.batch_size))
+        viewed = set(self._view_reqs)
+        self._loop = [i for i in self._loop if i not in viewed]
+
+    def _plan_views(self, meta: AttentionMetadata) -> list[_Chunk]:
+        """Split each view-path request's slots into viewed runs and one gathered rest,
+        with causal masks where a chunk holds keys after some query's position."""
+        chunks: list[_Chunk] = []
+        shared: dict[tuple[int, int], _Chunk] = {}  # decode runs by pool range
+        for row, i in enumerate(self._view_reqs):
+            slots, seq, q_len = self._slots[i], meta.seq_lens[i], meta.extend_lens[i]
+            breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
+            bounds = [0, *breaks, seq]
+            runs = [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1)]
+            long = sorted((r for r in runs if r[1] - r[0] >= MIN_RUN), key=lambda r: r[0] - r[1])
+            long = sorted(long[:MAX_RUNS])
+            rest = [r for r in runs if r not in long]
+            for lo, hi in long:
+                start = int(slots[lo])
+                mask = self._causal(lo, hi, seq, q_len, None)
+                if q_len == 1:  # a decode query sees every key: share the call
+                    chunk = shared.get((start, hi - lo))
+                    if chunk is not None:
+                        chunk.rows.append(row)
+                        continue
+                chunk = _Chunk([row], start, hi - lo, mask=mask)
+                if q_len == 1:
+                    shared[(start, hi - lo)] = chunk
+                chunks.append(chunk)
+            if rest:
+                pos = torch.cat([torch.arange(lo, hi) for lo, hi in rest])
+                idx = slots[pos]
+                mask = self._causal(0, 0, seq, q_len, pos)
+                chunks.append(_Chunk([row], None, len(idx), slots=idx, mask=mask))
+        for c in chunks:
+            c.dead = c.mask is not None and bool(c.mask.all(1).any())
+        return chunks
+
+    def _causal(
+        self, lo: int, hi: int, seq: int, q_len: int, pos: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Additive mask ``[q_len * G, keys]`` for keys at positions ``lo..hi`` (or
+        ``pos``): query row ``r`` (position ``seq - q_len + r // G``) sees keys at or
+        before it. None when every key is visible to every query."""
+        last = (hi - 1) if pos is None else int(pos.max())
+        if last <= seq - q_len:
+            return None
+        keys = torch.arange(lo, hi) if pos is None else pos
+        queries = torch.arange(seq - q_len, seq)
+        hidden = keys[None, :] > queries[:, None]  # [q_len, keys]
+        return hidden  # expanded to G rows and the dtype in forward (G known there)
 
     def forward(
         self,
@@ -98,9 +206,11 @@ class TorchAttentionBackend:
         meta = self._meta
         assert meta is not None, "plan() must be called before forward()"
         k_flat, v_flat = pool.write_kv(layer_id, meta.out_cache_loc, k, v)
-        if self._decode_index is not None and not self._loop:
+        if self._decode_index is not None and not self._loop and not self._view_reqs:
             return self._decode_batched(q, k_flat, v_flat)
         out = torch.empty_like(q)
+        if self._view_reqs:
+            self._attend_views(q, k_flat, v_flat, out)
         if self._decode_index is not None:
             rows = self._decode_rows
             out[rows] = self._decode_batched(q[rows], k_flat, v_flat)
@@ -119,6 +229,55 @@ class TorchAttentionBackend:
             out[qo[i] : qo[i + 1]] = oi[0].transpose(0, 1)
         return out
 
+    def _attend_views(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """The view path: fill ``out``'s rows of the view-path requests."""
+        meta, qo = self._meta, self._qo
+        hq, hkv, d = q.shape[1], k_flat.shape[1], q.shape[2]
+        g = hq // hkv
+        # each request's queries as [Hkv, q_len * G, D]: G heads become G query rows
+        queries = [
+            q[qo[i] : qo[i + 1]].view(-1, hkv, g, d).transpose(0, 1).reshape(hkv, -1, d)
+            for i in self._view_reqs
+        ]
+        parts_o: list[torch.Tensor] = []
+        parts_lse: list[torch.Tensor] = []
+        part_rows: list[int] = []
+        for c in self._chunks:
+            if c.start is not None:
+                kc = k_flat[c.start : c.start + c.length].transpose(0, 1)  # [Hkv, L, D] view
+                vc = v_flat[c.start : c.start + c.length].transpose(0, 1)
+            else:
+                kc = _gather(k_flat, c.slots).transpose(0, 1).to(q.dtype)
+                vc = _gather(v_flat, c.slots).transpose(0, 1).to(q.dtype)
+            qc = (
+                queries[c.rows[0]]
+                if len(c.rows) == 1
+                else torch.cat([queries[r] for r in c.rows], 1)
+            )
+            mask = None
+            if c.mask is not None:
+                hidden = c.mask.repeat_interleave(g, dim=0)  # [q_len * G, L]
+                mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
+            o, lse = _FLASH(qc[None], kc[None].to(q.dtype), vc[None].to(q.dtype), attn_mask=mask)
+            if c.dead:
+                # rows that see no key of this chunk: it must weigh nothing in the merge
+                dead = c.mask.all(1).repeat_interleave(g)  # [q_len * G]
+                lse = lse.masked_fill(dead, float("-inf"))
+                o = o.masked_fill(dead[:, None], 0.0)
+            n = qc.shape[1] // len(c.rows)
+            # [1, Hkv, rows * n, D] -> per row [Hkv, n, D]
+            for j, r in enumerate(c.rows):
+                parts_o.append(o[0, :, j * n : (j + 1) * n])
+                parts_lse.append(lse[0, :, j * n : (j + 1) * n])
+                part_rows.append(r)
+        merged = _merge(parts_o, parts_lse, part_rows, len(self._view_reqs))
+        for r, i in enumerate(self._view_reqs):
+            o = merged[r]  # [Hkv, q_len * G, D]
+            q_len = meta.extend_lens[i]
+            out[qo[i] : qo[i + 1]] = o.view(hkv, q_len, g, d).transpose(0, 1).reshape(q_len, hq, d)
+
     def _decode_batched(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     ) -> torch.Tensor:
@@ -131,6 +290,36 @@ class TorchAttentionBackend:
             qb, kb, vb, attn_mask=self._decode_mask, enable_gqa=True
         )
         return ob[:, :, 0, :]
+
+
+def _merge(
+    outs: list[torch.Tensor], lses: list[torch.Tensor], rows: list[int], n: int
+) -> list[torch.Tensor]:
+    """Merge partial attentions of ``n`` requests by log-sum-exp.
+
+    Args:
+        outs: partial outputs ``[Hkv, M, D]`` (each over a disjoint part of its request's keys).
+        lses: their fp32 log-sum-exps ``[Hkv, M]``.
+        rows: the request of each part, every one of ``0..n-1`` at least once.
+        n: number of requests.
+
+    Returns:
+        Per request ``[Hkv, M, D]`` in the outputs' dtype; a request with one part gets it
+        unchanged.
+    """
+    by_row: list[list[int]] = [[] for _ in range(n)]
+    for j, r in enumerate(rows):
+        by_row[r].append(j)
+    merged = []
+    for parts in by_row:
+        if len(parts) == 1:
+            merged.append(outs[parts[0]])
+            continue
+        lse = torch.stack([lses[j] for j in parts])  # [P, Hkv, M]
+        w = torch.softmax(lse, dim=0)  # exp(lse_i - logsumexp_i lse_i)
+        o = torch.stack([outs[j] for j in parts]).float()  # [P, Hkv, M, D]
+        merged.append((o * w[..., None]).sum(0).to(outs[parts[0]].dtype))
+    return merged
 
 
 def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
