@@ -107,7 +107,6 @@ def test_config_rejects_unknown_names(field: str, value: str, match: str) -> Non
 @pytest.mark.parametrize(
     ("device", "dtype", "want"),
     [
-        ("cpu", "auto", torch.float32),
         ("cuda", "auto", torch.bfloat16),
         ("cuda:1", "auto", torch.bfloat16),
         ("cuda", "float32", torch.float32),
