@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoImageProcessor,
@@ -34,6 +33,7 @@ from transformers import (
     AutoTokenizer,
     PretrainedConfig,
 )
+from transformers.initialization import no_init_weights
 from transformers.utils import is_protobuf_available
 
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
@@ -107,7 +107,74 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+#: safetensors dtype names (the format's header) -> torch dtypes.
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class _LazyWeights:
+    """The checkpoint's tensors by key, each read from its safetensors file when asked.
+
+    Tensors are read with plain file reads into memory this process owns (not mapped:
+    mapped file pages would count as resident and tie the model to files that a rebuild
+    may truncate), so loading holds the model plus one tensor, never the checkpoint twice.
+    The file layout (an 8-byte little-endian header length, a JSON header of
+    ``{name: {dtype, shape, data_offsets}}``, then the data) is safetensors' documented one.
+
+    Raises:
+        CheckpointError: for a file whose header cannot be read.
+    """
+
+    def __init__(self, model_dir: Path, files: list[str]) -> None:
+        self._where: dict[str, tuple[Path, int, dict]] = {}
+        for name in files:
+            path = model_dir / name
+            try:
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    if not 2 <= n <= 100 << 20:
+                        raise ValueError(f"header length {n}")
+                    header = json.loads(f.read(n))
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(
+                    f"{model_dir}: {name} is not a safetensors file: {exc}"
+                ) from exc
+            for key, info in header.items():
+                if key != "__metadata__":
+                    self._where[key] = (path, 8 + n, info)
+
+    def keys(self) -> list[str]:
+        """Every tensor name of every shard."""
+        return list(self._where)
+
+    def get(self, key: str, dtype: torch.dtype, device: str) -> torch.Tensor:
+        """Tensor ``key``, floating point ones cast to ``dtype``, on ``device``.
+
+        Raises:
+            CheckpointError: for an unknown dtype or a truncated file.
+        """
+        path, base, info = self._where[key]
+        stored = _ST_DTYPES.get(info.get("dtype"))
+        if stored is None:
+            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
+        start, end = info["data_offsets"]
+        t = torch.empty(info["shape"], dtype=stored)
+        view = t.view(-1).view(torch.uint8) if t.numel() else t.view(torch.uint8)
+        if view.numel() != end - start:
+            raise CheckpointError(
+                f"{path}: tensor {key} has {end - start} bytes for shape {info['shape']}"
+            )
+        with open(path, "rb") as f:
+            f.seek(base + start)
+            if f.readinto(memoryview(view.numpy())) != end - start:
+                raise CheckpointError(f"{path}: truncated at tensor {key}")
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+
+def _read_weights(model_dir: Path) -> _LazyWeights:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -121,51 +188,59 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
-    weights: dict[str, torch.Tensor] = {}
     for name in files:
-        path = model_dir / name
-        if not path.exists():
+        if not (model_dir / name).exists():
             raise CheckpointError(
                 f"{model_dir}: weight shard {name} is listed in model.safetensors.index.json "
                 "but missing"
             )
-        weights.update(load_file(str(path)))
-    return weights
+    return _LazyWeights(model_dir, files)
 
 
-def _split_weights(
-    weights: dict[str, torch.Tensor], family: ModelFamily
-) -> tuple[dict, dict[str, dict]]:
-    """Route checkpoint keys to the decoder's state dict and, per vision attribute
-    (:attr:`ModelFamily.vision_prefixes`), its state dict (a parameter's is ``{"": t}``)."""
+def _split_weights(weights: _LazyWeights, family: ModelFamily) -> tuple[dict, dict[str, dict]]:
+    """Route checkpoint keys to the decoder's state names and, per vision attribute
+    (:attr:`ModelFamily.vision_prefixes`), its state names (a parameter's is ``""``):
+    ``{module state name: checkpoint key}``; nothing is read yet."""
     dec: dict = {}
     vision: dict[str, dict] = {attr: {} for attr in family.vision_prefixes.values()}
-    for key, t in weights.items():
+    for key in weights.keys():
         k = key.removeprefix("model.")
         if k in ("lm_head.weight", "language_model.lm_head.weight"):
-            dec["lm_head.weight"] = t
+            dec["lm_head.weight"] = key
         elif k.startswith("language_model."):
-            dec[k.removeprefix("language_model.").removeprefix("model.")] = t
+            dec[k.removeprefix("language_model.").removeprefix("model.")] = key
         else:
             for prefix, attr in family.vision_prefixes.items():
                 if k.startswith(prefix):
-                    vision[attr][k.removeprefix(prefix)] = t
+                    vision[attr][k.removeprefix(prefix)] = key
     return dec, vision
 
 
-def _load_vision(vision: VisionModule, states: dict[str, dict]) -> None:
+@dataclass
+class _Target:
+    """Where loaded tensors go: their dtype and device, and the checkpoint."""
+
+    weights: _LazyWeights
+    dtype: torch.dtype
+    device: str
+
+
+def _load_vision(vision: VisionModule, states: dict[str, dict], to: _Target) -> None:
     for attr, state in states.items():
         target = getattr(vision, attr)
         if isinstance(target, torch.nn.Parameter):
             if "" not in state:
                 raise CheckpointError(f"vision: weight {attr!r} missing from checkpoint")
-            with torch.no_grad():
-                target.copy_(state[""])
+            t = to.weights.get(state[""], to.dtype, to.device)
+            setattr(vision, attr, torch.nn.Parameter(t, requires_grad=False))
         else:
-            _load_strict(target, state, attr.replace("_", " "))
+            _load_strict(target, state, attr.replace("_", " "), to)
 
 
-def _load_strict(module: torch.nn.Module, state: dict, what: str) -> None:
+def _load_strict(module: torch.nn.Module, state: dict, what: str, to: _Target) -> None:
+    """Put checkpoint tensor ``state[name]`` in place of each of ``module``'s parameters
+    and persistent buffers (assigned, not copied: the module may live on the meta
+    device). Names that two entries share become one parameter (tied embeddings)."""
     expected = set(module.state_dict())
     # Accept CLIP weights with or without the ``vision_model.`` level.
     if expected and not any(k.startswith("vision_model.") for k in expected):
@@ -173,7 +248,20 @@ def _load_strict(module: torch.nn.Module, state: dict, what: str) -> None:
     missing = sorted(expected - set(state))
     if missing:
         raise CheckpointError(f"{what}: weights missing from checkpoint: {missing[:8]}")
-    module.load_state_dict(state, strict=False)
+    loaded: dict[str, torch.Tensor] = {}
+    for name in sorted(expected):
+        key = state[name]
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if key not in loaded:
+            t = to.weights.get(key, to.dtype, to.device)
+            if attr in owner._parameters:
+                t = torch.nn.Parameter(t, requires_grad=False)
+            loaded[key] = t
+        if attr in owner._parameters:
+            owner._parameters[attr] = loaded[key]
+        else:
+            owner._buffers[attr] = loaded[key]
 
 
 def text_shape(config: PretrainedConfig) -> LlamaShape:
@@ -359,14 +447,20 @@ def load_model(
         dec_w.pop("lm_head.weight", None)
         if "embed_tokens.weight" in dec_w:
             dec_w["lm_head.weight"] = dec_w["embed_tokens.weight"]
-
-    decoder = LlamaDecoder(shape)
-    _load_strict(decoder, dec_w, "decoder")
+    to = _Target(weights, dtype, device)
+    # Built without memory or init (meta device, our module) or without init (the
+    # family's transformers modules), then each tensor is read, cast and put in place:
+    # peak memory while loading is the model plus one tensor (plus the vision side's
+    # fp32 construction, freed tensor by tensor).
+    with torch.device("meta"):
+        decoder = LlamaDecoder(shape)
+    _load_strict(decoder, dec_w, "decoder", to)
     try:
-        vision = family.build_vision()
+        with no_init_weights():
+            vision = family.build_vision()
     except ValueError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
-    _load_vision(vision, vision_w)
+    _load_vision(vision, vision_w, to)
     decoder.to(device=device, dtype=dtype).eval()
     vision.to(device=device, dtype=dtype).eval()
 
