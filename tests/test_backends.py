@@ -413,7 +413,8 @@ def test_view_path_reads_long_runs_in_place_and_shares_them() -> None:
     meta = build_metadata(tables, [104, 104], [1, 1], 1)
     backend = TorchAttentionBackend()
     backend.plan(meta)
-    viewed = [c for c in backend._chunks if c.start is not None]
-    gathered = [c for c in backend._chunks if c.start is None]
-    assert [(c.start, c.length, c.rows) for c in viewed] == [(0, 100, [0, 1])]
-    assert sorted(c.length for c in gathered) == [5, 5]
+    assert [(c.start, c.length, c.rows) for c in backend._chunks] == [(0, 100, [0, 1])]
+    # the leftovers of both decode rows: one padded gather of 5 slots each
+    assert backend._rest_rows == [0, 1]
+    assert backend._rest_valid.sum(1).tolist() == [5, 5]
+    assert backend._rest_index[0].tolist() == [150, 152, 154, 156, 158]

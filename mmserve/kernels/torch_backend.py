@@ -141,6 +141,8 @@ class TorchAttentionBackend:
         with causal masks where a chunk holds keys after some query's position."""
         chunks: list[_Chunk] = []
         shared: dict[tuple[int, int], _Chunk] = {}  # decode runs by pool range
+        decode_rest: list[tuple[int, torch.Tensor]] = []  # (row, slots) of decode rows
+        self._masks_by_dtype: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         for row, i in enumerate(self._view_reqs):
             slots, seq, q_len = self._slots[i], meta.seq_lens[i], meta.extend_lens[i]
             breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
@@ -164,10 +166,23 @@ class TorchAttentionBackend:
             if rest:
                 pos = torch.cat([torch.arange(lo, hi) for lo, hi in rest])
                 idx = slots[pos]
+                if q_len == 1:  # gathered for all decode rows together (forward)
+                    decode_rest.append((row, idx))
+                    continue
                 mask = self._causal(0, 0, seq, q_len, pos)
                 chunks.append(_Chunk([row], None, len(idx), slots=idx, mask=mask))
         for c in chunks:
             c.dead = c.mask is not None and bool(c.mask.all(1).any())
+        self._rest_rows = [row for row, _ in decode_rest]
+        self._rest_index = self._rest_valid = None
+        if decode_rest:
+            width = max(len(idx) for _, idx in decode_rest)
+            index = torch.zeros(len(decode_rest), width, dtype=torch.int64)
+            valid = torch.zeros(len(decode_rest), width, dtype=torch.bool)
+            for j, (_, idx) in enumerate(decode_rest):
+                index[j, : len(idx)] = idx
+                valid[j, : len(idx)] = True
+            self._rest_index, self._rest_valid = index, valid
         return chunks
 
     def _causal(
@@ -229,6 +244,15 @@ class TorchAttentionBackend:
             out[qo[i] : qo[i + 1]] = oi[0].transpose(0, 1)
         return out
 
+    def _float_mask(self, key: int, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive ``-inf`` mask in ``dtype`` from a bool ``hidden``, built once per batch
+        (every layer reuses it; the CPU kernel takes no bool mask)."""
+        mask = self._masks_by_dtype.get((key, dtype))
+        if mask is None:
+            mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+            self._masks_by_dtype[(key, dtype)] = mask
+        return mask
+
     def _attend_views(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor
     ) -> None:
@@ -241,42 +265,64 @@ class TorchAttentionBackend:
             q[qo[i] : qo[i + 1]].view(-1, hkv, g, d).transpose(0, 1).reshape(hkv, -1, d)
             for i in self._view_reqs
         ]
-        parts_o: list[torch.Tensor] = []
-        parts_lse: list[torch.Tensor] = []
-        part_rows: list[int] = []
-        for c in self._chunks:
+        decode = [meta.extend_lens[i] == 1 for i in self._view_reqs]
+        # decode rows' parts, merged in one vectorised pass: [P, Hkv, G, D], [P, Hkv, G]
+        dec_o: list[torch.Tensor] = []
+        dec_lse: list[torch.Tensor] = []
+        dec_rows: list[int] = []
+        ext_o: list[torch.Tensor] = []  # extend rows' parts, merged per request
+        ext_lse: list[torch.Tensor] = []
+        ext_rows: list[int] = []
+        for n_chunk, c in enumerate(self._chunks):
             if c.start is not None:
                 kc = k_flat[c.start : c.start + c.length].transpose(0, 1)  # [Hkv, L, D] view
                 vc = v_flat[c.start : c.start + c.length].transpose(0, 1)
             else:
-                kc = _gather(k_flat, c.slots).transpose(0, 1).to(q.dtype)
-                vc = _gather(v_flat, c.slots).transpose(0, 1).to(q.dtype)
+                kc = _gather(k_flat, c.slots).transpose(0, 1)
+                vc = _gather(v_flat, c.slots).transpose(0, 1)
             qc = (
                 queries[c.rows[0]]
                 if len(c.rows) == 1
                 else torch.cat([queries[r] for r in c.rows], 1)
             )
             mask = None
-            if c.mask is not None:
-                hidden = c.mask.repeat_interleave(g, dim=0)  # [q_len * G, L]
-                mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
+            if c.mask is not None:  # [q_len, L] -> [q_len * G, L]
+                mask = self._float_mask(n_chunk, c.mask.repeat_interleave(g, dim=0), q.dtype)
             o, lse = _FLASH(qc[None], kc[None].to(q.dtype), vc[None].to(q.dtype), attn_mask=mask)
             if c.dead:
                 # rows that see no key of this chunk: it must weigh nothing in the merge
                 dead = c.mask.all(1).repeat_interleave(g)  # [q_len * G]
                 lse = lse.masked_fill(dead, float("-inf"))
                 o = o.masked_fill(dead[:, None], 0.0)
-            n = qc.shape[1] // len(c.rows)
-            # [1, Hkv, rows * n, D] -> per row [Hkv, n, D]
-            for j, r in enumerate(c.rows):
-                parts_o.append(o[0, :, j * n : (j + 1) * n])
-                parts_lse.append(lse[0, :, j * n : (j + 1) * n])
-                part_rows.append(r)
-        merged = _merge(parts_o, parts_lse, part_rows, len(self._view_reqs))
-        for r, i in enumerate(self._view_reqs):
-            o = merged[r]  # [Hkv, q_len * G, D]
-            q_len = meta.extend_lens[i]
-            out[qo[i] : qo[i + 1]] = o.view(hkv, q_len, g, d).transpose(0, 1).reshape(q_len, hq, d)
+            if decode[c.rows[0]]:  # every row of a decode chunk is a decode row
+                dec_o.append(o[0].view(hkv, len(c.rows), g, d).transpose(0, 1))
+                dec_lse.append(lse[0].view(hkv, len(c.rows), g).transpose(0, 1))
+                dec_rows.extend(c.rows)
+            else:
+                ext_o.append(o[0])
+                ext_lse.append(lse[0])
+                ext_rows.append(c.rows[0])
+        if self._rest_index is not None:  # decode rows' gathered leftovers, one call
+            kb = _gather(k_flat, self._rest_index).permute(0, 2, 1, 3).to(q.dtype)
+            vb = _gather(v_flat, self._rest_index).permute(0, 2, 1, 3).to(q.dtype)
+            qb = torch.stack([queries[r] for r in self._rest_rows])  # [B, Hkv, G, D]
+            mask = self._float_mask(-1, ~self._rest_valid[:, None, None, :], q.dtype)
+            o, lse = _FLASH(qb, kb, vb, attn_mask=mask)
+            dec_o.append(o)
+            dec_lse.append(lse)
+            dec_rows.extend(self._rest_rows)
+        if dec_rows:
+            merged = _merge_rows(dec_o, dec_lse, dec_rows, len(self._view_reqs))
+            for r, i in enumerate(self._view_reqs):
+                if decode[r]:
+                    out[qo[i]] = merged[r].reshape(hq, d)
+        if ext_rows:
+            by_row = _merge(ext_o, ext_lse, ext_rows, len(self._view_reqs))
+            for r, i in enumerate(self._view_reqs):
+                if not decode[r]:
+                    q_len = meta.extend_lens[i]
+                    o = by_row[r].view(hkv, q_len, g, d).transpose(0, 1)
+                    out[qo[i] : qo[i + 1]] = o.reshape(q_len, hq, d)
 
     def _decode_batched(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
@@ -292,26 +338,58 @@ class TorchAttentionBackend:
         return ob[:, :, 0, :]
 
 
+def _merge_rows(
+    outs: list[torch.Tensor], lses: list[torch.Tensor], rows: list[int], n: int
+) -> torch.Tensor:
+    """Merge decode rows' partial attentions by log-sum-exp in one vectorised pass.
+
+    Args:
+        outs: partial outputs, each ``[P_i, Hkv, G, D]`` (one per part).
+        lses: their fp32 log-sum-exps ``[P_i, Hkv, G]``.
+        rows: the request row of each part (concatenated order).
+        n: rows in the result (rows without parts are left zero).
+
+    Returns:
+        ``[n, Hkv, G, D]`` in the outputs' dtype; a row with a single part gets it exactly.
+    """
+    o = torch.cat(outs) if len(outs) > 1 else outs[0]
+    lse = torch.cat(lses) if len(lses) > 1 else lses[0]
+    if len(rows) == len(set(rows)):  # one part per row: nothing to merge
+        res = torch.zeros((n, *o.shape[1:]), dtype=o.dtype)
+        res[torch.tensor(rows)] = o
+        return res
+    idx = torch.tensor(rows)
+    top = torch.full((n, *lse.shape[1:]), float("-inf"))
+    top.scatter_reduce_(0, idx[:, None, None].expand_as(lse), lse, "amax")
+    w = torch.exp(lse - top[idx])  # [P, Hkv, G]
+    num = torch.zeros((n, *o.shape[1:])).index_add_(0, idx, o.float() * w[..., None])
+    den = torch.zeros((n, *lse.shape[1:])).index_add_(0, idx, w)
+    return (num / den.clamp_min(1e-30)[..., None]).to(o.dtype)
+
+
 def _merge(
     outs: list[torch.Tensor], lses: list[torch.Tensor], rows: list[int], n: int
-) -> list[torch.Tensor]:
+) -> list[torch.Tensor | None]:
     """Merge partial attentions of ``n`` requests by log-sum-exp.
 
     Args:
         outs: partial outputs ``[Hkv, M, D]`` (each over a disjoint part of its request's keys).
         lses: their fp32 log-sum-exps ``[Hkv, M]``.
-        rows: the request of each part, every one of ``0..n-1`` at least once.
+        rows: the request of each part.
         n: number of requests.
 
     Returns:
-        Per request ``[Hkv, M, D]`` in the outputs' dtype; a request with one part gets it
-        unchanged.
+        Per request ``[Hkv, M, D]`` in the outputs' dtype (None for a request without
+        parts); a request with one part gets it unchanged.
     """
     by_row: list[list[int]] = [[] for _ in range(n)]
     for j, r in enumerate(rows):
         by_row[r].append(j)
     merged = []
     for parts in by_row:
+        if not parts:  # a row merged elsewhere (decode)
+            merged.append(None)
+            continue
         if len(parts) == 1:
             merged.append(outs[parts[0]])
             continue
