@@ -347,7 +347,7 @@ def _merge_rows(
         outs: partial outputs, each ``[P_i, Hkv, G, D]`` (one per part).
         lses: their fp32 log-sum-exps ``[P_i, Hkv, G]``.
         rows: the request row of each part (concatenated order).
-        n: rows in the result (rows without parts are left zero).
+        n: rows in the result (a row without parts holds no meaningful value).
 
     Returns:
         ``[n, Hkv, G, D]`` in the outputs' dtype; a row with a single part gets it exactly.
@@ -358,13 +358,21 @@ def _merge_rows(
         res = torch.zeros((n, *o.shape[1:]), dtype=o.dtype)
         res[torch.tensor(rows)] = o
         return res
-    idx = torch.tensor(rows)
-    top = torch.full((n, *lse.shape[1:]), float("-inf"))
-    top.scatter_reduce_(0, idx[:, None, None].expand_as(lse), lse, "amax")
-    w = torch.exp(lse - top[idx])  # [P, Hkv, G]
-    num = torch.zeros((n, *o.shape[1:])).index_add_(0, idx, o.float() * w[..., None])
-    den = torch.zeros((n, *lse.shape[1:])).index_add_(0, idx, w)
-    return (num / den.clamp_min(1e-30)[..., None]).to(o.dtype)
+    # Dense [K, n, ...] with part k of each row in slot k (index_put, not index_add:
+    # CPU scatter-add stalls badly with several threads), then softmax over K.
+    count = [0] * n
+    slot = []
+    for r in rows:
+        slot.append(count[r])
+        count[r] += 1
+    where = (torch.tensor(slot), torch.tensor(rows))
+    k = max(count)
+    dense_lse = torch.full((k, n, *lse.shape[1:]), float("-inf"))
+    dense_lse[where] = lse
+    dense_o = torch.zeros((k, n, *o.shape[1:]))
+    dense_o[where] = o.float()
+    w = torch.softmax(dense_lse, dim=0)  # exp(lse_i - logsumexp_i lse_i); NaN for empty rows
+    return (dense_o * w[..., None]).sum(0).to(o.dtype)
 
 
 def _merge(
