@@ -145,12 +145,16 @@ class TorchAttentionBackend:
         self._masks_by_dtype: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         for row, i in enumerate(self._view_reqs):
             slots, seq, q_len = self._slots[i], meta.seq_lens[i], meta.extend_lens[i]
-            breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
-            bounds = [0, *breaks, seq]
-            runs = [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1)]
-            long = sorted((r for r in runs if r[1] - r[0] >= MIN_RUN), key=lambda r: r[0] - r[1])
-            long = sorted(long[:MAX_RUNS])
-            rest = [r for r in runs if r not in long]
+            # run boundaries as tensors: a scattered pool may give one run per slot, and
+            # only the few longest ever become Python values
+            breaks = torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1
+            bounds = torch.cat([breaks.new_zeros(1), breaks, breaks.new_full((1,), seq)])
+            lengths = bounds[1:] - bounds[:-1]
+            top = torch.topk(lengths, min(MAX_RUNS, len(lengths))).indices
+            top = top[lengths[top] >= MIN_RUN]
+            long = sorted(zip(bounds[top].tolist(), bounds[top + 1].tolist(), strict=True))
+            viewed = sum(hi - lo for lo, hi in long)
+            rest = viewed < seq
             for lo, hi in long:
                 start = int(slots[lo])
                 mask = self._causal(lo, hi, seq, q_len, None)
@@ -164,7 +168,10 @@ class TorchAttentionBackend:
                     shared[(start, hi - lo)] = chunk
                 chunks.append(chunk)
             if rest:
-                pos = torch.cat([torch.arange(lo, hi) for lo, hi in rest])
+                keep = torch.ones(seq, dtype=torch.bool)
+                for lo, hi in long:
+                    keep[lo:hi] = False
+                pos = torch.nonzero(keep).flatten()
                 idx = slots[pos]
                 if q_len == 1:  # gathered for all decode rows together (forward)
                     decode_rest.append((row, idx))
