@@ -181,6 +181,19 @@ class TorchAttentionBackend:
         for c in chunks:
             c.dead = c.mask is not None and bool(c.mask.all(1).any())
         self._rest_rows = [row for row, _ in decode_rest]
+        is_decode = [meta.extend_lens[i] == 1 for i in self._view_reqs]
+        # the order in which forward collects decode parts: chunks, then leftovers
+        dec_rows = [r for c in chunks if is_decode[c.rows[0]] for r in c.rows] + self._rest_rows
+        self._merge_plan = _MergePlan.build(dec_rows, len(self._view_reqs)) if dec_rows else None
+        dec_view = [r for r, d in enumerate(is_decode) if d]
+        self._dec_view_rows = torch.tensor(dec_view, dtype=torch.int64)
+        self._dec_out_rows = torch.tensor(
+            [self._qo[self._view_reqs[r]] for r in dec_view], dtype=torch.int64
+        )
+        # every request a view-path decode row, in order: the merge result is the output
+        self._all_decode = len(dec_view) == meta.batch_size and len(dec_view) == len(
+            self._view_reqs
+        )
         self._rest_index = self._rest_valid = None
         if decode_rest:
             width = max(len(idx) for _, idx in decode_rest)
@@ -232,7 +245,9 @@ class TorchAttentionBackend:
             return self._decode_batched(q, k_flat, v_flat)
         out = torch.empty_like(q)
         if self._view_reqs:
-            self._attend_views(q, k_flat, v_flat, out)
+            whole = self._attend_views(q, k_flat, v_flat, out)
+            if whole is not None:  # a pure decode batch: nothing else to fill
+                return whole
         if self._decode_index is not None:
             rows = self._decode_rows
             out[rows] = self._decode_batched(q[rows], k_flat, v_flat)
@@ -262,8 +277,9 @@ class TorchAttentionBackend:
 
     def _attend_views(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """The view path: fill ``out``'s rows of the view-path requests."""
+    ) -> torch.Tensor | None:
+        """The view path: fill ``out``'s rows of the view-path requests; for a batch of
+        decode rows only, return the whole ``[T, Hq, D]`` output instead."""
         meta, qo = self._meta, self._qo
         hq, hkv, d = q.shape[1], k_flat.shape[1], q.shape[2]
         g = hq // hkv
@@ -276,7 +292,6 @@ class TorchAttentionBackend:
         # decode rows' parts, merged in one vectorised pass: [P, Hkv, G, D], [P, Hkv, G]
         dec_o: list[torch.Tensor] = []
         dec_lse: list[torch.Tensor] = []
-        dec_rows: list[int] = []
         ext_o: list[torch.Tensor] = []  # extend rows' parts, merged per request
         ext_lse: list[torch.Tensor] = []
         ext_rows: list[int] = []
@@ -304,7 +319,6 @@ class TorchAttentionBackend:
             if decode[c.rows[0]]:  # every row of a decode chunk is a decode row
                 dec_o.append(o[0].view(hkv, len(c.rows), g, d).transpose(0, 1))
                 dec_lse.append(lse[0].view(hkv, len(c.rows), g).transpose(0, 1))
-                dec_rows.extend(c.rows)
             else:
                 ext_o.append(o[0])
                 ext_lse.append(lse[0])
@@ -313,16 +327,18 @@ class TorchAttentionBackend:
             kb = _gather(k_flat, self._rest_index).permute(0, 2, 1, 3).to(q.dtype)
             vb = _gather(v_flat, self._rest_index).permute(0, 2, 1, 3).to(q.dtype)
             qb = torch.stack([queries[r] for r in self._rest_rows])  # [B, Hkv, G, D]
-            mask = self._float_mask(-1, ~self._rest_valid[:, None, None, :], q.dtype)
+            mask = self._masks_by_dtype.get((-1, q.dtype))
+            if mask is None:
+                mask = self._float_mask(-1, ~self._rest_valid[:, None, None, :], q.dtype)
             o, lse = _FLASH(qb, kb, vb, attn_mask=mask)
             dec_o.append(o)
             dec_lse.append(lse)
-            dec_rows.extend(self._rest_rows)
-        if dec_rows:
-            merged = _merge_rows(dec_o, dec_lse, dec_rows, len(self._view_reqs))
-            for r, i in enumerate(self._view_reqs):
-                if decode[r]:
-                    out[qo[i]] = merged[r].reshape(hq, d)
+        if self._merge_plan is not None:
+            merged = _merge_rows(dec_o, dec_lse, self._merge_plan)  # [n, Hkv, G, D]
+            if self._all_decode:
+                return merged.reshape(-1, hq, d)
+            rows = merged[self._dec_view_rows].reshape(-1, hq, d)
+            out.index_copy_(0, self._dec_out_rows, rows)
         if ext_rows:
             by_row = _merge(ext_o, ext_lse, ext_rows, len(self._view_reqs))
             for r, i in enumerate(self._view_reqs):
@@ -330,6 +346,7 @@ class TorchAttentionBackend:
                     q_len = meta.extend_lens[i]
                     o = by_row[r].view(hkv, q_len, g, d).transpose(0, 1)
                     out[qo[i] : qo[i + 1]] = o.reshape(q_len, hq, d)
+        return None
 
     def _decode_batched(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
@@ -345,38 +362,56 @@ class TorchAttentionBackend:
         return ob[:, :, 0, :]
 
 
+@dataclass
+class _MergePlan:
+    """Where each decode part goes in :func:`_merge_rows`, computed once per batch.
+
+    ``rows``/``slots``: int64 ``[P]`` request row and slot (its rank among its row's
+    parts) of each part; ``k``: most parts of one row; ``n``: rows; ``identity``: part
+    ``j`` is row ``j``'s only part (no merge at all).
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    k: int
+    n: int
+    identity: bool
+
+    @classmethod
+    def build(cls, rows: list[int], n: int) -> _MergePlan:
+        count = [0] * n
+        slots = []
+        for r in rows:
+            slots.append(count[r])
+            count[r] += 1
+        identity = rows == list(range(n))
+        return cls(torch.tensor(rows), torch.tensor(slots), max(count), n, identity)
+
+
 def _merge_rows(
-    outs: list[torch.Tensor], lses: list[torch.Tensor], rows: list[int], n: int
+    outs: list[torch.Tensor], lses: list[torch.Tensor], plan: _MergePlan
 ) -> torch.Tensor:
     """Merge decode rows' partial attentions by log-sum-exp in one vectorised pass.
 
     Args:
-        outs: partial outputs, each ``[P_i, Hkv, G, D]`` (one per part).
+        outs: partial outputs, each ``[P_i, Hkv, G, D]``, in ``plan``'s part order.
         lses: their fp32 log-sum-exps ``[P_i, Hkv, G]``.
-        rows: the request row of each part (concatenated order).
-        n: rows in the result (a row without parts holds no meaningful value).
+        plan: the parts' rows and slots (:class:`_MergePlan`).
 
     Returns:
-        ``[n, Hkv, G, D]`` in the outputs' dtype; a row with a single part gets it exactly.
+        ``[n, Hkv, G, D]`` in the outputs' dtype; a row with a single part gets it exactly
+        (a row without parts holds no meaningful value).
     """
     o = torch.cat(outs) if len(outs) > 1 else outs[0]
+    if plan.identity:  # one part per row, in row order: nothing to merge
+        return o
     lse = torch.cat(lses) if len(lses) > 1 else lses[0]
-    if len(rows) == len(set(rows)):  # one part per row: nothing to merge
-        res = torch.zeros((n, *o.shape[1:]), dtype=o.dtype)
-        res[torch.tensor(rows)] = o
-        return res
     # Dense [K, n, ...] with part k of each row in slot k (index_put, not index_add:
     # CPU scatter-add stalls badly with several threads), then softmax over K.
-    count = [0] * n
-    slot = []
-    for r in rows:
-        slot.append(count[r])
-        count[r] += 1
-    where = (torch.tensor(slot), torch.tensor(rows))
-    k = max(count)
-    dense_lse = torch.full((k, n, *lse.shape[1:]), float("-inf"))
+    where = (plan.slots, plan.rows)
+    dense_lse = torch.full((plan.k, plan.n, *lse.shape[1:]), float("-inf"))
     dense_lse[where] = lse
-    dense_o = torch.zeros((k, n, *o.shape[1:]))
+    dense_o = torch.zeros((plan.k, plan.n, *o.shape[1:]))
     dense_o[where] = o.float()
     w = torch.softmax(dense_lse, dim=0)  # exp(lse_i - logsumexp_i lse_i); NaN for empty rows
     return (dense_o * w[..., None]).sum(0).to(o.dtype)
