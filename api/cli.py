@@ -186,7 +186,12 @@ def _serve(args: argparse.Namespace) -> int:
     except BackendUnavailableError as e:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2
-    app = create_app(Engine(config), server)
+    try:  # a checkpoint it cannot load, or a KV budget too small: the numbers, no traceback
+        engine = Engine(config)
+    except ValueError as e:
+        print(f"mmserve serve: error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, server)
     uv = uvicorn.Config(
         app,
         host=launch.host,

@@ -102,3 +102,12 @@ def test_no_settings_travel_through_the_environment() -> None:
     for path in [*root.glob("api/*.py"), *root.glob("mmserve/**/*.py")]:
         assert "MMSERVE_SERVER_CONFIG" not in path.read_text(), path
     assert not (root / "mmserve" / "server_flags.py").exists()
+
+
+def test_cli_serve_kv_budget_too_small_is_refused_with_numbers(model_dir, capsys) -> None:  # noqa: ANN001
+    rc = main(["serve", "--model", str(model_dir), "--kv-cache-memory", "100000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "mmserve serve: error: the KV pool would hold" in err
+    assert "bytes per token" in err and "Traceback" not in err
+    assert main(["serve", "--kv-cache-memory", "1", "--mem-fraction-static", "0.5"]) == 2
+    assert "not both" in capsys.readouterr().err
