@@ -198,9 +198,9 @@ def _serve(args: argparse.Namespace) -> int:
     except BackendUnavailableError as e:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2
-    try:
+    try:  # a checkpoint it cannot load, a KV budget too small, a --tp it cannot split
         engine = Engine(config)
-    except (ValueError, TPGroupError) as e:  # e.g. a --tp the model cannot split
+    except (ValueError, TPGroupError) as e:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, server)

@@ -12,6 +12,16 @@ if TYPE_CHECKING:
 
 #: Waiting-queue orders (``EngineConfig.policy`` / ``--policy``).
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
+#: KV pool tokens when neither a token count nor a memory budget is given.
+DEFAULT_MAX_TOTAL_TOKENS = 32768
+
+
+def pool_tokens(config: EngineConfig) -> int:
+    """The KV pool's tokens without a memory budget: ``max_total_tokens``, else
+    :data:`DEFAULT_MAX_TOTAL_TOKENS` (what every tensor-parallel rank allocates)."""
+    return config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
+
+
 #: Accepted values of ``EngineConfig.dtype`` / ``--dtype``.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
@@ -26,12 +36,21 @@ class EngineConfig:
     Attributes:
         model_path: checkpoint directory (None: build/use the bundled tiny model).
         device: torch device ("cpu" or "cuda").
-        dtype: weights, activations and KV pool dtype: "auto" (float32 on CPU,
-            bfloat16 on CUDA), "float32", "bfloat16" or "float16".
+        dtype: weights, activations and KV pool dtype: "auto" (bfloat16 on CUDA and on
+            a CPU with native bf16 arithmetic, AVX512-BF16 or AMX-BF16; float32 on other
+            CPUs: see :func:`auto_dtype`), "float32", "bfloat16" or "float16".
         attention_backend: "auto" (FlashInfer where it can run, else torch),
             "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
         page_size: tokens per KV page.
-        max_total_tokens: KV pool capacity in tokens (rounded down to whole pages).
+        max_total_tokens: KV pool capacity in tokens (rounded down to whole pages); an
+            explicit value overrides the memory-based sizing. None: sized from
+            ``kv_cache_memory`` or ``mem_fraction_static`` when one is set, else
+            :data:`DEFAULT_MAX_TOTAL_TOKENS` (see :func:`mmserve.cache.kv_pool.plan_pool`).
+        kv_cache_memory: bytes for the K/V pool (vLLM's ``--kv-cache-memory``); the pool
+            holds ``kv_cache_memory // bytes per token`` tokens.
+        mem_fraction_static: fraction of the device's total memory (RAM on CPU, GPU
+            memory on CUDA) that weights plus K/V pool may take, as SGLang's flag: the pool
+            gets what is free after loading the weights minus ``(1 - fraction) x total``.
         max_running_requests: most requests decoding at once.
         max_prefill_tokens: new-token budget of one prefill step (tokens); a longer
             prompt is prefilled in chunks of at most this many tokens.
@@ -98,7 +117,9 @@ class EngineConfig:
     dtype: str = "auto"
     attention_backend: str = "auto"
     page_size: int = 1
-    max_total_tokens: int = 32768
+    max_total_tokens: int | None = None
+    kv_cache_memory: int | None = None
+    mem_fraction_static: float | None = None
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     max_num_batched_tokens: int = 0
@@ -134,8 +155,14 @@ class EngineConfig:
         """Raises ValueError for a setting out of range."""
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
-        if self.max_total_tokens < self.page_size:
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("max_total_tokens must hold at least one page")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError("kv_cache_memory must be >= 1 byte")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError("mem_fraction_static must be in (0, 1]")
+        if self.kv_cache_memory is not None and self.mem_fraction_static is not None:
+            raise ValueError("give kv_cache_memory or mem_fraction_static, not both")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not 0.0 <= self.decode_reserve_ratio <= 1.0:
@@ -161,6 +188,12 @@ class EngineConfig:
             raise ValueError("kv_host_bytes and kv_disk_bytes must be >= 0")
         if self.tp < 1 or self.tp_timeout_seconds <= 0:
             raise ValueError("tp must be >= 1 and tp_timeout_seconds > 0")
+        if self.tp > 1 and (self.kv_cache_memory is not None or self.mem_fraction_static):
+            raise ValueError(
+                "with tp > 1 size the KV pool with --max-total-tokens: --kv-cache-memory and "
+                "--mem-fraction-static measure one process's memory, and every rank's pool "
+                "must hold the same pages"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -170,7 +203,7 @@ class EngineConfig:
             )
 
     def torch_dtype(self) -> torch.dtype:
-        """The resolved model dtype: ``dtype``, with "auto" meaning fp32 on CPU, bf16 on CUDA.
+        """The resolved model dtype: ``dtype``, with "auto" resolved by :func:`auto_dtype`.
 
         Raises:
             ValueError: for an unknown ``dtype`` string.
@@ -178,9 +211,50 @@ class EngineConfig:
         import torch  # here, so that importing the config (and the CLI) stays light
 
         if self.dtype == "auto":
-            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-        if self.tp < 1 or self.tp_timeout_seconds <= 0:
-            raise ValueError("tp must be >= 1 and tp_timeout_seconds > 0")
+            return getattr(torch, auto_dtype(self.device)[0])
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         return getattr(torch, self.dtype)
+
+
+#: /proc/cpuinfo flags of native bf16 arithmetic (Intel Cooper Lake / Sapphire Rapids and
+#: later, AMD Zen 4 and later): there oneDNN runs bf16 matmuls at twice the fp32 rate and
+#: half the memory traffic; elsewhere bf16 is emulated and slower than fp32.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
+    """The :data:`BF16_CPU_FLAGS` this CPU has (empty where none or unknown).
+
+    Args:
+        cpuinfo: text of ``/proc/cpuinfo`` (read when None; unreadable off Linux).
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read(1 << 20)  # the first processors' entries are enough
+        except OSError:
+            return []
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+            break
+    return [f for f in BF16_CPU_FLAGS if f in flags]
+
+
+def auto_dtype(device: str, cpuinfo: str | None = None) -> tuple[str, str]:
+    """What ``--dtype auto`` means on ``device``, and why (for the start-up log).
+
+    Returns:
+        ``(dtype name, reason)``: "bfloat16" on CUDA and on a CPU with a flag of
+        :data:`BF16_CPU_FLAGS`, else "float32".
+    """
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return "bfloat16", "CUDA device"
+    flags = cpu_bf16_flags(cpuinfo)
+    if flags:
+        return "bfloat16", f"the CPU has native bf16 ({', '.join(flags)})"
+    return "float32", "the CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag)"

@@ -294,7 +294,9 @@ def run_workload(make_engine, cases: list, max_tokens: int = 6, **cfg):  # noqa:
 @contextmanager
 def tp_engine(model_dir: Path, tp: int = 2, **kw) -> Iterator[Engine]:
     """An Engine whose decoder runs on ``tp`` ranks (gloo on 127.0.0.1); its worker
-    processes are stopped afterwards, whatever the test did."""
+    processes are stopped afterwards, whatever the test did. float32 unless ``dtype`` is
+    given (the fixtures' models, which it is compared with, are float32)."""
+    kw.setdefault("dtype", "float32")
     eng = Engine(EngineConfig(model_path=str(model_dir), tp=tp, **kw))
     try:
         yield eng

@@ -105,7 +105,6 @@ def test_config_rejects_unknown_names(field: str, value: str, match: str) -> Non
 @pytest.mark.parametrize(
     ("device", "dtype", "want"),
     [
-        ("cpu", "auto", torch.float32),
         ("cuda", "auto", torch.bfloat16),
         ("cuda:1", "auto", torch.bfloat16),
         ("cuda", "float32", torch.float32),
@@ -315,3 +314,92 @@ def test_flashinfer_backend_rejects_fp32(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         FlashInferAttentionBackend(2, 1, 64, "cpu", torch.float32)
+
+
+# ---- the torch backend's view path (CPU: runs of the pool read in place) ----------------
+def _layout(data, page_size: int):  # noqa: ANN001, ANN202
+    """Page tables for a batch: a shared prefix (some requests), contiguous or scattered
+    own pages, so runs of every length (viewed, gathered, shared) occur."""
+    from hypothesis import strategies as st
+
+    n_req = data.draw(st.integers(1, 5), label="requests")
+    shared_pages = data.draw(st.integers(0, 160 // page_size), label="shared pages")
+    free = list(range(shared_pages, shared_pages + 4000 // page_size))
+    if data.draw(st.booleans(), label="scatter"):
+        data.draw(st.randoms(use_true_random=False)).shuffle(free)
+    tables, prefix, extend = [], [], []
+    for _ in range(n_req):
+        share = data.draw(st.integers(0, shared_pages), label="shares") if shared_pages else 0
+        own = data.draw(st.integers(1, 120), label="own tokens")
+        seq = share * page_size + own
+        # new tokens never land in shared pages (those hold a cached prefix)
+        q_len = data.draw(
+            st.one_of(st.just(1), st.integers(1, min(own, 64)), st.just(own)), label="q_len"
+        )
+        n_pages = -(-seq // page_size)
+        tables.append(list(range(share)) + [free.pop() for _ in range(n_pages - share)])
+        prefix.append(seq - q_len)
+        extend.append(q_len)
+    return tables, prefix, extend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_view_path_equals_the_literal_path_and_documented_attention(dtype, page_size) -> None:  # noqa: ANN001
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from mmserve.kernels.metadata import build_metadata
+
+    hq, hkv, d = 6, 2, 64
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data) -> None:  # noqa: ANN001
+        tables, prefix, extend = _layout(data, page_size)
+        n_pages = max(max(t) for t in tables) + 1
+        pool = KVPool(n_pages, page_size, 1, hkv, d, dtype=dtype)
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+        for buf in pool.k_buffers + pool.v_buffers:
+            buf.copy_(torch.randn(buf.shape, generator=gen).to(dtype))
+        meta = build_metadata(tables, prefix, extend, page_size)
+        t = sum(extend)
+        q, k, v = (torch.randn(t, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
+        fast = TorchAttentionBackend()
+        fast.plan(meta)
+        literal = TorchAttentionBackend(views=False)
+        literal.plan(meta)
+        if any(e <= 64 for e in extend):
+            assert fast._view_reqs, "the view path was not taken"
+        got = fast.forward(q, k, v, 0, pool)
+        want = literal.forward(q, k, v, 0, pool)
+        spec = _paged_attention(
+            q, pool.k_buffers[0], pool.v_buffers[0], meta.qo_indptr, meta.kv_indptr,
+            meta.kv_indices, meta.kv_last_page_len, causal=True,
+        )  # fmt: skip
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.isfinite(got).all()
+        assert (got.float() - spec.float()).abs().max().item() <= tol
+        assert (got.float() - want.float()).abs().max().item() <= 2 * tol
+
+    check()
+
+
+def test_view_path_reads_long_runs_in_place_and_shares_them() -> None:
+    """Two decode requests over one 100-token prefix: one kernel call reads the prefix
+    as a view of the pool (no copy); only each request's own 5 scattered tokens are
+    gathered."""
+    from mmserve.kernels.metadata import build_metadata
+
+    tables = [
+        list(range(100)) + [150, 152, 154, 156, 158],
+        list(range(100)) + [151, 153, 155, 157, 159],
+    ]
+    meta = build_metadata(tables, [104, 104], [1, 1], 1)
+    backend = TorchAttentionBackend()
+    backend.plan(meta)
+    assert [(c.start, c.length, c.rows) for c in backend._chunks] == [(0, 100, [0, 1])]
+    # the leftovers of both decode rows: one padded gather of 5 slots each
+    assert backend._rest_rows == [0, 1]
+    assert backend._rest_valid.sum(1).tolist() == [5, 5]
+    assert backend._rest_index[0].tolist() == [150, 152, 154, 156, 158]

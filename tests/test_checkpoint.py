@@ -151,3 +151,42 @@ def test_ensure_model_uses_cache_dir(
     assert _digests(target) == _digests(tiny_dir)
     assert [p.name for p in tmp_path.iterdir()] == ["llava-tiny-seed0"]  # no temp left over
     assert mc.ensure_model("tiny") == target  # second call is a cache hit
+
+
+def test_streamed_weights_equal_save_pretrained(tiny_dir: Path, tmp_path: Path) -> None:
+    """The real-shape writer (meta model, one tensor at a time, shards) draws exactly the
+    values ``_reinit`` + ``save_pretrained`` store, under the same keys."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    n = mc.write_weights_streamed(
+        tmp_path, LlavaForConditionalGeneration, config, 0, False, torch.float32, 300_000
+    )
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    got: dict = {}
+    for shard in sorted(tmp_path.glob("*.safetensors")):
+        got.update(load_file(shard))
+    want = load_file(tiny_dir / "model.safetensors")
+    assert set(got) == set(want) and n == mc.count_parameters(tiny_dir)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_onevision_05b_shapes_and_tokenizer() -> None:
+    tok = mc.build_qwen2_tokenizer(real="onevision-0.5b")
+    assert len(tok) == 151648
+    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"])
+    assert ids == [151643, 151644, 151645, 151646] and tok.eos_token_id == 151645
+    assert tok.decode(tok("a photo of a cat").input_ids) == "a photo of a cat"
+    cfg = mc.build_onevision_config("onevision-0.5b", tok)
+    t, v = cfg.text_config, cfg.vision_config
+    assert (t.vocab_size, t.hidden_size, t.num_hidden_layers, t.intermediate_size) == (
+        151936, 896, 24, 4864,
+    )  # fmt: skip
+    assert (t.num_attention_heads, t.num_key_value_heads, cfg.tie_word_embeddings) == (14, 2, True)
+    assert (v.hidden_size, v.num_hidden_layers, v.image_size, v.intermediate_size) == (
+        1152, 26, 384, 4304,
+    )  # fmt: skip
+    assert cfg.image_grid_pinpoints[-1] == [2304, 2304] and cfg.image_token_index == 151646
+    with pytest.raises(ValueError, match="llava-onevision model"):
+        mc.make_checkpoint("/nonexistent", size="onevision-0.5b", family="llava")

@@ -121,3 +121,12 @@ def test_data_dir_flag_and_its_default(monkeypatch, tmp_path) -> None:  # noqa: 
     assert ServerSettings().resolved_data_dir() == tmp_path / "h" / ".cache" / "mmserve" / "batches"
     with pytest.raises(SystemExit):  # the old name is gone
         build_parser().parse_args(["serve", "--batch-dir", str(tmp_path)])
+
+
+def test_cli_serve_kv_budget_too_small_is_refused_with_numbers(model_dir, capsys) -> None:  # noqa: ANN001
+    rc = main(["serve", "--model", str(model_dir), "--kv-cache-memory", "100000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "mmserve serve: error: the KV pool would hold" in err
+    assert "bytes per token" in err and "Traceback" not in err
+    assert main(["serve", "--kv-cache-memory", "1", "--mem-fraction-static", "0.5"]) == 2
+    assert "not both" in capsys.readouterr().err

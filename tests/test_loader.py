@@ -88,3 +88,29 @@ def test_both_name_layouts_load_the_same_weights(copy_dir: Path, loaded, rename)
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_truncated_weights_are_a_checkpoint_error(copy_dir: Path) -> None:
+    f = copy_dir / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="truncated|bytes"):
+        load_model(copy_dir)
+    f.write_bytes(b"\xff" * 16)
+    with pytest.raises(CheckpointError, match="not a safetensors file"):
+        load_model(copy_dir)
+
+
+def test_loaded_weights_equal_the_file_and_own_their_memory(copy_dir: Path) -> None:
+    """Each tensor is read into memory of its own (no file mapping): rewriting the file
+    afterwards changes nothing, and bf16 loading casts what the file holds."""
+    # (safetensors' load_file maps the file: a rewrite would pull its pages away)
+    want = {k: v.clone() for k, v in load_file(copy_dir / "model.safetensors").items()}
+    model = load_model(copy_dir, dtype=torch.bfloat16)
+    (copy_dir / "model.safetensors").write_bytes(b"")
+    got = model.decoder.layers[0].self_attn.q_proj.weight
+    ref = want["language_model.model.layers.0.self_attn.q_proj.weight"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref.to(torch.bfloat16))
+    assert torch.equal(
+        model.decoder.embed_tokens.weight,
+        want["language_model.model.embed_tokens.weight"].to(torch.bfloat16),
+    )

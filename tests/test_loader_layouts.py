@@ -45,7 +45,7 @@ def saved(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 @pytest.fixture(scope="module")
 def plain_engine(saved: dict[str, Path]) -> Engine:
-    return Engine(EngineConfig(model_path=str(saved["plain"])))
+    return Engine(EngineConfig(model_path=str(saved["plain"]), dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_sharded_layout_loads_same_weights_and_answers(
     shards = sorted(sharded.glob("model-*-of-*.safetensors"))
     assert len(shards) >= 3 and (sharded / "model.safetensors.index.json").is_file()
     assert not (sharded / "model.safetensors").exists()
-    engine = Engine(EngineConfig(model_path=str(sharded)))
+    engine = Engine(EngineConfig(model_path=str(sharded), dtype="float32"))
     for ours, plain in [
         (engine.model.decoder, plain_engine.model.decoder),
         (engine.model.vision, plain_engine.model.vision),

@@ -155,7 +155,7 @@ def test_tp2_splits_kv_heads_of_the_small_checkpoint(small_model_dir: Path) -> N
         mk = eng.processor.make_request
         return eng.generate([mk(prompt=p, params=greedy(8)) for p in prompts])
 
-    ref = run(Engine(EngineConfig(model_path=str(small_model_dir))))
+    ref = run(Engine(EngineConfig(model_path=str(small_model_dir), dtype="float32")))
     with tp_engine(small_model_dir) as eng:
         assert eng.model.decoder.layout.kv_heads == 1 and eng.pool.k_buffers[0].shape[2] == 1
         assert eng.model.decoder.layout.kv_head_start == 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmserve.config import EngineConfig
+from mmserve.config import DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 from mmserve.engine.processor import InputProcessor
 from mmserve.model import loader
 from mmserve.model.llama import LlamaShape
@@ -29,7 +29,10 @@ class ShapeOnly:
 
 def kv_capacity_tokens(config: EngineConfig) -> int:
     """Tokens a replica's KV pool holds with ``config`` (whole pages of ``max_total_tokens``)."""
-    return (config.max_total_tokens // config.page_size) * config.page_size
+    # a pool sized from memory (--kv-cache-memory / --mem-fraction-static) is known only
+    # inside the replica; the default stands in for it here
+    tokens = config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
+    return (tokens // config.page_size) * config.page_size
 
 
 def load_frontend_model(model_dir: str | Path) -> LoadedModel:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from api.replicas.settings import ReplicaSettings
 from api.settings import ServerSettings
-from mmserve.config import EngineConfig
+from mmserve.config import DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,9 @@ def build_application(
             "cache_threshold": rs.router_cache_threshold,
             "balance_abs_threshold": rs.router_balance_abs_threshold,
             "balance_rel_threshold": rs.router_balance_rel_threshold,
-            "max_tree_tokens": rs.router_max_tree_tokens or config.max_total_tokens,
+            "max_tree_tokens": rs.router_max_tree_tokens
+            or config.max_total_tokens
+            or DEFAULT_MAX_TOTAL_TOKENS,
         },
     )
     threads = max(1, int(rs.cpus_per_replica))

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mmserve.cache.kv_pool import KVPool
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, pool_tokens
 from mmserve.distributed.layout import TPLayout, check_tp
 from mmserve.distributed.shard import ShardedDecoder
 from mmserve.distributed.worker import (
@@ -48,8 +48,7 @@ from mmserve.distributed.worker import (
 )
 from mmserve.kernels.metadata import AttentionMetadata
 from mmserve.model.llama import LlamaShape
-from mmserve.model.loader import LoadedModel, _load_vision, assemble, read_front_end, text_shape
-from mmserve.model.weights import split_weights, weight_files
+from mmserve.model.loader import LoadedModel, assemble, load_vision, read_front_end, text_shape
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ class TPGroup:
             device=config.device,
             dtype=dtype,
             attention_backend=config.attention_backend,
-            num_pages=config.max_total_tokens // config.page_size,
+            num_pages=pool_tokens(config) // config.page_size,
             page_size=config.page_size,
             timeout_s=config.tp_timeout_seconds,
             threads=torch.get_num_threads(),
@@ -354,25 +353,9 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
     try:
         decoder = TPDecoder(TPLayout(0, config.tp, shape), group)
         decoder.load(model_dir, device, dtype)
-        vision = family.build_vision()
-        _load_vision(vision, _vision_state(model_dir, family))
-        vision.to(device=device, dtype=dtype).eval()
+        vision = load_vision(model_dir, family, dtype, device)
         group.join()
     except BaseException:
         group.close()
         raise
     return assemble(model_dir, hf_config, processor, family, decoder, vision)
-
-
-def _vision_state(model_dir: Path, family: object) -> dict[str, dict]:
-    """The vision side's tensors, read alone (the decoder's are not touched)."""
-    from safetensors import safe_open
-
-    out: dict[str, dict] = {attr: {} for attr in family.vision_prefixes.values()}
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            _, vision = split_weights({k: k for k in f.keys()}, family.vision_prefixes)  # noqa: SIM118
-            for attr, names in vision.items():
-                for name, key in names.items():
-                    out[attr][name] = f.get_tensor(key)
-    return out

@@ -94,16 +94,7 @@ class Engine:
         self.model = model
         shape = model.decoder.shape
         self.max_context = shape.max_position_embeddings
-        num_pages = config.max_total_tokens // config.page_size
-        self.pool = KVPool(
-            num_pages,
-            config.page_size,
-            shape.num_layers,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=model.decoder.embed_tokens.weight.dtype,
-            device=config.device,
-        )
+        self.pool = KVPool.for_model(config, shape, model.decoder.embed_tokens.weight.dtype)
         # host/disk KV tiers behind the tree (None when off): see mmserve.cache.kv_tiers
         self.tiers = make_kv_tiers(config, model, self.pool)
         self.tree: RadixCache = make_tree(config, self.pool, self.tiers)

@@ -1,13 +1,27 @@
 """Reference attention backend in plain torch, for any device.
 
-It executes :class:`~mmserve.kernels.metadata.AttentionMetadata` literally:
-gather each request's pages by ``kv_indices``, keep ``seq_len`` tokens, and run
-causal attention in which query row ``j`` of a request with ``q_len`` new tokens
+Its literal path executes :class:`~mmserve.kernels.metadata.AttentionMetadata` as
+written: gather each request's pages by ``kv_indices``, keep ``seq_len`` tokens, and
+run causal attention in which query row ``j`` of a request with ``q_len`` new tokens
 sees keys ``0 .. seq_len - q_len + j`` (the new tokens are the tail of the
 sequence). Grouped-query attention maps ``Hq / Hkv`` query heads to each K/V head.
+
+On CPU, decode tokens and short extends (a new question after a cached prefix) take
+the *view* path instead, which reads the pool in place: a request's slots are split
+into contiguous runs; each long run is attended as a strided view of the pool (no
+copy) and only the short leftovers (for example decode tokens interleaved with other
+requests') are gathered. Grouped-query heads are never expanded: the ``G = Hq / Hkv``
+query heads of one K/V head are attended as ``G`` query rows of that head. The
+partial results are merged with their log-sum-exp (the split-softmax merge of
+FlashDecoding / FlashInfer's ``merge_state``: ``o = sum_i o_i exp(lse_i - m) /
+sum_i exp(lse_i - m)``, ``m = max_i lse_i``). Requests whose longest run is the same
+pool range (many questions about one image) attend to it in one call, their query
+rows stacked (cascade attention in spirit).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,16 +29,55 @@ import torch.nn.functional as F
 from mmserve.cache.kv_pool import KVPool
 from mmserve.kernels.metadata import AttentionMetadata
 
+#: CPU flash-attention kernel that also returns the log-sum-exp of each query row
+#: (``[B, H, L_q]`` fp32, natural log): what merging partial attentions needs.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+#: Extends longer than this (prompt prefills) take the literal path: their compute
+#: dwarfs any copy, and ``is_causal`` beats an explicit mask.
+MAX_VIEW_EXTEND = 64
+#: Contiguous runs shorter than this (tokens) are gathered instead of viewed: a view
+#: costs one kernel call, a gathered token a 256-byte copy.
+MIN_RUN = 32
+#: At most this many runs per request are viewed (the longest ones); the rest is
+#: gathered, so a fragmented pool costs one copy, not hundreds of kernel calls.
+MAX_RUNS = 4
+
+
+@dataclass
+class _Chunk:
+    """Part of one view-path request's K/V: slots ``[start, start + length)`` of the
+    flat pool (a view), or gathered ``slots`` when ``start`` is None.
+
+    ``rows``: the requests (indices into the view-path list) attending to it, several
+    only for decode runs shared by several requests. ``mask``: bool ``[q_len, length]``,
+    True where a key lies after the query's position; None when all keys are visible.
+    """
+
+    rows: list[int]
+    start: int | None
+    length: int
+    slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    dead: bool = False  # some query row sees none of these keys
+
 
 class TorchAttentionBackend:
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Call :meth:`plan` once per batch, then :meth:`forward` once per layer.
+
+    Args:
+        views: take the view path (see the module docstring) for decode tokens and
+            extends of at most :data:`MAX_VIEW_EXTEND` tokens when the pool is on CPU;
+            False runs everything literally (the executable specification).
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, views: bool = True) -> None:
+        self.views = views and _FLASH is not None
+        self._view_reqs: list[int] = []
+        self._chunks: list[_Chunk] = []
         self._meta: AttentionMetadata | None = None
         self._slots: list[torch.Tensor] = []
         self._masks: list[torch.Tensor | None] = []
@@ -54,9 +107,14 @@ class TorchAttentionBackend:
                 rows = torch.arange(q_len, device=slots.device)[:, None] + (seq - q_len)
                 cols = torch.arange(seq, device=slots.device)[None, :]
                 self._masks.append(cols <= rows)
+        viewable = self.views and meta.kv_indices.device.type == "cpu"
+        self._view_reqs = [
+            i for i, q_len in enumerate(meta.extend_lens) if viewable and q_len <= MAX_VIEW_EXTEND
+        ]
+        self._chunks = self._plan_views(meta) if self._view_reqs else []
         # Requests with one new token (decode, also inside a mixed step) attend in one
         # padded batch instead of one SDPA call each.
-        single = [i for i, q_len in enumerate(meta.extend_lens) if q_len == 1]
+        single = [i for i, q_len in enumerate(meta.extend_lens) if q_len == 1 and not viewable]
         if len(single) > 1:
             # Built where the slots live: on CUDA, filling a host tensor from device
             # slots would cost one synchronising copy per request.
@@ -75,6 +133,91 @@ class TorchAttentionBackend:
         else:
             self._decode_index = self._decode_mask = self._decode_rows = None
             self._loop = list(range(meta.batch_size))
+        viewed = set(self._view_reqs)
+        self._loop = [i for i in self._loop if i not in viewed]
+
+    def _plan_views(self, meta: AttentionMetadata) -> list[_Chunk]:
+        """Split each view-path request's slots into viewed runs and one gathered rest,
+        with causal masks where a chunk holds keys after some query's position."""
+        chunks: list[_Chunk] = []
+        shared: dict[tuple[int, int], _Chunk] = {}  # decode runs by pool range
+        decode_rest: list[tuple[int, torch.Tensor]] = []  # (row, slots) of decode rows
+        self._masks_by_dtype: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        for row, i in enumerate(self._view_reqs):
+            slots, seq, q_len = self._slots[i], meta.seq_lens[i], meta.extend_lens[i]
+            # run boundaries as tensors: a scattered pool may give one run per slot, and
+            # only the few longest ever become Python values
+            breaks = torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1
+            bounds = torch.cat([breaks.new_zeros(1), breaks, breaks.new_full((1,), seq)])
+            lengths = bounds[1:] - bounds[:-1]
+            top = torch.topk(lengths, min(MAX_RUNS, len(lengths))).indices
+            top = top[lengths[top] >= MIN_RUN]
+            long = sorted(zip(bounds[top].tolist(), bounds[top + 1].tolist(), strict=True))
+            viewed = sum(hi - lo for lo, hi in long)
+            rest = viewed < seq
+            for lo, hi in long:
+                start = int(slots[lo])
+                mask = self._causal(lo, hi, seq, q_len, None)
+                if q_len == 1:  # a decode query sees every key: share the call
+                    chunk = shared.get((start, hi - lo))
+                    if chunk is not None:
+                        chunk.rows.append(row)
+                        continue
+                chunk = _Chunk([row], start, hi - lo, mask=mask)
+                if q_len == 1:
+                    shared[(start, hi - lo)] = chunk
+                chunks.append(chunk)
+            if rest:
+                keep = torch.ones(seq, dtype=torch.bool)
+                for lo, hi in long:
+                    keep[lo:hi] = False
+                pos = torch.nonzero(keep).flatten()
+                idx = slots[pos]
+                if q_len == 1:  # gathered for all decode rows together (forward)
+                    decode_rest.append((row, idx))
+                    continue
+                mask = self._causal(0, 0, seq, q_len, pos)
+                chunks.append(_Chunk([row], None, len(idx), slots=idx, mask=mask))
+        for c in chunks:
+            c.dead = c.mask is not None and bool(c.mask.all(1).any())
+        self._rest_rows = [row for row, _ in decode_rest]
+        is_decode = [meta.extend_lens[i] == 1 for i in self._view_reqs]
+        # the order in which forward collects decode parts: chunks, then leftovers
+        dec_rows = [r for c in chunks if is_decode[c.rows[0]] for r in c.rows] + self._rest_rows
+        self._merge_plan = _MergePlan.build(dec_rows, len(self._view_reqs)) if dec_rows else None
+        dec_view = [r for r, d in enumerate(is_decode) if d]
+        self._dec_view_rows = torch.tensor(dec_view, dtype=torch.int64)
+        self._dec_out_rows = torch.tensor(
+            [self._qo[self._view_reqs[r]] for r in dec_view], dtype=torch.int64
+        )
+        # every request a view-path decode row, in order: the merge result is the output
+        self._all_decode = len(dec_view) == meta.batch_size and len(dec_view) == len(
+            self._view_reqs
+        )
+        self._rest_index = self._rest_valid = None
+        if decode_rest:
+            width = max(len(idx) for _, idx in decode_rest)
+            index = torch.zeros(len(decode_rest), width, dtype=torch.int64)
+            valid = torch.zeros(len(decode_rest), width, dtype=torch.bool)
+            for j, (_, idx) in enumerate(decode_rest):
+                index[j, : len(idx)] = idx
+                valid[j, : len(idx)] = True
+            self._rest_index, self._rest_valid = index, valid
+        return chunks
+
+    def _causal(
+        self, lo: int, hi: int, seq: int, q_len: int, pos: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Additive mask ``[q_len * G, keys]`` for keys at positions ``lo..hi`` (or
+        ``pos``): query row ``r`` (position ``seq - q_len + r // G``) sees keys at or
+        before it. None when every key is visible to every query."""
+        last = (hi - 1) if pos is None else int(pos.max())
+        if last <= seq - q_len:
+            return None
+        keys = torch.arange(lo, hi) if pos is None else pos
+        queries = torch.arange(seq - q_len, seq)
+        hidden = keys[None, :] > queries[:, None]  # [q_len, keys]
+        return hidden  # expanded to G rows and the dtype in forward (G known there)
 
     def forward(
         self,
@@ -98,9 +241,13 @@ class TorchAttentionBackend:
         meta = self._meta
         assert meta is not None, "plan() must be called before forward()"
         k_flat, v_flat = pool.write_kv(layer_id, meta.out_cache_loc, k, v)
-        if self._decode_index is not None and not self._loop:
+        if self._decode_index is not None and not self._loop and not self._view_reqs:
             return self._decode_batched(q, k_flat, v_flat)
         out = torch.empty_like(q)
+        if self._view_reqs:
+            whole = self._attend_views(q, k_flat, v_flat, out)
+            if whole is not None:  # a pure decode batch: nothing else to fill
+                return whole
         if self._decode_index is not None:
             rows = self._decode_rows
             out[rows] = self._decode_batched(q[rows], k_flat, v_flat)
@@ -119,6 +266,88 @@ class TorchAttentionBackend:
             out[qo[i] : qo[i + 1]] = oi[0].transpose(0, 1)
         return out
 
+    def _float_mask(self, key: int, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive ``-inf`` mask in ``dtype`` from a bool ``hidden``, built once per batch
+        (every layer reuses it; the CPU kernel takes no bool mask)."""
+        mask = self._masks_by_dtype.get((key, dtype))
+        if mask is None:
+            mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+            self._masks_by_dtype[(key, dtype)] = mask
+        return mask
+
+    def _attend_views(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The view path: fill ``out``'s rows of the view-path requests; for a batch of
+        decode rows only, return the whole ``[T, Hq, D]`` output instead."""
+        meta, qo = self._meta, self._qo
+        hq, hkv, d = q.shape[1], k_flat.shape[1], q.shape[2]
+        g = hq // hkv
+        # each request's queries as [Hkv, q_len * G, D]: G heads become G query rows
+        queries = [
+            q[qo[i] : qo[i + 1]].view(-1, hkv, g, d).transpose(0, 1).reshape(hkv, -1, d)
+            for i in self._view_reqs
+        ]
+        decode = [meta.extend_lens[i] == 1 for i in self._view_reqs]
+        # decode rows' parts, merged in one vectorised pass: [P, Hkv, G, D], [P, Hkv, G]
+        dec_o: list[torch.Tensor] = []
+        dec_lse: list[torch.Tensor] = []
+        ext_o: list[torch.Tensor] = []  # extend rows' parts, merged per request
+        ext_lse: list[torch.Tensor] = []
+        ext_rows: list[int] = []
+        for n_chunk, c in enumerate(self._chunks):
+            if c.start is not None:
+                kc = k_flat[c.start : c.start + c.length].transpose(0, 1)  # [Hkv, L, D] view
+                vc = v_flat[c.start : c.start + c.length].transpose(0, 1)
+            else:
+                kc = _gather(k_flat, c.slots).transpose(0, 1)
+                vc = _gather(v_flat, c.slots).transpose(0, 1)
+            qc = (
+                queries[c.rows[0]]
+                if len(c.rows) == 1
+                else torch.cat([queries[r] for r in c.rows], 1)
+            )
+            mask = None
+            if c.mask is not None:  # [q_len, L] -> [q_len * G, L]
+                mask = self._float_mask(n_chunk, c.mask.repeat_interleave(g, dim=0), q.dtype)
+            o, lse = _FLASH(qc[None], kc[None].to(q.dtype), vc[None].to(q.dtype), attn_mask=mask)
+            if c.dead:
+                # rows that see no key of this chunk: it must weigh nothing in the merge
+                dead = c.mask.all(1).repeat_interleave(g)  # [q_len * G]
+                lse = lse.masked_fill(dead, float("-inf"))
+                o = o.masked_fill(dead[:, None], 0.0)
+            if decode[c.rows[0]]:  # every row of a decode chunk is a decode row
+                dec_o.append(o[0].view(hkv, len(c.rows), g, d).transpose(0, 1))
+                dec_lse.append(lse[0].view(hkv, len(c.rows), g).transpose(0, 1))
+            else:
+                ext_o.append(o[0])
+                ext_lse.append(lse[0])
+                ext_rows.append(c.rows[0])
+        if self._rest_index is not None:  # decode rows' gathered leftovers, one call
+            kb = _gather(k_flat, self._rest_index).permute(0, 2, 1, 3).to(q.dtype)
+            vb = _gather(v_flat, self._rest_index).permute(0, 2, 1, 3).to(q.dtype)
+            qb = torch.stack([queries[r] for r in self._rest_rows])  # [B, Hkv, G, D]
+            mask = self._masks_by_dtype.get((-1, q.dtype))
+            if mask is None:
+                mask = self._float_mask(-1, ~self._rest_valid[:, None, None, :], q.dtype)
+            o, lse = _FLASH(qb, kb, vb, attn_mask=mask)
+            dec_o.append(o)
+            dec_lse.append(lse)
+        if self._merge_plan is not None:
+            merged = _merge_rows(dec_o, dec_lse, self._merge_plan)  # [n, Hkv, G, D]
+            if self._all_decode:
+                return merged.reshape(-1, hq, d)
+            rows = merged[self._dec_view_rows].reshape(-1, hq, d)
+            out.index_copy_(0, self._dec_out_rows, rows)
+        if ext_rows:
+            by_row = _merge(ext_o, ext_lse, ext_rows, len(self._view_reqs))
+            for r, i in enumerate(self._view_reqs):
+                if not decode[r]:
+                    q_len = meta.extend_lens[i]
+                    o = by_row[r].view(hkv, q_len, g, d).transpose(0, 1)
+                    out[qo[i] : qo[i + 1]] = o.reshape(q_len, hq, d)
+        return None
+
     def _decode_batched(
         self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     ) -> torch.Tensor:
@@ -131,6 +360,94 @@ class TorchAttentionBackend:
             qb, kb, vb, attn_mask=self._decode_mask, enable_gqa=True
         )
         return ob[:, :, 0, :]
+
+
+@dataclass
+class _MergePlan:
+    """Where each decode part goes in :func:`_merge_rows`, computed once per batch.
+
+    ``rows``/``slots``: int64 ``[P]`` request row and slot (its rank among its row's
+    parts) of each part; ``k``: most parts of one row; ``n``: rows; ``identity``: part
+    ``j`` is row ``j``'s only part (no merge at all).
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    k: int
+    n: int
+    identity: bool
+
+    @classmethod
+    def build(cls, rows: list[int], n: int) -> _MergePlan:
+        count = [0] * n
+        slots = []
+        for r in rows:
+            slots.append(count[r])
+            count[r] += 1
+        identity = rows == list(range(n))
+        return cls(torch.tensor(rows), torch.tensor(slots), max(count), n, identity)
+
+
+def _merge_rows(
+    outs: list[torch.Tensor], lses: list[torch.Tensor], plan: _MergePlan
+) -> torch.Tensor:
+    """Merge decode rows' partial attentions by log-sum-exp in one vectorised pass.
+
+    Args:
+        outs: partial outputs, each ``[P_i, Hkv, G, D]``, in ``plan``'s part order.
+        lses: their fp32 log-sum-exps ``[P_i, Hkv, G]``.
+        plan: the parts' rows and slots (:class:`_MergePlan`).
+
+    Returns:
+        ``[n, Hkv, G, D]`` in the outputs' dtype; a row with a single part gets it exactly
+        (a row without parts holds no meaningful value).
+    """
+    o = torch.cat(outs) if len(outs) > 1 else outs[0]
+    if plan.identity:  # one part per row, in row order: nothing to merge
+        return o
+    lse = torch.cat(lses) if len(lses) > 1 else lses[0]
+    # Dense [K, n, ...] with part k of each row in slot k (index_put, not index_add:
+    # CPU scatter-add stalls badly with several threads), then softmax over K.
+    where = (plan.slots, plan.rows)
+    dense_lse = torch.full((plan.k, plan.n, *lse.shape[1:]), float("-inf"))
+    dense_lse[where] = lse
+    dense_o = torch.zeros((plan.k, plan.n, *o.shape[1:]))
+    dense_o[where] = o.float()
+    w = torch.softmax(dense_lse, dim=0)  # exp(lse_i - logsumexp_i lse_i); NaN for empty rows
+    return (dense_o * w[..., None]).sum(0).to(o.dtype)
+
+
+def _merge(
+    outs: list[torch.Tensor], lses: list[torch.Tensor], rows: list[int], n: int
+) -> list[torch.Tensor | None]:
+    """Merge partial attentions of ``n`` requests by log-sum-exp.
+
+    Args:
+        outs: partial outputs ``[Hkv, M, D]`` (each over a disjoint part of its request's keys).
+        lses: their fp32 log-sum-exps ``[Hkv, M]``.
+        rows: the request of each part.
+        n: number of requests.
+
+    Returns:
+        Per request ``[Hkv, M, D]`` in the outputs' dtype (None for a request without
+        parts); a request with one part gets it unchanged.
+    """
+    by_row: list[list[int]] = [[] for _ in range(n)]
+    for j, r in enumerate(rows):
+        by_row[r].append(j)
+    merged = []
+    for parts in by_row:
+        if not parts:  # a row merged elsewhere (decode)
+            merged.append(None)
+            continue
+        if len(parts) == 1:
+            merged.append(outs[parts[0]])
+            continue
+        lse = torch.stack([lses[j] for j in parts])  # [P, Hkv, M]
+        w = torch.softmax(lse, dim=0)  # exp(lse_i - logsumexp_i lse_i)
+        o = torch.stack([outs[j] for j in parts]).float()  # [P, Hkv, M, D]
+        merged.append((o * w[..., None]).sum(0).to(outs[parts[0]].dtype))
+    return merged
 
 
 def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

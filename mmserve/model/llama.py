@@ -140,10 +140,9 @@ class LlamaDecoder(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor, as transformers ties
-        inv_freq = 1.0 / (
-            shape.rope_theta
-            ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim)
-        )
+        # on the CPU even when the module is built on the meta device (the loader does)
+        steps = torch.arange(0, shape.head_dim, 2, dtype=torch.float, device="cpu")
+        inv_freq = 1.0 / (shape.rope_theta ** (steps / shape.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # A plain attribute, so ``.to(dtype=bfloat16)`` cannot round it: bf16 inverse
         # frequencies put RoPE angles off by ~pos * 2**-9 rad. transformers keeps them fp32.

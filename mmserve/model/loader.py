@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoImageProcessor,
@@ -34,12 +33,13 @@ from transformers import (
     AutoTokenizer,
     PretrainedConfig,
 )
+from transformers.initialization import no_init_weights
 from transformers.utils import is_protobuf_available
 
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
 from mmserve.model.families.base import IMAGE_MODE, VisionModule
 from mmserve.model.llama import LlamaDecoder, LlamaShape
-from mmserve.model.weights import CheckpointError, split_weights, weight_files
+from mmserve.model.weights import CheckpointError, weight_files
 from mmserve.model.weights import short_error as _short
 
 #: Decoder ``model_type`` values our Llama decoder runs (Mistral and Qwen2 without a
@@ -97,33 +97,121 @@ class LoadedModel:
         return self.processor.tokenizer
 
 
-def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
-    for path in weight_files(model_dir):
-        weights.update(load_file(str(path)))
-    return weights
+#: safetensors dtype names (the format's header) -> torch dtypes.
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 
 
-def _split_weights(
-    weights: dict[str, torch.Tensor], family: ModelFamily
-) -> tuple[dict, dict[str, dict]]:
-    """:func:`~mmserve.model.weights.split_weights` with ``family``'s vision prefixes."""
-    return split_weights(weights, family.vision_prefixes)
+class _LazyWeights:
+    """The checkpoint's tensors by key, each read from its safetensors file when asked.
+
+    Tensors are read with plain file reads into memory this process owns (not mapped:
+    mapped file pages would count as resident and tie the model to files that a rebuild
+    may truncate), so loading holds the model plus one tensor, never the checkpoint twice.
+    The file layout (an 8-byte little-endian header length, a JSON header of
+    ``{name: {dtype, shape, data_offsets}}``, then the data) is safetensors' documented one.
+
+    Raises:
+        CheckpointError: for a file whose header cannot be read.
+    """
+
+    def __init__(self, model_dir: Path, files: list[str]) -> None:
+        self._where: dict[str, tuple[Path, int, dict]] = {}
+        for name in files:
+            path = model_dir / name
+            try:
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    if not 2 <= n <= 100 << 20:
+                        raise ValueError(f"header length {n}")
+                    header = json.loads(f.read(n))
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(
+                    f"{model_dir}: {name} is not a safetensors file: {exc}"
+                ) from exc
+            for key, info in header.items():
+                if key != "__metadata__":
+                    self._where[key] = (path, 8 + n, info)
+
+    def keys(self) -> list[str]:
+        """Every tensor name of every shard."""
+        return list(self._where)
+
+    def get(self, key: str, dtype: torch.dtype, device: str) -> torch.Tensor:
+        """Tensor ``key``, floating point ones cast to ``dtype``, on ``device``.
+
+        Raises:
+            CheckpointError: for an unknown dtype or a truncated file.
+        """
+        path, base, info = self._where[key]
+        stored = _ST_DTYPES.get(info.get("dtype"))
+        if stored is None:
+            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
+        start, end = info["data_offsets"]
+        t = torch.empty(info["shape"], dtype=stored)
+        view = t.view(-1).view(torch.uint8) if t.numel() else t.view(torch.uint8)
+        if view.numel() != end - start:
+            raise CheckpointError(
+                f"{path}: tensor {key} has {end - start} bytes for shape {info['shape']}"
+            )
+        with open(path, "rb") as f:
+            f.seek(base + start)
+            if f.readinto(memoryview(view.numpy())) != end - start:
+                raise CheckpointError(f"{path}: truncated at tensor {key}")
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
 
 
-def _load_vision(vision: VisionModule, states: dict[str, dict]) -> None:
+def _read_weights(model_dir: Path) -> _LazyWeights:
+    return _LazyWeights(model_dir, [p.name for p in weight_files(model_dir)])
+
+
+def _split_weights(weights: _LazyWeights, family: ModelFamily) -> tuple[dict, dict[str, dict]]:
+    """Route checkpoint keys to the decoder's state names and, per vision attribute
+    (:attr:`ModelFamily.vision_prefixes`), its state names (a parameter's is ``""``):
+    ``{module state name: checkpoint key}``; nothing is read yet."""
+    dec: dict = {}
+    vision: dict[str, dict] = {attr: {} for attr in family.vision_prefixes.values()}
+    for key in weights.keys():
+        k = key.removeprefix("model.")
+        if k in ("lm_head.weight", "language_model.lm_head.weight"):
+            dec["lm_head.weight"] = key
+        elif k.startswith("language_model."):
+            dec[k.removeprefix("language_model.").removeprefix("model.")] = key
+        else:
+            for prefix, attr in family.vision_prefixes.items():
+                if k.startswith(prefix):
+                    vision[attr][k.removeprefix(prefix)] = key
+    return dec, vision
+
+
+@dataclass
+class _Target:
+    """Where loaded tensors go: their dtype and device, and the checkpoint."""
+
+    weights: _LazyWeights
+    dtype: torch.dtype
+    device: str
+
+
+def _load_vision(vision: VisionModule, states: dict[str, dict], to: _Target) -> None:
     for attr, state in states.items():
         target = getattr(vision, attr)
         if isinstance(target, torch.nn.Parameter):
             if "" not in state:
                 raise CheckpointError(f"vision: weight {attr!r} missing from checkpoint")
-            with torch.no_grad():
-                target.copy_(state[""])
+            t = to.weights.get(state[""], to.dtype, to.device)
+            setattr(vision, attr, torch.nn.Parameter(t, requires_grad=False))
         else:
-            _load_strict(target, state, attr.replace("_", " "))
+            _load_strict(target, state, attr.replace("_", " "), to)
 
 
-def _load_strict(module: torch.nn.Module, state: dict, what: str) -> None:
+def _load_strict(module: torch.nn.Module, state: dict, what: str, to: _Target) -> None:
+    """Put checkpoint tensor ``state[name]`` in place of each of ``module``'s parameters
+    and persistent buffers (assigned, not copied: the module may live on the meta
+    device). Names that two entries share become one parameter (tied embeddings)."""
     expected = set(module.state_dict())
     # Accept CLIP weights with or without the ``vision_model.`` level.
     if expected and not any(k.startswith("vision_model.") for k in expected):
@@ -131,7 +219,20 @@ def _load_strict(module: torch.nn.Module, state: dict, what: str) -> None:
     missing = sorted(expected - set(state))
     if missing:
         raise CheckpointError(f"{what}: weights missing from checkpoint: {missing[:8]}")
-    module.load_state_dict(state, strict=False)
+    loaded: dict[str, torch.Tensor] = {}
+    for name in sorted(expected):
+        key = state[name]
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if key not in loaded:
+            t = to.weights.get(key, to.dtype, to.device)
+            if attr in owner._parameters:
+                t = torch.nn.Parameter(t, requires_grad=False)
+            loaded[key] = t
+        if attr in owner._parameters:
+            owner._parameters[attr] = loaded[key]
+        else:
+            owner._buffers[attr] = loaded[key]
 
 
 def text_shape(config: PretrainedConfig) -> LlamaShape:
@@ -317,18 +418,44 @@ def load_model(
         dec_w.pop("lm_head.weight", None)
         if "embed_tokens.weight" in dec_w:
             dec_w["lm_head.weight"] = dec_w["embed_tokens.weight"]
-
-    decoder = LlamaDecoder(shape)
-    _load_strict(decoder, dec_w, "decoder")
+    to = _Target(weights, dtype, device)
+    # Built without memory or init (meta device, our module) or without init (the
+    # family's transformers modules), then each tensor is read, cast and put in place:
+    # peak memory while loading is the model plus one tensor (plus the vision side's
+    # fp32 construction, freed tensor by tensor).
+    with torch.device("meta"):
+        decoder = LlamaDecoder(shape)
+    _load_strict(decoder, dec_w, "decoder", to)
     try:
-        vision = family.build_vision()
+        with no_init_weights():
+            vision = family.build_vision()
     except ValueError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
-    _load_vision(vision, vision_w)
+    _load_vision(vision, vision_w, to)
     decoder.to(device=device, dtype=dtype).eval()
     vision.to(device=device, dtype=dtype).eval()
 
     return assemble(model_dir, config, processor, family, decoder, vision)
+
+
+def load_vision(
+    model_dir: Path, family: ModelFamily, dtype: torch.dtype, device: str
+) -> VisionModule:
+    """The vision tower and projector of ``model_dir`` alone, read tensor by tensor as
+    :func:`load_model` reads them (the decoder's tensors are not touched).
+
+    Raises:
+        CheckpointError: as :func:`load_model`.
+    """
+    weights = _read_weights(model_dir)
+    _, vision_w = _split_weights(weights, family)
+    try:
+        with no_init_weights():
+            vision = family.build_vision()
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    _load_vision(vision, vision_w, _Target(weights, dtype, device))
+    return vision.to(device=device, dtype=dtype).eval()
 
 
 def read_front_end(model_dir: Path) -> tuple[PretrainedConfig, object, ModelFamily]:
