@@ -81,7 +81,8 @@ class CostModel:
         else:
             best["tower"] = best["tower_cpu"] = 0.0
         dec, dec_cpu = math.inf, math.inf
-        eng = self.mm.engine()
+        # prefill every request first, then time pure decode steps at the full batch
+        eng = self.mm.engine(disable_mixed_steps=True)
         for r in self._reqs(eng, wl, [i % wl.num_requests for i in range(batch)], 9):
             eng.track(r)
         while eng.has_work():
