@@ -90,39 +90,64 @@ def test_host_tier_is_a_byte_bounded_lru(ops: list[tuple[str, int]], cap_pages: 
 
 
 # ---- disk tier against an LRU dict ------------------------------------------------------
+FEATURE_HEADER_BYTES = 80
+
+
+def feats(k: int) -> torch.Tensor:
+    """Image ``k``'s features: ``k % 3 + 1`` tokens of width 2 (feature files vary in size)."""
+    return torch.full((k % 3 + 1, 2), float(k))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.sampled_from(["write", "read"]), st.integers(0, 7)), max_size=40),
-    cap_files=st.integers(0, 4),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["write", "read", "feat", "read_feat"]), st.integers(0, 7)),
+        max_size=40,
+    ),
+    cap=st.integers(0, 5 * (HEADER_BYTES + PAGE_BYTES)),
 )
 def test_disk_tier_is_a_byte_bounded_lru(
-    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]], cap_files: int
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]], cap: int
 ) -> None:
+    """Pages and image features share one least-recently-used order and one byte bound."""
     root = tmp_path_factory.mktemp("disk")
-    tier = DiskTier(
-        str(root), NS, cap_files * (HEADER_BYTES + PAGE_BYTES), PAGE_SHAPE, torch.float32, 3600
-    )
-    model: OrderedDict[bytes, int] = OrderedDict()
+    tier = DiskTier(str(root), NS, cap, PAGE_SHAPE, torch.float32, 3600)
+    model: OrderedDict[tuple[str, int], int] = OrderedDict()  # (kind, k) -> file bytes
     try:
         for op, k in ops:
-            if op == "write":
-                assert tier.write_now(key(k), page(k))
-                model[key(k)] = k
-                model.move_to_end(key(k))
-                while len(model) > cap_files:
+            if op in ("write", "feat"):
+                if op == "write":
+                    assert tier.write_now(key(k), page(k))
+                    kk, size = ("kv", k), HEADER_BYTES + PAGE_BYTES
+                else:
+                    assert tier.write_features_now(key(k), feats(k))
+                    kk, size = ("feat", k), FEATURE_HEADER_BYTES + feats(k).numel() * 4
+                model[kk] = size
+                model.move_to_end(kk)
+                while sum(model.values()) > cap:
                     model.popitem(last=False)
             else:
-                got = tier.read(key(k))
-                assert (got is None) == (key(k) not in model)
+                kk = ("kv" if op == "read" else "feat", k)
+                if op == "read":
+                    got = tier.read(key(k))
+                else:
+                    got = tier.read_features(key(k), k % 3 + 1, 2)
+                assert (got is None) == (kk not in model)
                 if got is not None:
-                    assert torch.equal(got, page(k))
-                    model.move_to_end(key(k))
+                    assert torch.equal(got, page(k) if op == "read" else feats(k))
+                    model.move_to_end(kk)
             files = sorted(p.name for p in Path(tier.dir).iterdir())
-            assert files == sorted(x.hex() + ".kv" for x in model)
-            assert tier.bytes_used == len(model) * tier.file_bytes
-        # a fresh index over the same directory (a restart) finds the same pages
+            assert files == sorted(f"{key(k).hex()}.{kind}" for kind, k in model)
+            assert tier.bytes_used == sum(model.values()) <= cap
+            assert len(tier) == sum(kind == "kv" for kind, _ in model)
+            assert tier.feature_files == sum(kind == "feat" for kind, _ in model)
+        # a fresh index over the same directory (a restart) finds the same files
         again = DiskTier(str(root), NS, 1 << 30, PAGE_SHAPE, torch.float32, 3600)
-        assert {k for k in map(key, range(8)) if k in again} == set(model)
+        assert {k for k in range(8) if key(k) in again} == {k for kind, k in model if kind == "kv"}
+        assert {k for k in range(8) if again.has_features(key(k))} == {
+            k for kind, k in model if kind == "feat"
+        }
+        assert again.bytes_used == sum(model.values())
         again.close()
     finally:
         tier.close()
@@ -158,6 +183,44 @@ def test_bad_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -
     assert tier.read_failures == 1
     assert tier.write_now(key(1), page(1))  # rewritten, read back whole
     assert torch.equal(tier.read(key(1)), page(1))
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version", "shape"])
+def test_bad_feature_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
+    tier = _tier(tmp_path)
+    f = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tier.write_features_now(key(1), f)
+    path = Path(tier.dir) / (key(1).hex() + ".feat")
+    data = bytearray(path.read_bytes())
+    rows = 3
+    if damage == "truncate":
+        data = data[:-3]
+    elif damage == "flip":
+        data[-1] ^= 0xFF
+    elif damage == "empty":
+        data = bytearray()
+    elif damage == "version":
+        data[8] += 1
+    elif damage == "shape":  # a whole, checked file that does not fit the prompt's run
+        rows = 2
+    else:  # written under another namespace (another model or dtype)
+        other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
+        other.write_features_now(key(1), f)
+        data = bytearray((Path(other.dir) / path.name).read_bytes())
+        other.close()
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert tier.read_features(key(1), rows, 4) is None
+    assert not path.exists() and not tier.has_features(key(1))
+    assert tier.read_failures == 1 and tier.bytes_used == 0
+    assert tier.write_features_now(key(1), f)  # rewritten, read back whole
+    assert torch.equal(tier.read_features(key(1), 3, 4), f)
+    # other dtypes keep theirs; other shapes are refused at the writer
+    half = f.to(torch.bfloat16)
+    assert tier.write_features_now(key(2), half)
+    assert torch.equal(tier.read_features(key(2), 3, 4), half)
+    assert not tier.write_features(key(3), f.reshape(-1))
     tier.close()
 
 
@@ -363,7 +426,7 @@ def test_flush_clears_memory_tiers(make_engine, imgs) -> None:  # noqa: ANN001
 
 
 # ---- through a live server ------------------------------------------------------------
-def _ask(url: str, image: str) -> dict:
+def _ask(url: str, image: str, question: str = "What is this?") -> dict:
     body = {
         "model": "llava-tiny",
         "max_tokens": 5,
@@ -373,7 +436,7 @@ def _ask(url: str, image: str) -> dict:
                 "role": "user",
                 "content": [
                     {"type": "image_url", "image_url": {"url": image}},
-                    {"type": "text", "text": "What is this?"},
+                    {"type": "text", "text": question},
                 ],
             }
         ],
@@ -388,10 +451,14 @@ def _ask(url: str, image: str) -> dict:
 
 
 def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Path) -> None:  # noqa: ANN001
+    """SIGTERM writes the KV pages and the image's features; the restarted server answers
+    the same question from disk pages, and another question about the image with its
+    features from disk (the positions after the last whole page): no tower run."""
     import base64
 
     image = "data:image/png;base64," + base64.b64encode(photos["cat.png"]).decode()
     args = ("--kv-disk-dir", str(tmp_path), "--served-model-name", "llava-tiny")
+    args += ("--page-size", "16")
     with live_server_process(model_dir, *args) as (url, proc):
         first = _ask(url, image)
         assert first["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
@@ -400,10 +467,15 @@ def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Pat
     with live_server_process(model_dir, *args) as (url, _):
         again = _ask(url, image)
         stats = get_json(f"{url}/v1/cache/stats")
+        other = _ask(url, image, "Where was it taken?")
+        after = get_json(f"{url}/v1/cache/stats")
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == again["usage"]["prompt_tokens"] - 1
+    assert cached == (again["usage"]["prompt_tokens"] - 1) // 16 * 16
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert stats["vision_tower_images"] == 0 and stats["tier_disk_hit_tokens"] == cached
+    # the other question shares the template and image; the image's last page is recomputed
+    assert after["vision_tower_images"] == 0 and after["tier_feature_loads"] == 1
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576 * 0.95
 
 
 @pytest.mark.parametrize("family", ["llava", "llava_next", "llava_onevision"])
@@ -434,3 +506,50 @@ def test_every_family_equal_after_loading_from_disk(
     assert res.cached_tokens == whole == eng.cache_stats()["tier_disk_hit_tokens"]
     eng.scheduler.check_accounting()
     eng.close()
+
+
+# ---- the feature tier ------------------------------------------------------------------
+def _ask_each(eng, imgs, question: str):  # noqa: ANN001, ANN202
+    out = []
+    for img in imgs:
+        req = eng.processor.make_request(
+            messages=user(None, question), images=[img], params=greedy(5)
+        )
+        out.append((req, eng.generate([req])[0]))
+    return out
+
+
+def _image_tokens_cached(req, res) -> tuple[int, int]:  # noqa: ANN001
+    """(image tokens inside the cached prefix, image tokens) of one request."""
+    total = sum(s.length for s in req.spans)
+    cached = sum(max(0, min(s.end, res.cached_tokens) - s.start) for s in req.spans)
+    return cached, total
+
+
+def test_restart_at_page_16_runs_no_tower(make_engine, imgs, tmp_path: Path) -> None:  # noqa: ANN001
+    """After a restart, another question about a seen image: its whole pages come from
+    disk and its last partial page is recomputed from features read from disk, so the
+    tower never runs; tokens equal a fresh engine's."""
+    first = make_engine(page_size=16, kv_disk_dir=str(tmp_path))
+    _ask_each(first, imgs, "What is this?")
+    assert first.runner.vision_tower_images == len(imgs)
+    first.close()
+    assert first.tiers.disk.feature_files == len(imgs)
+    base = _ask_each(make_engine(page_size=16), imgs, "Where was it taken?")
+    second = make_engine(page_size=16, kv_disk_dir=str(tmp_path))
+    after = _ask_each(second, imgs, "Where was it taken?")
+    cached = total = 0
+    for (req, a), (_, b) in zip(after, base, strict=True):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "restart p16")
+        c, t = _image_tokens_cached(req, a)
+        # the image's last partial page is outside the cache: it needs the features
+        assert req.spans[-1].end > a.cached_tokens
+        cached, total = cached + c, total + t
+        assert a.vision_tower_runs == 0
+    assert cached >= 0.95 * total
+    assert second.runner.vision_tower_images == 0
+    stats = second.cache_stats()
+    assert stats["tier_feature_loads"] == len(imgs)
+    assert stats["tier_disk_hit_tokens"] >= cached
+    second.scheduler.check_accounting()
+    second.close()

@@ -67,6 +67,11 @@ class EmbeddingCache:
                 _, gone = self._store.popitem(last=False)
                 self.nbytes -= gone.numel() * gone.element_size()
 
+    def __contains__(self, key: bytes) -> bool:
+        """Whether ``key`` is cached (counts nothing, changes no order)."""
+        with self._lock:
+            return key in self._store
+
     def __len__(self) -> int:
         return len(self._store)
 
