@@ -553,3 +553,13 @@ def test_restart_at_page_16_runs_no_tower(make_engine, imgs, tmp_path: Path) -> 
     assert stats["tier_disk_hit_tokens"] >= cached
     second.scheduler.check_accounting()
     second.close()
+    # a damaged feature file is a miss: deleted, the tower runs, the same tokens
+    path = Path(second.tiers.disk.dir) / (imgs[0].key.hex() + ".feat")
+    path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+    third = make_engine(page_size=16, kv_disk_dir=str(tmp_path))
+    again = _ask_each(third, imgs, "Where was it taken?")
+    for (_, a), (_, b) in zip(again, base, strict=True):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "bad features")
+    assert [a.vision_tower_runs for _, a in again] == [1] + [0] * (len(imgs) - 1)
+    assert third.tiers.disk.read_failures == 1
+    third.close()
