@@ -563,3 +563,61 @@ def test_restart_at_page_16_runs_no_tower(make_engine, imgs, tmp_path: Path) -> 
     assert [a.vision_tower_runs for _, a in again] == [1] + [0] * (len(imgs) - 1)
     assert third.tiers.disk.read_failures == 1
     third.close()
+
+
+# ---- replicas on one machine -------------------------------------------------------------
+def _wait_for(cond, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """Poll ``cond`` (bounded): the disk tier finds other processes' files on a rescan."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_stopping_replica_writes_pages_a_running_one_reads(
+    model_dir: Path, make_engine, imgs, tmp_path: Path, monkeypatch
+) -> None:  # noqa: ANN001
+    """A replica Ray Serve stops (its ``__del__``) writes its tree to the shared disk
+    tier; another replica, running all along on the same directory, then answers about
+    the same image from disk: no tower run, the same tokens."""
+    pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
+    import asyncio
+    import types
+
+    import ray
+    from ray import serve
+
+    from api.replicas.replica import EngineReplica
+    from mmserve.config import EngineConfig
+
+    ctx = types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id="r0"))
+    monkeypatch.setattr(serve, "get_replica_context", lambda: ctx)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    config = EngineConfig(model_path=str(model_dir), page_size=16, kv_disk_dir=str(tmp_path))
+    replica = EngineReplica(config)
+    other = make_engine(page_size=16, kv_disk_dir=str(tmp_path))  # the second replica
+    msg = replica.engine.processor.make_request(
+        messages=user(None, "What is this?"), images=[imgs[0]], params=greedy(5)
+    )
+
+    async def ask() -> list[int]:
+        ids: list[int] = []
+        async for delta in replica.aengine.deltas(msg):
+            ids.extend(delta.token_ids)
+        return ids
+
+    first = asyncio.run(ask())
+    assert len(other.tiers.disk) == 0  # nothing evicted: nothing on disk yet
+    replica.__del__()  # what Ray Serve calls on a stopping replica
+    assert replica.engine.tiers.disk.feature_files == 1
+    written = len(replica.engine.tiers.disk)
+    assert written >= (len(msg.input_ids) - 1) // 16
+    assert replica.shutdown() == 0  # once only: a later __del__ (garbage collection) is a no-op
+    _wait_for(lambda: len(other.tiers.disk) == written, "the other replica's rescan")
+    res = other.generate([msg])[0]
+    assert res.output_ids == first
+    assert res.cached_tokens == (res.prompt_tokens - 1) // 16 * 16
+    assert res.vision_tower_runs == 0 and other.runner.vision_tower_images == 0
+    other.close()

@@ -73,13 +73,14 @@ def build_application(
             model, built on each node that lacks it).
         server: HTTP settings of the ingress.
         rs: replica count, resources and router.
-        grace_seconds: how long a stopping replica lets running requests finish.
+        grace_seconds: how long a stopping replica lets running requests finish; with
+            the disk KV tier on it then has ``FLUSH_SECONDS`` more to write its pages.
     """
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from api.replicas.ingress import Ingress
-    from api.replicas.replica import EngineReplica
+    from api.replicas.replica import FLUSH_SECONDS, EngineReplica
     from api.replicas.router import ROUTER_CLASSES
 
     rs.validate()
@@ -102,7 +103,7 @@ def build_application(
         request_router_config=router,
         health_check_period_s=5.0,
         health_check_timeout_s=60.0,
-        graceful_shutdown_timeout_s=grace_seconds,
+        graceful_shutdown_timeout_s=grace_seconds + (FLUSH_SECONDS if config.kv_disk_dir else 0),
     )
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1,
@@ -169,9 +170,13 @@ def serve_replicas(
             pass
     finally:
         try:
-            if rs.ray_address:
+            # deleting the application first waits (up to 60 s) for the replicas to drain
+            # and write their KV pages to the disk tier; serve.shutdown waits only 30 s
+            try:
                 serve.delete(APP_NAME)  # other applications on the cluster keep running
-            else:
+            except TimeoutError:
+                log.warning("replicas still stopping after 60 s; shutting down anyway")
+            if not rs.ray_address:
                 serve.shutdown()
         finally:
             ray.shutdown()
