@@ -621,3 +621,32 @@ def test_stopping_replica_writes_pages_a_running_one_reads(
     assert res.cached_tokens == (res.prompt_tokens - 1) // 16 * 16
     assert res.vision_tower_runs == 0 and other.runner.vision_tower_images == 0
     other.close()
+
+
+def test_fleet_stats_count_the_shared_disk_once() -> None:
+    """Replicas on one machine share one disk directory: the fleet's totals sum the hits
+    and loads but report the store once, and its flags only if every replica has them."""
+    pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
+    from api.replicas.ingress import aggregate
+
+    def row(pages: int, writable: int, hits: int) -> dict:
+        return {
+            "prompt_tokens": 100,
+            "cached_tokens": 50,
+            "tier_disk_pages": pages,
+            "tier_disk_bytes": pages * 10,
+            "tier_disk_capacity_bytes": 1000,
+            "tier_disk_feature_files": 2,
+            "tier_disk_on": 1,
+            "tier_disk_writable": writable,
+            "tier_disk_hit_tokens": hits,
+            "tier_feature_loads": 1,
+            "accounting": {"ok": True},
+        }
+
+    total = aggregate({"a": row(36, 1, 576), "b": row(40, 0, 16)})
+    assert total["tier_disk_pages"] == 40 and total["tier_disk_bytes"] == 400
+    assert total["tier_disk_capacity_bytes"] == 1000 and total["tier_disk_feature_files"] == 2
+    assert total["tier_disk_on"] == 1 and total["tier_disk_writable"] == 0
+    assert total["tier_disk_hit_tokens"] == 592 and total["tier_feature_loads"] == 2
+    assert total["cache_hit_rate"] == 0.5
