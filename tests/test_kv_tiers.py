@@ -26,7 +26,7 @@ from mmserve.cache.kv_tiers import (
 )
 from tests.comparator import assert_same_generation
 from tests.conftest import greedy, user
-from tests.live_server import get_json, live_server_process
+from tests.live_server import get_json, live_server_process, metric
 
 NS = kv_namespace(b"f" * 16, torch.float32, 2, ("NHD", 1, 1, 2))
 PAGE_SHAPE = (2, 1, 2, 1, 2)  # [2, L, P, Hkv, D]
@@ -469,12 +469,16 @@ def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Pat
         stats = get_json(f"{url}/v1/cache/stats")
         other = _ask(url, image, "Where was it taken?")
         after = get_json(f"{url}/v1/cache/stats")
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            text = r.read().decode()
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == (again["usage"]["prompt_tokens"] - 1) // 16 * 16
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert stats["vision_tower_images"] == 0 and stats["tier_disk_hit_tokens"] == cached
     # the other question shares the template and image; the image's last page is recomputed
     assert after["vision_tower_images"] == 0 and after["tier_feature_loads"] == 1
+    assert metric(text, "mmserve_kv_tier_feature_loads_total") == 1
+    assert metric(text, "mmserve_kv_tier_disk_feature_files") == 1
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576 * 0.95
 
 
