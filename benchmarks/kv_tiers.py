@@ -12,8 +12,17 @@ loaded model:
 * ``optimum``: a pool holding everything, the offline bound on the hit rate.
 
 Then a restart: the ``disk`` engine shuts down (writing its tree's pages), a new engine
-on the same directory asks one question about each of the first 10 photos, and the
-share of image tokens that came back cached and the vision-tower runs are reported.
+on the same directory asks a question none of the workload asked about each of the
+first 10 photos, and the share of image tokens that came back cached, the vision-tower
+runs and the images whose features came from disk are reported (at page size 16 the
+image's last partial page is recomputed from features on disk).
+
+Last, time to first token for a new question about a photo whose KV and features are on
+disk (``disk``) against a fresh engine without tiers computing tower and prefill
+(``recompute``), ``--ttft-images`` photos, the two interleaved photo by photo. The files
+are written by another engine first and, with ``--cold`` (default), dropped from the
+OS page cache (``fsync`` + ``posix_fadvise(DONTNEED)``) so that loads read the device.
+The first tokens of both must agree.
 
 Requests go in groups of ``--concurrency`` to ``Engine.generate``; TTFT is per
 request (arrival to first token), req/s is requests over the wall time of the run.
@@ -21,16 +30,18 @@ request (arrival to first token), req/s is requests over the wall time of the ru
 Usage::
 
     python -m benchmarks.kv_tiers                  # tiny model on CPU, about a minute
-    python -m benchmarks.kv_tiers --size small --images 24 --page-size 16
+    python -m benchmarks.kv_tiers --size small --images 16 --page-size 16
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -97,6 +108,73 @@ def run_workload(
     }
 
 
+#: A question the workload never asks: after a restart its prompt shares only the
+#: template and the image with what is on disk.
+NEW_QUESTION = "Where might this photo have been taken?"
+
+
+def drop_page_cache(directory: str) -> int:
+    """Write back and drop every file under ``directory`` from the OS page cache, so the
+    next reads come from the device; returns the files dropped."""
+    n = 0
+    for path in Path(directory).rglob("*"):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+def ttft_from_disk(
+    args: argparse.Namespace, model_path: str, model: LoadedModel, images: list[bytes]
+) -> dict:
+    """TTFT of a new question about photos whose KV and features are on disk, against
+    recomputing them on an engine without tiers; photo by photo, interleaved."""
+    big = 4 * 8192
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as disk:
+        writer = _engine(args, model_path, model, kv_disk_dir=disk, max_total_tokens=big)
+        run_workload(writer, images, 1, 1, 1)
+        writer.close()  # its tree's pages (and the features written on encode) to disk
+        dropped = drop_page_cache(disk) if args.cold else 0
+        loads = _engine(args, model_path, model, kv_disk_dir=disk, max_total_tokens=big)
+        computes = _engine(args, model_path, model, max_total_tokens=big)
+        ms: dict[str, list[float]] = {"recompute": [], "disk": []}
+        firsts: dict[str, list[list[int]]] = {"recompute": [], "disk": []}
+        for b in images:
+            for name, eng in (("recompute", computes), ("disk", loads)):
+                img = eng.processor.prepare_image(b)
+                req = eng.processor.make_request(
+                    messages=_messages(NEW_QUESTION), images=[img], params=one
+                )
+                res = eng.generate([req])[0]
+                ms[name].append(res.ttft * 1e3)
+                firsts[name].append(res.output_ids)
+        stats = loads.cache_stats()
+        p50 = {name: statistics.median(v) for name, v in ms.items()}
+        out = {
+            "images": len(images),
+            "cold": bool(args.cold),
+            "files_dropped_from_page_cache": dropped,
+            "recompute_ttft_p50_ms": round(p50["recompute"], 1),
+            "disk_ttft_p50_ms": round(p50["disk"], 1),
+            "speedup_p50": round(p50["recompute"] / p50["disk"], 2),
+            "disk_tower_runs": loads.runner.vision_tower_images,
+            "recompute_tower_runs": computes.runner.vision_tower_images,
+            "disk_feature_loads": stats["tier_feature_loads"],
+            "disk_hit_tokens": stats["tier_disk_hit_tokens"],
+            "disk_load_s": round(stats["tier_load_seconds"], 3),
+            "first_tokens_equal": firsts["recompute"] == firsts["disk"],
+        }
+        loads.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="tiny", help="checkpoint size of make_checkpoint")
@@ -109,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ttft-images", type=int, default=6, help="photos of the TTFT part")
+    p.add_argument(
+        "--cold",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="drop the disk tier's files from the page cache before the TTFT loads",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_path = args.model or str(ensure_model(args.size))
@@ -150,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         for im in imgs:
             r = restart.processor.make_request(
-                messages=_messages(QUESTIONS[0]), images=[im], params=params
+                messages=_messages(NEW_QUESTION), images=[im], params=params
             )
             res = restart.generate([r])[0]
             span = r.spans[0]
@@ -160,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             "images": k,
             "image_tokens_cached_share": round(cached_image / image_tokens, 4),
             "vision_tower_runs": restart.runner.vision_tower_images,
+            "feature_loads": restart.cache_stats()["tier_feature_loads"],
         }
         restart.close()
+    out["ttft"] = ttft_from_disk(args, model_path, model, sample_images(args.ttft_images))
     opt = out["optimum"]["hit_rate"]
     print("| setup | hit rate | / optimum | req/s | vs off | TTFT p50 ms | p90 ms | tower runs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -173,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
             f" | {f['ttft_p50_ms']:.0f} | {f['ttft_p90_ms']:.0f} | {f['vision_tower_runs']} |"
         )
     print("restart:", json.dumps(out["restart"]))
+    t = out["ttft"]
+    print(
+        f"TTFT, new question about a photo on disk: {t['disk_ttft_p50_ms']:.0f} ms vs "
+        f"recompute {t['recompute_ttft_p50_ms']:.0f} ms (p50 of {t['images']}): "
+        f"{t['speedup_p50']:.1f}x; tower runs {t['disk_tower_runs']} vs "
+        f"{t['recompute_tower_runs']}; first tokens equal: {t['first_tokens_equal']}"
+    )
     for f in out.values():
         f.pop("outputs", None)
     print(json.dumps(out))
