@@ -513,6 +513,37 @@ def test_every_family_equal_after_loading_from_disk(
 
 
 # ---- the feature tier ------------------------------------------------------------------
+def test_features_load_from_disk_into_the_feature_cache(tmp_path: Path) -> None:
+    """``features_to_load`` asks only for features the cache and request lack and the disk
+    has; a load puts them in the cache; a file that does not fit the prompt is a miss."""
+    from mmserve.cache.kv_pool import KVPool
+    from mmserve.cache.kv_tiers import KVTiers
+    from mmserve.vision.embedding_cache import EmbeddingCache
+
+    cache = EmbeddingCache(1 << 20)
+    pool = KVPool(4, 2, 1, 1, 2)
+    tiers = KVTiers(pool, NS, disk_dir=str(tmp_path), feature_dim=4, feature_cache=cache)
+    f = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tiers.features_to_load([(key(1), 3)]) == []  # nowhere yet
+    tiers.save_features(key(1), f)
+    tiers.disk.flush()
+    assert tiers.disk.has_features(key(1))
+    assert tiers.features_to_load([(key(1), 3), (key(1), 3), (key(2), 3)]) == [(key(1), 3)]
+    assert tiers.start_load("r", [], [(key(1), 3)])
+    assert not tiers.start_load("r", [], [(key(1), 3)])  # once per admission
+    _wait_for(lambda: tiers.poll() or not tiers.pending(), "the load")
+    assert torch.equal(cache.peek(key(1)), f) and tiers.feature_loads == 1
+    assert tiers.features_to_load([(key(1), 3)]) == []  # cached now
+    # another prompt run length for the same key: the file is refused and deleted
+    cache.clear()
+    tiers.forget("r")
+    assert tiers.start_load("r", [], [(key(1), 2)])
+    _wait_for(lambda: tiers.poll() or not tiers.pending(), "the load")
+    assert key(1) not in cache and not tiers.disk.has_features(key(1))
+    assert tiers.disk.read_failures == 1 and tiers.stats()["tier_feature_loads"] == 1
+    tiers.close()
+
+
 def _ask_each(eng, imgs, question: str):  # noqa: ANN001, ANN202
     out = []
     for img in imgs:
