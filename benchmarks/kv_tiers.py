@@ -176,6 +176,14 @@ def ttft_from_disk(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line entry: runs :func:`run`, prints its tables; exit status 0."""
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Parse ``argv``, run every part, print the tables; returns the figures by setup
+    (``off``, ``host``, ``disk``, ``optimum``, ``restart``, ``ttft``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="tiny", help="checkpoint size of make_checkpoint")
     p.add_argument("--model", default=None, help="checkpoint directory (overrides --size)")
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in out.values():
         f.pop("outputs", None)
     print(json.dumps(out))
-    return 0
+    return out
 
 
 if __name__ == "__main__":
