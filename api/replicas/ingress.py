@@ -163,6 +163,7 @@ class FleetCollector(Collector):
         routed = CounterMetricFamily(
             "mmserve_router_requests",
             "Requests routed to each replica, by reason: prefix (longest cached prefix), "
+            "disk (least loaded: the prompt is on the shared disk KV tier), "
             "no_match (least loaded: no replica held enough of the prompt), load (least "
             "loaded: the load was uneven), pow2, round_robin.",
             labels=["replica", "reason"],

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 APP_NAME = "mmserve"
 #: Extra in-flight calls a replica accepts beyond the engine's queue (control calls).
 _CONTROL_SLACK = 16
+#: With ``--kv-disk-dir``, the cache router's tree for the shared disk tier holds this
+#: many replicas' trees' worth of tokens (sequences routed to any replica).
+DISK_TREE_POOLS = 8
 
 
 def loopback_only() -> None:
@@ -84,13 +87,16 @@ def build_application(
     from api.replicas.router import ROUTER_CLASSES
 
     rs.validate()
+    tree_tokens = rs.router_max_tree_tokens or config.max_total_tokens
     router = RequestRouterConfig(
         request_router_class=ROUTER_CLASSES[rs.replica_router],
         request_router_kwargs={
             "cache_threshold": rs.router_cache_threshold,
             "balance_abs_threshold": rs.router_balance_abs_threshold,
             "balance_rel_threshold": rs.router_balance_rel_threshold,
-            "max_tree_tokens": rs.router_max_tree_tokens or config.max_total_tokens,
+            "max_tree_tokens": tree_tokens,
+            # the shared disk tier holds far more than a pool: DISK_TREE_POOLS pools' worth
+            "disk_tree_tokens": DISK_TREE_POOLS * tree_tokens if config.kv_disk_dir else 0,
         },
     )
     threads = max(1, int(rs.cpus_per_replica))
