@@ -217,8 +217,18 @@ def _tier_metrics(s: dict) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "mmserve_kv_tier_disk_read_failures",
-        "Disk pages refused (truncated, corrupted or foreign) and deleted.",
+        "Disk pages or feature files refused (truncated, corrupted or foreign) and deleted.",
         value=s["tier_disk_read_failures"],
+    )
+    yield GaugeMetricFamily(
+        "mmserve_kv_tier_disk_feature_files",
+        "Images whose projected features the disk tier holds.",
+        value=s["tier_disk_feature_files"],
+    )
+    yield CounterMetricFamily(
+        "mmserve_kv_tier_feature_loads",
+        "Images whose features were read from disk instead of running the vision tower.",
+        value=s["tier_feature_loads"],
     )
     yield GaugeMetricFamily(
         "mmserve_kv_tier_disk_writable",

@@ -49,14 +49,6 @@ COMMANDS: dict[str, tuple[Any, str, str | None, list[tuple[tuple[str, ...], dict
     "replicas": (experiments.replicas, "full", "tiny", [
         (("--port",), dict(type=int, default=8470, help="HTTP port of the endpoint")),
     ]),
-    "kv-tiers": (experiments.kv_tiers, "quick", "tiny", [
-        (("--images",), dict(type=int, default=16)),
-        (("--questions",), dict(type=int, default=3)),
-        (("--pool-images",), dict(type=float, default=2.0, help="pool size in photos' KV")),
-        (("--page-size",), dict(type=int, default=16)),
-        (("--concurrency",), dict(type=int, default=2)),
-        (("--max-tokens",), dict(type=int, default=4)),
-    ]),
     "structured": (experiments.structured, "full", "small", [
         (("--requests",), dict(type=int, help="per run (default 32; 16 with --quick)")),
         (("--max-tokens",), dict(type=int, default=256)),

@@ -1,6 +1,6 @@
 """Single-purpose benchmarks, each a ``python -m benchmarks`` subcommand (see
 ``benchmarks/README.md`` for what each measured): ``replicas`` (routers on Ray Serve),
-``kv-tiers`` (host and disk KV tiers), ``structured`` (jump-forward decoding),
+``structured`` (jump-forward decoding),
 ``batch-order`` (batch jobs in cache-aware order), ``tensor-parallel`` (``--tp`` on CPU),
 ``image-memory`` (server RSS under large images), ``video-qa`` (per-frame QA, caches on
 and off) and ``long-stream`` (per-token cost over one long answer).
@@ -148,73 +148,6 @@ def replicas(args: argparse.Namespace, model_dir: str) -> int:
     md = report.replicas_table(results)
     (args.out / "replicas.md").write_text(md)
     print(md)
-    return 0
-
-
-# ---- KV tiers --------------------------------------------------------------------------
-
-
-def kv_tiers(args: argparse.Namespace, model_dir: str) -> int:
-    """``--images`` photos x ``--questions``, asked round-robin in groups of
-    ``--concurrency`` on a pool of ``--pool-images`` photos' KV: tiers off, host tier, disk
-    tier, a pool holding everything; then a restart on the disk directory."""
-    from mmserve.model.loader import load_model
-
-    mm = MMServeRunner(load_model(model_dir), model_dir, page_size=args.page_size)
-    imgs = workloads.photos(args.images)
-    order = [
-        Prompt(ask(workloads.QUESTIONS[q], system=False), [n])
-        for q in range(args.questions)
-        for n in imgs
-    ]
-    groups = [order[g : g + args.concurrency] for g in range(0, len(order), args.concurrency)]
-    wl = Workload("kv_tiers", "round-robin questions", imgs, groups, args.max_tokens)
-    per_image = len(mm.prompt_ids(Workload("one", "", imgs, [order[:1]], 1))[0])
-    pool = int(per_image * args.pool_images) // args.page_size * args.page_size
-    total = per_image * args.images
-    mm.run(Workload("warm", "", imgs, [order[:2]], 2), "warm-up", check_leaks=False)
-    host_bytes = 4 * total * mm.last_engine.pool.bytes_per_token()
-    out, runs = {}, {}
-    with tempfile.TemporaryDirectory() as disk:
-        setups = {"off": {}, "host": {"kv_host_bytes": host_bytes}, "disk": {"kv_disk_dir": disk}}
-        setups["optimum"] = {"max_total_tokens": 2 * total}
-        for name, kw in setups.items():
-            r = runs[name] = mm.run(wl, name, closed_loop=False, **{"max_total_tokens": pool, **kw})
-            stats = mm.last_engine.cache_stats()
-            mm.last_engine.close()  # the disk tier writes the tree's pages on shutdown
-            out[name] = {**r.summary(), "ttft_p90_s": report.percentiles(r.ttfts_s)["p90"]}
-            out[name]["host_hit_tokens"] = stats.get("tier_host_hit_tokens", 0)
-            out[name]["disk_hit_tokens"] = stats.get("tier_disk_hit_tokens", 0)
-            if r.outputs != runs["off"].outputs and name != "optimum":
-                raise AssertionError(f"{name}: outputs differ from tiers off")
-        eng = mm.engine(kv_disk_dir=disk, max_total_tokens=pool)
-        k, image_tokens, cached = min(10, args.images), 0, 0
-        for req in mm.requests(eng, Workload("restart", "", imgs, [order[:k]], args.max_tokens)):
-            res = eng.generate([req])[0]
-            span = req.spans[0]
-            image_tokens += span.end - span.start
-            cached += max(0, min(res.cached_tokens, span.end) - span.start)
-        share = cached / image_tokens
-        out["restart"] = {"images": k, "image_tokens_cached_share": share}
-        out["restart"]["vision_tower_runs"] = eng.runner.vision_tower_images
-        eng.close()
-    opt, base = out["optimum"]["cache_hit_rate"], out["off"]["requests_per_s"]
-    rows = []
-    for name in setups:
-        f = out[name]
-        row = [name, f"{f['cache_hit_rate']:.3f}", f"{f['cache_hit_rate'] / opt:.3f}"]
-        row += [f"{f['requests_per_s']:.1f}", f"{f['requests_per_s'] / base:.2f}x"]
-        rows.append(row + [report.ms(f["ttft_p50_s"]), report.ms(f["ttft_p90_s"])])
-        rows[-1].append(f["vision_tower_runs"])
-    print(
-        f"{args.images} photos x {args.questions} questions, ~{per_image} prompt tokens each; "
-        f"pool {pool} tokens = 1/{total / pool:.1f} of their KV; page size {args.page_size}"
-    )
-    print(
-        report.md_table("setup|hit rate|/ optimum|req/s|vs off|TTFT p50 ms|p90 ms|tower runs", rows)
-    )
-    print("restart:", json.dumps(out["restart"]))
-    report.write_json(args.out / "kv_tiers.json", out)
     return 0
 
 

@@ -25,7 +25,7 @@ from mmserve.cache.kv_tiers import (
     kv_namespace,
 )
 from tests.helpers import TINY_FAMILIES, assert_same_generation, greedy, user
-from tests.live_server import get_json, live_server_process
+from tests.live_server import get_json, live_server_process, metric
 
 NS = kv_namespace(b"f" * 16, torch.float32, 2, ("NHD", 1, 1, 2))
 PAGE_SHAPE = (2, 1, 2, 1, 2)  # [2, L, P, Hkv, D]
@@ -89,39 +89,64 @@ def test_host_tier_is_a_byte_bounded_lru(ops: list[tuple[str, int]], cap_pages: 
 
 
 # ---- disk tier against an LRU dict ------------------------------------------------------
+FEATURE_HEADER_BYTES = 80
+
+
+def feats(k: int) -> torch.Tensor:
+    """Image ``k``'s features: ``k % 3 + 1`` tokens of width 2 (feature files vary in size)."""
+    return torch.full((k % 3 + 1, 2), float(k))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.sampled_from(["write", "read"]), st.integers(0, 7)), max_size=40),
-    cap_files=st.integers(0, 4),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["write", "read", "feat", "read_feat"]), st.integers(0, 7)),
+        max_size=40,
+    ),
+    cap=st.integers(0, 5 * (HEADER_BYTES + PAGE_BYTES)),
 )
 def test_disk_tier_is_a_byte_bounded_lru(
-    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]], cap_files: int
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]], cap: int
 ) -> None:
+    """Pages and image features share one least-recently-used order and one byte bound."""
     root = tmp_path_factory.mktemp("disk")
-    tier = DiskTier(
-        str(root), NS, cap_files * (HEADER_BYTES + PAGE_BYTES), PAGE_SHAPE, torch.float32, 3600
-    )
-    model: OrderedDict[bytes, int] = OrderedDict()
+    tier = DiskTier(str(root), NS, cap, PAGE_SHAPE, torch.float32, 3600)
+    model: OrderedDict[tuple[str, int], int] = OrderedDict()  # (kind, k) -> file bytes
     try:
         for op, k in ops:
-            if op == "write":
-                assert tier.write_now(key(k), page(k))
-                model[key(k)] = k
-                model.move_to_end(key(k))
-                while len(model) > cap_files:
+            if op in ("write", "feat"):
+                if op == "write":
+                    assert tier.write_now(key(k), page(k))
+                    kk, size = ("kv", k), HEADER_BYTES + PAGE_BYTES
+                else:
+                    assert tier.write_features_now(key(k), feats(k))
+                    kk, size = ("feat", k), FEATURE_HEADER_BYTES + feats(k).numel() * 4
+                model[kk] = size
+                model.move_to_end(kk)
+                while sum(model.values()) > cap:
                     model.popitem(last=False)
             else:
-                got = tier.read(key(k))
-                assert (got is None) == (key(k) not in model)
+                kk = ("kv" if op == "read" else "feat", k)
+                if op == "read":
+                    got = tier.read(key(k))
+                else:
+                    got = tier.read_features(key(k), k % 3 + 1, 2)
+                assert (got is None) == (kk not in model)
                 if got is not None:
-                    assert torch.equal(got, page(k))
-                    model.move_to_end(key(k))
+                    assert torch.equal(got, page(k) if op == "read" else feats(k))
+                    model.move_to_end(kk)
             files = sorted(p.name for p in Path(tier.dir).iterdir())
-            assert files == sorted(x.hex() + ".kv" for x in model)
-            assert tier.bytes_used == len(model) * tier.file_bytes
-        # a fresh index over the same directory (a restart) finds the same pages
+            assert files == sorted(f"{key(k).hex()}.{kind}" for kind, k in model)
+            assert tier.bytes_used == sum(model.values()) <= cap
+            assert len(tier) == sum(kind == "kv" for kind, _ in model)
+            assert tier.feature_files == sum(kind == "feat" for kind, _ in model)
+        # a fresh index over the same directory (a restart) finds the same files
         again = DiskTier(str(root), NS, 1 << 30, PAGE_SHAPE, torch.float32, 3600)
-        assert {k for k in map(key, range(8)) if k in again} == set(model)
+        assert {k for k in range(8) if key(k) in again} == {k for kind, k in model if kind == "kv"}
+        assert {k for k in range(8) if again.has_features(key(k))} == {
+            k for kind, k in model if kind == "feat"
+        }
+        assert again.bytes_used == sum(model.values())
         again.close()
     finally:
         tier.close()
@@ -157,6 +182,44 @@ def test_bad_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -
     assert tier.read_failures == 1
     assert tier.write_now(key(1), page(1))  # rewritten, read back whole
     assert torch.equal(tier.read(key(1)), page(1))
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version", "shape"])
+def test_bad_feature_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
+    tier = _tier(tmp_path)
+    f = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tier.write_features_now(key(1), f)
+    path = Path(tier.dir) / (key(1).hex() + ".feat")
+    data = bytearray(path.read_bytes())
+    rows = 3
+    if damage == "truncate":
+        data = data[:-3]
+    elif damage == "flip":
+        data[-1] ^= 0xFF
+    elif damage == "empty":
+        data = bytearray()
+    elif damage == "version":
+        data[8] += 1
+    elif damage == "shape":  # a whole, checked file that does not fit the prompt's run
+        rows = 2
+    else:  # written under another namespace (another model or dtype)
+        other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
+        other.write_features_now(key(1), f)
+        data = bytearray((Path(other.dir) / path.name).read_bytes())
+        other.close()
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert tier.read_features(key(1), rows, 4) is None
+    assert not path.exists() and not tier.has_features(key(1))
+    assert tier.read_failures == 1 and tier.bytes_used == 0
+    assert tier.write_features_now(key(1), f)  # rewritten, read back whole
+    assert torch.equal(tier.read_features(key(1), 3, 4), f)
+    # other dtypes keep theirs; other shapes are refused at the writer
+    half = f.to(torch.bfloat16)
+    assert tier.write_features_now(key(2), half)
+    assert torch.equal(tier.read_features(key(2), 3, 4), half)
+    assert not tier.write_features(key(3), f.reshape(-1))
     tier.close()
 
 
@@ -362,7 +425,7 @@ def test_flush_clears_memory_tiers(make_engine, imgs) -> None:  # noqa: ANN001
 
 
 # ---- through a live server ------------------------------------------------------------
-def _ask(url: str, image: str) -> dict:
+def _ask(url: str, image: str, question: str = "What is this?") -> dict:
     body = {
         "model": "llava-tiny",
         "max_tokens": 5,
@@ -372,7 +435,7 @@ def _ask(url: str, image: str) -> dict:
                 "role": "user",
                 "content": [
                     {"type": "image_url", "image_url": {"url": image}},
-                    {"type": "text", "text": "What is this?"},
+                    {"type": "text", "text": question},
                 ],
             }
         ],
@@ -387,10 +450,14 @@ def _ask(url: str, image: str) -> dict:
 
 
 def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Path) -> None:  # noqa: ANN001
+    """SIGTERM writes the KV pages and the image's features; the restarted server answers
+    the same question from disk pages, and another question about the image with its
+    features from disk (the positions after the last whole page): no tower run."""
     import base64
 
     image = "data:image/png;base64," + base64.b64encode(photos["cat.png"]).decode()
     args = ("--kv-disk-dir", str(tmp_path), "--served-model-name", "llava-tiny")
+    args += ("--page-size", "16")
     with live_server_process(model_dir, *args) as (url, proc):
         first = _ask(url, image)
         assert first["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
@@ -399,10 +466,19 @@ def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Pat
     with live_server_process(model_dir, *args) as (url, _):
         again = _ask(url, image)
         stats = get_json(f"{url}/v1/cache/stats")
+        other = _ask(url, image, "Where was it taken?")
+        after = get_json(f"{url}/v1/cache/stats")
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            text = r.read().decode()
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == again["usage"]["prompt_tokens"] - 1
+    assert cached == (again["usage"]["prompt_tokens"] - 1) // 16 * 16
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert stats["vision_tower_images"] == 0 and stats["tier_disk_hit_tokens"] == cached
+    # the other question shares the template and image; the image's last page is recomputed
+    assert after["vision_tower_images"] == 0 and after["tier_feature_loads"] == 1
+    assert metric(text, "mmserve_kv_tier_feature_loads_total") == 1
+    assert metric(text, "mmserve_kv_tier_disk_feature_files") == 1
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576 * 0.95
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -431,3 +507,196 @@ def test_every_family_equal_after_loading_from_disk(
     assert res.cached_tokens == whole == eng.cache_stats()["tier_disk_hit_tokens"]
     eng.scheduler.check_accounting()
     eng.close()
+
+
+# ---- the feature tier ------------------------------------------------------------------
+def test_features_load_from_disk_into_the_feature_cache(tmp_path: Path) -> None:
+    """``features_to_load`` asks only for features the cache and request lack and the disk
+    has; a load puts them in the cache; a file that does not fit the prompt is a miss."""
+    from mmserve.cache.kv_pool import KVPool
+    from mmserve.cache.kv_tiers import KVTiers
+    from mmserve.vision.embedding_cache import EmbeddingCache
+
+    cache = EmbeddingCache(1 << 20)
+    pool = KVPool(4, 2, 1, 1, 2)
+    tiers = KVTiers(pool, NS, disk_dir=str(tmp_path), feature_dim=4, feature_cache=cache)
+    f = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tiers.features_to_load([(key(1), 3)]) == []  # nowhere yet
+    tiers.save_features(key(1), f)
+    tiers.disk.flush()
+    assert tiers.disk.has_features(key(1))
+    assert tiers.features_to_load([(key(1), 3), (key(1), 3), (key(2), 3)]) == [(key(1), 3)]
+    assert tiers.start_load("r", [], [(key(1), 3)])
+    assert not tiers.start_load("r", [], [(key(1), 3)])  # once per admission
+    _wait_for(lambda: tiers.poll() or not tiers.pending(), "the load")
+    assert torch.equal(cache.peek(key(1)), f) and tiers.feature_loads == 1
+    assert tiers.features_to_load([(key(1), 3)]) == []  # cached now
+    # another prompt run length for the same key: the file is refused and deleted
+    cache.clear()
+    tiers.forget("r")
+    assert tiers.start_load("r", [], [(key(1), 2)])
+    _wait_for(lambda: tiers.poll() or not tiers.pending(), "the load")
+    assert key(1) not in cache and not tiers.disk.has_features(key(1))
+    assert tiers.disk.read_failures == 1 and tiers.stats()["tier_feature_loads"] == 1
+    tiers.close()
+
+
+def _ask_each(eng, imgs, question: str):  # noqa: ANN001, ANN202
+    out = []
+    for img in imgs:
+        req = eng.processor.make_request(
+            messages=user(None, question), images=[img], params=greedy(5)
+        )
+        out.append((req, eng.generate([req])[0]))
+    return out
+
+
+def _image_tokens_cached(req, res) -> tuple[int, int]:  # noqa: ANN001
+    """(image tokens inside the cached prefix, image tokens) of one request."""
+    total = sum(s.length for s in req.spans)
+    cached = sum(max(0, min(s.end, res.cached_tokens) - s.start) for s in req.spans)
+    return cached, total
+
+
+def test_restart_at_page_16_runs_no_tower(make_engine, imgs, tmp_path: Path) -> None:  # noqa: ANN001
+    """After a restart, another question about a seen image: its whole pages come from
+    disk and its last partial page is recomputed from features read from disk, so the
+    tower never runs; tokens equal a fresh engine's."""
+    first = make_engine(page_size=16, kv_disk_dir=str(tmp_path))
+    _ask_each(first, imgs, "What is this?")
+    assert first.runner.vision_tower_images == len(imgs)
+    first.close()
+    assert first.tiers.disk.feature_files == len(imgs)
+    base = _ask_each(make_engine(page_size=16), imgs, "Where was it taken?")
+    second = make_engine(page_size=16, kv_disk_dir=str(tmp_path))
+    after = _ask_each(second, imgs, "Where was it taken?")
+    cached = total = 0
+    for (req, a), (_, b) in zip(after, base, strict=True):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "restart p16")
+        c, t = _image_tokens_cached(req, a)
+        # the image's last partial page is outside the cache: it needs the features
+        assert req.spans[-1].end > a.cached_tokens
+        cached, total = cached + c, total + t
+        assert a.vision_tower_runs == 0
+    assert cached >= 0.95 * total
+    assert second.runner.vision_tower_images == 0
+    stats = second.cache_stats()
+    assert stats["tier_feature_loads"] == len(imgs)
+    assert stats["tier_disk_hit_tokens"] >= cached
+    second.scheduler.check_accounting()
+    second.close()
+    # a damaged feature file is a miss: deleted, the tower runs, the same tokens
+    path = Path(second.tiers.disk.dir) / (imgs[0].key.hex() + ".feat")
+    path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+    third = make_engine(page_size=16, kv_disk_dir=str(tmp_path))
+    again = _ask_each(third, imgs, "Where was it taken?")
+    for (_, a), (_, b) in zip(again, base, strict=True):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "bad features")
+    assert [a.vision_tower_runs for _, a in again] == [1] + [0] * (len(imgs) - 1)
+    assert third.tiers.disk.read_failures == 1
+    third.close()
+
+
+# ---- replicas on one machine -------------------------------------------------------------
+def _wait_for(cond, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """Poll ``cond`` (bounded): the disk tier finds other processes' files on a rescan."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_stopping_replica_writes_pages_a_running_one_reads(
+    model_dir: Path, make_engine, imgs, tmp_path: Path, monkeypatch
+) -> None:  # noqa: ANN001
+    """A replica Ray Serve stops (its ``__del__``) writes its tree to the shared disk
+    tier; another replica, running all along on the same directory, then answers about
+    the same image from disk: no tower run, the same tokens."""
+    pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
+    import asyncio
+    import types
+
+    import ray
+    from ray import serve
+
+    from api.replicas.replica import EngineReplica
+    from mmserve.config import EngineConfig
+
+    ctx = types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id="r0"))
+    monkeypatch.setattr(serve, "get_replica_context", lambda: ctx)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    config = EngineConfig(
+        model_path=str(model_dir), page_size=16, kv_disk_dir=str(tmp_path), dtype="float32"
+    )
+    replica = EngineReplica(config)
+    other = make_engine(page_size=16, kv_disk_dir=str(tmp_path))  # the second replica
+    msg = replica.engine.processor.make_request(
+        messages=user(None, "What is this?"), images=[imgs[0]], params=greedy(5)
+    )
+
+    async def ask() -> list[int]:
+        ids: list[int] = []
+        async for delta in replica.aengine.deltas(msg):
+            ids.extend(delta.token_ids)
+        return ids
+
+    first = asyncio.run(ask())
+    assert len(other.tiers.disk) == 0  # nothing evicted: nothing on disk yet
+    replica.__del__()  # what Ray Serve calls on a stopping replica
+    assert replica.engine.tiers.disk.feature_files == 1
+    written = len(replica.engine.tiers.disk)
+    assert written >= (len(msg.input_ids) - 1) // 16
+    assert replica.shutdown() == 0  # once only: a later __del__ (garbage collection) is a no-op
+    _wait_for(lambda: len(other.tiers.disk) == written, "the other replica's rescan")
+    res = other.generate([msg])[0]
+    assert res.output_ids == first
+    assert res.cached_tokens == (res.prompt_tokens - 1) // 16 * 16
+    assert res.vision_tower_runs == 0 and other.runner.vision_tower_images == 0
+    other.close()
+
+
+def test_fleet_stats_count_the_shared_disk_once() -> None:
+    """Replicas on one machine share one disk directory: the fleet's totals sum the hits
+    and loads but report the store once, and its flags only if every replica has them."""
+    pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
+    from api.replicas.ingress import aggregate
+
+    def row(pages: int, writable: int, hits: int) -> dict:
+        return {
+            "prompt_tokens": 100,
+            "cached_tokens": 50,
+            "tier_disk_pages": pages,
+            "tier_disk_bytes": pages * 10,
+            "tier_disk_capacity_bytes": 1000,
+            "tier_disk_feature_files": 2,
+            "tier_disk_on": 1,
+            "tier_disk_writable": writable,
+            "tier_disk_hit_tokens": hits,
+            "tier_feature_loads": 1,
+            "accounting": {"ok": True},
+        }
+
+    total = aggregate({"a": row(36, 1, 576), "b": row(40, 0, 16)})
+    assert total["tier_disk_pages"] == 40 and total["tier_disk_bytes"] == 400
+    assert total["tier_disk_capacity_bytes"] == 1000 and total["tier_disk_feature_files"] == 2
+    assert total["tier_disk_on"] == 1 and total["tier_disk_writable"] == 0
+    assert total["tier_disk_hit_tokens"] == 592 and total["tier_feature_loads"] == 2
+    assert total["cache_hit_rate"] == 0.5
+
+
+def test_benchmark_runs_on_the_tiny_checkpoint(model_dir: Path) -> None:
+    """benchmarks/kv_tiers.py end to end at a small scale: the figures it reports hold."""
+    from benchmarks import kv_tiers as bench
+
+    argv = ["--model", str(model_dir), "--images", "3", "--questions", "2"]
+    out = bench.run([*argv, "--max-tokens", "2", "--ttft-images", "2", "--no-cold"])
+    opt = out["optimum"]["hit_rate"]
+    assert out["host"]["hit_rate"] == out["disk"]["hit_rate"] == opt > out["off"]["hit_rate"]
+    assert out["disk"]["disk_hit_tokens"] > 0 and out["host"]["host_hit_tokens"] > 0
+    assert out["restart"]["vision_tower_runs"] == 0 and out["restart"]["feature_loads"] == 3
+    assert out["restart"]["image_tokens_cached_share"] >= 0.95
+    t = out["ttft"]
+    assert t["first_tokens_equal"] and t["disk_tower_runs"] == 0 and t["recompute_tower_runs"] == 2
+    assert t["disk_feature_loads"] == 2 and t["disk_hit_tokens"] >= 2 * 560

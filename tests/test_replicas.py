@@ -344,6 +344,62 @@ def test_cache_router_policy() -> None:
     asyncio.run(main())
 
 
+def test_cache_router_counts_the_shared_disk_tier() -> None:
+    """With a disk tier shared by the replicas, a prompt whose prefix no replica's tree
+    holds any more (trimmed) but some replica computed goes to the least-loaded replica
+    as a ``disk`` hit, its tokens counted as matched; without the tier, ``no_match``."""
+    from ray.serve._private.common import (
+        DeploymentHandleSource,
+        DeploymentID,
+        ReplicaID,
+        RequestMetadata,
+    )
+    from ray.serve.request_router import PendingRequest
+
+    from api.replicas.protocol import ReplicaRequest
+    from api.replicas.router import CacheAwareRouter
+
+    class Replica:  # what the router reads of a RunningReplica
+        def __init__(self, uid: str, dep: DeploymentID) -> None:
+            self.replica_id = ReplicaID(uid, dep)
+            self.max_ongoing_requests = 100
+            self.node_id, self.availability_zone = "node", None
+            self.multiplexed_model_ids: set[str] = set()
+
+        async def get_queue_len(self, *, deadline_s: float) -> int:
+            return 0
+
+    def images(n: int, size: int = 60) -> list[list[int]]:
+        return [[-(1000 * k + i + 1) for i in range(size)] for k in range(n)]
+
+    async def run(disk_tokens: int) -> tuple[dict, str]:
+        dep = DeploymentID(name="EngineReplica", app_name=f"disk{disk_tokens}")
+        router = CacheAwareRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(max_tree_tokens=150, disk_tree_tokens=disk_tokens)
+        a, b = Replica("a", dep), Replica("b", dep)
+        router.update_replicas([a, b])
+        last = ""
+        for k, ids in enumerate([*images(6), images(1)[0]]):  # the first image comes back
+            pr = PendingRequest(
+                args=[ReplicaRequest(f"r{k}", [*ids, 7], [], SamplingParams())],
+                kwargs={},
+                metadata=RequestMetadata(request_id=f"r{k}", internal_request_id=f"r{k}"),
+            )
+            chosen = (await router.choose_replicas([a, b], pr))[0][0]
+            router.on_request_routed(pr, chosen.replica_id, None)
+            router.on_request_completed(chosen.replica_id, f"r{k}")
+            last = chosen.replica_id.unique_id
+        return router.snapshot(), last
+
+    snap, _ = asyncio.run(run(0))
+    assert snap["by_reason"] == {"no_match": 7} and snap["disk_tree_tokens"] == 0
+    snap, last = asyncio.run(run(10_000))
+    # each replica's tree (150 tokens) trimmed the first image; the disk tree kept it
+    assert snap["by_reason"] == {"no_match": 6, "disk": 1}
+    assert snap["replicas"][last]["matched_tokens"] >= 60
+    assert snap["disk_tree_tokens"] == 6 * 61  # six distinct prompts
+
+
 def test_benchmark_workload_and_summary_side_by_side() -> None:
     wl = workloads.interleaved(**WORKLOAD)
     assert wl.num_requests == 3 * 3 + 2 * 3

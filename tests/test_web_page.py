@@ -60,8 +60,17 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[str]:
-    with live_server(model_dir, "--max-total-tokens", "8192") as url:
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    disk = str(tmp_path_factory.mktemp("kv-disk"))
+    tiers = (
+        "--kv-host-bytes",
+        str(64 << 20),
+        "--kv-disk-dir",
+        disk,
+        "--kv-disk-bytes",
+        str(1 << 30),
+    )
+    with live_server(model_dir, "--max-total-tokens", "8192", *tiers) as url:
         yield url
 
 
@@ -171,6 +180,12 @@ def test_image_two_questions_stream_and_the_second_is_cached(
         expect(page.locator("#stat-tower")).to_have_text("1", timeout=WAIT_MS)
         expect(page.locator("#stat-hit")).to_have_text(re.compile(r"\d+\.\d%"))
         expect(page.locator("#stat-kv")).to_contain_text("of 8192 tokens")
+        # the KV tiers: nothing evicted into host memory; on disk the photo's features
+        expect(page.locator("#stat-tier-host")).to_have_text("0 B of 64.0 MB, 0 tokens loaded")
+        expect(page.locator("#stat-tier-disk")).to_have_text(
+            re.compile(r"^0 pages, 1 image, \d+(\.\d)? KB of 1\.0 GB, 0 tokens loaded$"),
+            timeout=WAIT_MS,
+        )
         expect(page.locator("#error")).to_be_hidden()
         # an API error is shown as the API words it
         image_id = item.locator(".id").inner_text()

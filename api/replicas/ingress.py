@@ -47,18 +47,33 @@ from mmserve.config import EngineConfig
 
 #: ``cache_stats`` keys that are not summed over replicas.
 _NOT_SUMMED = {"page_size", "cache_hit_rate", "consecutive_failed_steps", "uptime_seconds"}
+#: What the disk KV tier holds: replicas on one machine share its directory, so these
+#: describe one store (the largest replica view), not one store per replica.
+_SHARED_MAX = {
+    "tier_disk_pages",
+    "tier_disk_bytes",
+    "tier_disk_capacity_bytes",
+    "tier_disk_feature_files",
+}
+#: Flags that hold for the fleet only if they hold on every replica.
+_ALL = {"tier_disk_on", "tier_disk_writable"}
 
 
 def aggregate(stats: dict[str, dict]) -> dict:
-    """Totals of the replicas' stats: numbers summed, hit rate recomputed, accounting
-    ok only if every replica's is (None if any replica is busy)."""
+    """Totals of the replicas' stats: numbers summed (the shared disk KV tier's contents:
+    the largest; its on/writable flags: the smallest), hit rate recomputed, accounting ok
+    only if every replica's is (None if any replica is busy)."""
     rows = list(stats.values())
     if not rows:
         return {}
     total: dict = {}
     for key, value in rows[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if key not in _NOT_SUMMED:
+            if key in _SHARED_MAX:
+                total[key] = max(r.get(key, 0) for r in rows)
+            elif key in _ALL:
+                total[key] = min(r.get(key, 0) for r in rows)
+            elif key not in _NOT_SUMMED:
                 total[key] = sum(r.get(key, 0) for r in rows)
     total["page_size"] = rows[0].get("page_size")
     total["consecutive_failed_steps"] = max(r.get("consecutive_failed_steps", 0) for r in rows)
@@ -144,6 +159,7 @@ class FleetCollector(Collector):
         routed = CounterMetricFamily(
             "mmserve_router_requests",
             "Requests routed to each replica, by reason: prefix (longest cached prefix), "
+            "disk (least loaded: the prompt is on the shared disk KV tier), "
             "no_match (least loaded: no replica held enough of the prompt), load (least "
             "loaded: the load was uneven), pow2, round_robin.",
             labels=["replica", "reason"],

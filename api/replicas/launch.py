@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 APP_NAME = "mmserve"
 #: Extra in-flight calls a replica accepts beyond the engine's queue (control calls).
 _CONTROL_SLACK = 16
+#: With ``--kv-disk-dir``, the cache router's tree for the shared disk tier holds this
+#: many replicas' trees' worth of tokens (sequences routed to any replica).
+DISK_TREE_POOLS = 8
 
 
 def loopback_only() -> None:
@@ -73,25 +76,27 @@ def build_application(
             model, built on each node that lacks it).
         server: HTTP settings of the ingress.
         rs: replica count, resources and router.
-        grace_seconds: how long a stopping replica lets running requests finish.
+        grace_seconds: how long a stopping replica lets running requests finish; with
+            the disk KV tier on it then has ``FLUSH_SECONDS`` more to write its pages.
     """
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from api.replicas.ingress import Ingress
-    from api.replicas.replica import EngineReplica
+    from api.replicas.replica import FLUSH_SECONDS, EngineReplica
     from api.replicas.router import ROUTER_CLASSES
 
     rs.validate()
+    tree_tokens = rs.router_max_tree_tokens or config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
     router = RequestRouterConfig(
         request_router_class=ROUTER_CLASSES[rs.replica_router],
         request_router_kwargs={
             "cache_threshold": rs.router_cache_threshold,
             "balance_abs_threshold": rs.router_balance_abs_threshold,
             "balance_rel_threshold": rs.router_balance_rel_threshold,
-            "max_tree_tokens": rs.router_max_tree_tokens
-            or config.max_total_tokens
-            or DEFAULT_MAX_TOTAL_TOKENS,
+            "max_tree_tokens": tree_tokens,
+            # the shared disk tier holds far more than a pool: DISK_TREE_POOLS pools' worth
+            "disk_tree_tokens": DISK_TREE_POOLS * tree_tokens if config.kv_disk_dir else 0,
         },
     )
     threads = max(1, int(rs.cpus_per_replica))
@@ -104,7 +109,7 @@ def build_application(
         request_router_config=router,
         health_check_period_s=5.0,
         health_check_timeout_s=60.0,
-        graceful_shutdown_timeout_s=grace_seconds,
+        graceful_shutdown_timeout_s=grace_seconds + (FLUSH_SECONDS if config.kv_disk_dir else 0),
     )
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1,
@@ -171,9 +176,13 @@ def serve_replicas(
             pass
     finally:
         try:
-            if rs.ray_address:
+            # deleting the application first waits (up to 60 s) for the replicas to drain
+            # and write their KV pages to the disk tier; serve.shutdown waits only 30 s
+            try:
                 serve.delete(APP_NAME)  # other applications on the cluster keep running
-            else:
+            except TimeoutError:
+                log.warning("replicas still stopping after 60 s; shutting down anyway")
+            if not rs.ray_address:
                 serve.shutdown()
         finally:
             ray.shutdown()

@@ -7,6 +7,12 @@ when the vision tower must run (the embedding cache missed and the prefix match 
 not cover the image), and counts those fetches. Ray Serve calls
 :meth:`EngineReplica.check_health` and replaces a replica whose engine has failed
 ``unhealthy_after_failed_steps`` steps in a row.
+
+When a replica stops (scale-down, replacement, ``mmserve serve`` shutting down), Ray
+Serve calls its ``__del__`` after draining: :meth:`EngineReplica.shutdown` aborts what
+is left and closes the engine, which writes the tree's KV pages to the disk KV tier
+(``--kv-disk-dir``). Every replica on a machine gets the same directory, so each finds
+the pages and image features the others wrote (their disk tiers rescan it).
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
 from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.request import ImageInput, ImageSpan
+
+#: Seconds a stopping replica may spend writing its KV pages to the disk tier (on top of
+#: the grace period its requests get; see ``build_application``).
+FLUSH_SECONDS = 30.0
 
 
 class RemoteImage(ImageInput):
@@ -163,9 +173,22 @@ class EngineReplica:
         if failed >= self.unhealthy_after:
             raise RuntimeError(f"engine unhealthy: its last {failed} steps failed")
 
-    def __del__(self) -> None:
+    def shutdown(self, timeout: float = FLUSH_SECONDS) -> int:
+        """Stop the replica once: abort live requests, stop the engine thread, then close
+        the engine (KV pages to the disk tier, if on, within about ``timeout`` seconds;
+        tensor-parallel workers stopped). Later calls do nothing.
+
+        Returns:
+            Pages written to the disk tier (0 on later calls).
+        """
         aengine = getattr(self, "aengine", None)
-        if aengine is not None:
-            aengine.call(lambda: self.engine.abort_all("abort"))
-            aengine.stop()
-            self.engine.close()  # tensor-parallel workers, if any
+        if aengine is None:  # the constructor failed, or already shut down
+            return 0
+        self.aengine = None
+        aengine.call(lambda: self.engine.abort_all("abort"))
+        aengine.stop()
+        return self.engine.close(timeout)
+
+    def __del__(self) -> None:
+        # Ray Serve calls this when the replica stops (after draining its requests)
+        self.shutdown()

@@ -16,7 +16,12 @@ which replicas to try (:meth:`choose_replicas`, best rank first).
   new images spread); but when the load is uneven (the busiest replica has more than
   ``balance_abs_threshold`` requests above the idlest and more than
   ``balance_rel_threshold`` times its load) always to the least-loaded one (``load``).
-  Load is the requests this ingress has in flight on each replica.
+  Load is the requests this ingress has in flight on each replica. With the disk KV
+  tier (``--kv-disk-dir``, one directory the replicas share) it also keeps one tree of
+  every sequence routed to any replica (``disk_tree_tokens``): pages reach the disk when
+  a replica evicts them or stops, so a prompt that no replica's tree holds but that
+  tree does goes to the least-loaded replica, which loads it from disk (reason
+  ``disk``, counted as matched tokens).
 - :class:`PowerOfTwoRouter` (``pow2``): Ray Serve's default power-of-two-choices.
 - :class:`RoundRobinRouter` (``round_robin``): each replica in turn.
 
@@ -44,7 +49,7 @@ from api.replicas.protocol import ControlCall, ReplicaRequest
 from mmserve.lru import LRU
 
 #: Routing reasons counted per replica.
-REASONS = ("prefix", "no_match", "load", "pow2", "round_robin")
+REASONS = ("prefix", "disk", "no_match", "load", "pow2", "round_robin")
 
 
 def _payload(pr: PendingRequest | None) -> ReplicaRequest | ControlCall | None:
@@ -76,15 +81,19 @@ class _Tracking:
         balance_abs_threshold: int = 16,
         balance_rel_threshold: float = 1.5,
         max_tree_tokens: int = 32768,
+        disk_tree_tokens: int = 0,
         **_: object,
     ) -> None:
-        """Called by Ray Serve with ``RequestRouterConfig.request_router_kwargs``."""
+        """Called by Ray Serve with ``RequestRouterConfig.request_router_kwargs``
+        (``disk_tree_tokens``: size of the tree standing for the shared disk KV tier;
+        0 = no disk tier)."""
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.max_tree_tokens = max_tree_tokens
         self._lock = threading.Lock()
         self._trees: dict[str, PrefixTree] = {}
+        self._disk = PrefixTree(disk_tree_tokens) if disk_tree_tokens > 0 else None
         self._inflight: dict[str, int] = defaultdict(int)
         self._routed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._routed_tokens: dict[str, int] = defaultdict(int)
@@ -154,6 +163,8 @@ class _Tracking:
                 matched = approx.match(payload.input_ids) if approx is not None else 0
             if approx is not None:
                 approx.insert(payload.input_ids)
+            if self._disk is not None:
+                self._disk.insert(payload.input_ids)
             self._inflight[uid] += 1
             self._owner[key] = uid
             self._routed[uid][reason] += 1
@@ -202,6 +213,8 @@ class _Tracking:
             approx = self._trees.get(uid)
             if approx is not None:
                 approx.insert(ids)
+            if self._disk is not None:
+                self._disk.insert(ids)
 
     def forget(self, uid: str) -> None:
         """``uid``'s cache was flushed: empty its tree."""
@@ -234,7 +247,12 @@ class _Tracking:
         for info in replicas.values():
             for reason, n in info["routed"].items():
                 by_reason[reason] += n
-        return {"policy": self.policy, "by_reason": dict(by_reason), "replicas": replicas}
+        return {
+            "policy": self.policy,
+            "by_reason": dict(by_reason),
+            "replicas": replicas,
+            "disk_tree_tokens": self._disk.size if self._disk is not None else 0,
+        }
 
     # ---- helpers -------------------------------------------------------------
     def _load(self, r: RunningReplica) -> int:
@@ -272,19 +290,27 @@ class CacheAwareRouter(_Tracking, RequestRouter):
                     matches[_uid(r)] = approx.match(ids) if approx is not None else 0
                 best = max(order, key=lambda r: matches[_uid(r)])  # ties: least loaded
                 held = matches[_uid(best)]
+                on_disk = self._disk.match(ids) if self._disk is not None else 0
                 if ids and held and held >= self.cache_threshold * len(ids):
                     choice, reason = best, "prefix"
                     rest = sorted(
                         (r for r in order if r is not best), key=lambda r: -matches[_uid(r)]
                     )
+                elif ids and on_disk and on_disk >= self.cache_threshold * len(ids):
+                    # every replica can load it from the shared disk: the least loaded
+                    choice, rest, reason = order[0], order[1:], "disk"
                 else:
                     choice, rest, reason = order[0], order[1:], "no_match"
             # the tree learns the request now, not when the replica has accepted it, so a
             # question about the same new image right behind it follows it
             approx = self._trees.get(_uid(choice))
             matched = approx.match(ids) if approx is not None else 0
+            if reason == "disk":
+                matched = max(matched, on_disk)
             if approx is not None:
                 approx.insert(ids)
+            if self._disk is not None:
+                self._disk.insert(ids)
         return [[choice], rest], reason, matched
 
 

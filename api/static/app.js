@@ -80,9 +80,41 @@ async function refreshStats() {
     const used = s.used_pages / s.pool_pages;
     $("#stat-kv").textContent = `${(100 * used).toFixed(1)}% of ${s.pool_pages * s.page_size} tokens`;
     $("#stat-kv-bar").value = used;
+    showTiers(s);
     $("#stats").title = "";
   } catch (err) {
     $("#stats").title = err.message; // the page's alert line is for the user's actions
+  }
+}
+
+function bytes(n) {
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${i ? n.toFixed(1) : n} ${units[i]}`;
+}
+
+function plural(n, word) {
+  return `${n.toLocaleString("en")} ${word}${n === 1 ? "" : "s"}`;
+}
+
+// The host and disk KV tiers (--kv-host-bytes, --kv-disk-dir): shown only when on.
+function showTiers(s) {
+  const host = (s.tier_host_capacity_bytes || 0) > 0;
+  const disk = "tier_disk_on" in s && (s.tier_disk_on || s.tier_disk_capacity_bytes > 0);
+  $("#tier-host").hidden = !host;
+  $("#tier-disk").hidden = !disk;
+  if (host) {
+    $("#stat-tier-host").textContent =
+      `${bytes(s.tier_host_bytes)} of ${bytes(s.tier_host_capacity_bytes)}, ` +
+      `${plural(s.tier_host_hit_tokens, "token")} loaded`;
+  }
+  if (disk) {
+    $("#stat-tier-disk").textContent = !s.tier_disk_on ? "off (directory not writable)" :
+      `${plural(s.tier_disk_pages, "page")}, ${plural(s.tier_disk_feature_files, "image")}, ` +
+      `${bytes(s.tier_disk_bytes)} of ${bytes(s.tier_disk_capacity_bytes)}, ` +
+      `${plural(s.tier_disk_hit_tokens, "token")} loaded` +
+      (s.tier_disk_writable ? "" : " (read-only after a write error)");
   }
 }
 

@@ -29,9 +29,24 @@ into a staging area; meanwhile the request waits ("loading") and the engine
 keeps running other batches; once loaded, the pages are taken from staging like
 host pages.
 
+**Feature tier.** Whole pages cannot hold an image's last partial page, so a
+question about a seen image recomputes those positions, which needs the image's
+projected features. The tower's output is therefore written too (write-through: at
+``[tokens, hidden]`` it is ``2 L Hkv D / hidden`` times smaller than the image's KV, 64x
+for LLaVA-7B, 7x for a OneVision-0.5B shape), one file per image key in the same
+namespace directory. When admission finds that a request's
+image reaches past the pages the tree and tiers hold, and its features are neither in
+the embedding cache nor in the request, the loader thread reads them with the pages and
+:meth:`KVTiers.poll` puts them into the embedding cache, so the tower does not run
+(after a restart, or once the embedding cache dropped them).
+
 **Disk format.** One file per page, ``DIR/<namespace hex>/<key hex>.kv``: a
 64-byte header (magic, format version, namespace, key, payload length, XXH3-64
 checksum of the payload) followed by the raw page ``[2, L, P, Hkv, D]`` bytes.
+Features: ``<image key hex>.feat``, an 80-byte header (another magic, the same
+fields, then rows, columns and dtype) and the raw ``[tokens, hidden]`` bytes; a read
+also checks the shape against the prompt's run of the image. Pages and features share
+one least-recently-used order and the ``disk_bytes`` bound.
 Files are written to a unique temporary name in the same directory, then
 renamed over the final name (atomic on POSIX), so a reader sees a whole file or
 none, and concurrent writers of one page leave one whole file. A file whose
@@ -52,6 +67,7 @@ import queue
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,7 +77,6 @@ import torch
 import xxhash
 
 from mmserve.cache.kv_pool import KVPool
-from mmserve.lru import LRU
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +87,15 @@ _MAGIC = b"MMKVPAGE"
 _HEADER = struct.Struct("<8sHH16s16sQQ4x")
 HEADER_BYTES = _HEADER.size  # 64
 _SUFFIX = ".kv"
+_FEATURE_MAGIC = b"MMKVFEAT"
+# magic, version, reserved, namespace (16), image key (16), payload bytes, payload XXH3-64,
+# rows, cols, dtype code
+_FEATURE_HEADER = struct.Struct("<8sHH16s16sQQIIB11x")  # 80 bytes
+_FEATURE_SUFFIX = ".feat"
+# index keys of feature files: this prefix + the image key (page keys are 16 bytes)
+_FEATURES = b"feat"
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 #: Threads reading pages from disk: one slow read does not hold up other requests' loads.
 LOADER_THREADS = 4
 #: Seconds between rescans of the disk directory (pages other processes wrote).
@@ -168,9 +192,7 @@ class HostTier:
     def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.page_bytes = page_bytes
-        self._pages: LRU[bytes, torch.Tensor] = LRU(
-            max_bytes=capacity_bytes, size=lambda _page: page_bytes
-        )
+        self._pages: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._pages
@@ -181,20 +203,29 @@ class HostTier:
     @property
     def bytes_used(self) -> int:
         """Bytes of the pages held."""
-        return self._pages.nbytes
+        return len(self._pages) * self.page_bytes
 
     def put(self, key: bytes, page: torch.Tensor) -> list[bytes]:
-        """Keep ``page`` (most recently used); returns keys dropped to stay in the bound
-        (a page larger than the whole tier is not kept)."""
-        return [k for k, _ in self._pages.put(key, page)]
+        """Keep ``page`` (most recently used); returns keys dropped to stay in the bound."""
+        if self.page_bytes > self.capacity_bytes:
+            return []
+        self._pages[key] = page
+        self._pages.move_to_end(key)
+        dropped = []
+        while len(self._pages) * self.page_bytes > self.capacity_bytes:
+            dropped.append(self._pages.popitem(last=False)[0])
+        return dropped
 
     def get(self, key: bytes) -> torch.Tensor | None:
         """The page for ``key`` (now most recently used), or None."""
-        return self._pages.get(key)
+        page = self._pages.get(key)
+        if page is not None:
+            self._pages.move_to_end(key)
+        return page
 
     def pop(self, key: bytes) -> torch.Tensor | None:
         """Remove and return the page for ``key``, or None."""
-        return self._pages.pop(key)
+        return self._pages.pop(key, None)
 
     def clear(self) -> None:
         """Drop every page."""
@@ -202,25 +233,27 @@ class HostTier:
 
     def keys(self) -> list[bytes]:
         """Keys from least to most recently used."""
-        return self._pages.keys()
+        return list(self._pages)
 
 
 class DiskTier:
-    """One file per page under ``root/<namespace hex>/``, LRU-bounded in bytes.
+    """Files under ``root/<namespace hex>/``: one per KV page, one per image's projected
+    features; one LRU over both, bounded in bytes.
 
-    Thread safety: the index is guarded by a lock; :meth:`write` queues work for the writer
-    thread and never blocks (unless ``block``); :meth:`read` runs on the caller's thread (the
-    loader thread in :class:`KVTiers`).
+    Thread safety: the index is guarded by a lock; :meth:`write` and
+    :meth:`write_features` queue work for the writer thread and never block (unless
+    ``block``); :meth:`read` and :meth:`read_features` run on the caller's thread (the
+    loader threads in :class:`KVTiers`).
 
     Args:
         root: directory shared by every process and checkpoint (created if missing).
-        namespace: :func:`kv_namespace` bytes; pages of other namespaces are never read.
-        capacity_bytes: most bytes of files (headers included) kept; least recently used
-            files are deleted beyond it.
+        namespace: :func:`kv_namespace` bytes; files of other namespaces are never read.
+        capacity_bytes: most bytes of files (headers included) kept, pages and features
+            together; least recently used files are deleted beyond it.
         page_shape: shape of one page tensor ``[2, L, P, Hkv, D]``.
         dtype: page dtype.
         rescan_seconds: how often the writer thread rescans the directory when idle.
-        max_queued_bytes: bytes of page writes waiting for the writer before new ones are
+        max_queued_bytes: bytes of writes waiting for the writer before new ones are
             dropped (counted in ``writes_dropped``).
 
     Attributes:
@@ -249,10 +282,11 @@ class DiskTier:
         self.rescan_seconds = rescan_seconds
         self.max_queued_bytes = max_queued_bytes
         self._lock = threading.Lock()
-        # one entry per page file, least recently used first; trimmed to capacity_bytes
-        # after each write or rescan (the files go with their entries)
-        self._index: LRU[bytes, None] = LRU(size=lambda _entry: self.file_bytes)
-        # pages queued for the writer: still in memory, so they count as hits
+        # index key (a page key, or _FEATURES + image key) -> file bytes, LRU first
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._used = 0  # bytes of indexed files
+        self._feature_files = 0
+        # writes queued for the writer: still in memory, so they count as hits
         self._pending: dict[bytes, torch.Tensor] = {}
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
@@ -260,8 +294,10 @@ class DiskTier:
         self.enabled = True
         self.writable = True
         self.writes = 0
+        self.feature_writes = 0
         self.writes_dropped = 0
         self.reads = 0
+        self.feature_reads = 0
         self.read_failures = 0
         self.deleted = 0
         try:
@@ -280,26 +316,60 @@ class DiskTier:
         self._thread.start()
 
     # ---- index ------------------------------------------------------------
-    def _path(self, key: bytes) -> str:
-        return os.path.join(self.dir, key.hex() + _SUFFIX)
+    def _path(self, ikey: bytes) -> str:
+        if len(ikey) == 16:
+            return os.path.join(self.dir, ikey.hex() + _SUFFIX)
+        return os.path.join(self.dir, ikey[len(_FEATURES) :].hex() + _FEATURE_SUFFIX)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._index
+        with self._lock:
+            return key in self._index
+
+    def has_features(self, key: bytes) -> bool:
+        """Whether features of image ``key`` are on disk (per the index)."""
+        with self._lock:
+            return _FEATURES + key in self._index
 
     def __len__(self) -> int:
-        return len(self._index)
+        """Pages on disk (per the index)."""
+        with self._lock:
+            return len(self._index) - self._feature_files
+
+    @property
+    def feature_files(self) -> int:
+        """Feature files on disk (per the index)."""
+        return self._feature_files
 
     @property
     def bytes_used(self) -> int:
-        """Bytes of the indexed files."""
-        return self._index.nbytes
+        """Bytes of the indexed files (pages and features)."""
+        return self._used
+
+    def _add(self, ikey: bytes, size: int) -> None:
+        """Index ``ikey`` as the most recently used file (lock held)."""
+        old = self._index.pop(ikey, None)
+        if old is None:
+            self._feature_files += len(ikey) != 16
+        else:
+            self._used -= old
+        self._index[ikey] = size
+        self._used += size
+
+    def _remove(self, ikey: bytes) -> bool:
+        """Drop ``ikey`` from the index (lock held); whether it was there."""
+        size = self._index.pop(ikey, None)
+        if size is None:
+            return False
+        self._used -= size
+        self._feature_files -= len(ikey) != 16
+        return True
 
     def rescan(self) -> None:
         """Sync the index with the directory: add files other processes wrote (ordered by
         modification time), drop files that are gone, delete stale temporary files."""
         if not self.enabled:
             return
-        found: list[tuple[float, bytes]] = []
+        found: list[tuple[float, bytes, int]] = []
         now = time.time()
         try:
             with os.scandir(self.dir) as it:
@@ -313,41 +383,53 @@ class DiskTier:
                             except OSError:
                                 pass
                         continue
-                    if not name.endswith(_SUFFIX) or len(name) != 32 + len(_SUFFIX):
+                    stem, ext = os.path.splitext(name)
+                    if len(stem) != 32 or ext not in (_SUFFIX, _FEATURE_SUFFIX):
                         continue
                     try:
-                        key = bytes.fromhex(name[:32])
-                        found.append((entry.stat().st_mtime, key))
+                        key = bytes.fromhex(stem)
+                        st = entry.stat()
                     except (ValueError, OSError):
                         continue
+                    if ext == _SUFFIX:
+                        found.append((st.st_mtime, key, self.file_bytes))
+                    else:
+                        found.append((st.st_mtime, _FEATURES + key, st.st_size))
         except OSError as e:
             log.warning("KV disk tier: cannot list %s (%s)", self.dir, e)
             return
         found.sort()
-        present = {k for _, k in found}
+        present = {k for _, k, _ in found}
         with self._lock:
-            for key in [k for k in self._index.keys() if k not in present]:
-                self._index.pop(key)
-            for _, key in found:
-                if key not in self._index:
-                    self._index.put(key, None)
+            for ikey in [k for k in self._index if k not in present]:
+                self._remove(ikey)
+            for _, ikey, size in found:
+                if ikey not in self._index:
+                    self._add(ikey, size)
         self._trim()
 
     def _trim(self) -> None:
-        for key, _ in self._index.evict(max_bytes=self.capacity_bytes):
-            self._unlink(key)
+        victims = []
+        with self._lock:
+            while self._used > self.capacity_bytes and self._index:
+                ikey = next(iter(self._index))
+                self._remove(ikey)
+                victims.append(ikey)
+        for ikey in victims:
+            self._unlink(ikey)
 
-    def _unlink(self, key: bytes) -> None:
+    def _unlink(self, ikey: bytes) -> None:
         try:
-            os.unlink(self._path(key))
+            os.unlink(self._path(ikey))
             self.deleted += 1
         except OSError:
             pass
 
-    def _drop(self, key: bytes, delete: bool) -> None:
-        self._index.pop(key)
+    def _drop(self, ikey: bytes, delete: bool) -> None:
+        with self._lock:
+            self._remove(ikey)
         if delete:
-            self._unlink(key)
+            self._unlink(ikey)
 
     # ---- writing ----------------------------------------------------------
     def write(self, key: bytes, page: torch.Tensor, block: bool = False) -> bool:
@@ -361,20 +443,43 @@ class DiskTier:
         Returns:
             False if not queued (tier off, key already on disk, or queue full).
         """
-        if not self.writable or key in self:
+        return self._enqueue(key, page, self.payload_bytes, block)
+
+    def write_features(self, key: bytes, feats: torch.Tensor, block: bool = False) -> bool:
+        """Queue an image's projected features ``[tokens, hidden]`` (float32, float16 or
+        bfloat16, any device, never modified afterwards) for disk.
+
+        Args:
+            key: the image's 16-byte key (:func:`mmserve.vision.hashing.image_key`).
+            feats: the features.
+            block: wait for room in the queue instead of dropping the write.
+
+        Returns:
+            False if not queued (tier off, already on disk, queue full, or a dtype or
+            shape the format does not hold).
+        """
+        if feats.dim() != 2 or feats.dtype not in _DTYPE_CODES:
             return False
-        if self._queued_bytes + self.payload_bytes > self.max_queued_bytes:
+        return self._enqueue(_FEATURES + key, feats, feats.numel() * feats.element_size(), block)
+
+    def _enqueue(self, ikey: bytes, tensor: torch.Tensor, nbytes: int, block: bool) -> bool:
+        if not self.writable or ikey in self:
+            return False
+        if nbytes > self.max_queued_bytes:
+            self.writes_dropped += 1
+            return False
+        if self._queued_bytes + nbytes > self.max_queued_bytes:
             if not block:
                 self.writes_dropped += 1
                 return False
-            while self._queued_bytes + self.payload_bytes > self.max_queued_bytes and self.writable:
+            while self._queued_bytes + nbytes > self.max_queued_bytes and self.writable:
                 time.sleep(0.005)
         with self._lock:
-            if key in self._pending:
+            if ikey in self._pending:
                 return False
-            self._queued_bytes += self.payload_bytes
-            self._pending[key] = page
-        self._queue.put((key, page))
+            self._queued_bytes += nbytes
+            self._pending[ikey] = tensor
+        self._queue.put((ikey, tensor, nbytes))
         return True
 
     def flush(self, timeout: float = 60.0) -> bool:
@@ -411,12 +516,18 @@ class DiskTier:
                 item.set()
                 continue
             if item is not False:
-                key, page = item
-                if self.writable and key not in self:
-                    self.write_now(key, page)
+                ikey, tensor, nbytes = item
+                try:
+                    if self.writable and ikey not in self:
+                        if len(ikey) == 16:
+                            self.write_now(ikey, tensor)
+                        else:
+                            self.write_features_now(ikey[len(_FEATURES) :], tensor)
+                except Exception:  # noqa: BLE001 - the writer thread must outlive one bad write
+                    log.exception("KV disk tier: write failed")
                 with self._lock:
-                    self._queued_bytes -= self.payload_bytes
-                    self._pending.pop(key, None)
+                    self._queued_bytes -= nbytes
+                    self._pending.pop(ikey, None)
             if time.monotonic() - last_scan >= self.rescan_seconds and self._queue.empty():
                 self.rescan()
                 last_scan = time.monotonic()
@@ -440,26 +551,70 @@ class DiskTier:
             self.payload_bytes,
             xxhash.xxh3_64_intdigest(payload),
         )
+        if not self._write_file(key, header, payload):
+            return False
+        self.writes += 1
+        return True
+
+    def write_features_now(self, key: bytes, feats: torch.Tensor) -> bool:
+        """Write image ``key``'s features ``[tokens, hidden]`` to its file on this thread
+        (temporary file, then rename).
+
+        Returns:
+            True if written; False after an ``OSError`` (writing turned off, one warning).
+
+        Raises:
+            ValueError: a tensor that is not 2-D float32, float16 or bfloat16.
+        """
+        code = _DTYPE_CODES.get(feats.dtype)
+        if feats.dim() != 2 or code is None:
+            raise ValueError(f"features of shape {tuple(feats.shape)} and dtype {feats.dtype}")
+        payload = feats.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1)
+        rows, cols = feats.shape
+        header = _FEATURE_HEADER.pack(
+            _FEATURE_MAGIC,
+            FORMAT_VERSION,
+            0,
+            self.namespace,
+            key,
+            payload.nbytes,
+            xxhash.xxh3_64_intdigest(payload),
+            rows,
+            cols,
+            code,
+        )
+        if not self._write_file(_FEATURES + key, header, payload):
+            return False
+        self.feature_writes += 1
+        return True
+
+    def _write_file(self, ikey: bytes, header: bytes, payload: np.ndarray) -> bool:
+        """Header and payload to a unique temporary file, renamed over the final name (a
+        reader sees a whole file or none; concurrent writers of one key leave one whole
+        file); then index it and trim to capacity."""
+        path = self._path(ikey)
         self._tmp_counter += 1
         tmp = os.path.join(
-            self.dir, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.{self._tmp_counter}.tmp"
+            self.dir,
+            f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}"
+            f".{self._tmp_counter}.tmp",
         )
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(payload.data)
-            os.replace(tmp, self._path(key))
+            os.replace(tmp, path)
         except OSError as e:
             if self.writable:
-                log.warning("KV disk tier: writing off after %s (%s)", self._path(key), e)
+                log.warning("KV disk tier: writing off after %s (%s)", path, e)
             self.writable = False
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             return False
-        self.writes += 1
-        self._index.put(key, None)
+        with self._lock:
+            self._add(ikey, len(header) + payload.nbytes)
         self._trim()
         return True
 
@@ -468,6 +623,21 @@ class DiskTier:
         """The page for ``key`` if it waits in the write queue (in memory), else None."""
         with self._lock:
             return self._pending.get(key)
+
+    def pending_features(self, key: bytes) -> torch.Tensor | None:
+        """Image ``key``'s features if they wait in the write queue, else None."""
+        with self._lock:
+            return self._pending.get(_FEATURES + key)
+
+    def _bad(self, ikey: bytes) -> None:
+        self.read_failures += 1
+        log.warning("KV disk tier: ignoring and deleting bad file %s", self._path(ikey))
+        self._drop(ikey, delete=True)
+
+    def _touch(self, ikey: bytes) -> None:
+        with self._lock:
+            if ikey in self._index:
+                self._index.move_to_end(ikey)
 
     def read(self, key: bytes) -> torch.Tensor | None:
         """Read and check the page for ``key`` on the caller's thread.
@@ -479,9 +649,8 @@ class DiskTier:
         """
         if not self.enabled:
             return None
-        path = self._path(key)
         try:
-            with open(path, "rb") as f:
+            with open(self._path(key), "rb") as f:
                 data = f.read(self.file_bytes + 1)
         except OSError:
             self._drop(key, delete=False)
@@ -499,14 +668,59 @@ class DiskTier:
                 and xxhash.xxh3_64_intdigest(payload) == check
             )
         if not ok:
-            self.read_failures += 1
-            log.warning("KV disk tier: ignoring and deleting bad file %s", path)
-            self._drop(key, delete=True)
+            self._bad(key)
             return None
         self.reads += 1
-        self._index.touch(key)
+        self._touch(key)
         buf = bytearray(payload)
         return torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).reshape(self.page_shape)
+
+    def read_features(self, key: bytes, rows: int, cols: int) -> torch.Tensor | None:
+        """Read and check image ``key``'s features on the caller's thread.
+
+        Args:
+            key: the image key.
+            rows: tokens the image takes in the prompt (the file must hold that many).
+            cols: the decoder's hidden size.
+
+        Returns:
+            ``[rows, cols]`` CPU tensor in the dtype written, or None for a miss. A file that
+            is missing, truncated, corrupted, or of another namespace, key, version or shape
+            is a miss; a bad file is deleted. At most ``rows * cols * 4`` payload bytes are
+            read.
+        """
+        if not self.enabled:
+            return None
+        ikey = _FEATURES + key
+        limit = _FEATURE_HEADER.size + rows * cols * 4
+        try:
+            with open(self._path(ikey), "rb") as f:
+                data = f.read(limit + 1)
+        except OSError:
+            self._drop(ikey, delete=False)
+            return None
+        ok = _FEATURE_HEADER.size <= len(data) <= limit
+        if ok:
+            magic, version, _, ns, fkey, n, check, r, c, code = _FEATURE_HEADER.unpack_from(data)
+            dtype = _CODE_DTYPES.get(code)
+            payload = memoryview(data)[_FEATURE_HEADER.size :]
+            ok = (
+                magic == _FEATURE_MAGIC
+                and version == FORMAT_VERSION
+                and ns == self.namespace
+                and fkey == key
+                and (r, c) == (rows, cols)
+                and dtype is not None
+                and n == len(payload) == rows * cols * torch.empty((), dtype=dtype).element_size()
+                and xxhash.xxh3_64_intdigest(payload) == check
+            )
+        if not ok:
+            self._bad(ikey)
+            return None
+        self.feature_reads += 1
+        self._touch(ikey)
+        buf = bytearray(payload)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(rows, cols)
 
 
 @dataclass
@@ -537,7 +751,12 @@ class KVTiers:
         namespace: :func:`kv_namespace` of the model, dtype, page size and layout.
         host_bytes: host tier capacity (bytes; 0 = off).
         disk_dir: disk tier directory (None = off).
-        disk_bytes: disk tier capacity (bytes of files).
+        disk_bytes: disk tier capacity (bytes of files, pages and features together).
+        feature_dim: the decoder's hidden size (width of an image's projected features;
+            0 = no feature files).
+        feature_cache: where features read from disk go (the engine's
+            :class:`~mmserve.vision.embedding_cache.EmbeddingCache`: ``put(key, tensor)``
+            and ``key in cache``); None = no feature files.
     """
 
     def __init__(
@@ -547,8 +766,12 @@ class KVTiers:
         host_bytes: int = 0,
         disk_dir: str | None = None,
         disk_bytes: int = 16 << 30,
+        feature_dim: int = 0,
+        feature_cache: object | None = None,
     ) -> None:
         self.pool = pool
+        self.feature_dim = feature_dim
+        self.feature_cache = feature_cache
         self.page_size = pool.page_size
         self.chain = PageKeyChain(namespace, pool.page_size)
         k = pool.k_buffers[0]
@@ -563,8 +786,12 @@ class KVTiers:
         )
         # pages read from disk for a waiting request, taken at its admission; bounded by
         # the pool's size (LRU dropped beyond it)
-        self._staged: LRU[bytes, torch.Tensor] = LRU(max_items=pool.num_pages)
-        self._done: list[tuple[str, list[tuple[bytes, torch.Tensor]], float]] = []
+        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._staged_cap = pool.num_pages
+        # (request id, pages read, features read, seconds) of finished disk loads
+        self._done: list[
+            tuple[str, list[tuple[bytes, torch.Tensor]], list[tuple[bytes, torch.Tensor]], float]
+        ] = []
         self._done_lock = threading.Lock()
         self._done_event = threading.Event()
         self._jobs: set[str] = set()  # request ids whose disk load is in flight
@@ -577,6 +804,7 @@ class KVTiers:
         self.loads = 0
         self.load_seconds = 0.0
         self.loaded_bytes = 0
+        self.feature_loads = 0  # images whose features came from disk, not the tower
 
     @property
     def disk_on(self) -> bool:
@@ -653,7 +881,7 @@ class KVTiers:
         first one missing); staged pages are removed, host pages stay."""
         out = []
         for key in keys:
-            page = self._staged.pop(key)
+            page = self._staged.pop(key, None)
             if page is None:
                 page = self._pending(key)
             if page is not None:
@@ -670,12 +898,48 @@ class KVTiers:
         """Whether request ``rid`` waits for a disk load."""
         return rid in self._jobs
 
-    def start_load(self, rid: str, keys: list[bytes]) -> bool:
-        """Read the disk-only pages of ``keys`` for request ``rid`` on the loader thread.
+    # ---- features (the feature tier) ------------------------------------------------
+    @property
+    def features_on(self) -> bool:
+        """Whether image features are written to and read from disk."""
+        return self.disk_on and self.feature_dim > 0 and self.feature_cache is not None
+
+    def save_features(self, key: bytes, feats: torch.Tensor) -> None:
+        """Queue image ``key``'s tower output ``[tokens, hidden]`` for disk (write-through:
+        features are small next to the image's KV, and a restart needs them for the
+        positions after the last whole page). Never blocks; skipped if already on disk."""
+        if self.features_on and self.disk.writable:
+            self.disk.write_features(key, feats.detach())
+
+    def features_to_load(self, wanted: Iterable[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """The images of ``wanted`` (``(image key, tokens)``) whose features are neither in
+        the feature cache nor in the request but on disk. Features still in the write queue
+        go to the cache at once (no read)."""
+        if not self.features_on:
+            return []
+        out = []
+        for key, rows in wanted:
+            if key in self.feature_cache or any(k == key for k, _ in out):
+                continue
+            queued = self.disk.pending_features(key)
+            if queued is not None and tuple(queued.shape) == (rows, self.feature_dim):
+                self.feature_cache.put(key, queued)
+            elif self.disk.has_features(key):
+                out.append((key, rows))
+        return out
+
+    def start_load(
+        self, rid: str, keys: list[bytes], features: Sequence[tuple[bytes, int]] = ()
+    ) -> bool:
+        """Read the disk-only pages of ``keys`` and the image ``features``
+        (``(image key, tokens)``, from :meth:`features_to_load`) for request ``rid`` on a
+        loader thread; :meth:`poll` stages the pages and puts the features in the feature
+        cache.
 
         Returns:
             False (nothing started) if the disk tier is off, ``rid`` had a load since its
-            last :meth:`forget`, or every page is already in memory.
+            last :meth:`forget`, or every page is already in memory and no features are
+            asked for.
         """
         if not self.disk_on or rid in self._tried or rid in self._jobs:
             return False
@@ -685,21 +949,23 @@ class KVTiers:
                 continue
             page = self._pending(k)
             if page is not None:  # stage it now: once written it leaves the write queue
-                self._staged.put(k, page)
+                self._staged[k] = page
             else:
                 todo.append(k)
         self._tried.add(rid)
-        if not todo:
+        features = list(features) if self.features_on else []
+        if not todo and not features:
             return False
         if self._loader is None:
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kv-disk-loader")
         self._jobs.add(rid)
-        self._loader.submit(self._load, rid, todo)
+        self._loader.submit(self._load, rid, todo, features)
         return True
 
-    def _load(self, rid: str, keys: list[bytes]) -> None:
+    def _load(self, rid: str, keys: list[bytes], features: list[tuple[bytes, int]]) -> None:
         t0 = time.perf_counter()
         pages: list[tuple[bytes, torch.Tensor]] = []
+        feats: list[tuple[bytes, torch.Tensor]] = []
         try:
             for key in keys:
                 page = self.disk.read(key)
@@ -708,11 +974,15 @@ class KVTiers:
                 if self.pin:
                     page = page.pin_memory()
                 pages.append((key, page))
+            for key, rows in features:
+                f = self.disk.read_features(key, rows, self.feature_dim)
+                if f is not None:  # else the tower encodes the image: a miss, not an error
+                    feats.append((key, f.to(self.pool.k_buffers[0].device)))
         except Exception:  # noqa: BLE001 - a failed load is a miss, never a stuck request
             log.exception("KV disk tier: load failed")
-            pages = []
+            pages, feats = [], []
         with self._done_lock:
-            self._done.append((rid, pages, time.perf_counter() - t0))
+            self._done.append((rid, pages, feats, time.perf_counter() - t0))
         self._done_event.set()
 
     def poll(self) -> int:
@@ -722,13 +992,20 @@ class KVTiers:
         with self._done_lock:
             done, self._done = self._done, []
             self._done_event.clear()
-        for rid, pages, seconds in done:
+        for rid, pages, feats, seconds in done:
             self._jobs.discard(rid)
             self.loads += 1
             self.load_seconds += seconds
             self.loaded_bytes += len(pages) * self.page_bytes
             for key, page in pages:
-                self._staged.put(key, page)
+                self._staged[key] = page
+                self._staged.move_to_end(key)
+            for key, f in feats:  # the runner finds them there instead of running the tower
+                self.feature_cache.put(key, f)
+                self.feature_loads += 1
+                self.loaded_bytes += f.numel() * f.element_size()
+        while len(self._staged) > self._staged_cap:
+            self._staged.popitem(last=False)
         return len(done)
 
     def wait(self, timeout: float) -> None:
@@ -801,6 +1078,9 @@ class KVTiers:
             "tier_disk_writes": disk.writes if disk is not None else 0,
             "tier_disk_writes_dropped": disk.writes_dropped if disk is not None else 0,
             "tier_disk_read_failures": disk.read_failures if disk is not None else 0,
+            "tier_disk_feature_files": disk.feature_files if disk is not None else 0,
+            "tier_disk_feature_writes": disk.feature_writes if disk is not None else 0,
+            "tier_feature_loads": self.feature_loads,
             "tier_evicted_pages": self.evicted_pages,
             "tier_loads": self.loads,
             "tier_load_seconds": self.load_seconds,

@@ -95,13 +95,19 @@ class Engine:
         shape = model.decoder.shape
         self.max_context = shape.max_position_embeddings
         self.pool = KVPool.for_model(config, shape, model.decoder.embed_tokens.weight.dtype)
-        # host/disk KV tiers behind the tree (None when off): see mmserve.cache.kv_tiers
-        self.tiers = make_kv_tiers(config, model, self.pool)
+        self.embedding_cache = EmbeddingCache(config.vision_cache_bytes)
+        # host/disk KV tiers behind the tree (None when off): see mmserve.cache.kv_tiers;
+        # image features read from the disk tier go into the embedding cache
+        self.tiers = make_kv_tiers(config, model, self.pool, self.embedding_cache)
         self.tree: RadixCache = make_tree(config, self.pool, self.tiers)
         self.scheduler = Scheduler(config, self.pool, self.tree, self.tiers)
-        self.embedding_cache = EmbeddingCache(config.vision_cache_bytes)
         self.runner = ModelRunner(
-            model, self.pool, self.embedding_cache, config.device, config.attention_backend
+            model,
+            self.pool,
+            self.embedding_cache,
+            config.device,
+            config.attention_backend,
+            tiers=self.tiers,
         )
         if hasattr(model.decoder, "bind"):  # tensor parallel: broadcasts each batch's plan
             model.decoder.bind(self.runner)

@@ -1,11 +1,13 @@
 """Runs one forward batch: input embeddings (text + image features), metadata, decoder.
 
-Image features come from the embedding cache when present, else from the features
-the request's item carries (the front end found them cached; the cache may have
-evicted them since); otherwise the items a batch still needs are encoded together
-from the tower input the front end prepared (``ImageInput.pixels``), one vision tower
-call per mode. The engine thread never runs the image processor for a request the
-front end built; an item built by hand with only a decoded image is preprocessed here.
+Image features come from the embedding cache when present (the scheduler puts there
+the ones the disk KV tier loaded), else from the features the request's item carries
+(the front end found them cached; the cache may have evicted them since); otherwise the
+items a batch still needs are encoded together from the tower input the front end
+prepared (``ImageInput.pixels``), one vision tower call per mode, and queued for the
+disk tier if it is on. The engine thread never runs the image processor for a request
+the front end built; an item built by hand with only a decoded image is preprocessed
+here.
 
 Only positions a request actually computes need features, so an
 image fully covered by the prefix match costs nothing, and a match that ends
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from mmserve.cache.kv_pool import KVPool
+from mmserve.cache.kv_tiers import KVTiers
 from mmserve.engine.request import ImageInput, Request
 from mmserve.kernels.metadata import build_metadata
 from mmserve.kernels.select import make_attention_backend
@@ -35,6 +38,8 @@ class ModelRunner:
         device: torch device of the model.
         attention_backend: "auto", "torch" or "flashinfer" (see
             :func:`~mmserve.kernels.select.make_attention_backend`).
+        tiers: the KV tiers (None: off); features the tower computes are queued for their
+            disk tier (:meth:`~mmserve.cache.kv_tiers.KVTiers.save_features`).
 
     Raises:
         ValueError, BackendUnavailableError: if ``attention_backend`` is unknown
@@ -54,8 +59,10 @@ class ModelRunner:
         embedding_cache: EmbeddingCache,
         device: str = "cpu",
         attention_backend: str = "auto",
+        tiers: KVTiers | None = None,
     ) -> None:
         self.model = model
+        self.tiers = tiers
         self.pool = pool
         self.cache = embedding_cache
         self.device = torch.device(device)
@@ -106,6 +113,9 @@ class ModelRunner:
             feats = vision.encode_pixels(pixels)
             self.vision_tower_images += len(todo)
             out.update({im.key: f for im, f in zip(todo, feats, strict=True)})
+            if self.tiers is not None:
+                for im, f in zip(todo, feats, strict=True):
+                    self.tiers.save_features(im.key, f)
         for key, f in out.items():
             self.cache.put(key, f)
         return out

@@ -44,7 +44,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def make_kv_tiers(config: EngineConfig, model: object, pool: KVPool) -> KVTiers | None:
+def make_kv_tiers(
+    config: EngineConfig, model: object, pool: KVPool, feature_cache: object | None = None
+) -> KVTiers | None:
     """The host/disk KV tiers ``config`` asks for, or None (both off, or no radix cache).
 
     Args:
@@ -52,6 +54,8 @@ def make_kv_tiers(config: EngineConfig, model: object, pool: KVPool) -> KVTiers 
         model: the loaded model (``config``, ``decoder``, ``vision``), fingerprinted so that
             no two checkpoints share a page key or file.
         pool: the KV pool.
+        feature_cache: the engine's embedding cache, which image features read from the
+            disk tier go into (None: no feature files).
     """
     if config.disable_radix_cache or (not config.kv_host_bytes and config.kv_disk_dir is None):
         return None
@@ -74,6 +78,8 @@ def make_kv_tiers(config: EngineConfig, model: object, pool: KVPool) -> KVTiers 
         host_bytes=config.kv_host_bytes,
         disk_dir=config.kv_disk_dir,
         disk_bytes=config.kv_disk_bytes,
+        feature_dim=model.decoder.shape.hidden_size,
+        feature_cache=feature_cache,
     )
 
 
@@ -280,8 +286,9 @@ class Scheduler:
         """Extend ``req``'s locked device match ``m`` with pages from the tiers.
 
         Host (and already staged disk) pages are copied into new pool pages, inserted into
-        the tree and locked in place of ``m`` (whose lock is dropped); disk pages start a
-        load instead, on the first attempt since the request's last admission.
+        the tree and locked in place of ``m`` (whose lock is dropped); disk pages, and the
+        features of images that reach past the cached pages when the disk has them, start
+        a load instead, on the first attempt since the request's last admission.
 
         Returns:
             The new match (locked), ``m`` itself when nothing was loaded, or None when a
@@ -293,8 +300,16 @@ class Scheduler:
         t0 = time.perf_counter()
         parent = self.tree.last_page_key(m.last_node)
         tm = self.tiers.lookup(parent, ids[m.length : limit])
+        # images with positions past the cached pages need features: the tower, unless the
+        # disk holds them (a restart, or features the embedding cache dropped)
+        covered = m.length + len(tm.keys) * P
+        feats = self.tiers.features_to_load(
+            (s.image.key, s.length)
+            for s in req.spans
+            if s.end > covered and s.image.features is None
+        )
         self.tree_seconds += time.perf_counter() - t0
-        if tm.disk_pages and self.tiers.start_load(req.rid, tm.keys):
+        if (tm.disk_pages or feats) and self.tiers.start_load(req.rid, tm.keys, feats):
             return None
         pages = self.tiers.take(tm.keys)
         if not pages:

@@ -56,6 +56,10 @@ class EmbeddingCache:
         """Tensor bytes held now."""
         return self._store.nbytes
 
+    def __contains__(self, key: bytes) -> bool:
+        """Whether ``key`` is cached (counts nothing, changes no order)."""
+        return key in self._store
+
     def __len__(self) -> int:
         return len(self._store)
 
