@@ -39,7 +39,7 @@ from transformers.utils import is_protobuf_available
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
 from mmserve.model.families.base import IMAGE_MODE, VisionModule
 from mmserve.model.llama import LlamaDecoder, LlamaShape
-from mmserve.model.weights import CheckpointError, weight_files
+from mmserve.model.weights import CheckpointError, split_weights, weight_files
 from mmserve.model.weights import short_error as _short
 
 #: Decoder ``model_type`` values our Llama decoder runs (Mistral and Qwen2 without a
@@ -172,19 +172,7 @@ def _split_weights(weights: _LazyWeights, family: ModelFamily) -> tuple[dict, di
     """Route checkpoint keys to the decoder's state names and, per vision attribute
     (:attr:`ModelFamily.vision_prefixes`), its state names (a parameter's is ``""``):
     ``{module state name: checkpoint key}``; nothing is read yet."""
-    dec: dict = {}
-    vision: dict[str, dict] = {attr: {} for attr in family.vision_prefixes.values()}
-    for key in weights.keys():
-        k = key.removeprefix("model.")
-        if k in ("lm_head.weight", "language_model.lm_head.weight"):
-            dec["lm_head.weight"] = key
-        elif k.startswith("language_model."):
-            dec[k.removeprefix("language_model.").removeprefix("model.")] = key
-        else:
-            for prefix, attr in family.vision_prefixes.items():
-                if k.startswith(prefix):
-                    vision[attr][k.removeprefix(prefix)] = key
-    return dec, vision
+    return split_weights({k: k for k in weights.keys()}, family.vision_prefixes)
 
 
 @dataclass
