@@ -243,6 +243,10 @@ BAD = [
     ({"guided_grammar": 'start ::= "a"'}, "root"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one"),
+    # counted repetitions that would take gigabytes to compile: refused before compiling
+    ({"guided_regex": "a{100000000}"}, "limit is 100,000"),
+    ({"guided_regex": "((ab){1000}){1000}"}, "limit is 100,000"),
+    ({"guided_grammar": 'root ::= "a"{100000000}'}, "limit is 100,000"),
 ]
 
 
@@ -298,3 +302,15 @@ def test_32_concurrent_clients_mixing_constrained_and_free(client, engine, image
                 assert len(top) == 2 and top[0]["logprob"] - top[1]["logprob"] < TIE, (a, b)
                 break
     assert_healthy(client, engine)
+
+
+def test_expansion_estimates_counted_repetitions() -> None:
+    from mmserve.structured.spec import MAX_EXPANSION, expansion
+
+    assert expansion("abc") == 3
+    assert expansion("a{1000}") == 1000
+    assert expansion("(ab){10}{10}") == 200
+    assert expansion("\\d{3}-\\d{4}") == 8
+    assert expansion("[a-z]{1,64}@x") == 66
+    assert expansion('root ::= "ab"{3}') == len("root::=") + 6
+    assert expansion("((a{100}){100}){100}") == 10**6 > MAX_EXPANSION

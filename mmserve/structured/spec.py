@@ -82,6 +82,10 @@ JSON_TYPES = ("string", "number", "integer", "boolean", "array", "object", "null
 GRAMMAR_CACHE_SIZE = 128
 #: Longest spec text accepted (characters): a schema, regex, grammar or choice list.
 MAX_SPEC_CHARS = 64 * 1024
+#: Most characters a regex or grammar rule may expand to through its counted repetitions
+#: (``a{1000}`` is 1,000; ``(ab){10}{10}`` is 200): xgrammar builds one automaton state
+#: per repeated item, so ``a{100000000}`` would take gigabytes and minutes to compile.
+MAX_EXPANSION = 100_000
 #: Deepest nesting of subschemas accepted.
 MAX_SCHEMA_DEPTH = 32
 
@@ -159,6 +163,14 @@ def check_spec(spec: GuidedSpec) -> None:
         )
     if _checked.touch(spec):
         return
+    if spec.kind in ("regex", "grammar"):
+        size = expansion(spec.spec)
+        if size > MAX_EXPANSION:
+            raise GrammarError(
+                f"{spec.param}: its counted repetitions expand to about {size:,} items; the "
+                f"limit is {MAX_EXPANSION:,} (use + or * for unbounded repetition)",
+                spec.param,
+            )
     if spec.kind == "json_schema":
         schema = json.loads(spec.spec)
         check_schema(schema, spec.param)
@@ -301,6 +313,55 @@ def _check_ref_cycles(root: Any, param: str) -> None:
                 )
             seen.append(id(node))
             node = resolve(ref)
+
+
+_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def expansion(text: str) -> int:
+    """An estimate of how many items a regex or EBNF text expands to through counted
+    repetitions ``{n}``, ``{n,}``, ``{n,m}``: items in sequence add, a repetition
+    multiplies the item or group before it by its largest count (``n`` for ``{n,}``).
+    Alternatives add (an upper bound); EBNF rule references count as one item.
+    Linear in ``len(text)``."""
+    stack = [0]  # cost of the current group so far
+    last = 0  # cost of the item just closed (what a repetition applies to)
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            last = 1
+        elif c == "[":  # a character class: one item
+            j = i + 1
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+            last = 1
+        elif c == '"' or c == "'":  # an EBNF string: its characters
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            last = max(1, j - i - 1)
+            i = j + 1
+        elif c == "(":
+            stack.append(0)
+            i += 1
+            continue
+        elif c == ")":
+            last = stack.pop() if len(stack) > 1 else 0
+            i += 1
+        elif c == "{" and (m := _COUNT.match(text, i)):
+            hi = int(m.group(2)) if m.group(2) else int(m.group(1))
+            stack[-1] += last * (hi - 1)  # the item itself is already counted
+            last = last * hi
+            i = m.end()
+            continue
+        else:
+            last = 1 if not c.isspace() else 0
+            i += 1
+        stack[-1] += last
+    return sum(stack)
 
 
 def _check_bounds(schema: dict, param: str) -> None:
