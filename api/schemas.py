@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 from mmserve.engine.request import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 #: The model config of every request body: unknown fields are refused.
-STRICT = ConfigDict(extra="forbid")
+STRICT = ConfigDict(extra="forbid", strict=True)  # "16" is not 16, true is not 1
 
 #: Most tools in one request (OpenAI's limit).
 MAX_TOOLS = 128
@@ -151,7 +151,7 @@ class StreamOptions(BaseModel):
 class JSONSchemaFormat(BaseModel):
     """``response_format.json_schema`` (OpenAI): a named JSON Schema the output must match."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
     name: str = Field(min_length=1, max_length=64, description="the schema's name")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -434,7 +434,7 @@ class TextFormat(BaseModel):
     """``text.format``: ``text``, ``json_object`` or ``json_schema`` (name and schema on
     the format object itself, unlike chat's ``response_format``)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, min_length=1, max_length=64)
     description: str | None = None
