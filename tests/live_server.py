@@ -37,8 +37,12 @@ def live_server(
 def live_server_process(
     model_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Like :func:`live_server`, yielding ``(url, process)``; the process is stopped after."""
+    """Like :func:`live_server`, yielding ``(url, process)``; the process is stopped after.
+    float32 unless ``args`` name a ``--dtype``: tests compare servers with each other and
+    with float32 references, and ``--dtype auto`` is bfloat16 on CPUs that have it."""
     port = free_port()
+    if "--dtype" not in args:
+        args = (*args, "--dtype", "float32")
     log = tempfile.TemporaryFile()  # a pipe nobody reads would block a chatty server
     proc = subprocess.Popen(
         [
