@@ -110,7 +110,23 @@ def describe_validation_errors(errors: Sequence[dict]) -> tuple[str, str | None]
             loc = loc[1:]
         return [p for p in loc if isinstance(p, int) or not _BRANCH_TAG.search(str(p))]
 
-    best = max(errors, key=lambda err: len(fields(err)))
+    def branch(err: dict) -> tuple:
+        """The error's location up to its innermost union branch tag."""
+        loc = list(err.get("loc", ()))
+        tags = [i for i, p in enumerate(loc) if _BRANCH_TAG.search(str(p))]
+        return tuple(loc[: tags[-1] + 1]) if tags else ()
+
+    # a union branch that refused the part's "type" is not the one the client meant
+    refused = {
+        branch(e)
+        for e in errors
+        if e.get("type") == "literal_error" and str(list(e.get("loc", ()))[-1:]) == "['type']"
+    }
+    meant = [e for e in errors if branch(e) not in refused] or errors
+    best = max(meant, key=lambda err: len(fields(err)))
+    typed = [e for e in errors if branch(e) in refused and e.get("type") == "literal_error"]
+    if typed and len(fields(typed[0])) > len(fields(best)):  # no branch takes this type
+        best = max(typed, key=lambda err: len(fields(err)))
     path = field_path(fields(best)) or None
     kind = best.get("type", "")
     if kind == "literal_error":
@@ -121,6 +137,13 @@ def describe_validation_errors(errors: Sequence[dict]) -> tuple[str, str | None]
     else:
         what = _EXPECTED.get(kind) or _lower_first(best.get("msg", "invalid value"))
     if kind == "literal_error" and path and path.endswith(".type") and "content" in path:
+        # every union branch refused the type: list what each of them accepts
+        accepted = [
+            (e.get("ctx") or {}).get("expected", "")
+            for e in errors
+            if e.get("type") == "literal_error" and field_path(fields(e)) == path
+        ]
+        expected = " or ".join(dict.fromkeys(a for a in accepted if a))
         what = f"unknown content part type {best.get('input')!r}; accepted types are {expected}"
     return (f"{path}: {what}" if path else what), path
 

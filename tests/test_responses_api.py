@@ -167,3 +167,24 @@ def test_bad_input_is_a_400_naming_the_part(client: openai.OpenAI) -> None:
             max_output_tokens=2,
         )
     assert exc.value.body["param"].startswith("input[0]")
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "words"),
+    [
+        ({"type": "input_image", "file_id": "file-1"}, "input[0].content[0].file_id", "/v1/images"),
+        (
+            {"type": "input_image", "image_url": "img-" + "0" * 32, "detail": "high"},
+            "input[0].content[0].detail",
+            "auto",
+        ),
+        ({"type": "input_audio", "data": "x"}, "input[0].content[0].type", "'input_image'"),
+    ],
+)
+def test_a_bad_part_is_blamed_on_its_own_field(client, part, param, words) -> None:  # noqa: ANN001
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(
+            model="llava-tiny", input=[{"role": "user", "content": [part]}], max_output_tokens=2
+        )
+    err = exc.value.body
+    assert err["param"] == param and words in err["message"], err
