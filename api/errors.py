@@ -123,7 +123,9 @@ def describe_validation_errors(errors: Sequence[dict]) -> tuple[str, str | None]
         if e.get("type") == "literal_error" and str(list(e.get("loc", ()))[-1:]) == "['type']"
     }
     meant = [e for e in errors if branch(e) not in refused] or errors
-    best = max(meant, key=lambda err: len(fields(err)))
+    # deepest first; at equal depth an error from a branch of the right type (an empty
+    # list's "too short" rather than "expected a string")
+    best = max(meant, key=lambda e: (len(fields(e)), not e.get("type", "").endswith("_type")))
     typed = [e for e in errors if branch(e) in refused and e.get("type") == "literal_error"]
     if typed and len(fields(typed[0])) > len(fields(best)):  # no branch takes this type
         best = max(typed, key=lambda err: len(fields(err)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -110,7 +110,7 @@ class ChatMessage(BaseModel):
 
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: Any = None
     refusal: Any = None
     audio: Any = None
@@ -425,7 +425,7 @@ class InputMessage(BaseModel):
     model_config = STRICT
     type: Literal["message"] | None = None
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[InputTextPart | InputImagePart]
+    content: str | Annotated[list[InputTextPart | InputImagePart], Field(min_length=1)]
     id: str | None = None
     status: str | None = None
 

@@ -361,6 +361,7 @@ def test_malformed_parts_name_the_deepest_field(client, part, param, words) -> N
         ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream", "boolean"),
         ({"messages": [{"role": "user", "content": "x"}], "top_k": "all"}, "top_k", "integer"),
         ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "expected"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "at least 1"),
     ],
 )
 def test_validation_errors_name_the_field(client, body, param, words) -> None:  # noqa: ANN001
