@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from benchmarks import batch_api, report, workloads
@@ -274,3 +275,39 @@ def test_batch_api_benchmark_tiny(model_dir: Path, capsys) -> None:  # noqa: ANN
     assert a["hit_rate"] == pytest.approx(out["optimum"], rel=0.02) and 0 < out["optimum"] < 1
     assert a["tower_runs"] == 3 and b["tower_runs"] >= 3
     assert c["during_n"] >= 1 and c["ratio"] == pytest.approx(c["during_p50"] / c["idle_p50"])
+
+
+def test_decode_weight_bytes_counts_a_tied_head_once() -> None:
+    from benchmarks.real_shapes import decode_weight_bytes
+
+    dec = torch.nn.Module()
+    dec.embed_tokens = torch.nn.Embedding(10, 4)  # 40 fp32 = 160 bytes
+    dec.lm_head = torch.nn.Linear(4, 10, bias=False)  # 160 bytes, read every step
+    dec.layer = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)  # 32 bytes
+    assert decode_weight_bytes(dec) == 160 + 32  # untied: the table is not read whole
+    dec.lm_head.weight = dec.embed_tokens.weight
+    assert decode_weight_bytes(dec) == 160 + 32  # tied: one tensor, read once
+
+
+def test_real_shapes_decode_sweep_tiny(families, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from benchmarks import real_shapes
+    from mmserve.config import auto_dtype
+    from mmserve.model.loader import load_model
+
+    ov = families["llava-onevision"].model_dir
+    out = tmp_path / "rs.json"
+    args = ["--model", str(ov), "--parts", "decode", "--dtypes", "float32", "--repeats", "1"]
+    args += ["--decode-batches", "1,3", "--decode-tokens", "2", "--bandwidth-gb", "0.01"]
+    assert real_shapes.main([*args, "--out", str(out)]) == 0
+    (sw,) = json.loads(out.read_text())["decode"]
+    dec = load_model(ov).decoder
+    assert sw["weight_bytes"] == sum(p.numel() * 4 for p in dec.parameters()) - (
+        0 if dec.shape.tie_word_embeddings else dec.embed_tokens.weight.numel() * 4
+    )
+    assert sw["bound_ms"] == pytest.approx(sw["weight_bytes"] / (sw["bandwidth_gbs"] * 1e6))
+    assert set(sw["batches"]) == {"1", "3"}
+    for r in sw["batches"].values():
+        assert set(r) == {"mm", "mm_cpu", "hf", "hf_cpu"} and all(v > 0 for v in r.values())
+    assert sw["default"]["dtype"] == auto_dtype("cpu")[0] and sw["default"]["ms"] > 0
+    printed = capsys.readouterr().out
+    assert "| float32 | 3 |" in printed and "default server dtype" in printed
