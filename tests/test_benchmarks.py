@@ -305,6 +305,8 @@ def test_real_shapes_decode_sweep_tiny(families, tmp_path: Path, capsys) -> None
         0 if dec.shape.tie_word_embeddings else dec.embed_tokens.weight.numel() * 4
     )
     assert sw["bound_ms"] == pytest.approx(sw["weight_bytes"] / (sw["bandwidth_gbs"] * 1e6))
+    cpu_bound = sw["weight_bytes"] / (sw["bandwidth_cpu_gbs"] * 1e6)
+    assert sw["bound_cpu_ms"] == pytest.approx(cpu_bound)
     assert set(sw["batches"]) == {"1", "3"}
     for r in sw["batches"].values():
         assert set(r) == {"mm", "mm_cpu", "hf", "hf_cpu"} and all(v > 0 for v in r.values())
