@@ -244,18 +244,22 @@ def _run_dtype(model_dir: str, dtype: str, tokens: int, repeats: int, batch: int
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:
     """Memory read bandwidth in bytes/s, ``(per wall second, per CPU second)``: the best of
-    ``repeats`` timed ``sum`` of a float32 tensor of ``nbytes`` (>= 1 GiB by default: far
-    past the caches), on torch's current thread count. A sum reads each byte once and does
-    one add per 4 bytes, so it runs at the memory's speed, as reading the weights in a
-    decode step does. The CPU form (``time.process_time``) is what other jobs sharing the
-    cores do not lower, the one to set against CPU-time decode figures."""
-    t = torch.ones(nbytes // 4, dtype=torch.float32)
+    ``repeats`` passes over a float32 tensor of ``nbytes`` (>= 1 GiB by default: far past
+    the caches), on torch's current thread count, each pass either a ``sum`` or a
+    matrix-vector product of the tensor as ``[n, 1024]`` (the kernel of a batch-1 decode
+    step, whose prefetching reads faster than ``sum`` here). Both read each byte once with
+    at most one multiply-add per 4 bytes, so they run at the memory's speed. The CPU form
+    (``time.process_time``) is what other jobs sharing the cores do not lower, the one to
+    set against CPU-time decode figures."""
+    t = torch.ones(nbytes // 4 // 1024 * 1024, dtype=torch.float32)
+    x = torch.ones(1024)
     best, best_cpu = float("inf"), float("inf")
-    for _ in range(repeats):
+    for i in range(2 * repeats):
         t0, c0 = time.perf_counter(), time.process_time()
-        t.sum()
+        t.sum() if i % 2 else t.view(-1, 1024) @ x
         best = min(best, time.perf_counter() - t0)
         best_cpu = min(best_cpu, max(time.process_time() - c0, 1e-9))
+    nbytes = t.numel() * 4
     del t
     return nbytes / best, nbytes / best_cpu
 
