@@ -293,14 +293,16 @@ def decode_sweep(
     :func:`decode_weight_bytes` / :func:`read_bandwidth` (of ``bandwidth_bytes``), both
     measured here.
     ``default_dtype_check``: also batch-1 decode of an engine made as ``mmserve serve``
-    makes it without ``--dtype`` (``EngineConfig``'s default), against this dtype's.
+    makes it without ``--dtype`` (``EngineConfig``'s default, its own model load),
+    alternating with this dtype's engine (at least 2 pairs).
 
     Returns:
         a dict: ``bandwidth_gbs``, ``weight_bytes``, ``bound_ms`` (and ``bandwidth_cpu_gbs``,
         ``bound_cpu_ms`` per CPU second), and per batch ``b``
         ``{"mm": ms, "mm_cpu": ms, "hf": ms, "hf_cpu": ms}`` under ``"batches"``
         (milliseconds per step; a step yields ``b`` tokens); with the check, ``default``
-        (the resolved default dtype, its ms and CPU ms per token).
+        (the resolved default dtype, its ms and CPU ms per token, and this dtype's in the
+        same pairs as ``explicit_ms``, ``explicit_cpu_ms``).
     """
     hf = TransformersSide(model_dir, getattr(torch, dtype))
     ours = MmserveSide(model_dir, dtype)
@@ -336,17 +338,22 @@ def decode_sweep(
         from mmserve.config import EngineConfig
         from mmserve.engine.engine import Engine
 
-        del ours
-        gc.collect()
         default = Engine(EngineConfig(model_path=model_dir, max_total_tokens=32768))
         side = MmserveSide.__new__(MmserveSide)
         side.engine, side.loaded = default, None
         side.image = default.processor.prepare_image(_photo())
-        runs = [side.decode([f"{QUESTIONS[2]} (default {i})"], tokens + 1) for i in range(repeats)]
+        pairs = []  # alternating, so both see the same load from other jobs
+        for i in range(max(2, repeats)):
+            d = side.decode([f"{QUESTIONS[2]} (default {i})"], tokens + 1)
+            e = ours.decode([f"{QUESTIONS[2]} (explicit {i})"], tokens + 1)
+            pairs.append((d, e))
+        med = statistics.median
         out["default"] = {
             "dtype": str(default.config.torch_dtype()).removeprefix("torch."),
-            "ms": statistics.median(statistics.median(w) for w, _, _ in runs) * 1e3,
-            "cpu_ms": statistics.median(statistics.median(c) for _, c, _ in runs) * 1e3,
+            "ms": med(med(d[0]) for d, _ in pairs) * 1e3,
+            "cpu_ms": med(med(d[1]) for d, _ in pairs) * 1e3,
+            "explicit_ms": med(med(e[0]) for _, e in pairs) * 1e3,
+            "explicit_cpu_ms": med(med(e[1]) for _, e in pairs) * 1e3,
         }
     return out
 
@@ -375,12 +382,12 @@ def _decode_table(sweeps: list[dict]) -> str:
             f"({sw['bound_cpu_ms']:.1f} CPU)"
         )
         if "default" in sw:
-            d, one = sw["default"], sw["batches"][min(sw["batches"], key=int)]
+            d = sw["default"]
             rows.append(
                 f"default server dtype ({d['dtype']}): batch-1 decode {d['ms']:.1f} ms "
-                f"(CPU {d['cpu_ms']:.1f}) vs {sw['dtype']} {one['mm']:.1f} (CPU "
-                f"{one['mm_cpu']:.1f}): {d['ms'] / one['mm']:.2f}x "
-                f"({d['cpu_ms'] / one['mm_cpu']:.2f}x CPU)"
+                f"(CPU {d['cpu_ms']:.1f}) vs --dtype {sw['dtype']} {d['explicit_ms']:.1f} (CPU "
+                f"{d['explicit_cpu_ms']:.1f}), alternating: {d['ms'] / d['explicit_ms']:.2f}x "
+                f"({d['cpu_ms'] / d['explicit_cpu_ms']:.2f}x CPU)"
             )
     return "\n".join(rows)
 

@@ -310,6 +310,7 @@ def test_real_shapes_decode_sweep_tiny(families, tmp_path: Path, capsys) -> None
     assert set(sw["batches"]) == {"1", "3"}
     for r in sw["batches"].values():
         assert set(r) == {"mm", "mm_cpu", "hf", "hf_cpu"} and all(v > 0 for v in r.values())
-    assert sw["default"]["dtype"] == auto_dtype("cpu")[0] and sw["default"]["ms"] > 0
+    d = sw["default"]
+    assert d["dtype"] == auto_dtype("cpu")[0] and d["ms"] > 0 and d["explicit_ms"] > 0
     printed = capsys.readouterr().out
     assert "| float32 | 3 |" in printed and "default server dtype" in printed
