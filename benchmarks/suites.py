@@ -195,7 +195,10 @@ def engine_suite(args: argparse.Namespace, model_dir: str) -> int:
         else:
             skipped.append(f"policy {p!r} skipped: EngineConfig rejects it ({err})")
             log(skipped[-1])
-    hf = None if args.no_baseline else TransformersRunner(model_dir, loaded.never_sample_ids)
+    hf = None
+    if not args.no_baseline:
+        dtype = loaded.decoder.embed_tokens.weight.dtype
+        hf = TransformersRunner(model_dir, loaded.never_sample_ids, dtype)
     warm = workloads.many_questions(1, 1, 2, seed=12345)
     mm.run(warm, "warm-up", check_leaks=False)
     if hf is not None:
