@@ -314,3 +314,17 @@ def test_real_shapes_decode_sweep_tiny(families, tmp_path: Path, capsys) -> None
     assert d["dtype"] == auto_dtype("cpu")[0] and d["ms"] > 0 and d["explicit_ms"] > 0
     printed = capsys.readouterr().out
     assert "| float32 | 3 |" in printed and "default server dtype" in printed
+
+
+def test_real_shapes_compare_tiny(families, tmp_path: Path) -> None:  # noqa: ANN001
+    from benchmarks import real_shapes
+
+    ov = families["llava-onevision"].model_dir
+    out = tmp_path / "rs.json"
+    args = ["--model", str(ov), "--parts", "compare", "--dtypes", "float32", "--tokens", "3"]
+    assert real_shapes.main([*args, "--repeats", "1", "--batch", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    r = data["results"]["float32"]
+    assert r["batch"] == 2 and r["prompt_tokens"] > 100 and data["decode"] == []
+    assert all(r[k] > 0 for k in ("hf_first", "mm_first", "mm_second", "hf_decode", "mm_decode"))
+    assert "| 2 concurrent answers vs batch 1 (tokens/s), float32 |" in data["table"]
