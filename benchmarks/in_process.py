@@ -335,14 +335,19 @@ class TransformersRunner:
     Args:
         model_path: checkpoint directory.
         never_sample_ids: ids mmserve never samples, passed as ``suppress_tokens``.
+        dtype: parameter dtype (mmserve's model's, so both run the same arithmetic).
     """
 
-    def __init__(self, model_path: str, never_sample_ids: list[int]) -> None:
+    def __init__(
+        self, model_path: str, never_sample_ids: list[int], dtype: torch.dtype = torch.float32
+    ) -> None:
         from transformers import AutoModelForImageTextToText
 
         from mmserve.model.loader import load_processor
 
-        self.model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
+        # explicit: transformers 5 loads in the checkpoint's dtype by default (bf16 for a
+        # real-shape checkpoint), which would time it against an fp32 mmserve
+        self.model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).eval()
         self.processor = load_processor(model_path)  # OneVision's needs no torchvision
         self.never = list(never_sample_ids) or None
 

@@ -195,7 +195,10 @@ def engine_suite(args: argparse.Namespace, model_dir: str) -> int:
         else:
             skipped.append(f"policy {p!r} skipped: EngineConfig rejects it ({err})")
             log(skipped[-1])
-    hf = None if args.no_baseline else TransformersRunner(model_dir, loaded.never_sample_ids)
+    hf = None
+    if not args.no_baseline:
+        dtype = loaded.decoder.embed_tokens.weight.dtype
+        hf = TransformersRunner(model_dir, loaded.never_sample_ids, dtype)
     warm = workloads.many_questions(1, 1, 2, seed=12345)
     mm.run(warm, "warm-up", check_leaks=False)
     if hf is not None:
@@ -317,6 +320,9 @@ def http_suite(args: argparse.Namespace, model_dir: str | None) -> int:  # noqa:
     same_weights = setup is not None and Path(model_dir) == setup.hf_dir
     log(f"model {model_dir}; servers {servers or args.url}; rates {[rate_label(r) for r in rates]}")
     loaded = load_model(model_dir)
+    # servers in the in-process model's dtype (fp32): the bound, the agreement engine and
+    # the overhead's in-process run use it, and `serve`'s default (auto) may be bf16
+    dtype_flag = ["--dtype", str(loaded.decoder.embed_tokens.weight.dtype).removeprefix("torch.")]
     wls = [workloads.build(n, scale, args.seed) for n in names]
     res: dict[str, Any] = {
         "meta": {
@@ -366,7 +372,7 @@ def http_suite(args: argparse.Namespace, model_dir: str | None) -> int:  # noqa:
                             label, url, wl, rate, args, log, proc.pid
                         )
         else:
-            flags = http.MMSERVE_SYSTEMS[label]
+            flags = [*http.MMSERVE_SYSTEMS[label], *dtype_flag]
             with http.mmserve_server(model_dir, flags, args.threads, logs / f"{label}.log") as (
                 url,
                 proc,
@@ -404,7 +410,8 @@ def http_suite(args: argparse.Namespace, model_dir: str | None) -> int:  # noqa:
             }
         notes.append(f"{label} ({url}): external server, caches not flushed between runs")
     if "overhead" in res:
-        res["overhead"]["profile"] = profile(model_dir, wls, res["overhead"], args, logs)
+        ov = res["overhead"]
+        ov["profile"] = profile(model_dir, wls, ov, args, logs, dtype_flag)
     res["meta"].update(loadavg_end=report.loadavg(), total_seconds=time.perf_counter() - t0)
     res["targets"] = report.http_targets(res, TARGET_WORKLOAD, TARGET_FRACTION, 8)
     report.write_json(args.out / "serve.json", res)
@@ -468,7 +475,9 @@ def overhead(
     return ov
 
 
-def profile(model_dir: str, wls: list, ov: dict, args: Any, logs: Path) -> dict | None:
+def profile(
+    model_dir: str, wls: list, ov: dict, args: Any, logs: Path, flags: list[str]
+) -> dict | None:
     """The overhead run once more on a server under cProfile (:mod:`benchmarks.profiled_server`)."""
     from benchmarks.profiled_server import breakdown
 
@@ -476,7 +485,7 @@ def profile(model_dir: str, wls: list, ov: dict, args: Any, logs: Path) -> dict 
     path = logs / "profile.pkl"
     with http.mmserve_server(
         model_dir,
-        [],
+        flags,
         args.threads,
         logs / "profiled.log",
         launcher=["-m", "benchmarks.profiled_server"],

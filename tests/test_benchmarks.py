@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from benchmarks import batch_api, report, workloads
@@ -274,3 +275,56 @@ def test_batch_api_benchmark_tiny(model_dir: Path, capsys) -> None:  # noqa: ANN
     assert a["hit_rate"] == pytest.approx(out["optimum"], rel=0.02) and 0 < out["optimum"] < 1
     assert a["tower_runs"] == 3 and b["tower_runs"] >= 3
     assert c["during_n"] >= 1 and c["ratio"] == pytest.approx(c["during_p50"] / c["idle_p50"])
+
+
+def test_decode_weight_bytes_counts_a_tied_head_once() -> None:
+    from benchmarks.real_shapes import decode_weight_bytes
+
+    dec = torch.nn.Module()
+    dec.embed_tokens = torch.nn.Embedding(10, 4)  # 40 fp32 = 160 bytes
+    dec.lm_head = torch.nn.Linear(4, 10, bias=False)  # 160 bytes, read every step
+    dec.layer = torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16)  # 32 bytes
+    assert decode_weight_bytes(dec) == 160 + 32  # untied: the table is not read whole
+    dec.lm_head.weight = dec.embed_tokens.weight
+    assert decode_weight_bytes(dec) == 160 + 32  # tied: one tensor, read once
+
+
+def test_real_shapes_decode_sweep_tiny(families, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from benchmarks import real_shapes
+    from mmserve.config import auto_dtype
+    from mmserve.model.loader import load_model
+
+    ov = families["llava-onevision"].model_dir
+    out = tmp_path / "rs.json"
+    args = ["--model", str(ov), "--parts", "decode", "--dtypes", "float32", "--repeats", "1"]
+    args += ["--decode-batches", "1,3", "--decode-tokens", "2", "--bandwidth-gb", "0.01"]
+    assert real_shapes.main([*args, "--out", str(out)]) == 0
+    (sw,) = json.loads(out.read_text())["decode"]
+    dec = load_model(ov).decoder
+    assert sw["weight_bytes"] == sum(p.numel() * 4 for p in dec.parameters()) - (
+        0 if dec.shape.tie_word_embeddings else dec.embed_tokens.weight.numel() * 4
+    )
+    assert sw["bound_ms"] == pytest.approx(sw["weight_bytes"] / (sw["bandwidth_gbs"] * 1e6))
+    cpu_bound = sw["weight_bytes"] / (sw["bandwidth_cpu_gbs"] * 1e6)
+    assert sw["bound_cpu_ms"] == pytest.approx(cpu_bound)
+    assert set(sw["batches"]) == {"1", "3"}
+    for r in sw["batches"].values():
+        assert set(r) == {"mm", "mm_cpu", "hf", "hf_cpu"} and all(v > 0 for v in r.values())
+    d = sw["default"]
+    assert d["dtype"] == auto_dtype("cpu")[0] and d["ms"] > 0 and d["explicit_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "| float32 | 3 |" in printed and "default server dtype" in printed
+
+
+def test_real_shapes_compare_tiny(families, tmp_path: Path) -> None:  # noqa: ANN001
+    from benchmarks import real_shapes
+
+    ov = families["llava-onevision"].model_dir
+    out = tmp_path / "rs.json"
+    args = ["--model", str(ov), "--parts", "compare", "--dtypes", "float32", "--tokens", "3"]
+    assert real_shapes.main([*args, "--repeats", "1", "--batch", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    r = data["results"]["float32"]
+    assert r["batch"] == 2 and r["prompt_tokens"] > 100 and data["decode"] == []
+    assert all(r[k] > 0 for k in ("hf_first", "mm_first", "mm_second", "hf_decode", "mm_decode"))
+    assert "| 2 concurrent answers vs batch 1 (tokens/s), float32 |" in data["table"]
