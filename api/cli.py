@@ -180,7 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.distributed.group import TPGroupError
     from mmserve.engine.engine import Engine
     from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
-    from mmserve.model.make_checkpoint import ensure_model
+    from mmserve.testing.checkpoints import ensure_model
 
     try:
         launch, config, server = settings_from_args(args)

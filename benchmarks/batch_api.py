@@ -49,7 +49,7 @@ from benchmarks.over_http import mmserve_server
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import SamplingParams
-from mmserve.model.make_checkpoint import ensure_model
+from mmserve.testing.checkpoints import ensure_model
 
 QUESTIONS = [
     "What is in this photo?",

@@ -44,7 +44,7 @@ def model_dir(size: str = "tiny", family: str = "llava", path: Any = None) -> st
     """``path``, else the seeded random checkpoint of ``size`` and ``family`` (built once)."""
     if path:
         return str(path)
-    from mmserve.model.make_checkpoint import ensure_model
+    from mmserve.testing.checkpoints import ensure_model
 
     return str(ensure_model(size, family))
 

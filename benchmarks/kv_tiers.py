@@ -50,7 +50,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import SamplingParams
 from mmserve.model.loader import LoadedModel, load_model
-from mmserve.model.make_checkpoint import ensure_model
+from mmserve.testing.checkpoints import ensure_model
 
 
 def _messages(question: str) -> list[dict]:

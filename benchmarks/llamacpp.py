@@ -106,7 +106,7 @@ def make_sp_checkpoint(out: Path, size: str = "small", seed: int = 0) -> Path:
     """``make_checkpoint(out, size, seed)`` with a SentencePiece tokenizer (same weights:
     the initialisation is seeded by parameter name, and the vocabulary has the same ids),
     written through a temporary sibling renamed into place."""
-    from mmserve.model import make_checkpoint as mc
+    from mmserve.testing import checkpoints as mc
 
     out = Path(out)
     if (out / "model.safetensors").is_file():

@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model = args.model
     if model is None or not Path(model).is_dir():
-        from mmserve.model.make_checkpoint import make_checkpoint
+        from mmserve.testing.checkpoints import make_checkpoint
 
         model = str(make_checkpoint(model or "benchmarks/results/onevision-0.5b", "onevision-0.5b"))
     results: dict = {}

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmserve.model.make_checkpoint import FAMILY_NAMES, SIZES
+from mmserve.testing.checkpoints import FAMILY_NAMES, SIZES
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from mmserve.model.make_checkpoint import make_checkpoint
+    from mmserve.testing.checkpoints import make_checkpoint
 
     try:
         path = make_checkpoint(

@@ -121,7 +121,7 @@ fi
 SECS[convert]=$(($(date +%s) - t))
 
 # ---- 5. setup.json -------------------------------------------------------------------
-cp "$ROOT/mmserve/model/assets/chat_template.jinja" "$DIR/chat_template.jinja"
+cp "$ROOT/mmserve/testing/assets/chat_template.jinja" "$DIR/chat_template.jinja"
 "$PY" - "$DIR" "$VERSION" "${SECS[source]}" "${SECS[build]}" "${SECS[checkpoint]}" "${SECS[convert]}" <<'PYEOF'
 import json, os, subprocess, sys
 d, version, *secs = sys.argv[1:]

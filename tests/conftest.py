@@ -17,7 +17,7 @@ from PIL import Image
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.model.loader import load_model
-from mmserve.model.make_checkpoint import make_checkpoint
+from mmserve.testing.checkpoints import make_checkpoint
 from tests.cases import write_cases
 from tests.helpers import ROOT, SAMPLES, TINY_FAMILIES, png_bytes
 

@@ -1,4 +1,4 @@
-"""Tests for mmserve.model.make_checkpoint (the synthetic LLaVA-1.5 checkpoint builder)."""
+"""Tests for mmserve.testing.checkpoints (the synthetic LLaVA-1.5 checkpoint builder)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
 
-from mmserve.model import make_checkpoint as mc
+from mmserve.testing import checkpoints as mc
 from tests.helpers import SAMPLES
 
 PHOTOS = ("astronaut.png", "cat.png", "coffee.png", "rocket.jpg")

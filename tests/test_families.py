@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from api.app import ServerSettings, create_app
-from mmserve.model.make_checkpoint import make_checkpoint
+from mmserve.testing.checkpoints import make_checkpoint
 from tests.helpers import (
     CACHE_CONFIGS,
     MODEL,

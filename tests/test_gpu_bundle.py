@@ -45,7 +45,7 @@ NOT_ON_THE_GPU_PATH = {
     ("tests/cases.py", "av"): "only the cases_dir fixture, which tests/gpu does not use",
     ("mmserve/structured/spec.py", "xgrammar"): "only requests with structured output",
     ("mmserve/vision/video.py", "av"): "only requests with videos (the front end decodes them)",
-    ("mmserve/model/make_checkpoint.py", "sentencepiece"): "only --family llava-next",
+    ("mmserve/testing/checkpoints.py", "sentencepiece"): "only --family llava-next",
     ("benchmarks/report.py", "matplotlib"): "only the plots, which the GPU check does not draw",
 }
 

@@ -22,7 +22,7 @@ from transformers.utils import is_protobuf_available
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.model.loader import CheckpointError, load_model
-from mmserve.model.make_checkpoint import CORPUS_PATH
+from mmserve.testing.checkpoints import CORPUS_PATH
 from tests.helpers import check_against_reference, greedy, user
 
 MAX_NEW = 8

@@ -312,7 +312,7 @@ def served_name(settings: ServerSettings, model_path: str | None) -> str:
     if settings.served_model_name:
         return settings.served_model_name
     if model_path is None:
-        from mmserve.model.make_checkpoint import ensure_model
+        from mmserve.testing.checkpoints import ensure_model
 
         model_path = str(ensure_model("tiny"))
     return Path(model_path).name
@@ -338,7 +338,7 @@ class Ingress:
     ) -> None:
         import torch
 
-        from mmserve.model.make_checkpoint import ensure_model
+        from mmserve.testing.checkpoints import ensure_model
 
         torch.set_num_threads(1)
         model_dir = config.model_path or str(ensure_model("tiny"))

@@ -78,7 +78,7 @@ class Engine:
         self.config = config
         if model is None:
             if config.model_path is None:
-                from mmserve.model.make_checkpoint import ensure_model
+                from mmserve.testing.checkpoints import ensure_model
 
                 config.model_path = str(ensure_model("tiny"))
             if config.tp > 1:  # rank 0 of a tensor-parallel group; starts the other ranks

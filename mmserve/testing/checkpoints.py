@@ -18,7 +18,7 @@ SentencePiece tokenizer) and "llava-onevision" (SigLIP tower, Qwen2 decoder with
 biases, any-resolution grid, video path; a byte-level BPE tokenizer with Qwen2's ChatML
 specials and ``assets/chat_template_chatml.jinja``).
 
-Command line: ``python -m mmserve.model.make_checkpoint OUT_DIR [--size tiny|small]``.
+Command line: ``python -m mmserve.testing.checkpoints OUT_DIR [--size tiny|small]``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,15 @@
+"""Seeded random checkpoints for tests, benchmarks and the bundled default model.
+
+Not part of the serving path: the engine loads whatever directory it is given.
+``mmserve make-model`` and the server's default model (``ensure_model``) call in here.
+"""
+
+from mmserve.testing.checkpoints import (
+    CORPUS_PATH,
+    FAMILY_NAMES,
+    SIZES,
+    ensure_model,
+    make_checkpoint,
+)
+
+__all__ = ["CORPUS_PATH", "FAMILY_NAMES", "SIZES", "ensure_model", "make_checkpoint"]
