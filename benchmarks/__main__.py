@@ -1,11 +1,4 @@
-"""The benchmark CLI: ``python -m benchmarks <subcommand> [options]`` (``--help`` lists them).
-
-Every subcommand takes ``--scale ci|quick|full`` (``--quick``), ``--size tiny|small``,
-``--family``, ``--model DIR`` (overrides both), ``--out DIR`` (default
-``benchmarks/results/``, git-ignored), ``--threads N`` (torch threads here and in each
-server; default 1: on a shared 2-core machine two OpenMP threads can be 10x slower) and
-``--seed``.
-"""
+"""The benchmark CLI: ``python -m benchmarks <subcommand> [options]`` (``--help`` lists them)."""
 
 from __future__ import annotations
 
@@ -17,12 +10,12 @@ from typing import Any
 
 import torch
 
-from benchmarks import experiments, suites, workloads
+from benchmarks import experiments, real_shapes, suites, workloads
 from benchmarks.in_process import model_dir as checkpoint
 
-#: subcommand -> (function, default scale, default size, extra options: (flags, kwargs)).
-COMMANDS: dict[str, tuple[Any, str, str | None, list[tuple[tuple[str, ...], dict]]]] = {
-    "run": (suites.engine_suite, "full", "small", [
+#: subcommand -> (function, default scale, size, family, extra options: (flags, kwargs)).
+COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...], dict]]]] = {
+    "run": (suites.engine_suite, "full", "small", "llava", [
         (("--workloads",), dict(default="", help=f"of {','.join(workloads.ENGINE_WORKLOADS)}")),
         (("--policies",), dict(default=",".join(suites.POLICIES), help="cache-on policies")),
         (("--no-baseline",), dict(action="store_true", help="skip transformers")),
@@ -30,7 +23,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, list[tuple[tuple[str, ...], dict
         (("--lockstep",), dict(action="store_true", help="multi_turn in lock-step rounds")),
         (("--baseline-max",), dict(type=int, default=-1, help="transformers requests (0: all)")),
     ]),
-    "serve": (suites.http_suite, "full", None, [
+    "serve": (suites.http_suite, "full", None, "llava", [
         (("--url",), dict(action="append", default=[], metavar="NAME=URL",
                           help="a running OpenAI-compatible server (repeatable)")),
         (("--servers",), dict(default=",".join(suites.SERVERS))),
@@ -46,55 +39,78 @@ COMMANDS: dict[str, tuple[Any, str, str | None, list[tuple[tuple[str, ...], dict
         (("--no-overhead",), dict(action="store_true", help="skip the HTTP-overhead step")),
         (("--no-agreement",), dict(action="store_true", help="skip the llama.cpp agreement")),
     ]),
-    "replicas": (experiments.replicas, "full", "tiny", [
+    "real-shapes": (real_shapes.real_shapes, "full", "onevision-0.5b", "llava-onevision", [
+        (("--dtypes",), dict(default="bfloat16,float32")),
+        (("--tokens",), dict(type=int, default=16, help="answer length (tokens)")),
+        (("--repeats",), dict(type=int, default=2)),
+        (("--batch",), dict(type=int, default=8, help="concurrent answers")),
+        (("--parts",), dict(default="compare,decode", help="compare and/or decode")),
+        (("--decode-batches",), dict(default="1,4,8,16")),
+        (("--decode-tokens",), dict(type=int, default=8, help="decode steps per run")),
+        (("--bandwidth-gb",), dict(type=float, default=1.0, help="tensor read for GB/s (GiB)")),
+        (("--no-default-dtype",), dict(action="store_true", help="skip the default-dtype check")),
+    ]),
+    "replicas": (experiments.replicas, "full", "tiny", "llava", [
         (("--port",), dict(type=int, default=8470, help="HTTP port of the endpoint")),
     ]),
-    "structured": (experiments.structured, "full", "small", [
+    "structured": (experiments.structured, "full", "small", "llava", [
         (("--requests",), dict(type=int, help="per run (default 32; 16 with --quick)")),
         (("--max-tokens",), dict(type=int, default=256)),
     ]),
-    "batch-order": (experiments.batch_order, "full", "tiny", [
+    "batch-order": (experiments.batch_order, "full", "tiny", "llava", [
         (("--images",), dict(type=int, default=40)),
         (("--questions",), dict(type=int, default=5)),
         (("--max-tokens",), dict(type=int, default=4)),
         (("--max-total-tokens",), dict(type=int, default=4096, help="KV pool (tokens)")),
     ]),
-    "tensor-parallel": (experiments.tensor_parallel, "full", "small", [
-        (("--tp",), dict(type=int, default=2)),
-        (("--batch",), dict(type=int, default=4)),
-        (("--tokens",), dict(type=int, default=32)),
+    "batch-api": (experiments.batch_api, "full", "tiny", "llava", [
+        (("--images",), dict(type=int, default=40)),
+        (("--questions",), dict(type=int, default=10)),
+        (("--max-tokens",), dict(type=int, default=4)),
+        (("--max-total-tokens",), dict(type=int, default=4096, help="KV pool (tokens)")),
+        (("--probes",), dict(type=int, default=20, help="TTFT probes before and after")),
+        (("--probe-period",), dict(type=float, default=0.3, help="seconds between probes")),
+        (("--ttft-scale",), dict(type=int, default=3, help="photos x this in the TTFT batch")),
     ]),
-    "image-memory": (experiments.image_memory, "full", None, [
+    "kv-tiers": (experiments.kv_tiers, "full", "tiny", "llava", [
+        (("--images",), dict(type=int, default=16)),
+        (("--questions",), dict(type=int, default=3)),
+        (("--pool-images",), dict(type=float, default=2.0, help="pool size in photos' KV")),
+        (("--page-size",), dict(type=int, default=16)),
+        (("--concurrency",), dict(type=int, default=2)),
+        (("--max-tokens",), dict(type=int, default=4)),
+        (("--ttft-images",), dict(type=int, default=6, help="photos of the TTFT part")),
+        (("--cold",), dict(action=argparse.BooleanOptionalAction, default=True,
+                           help="drop the disk files from the page cache before TTFT loads")),
+    ]),
+    "image-memory": (experiments.image_memory, "full", None, "llava", [
         (("--repo",), dict(action="append", help="checkout(s) to run the server from")),
         (("--side",), dict(type=int, default=6000, help="image side (pixels)")),
         (("flags",), dict(nargs="*", help="extra `mmserve serve` flags (after --)")),
     ]),
-    "video-qa": (experiments.video_qa, "full", "small", [
+    "video-qa": (experiments.video_qa, "full", "small", "llava", [
         (("--num-frames",), dict(type=int, default=8)),
         (("--max-tokens",), dict(type=int, default=16)),
-    ]),
-    "long-stream": (experiments.long_stream, "full", "tiny", [
-        (("--tokens",), dict(type=int, default=6000)),
-        (("--window",), dict(type=int, default=300)),
     ]),
 }  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
-    """The CLI's parser: :data:`COMMANDS` plus ``llamacpp`` (setup helpers)."""
+    """The CLI's parser: :data:`COMMANDS` (sharing one parent's options) plus ``llamacpp``."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    for name, (fn, scale, size, extra) in COMMANDS.items():
-        p = sub.add_parser(name, help=fn.__doc__.splitlines()[0].strip("`: "))
-        p.add_argument("--scale", choices=("ci", "quick", "full"), default=scale)
-        p.add_argument("--quick", action="store_const", const="quick", dest="scale")
-        p.add_argument("--size", choices=("tiny", "small"), default=size)
-        p.add_argument("--family", choices=("llava", "llava-next", "llava-onevision"),
-                       default="llava")  # fmt: skip
-        p.add_argument("--model", type=Path, help="checkpoint directory (overrides --size)")
-        p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-        p.add_argument("--threads", type=int, default=1 if name != "tensor-parallel" else 2)
-        p.add_argument("--seed", type=int, default=0)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--scale", choices=("ci", "quick", "full"), default="full")
+    common.add_argument("--quick", action="store_const", const="quick", dest="scale")
+    common.add_argument("--size", help="tiny, small or a real shape (mmserve make-model)")
+    common.add_argument("--family", choices=("llava", "llava-next", "llava-onevision"))
+    common.add_argument("--model", type=Path, help="checkpoint directory (overrides --size)")
+    common.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    common.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
+    common.add_argument("--seed", type=int, default=0)
+    for name, (fn, scale, size, family, extra) in COMMANDS.items():
+        p = sub.add_parser(name, parents=[common], help=fn.__doc__.splitlines()[0].strip("`: "))
+        p.set_defaults(scale=scale, size=size, family=family)
         for flags, kw in extra:
             p.add_argument(*flags, **kw)
     ll = sub.add_parser("llamacpp", help="setup helpers of scripts/setup_llamacpp.sh")
@@ -120,12 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             print(llamacpp.write_vit_dir(*p))
         print(f"{args.step}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return 0
-    fn = COMMANDS[args.command][0]
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     model = checkpoint(args.size, args.family, args.model) if args.size or args.model else None
-    return fn(args, model)
+    return COMMANDS[args.command][0](args, model)
 
 
 if __name__ == "__main__":

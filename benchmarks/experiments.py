@@ -1,33 +1,34 @@
-"""Single-purpose benchmarks, each a ``python -m benchmarks`` subcommand (see
-``benchmarks/README.md`` for what each measured): ``replicas`` (routers on Ray Serve),
-``structured`` (jump-forward decoding),
-``batch-order`` (batch jobs in cache-aware order), ``tensor-parallel`` (``--tp`` on CPU),
-``image-memory`` (server RSS under large images), ``video-qa`` (per-frame QA, caches on
-and off) and ``long-stream`` (per-token cost over one long answer).
-"""
+"""Single-purpose benchmarks, each a ``python -m benchmarks`` subcommand (what each
+measured: ``benchmarks/README.md``): ``replicas``, ``structured``, ``batch-order``,
+``batch-api``, ``kv-tiers``, ``image-memory`` and ``video-qa``."""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import json
-import random
+import math
+import os
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from benchmarks import over_http as http
 from benchmarks import report, workloads
-from benchmarks.in_process import MMServeRunner
+from benchmarks.in_process import MMServeRunner, one_request
+from benchmarks.report import percentiles
 from benchmarks.workloads import Prompt, Workload, ask
 from mmserve.engine.request import SamplingParams
+from mmserve.model.loader import load_model
 
 # ---- replicas --------------------------------------------------------------------------
 
@@ -103,7 +104,6 @@ def replicas(args: argparse.Namespace, model_dir: str) -> int:
     from api.replicas.settings import ReplicaSettings
     from api.settings import ServerSettings
     from mmserve.config import EngineConfig
-    from mmserve.model.loader import load_model
 
     size = dict(REPLICA_SCALES[args.scale])
     clients = size.pop("concurrency")
@@ -230,7 +230,6 @@ def structured_run(
 
 def structured(args: argparse.Namespace, model_dir: str) -> int:
     """Jump-forward off, on, and free decoding; writes ``structured.json``/``.md``."""
-    from mmserve.model.loader import load_model
 
     mm = MMServeRunner(load_model(model_dir), model_dir)
     n = args.requests or (16 if args.scale == "quick" else 32)
@@ -259,128 +258,261 @@ def structured(args: argparse.Namespace, model_dir: str) -> int:
     return 0
 
 
-# ---- batch order ----------------------------------------------------------------------------
+# ---- batch jobs ------------------------------------------------------------------------------
+
+
+def _batch_workload(args: argparse.Namespace, images: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    imgs = {f"img{i}": workloads.noise_image(rng, 64) for i in range(images)}
+    return workloads.questions_about(imgs, args.questions, args.max_tokens, seed)
+
+
+@contextmanager
+def _batch_server(model_dir: str, args: argparse.Namespace, *flags: str) -> Iterator[tuple]:
+    with tempfile.TemporaryDirectory() as d:
+        flags += ("--max-total-tokens", str(args.max_total_tokens), "--data-dir", d)
+        with http.mmserve_server(model_dir, flags, args.threads) as got:
+            yield got
+
+
+def _timed_batch(url: str, wl: Workload) -> dict:
+    """``wl`` through ``/v1/files`` + ``/v1/batches``: hit rate, tower runs and wall time."""
+    t0 = time.perf_counter()
+    b = http.wait_batch(url, http.create_batch(url, http.request_bodies(wl, None, stream=False)))
+    u, wall = b["usage"], time.perf_counter() - t0
+    hit = u["input_tokens_details"]["cached_tokens"] / u["input_tokens"]
+    tower = http.get_json(f"{url}/v1/cache/stats")["vision_tower_images"]
+    return {
+        "requests": b["request_counts"]["completed"],
+        "hit_rate": hit,
+        "tower_runs": tower,
+        "wall_s": wall,
+    }
+
+
+def _batch_rows(runs: dict[str, dict], opt: float, images: int) -> str:
+    rows = [
+        (
+            name,
+            f"{r['hit_rate']:.3f}",
+            f"{r['hit_rate'] / opt:.3f}",
+            f"{r['tower_runs']} ({images})",
+        )
+        + (f"{r['wall_s']:.1f}",)
+        for name, r in runs.items()
+    ]
+    return report.md_table(("run", "hit rate", "/ optimum", "tower runs (photos)", "wall s"), rows)
 
 
 def batch_order(args: argparse.Namespace, model_dir: str) -> int:
-    """``--images`` noise photos x ``--questions``, shuffled, through ``/v1/files`` +
-    ``/v1/batches`` with ``--batch-order cache`` and ``submitted`` on fresh engines."""
-    import openai
-    from fastapi.testclient import TestClient
-
-    from api.app import create_app
-    from api.settings import ServerSettings
-    from mmserve.model.loader import load_model
-
-    mm = MMServeRunner(load_model(model_dir), model_dir, max_total_tokens=args.max_total_tokens)
-    rng = np.random.default_rng(args.seed)
-    imgs = {f"img{i}": workloads.noise_image(rng, 64) for i in range(args.images)}
-    prompts = [
-        Prompt(ask(workloads.QUESTIONS[k % 16], system=False), [n])
-        for n in imgs
-        for k in range(args.questions)
-    ]
-    random.Random(args.seed).shuffle(prompts)
-    wl = Workload("batch_order", "", imgs, [prompts], args.max_tokens)
-    urls = {n: workloads.data_url(b) for n, b in imgs.items()}
-    lines = [
-        {
-            "custom_id": f"r{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "messages": workloads.openai_messages(p, urls),
-                "temperature": 0,
-                "max_tokens": args.max_tokens,
-                "ignore_eos": True,
-            },
-        }
-        for i, p in enumerate(prompts)
-    ]
+    """``--images`` noise photos x ``--questions``, shuffled, as a batch on fresh servers
+    with ``--batch-order cache`` and ``submitted``: hit rate against the optimum."""
+    wl = _batch_workload(args, args.images, args.seed)
+    mm = MMServeRunner(load_model(model_dir), model_dir)
     opt = workloads.optimal_hit_rate(mm.prompt_ids(wl))["optimal_hit_rate"]
-
-    def run(order: str, lines: list[dict]) -> tuple:
-        with tempfile.TemporaryDirectory() as d:
-            settings = ServerSettings(served_model_name="m", data_dir=d, batch_order=order)
-            with TestClient(create_app(mm.engine(), settings)) as client:
-                oa = openai.OpenAI(
-                    base_url="http://testserver/v1", api_key="-", http_client=client, max_retries=0
-                )
-                data = "\n".join(json.dumps(x) for x in lines).encode()
-                f = oa.files.create(file=("in.jsonl", data), purpose="batch")
-                t0 = time.perf_counter()
-                b = oa.batches.create(
-                    input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-                )
-                while b.status not in ("completed", "failed", "cancelled", "expired"):
-                    time.sleep(0.05)
-                    b = oa.batches.retrieve(b.id)
-                wall = time.perf_counter() - t0
-                tower = client.get("/v1/cache/stats").json()["vision_tower_images"]
-        if b.status != "completed" or b.request_counts.failed:
-            raise RuntimeError(f"batch in {order} order: {b}")
-        hit = b.usage.input_tokens_details.cached_tokens / b.usage.input_tokens
-        return order, f"{hit:.3f}", f"{hit / opt:.3f}", f"{tower} ({args.images})", f"{wall:.1f}"
-
-    run("cache", lines[:4])  # warm-up (one-time costs), not shown
-    rows = [run(order, lines) for order in ("cache", "submitted")]
-    print(
-        f"{args.images} images x {args.questions} questions, shuffled; KV pool "
-        f"{args.max_total_tokens} tokens; offline optimum {opt:.3f}\n"
-    )
-    print(
-        report.md_table(
-            ("order", "hit rate", "/ optimum", "tower runs (distinct photos)", "wall s"), rows
-        )
-    )
+    runs = {}
+    for order in ("cache", "submitted"):
+        with _batch_server(model_dir, args, "--batch-order", order) as (url, _):
+            runs[order] = _timed_batch(url, wl)
+    print(f"{wl.description}, shuffled; KV pool {args.max_total_tokens} tokens; optimum {opt:.3f}")
+    print(_batch_rows(runs, opt, args.images))
+    report.write_json(args.out / "batch_order.json", {"optimum": opt, **runs})
     return 0
 
 
-# ---- tensor parallelism -----------------------------------------------------------------------
+def _probes(url: str, period: float, start: int, until: Any) -> list[float]:
+    """TTFT (s) of short streaming chats, one every ``period`` s, until ``until(count)``."""
+    out: list[float] = []
+    tick = time.perf_counter()
+    while not until(len(out)):
+        msgs = [{"role": "user", "content": f"Say hello to visitor number {start + len(out)}."}]
+        body = http.request_bodies(Workload("probe", "", {}, [[Prompt(msgs, [])]], 4), None)
+        [r], _ = http.run_load(url, body, [0.0])
+        out.append(r.ttft if r.ttft is not None else r.latency)  # all bytes held back: the end
+        tick += period
+        time.sleep(max(0.0, tick - time.perf_counter()))
+    return out
 
 
-def tensor_parallel(args: argparse.Namespace, model_dir: str) -> int:
-    """One greedy batch on ``--tp 1`` with ``--threads`` threads, on ``--tp 1`` with
-    ``threads / N``, and on ``--tp N`` with ``threads / N`` per rank: tokens/s, equal
-    tokens, decoder weight bytes per rank."""
-    from mmserve.config import EngineConfig
-    from mmserve.engine.engine import Engine
+def batch_api(args: argparse.Namespace, model_dir: str) -> int:
+    """A batch against the same requests as a chat burst, and interactive TTFT before,
+    during and after a ``--ttft-scale`` times larger batch; a fresh server for each."""
+    wl = _batch_workload(args, args.images, args.seed)
+    mm = MMServeRunner(load_model(model_dir), model_dir)
+    opt = workloads.optimal_hit_rate(mm.prompt_ids(wl))["optimal_hit_rate"]
+    out: dict[str, Any] = {"optimum": opt}
+    with _batch_server(model_dir, args) as (url, _):
+        out["batch"] = _timed_batch(url, wl)
+    with _batch_server(model_dir, args) as (url, _):
+        results, wall = http.run_load(url, http.request_bodies(wl, None), [0.0] * wl.num_requests)
+        s = http.summarize(results, wl.max_tokens, http.SLO(math.inf, math.inf), wall)
+        tower = http.get_json(f"{url}/v1/cache/stats")["vision_tower_images"]
+        out["burst"] = {"requests": s["completed"], "hit_rate": s["cache_hit_rate"]}
+        out["burst"].update(tower_runs=tower, wall_s=wall)
+    long = _batch_workload(args, args.images * args.ttft_scale, args.seed + 1)
+    n, period = args.probes, args.probe_period
+    with _batch_server(model_dir, args) as (url, _):
+        _probes(url, 0.0, 1000, lambda c: c >= 3)  # warm-up: first-request costs
+        before = _probes(url, period, 0, lambda c: c >= n)
+        bid = http.create_batch(url, http.request_bodies(long, None, stream=False))
+        done = lambda: http.get_json(f"{url}/v1/batches/{bid}")["status"] in http.TERMINAL  # noqa: E731
+        during = _probes(url, period, n, lambda c: c > 0 and done())
+        http.wait_batch(url, bid)
+        after = _probes(url, period, 10 * n, lambda c: c >= n)
+    idle, busy = statistics.median(before + after), statistics.median(during)
+    out["ttft"] = {"before_p50": statistics.median(before), "after_p50": statistics.median(after)}
+    out["ttft"].update(idle_p50=idle, during_p50=busy, during_n=len(during), ratio=busy / idle)
+    a, b, c = out["batch"], out["burst"], out["ttft"]
+    print(f"{wl.description}, shuffled; KV pool {args.max_total_tokens} tokens; optimum {opt:.3f}")
+    print(_batch_rows({"/v1/batches": a, "chat burst": b}, opt, args.images))
+    print(
+        f"throughput, batch / burst: {b['wall_s'] / a['wall_s']:.2f}\ninteractive TTFT p50: "
+        f"{idle * 1e3:.1f} ms without the batch, {busy * 1e3:.1f} ms during a batch of "
+        f"{long.num_requests} ({len(during)} probes); ratio {c['ratio']:.2f}"
+    )
+    report.write_json(args.out / "batch_api.json", out)
+    return 0
 
-    def run(tp: int, threads: int) -> tuple[list, float, list[int]]:
-        torch.set_num_threads(threads)
-        eng = Engine(EngineConfig(model_path=model_dir, tp=tp, max_total_tokens=8192))
+
+# ---- KV tiers ----------------------------------------------------------------------------------
+
+#: A question the workload never asks: after a restart its prompt shares only the template
+#: and the image with what is on disk.
+NEW_QUESTION = "Where might this photo have been taken?"
+
+
+def drop_page_cache(directory: str) -> int:
+    """Write back and drop every file under ``directory`` from the OS page cache (so the
+    next reads come from the device); the number of files."""
+    n = 0
+    for path in (p for p in Path(directory).rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
         try:
-            mk = eng.processor.make_request
-            eng.generate([mk(prompt="warm up", params=SamplingParams(max_tokens=2))])
-            params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-            reqs = [
-                mk(prompt=f"Story {k}: once upon a time", params=params) for k in range(args.batch)
-            ]
-            t0 = time.perf_counter()
-            res = eng.generate(reqs)
-            secs = time.perf_counter() - t0
-            dec = eng.model.decoder
-            # parameters sharing storage (tied weights) count once
-            own = {
-                (p.untyped_storage().data_ptr(), p.storage_offset()): p.numel() * p.element_size()
-                for p in dec.parameters()
-            }
-            ranks = [sum(own.values()), *getattr(getattr(dec, "group", None), "worker_bytes", [])]
-            return [r.output_ids for r in res], sum(len(r.output_ids) for r in res) / secs, ranks
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
         finally:
-            eng.close()
+            os.close(fd)
+    return n
 
-    per_rank = max(1, args.threads // args.tp)
-    ids1, tps1, bytes1 = run(1, args.threads)
-    _, tps_few, _ = run(1, per_rank)
-    idsn, tpsn, bytesn = run(args.tp, per_rank)
-    out = {"tp": args.tp, "same_tokens": ids1 == idsn, "tokens_per_s_tp1": round(tps1, 1)}
-    out[f"tokens_per_s_tp1_{per_rank}_threads"] = round(tps_few, 1)
-    out.update({f"tokens_per_s_tp{args.tp}": round(tpsn, 1), "ratio": round(tpsn / tps1, 3)})
-    out.update(decoder_bytes_tp1=bytes1[0], decoder_bytes_per_rank=bytesn)
-    out["rank_fraction"] = [round(b / bytes1[0], 3) for b in bytesn]
-    print(json.dumps(out))
+
+def _tier_run(mm: MMServeRunner, wl: Workload, name: str, **kw: Any) -> dict:
+    r = mm.run(wl, name, closed_loop=False, check_leaks=False, **kw)
+    s, st = r.summary(), mm.last_engine.cache_stats()
+    out = {k: s[k] for k in ("requests", "wall_s", "requests_per_s", "cache_hit_rate")}
+    out.update(ttft_p50_ms=1e3 * s["ttft_p50_s"], ttft_p90_ms=1e3 * percentiles(r.ttfts_s)["p90"])
+    out.update(vision_tower_runs=r.vision_tower_runs, outputs=r.outputs)
+    for k in (
+        "tier_host_hit_tokens",
+        "tier_disk_hit_tokens",
+        "tier_feature_loads",
+        "tier_load_seconds",
+    ):
+        out[k] = st.get(k, 0)
+    return out
+
+
+def kv_tiers(args: argparse.Namespace, model_dir: str) -> int:
+    """Host and disk KV tiers against tiers off and a pool holding everything (the optimum),
+    questions asked round-robin over a pool of ``--pool-images`` photos' KV; a restart on
+    the disk directory; TTFT of a new question from disk against recomputing it."""
+    mm = MMServeRunner(load_model(model_dir), model_dir, page_size=args.page_size)
+    imgs = workloads.photos(args.images)
+    prompts = workloads.questions_about(imgs, args.questions, args.max_tokens, None).prompts
+    c = args.concurrency
+    wl = Workload(
+        "kv_tiers",
+        "",
+        imgs,
+        [prompts[i : i + c] for i in range(0, len(prompts), c)],
+        args.max_tokens,
+    )
+    per_image = max(map(len, mm.prompt_ids(one_request(wl, 0))))
+    pool = int(per_image * args.pool_images) // args.page_size * args.page_size
+    total_kv = per_image * args.images
+    mm.run(one_request(wl, 0), "warm-up", check_leaks=False)
+    print(f"{wl.num_requests} requests, ~{per_image} prompt tokens each; pool {pool} tokens")
+    out, host_bytes = {}, 4 * total_kv * mm.engine().pool.bytes_per_token()
+    ask_new = workloads.questions_about(imgs, 1, args.max_tokens, None)
+    for p in ask_new.prompts:
+        p.messages[-1]["content"][-1]["text"] = NEW_QUESTION
+    with tempfile.TemporaryDirectory() as disk:
+        for name, kw in (
+            ("off", {}),
+            ("host", {"kv_host_bytes": host_bytes}),
+            ("disk", {"kv_disk_dir": disk}),
+            ("optimum", {"max_total_tokens": 2 * total_kv}),
+        ):
+            out[name] = _tier_run(mm, wl, name, **{"max_total_tokens": pool, **kw})
+            mm.last_engine.close()  # the disk engine writes its tree's pages
+        for name in ("host", "disk"):
+            assert out[name]["outputs"] == out["off"]["outputs"], f"{name}: outputs differ"
+        eng = mm.engine(kv_disk_dir=disk, max_total_tokens=pool)
+        k = min(10, args.images)
+        reqs = mm.requests(eng, ask_new)[:k]
+        res = eng.generate(reqs)
+        spans = [r.spans[0] for r in reqs]
+        cached = sum(
+            max(0, min(x.cached_tokens, s.end) - s.start) for x, s in zip(res, spans, strict=True)
+        )
+        out["restart"] = {
+            "images": k,
+            "image_tokens_cached_share": cached / sum(s.end - s.start for s in spans),
+        }
+        out["restart"].update(vision_tower_runs=eng.runner.vision_tower_images)
+        out["restart"]["feature_loads"] = eng.cache_stats()["tier_feature_loads"]
+        eng.close()
+    out["ttft"] = ttft_from_disk(mm, args)
+    for f in out.values():
+        f.pop("outputs", None)
+    print(report.tiers_summary(out))
+    report.write_json(args.out / "kv_tiers.json", out)
     return 0
+
+
+def ttft_from_disk(mm: MMServeRunner, args: argparse.Namespace) -> dict:
+    """TTFT of a new question about photos whose KV and features are on disk (written by
+    another engine, dropped from the page cache unless ``--no-cold``) against recomputing
+    them without tiers; photo by photo, interleaved. First tokens must agree."""
+    imgs = workloads.photos(args.ttft_images)
+    wl = workloads.questions_about(imgs, 1, 1, None)
+    for p in wl.prompts:
+        p.messages[-1]["content"][-1]["text"] = NEW_QUESTION
+    big = 4 * 8192
+    with tempfile.TemporaryDirectory() as disk:
+        writer = mm.engine(kv_disk_dir=disk, max_total_tokens=big)
+        writer.generate(mm.requests(writer, workloads.questions_about(imgs, 1, 1, None)))
+        writer.close()  # its tree's pages (and the features written on encode) to disk
+        dropped = drop_page_cache(disk) if args.cold else 0
+        engines = {
+            "recompute": mm.engine(max_total_tokens=big),
+            "disk": mm.engine(kv_disk_dir=disk, max_total_tokens=big),
+        }
+        got: dict[str, list] = {"recompute": [], "disk": []}
+        for i in range(wl.num_requests):
+            for name, eng in engines.items():
+                got[name].append(
+                    eng.generate(mm.requests(eng, one_request(wl, i), cached=False))[0]
+                )
+        p50 = {n: statistics.median(r.ttft * 1e3 for r in v) for n, v in got.items()}
+        st = engines["disk"].cache_stats()
+        out = {
+            "images": args.ttft_images,
+            "cold": args.cold,
+            "files_dropped_from_page_cache": dropped,
+        }
+        out.update(recompute_ttft_p50_ms=p50["recompute"], disk_ttft_p50_ms=p50["disk"])
+        out["speedup_p50"] = p50["recompute"] / p50["disk"]
+        out["disk_tower_runs"] = engines["disk"].runner.vision_tower_images
+        out["recompute_tower_runs"] = engines["recompute"].runner.vision_tower_images
+        out.update(
+            disk_feature_loads=st["tier_feature_loads"], disk_hit_tokens=st["tier_disk_hit_tokens"]
+        )
+        out["first_tokens_equal"] = [r.output_ids for r in got["recompute"]] == [
+            r.output_ids for r in got["disk"]
+        ]
+        engines["disk"].close()
+    return out
 
 
 # ---- image memory ---------------------------------------------------------------------------
@@ -470,7 +602,6 @@ def video_qa(args: argparse.Namespace, model_dir: str) -> int:
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from mmserve.model.loader import load_model
     from samples.video_qa import QUESTIONS
 
     mm = MMServeRunner(load_model(model_dir), model_dir, max_total_tokens=32768)
@@ -496,40 +627,4 @@ def video_qa(args: argparse.Namespace, model_dir: str) -> int:
         out[name]["texts"] = sorted(texts)
     same = out["on"].pop("texts") == out["off"].pop("texts")
     print(json.dumps({"model": model_dir, **out, "same_answers": same}, indent=1))
-    return 0
-
-
-# ---- long stream -----------------------------------------------------------------------------
-
-
-def long_stream(args: argparse.Namespace, model_dir: str) -> int:
-    """Gaps between streamed chunks of one ``--tokens``-token answer over HTTP, and engine
-    step times in-process: mean of the first and the last ``--window``, and their ratio."""
-    from mmserve.model.loader import load_model
-
-    msgs = [{"role": "user", "content": "Tell me a very long story."}]
-    wl = Workload("long", "", {}, [[Prompt(msgs, [])]], args.tokens)
-    with http.mmserve_server(model_dir) as (url, _):
-        http.run_load(
-            url, http.request_bodies(Workload("w", "", {}, [[Prompt(msgs, [])]], 64), None), [0.0]
-        )
-        [r], _ = http.run_load(url, http.request_bodies(wl, None), [0.0])
-    gaps = {"http_stream": list(np.diff(r.chunk_times))}
-    mm = MMServeRunner(load_model(model_dir), model_dir)
-    eng = mm.engine()
-    col, times = eng.track(mm.requests(eng, wl)[0]), []
-    while not col.finished:  # thread CPU time: wall time drifts on a shared machine
-        t0 = time.thread_time()
-        eng.step()
-        times.append(time.thread_time() - t0)
-    gaps["engine_steps"] = times[1:]  # the first step is the prefill
-    res = {"tokens": args.tokens, "window": args.window}
-    for name, g in gaps.items():
-        first, last = (statistics.fmean(x) * 1e3 for x in (g[: args.window], g[-args.window :]))
-        res[name] = {"first_ms": first, "last_ms": last, "ratio": last / first}
-        print(
-            f"{name:13s} first {args.window}: {first:.3f} ms  last: {last:.3f} ms  ratio "
-            f"{last / first:.2f} (target <= 1.2)"
-        )
-    report.write_json(args.out / "long_stream.json", res)
     return 0

@@ -1,22 +1,7 @@
-"""The in-process runner: workloads on mmserve's :class:`Engine` and on transformers.
-
-Systems (same prompts, greedy, ``max_tokens`` tokens each, ``ignore_eos``):
-
-- ``transformers``: ``generate`` of the checkpoint's ``*ForConditionalGeneration`` one
-  request at a time (``max_new_tokens = min_new_tokens = N``), TTFT from a streamer;
-  optionally an evenly spaced subsample, wall time extrapolated (mean latency x requests);
-- ``mmserve-off``: the engine with ``disable_radix_cache`` and ``vision_cache_bytes=0``;
-- ``mmserve-<policy>``: the engine with its caches on and that scheduling policy.
-
-An engine run is driven one of three ways: lock-step rounds (each round submitted at
-once, the next when it has finished), closed-loop sessions (every chain's first request
-at once, each next one when its predecessor finishes), or arrival times (requests
-submitted at given offsets, doing the server's front-end work -- image decode and hash,
-chat template, tokenizing -- at each arrival: the in-process side of the HTTP-overhead
-figure). Otherwise image decoding, hashing and tokenizing happen before timing; TTFT
-counts from submission, so it includes queueing. Times come from ``time.perf_counter``
-and CPU times from ``time.process_time`` (not inflated by other processes).
-"""
+"""The in-process runner: workloads on mmserve's :class:`Engine` (fresh engines over one
+loaded model; lock-step rounds, closed-loop sessions, or arrival times with the server's
+front-end work at each arrival) and on transformers' ``generate`` one request at a time.
+TTFT counts from submission (queueing included); CPU times are ``time.process_time``."""
 
 from __future__ import annotations
 
@@ -51,12 +36,13 @@ def model_dir(size: str = "tiny", family: str = "llava", path: Any = None) -> st
 
 @dataclass
 class Run:
-    """Measurements of one system on one workload (seconds; CPU: this process, all threads).
+    """One system on one workload (seconds; CPU: this process, all threads).
 
-    ``measured_requests`` < ``requests`` when a baseline was subsampled (``wall_s`` and
-    ``cpu_s`` then extrapolated); ``outputs`` are token ids by request index; ``leak_free``:
-    pool accounting held and every page was free after evicting the tree (None: not
-    checked); ``steps``: prefill/decode step counts and seconds of the engine.
+    ``measured_requests`` < ``requests``: a subsampled baseline (``wall_s``, ``cpu_s``
+    extrapolated); ``outputs``: token ids by request index; ``leak_free``: accounting held
+    and every page was free after evicting the tree (None: not checked); ``steps``:
+    prefill/decode step counts and seconds; ``decode_steps_s``/``decode_steps_cpu_s``:
+    each decode step's wall and CPU seconds.
     """
 
     system: str
@@ -83,11 +69,14 @@ class Run:
     retractions: int = 0
     repeats: int = 1
     steps: dict[str, float] = field(default_factory=dict)
+    decode_steps_s: list[float] = field(default_factory=list)
+    decode_steps_cpu_s: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures: the fields without per-request lists, plus rates."""
-        lists = ("outputs", "ttfts_s", "tpots_s", "service_ttfts_s")
+        lists = ("outputs", "ttfts_s", "tpots_s", "service_ttfts_s", "decode_steps_s")
+        lists += ("decode_steps_cpu_s",)
         d = {k: v for k, v in dataclasses.asdict(self).items() if k not in lists}
         per = lambda x, t: x / t if t > 0 else 0.0  # noqa: E731
         d.update(
@@ -205,7 +194,7 @@ class MMServeRunner:
         eng = self.engine(**kw)
         n = wl.num_requests
         if arrivals is not None:
-            build = lambda i: self.requests(eng, _one(wl, i), cached=False)[0]  # noqa: E731
+            build = lambda i: self.requests(eng, one_request(wl, i), cached=False)[0]  # noqa: E731
             got = _drive(eng, build, [range(n)], {}, arrivals)
         else:
             reqs = self.requests(eng, wl)
@@ -216,7 +205,7 @@ class MMServeRunner:
                 ends = list(itertools.accumulate(len(r) for r in wl.rounds))
                 groups = [range(a, b) for a, b in zip([0, *ends], ends, strict=False)]
                 got = _drive(eng, reqs.__getitem__, groups, {})
-        results, wall, cpu, steps = got
+        results, wall, cpu, steps, times = got
         res = [results[i] for i in sorted(results)]
         stats = eng.cache_stats()
         run = Run(
@@ -245,6 +234,8 @@ class MMServeRunner:
             all_finished=len(res) == n and all(r.finish_reason == "length" for r in res),
             retractions=int(stats.get("retractions", 0)),
             steps=steps,
+            decode_steps_s=[w for w, _ in times],
+            decode_steps_cpu_s=[c for _, c in times],
         )
         if closed_loop and arrivals is None:
             run.notes.append(
@@ -258,7 +249,7 @@ class MMServeRunner:
         return run
 
 
-def _one(wl: Workload, i: int) -> Workload:
+def one_request(wl: Workload, i: int) -> Workload:
     """Request ``i`` of ``wl`` alone (same images and ``max_tokens``)."""
     return Workload(wl.name, "", wl.images, [[wl.prompts[i]]], wl.max_tokens)
 
@@ -276,11 +267,13 @@ def _drive(
     after the start) and ``nxt[i]`` as soon as ``i`` finishes (before the next step).
 
     Returns:
-        ``(results by index, wall s, CPU s, steps)``; ``steps`` counts prefill and decode
-        steps, their seconds, and decode rows (mean batch = rows / steps).
+        ``(results by index, wall s, CPU s, steps, decode step times)``; ``steps`` counts
+        prefill and decode steps, their seconds, and decode rows (mean batch = rows /
+        steps); the times are ``(wall, CPU)`` seconds per decode step.
     """
     results: dict[int, GenerateResult] = {}
     steps = dict(prefill=0, prefill_s=0.0, decode=0, decode_s=0.0, decode_rows=0)
+    times: list[tuple[float, float]] = []
     wall = cpu = 0.0
     for group in groups:
         pending = sorted(group, key=lambda i: at[i] if at else 0.0)
@@ -298,12 +291,14 @@ def _drive(
                     break  # done (or, closed loop, nothing left to run: reported as unfinished)
                 time.sleep(max(0.0, at[pending[0]] - (time.perf_counter() - t0)))
                 continue
-            pre, s0 = eng.stats.prefill_steps, time.perf_counter()
+            pre, s0, sc = eng.stats.prefill_steps, time.perf_counter(), time.process_time()
             batch = eng.step()
             kind = "prefill" if eng.stats.prefill_steps > pre else "decode"
             steps[kind] += 1
             steps[f"{kind}_s"] += time.perf_counter() - s0
-            steps["decode_rows"] += len(batch) if kind == "decode" else 0
+            if kind == "decode":
+                steps["decode_rows"] += len(batch)
+                times.append((time.perf_counter() - s0, time.process_time() - sc))
             for r in batch:
                 i = index.get(r.rid)
                 if i is not None and cols[i].finished and i not in results:
@@ -311,19 +306,17 @@ def _drive(
                     pending += [nxt[i]] if i in nxt else []
         wall += time.perf_counter() - t0
         cpu += time.process_time() - c0
-    return results, wall, cpu, steps
+    return results, wall, cpu, steps, times
 
 
-class _FirstToken:
-    """A ``generate`` streamer noting when the first new token arrives (call 1 is the prompt)."""
+class _Stamps:
+    """A ``generate`` streamer: ``(wall, CPU)`` times of every ``put`` (the prompt first)."""
 
     def __init__(self) -> None:
-        self.calls, self.first = 0, None
+        self.t: list[tuple[float, float]] = []
 
-    def put(self, value: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            self.first = time.perf_counter()
+    def put(self, value: torch.Tensor) -> None:  # noqa: ARG002
+        self.t.append((time.perf_counter(), time.process_time()))
 
     def end(self) -> None:
         pass
@@ -335,7 +328,8 @@ class TransformersRunner:
     Args:
         model_path: checkpoint directory.
         never_sample_ids: ids mmserve never samples, passed as ``suppress_tokens``.
-        dtype: parameter dtype (mmserve's model's, so both run the same arithmetic).
+        dtype: parameter dtype (mmserve's model's, so both run the same arithmetic;
+            transformers 5 would load a real-shape checkpoint's bf16).
     """
 
     def __init__(
@@ -345,11 +339,33 @@ class TransformersRunner:
 
         from mmserve.model.loader import load_processor
 
-        # explicit: transformers 5 loads in the checkpoint's dtype by default (bf16 for a
-        # real-shape checkpoint), which would time it against an fp32 mmserve
         self.model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).eval()
         self.processor = load_processor(model_path)  # OneVision's needs no torchvision
         self.never = list(never_sample_ids) or None
+
+    def inputs(self, text: str, images: list[Any]) -> Any:
+        """Processor outputs for ``text`` and PIL ``images``, pixels in the model's dtype."""
+        inputs = self.processor(images=images or None, text=text, return_tensors="pt")
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        return inputs
+
+    @torch.inference_mode()
+    def generate(self, text: str, images: list[Any], n: int, **kw: Any) -> tuple[list, list]:
+        """``n`` greedy tokens for ``text`` and ``images``: ``(new token ids, (wall, CPU) of
+        the start and of each token)``."""
+        stamps, t0 = _Stamps(), (time.perf_counter(), time.process_time())
+        inputs = kw.pop("inputs", None) or self.inputs(text, images)
+        ids = self.model.generate(
+            **inputs,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            suppress_tokens=self.never,
+            streamer=stamps,
+            **kw,
+        )
+        return ids[0, inputs["input_ids"].shape[1] :].tolist(), [t0, *stamps.t[1:]]
 
     def run(
         self, wl: Workload, render: Any, images: dict[str, Any], lens: list[int], most: Any = None
@@ -366,26 +382,10 @@ class TransformersRunner:
         out, lat, cpu, service = {}, {}, {}, {}
         for i in chosen:
             p = wl.prompts[i]
-            c0, t0 = time.process_time(), time.perf_counter()
-            inputs = self.processor(
-                images=[images[m] for m in p.images] or None,
-                text=render(p.messages),
-                return_tensors="pt",
-            )
-            streamer = _FirstToken()
-            with torch.inference_mode():
-                ids = self.model.generate(
-                    **inputs,
-                    max_new_tokens=wl.max_tokens,
-                    min_new_tokens=wl.max_tokens,
-                    do_sample=False,
-                    suppress_tokens=self.never,
-                    streamer=streamer,
-                )
-            out[i] = ids[0, inputs["input_ids"].shape[1] :].tolist()
-            lat[i] = time.perf_counter() - t0
-            service[i] = (streamer.first or time.perf_counter()) - t0
-            cpu[i] = time.process_time() - c0
+            text = render(p.messages)
+            out[i], t = self.generate(text, [images[m] for m in p.images], wl.max_tokens)
+            end = (time.perf_counter(), time.process_time())
+            lat[i], cpu[i], service[i] = end[0] - t[0][0], end[1] - t[0][1], t[1][0] - t[0][0]
         mean = sum(lat.values()) / len(lat)
         ttfts, i = [], 0
         for rnd in wl.rounds:  # queueing: request i of a round waits for those before it
@@ -440,7 +440,7 @@ def cache_on_off(path: str, wl: Workload, **engine_kw: Any) -> dict[str, Any]:
     cfg.validate()
     model = load_model(path, device=cfg.device, dtype=cfg.torch_dtype())
     mm = MMServeRunner(model, path, **engine_kw)
-    mm.run(_one(wl, 0), "warm-up", check_leaks=False)
+    mm.run(one_request(wl, 0), "warm-up", check_leaks=False)
     on, off = mm.run(wl, "on").summary(), mm.run(wl, "off", radix_cache=False).summary()
     backend = resolve_attention_backend(
         cfg.attention_backend, cfg.device, model.decoder.embed_tokens.weight.dtype

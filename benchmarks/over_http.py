@@ -1,23 +1,12 @@
-"""The HTTP runner: a load generator for OpenAI-compatible servers, and server processes.
+"""The HTTP runner: a load generator for OpenAI-compatible servers, batch jobs, and
+server processes.
 
-Every request is a streaming ``POST /v1/chat/completions`` (images as ``data:`` URLs or
-uploaded ids), ``max_tokens`` N with ``ignore_eos``, greedy, and
-``stream_options.include_usage`` (token counts come from the final usage chunk and are
-checked against N). Requests go open-loop -- each at its time from a seeded Poisson
-process, or all at once (a burst, ``rate = inf``), whatever the server is doing -- or
-closed-loop from a number of clients, a session's next turn queued when its previous
-answer arrives. :func:`summarize` gives what SGLang's ``bench_serving`` and ``vllm
-bench serve`` report: TTFT (send to first content), TPOT (``(latency - TTFT) / (tokens -
-1)``), inter-token latency (gaps between content chunks), end-to-end latency, request and
-token throughput over the span from the first send to the last answer, and goodput
-(requests/s meeting an SLO on TTFT and TPOT).
-
-Why our own and not ``guidellm``: its wheel pulls ``datasets`` (pyarrow, pandas), sanic,
-uvloop and a dozen more; this is httpx's ``AsyncClient`` and about 150 lines.
-Bodies are serialised before a run, so JSON and base64 work is not timed.
-
-Servers run as processes on a free 127.0.0.1 port with a set thread count; their CPU
-seconds are read from ``/proc`` around each run (a figure other load does not inflate).
+Every chat request streams (``stream_options.include_usage``: token counts are checked
+against N), greedy, ``max_tokens`` N with ``ignore_eos``; bodies are serialised before a
+run. Open loop (seeded Poisson arrivals or a burst) or closed loop (a session's next
+turn queued when its previous answer arrives). :func:`summarize` reports what SGLang's
+``bench_serving`` and ``vllm bench serve`` do. Our own rather than ``guidellm``, whose
+wheel pulls ``datasets`` (pyarrow, pandas), sanic, uvloop and a dozen more.
 """
 
 from __future__ import annotations
@@ -70,9 +59,13 @@ def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def request_bodies(
-    wl: Workload, model: str | None, extra: dict | None = None, urls: dict | None = None
+    wl: Workload,
+    model: str | None,
+    extra: dict | None = None,
+    urls: dict | None = None,
+    stream: bool = True,
 ) -> list[bytes]:
-    """Serialised streaming bodies of every request of ``wl``.
+    """Serialised chat bodies of every request of ``wl``.
 
     Args:
         model: the ``model`` field (None: left out).
@@ -87,8 +80,7 @@ def request_bodies(
             "max_tokens": wl.max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
             **({"model": model} if model else {}),
             **(extra or {}),
         }
@@ -297,6 +289,39 @@ def summarize(
         "goodput": per(good),
         "client_lateness_max_s": max((r.sent - r.scheduled for r in results), default=None),
     }
+
+
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def create_batch(url: str, bodies: Sequence[bytes]) -> str:
+    """Upload ``bodies`` as a JSONL batch input and create a chat-completions batch; its id."""
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
+        for i, b in enumerate(json.loads(b) for b in bodies)
+    ]
+    data = "\n".join(json.dumps(x) for x in lines).encode()
+    files = {"file": ("in.jsonl", data)}
+    r = httpx.post(f"{url}/v1/files", data={"purpose": "batch"}, files=files, timeout=300)
+    r.raise_for_status()
+    body = {"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions"}
+    return post_json(f"{url}/v1/batches", {**body, "completion_window": "24h"})["id"]
+
+
+def wait_batch(url: str, batch_id: str, timeout: float = 900) -> dict:
+    """Poll the batch every 50 ms until it ends; the final batch object.
+
+    Raises:
+        TimeoutError: after ``timeout`` seconds; RuntimeError: it did not complete.
+    """
+    deadline = time.perf_counter() + timeout
+    while (b := get_json(f"{url}/v1/batches/{batch_id}"))["status"] not in TERMINAL:
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"batch {batch_id} still {b['status']} after {timeout} s")
+        time.sleep(0.05)
+    if b["status"] != "completed" or b["request_counts"]["failed"]:
+        raise RuntimeError(f"batch {batch_id}: {b}")
+    return b
 
 
 # ---- server processes ------------------------------------------------------------------

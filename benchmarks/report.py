@@ -460,6 +460,87 @@ def http_summary(res: dict, plot: Path | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def real_shapes_table(results: dict[str, dict]) -> str:
+    """``real-shapes --parts compare``: transformers and mmserve per dtype."""
+    rows = []
+    for dtype, r in results.items():
+        for label, k, unit, x in (
+            ("first question (tower + prefill)", "first", "s", 1),
+            ("second question, same photo", "second", "s", 1),
+            ("decode, batch 1", "decode", "ms/token", 1e3),
+            ("decode, batch 1, CPU time", "decode_cpu", "ms/token", 1e3),
+        ):
+            hf, mm = r[f"hf_{k}"] * x, r[f"mm_{k}"] * x
+            rows.append(
+                (f"{label}, {dtype}", f"{hf:.3g} {unit}", f"{mm:.3g} {unit}", f"{mm / hf:.2f}")
+            )
+        for suffix, what in (("", "tokens/s"), ("_cpu", "tokens per CPU second")):
+            b, one = r["mm_batch_tps" + suffix], r["mm_single_tps" + suffix]
+            label = f"{r['batch']} concurrent answers vs batch 1 ({what}), {dtype}"
+            rows.append((label, "-", f"{b:.1f} vs {one:.1f}", f"{b / one:.2f}x"))
+    return md_table("|transformers|mmserve|mmserve / transformers", rows)
+
+
+def decode_table(sweeps: list[dict]) -> str:
+    """``real-shapes --parts decode``: ms per step (CPU in brackets) against the bound."""
+    rows, lines = [], []
+    for sw in sweeps:
+        bound, bound_cpu = sw["bound_ms"], sw["bound_cpu_ms"]
+        for b, r in sw["batches"].items():
+            rows.append(
+                (
+                    sw["dtype"],
+                    b,
+                    f"{r['hf']:.1f} ({r['hf_cpu']:.1f})",
+                    f"{r['mm']:.1f} ({r['mm_cpu']:.1f})",
+                )
+                + (
+                    f"{r['mm'] / r['hf']:.2f} ({r['mm_cpu'] / r['hf_cpu']:.2f})",
+                    f"{r['mm'] / int(b):.1f}",
+                )
+                + (
+                    f"{bound:.1f} ({bound_cpu:.1f})",
+                    f"{r['mm'] / bound:.2f} ({r['mm_cpu'] / bound_cpu:.2f})",
+                )
+            )
+        lines.append(
+            f"{sw['dtype']}: read bandwidth {sw['bandwidth_gbs']:.1f} GB/s "
+            f"({sw['bandwidth_cpu_gbs']:.1f} per CPU second), decode weights "
+            f"{sw['weight_bytes'] / 1e9:.3f} GB"
+        )
+        if d := sw.get("default"):
+            lines.append(
+                f"default server dtype ({d['dtype']}): batch-1 decode {d['ms']:.1f} ms (CPU "
+                f"{d['cpu_ms']:.1f}) vs --dtype {sw['dtype']} {d['explicit_ms']:.1f} (CPU "
+                f"{d['explicit_cpu_ms']:.1f}), alternating: {d['ms'] / d['explicit_ms']:.2f}x"
+            )
+    head = "dtype|batch|transformers ms/step (CPU)|mmserve ms/step (CPU)|mmserve / transformers"
+    head += "|mmserve ms/token|bound ms/step (CPU)|mmserve / bound"
+    return md_table(head, rows) + "\n".join(lines)
+
+
+def tiers_summary(out: dict) -> str:
+    """``kv-tiers``: the setups side by side, the restart and the TTFT from disk."""
+    opt, off = out["optimum"]["cache_hit_rate"], out["off"]["requests_per_s"]
+    rows = [
+        (name, f"{f['cache_hit_rate']:.3f}", f"{f['cache_hit_rate'] / opt:.3f}")
+        + (f"{f['requests_per_s']:.2f}", f"{f['requests_per_s'] / off:.2f}x")
+        + (f"{f['ttft_p50_ms']:.0f}", f"{f['ttft_p90_ms']:.0f}", f["vision_tower_runs"])
+        for name, f in out.items()
+        if name in ("off", "host", "disk", "optimum")
+    ]
+    head = "setup|hit rate|/ optimum|req/s|vs off|TTFT p50 ms|p90 ms|tower runs"
+    r, t = out["restart"], out["ttft"]
+    return md_table(head, rows) + (
+        f"restart: {r['image_tokens_cached_share']:.3f} of the image tokens of {r['images']} "
+        f"photos cached, tower runs {r['vision_tower_runs']}, feature loads {r['feature_loads']}"
+        f"\nTTFT, new question about a photo on disk: {t['disk_ttft_p50_ms']:.0f} ms vs "
+        f"recompute {t['recompute_ttft_p50_ms']:.0f} ms (p50 of {t['images']}): "
+        f"{t['speedup_p50']:.1f}x; tower runs {t['disk_tower_runs']} vs "
+        f"{t['recompute_tower_runs']}; first tokens equal: {t['first_tokens_equal']}"
+    )
+
+
 def replicas_table(results: dict) -> str:
     """The replica setups side by side (``python -m benchmarks replicas``)."""
     w = results["workload"]

@@ -1,16 +1,6 @@
-"""Seeded benchmark workloads, their sizes per scale, and their offline-optimal hit rate.
-
-A :class:`Workload` is requests in *rounds* (a round is submitted at once; the next
-starts when it has finished) plus, for chat-like workloads, *sessions*: chains of
-request indices where each request is sent when the previous one is answered (a chat
-client). Images are encoded PNG/JPEG bytes, so every system decodes the same pixels.
-All randomness comes from ``random.Random(seed)`` and ``numpy.random.default_rng(seed)``:
-the same arguments give the same prompts, byte for byte.
-
-The offline optimum is Theorem 3.1 of the SGLang paper (arXiv 2312.07104): with an
-unbounded cache the best schedule computes each node of the token trie of all prompts
-once, so ``optimal hit rate = 1 - trie nodes / prompt tokens``.
-"""
+"""Seeded benchmark workloads (same seed, same bytes), their sizes per scale, and the
+offline-optimal hit rate (SGLang, arXiv 2312.07104, Theorem 3.1: each node of the token
+trie of all prompts is computed once, so ``1 - trie nodes / prompt tokens``)."""
 
 from __future__ import annotations
 
@@ -96,7 +86,7 @@ class Workload:
     Attributes:
         name: workload name (also the results file name).
         description: one line on what it models.
-        images: encoded image bytes by name.
+        images: encoded image bytes by name (every system decodes the same pixels).
         rounds: requests submitted together; round ``r + 1`` starts when round ``r`` ends.
         max_tokens: output tokens per request (``ignore_eos``: always exactly this many).
         params: the generator's arguments.
@@ -137,18 +127,11 @@ def trie_size(seqs: Sequence[Sequence[int]]) -> int:
 
 
 def optimal_hit_rate(seqs: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Offline-optimal hit rate of prompts ``seqs`` (token ids, image pseudo-ids included).
-
-    Returns:
-        ``total_tokens`` (sum of lengths), ``distinct_tokens`` (trie nodes) and
-        ``optimal_hit_rate`` = ``1 - distinct / total`` (0 for no tokens).
-    """
+    """``total_tokens``, ``distinct_tokens`` (trie nodes) and ``optimal_hit_rate`` (``1 -
+    distinct / total``, 0 for no tokens) of prompts ``seqs`` (image pseudo-ids included)."""
     total, distinct = sum(len(s) for s in seqs), trie_size(seqs)
     rate = 1.0 - distinct / total if total else 0.0
     return {"total_tokens": total, "distinct_tokens": distinct, "optimal_hit_rate": rate}
-
-
-# ---- images ---------------------------------------------------------------------------
 
 
 def png(im: Image.Image) -> bytes:
@@ -163,10 +146,10 @@ def photo_bytes(name: str) -> bytes:
     return (SAMPLES_DIR / name).read_bytes()
 
 
-#: Orientations of the copies past the sample photos (copy ``j`` of a photo uses entry
-#: ``j - 1``; beyond them, pixel values are shifted); each gives other pixels, so another key.
+#: Orientations of copy ``j`` of a sample photo (entry ``j - 1``; past them, shifted
+#: pixel values): other pixels, so another key.
 _VARIANTS = (
-    Image.Transpose.TRANSPOSE,  # = flip left-right, then rotate 90 (the first copies so far)
+    Image.Transpose.TRANSPOSE,
     Image.Transpose.ROTATE_180,
     Image.Transpose.FLIP_TOP_BOTTOM,
     Image.Transpose.ROTATE_90,
@@ -224,16 +207,8 @@ def noise_image(rng: np.random.Generator, size: int) -> bytes:
 
 
 def data_url(data: bytes) -> str:
-    """``data:<mime>;base64,...`` for encoded PNG, JPEG, GIF or WebP bytes."""
-    mime = "application/octet-stream"
-    if data.startswith(b"\x89PNG"):
-        mime = "image/png"
-    elif data.startswith(b"\xff\xd8"):
-        mime = "image/jpeg"
-    elif data[:6] in (b"GIF87a", b"GIF89a"):
-        mime = "image/gif"
-    elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        mime = "image/webp"
+    """``data:<mime>;base64,...`` of encoded PNG or JPEG bytes."""
+    mime = "image/jpeg" if data.startswith(b"\xff\xd8") else "image/png"
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
@@ -253,9 +228,6 @@ def openai_messages(p: Prompt, urls: dict[str, str]) -> list[dict]:
             ]
         out.append({"role": m["role"], "content": content})
     return out
-
-
-# ---- workloads --------------------------------------------------------------------------
 
 
 def _pick(rnd: random.Random, pool: Sequence[str], n: int) -> list[str]:
@@ -382,6 +354,26 @@ def no_sharing(n: int, max_tokens: int, seed: int = 0, image_size: int = 336) ->
         [prompts],
         max_tokens,
         {"requests": n, "max_tokens": max_tokens, "seed": seed},
+    )
+
+
+def questions_about(
+    images: dict[str, bytes], questions: int, max_tokens: int, seed: int | None = 0
+) -> Workload:
+    """``questions`` of :data:`QUESTIONS` (no system prompt) about each image, one round:
+    shuffled with ``seed``, or round-robin for None (every image's first question, then
+    every second, ...: by an image's next question a small pool has evicted it)."""
+    order = [(k, n) for k in range(questions) for n in images]
+    prompts = [Prompt(ask(QUESTIONS[k % len(QUESTIONS)], system=False), [n]) for k, n in order]
+    if seed is not None:
+        random.Random(seed).shuffle(prompts)
+    return Workload(
+        "questions",
+        f"{len(images)} images x {questions} questions",
+        images,
+        [prompts],
+        max_tokens,
+        {"images": len(images), "questions": questions, "max_tokens": max_tokens, "seed": seed},
     )
 
 
