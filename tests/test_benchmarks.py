@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from benchmarks import batch_api, report, workloads
+from benchmarks import experiments, report, workloads
 from benchmarks.__main__ import main
 from benchmarks.cost_bound import share_costs, totals
 from benchmarks.in_process import MMServeRunner, cache_on_off, spread
@@ -185,19 +185,11 @@ def test_http_achieved_over_bound() -> None:
 
 
 def test_cost_bound_totals_and_shared_costs() -> None:
-    a = dict(
-        distinct_prompt_tokens=100,
-        prompt_tokens=400,
-        distinct_images=2,
-        images=8,
-        decode_steps=10,
-        prefill_s_per_token=0.01,
-        prefill_cpu_s_per_token=0.02,
-        tower_s_per_image=0.5,
-        tower_cpu_s_per_image=0.5,
-        decode_step_s=0.1,
-        decode_step_cpu_s=0.1,
-    )
+    # 100 of 400 prompt tokens and 2 of 8 images distinct, 10 decode steps
+    counts = dict(distinct_prompt_tokens=100, prompt_tokens=400, distinct_images=2, images=8)
+    a = {**counts, "decode_steps": 10, "decode_step_s": 0.1, "decode_step_cpu_s": 0.1}
+    a.update(prefill_s_per_token=0.01, prefill_cpu_s_per_token=0.02)
+    a.update(tower_s_per_image=0.5, tower_cpu_s_per_image=0.5)
     totals(a)
     assert a["bound_s"] == pytest.approx(1.0 + 1.0 + 1.0)
     assert a["bound_cpu_s"] == pytest.approx(2.0 + 1.0 + 1.0)
@@ -264,17 +256,33 @@ def test_run_suite_ci(tmp_path: Path, model_dir: Path) -> None:
     assert "## Targets" in summary and "| mmserve-fcfs-halfpool |" in summary
 
 
-def test_batch_api_benchmark_tiny(model_dir: Path, capsys) -> None:  # noqa: ANN001
-    args = ["--model", str(model_dir), "--images", "3", "--questions", "2", "--probes", "2"]
-    out = batch_api.main([*args, "--ttft-scale", "1", "--probe-period", "0.05"])
-    printed = capsys.readouterr().out
-    assert "/v1/batches" in printed and "chat burst" in printed and "TTFT p50" in printed
+def test_batch_api_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["batch-api", "--model", str(model_dir), "--images", "3", "--questions", "2"]
+    argv += ["--probes", "2", "--ttft-scale", "1", "--probe-period", "0.05", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "batch_api.json").read_text())
     a, b, c = out["batch"], out["burst"], out["ttft"]
     assert a["requests"] == b["requests"] == 6
     # the pool holds every photo: the batch reaches the optimum, one tower run per photo
     assert a["hit_rate"] == pytest.approx(out["optimum"], rel=0.02) and 0 < out["optimum"] < 1
     assert a["tower_runs"] == 3 and b["tower_runs"] >= 3
     assert c["during_n"] >= 1 and c["ratio"] == pytest.approx(c["during_p50"] / c["idle_p50"])
+
+
+def test_kv_tiers_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["kv-tiers", "--model", str(model_dir), "--images", "3", "--questions", "2"]
+    argv += ["--max-tokens", "2", "--ttft-images", "2", "--no-cold", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "kv_tiers.json").read_text())
+    opt = out["optimum"]["cache_hit_rate"]
+    assert out["host"]["cache_hit_rate"] == out["disk"]["cache_hit_rate"] == opt
+    assert opt > out["off"]["cache_hit_rate"]
+    assert out["disk"]["tier_disk_hit_tokens"] > 0 and out["host"]["tier_host_hit_tokens"] > 0
+    assert out["restart"]["vision_tower_runs"] == 0 and out["restart"]["feature_loads"] == 3
+    assert out["restart"]["image_tokens_cached_share"] >= 0.95
+    t = out["ttft"]
+    assert t["first_tokens_equal"] and t["disk_tower_runs"] == 0 and t["recompute_tower_runs"] == 2
+    assert t["disk_feature_loads"] == 2 and t["disk_hit_tokens"] >= 2 * 560
 
 
 def test_decode_weight_bytes_counts_a_tied_head_once() -> None:
@@ -289,42 +297,49 @@ def test_decode_weight_bytes_counts_a_tied_head_once() -> None:
     assert decode_weight_bytes(dec) == 160 + 32  # tied: one tensor, read once
 
 
-def test_real_shapes_decode_sweep_tiny(families, tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    from benchmarks import real_shapes
+def test_real_shapes_tiny(families, tmp_path: Path) -> None:  # noqa: ANN001
     from mmserve.config import auto_dtype
     from mmserve.model.loader import load_model
 
     ov = families["llava-onevision"].model_dir
-    out = tmp_path / "rs.json"
-    args = ["--model", str(ov), "--parts", "decode", "--dtypes", "float32", "--repeats", "1"]
-    args += ["--decode-batches", "1,3", "--decode-tokens", "2", "--bandwidth-gb", "0.01"]
-    assert real_shapes.main([*args, "--out", str(out)]) == 0
-    (sw,) = json.loads(out.read_text())["decode"]
+    argv = ["real-shapes", "--model", str(ov), "--dtypes", "float32", "--repeats", "1"]
+    argv += ["--tokens", "3", "--batch", "2", "--decode-batches", "1,3", "--decode-tokens", "2"]
+    assert main([*argv, "--bandwidth-gb", "0.01", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "real_shapes.json").read_text())
+    r = data["results"]["float32"]
+    assert r["batch"] == 2 and r["prompt_tokens"] > 100
+    assert all(r[k] > 0 for k in ("hf_first", "mm_first", "mm_second", "hf_decode", "mm_decode"))
+    assert r["mm_second"] < r["mm_first"]  # the photo's prefix is cached
+    assert "| 2 concurrent answers vs batch 1 (tokens/s), float32 |" in data["table"]
+    (sw,) = data["decode"]
     dec = load_model(ov).decoder
     assert sw["weight_bytes"] == sum(p.numel() * 4 for p in dec.parameters()) - (
         0 if dec.shape.tie_word_embeddings else dec.embed_tokens.weight.numel() * 4
     )
     assert sw["bound_ms"] == pytest.approx(sw["weight_bytes"] / (sw["bandwidth_gbs"] * 1e6))
-    cpu_bound = sw["weight_bytes"] / (sw["bandwidth_cpu_gbs"] * 1e6)
-    assert sw["bound_cpu_ms"] == pytest.approx(cpu_bound)
+    assert sw["bound_cpu_ms"] == pytest.approx(sw["weight_bytes"] / (sw["bandwidth_cpu_gbs"] * 1e6))
     assert set(sw["batches"]) == {"1", "3"}
-    for r in sw["batches"].values():
-        assert set(r) == {"mm", "mm_cpu", "hf", "hf_cpu"} and all(v > 0 for v in r.values())
+    for b in sw["batches"].values():
+        assert set(b) == {"mm", "mm_cpu", "hf", "hf_cpu"} and all(v > 0 for v in b.values())
     d = sw["default"]
     assert d["dtype"] == auto_dtype("cpu")[0] and d["ms"] > 0 and d["explicit_ms"] > 0
-    printed = capsys.readouterr().out
-    assert "| float32 | 3 |" in printed and "default server dtype" in printed
+    assert "| float32 | 3 |" in data["table"] and "default server dtype" in data["table"]
 
 
-def test_real_shapes_compare_tiny(families, tmp_path: Path) -> None:  # noqa: ANN001
-    from benchmarks import real_shapes
-
-    ov = families["llava-onevision"].model_dir
-    out = tmp_path / "rs.json"
-    args = ["--model", str(ov), "--parts", "compare", "--dtypes", "float32", "--tokens", "3"]
-    assert real_shapes.main([*args, "--repeats", "1", "--batch", "2", "--out", str(out)]) == 0
-    data = json.loads(out.read_text())
-    r = data["results"]["float32"]
-    assert r["batch"] == 2 and r["prompt_tokens"] > 100 and data["decode"] == []
-    assert all(r[k] > 0 for k in ("hf_first", "mm_first", "mm_second", "hf_decode", "mm_decode"))
-    assert "| 2 concurrent answers vs batch 1 (tokens/s), float32 |" in data["table"]
+def test_replicas_summary_side_by_side() -> None:
+    wl = workloads.interleaved(k=3, m=3, c=2, t=3, max_tokens=4)
+    assert wl.num_requests == 3 * 3 + 2 * 3
+    for turns in (s for s in wl.sessions if len(s) > 1):  # turn t holds the history of turns < t
+        assert [len(wl.prompts[i].messages) for i in turns] == [2, 4, 6]
+    keys = "hit_rate hit_rate_over_optimum tower_runs_per_image pixel_fetches requests_per_second"
+    keys += " output_tokens_per_second ttft_p50_ms ttft_p99_ms errors"
+    row = {**dict(zip(keys.split(), (0.5, 0.9, 1.0, 5, 1.0, 4.0, 10, 20, 0), strict=True))}
+    results = {
+        "model": "/m/llava-tiny-seed0",
+        "workload": {**wl.params, "requests": 15, "distinct_images": 5, "concurrency": 3}
+        | {"optimal_hit_rate": 0.6},
+        "setups": {name: {**row, "router": {"prefix": 3}} for name, _, _ in experiments.SETUPS},
+    }
+    md = report.replicas_table(results)
+    for name, _, _ in experiments.SETUPS:
+        assert f"| {name} | 0.500 | 0.900 | 1.00 | 5 | 1.00 | 4.0 | 10 | 20 | 0 | prefix 3 |" in md

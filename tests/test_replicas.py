@@ -36,7 +36,7 @@ from api.replicas.frontend import FrontEnd, load_frontend_model  # noqa: E402
 from api.replicas.prefix_tree import PrefixTree  # noqa: E402
 from api.replicas.settings import ReplicaSettings  # noqa: E402
 from benchmarks import experiments as bench  # noqa: E402
-from benchmarks import report, workloads  # noqa: E402
+from benchmarks import workloads  # noqa: E402
 from mmserve.config import EngineConfig  # noqa: E402
 from mmserve.engine.request import SamplingParams  # noqa: E402
 from tests.live_server import live_server, metric  # noqa: E402
@@ -398,35 +398,6 @@ def test_cache_router_counts_the_shared_disk_tier() -> None:
     assert snap["by_reason"] == {"no_match": 6, "disk": 1}
     assert snap["replicas"][last]["matched_tokens"] >= 60
     assert snap["disk_tree_tokens"] == 6 * 61  # six distinct prompts
-
-
-def test_benchmark_workload_and_summary_side_by_side() -> None:
-    wl = workloads.interleaved(**WORKLOAD)
-    assert wl.num_requests == 3 * 3 + 2 * 3
-    chats = [s for s in wl.sessions if len(s) > 1]
-    for turns in chats:  # turn t holds the history of turns < t
-        assert [len(wl.prompts[i].messages) for i in turns] == [2, 4, 6]
-    row = dict(
-        hit_rate=0.5,
-        hit_rate_over_optimum=0.9,
-        tower_runs_per_image=1.0,
-        pixel_fetches=5,
-        requests_per_second=1.0,
-        output_tokens_per_second=4.0,
-        ttft_p50_ms=10,
-        ttft_p99_ms=20,
-        errors=0,
-        router={"prefix": 3},
-    )
-    results = {
-        "model": "/m/llava-tiny-seed0",
-        "workload": {**wl.params, "requests": 15, "distinct_images": 5, "concurrency": 3}
-        | {"optimal_hit_rate": 0.6},
-        "setups": {name: row for name, _, _ in bench.SETUPS},
-    }
-    md = report.replicas_table(results)
-    for name in ("1 replica", "2 replicas, cache", "2 replicas, pow2", "2 replicas, round_robin"):
-        assert f"| {name} | 0.500 | 0.900 | 1.00 |" in md
 
 
 # ---- two replicas, cache router --------------------------------------------------------
