@@ -1,21 +1,9 @@
-"""The cost bound: the least time any server could take for a workload on this machine.
+"""The cost bound: the least time any server could take for a burst of a workload here.
 
-With all repeated work skipped (SGLang's offline optimum, arXiv 2312.07104, Theorem 3.1)
-a burst of ``n`` requests still needs a prefill of every *distinct* prompt token (trie
-nodes, image pseudo-tokens included), one vision-tower pass per *distinct* image, and
-``ceil(n / B) * (N - 1)`` decode steps at batch ``B = min(n, max_running_requests)``.
-Each unit cost is measured here, in-process on the same model (mmserve's ``Engine``),
-the least over repeats, in wall and in CPU seconds:
-
-- prefill: prompts whose image features are cached and KV is not (radix cache off),
-  ``max_tokens = 1``; one prompt and a batch of three, seconds per prompt token;
-- tower: ``model.vision.encode`` of the workload's images, one at a time and as a batch;
-- decode: ``B`` of the workload's requests running, each full-batch decode step.
-
-:func:`share_costs` gives every workload of a run the least per-token prefill and
-per-image tower cost measured on any of them (same model; other load must not raise a
-bound). The bound leaves out per-step overheads and assumes prefill and decode never
-wait for each other, so no server reaches it: ``achieved / bound`` <= 1.
+Distinct (trie) prompt tokens x per-token prefill cost + distinct images x tower cost +
+``ceil(n / B) * (N - 1)`` decode steps at ``B = min(n, max_running_requests)`` x step
+cost, each cost measured in-process on the same model (least of the repeats), in wall and
+CPU seconds. Per-step overheads are left out, so ``achieved / bound`` <= 1.
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
-"""llama.cpp's ``llama-server`` as the baseline, on the benchmark's own weights, and the
-greedy agreement check between it and mmserve.
-
-``scripts/setup_llamacpp.sh`` builds ``llama-server`` from the llama.cpp source the
-``llama-cpp-python`` sdist vendors, and calls ``python -m benchmarks llamacpp ...``:
-``make-checkpoint`` (the ``small`` LLaVA-1.5 checkpoint -- same size and seed, hence the
-same weights, as ``mmserve make-model`` -- with the SentencePiece tokenizer llama.cpp's
-converter accepts), ``export-lm`` (the language model alone for ``convert_hf_to_gguf.py``)
-and ``vit-dir`` (the CLIP tower as a ``CLIPVisionModel`` directory for the legacy
-``convert_image_encoder_to_gguf.py``). :func:`find_setup` reads the ``setup.json`` it writes.
-
-Agreement (:func:`agreement`): ten text-only chats (4 with the system prompt, 4 bare, 2
-with a canned history) and three image chats, greedy, stopping at EOS, compared as token
-ids (the detokenizers differ): mmserve's from its engine in-process on the served
-checkpoint (its text checked equal to the server's), llama.cpp's from ``/completion``
-with ``return_tokens`` on its own rendering of the chat, ``logit_bias`` -inf on the ids
-mmserve never samples. A difference gets the first reason that holds: template
-(``/apply-template`` renders another string), tokenizer (other prompt ids; llama.cpp is
-then given mmserve's ids, and agreeing then proves the model equal; for images, another
-prompt length: llama.cpp tokenizes the text after an image as its own chunk, with a
-leading "▁"), preprocessing (a non-square image: llama.cpp pads LLaVA-1.5 images to a
-square, transformers crops the centre), float order (mmserve's top-2 log-probability gap
-at the first differing token below :data:`NEAR_TIE`), else "unexplained".
-"""
+"""llama.cpp's ``llama-server`` as the baseline on the benchmark's own weights: the setup
+helpers of ``scripts/setup_llamacpp.sh`` and the greedy agreement check with mmserve
+(what each does and why: ``benchmarks/README.md``)."""
 
 from __future__ import annotations
 

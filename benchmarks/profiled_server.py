@@ -1,11 +1,7 @@
-"""``mmserve serve`` under cProfile, every thread profiled, and where its time goes.
-
-``python -m benchmarks.profiled_server serve --model DIR ...`` (the HTTP suite's
-launcher for the HTTP-overhead profile) runs the normal CLI with a ``cProfile.Profile``
-in the main thread and one in each thread started later (engine, workers). ``SIGUSR1``
-clears them (start-up and warm-up left out), ``SIGUSR2`` writes ``$MMSERVE_PROFILE_OUT``
-(a pickle of ``{thread name: pstats dict}``). :func:`breakdown` sums that by category.
-"""
+"""``mmserve serve`` under cProfile, every thread profiled (``python -m
+benchmarks.profiled_server serve ...``, the launcher of the HTTP-overhead profile):
+``SIGUSR1`` clears the profiles, ``SIGUSR2`` writes ``$MMSERVE_PROFILE_OUT``;
+:func:`breakdown` sums them by category."""
 
 from __future__ import annotations
 

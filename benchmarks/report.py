@@ -1,4 +1,4 @@
-"""The one report: percentiles, Markdown tables, targets, plots and JSON files of every suite.
+"""The one report: percentiles, Markdown tables, targets and JSON files of every suite.
 
 Inputs are the JSON-ready dicts the suites write (``<workload>.json``, ``pool_sweep.json``,
 ``serve.json``, ...); nothing here measures anything.
@@ -231,57 +231,11 @@ def engine_summary(results: dict, sweeps: dict, targets: list[dict], meta: dict)
         lines += [f"## KV pool sweep ({sw['workload']}, policy {sw['policy']})", ""]
         lines += [
             f"Working set {sw['working_set_tokens']} tokens, one request "
-            f"{sw['one_request_tokens']}; plot: `pool_sweep.png`.",
+            f"{sw['one_request_tokens']}.",
             "",
             sweep_table(sw),
         ]
     return "\n".join(lines) + "\n"
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
-def plot_sweep(path: Path, sweeps: dict[str, dict]) -> bool:
-    """Hit rate / optimum and requests/s against pool size / working set, a line per
-    workload. False when matplotlib is missing."""
-    if (plt := _pyplot()) is None:
-        return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for k, (name, sw) in enumerate(sweeps.items()):
-        pts = sorted(sw["points"], key=lambda p: p["pool_tokens"])
-        x = [p["pool_tokens"] / sw["working_set_tokens"] for p in pts]
-        ax1.plot(
-            x,
-            [p["cache_hit_rate"] / sw["optimal_hit_rate"] for p in pts],
-            "o-",
-            c=f"C{k}",
-            label=name,
-        )
-        ax2.plot(x, [p["requests_per_s"] for p in pts], "o-", c=f"C{k}", label=f"{name} wall")
-        ax2.plot(
-            x,
-            [p["requests_per_cpu_s"] for p in pts],
-            "s--",
-            c=f"C{k}",
-            alpha=0.5,
-            label=f"{name} CPU",
-        )
-    ax1.set(xlabel="KV pool / working set", ylabel="hit rate / offline optimum", ylim=(0, 1.05))
-    ax2.set(xlabel="KV pool / working set", ylabel="requests / s", ylim=(0, None))
-    ax1.legend()
-    ax2.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
 
 
 # ---- HTTP suite --------------------------------------------------------------------------
@@ -319,43 +273,7 @@ def http_targets(res: dict, workload: str, fraction: float, min_agree: int) -> l
     return out
 
 
-def plot_latency(path: Path, res: dict) -> Path | None:
-    """TTFT p50/p99 and TPOT p50 against offered rate, one column per workload."""
-    wls = [n for n, w in res["workloads"].items() if w["runs"]]
-    if not wls or (plt := _pyplot()) is None:
-        return None
-    fig, axes = plt.subplots(2, len(wls), figsize=(4 * len(wls), 6.5), squeeze=False)
-    for j, name in enumerate(wls):
-        runs = res["workloads"][name]["runs"]
-        finite = sorted({float(k) for r in runs.values() for k in r if k != "burst"}) or [1.0]
-        for i, (s, by_rate) in enumerate(runs.items()):
-            pts = sorted(
-                (finite[-1] * 2 if k == "burst" else float(k), v) for k, v in by_rate.items()
-            )
-            xs = [x for x, _ in pts]
-            for row, (metric, pct) in enumerate((("ttft_s", "p50"), ("tpot_s", "p50"))):
-                ys = [v[metric][pct] for _, v in pts]
-                axes[row][j].plot(xs, ys, "o-", color=f"C{i}", label=f"{s} {pct}")
-            axes[0][j].plot(
-                xs, [v["ttft_s"]["p99"] for _, v in pts], "x--", color=f"C{i}", label=f"{s} p99"
-            )
-        for row, ylabel in enumerate(("TTFT (s)", "TPOT (s)")):
-            ax = axes[row][j]
-            ax.set(
-                xscale="log",
-                yscale="log",
-                xlabel="offered rate (req/s; right: burst)",
-                ylabel=ylabel,
-                title=name if row == 0 else "",
-            )
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def http_summary(res: dict, plot: Path | None) -> str:
+def http_summary(res: dict) -> str:
     """``serve_summary.md`` of the HTTP suite."""
     m, slo = res["meta"], res["meta"]["slo"]
     lines = ["# HTTP serving benchmark (`python -m benchmarks serve`)", ""]
@@ -407,7 +325,6 @@ def http_summary(res: dict, plot: Path | None) -> str:
             md_table(head, rows),
         ]
     lines += ["## Runs", ""]
-    lines += [f"![latency against offered rate]({Path(plot).name})", ""] if plot else []
     lines += [
         "Times in ms; throughput over the first send to the last answer; CPU s: the "
         "server process's; tok ok: every answer had exactly N tokens.",

@@ -1,20 +1,5 @@
-"""The two comparison suites: ``run`` (in-process) and ``serve`` (HTTP).
-
-``run``: every workload on transformers one request at a time (a), mmserve with its
-caches off (b) and on for each policy; multi_turn once more with the KV pool at half the
-working set (``-halfpool``), no_sharing as back-to-back (b)/(lpm) pairs in alternating
-order (the on/off target uses the median of the pairs' ratios), and a KV-pool sweep from
-the working set down to one request, where every request must finish with (b)'s outputs
-and every page must be free after evicting the tree. Writes ``<workload>.json``,
-``pool_sweep.json`` + ``.png``, ``targets.json`` and ``summary.md``.
-
-``serve``: the cost bound of each workload (in-process microbenchmarks), then each
-server (mmserve, mmserve-off, llama.cpp, or ``--url`` ones) on every workload at every
-rate from a cold cache (mmserve: ``POST /v1/cache/flush``; llama.cpp: a fresh process),
-greedy agreement with llama.cpp before timing, and the HTTP overhead: mmserve's peak run
-against the same arrivals in-process, in back-to-back pairs, then once under cProfile.
-Writes ``serve.json``, ``serve_latency.png`` and ``serve_summary.md``.
-"""
+"""The two comparison suites, ``run`` (in-process) and ``serve`` (HTTP); what each runs
+and writes: ``benchmarks/README.md``."""
 
 from __future__ import annotations
 
@@ -220,7 +205,6 @@ def engine_suite(args: argparse.Namespace, model_dir: str) -> int:
                 wl, mm, off, res["prompts"], scale["sweep_points"], log, half, closed
             )
             report.write_json(args.out / "pool_sweep.json", sweeps)
-            report.plot_sweep(args.out / "pool_sweep.png", sweeps)
     targets = report.engine_targets(results, sweeps, MAIN_POLICY)
     meta = {
         "model": Path(model_dir).name,
@@ -415,10 +399,7 @@ def http_suite(args: argparse.Namespace, model_dir: str | None) -> int:  # noqa:
     res["meta"].update(loadavg_end=report.loadavg(), total_seconds=time.perf_counter() - t0)
     res["targets"] = report.http_targets(res, TARGET_WORKLOAD, TARGET_FRACTION, 8)
     report.write_json(args.out / "serve.json", res)
-    plot = report.plot_latency(args.out / "serve_latency.png", res)
-    if plot is None and any(w["runs"] for w in res["workloads"].values()):
-        notes.append("no plot: matplotlib is missing (pip install -e '.[bench]')")
-    text = report.http_summary(res, plot)
+    text = report.http_summary(res)
     (args.out / "serve_summary.md").write_text(text, encoding="utf-8")
     print(text)
     log(f"done; results in {args.out}")
