@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from benchmarks.over_http import free_port, server
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "live_server", "live_server_process"]
 
 
 @contextmanager
@@ -37,53 +29,19 @@ def live_server(
 def live_server_process(
     model_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Like :func:`live_server`, yielding ``(url, process)``; the process is stopped after.
-    float32 unless ``args`` name a ``--dtype``: tests compare servers with each other and
-    with float32 references, and ``--dtype auto`` is bfloat16 on CPUs that have it."""
-    port = free_port()
+    """Like :func:`live_server`, yielding ``(url, process)``; the process is stopped after
+    (benchmarks' :func:`~benchmarks.over_http.server`). float32 unless ``args`` name a
+    ``--dtype``: tests compare servers with each other and with float32 references, and
+    ``--dtype auto`` is bfloat16 on CPUs that have it.
+
+    Raises:
+        RuntimeError: the server exited or was not healthy in ``timeout`` s (with its log).
+    """
     if "--dtype" not in args:
         args = (*args, "--dtype", "float32")
-    log = tempfile.TemporaryFile()  # a pipe nobody reads would block a chatty server
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "api.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            *args,
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited: {log.read().decode()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if time.time() > deadline:
-                    pytest.fail(f"server did not become healthy in {timeout} s")
-                time.sleep(0.25)
-        yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), *args]
+    with server(cmd, {"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout) as got:
+        yield got
 
 
 def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
