@@ -23,6 +23,16 @@ from mmserve.vision.budget import DecodeBusyError
 _TOKEN_ID = re.compile(r"0|-?[1-9][0-9]{0,18}")
 
 
+def check_questions(questions: Sequence[str], limit: int) -> None:
+    """Refuse more ``questions`` than ``limit`` (``--max-questions``) in one call.
+
+    Raises:
+        APIError: 400 naming ``questions``.
+    """
+    if len(questions) > limit:
+        raise APIError(400, f"{len(questions)} questions; the limit is {limit}", param="questions")
+
+
 def sampling_params(body: SamplingFields) -> SamplingParams:
     """Validated sampling parameters; ``max_tokens`` is 0 when the client gave none.
 

@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from api.errors import APIError, error_body
 from api.generation import sampling_params
 from api.json_body import JSONBodyRoute
+from api.media import check_image_count
 from api.routes_chat import engine_requests
 from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState, State
@@ -135,13 +136,7 @@ def _messages(body: ResponsesRequest, max_images: int) -> tuple[list[dict], list
                 urls.append((p.image_url, f"{param}.image_url", None))
                 parts.append({"type": "image"})
             out.append({"role": role, "content": parts})
-    if len(urls) > max_images:
-        raise APIError(
-            400,
-            f"{len(urls)} images in one request; the limit is {max_images}",
-            param="input",
-            code="too_many_images",
-        )
+    check_image_count(len(urls), max_images, "input")
     return out, urls
 
 

@@ -1,15 +1,50 @@
-"""Reading an upload body: multipart field ``file``, or JSON ``{"data": "<base64>"}``."""
+"""Uploads of images and videos: reading the body (multipart field ``file``, or JSON
+``{"data": "<base64>"}``) and what the two upload stores share (:class:`UploadStore`)."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from fastapi import Request
 from starlette.datastructures import UploadFile
 
 from api.errors import APIError
 from api.json_body import json_media_type, read_json_object
+from mmserve.lru import LRU
+
+E = TypeVar("E")
+
+
+class UploadStore(Generic[E]):
+    """The LRU of an upload store (:class:`~api.image_store.ImageStore`,
+    :class:`~api.video_store.VideoStore`): entries by id, bounded by count and bytes.
+
+    The newest entry stays even when it alone is over ``max_bytes`` (it was accepted).
+
+    Args:
+        max_items: most entries kept.
+        max_bytes: most bytes kept, as ``size`` measures an entry (bytes).
+        size: bytes one entry holds in memory.
+    """
+
+    def __init__(self, max_items: int, max_bytes: int, size: Callable[[E], int]) -> None:
+        self.max_bytes = max_bytes
+        self._entries: LRU[str, E] = LRU(max_items, max_bytes, size=size, keep_newest=True)
+
+    def list(self) -> list[E]:
+        """Every entry, most recently used first (does not change the order)."""
+        return self._entries.values()[::-1]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the entries hold in memory (bytes)."""
+        return self._entries.nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def upload_body(what: str) -> dict:
