@@ -62,14 +62,24 @@ class IdKind:
         return v.startswith(self.prefix) or bool(self.scheme) and v.startswith(self.scheme)
 
     def malformed(self, value: str, param: str, status: int = 400) -> APIError:
-        """The error for ``value`` at ``param`` that is not an id of this kind."""
+        """The error for ``value`` at ``param`` that is not an id of this kind
+        (``invalid_{name}_id``), worded as :meth:`not_found` and then why."""
         other = next((k for k in KINDS if k is not self and k.claims(value)), None)
         why = (
             f"that is {_a(other.name)} id, not {_a(self.name)} id"
             if other is not None and other.parse(value) is not None
             else f"the id is malformed: {_a(self.name)} id is {self.form}"
         )
-        # worded as for an unknown id (404 "no image with id", 400 "unknown image id"), then why
+        return self._error(value, param, status, f": {why}", f"invalid_{self.name}_id")
+
+    def not_found(self, ident: str, param: str, status: int = 404) -> APIError:
+        """The error for a well-formed id that names nothing (``{name}_not_found``): 404
+        ``no image with id ...`` for a path parameter, 400 ``unknown image id ...`` for a
+        request field."""
+        gone = "never uploaded, deleted or evicted" if self.scheme else "never made or deleted"
+        return self._error(ident, param, status, f" ({gone})", f"{self.name}_not_found")
+
+    def _error(self, value: str, param: str, status: int, why: str, code: str) -> APIError:
         what = (
             f"no {self.name} with id {shown(value)}"
             if status == 404
@@ -77,28 +87,10 @@ class IdKind:
         )
         return APIError(
             status,
-            f"{param}: {what}: {why}; create one with {self.create}",
+            f"{param}: {what}{why}; create one with {self.create}",
             "not_found_error" if status == 404 else "invalid_request_error",
             param,
-            code=f"invalid_{self.name}_id",
-        )
-
-    def not_found(self, ident: str, param: str, status: int = 404) -> APIError:
-        """The error for a well-formed id that names nothing (``{name}_not_found``): 404
-        ``no image with id ...`` for a path parameter, 400 ``unknown image id ...`` for a
-        request field."""
-        gone = "never uploaded, deleted or evicted" if self.scheme else "never made or deleted"
-        what = (
-            f"no {self.name} with id {shown(ident)}"
-            if status == 404
-            else f"unknown {self.name} id {shown(ident)}"
-        )
-        return APIError(
-            status,
-            f"{param}: {what} ({gone}); create one with {self.create}",
-            "not_found_error" if status == 404 else "invalid_request_error",
-            param,
-            code=f"{self.name}_not_found",
+            code=code,
         )
 
     def deleted(self, ident: str, removed: bool, param: str) -> dict:

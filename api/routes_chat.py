@@ -194,7 +194,9 @@ def _split_images(
                 urls.append((url, f"{param}.video_url", selection(fields)))
                 parts.append({"type": "video"})
             else:
-                urls.append((url, f"{param}.image_url", None))
+                # the field holding the url: image_url itself, or its "url" key
+                at = f"{param}.image_url" if isinstance(src, str) else f"{param}.image_url.url"
+                urls.append((url, at, None))
                 parts.append({"type": "image"})
         out.append({"role": role, "content": parts})
     check_image_count(sum(sel is None for _, _, sel in urls), max_images, "messages")

@@ -27,6 +27,7 @@ from api.media import check_image_count
 from api.routes_chat import engine_requests
 from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState, State
+from api.structured import refuse_tool_fields
 from api.submit import Submission
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.request import GenerateResult
@@ -61,6 +62,8 @@ async def prepare_response(st: ServerState, body: ResponsesRequest) -> list[Engi
         APIError: 400 naming the field at fault (``input[i].content[j].image_url``,
             ``text.format.schema``, ``max_output_tokens``, ...).
     """
+    hint = "/v1/responses runs no tools"
+    refuse_tool_fields(body.tool_choice, body.parallel_tool_calls, hint)
     fields = SamplingFields(
         max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p
     )

@@ -89,11 +89,15 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
             form = await request.form()
         except ValueError as e:  # starlette's MultiPartException, bad boundaries, ...
             raise APIError(400, f"malformed multipart body: {e}", param="file") from None
-        file = form.get("file")
-        if not isinstance(file, UploadFile):
-            raise APIError(400, "multipart upload needs a file field named 'file'", param="file")
-        _refuse_other_fields(list(form.keys()), "file", f"the {what} as the field 'file'")
-        return await file.read(max_bytes + 1), "file"
+        try:  # closing the form deletes its spooled files
+            file = form.get("file")
+            if not isinstance(file, UploadFile):
+                msg = "multipart upload needs a file field named 'file'"
+                raise APIError(400, msg, param="file")
+            _refuse_other_fields(list(form.keys()), "file", f"the {what} as the field 'file'")
+            return await file.read(max_bytes + 1), "file"
+        finally:
+            await form.close()
     if json_media_type(ctype) or ctype.lower().startswith("application/json"):
         _, body = await read_json_object(request)  # 400 for any body that is not an object
         usage = f'JSON upload must be {{"data": "<base64 {what} bytes>"}}'
