@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from api.errors import APIError
+from api.ids import FILE
 
-FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 #: ``purpose`` values a client may upload (output files get ``batch_output``).
 UPLOAD_PURPOSES = ("batch",)
 
@@ -72,8 +71,9 @@ class FileStore:
                     obj = json.loads(meta.read_text(encoding="utf-8"))
                 except (OSError, ValueError):
                     continue
-                if FILE_ID.match(obj.get("id", "")) and self.path(obj["id"]).is_file():
-                    self._objects[obj["id"]] = obj
+                fid = str(obj.get("id", ""))
+                if FILE.parse(fid) is not None and self.path(fid).is_file():
+                    self._objects[fid] = obj
 
     def path(self, file_id: str) -> Path:
         """Where the bytes of ``file_id`` are (whether or not it exists)."""
@@ -125,23 +125,15 @@ class FileStore:
             self._objects[file_id] = obj
         return obj
 
-    def get(self, file_id: str) -> dict:
-        """The file object of ``file_id``.
+    def get(self, file_id: str, param: str = "file_id", status: int = 404) -> dict:
+        """The file object of ``file_id`` (the request field ``param``).
 
         Raises:
-            APIError: 404 for an unknown or deleted id.
+            APIError: 404 for an unknown or deleted id; for a malformed one, ``status``
+                (404 for a path parameter, 400 for a request field).
         """
         with self._lock:
-            obj = self._objects.get(file_id)
-        if obj is None:
-            raise APIError(
-                404,
-                f"no file with id {file_id!r}",
-                "not_found_error",
-                param="file_id",
-                code="file_not_found",
-            )
-        return obj
+            return FILE.find(file_id, param, self._objects.get, status, missing=404)
 
     def read(self, file_id: str) -> bytes:
         """The bytes of ``file_id`` (bounded by the upload and output limits).

@@ -35,7 +35,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from pydantic import ValidationError
 
 from api.batch_store import FileStore, fsync_dir, new_file_id, write_json_atomic
 from api.errors import APIError, describe_validation_errors, error_body
+from api.ids import BATCH
 from api.json_body import parse_json_object
 from api.openai_format import TokenText, chat_completion
 from api.routes_chat import prepare_chat
@@ -64,7 +64,6 @@ ENDPOINTS: dict[str, type] = {
 }
 #: Statuses after which a batch never changes again.
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
-BATCH_ID = re.compile(r"^batch_[0-9a-f]{24}$")
 #: Seconds between fsyncs of the output files and saves of the state while running.
 SYNC_INTERVAL = 1.0
 #: Longest ``custom_id`` (characters).
@@ -329,7 +328,8 @@ class BatchManager:
 
         Raises:
             APIError: 400 for an unknown endpoint, a file that is not a batch input or
-                has more lines than ``max_batch_lines``; 404 for an unknown file.
+                has more lines than ``max_batch_lines`` or a malformed ``input_file_id``;
+                404 for an unknown file.
         """
         if endpoint not in ENDPOINTS:
             raise APIError(
@@ -337,7 +337,7 @@ class BatchManager:
                 f"endpoint: {endpoint!r} is not supported; use one of {sorted(ENDPOINTS)}",
                 param="endpoint",
             )
-        info = self.files.get(input_file_id)
+        info = self.files.get(input_file_id, "input_file_id", 400)
         if info["purpose"] != "batch":
             raise APIError(
                 400,
@@ -385,18 +385,9 @@ class BatchManager:
         """The batch object of ``batch_id``.
 
         Raises:
-            APIError: 404 for an unknown id.
+            APIError: 404 for an unknown or malformed id.
         """
-        b = self.batches.get(batch_id)
-        if b is None:
-            raise APIError(
-                404,
-                f"no batch with id {batch_id!r}",
-                "not_found_error",
-                param="batch_id",
-                code="batch_not_found",
-            )
-        return b
+        return BATCH.find(batch_id, "batch_id", self.batches.get, 404)
 
     def list(self) -> list[dict]:
         """Batch objects, newest first."""

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,9 @@ def _lower_first(text: str) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map our errors, validation errors and HTTP errors to OpenAI-shaped JSON."""
+    """Map our errors, validation errors and HTTP errors to OpenAI-shaped JSON; a client
+    that goes away (while we answer, or before its body is all sent) gets a 499 that no
+    one reads."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -167,6 +170,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _cut_short(request: Request, _: ClientDisconnect) -> Response:
+        # the client closed before sending its whole body: nothing was stored or queued
+        # (bodies are read before anything is done with them), so one line and no traceback
+        log.info(
+            "client disconnected while sending the body of %s %s",
+            request.method,
+            request.url.path,
+        )
         return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)

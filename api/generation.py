@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
 from api.media import busy_error
-from api.schemas import SamplingFields
+from api.schemas import MAX_STOP, MAX_STOP_CHARS, SamplingFields
 from api.structured import guided_spec
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.processor import InputProcessor, RequestError
@@ -21,6 +21,16 @@ from mmserve.vision.budget import DecodeBusyError
 #: zeros, spaces or underscores (which ``int`` would accept), so two keys never name
 #: one id.
 _TOKEN_ID = re.compile(r"0|-?[1-9][0-9]{0,18}")
+
+
+def check_questions(questions: Sequence[str], limit: int) -> None:
+    """Refuse more ``questions`` than ``limit`` (``--max-questions``) in one call.
+
+    Raises:
+        APIError: 400 naming ``questions``.
+    """
+    if len(questions) > limit:
+        raise APIError(400, f"{len(questions)} questions; the limit is {limit}", param="questions")
 
 
 def sampling_params(body: SamplingFields) -> SamplingParams:
@@ -34,7 +44,7 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
     """
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop = _stop(body.stop)
     params = SamplingParams(
         max_tokens=body.max_completion_tokens or body.max_tokens or 0,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -56,6 +66,26 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
     except ParamError as e:
         raise APIError(400, str(e), param=e.param) from None
     return params
+
+
+def _stop(stop: str | list[str] | None) -> list[str]:
+    """``stop`` as a list, within :data:`MAX_STOP` strings of :data:`MAX_STOP_CHARS`.
+
+    Raises:
+        APIError: 400 naming ``stop`` (too many) or ``stop[i]`` (too long).
+    """
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP:
+        raise APIError(400, f"stop: {len(strings)} strings; the limit is {MAX_STOP}", param="stop")
+    for i, s in enumerate(strings):
+        if len(s) > MAX_STOP_CHARS:
+            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            raise APIError(
+                400,
+                f"{where}: {len(s)} characters; a stop string has at most {MAX_STOP_CHARS}",
+                param=where,
+            )
+    return strings
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

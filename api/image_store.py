@@ -29,8 +29,8 @@ from pathlib import Path
 
 import xxhash
 
+from api.uploads import UploadStore
 from mmserve.engine.request import ImageInput
-from mmserve.lru import LRU
 from mmserve.vision.image import ImageError
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class StoredImage:
     color_mode: str = ""
 
 
-class ImageStore:
+class ImageStore(UploadStore[StoredImage]):
     """LRU store of hashed images bounded by count and the bytes it holds.
 
     Args:
@@ -83,15 +83,11 @@ class ImageStore:
         directory: str | os.PathLike | None = None,
         keep_files: bool = True,
     ) -> None:
+        super().__init__(max_images, max_bytes, lambda e: e.nbytes)
         self.prepare = prepare
         self.keep_files = keep_files
         self.max_images = max_images
-        self.max_bytes = max_bytes
         self.directory = Path(directory) if directory else None
-        # the newest image stays even when it alone is over max_bytes (it was accepted)
-        self._entries: LRU[str, StoredImage] = LRU(
-            max_images, max_bytes, size=lambda e: e.nbytes, keep_newest=True
-        )
         self._memo: dict[int, str] = {}
         self._lock = threading.Lock()
         if self.directory is not None:
@@ -168,18 +164,6 @@ class ImageStore:
         if entry.persisted:
             self._unlink(image_id)
         return True
-
-    def list(self) -> list[StoredImage]:
-        """Every entry, most recently used first (does not change the order)."""
-        return self._entries.values()[::-1]
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of encoded files held in memory (bytes)."""
-        return self._entries.nbytes
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     # ---- internals --------------------------------------------------------
     def _add(self, entry: StoredImage, digest: int | None) -> None:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import re
 import urllib.parse
 from pathlib import Path
 
 from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
+from api.ids import IMAGE, id_like
 from api.image_store import ImageStore
 from api.remote_fetch import RemoteFetcher, RemoteFetchError, Resolver
 from api.settings import ServerSettings
@@ -36,7 +36,6 @@ from mmserve.vision.image import ImageError, ImageLimits
 
 log = logging.getLogger(__name__)
 
-IMAGE_ID = re.compile(r"^(?:mmserve://images/)?(img-[0-9a-f]{32})$")
 UPLOAD_HINT = (
     "upload the image with POST /v1/images (multipart field 'file', or JSON "
     '{"data": "<base64>"}) and pass its id (img-...) as the url, or send a '
@@ -107,25 +106,16 @@ class MediaResolver:
             pixels: the request's pixel count, charged with this image.
 
         Raises:
-            APIError: 400 for an unknown id, a bad data URL, an undecodable or over-limit
-                image, an image past the request's pixel budget, or a source the operator
-                has not allowed; 503 when the server's decoded-image budget stays full.
+            APIError: 400 for a malformed or unknown id, a bad data URL, an undecodable or
+                over-limit image, an image past the request's pixel budget, or a source the
+                operator has not allowed; 503 when the server's decoded-image budget stays full.
         """
         url = url.strip()
-        m = IMAGE_ID.match(url)
-        if m:
+        if id_like(url):
             # only uploads are addressable by id: a data-URL image's id is not an upload
-            image = self.store.get(m.group(1))
-            if image is not None and mode is not None:
+            image = IMAGE.find(url, param, self.store.get)
+            if mode is not None:
                 return await self._prepare(image.source, param, mode, pixels, known=image)
-            if image is None:
-                raise APIError(
-                    400,
-                    f"{param}: unknown image id {m.group(1)!r} (never uploaded, deleted or "
-                    "evicted); upload it with POST /v1/images",
-                    param=param,
-                    code="image_not_found",
-                )
             return image
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
@@ -233,6 +223,22 @@ class MediaResolver:
                 code="invalid_image",
             )
         return path.read_bytes()
+
+
+def check_image_count(n: int, limit: int, param: str, what: str = "images") -> None:
+    """Refuse ``n`` images in one request over ``limit`` (``max_images_per_request``),
+    before any is decoded; ``what`` says what was counted.
+
+    Raises:
+        APIError: 400 ``too_many_images`` naming ``param``.
+    """
+    if n > limit:
+        raise APIError(
+            400,
+            f"{n} {what} in one request; the limit is {limit}",
+            param=param,
+            code="too_many_images",
+        )
 
 
 def image_error(e: ImageError, param: str) -> APIError:

@@ -18,30 +18,39 @@ from mmserve.engine.request import GenerateResult
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
-# (metric name, cache_stats key, help) for cumulative engine counters
+# (metric name, cache_stats key, help, counter?) for cumulative engine counters
 _COUNTERS = (
-    ("mmserve_prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests."),
-    ("mmserve_generation_tokens", "completion_tokens", "Generated tokens."),
+    ("mmserve_prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests.", True),
+    ("mmserve_generation_tokens", "completion_tokens", "Generated tokens.", True),
     (
         "mmserve_cached_prompt_tokens",
         "cached_tokens",
         "Prompt tokens whose KV came from the prefix cache.",
+        True,
     ),
-    ("mmserve_engine_requests_finished", "requests_finished", "Requests the engine finished."),
+    (
+        "mmserve_engine_requests_finished",
+        "requests_finished",
+        "Requests the engine finished.",
+        True,
+    ),
     (
         "mmserve_vision_tower_runs",
         "vision_tower_images",
         "Images encoded by the vision tower.",
+        True,
     ),
     (
         "mmserve_vision_embedding_cache_hits",
         "vision_cache_hits",
         "Image embeddings served from the vision-embedding cache.",
+        True,
     ),
     (
         "mmserve_vision_embedding_cache_misses",
         "vision_cache_misses",
         "Image embeddings not in the vision-embedding cache.",
+        True,
     ),
 )
 
@@ -68,23 +77,22 @@ class Metrics:
         self.rejected = Counter(
             "mmserve_requests_rejected", "Requests refused because the queue was full.", registry=r
         )
-        self.ttft = Histogram(
-            "mmserve_time_to_first_token_seconds",
-            "Time to first token.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+
+        def histogram(name: str, help_: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, help_, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
+            "mmserve_time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "mmserve_time_per_output_token_seconds",
             "Time per output token after the first.",
-            buckets=TOKEN_BUCKETS,
-            registry=r,
+            TOKEN_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "mmserve_e2e_request_latency_seconds",
             "Request latency from arrival to finish.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
         self.queue_length = Gauge(
             "mmserve_queue_length",
@@ -146,12 +154,11 @@ class _EngineCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        yield from _media_metrics(self.media)
+        yield from _table_metrics(_MEDIA, self.media)
         s = self.stats
         if not s:
             return
-        for name, key, help_ in _COUNTERS:
-            yield CounterMetricFamily(name, help_, value=s.get(key, 0))
+        yield from _table_metrics(_COUNTERS, s, missing=0)
         yield GaugeMetricFamily(
             "mmserve_cache_hit_rate",
             "Cached prompt tokens / prompt tokens since start.",
@@ -186,55 +193,64 @@ class _EngineCollector(Collector):
         )
 
 
-def _tier_metrics(s: dict) -> Iterator[Metric]:
-    """Per-tier hits, bytes, pages and loads of the host/disk KV tiers."""
-    hits = CounterMetricFamily(
+# (metric name, stats key with "{}" for the tier, help, counter?): one series per tier
+_PER_TIER = (
+    (
         "mmserve_kv_tier_hit_tokens",
+        "tier_{}_hit_tokens",
         "Prompt tokens whose KV was loaded from a tier instead of computed.",
-        labels=["tier"],
-    )
-    hits.add_metric(["host"], s["tier_host_hit_tokens"])
-    hits.add_metric(["disk"], s["tier_disk_hit_tokens"])
-    yield hits
-    used = GaugeMetricFamily("mmserve_kv_tier_bytes", "Bytes held by a KV tier.", labels=["tier"])
-    used.add_metric(["host"], s["tier_host_bytes"])
-    used.add_metric(["disk"], s["tier_disk_bytes"])
-    yield used
-    pages = GaugeMetricFamily("mmserve_kv_tier_pages", "Pages held by a KV tier.", labels=["tier"])
-    pages.add_metric(["host"], s["tier_host_pages"])
-    pages.add_metric(["disk"], s["tier_disk_pages"])
-    yield pages
-    yield CounterMetricFamily(
-        "mmserve_kv_tier_disk_loads", "Disk loads (one per waiting request).", value=s["tier_loads"]
-    )
-    yield CounterMetricFamily(
+        True,
+    ),
+    ("mmserve_kv_tier_bytes", "tier_{}_bytes", "Bytes held by a KV tier.", False),
+    ("mmserve_kv_tier_pages", "tier_{}_pages", "Pages held by a KV tier.", False),
+)
+# (metric name, cache_stats key, help, counter?) for the disk tier
+_DISK_TIER = (
+    ("mmserve_kv_tier_disk_loads", "tier_loads", "Disk loads (one per waiting request).", True),
+    (
         "mmserve_kv_tier_disk_load_seconds",
+        "tier_load_seconds",
         "Time spent reading pages from disk.",
-        value=s["tier_load_seconds"],
-    )
-    yield CounterMetricFamily(
-        "mmserve_kv_tier_disk_writes", "Pages written to disk.", value=s["tier_disk_writes"]
-    )
-    yield CounterMetricFamily(
+        True,
+    ),
+    ("mmserve_kv_tier_disk_writes", "tier_disk_writes", "Pages written to disk.", True),
+    (
         "mmserve_kv_tier_disk_read_failures",
+        "tier_disk_read_failures",
         "Disk pages or feature files refused (truncated, corrupted or foreign) and deleted.",
-        value=s["tier_disk_read_failures"],
-    )
-    yield GaugeMetricFamily(
+        True,
+    ),
+    (
         "mmserve_kv_tier_disk_feature_files",
+        "tier_disk_feature_files",
         "Images whose projected features the disk tier holds.",
-        value=s["tier_disk_feature_files"],
-    )
-    yield CounterMetricFamily(
+        False,
+    ),
+    (
         "mmserve_kv_tier_feature_loads",
+        "tier_feature_loads",
         "Images whose features were read from disk instead of running the vision tower.",
-        value=s["tier_feature_loads"],
-    )
-    yield GaugeMetricFamily(
+        True,
+    ),
+    (
         "mmserve_kv_tier_disk_writable",
+        "tier_disk_writable",
         "1 while the disk tier writes; 0 after a write error turned it off.",
-        value=s["tier_disk_writable"],
-    )
+        False,
+    ),
+)
+
+
+def _tier_metrics(s: dict) -> Iterator[Metric]:
+    """Per-tier hits, bytes and pages, then the disk tier's loads, writes and failures."""
+    for name, key, help_, counter in _PER_TIER:
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+            name, help_, labels=["tier"]
+        )
+        for tier in ("host", "disk"):
+            family.add_metric([tier], s[key.format(tier)])
+        yield family
+    yield from _table_metrics(_DISK_TIER, s)
 
 
 # (metric name, media_stats key, help, counter?) for decoded images and the image stores
@@ -285,11 +301,14 @@ _MEDIA = (
 )
 
 
-def _media_metrics(m: dict) -> Iterator[Metric]:
-    for name, key, help_, counter in _MEDIA:
-        if key in m:
+def _table_metrics(table: tuple, stats: dict, missing: float | None = None) -> Iterator[Metric]:
+    """One unlabelled series per ``(name, key, help, counter?)`` row of ``table`` with the
+    value ``stats[key]``; a key ``stats`` lacks is ``missing`` (None: left out)."""
+    for name, key, help_, counter in table:
+        value = stats.get(key, missing)
+        if value is not None:
             cls = CounterMetricFamily if counter else GaugeMetricFamily
-            yield cls(name, help_, value=m[key])
+            yield cls(name, help_, value=value)
 
 
 def media_stats(budget: object, store: object, memo: object) -> dict:

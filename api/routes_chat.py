@@ -13,6 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from api.errors import APIError, field_path
 from api.generation import make_requests, sampling_params
 from api.json_body import JSONBodyRoute
+from api.media import check_image_count
 from api.openai_format import TokenText, chat_completion, chat_stream
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.state import ServerState, State
@@ -193,17 +194,12 @@ def _split_images(
                 urls.append((url, f"{param}.video_url", selection(fields)))
                 parts.append({"type": "video"})
             else:
-                urls.append((url, f"{param}.image_url", None))
+                # the field holding the url: image_url itself, or its "url" key
+                at = f"{param}.image_url" if isinstance(src, str) else f"{param}.image_url.url"
+                urls.append((url, at, None))
                 parts.append({"type": "image"})
         out.append({"role": role, "content": parts})
-    n_images = sum(sel is None for _, _, sel in urls)
-    if n_images > max_images:
-        raise APIError(
-            400,
-            f"{n_images} images in one request; the limit is {max_images}",
-            param="messages",
-            code="too_many_images",
-        )
+    check_image_count(sum(sel is None for _, _, sel in urls), max_images, "messages")
     return out, urls
 
 
@@ -280,12 +276,6 @@ def _expand_videos(
             else:
                 parts.append(p)
         out.append({**m, "content": parts})
-    if len(images) > max_images:
-        raise APIError(
-            400,
-            f"{len(images)} images (video frames count one each) in one request; the limit "
-            f"is {max_images}: ask for fewer frames (num_frames)",
-            param="messages",
-            code="too_many_images",
-        )
+    what = "images (video frames count one each; ask for fewer with num_frames)"
+    check_image_count(len(images), max_images, "messages", what)
     return out, images, videos

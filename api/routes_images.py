@@ -8,8 +8,8 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from api.errors import APIError
-from api.generation import make_requests, sampling_params
+from api.generation import check_questions, make_requests, sampling_params
+from api.ids import IMAGE
 from api.image_store import StoredImage
 from api.json_body import JSONBodyRoute
 from api.openai_format import usage
@@ -51,9 +51,7 @@ async def get_image(image_id: str, st: State) -> dict:
 @router.delete("/v1/images/{image_id}")
 async def delete_image(image_id: str, st: State) -> dict:
     """Remove an image from the store (and its directory); 404 if unknown."""
-    if not st.store.delete(image_id):
-        _entry(st, image_id)
-    return {"id": image_id, "object": "image.deleted", "deleted": True}
+    return IMAGE.deleted(image_id, st.store.delete(image_id), "image_id")
 
 
 @router.post("/v1/images/{image_id}/ask", response_model=None)
@@ -65,12 +63,7 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
     """
     st.check_model(body.model)
     _entry(st, image_id)
-    if len(body.questions) > st.settings.max_questions:
-        raise APIError(
-            400,
-            f"{len(body.questions)} questions; the limit is {st.settings.max_questions}",
-            param="questions",
-        )
+    check_questions(body.questions, st.settings.max_questions)
     # prepared once (decoded again only if its features are not cached), used by each question
     processor = st.engine.processor
     image = await st.media.resolve(image_id, "image_id", processor.image_mode(1))
@@ -114,16 +107,7 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
 
 
 def _entry(st: ServerState, image_id: str) -> StoredImage:
-    entry = st.store.info(image_id, touch=True)
-    if entry is None:
-        raise APIError(
-            404,
-            f"no image with id {image_id!r} (never uploaded, deleted or evicted)",
-            "not_found_error",
-            "image_id",
-            code="image_not_found",
-        )
-    return entry
+    return IMAGE.find(image_id, "image_id", lambda i: st.store.info(i, touch=True), 404)
 
 
 def _info(st: ServerState, entry: StoredImage) -> dict:

@@ -23,9 +23,11 @@ from fastapi.responses import Response, StreamingResponse
 from api.errors import APIError, error_body
 from api.generation import sampling_params
 from api.json_body import JSONBodyRoute
+from api.media import check_image_count
 from api.routes_chat import engine_requests
 from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState, State
+from api.structured import refuse_tool_fields
 from api.submit import Submission
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.request import GenerateResult
@@ -60,6 +62,8 @@ async def prepare_response(st: ServerState, body: ResponsesRequest) -> list[Engi
         APIError: 400 naming the field at fault (``input[i].content[j].image_url``,
             ``text.format.schema``, ``max_output_tokens``, ...).
     """
+    hint = "/v1/responses runs no tools"
+    refuse_tool_fields(body.tool_choice, body.parallel_tool_calls, hint)
     fields = SamplingFields(
         max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p
     )
@@ -135,13 +139,7 @@ def _messages(body: ResponsesRequest, max_images: int) -> tuple[list[dict], list
                 urls.append((p.image_url, f"{param}.image_url", None))
                 parts.append({"type": "image"})
             out.append({"role": role, "content": parts})
-    if len(urls) > max_images:
-        raise APIError(
-            400,
-            f"{len(urls)} images in one request; the limit is {max_images}",
-            param="input",
-            code="too_many_images",
-        )
+    check_image_count(len(urls), max_images, "input")
     return out, urls
 
 

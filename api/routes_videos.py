@@ -20,7 +20,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api.errors import APIError, error_body
-from api.generation import make_requests, sampling_params
+from api.generation import check_questions, make_requests, sampling_params
+from api.ids import VIDEO
 from api.json_body import JSONBodyRoute
 from api.schemas import VideoQARequest
 from api.state import ServerState, State
@@ -73,9 +74,7 @@ async def get_video(video_id: str, st: State) -> dict:
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, st: State) -> dict:
     """Remove a video from the store; 404 if unknown."""
-    if not st.videos.delete(video_id):
-        _entry(st, video_id)
-    return {"id": video_id, "object": "video.deleted", "deleted": True}
+    return VIDEO.deleted(video_id, st.videos.delete(video_id), "video_id")
 
 
 @router.post("/v1/videos/{video_id}/qa", response_model=None)
@@ -96,12 +95,7 @@ async def video_qa(
     """
     st.check_model(body.model)
     entry = _entry(st, video_id)
-    if len(body.questions) > st.settings.max_questions:
-        raise APIError(
-            400,
-            f"{len(body.questions)} questions; the limit is {st.settings.max_questions}",
-            param="questions",
-        )
+    check_questions(body.questions, st.settings.max_questions)
     params = sampling_params(body)
     processor = st.engine.processor
     if body.mode == "per_frame":  # each frame alone in its prompt
@@ -293,16 +287,7 @@ def _skipped_info(f: FrameFailure) -> dict:
 
 
 def _entry(st: ServerState, video_id: str) -> StoredVideo:
-    entry = st.videos.get(video_id)
-    if entry is None:
-        raise APIError(
-            404,
-            f"no video with id {video_id!r} (never uploaded, deleted or evicted)",
-            "not_found_error",
-            "video_id",
-            code="video_not_found",
-        )
-    return entry
+    return VIDEO.find(video_id, "video_id", st.videos.get, 404)
 
 
 def _info(entry: StoredVideo) -> dict:

@@ -23,6 +23,13 @@ STRICT = ConfigDict(extra="forbid", strict=True)  # "16" is not 16, true is not 
 
 #: Most tools in one request (OpenAI's limit).
 MAX_TOOLS = 128
+#: Most ``stop`` strings in one request (OpenAI's limit).
+MAX_STOP = 4
+#: Longest ``stop`` string (characters). A streamed answer holds back this many
+#: characters less one (a stop string may be starting) and every step looks for each
+#: stop string in the text's tail, so the bound keeps both small; stop strings in
+#: practice are a few characters.
+MAX_STOP_CHARS = 256
 #: OpenAI's function name rule (tools[].function.name, tool_choice.function.name).
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -184,7 +191,11 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="vLLM extension; -1 keeps all")
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(
+        default=None,
+        description=f"up to {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters that "
+        "end the answer (cut before them)",
+    )
     ignore_eos: bool = False
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -460,8 +471,6 @@ class TextConfig(BaseModel):
 #: are refused.
 _RESPONSES_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((None, []), "no tools are run by this server"),
-    "tool_choice": ((None, "auto", "none"), "no tools are run by this server"),
-    "parallel_tool_calls": ((None, True, False), "no tools are run by this server"),
     "max_tool_calls": ((None,), "no tools are run by this server"),
     "previous_response_id": ((None,), "responses are not stored; send the history as input"),
     "conversation": ((None,), "conversations are not stored; send the history as input"),
@@ -486,7 +495,9 @@ class ResponsesRequest(BaseModel):
     """``POST /v1/responses`` body (text and image input, text output).
 
     The fields of :data:`_RESPONSES_DEFAULTS` are refused unless left at their defaults;
-    any other unknown field is refused as in every body.
+    ``tool_choice`` and ``parallel_tool_calls`` as in a chat completion without tools
+    (:func:`api.structured.refuse_tool_fields`); any other unknown field is refused as in
+    every body.
     """
 
     model_config = STRICT

@@ -152,6 +152,29 @@ def tool_call(name: str, arguments: str) -> dict:
     }
 
 
+def refuse_tool_fields(tool_choice: object, parallel_tool_calls: object, hint: str) -> None:
+    """Without tools, refuse the tool fields unless at a value that asks for nothing:
+    ``tool_choice`` null or ``"none"``, ``parallel_tool_calls`` null or true (OpenAI's
+    default). Chat completions without ``tools`` and every ``/v1/responses`` body (which
+    runs no tools) go through here.
+
+    Raises:
+        APIError: 400 naming ``tool_choice`` or ``parallel_tool_calls``; ``hint`` says
+            what to do instead.
+    """
+    for name, asks_nothing in (
+        ("tool_choice", tool_choice is None or tool_choice == "none"),
+        ("parallel_tool_calls", parallel_tool_calls is None or parallel_tool_calls is True),
+    ):
+        if not asks_nothing:
+            raise APIError(
+                400,
+                f"{name} needs tools: it is not acted on without them, so it is refused "
+                f"rather than ignored; {hint}, or drop {name}",
+                param=name,
+            )
+
+
 def tool_calling(body: ChatCompletionRequest) -> ToolCalling | None:
     """Check ``tools``, ``tool_choice`` and ``parallel_tool_calls``; the enforced tool
     call they ask for, or None for a plain answer.
@@ -170,14 +193,7 @@ def tool_calling(body: ChatCompletionRequest) -> ToolCalling | None:
     """
     choice = body.tool_choice
     if body.tools is None:
-        if choice not in (None, "none"):
-            raise APIError(
-                400,
-                "tool_choice needs tools: give the functions in tools, or drop tool_choice",
-                param="tool_choice",
-            )
-        if body.parallel_tool_calls is False:
-            raise APIError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls")
+        refuse_tool_fields(choice, body.parallel_tool_calls, "give the functions in tools")
         return None
     schemas = _tool_schemas(body)
     given = _structured_fields(body)

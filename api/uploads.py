@@ -1,15 +1,50 @@
-"""Reading an upload body: multipart field ``file``, or JSON ``{"data": "<base64>"}``."""
+"""Uploads of images and videos: reading the body (multipart field ``file``, or JSON
+``{"data": "<base64>"}``) and what the two upload stores share (:class:`UploadStore`)."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from fastapi import Request
 from starlette.datastructures import UploadFile
 
 from api.errors import APIError
 from api.json_body import json_media_type, read_json_object
+from mmserve.lru import LRU
+
+E = TypeVar("E")
+
+
+class UploadStore(Generic[E]):
+    """The LRU of an upload store (:class:`~api.image_store.ImageStore`,
+    :class:`~api.video_store.VideoStore`): entries by id, bounded by count and bytes.
+
+    The newest entry stays even when it alone is over ``max_bytes`` (it was accepted).
+
+    Args:
+        max_items: most entries kept.
+        max_bytes: most bytes kept, as ``size`` measures an entry (bytes).
+        size: bytes one entry holds in memory.
+    """
+
+    def __init__(self, max_items: int, max_bytes: int, size: Callable[[E], int]) -> None:
+        self.max_bytes = max_bytes
+        self._entries: LRU[str, E] = LRU(max_items, max_bytes, size=size, keep_newest=True)
+
+    def list(self) -> list[E]:
+        """Every entry, most recently used first (does not change the order)."""
+        return self._entries.values()[::-1]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the entries hold in memory (bytes)."""
+        return self._entries.nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def upload_body(what: str) -> dict:
@@ -54,11 +89,15 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
             form = await request.form()
         except ValueError as e:  # starlette's MultiPartException, bad boundaries, ...
             raise APIError(400, f"malformed multipart body: {e}", param="file") from None
-        file = form.get("file")
-        if not isinstance(file, UploadFile):
-            raise APIError(400, "multipart upload needs a file field named 'file'", param="file")
-        _refuse_other_fields(list(form.keys()), "file", f"the {what} as the field 'file'")
-        return await file.read(max_bytes + 1), "file"
+        try:  # closing the form deletes its spooled files
+            file = form.get("file")
+            if not isinstance(file, UploadFile):
+                msg = "multipart upload needs a file field named 'file'"
+                raise APIError(400, msg, param="file")
+            _refuse_other_fields(list(form.keys()), "file", f"the {what} as the field 'file'")
+            return await file.read(max_bytes + 1), "file"
+        finally:
+            await form.close()
     if json_media_type(ctype) or ctype.lower().startswith("application/json"):
         _, body = await read_json_object(request)  # 400 for any body that is not an object
         usage = f'JSON upload must be {{"data": "<base64 {what} bytes>"}}'

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
+from api.ids import VIDEO, id_like
 from api.media import busy_error, decode_data_url, image_error
 from api.schemas import FrameFields
 from api.state import ServerState
@@ -99,21 +100,12 @@ async def resolve_video(
     prepared in ``mode`` (see :func:`expand_video`).
 
     Raises:
-        APIError: 400 for an unknown id, another kind of url, or a bad video (a frame
+        APIError: 400 for a malformed or unknown id, another kind of url, or a bad video (a frame
             that does not decode included: a prompt cannot skip it).
     """
     url = url.strip()
-    vid = url.removeprefix("mmserve://videos/")
-    if vid.startswith("vid-"):
-        entry = st.videos.get(vid)
-        if entry is None:
-            raise APIError(
-                400,
-                f"{param}: unknown video id {vid!r} (never uploaded, deleted or evicted); "
-                "upload it with POST /v1/videos",
-                param=param,
-                code="video_not_found",
-            )
+    if id_like(url):
+        entry = VIDEO.find(url, param, st.videos.get)
         return (await expand_video(st, entry.data, sel, param, False, f"{param}.", mode, pixels))[0]
     if url.split(":", 1)[0].lower() != "data":
         raise APIError(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from mmserve.lru import LRU
+from api.uploads import UploadStore
 from mmserve.vision.video import VideoInfo
 
 
@@ -34,7 +34,7 @@ def video_id(data: bytes) -> str:
     return "vid-" + xxhash.xxh3_128_hexdigest(data)
 
 
-class VideoStore:
+class VideoStore(UploadStore[StoredVideo]):
     """LRU store of encoded videos bounded by count and bytes (memory only).
 
     Args:
@@ -43,12 +43,8 @@ class VideoStore:
     """
 
     def __init__(self, max_videos: int = 32, max_bytes: int = 512 << 20) -> None:
+        super().__init__(max_videos, max_bytes, lambda e: len(e.data))
         self.max_videos = max_videos
-        self.max_bytes = max_bytes
-        # the newest video stays even when it alone is over max_bytes (it was accepted)
-        self._entries: LRU[str, StoredVideo] = LRU(
-            max_videos, max_bytes, size=lambda e: len(e.data), keep_newest=True
-        )
         self._lock = threading.Lock()  # one entry per id under concurrent uploads
 
     def put(self, data: bytes, info: VideoInfo) -> StoredVideo:
@@ -68,15 +64,3 @@ class VideoStore:
     def delete(self, vid: str) -> bool:
         """Remove a video; returns whether it was stored."""
         return self._entries.pop(vid) is not None
-
-    def list(self) -> list[StoredVideo]:
-        """Every entry, most recently used first."""
-        return self._entries.values()[::-1]
-
-    @property
-    def total_bytes(self) -> int:
-        """Encoded bytes held."""
-        return self._entries.nbytes
-
-    def __len__(self) -> int:
-        return len(self._entries)

@@ -183,8 +183,14 @@ def test_limits_and_bad_requests_are_400s(client) -> None:  # noqa: ANN001
     with pytest.raises(openai.BadRequestError) as exc:
         client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="1h")
     assert exc.value.body["param"] == "completion_window"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as exc:  # malformed: never an id
         client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    assert exc.value.body["param"] == "input_file_id" and "malformed" in exc.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as exc:  # well formed, unknown
+        client.batches.create(
+            input_file_id="file-" + "0" * 24, endpoint=CHAT, completion_window="24h"
+        )
+    assert exc.value.body["param"] == "input_file_id"
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope")
     assert client.files.delete(f.id).deleted

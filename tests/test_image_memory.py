@@ -209,13 +209,13 @@ def test_request_pixel_budget_is_a_400_naming_the_image(make_engine) -> None:  #
         err = assert_error(
             r, 400, "--max-request-image-pixels", code="request_image_pixels_exceeded"
         )
-        assert err["param"] == "messages[0].content[3].image_url"  # the third image
+        assert err["param"] == "messages[0].content[3].image_url.url"  # the third image
         # an uploaded image counts the same way, without being decoded
         up = c.post("/v1/images", files={"file": ("a.png", png_bytes(noise((40, 30), 32)))})
         url = image_part(up.json()["id"])
         r = chat(c, [url, url, url])
         err = assert_error(r, 400, "pixels", code="request_image_pixels_exceeded")
-        assert err["param"] == "messages[0].content[2].image_url"
+        assert err["param"] == "messages[0].content[2].image_url.url"
         assert eng.processor.decode_budget.in_use == 0
 
 
@@ -238,7 +238,7 @@ def test_server_decode_budget_is_a_503_with_retry_after(make_engine) -> None:  #
         assert r.status_code == 200, r.text
         big = image_part(data_url(png_bytes(noise((80, 60), 41))))  # larger than the budget
         err = assert_error(chat(c, [big]), 400, "--max-decoded-image-bytes", "invalid_image")
-        assert err["param"] == "messages[0].content[0].image_url"
+        assert err["param"] == "messages[0].content[0].image_url.url"
         assert budget.in_use == 0 and budget.peak <= 2 * size
 
 
