@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from mmserve.cache.kv_tiers import (
     HEADER_BYTES,
     DiskTier,
-    HostTier,
     PageKeyChain,
+    host_tier,
     kv_namespace,
 )
 from tests.helpers import TINY_FAMILIES, assert_same_generation, greedy, user
@@ -63,11 +63,12 @@ OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "pop"]), st.integers(0, 
 
 @given(ops=OPS, cap_pages=st.integers(0, 5))
 def test_host_tier_is_a_byte_bounded_lru(ops: list[tuple[str, int]], cap_pages: int) -> None:
-    tier = HostTier(cap_pages * PAGE_BYTES, PAGE_BYTES)
+    tier = host_tier(cap_pages * PAGE_BYTES, PAGE_BYTES)
     model: OrderedDict[bytes, int] = OrderedDict()
     for op, k in ops:
         if op == "put":
-            dropped = tier.put(key(k), page(k))
+            dropped = [dk for dk, _ in tier.put(key(k), page(k))]
+            assert dropped == [] or cap_pages
             if cap_pages:
                 model[key(k)] = k
                 model.move_to_end(key(k))
@@ -85,7 +86,7 @@ def test_host_tier_is_a_byte_bounded_lru(ops: list[tuple[str, int]], cap_pages: 
             got = tier.pop(key(k))
             assert (got is None) == (model.pop(key(k), None) is None)
         assert tier.keys() == list(model)
-        assert tier.bytes_used == len(model) * PAGE_BYTES <= cap_pages * PAGE_BYTES
+        assert tier.nbytes == len(model) * PAGE_BYTES <= cap_pages * PAGE_BYTES
 
 
 # ---- disk tier against an LRU dict ------------------------------------------------------
@@ -121,10 +122,13 @@ def test_disk_tier_is_a_byte_bounded_lru(
                 else:
                     assert tier.write_features_now(key(k), feats(k))
                     kk, size = ("feat", k), FEATURE_HEADER_BYTES + feats(k).numel() * 4
-                model[kk] = size
-                model.move_to_end(kk)
-                while sum(model.values()) > cap:
-                    model.popitem(last=False)
+                if size > cap:  # larger than the whole tier: deleted at once
+                    model.pop(kk, None)
+                else:
+                    model[kk] = size
+                    model.move_to_end(kk)
+                    while sum(model.values()) > cap:
+                        model.popitem(last=False)
             else:
                 kk = ("kv" if op == "read" else "feat", k)
                 if op == "read":
