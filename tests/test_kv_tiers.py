@@ -160,41 +160,33 @@ def _tier(root: Path) -> DiskTier:
     return DiskTier(str(root), NS, 1 << 20, PAGE_SHAPE, torch.float32, 3600)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version"])
-def test_bad_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
-    tier = _tier(tmp_path)
-    assert tier.write_now(key(1), page(1))
-    path = Path(tier.dir) / (key(1).hex() + ".kv")
-    data = bytearray(path.read_bytes())
-    if damage == "truncate":
-        data = data[:-3]
-    elif damage == "flip":
-        data[-1] ^= 0xFF
-    elif damage == "empty":
-        data = bytearray()
-    elif damage == "version":
-        data[8] += 1
-    else:  # the same page written under another namespace (another model or dtype)
-        other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
-        other.write_now(key(1), page(1))
-        data = bytearray((Path(other.dir) / path.name).read_bytes())
-        other.close()
-    path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING):
-        assert tier.read(key(1)) is None
-    assert not path.exists() and key(1) not in tier
-    assert tier.read_failures == 1
-    assert tier.write_now(key(1), page(1))  # rewritten, read back whole
-    assert torch.equal(tier.read(key(1)), page(1))
-    tier.close()
+def _write_kind(tier: DiskTier, kind: str, k: int) -> None:
+    """Write file ``k`` of ``kind``: a page, or 3 x 4 image features."""
+    if kind == "kv":
+        assert tier.write_now(key(k), page(k))
+    else:
+        assert tier.write_features_now(key(k), torch.arange(12.0).reshape(3, 4) + k)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version", "shape"])
-def test_bad_feature_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
+def _read_kind(tier: DiskTier, kind: str, k: int, rows: int = 3) -> torch.Tensor | None:
+    if kind == "kv":
+        return tier.read(key(k))
+    return tier.read_features(key(k), rows, 4)
+
+
+DAMAGES = ["truncate", "flip", "foreign", "empty", "version"]
+
+
+# "shape": a whole, checked feature file that does not fit the prompt's run of the image
+@pytest.mark.parametrize(
+    ("kind", "damage"), [("kv", d) for d in DAMAGES] + [("feat", d) for d in [*DAMAGES, "shape"]]
+)
+def test_bad_files_are_misses_and_deleted(tmp_path: Path, kind: str, damage: str, caplog) -> None:  # noqa: ANN001
+    """Pages and features go through one checked reader: a damaged, foreign or (features)
+    wrongly shaped file is a miss, counted and deleted; a rewrite reads back whole."""
     tier = _tier(tmp_path)
-    f = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    assert tier.write_features_now(key(1), f)
-    path = Path(tier.dir) / (key(1).hex() + ".feat")
+    _write_kind(tier, kind, 1)
+    path = Path(tier.dir) / f"{key(1).hex()}.{kind}"
     data = bytearray(path.read_bytes())
     rows = 3
     if damage == "truncate":
@@ -205,25 +197,32 @@ def test_bad_feature_files_are_misses_and_deleted(tmp_path: Path, damage: str, c
         data = bytearray()
     elif damage == "version":
         data[8] += 1
-    elif damage == "shape":  # a whole, checked file that does not fit the prompt's run
+    elif damage == "shape":
         rows = 2
-    else:  # written under another namespace (another model or dtype)
+    else:  # the same file written under another namespace (another model or dtype)
         other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
-        other.write_features_now(key(1), f)
+        _write_kind(other, kind, 1)
         data = bytearray((Path(other.dir) / path.name).read_bytes())
         other.close()
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        assert tier.read_features(key(1), rows, 4) is None
-    assert not path.exists() and not tier.has_features(key(1))
-    assert tier.read_failures == 1 and tier.bytes_used == 0
-    assert tier.write_features_now(key(1), f)  # rewritten, read back whole
-    assert torch.equal(tier.read_features(key(1), 3, 4), f)
-    # other dtypes keep theirs; other shapes are refused at the writer
-    half = f.to(torch.bfloat16)
+        assert _read_kind(tier, kind, 1, rows) is None
+    assert not path.exists() and key(1) not in tier and not tier.has_features(key(1))
+    assert tier.read_failures == 1 and tier.bytes_used == 0 and tier.deleted == 1
+    _write_kind(tier, kind, 1)  # rewritten, read back whole
+    expect = page(1) if kind == "kv" else torch.arange(12.0).reshape(3, 4) + 1
+    assert torch.equal(_read_kind(tier, kind, 1), expect)
+    tier.close()
+
+
+def test_feature_files_keep_their_dtype(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    half = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     assert tier.write_features_now(key(2), half)
-    assert torch.equal(tier.read_features(key(2), 3, 4), half)
-    assert not tier.write_features(key(3), f.reshape(-1))
+    got = tier.read_features(key(2), 3, 4)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, half)
+    assert not tier.write_features(key(3), half.reshape(-1))  # other shapes: refused
+    assert not tier.write_features(key(3), half.to(torch.int32).reshape(3, 4))
     tier.close()
 
 

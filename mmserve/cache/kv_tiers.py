@@ -750,11 +750,8 @@ class KVTiers:
         self._jobs: set[str] = set()  # request ids whose disk load is in flight
         self._tried: set[str] = set()  # request ids that had a disk load since admission
         self._loader: ThreadPoolExecutor | None = None
-        # counters (tokens, bytes, seconds)
-        self.host_hit_tokens = 0
-        self.disk_hit_tokens = 0
-        self.evicted_pages = 0
-        self.loads = 0
+        # counters: tokens taken from each tier, pages evicted to them, disk loads
+        self.host_hit_tokens = self.disk_hit_tokens = self.evicted_pages = self.loads = 0
         self.load_seconds = 0.0
         self.loaded_bytes = 0
         self.feature_loads = 0  # images whose features came from disk, not the tower
