@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from mmserve.cache.kv_tiers import (
     HEADER_BYTES,
     DiskTier,
-    HostTier,
     PageKeyChain,
+    host_tier,
     kv_namespace,
 )
 from tests.helpers import TINY_FAMILIES, assert_same_generation, greedy, user
@@ -63,11 +63,12 @@ OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "pop"]), st.integers(0, 
 
 @given(ops=OPS, cap_pages=st.integers(0, 5))
 def test_host_tier_is_a_byte_bounded_lru(ops: list[tuple[str, int]], cap_pages: int) -> None:
-    tier = HostTier(cap_pages * PAGE_BYTES, PAGE_BYTES)
+    tier = host_tier(cap_pages * PAGE_BYTES, PAGE_BYTES)
     model: OrderedDict[bytes, int] = OrderedDict()
     for op, k in ops:
         if op == "put":
-            dropped = tier.put(key(k), page(k))
+            dropped = [dk for dk, _ in tier.put(key(k), page(k))]
+            assert dropped == [] or cap_pages
             if cap_pages:
                 model[key(k)] = k
                 model.move_to_end(key(k))
@@ -85,7 +86,7 @@ def test_host_tier_is_a_byte_bounded_lru(ops: list[tuple[str, int]], cap_pages: 
             got = tier.pop(key(k))
             assert (got is None) == (model.pop(key(k), None) is None)
         assert tier.keys() == list(model)
-        assert tier.bytes_used == len(model) * PAGE_BYTES <= cap_pages * PAGE_BYTES
+        assert tier.nbytes == len(model) * PAGE_BYTES <= cap_pages * PAGE_BYTES
 
 
 # ---- disk tier against an LRU dict ------------------------------------------------------
@@ -121,10 +122,13 @@ def test_disk_tier_is_a_byte_bounded_lru(
                 else:
                     assert tier.write_features_now(key(k), feats(k))
                     kk, size = ("feat", k), FEATURE_HEADER_BYTES + feats(k).numel() * 4
-                model[kk] = size
-                model.move_to_end(kk)
-                while sum(model.values()) > cap:
-                    model.popitem(last=False)
+                if size > cap:  # larger than the whole tier: deleted at once
+                    model.pop(kk, None)
+                else:
+                    model[kk] = size
+                    model.move_to_end(kk)
+                    while sum(model.values()) > cap:
+                        model.popitem(last=False)
             else:
                 kk = ("kv" if op == "read" else "feat", k)
                 if op == "read":
@@ -156,41 +160,33 @@ def _tier(root: Path) -> DiskTier:
     return DiskTier(str(root), NS, 1 << 20, PAGE_SHAPE, torch.float32, 3600)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version"])
-def test_bad_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
-    tier = _tier(tmp_path)
-    assert tier.write_now(key(1), page(1))
-    path = Path(tier.dir) / (key(1).hex() + ".kv")
-    data = bytearray(path.read_bytes())
-    if damage == "truncate":
-        data = data[:-3]
-    elif damage == "flip":
-        data[-1] ^= 0xFF
-    elif damage == "empty":
-        data = bytearray()
-    elif damage == "version":
-        data[8] += 1
-    else:  # the same page written under another namespace (another model or dtype)
-        other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
-        other.write_now(key(1), page(1))
-        data = bytearray((Path(other.dir) / path.name).read_bytes())
-        other.close()
-    path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING):
-        assert tier.read(key(1)) is None
-    assert not path.exists() and key(1) not in tier
-    assert tier.read_failures == 1
-    assert tier.write_now(key(1), page(1))  # rewritten, read back whole
-    assert torch.equal(tier.read(key(1)), page(1))
-    tier.close()
+def _write_kind(tier: DiskTier, kind: str, k: int) -> None:
+    """Write file ``k`` of ``kind``: a page, or 3 x 4 image features."""
+    if kind == "kv":
+        assert tier.write_now(key(k), page(k))
+    else:
+        assert tier.write_features_now(key(k), torch.arange(12.0).reshape(3, 4) + k)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version", "shape"])
-def test_bad_feature_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
+def _read_kind(tier: DiskTier, kind: str, k: int, rows: int = 3) -> torch.Tensor | None:
+    if kind == "kv":
+        return tier.read(key(k))
+    return tier.read_features(key(k), rows, 4)
+
+
+DAMAGES = ["truncate", "flip", "foreign", "empty", "version"]
+
+
+# "shape": a whole, checked feature file that does not fit the prompt's run of the image
+@pytest.mark.parametrize(
+    ("kind", "damage"), [("kv", d) for d in DAMAGES] + [("feat", d) for d in [*DAMAGES, "shape"]]
+)
+def test_bad_files_are_misses_and_deleted(tmp_path: Path, kind: str, damage: str, caplog) -> None:  # noqa: ANN001
+    """Pages and features go through one checked reader: a damaged, foreign or (features)
+    wrongly shaped file is a miss, counted and deleted; a rewrite reads back whole."""
     tier = _tier(tmp_path)
-    f = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    assert tier.write_features_now(key(1), f)
-    path = Path(tier.dir) / (key(1).hex() + ".feat")
+    _write_kind(tier, kind, 1)
+    path = Path(tier.dir) / f"{key(1).hex()}.{kind}"
     data = bytearray(path.read_bytes())
     rows = 3
     if damage == "truncate":
@@ -201,25 +197,32 @@ def test_bad_feature_files_are_misses_and_deleted(tmp_path: Path, damage: str, c
         data = bytearray()
     elif damage == "version":
         data[8] += 1
-    elif damage == "shape":  # a whole, checked file that does not fit the prompt's run
+    elif damage == "shape":
         rows = 2
-    else:  # written under another namespace (another model or dtype)
+    else:  # the same file written under another namespace (another model or dtype)
         other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
-        other.write_features_now(key(1), f)
+        _write_kind(other, kind, 1)
         data = bytearray((Path(other.dir) / path.name).read_bytes())
         other.close()
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        assert tier.read_features(key(1), rows, 4) is None
-    assert not path.exists() and not tier.has_features(key(1))
-    assert tier.read_failures == 1 and tier.bytes_used == 0
-    assert tier.write_features_now(key(1), f)  # rewritten, read back whole
-    assert torch.equal(tier.read_features(key(1), 3, 4), f)
-    # other dtypes keep theirs; other shapes are refused at the writer
-    half = f.to(torch.bfloat16)
+        assert _read_kind(tier, kind, 1, rows) is None
+    assert not path.exists() and key(1) not in tier and not tier.has_features(key(1))
+    assert tier.read_failures == 1 and tier.bytes_used == 0 and tier.deleted == 1
+    _write_kind(tier, kind, 1)  # rewritten, read back whole
+    expect = page(1) if kind == "kv" else torch.arange(12.0).reshape(3, 4) + 1
+    assert torch.equal(_read_kind(tier, kind, 1), expect)
+    tier.close()
+
+
+def test_feature_files_keep_their_dtype(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    half = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     assert tier.write_features_now(key(2), half)
-    assert torch.equal(tier.read_features(key(2), 3, 4), half)
-    assert not tier.write_features(key(3), f.reshape(-1))
+    got = tier.read_features(key(2), 3, 4)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, half)
+    assert not tier.write_features(key(3), half.reshape(-1))  # other shapes: refused
+    assert not tier.write_features(key(3), half.to(torch.int32).reshape(3, 4))
     tier.close()
 
 

@@ -67,8 +67,7 @@ import queue
 import struct
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -77,23 +76,36 @@ import torch
 import xxhash
 
 from mmserve.cache.kv_pool import KVPool
+from mmserve.lru import LRU
 
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the file layout or the key derivation changes.
 FORMAT_VERSION = 1
-_MAGIC = b"MMKVPAGE"
-# magic, version, reserved, namespace (16), key (16), payload bytes, payload XXH3-64
-_HEADER = struct.Struct("<8sHH16s16sQQ4x")
-HEADER_BYTES = _HEADER.size  # 64
-_SUFFIX = ".kv"
-_FEATURE_MAGIC = b"MMKVFEAT"
-# magic, version, reserved, namespace (16), image key (16), payload bytes, payload XXH3-64,
-# rows, cols, dtype code
-_FEATURE_HEADER = struct.Struct("<8sHH16s16sQQIIB11x")  # 80 bytes
-_FEATURE_SUFFIX = ".feat"
-# index keys of feature files: this prefix + the image key (page keys are 16 bytes)
-_FEATURES = b"feat"
+# The header fields every file starts with: magic, format version, reserved, namespace (16),
+# key (16), payload bytes, payload XXH3-64. Each kind of file appends fields of its own.
+_COMMON = struct.Struct("<8sHH16s16sQQ")
+
+
+@dataclass(frozen=True)
+class _FileKind:
+    """One kind of checked file: its magic, its name suffix, the header fields it adds after
+    the common ones, and the prefix of its keys in the disk tier's index."""
+
+    magic: bytes
+    suffix: str
+    extra: struct.Struct
+    prefix: bytes
+
+    @property
+    def header_bytes(self) -> int:
+        return _COMMON.size + self.extra.size
+
+
+_PAGES = _FileKind(b"MMKVPAGE", ".kv", struct.Struct("<4x"), b"")  # 64-byte header
+# rows, cols, dtype code; 80-byte header. Page keys are 16 bytes, so the prefix separates them.
+_FEATURES = _FileKind(b"MMKVFEAT", ".feat", struct.Struct("<IIB11x"), b"feat")
+HEADER_BYTES = _PAGES.header_bytes  # 64
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 #: Threads reading pages from disk: one slow read does not hold up other requests' loads.
@@ -181,59 +193,12 @@ class PageKeyChain:
         return out
 
 
-class HostTier:
-    """Byte-bounded LRU of page tensors in host memory (pinned when the pool is on CUDA).
-
-    Args:
-        capacity_bytes: most bytes held (0: holds nothing).
-        page_bytes: bytes of one page tensor (all pages have the same shape).
+def host_tier(capacity_bytes: int, page_bytes: int) -> LRU[bytes, torch.Tensor]:
+    """The host tier: page tensors in host memory (pinned when the pool is on CUDA) in an
+    :class:`~mmserve.lru.LRU` bounded at ``capacity_bytes``, every page counted as
+    ``page_bytes`` (all pages have the same shape). A capacity below one page holds nothing.
     """
-
-    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.page_bytes = page_bytes
-        self._pages: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._pages
-
-    def __len__(self) -> int:
-        return len(self._pages)
-
-    @property
-    def bytes_used(self) -> int:
-        """Bytes of the pages held."""
-        return len(self._pages) * self.page_bytes
-
-    def put(self, key: bytes, page: torch.Tensor) -> list[bytes]:
-        """Keep ``page`` (most recently used); returns keys dropped to stay in the bound."""
-        if self.page_bytes > self.capacity_bytes:
-            return []
-        self._pages[key] = page
-        self._pages.move_to_end(key)
-        dropped = []
-        while len(self._pages) * self.page_bytes > self.capacity_bytes:
-            dropped.append(self._pages.popitem(last=False)[0])
-        return dropped
-
-    def get(self, key: bytes) -> torch.Tensor | None:
-        """The page for ``key`` (now most recently used), or None."""
-        page = self._pages.get(key)
-        if page is not None:
-            self._pages.move_to_end(key)
-        return page
-
-    def pop(self, key: bytes) -> torch.Tensor | None:
-        """Remove and return the page for ``key``, or None."""
-        return self._pages.pop(key, None)
-
-    def clear(self) -> None:
-        """Drop every page."""
-        self._pages.clear()
-
-    def keys(self) -> list[bytes]:
-        """Keys from least to most recently used."""
-        return list(self._pages)
+    return LRU(max_bytes=capacity_bytes, size=lambda _page: page_bytes)
 
 
 class DiskTier:
@@ -249,7 +214,8 @@ class DiskTier:
         root: directory shared by every process and checkpoint (created if missing).
         namespace: :func:`kv_namespace` bytes; files of other namespaces are never read.
         capacity_bytes: most bytes of files (headers included) kept, pages and features
-            together; least recently used files are deleted beyond it.
+            together; least recently used files are deleted beyond it (a file larger than
+            the whole capacity is deleted at once).
         page_shape: shape of one page tensor ``[2, L, P, Hkv, D]``.
         dtype: page dtype.
         rescan_seconds: how often the writer thread rescans the directory when idle.
@@ -281,25 +247,20 @@ class DiskTier:
         self.file_bytes = HEADER_BYTES + self.payload_bytes
         self.rescan_seconds = rescan_seconds
         self.max_queued_bytes = max_queued_bytes
+        # guards the index with its feature count, and the write queue's bookkeeping
         self._lock = threading.Lock()
-        # index key (a page key, or _FEATURES + image key) -> file bytes, LRU first
-        self._index: OrderedDict[bytes, int] = OrderedDict()
-        self._used = 0  # bytes of indexed files
+        # index key (a page key, or the feature prefix + image key) -> file bytes
+        self._index: LRU[bytes, int] = LRU(max_bytes=capacity_bytes, size=lambda n: n)
         self._feature_files = 0
         # writes queued for the writer: still in memory, so they count as hits
         self._pending: dict[bytes, torch.Tensor] = {}
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._tmp_counter = 0
-        self.enabled = True
-        self.writable = True
-        self.writes = 0
-        self.feature_writes = 0
-        self.writes_dropped = 0
-        self.reads = 0
-        self.feature_reads = 0
-        self.read_failures = 0
-        self.deleted = 0
+        self.enabled = self.writable = True
+        # counters: files written, writes dropped, files read, bad files, files deleted
+        self.writes = self.feature_writes = self.writes_dropped = 0
+        self.reads = self.feature_reads = self.read_failures = self.deleted = 0
         try:
             os.makedirs(self.dir, exist_ok=True)
             probe = os.path.join(self.dir, f".probe.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -316,19 +277,20 @@ class DiskTier:
         self._thread.start()
 
     # ---- index ------------------------------------------------------------
+    @staticmethod
+    def _kind(ikey: bytes) -> _FileKind:
+        return _PAGES if len(ikey) == 16 else _FEATURES
+
     def _path(self, ikey: bytes) -> str:
-        if len(ikey) == 16:
-            return os.path.join(self.dir, ikey.hex() + _SUFFIX)
-        return os.path.join(self.dir, ikey[len(_FEATURES) :].hex() + _FEATURE_SUFFIX)
+        kind = self._kind(ikey)
+        return os.path.join(self.dir, ikey[len(kind.prefix) :].hex() + kind.suffix)
 
     def __contains__(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._index
+        return key in self._index
 
     def has_features(self, key: bytes) -> bool:
         """Whether features of image ``key`` are on disk (per the index)."""
-        with self._lock:
-            return _FEATURES + key in self._index
+        return _FEATURES.prefix + key in self._index
 
     def __len__(self) -> int:
         """Pages on disk (per the index)."""
@@ -343,25 +305,25 @@ class DiskTier:
     @property
     def bytes_used(self) -> int:
         """Bytes of the indexed files (pages and features)."""
-        return self._used
+        return self._index.nbytes
 
-    def _add(self, ikey: bytes, size: int) -> None:
-        """Index ``ikey`` as the most recently used file (lock held)."""
-        old = self._index.pop(ikey, None)
-        if old is None:
-            self._feature_files += len(ikey) != 16
-        else:
-            self._used -= old
-        self._index[ikey] = size
-        self._used += size
+    def _add(self, ikey: bytes, size: int) -> list[bytes]:
+        """Index ``ikey`` (a file of ``size`` bytes) as the most recently used file (lock
+        held); returns the index keys whose files must go: the least recently used ones past
+        the capacity, or ``ikey`` itself when it alone exceeds it."""
+        if size > self.capacity_bytes:
+            self._remove(ikey)
+            return [ikey]
+        self._feature_files += ikey not in self._index and self._kind(ikey) is _FEATURES
+        evicted = [k for k, _ in self._index.put(ikey, size)]
+        self._feature_files -= sum(self._kind(k) is _FEATURES for k in evicted)
+        return evicted
 
     def _remove(self, ikey: bytes) -> bool:
         """Drop ``ikey`` from the index (lock held); whether it was there."""
-        size = self._index.pop(ikey, None)
-        if size is None:
+        if self._index.pop(ikey) is None:
             return False
-        self._used -= size
-        self._feature_files -= len(ikey) != 16
+        self._feature_files -= self._kind(ikey) is _FEATURES
         return True
 
     def rescan(self) -> None:
@@ -369,6 +331,7 @@ class DiskTier:
         modification time), drop files that are gone, delete stale temporary files."""
         if not self.enabled:
             return
+        kinds = {kind.suffix: kind for kind in (_PAGES, _FEATURES)}
         found: list[tuple[float, bytes, int]] = []
         now = time.time()
         try:
@@ -384,52 +347,43 @@ class DiskTier:
                                 pass
                         continue
                     stem, ext = os.path.splitext(name)
-                    if len(stem) != 32 or ext not in (_SUFFIX, _FEATURE_SUFFIX):
+                    kind = kinds.get(ext)
+                    if len(stem) != 32 or kind is None:
                         continue
                     try:
                         key = bytes.fromhex(stem)
                         st = entry.stat()
                     except (ValueError, OSError):
                         continue
-                    if ext == _SUFFIX:
-                        found.append((st.st_mtime, key, self.file_bytes))
-                    else:
-                        found.append((st.st_mtime, _FEATURES + key, st.st_size))
+                    size = self.file_bytes if kind is _PAGES else st.st_size
+                    found.append((st.st_mtime, kind.prefix + key, size))
         except OSError as e:
             log.warning("KV disk tier: cannot list %s (%s)", self.dir, e)
             return
         found.sort()
         present = {k for _, k, _ in found}
+        victims = []
         with self._lock:
-            for ikey in [k for k in self._index if k not in present]:
+            for ikey in [k for k in self._index.keys() if k not in present]:
                 self._remove(ikey)
             for _, ikey, size in found:
                 if ikey not in self._index:
-                    self._add(ikey, size)
-        self._trim()
+                    victims += self._add(ikey, size)
+        self._unlink(victims)
 
-    def _trim(self) -> None:
-        victims = []
-        with self._lock:
-            while self._used > self.capacity_bytes and self._index:
-                ikey = next(iter(self._index))
-                self._remove(ikey)
-                victims.append(ikey)
-        for ikey in victims:
-            self._unlink(ikey)
-
-    def _unlink(self, ikey: bytes) -> None:
-        try:
-            os.unlink(self._path(ikey))
-            self.deleted += 1
-        except OSError:
-            pass
+    def _unlink(self, ikeys: Iterable[bytes]) -> None:
+        for ikey in ikeys:
+            try:
+                os.unlink(self._path(ikey))
+                self.deleted += 1
+            except OSError:
+                pass
 
     def _drop(self, ikey: bytes, delete: bool) -> None:
         with self._lock:
             self._remove(ikey)
         if delete:
-            self._unlink(ikey)
+            self._unlink([ikey])
 
     # ---- writing ----------------------------------------------------------
     def write(self, key: bytes, page: torch.Tensor, block: bool = False) -> bool:
@@ -460,7 +414,8 @@ class DiskTier:
         """
         if feats.dim() != 2 or feats.dtype not in _DTYPE_CODES:
             return False
-        return self._enqueue(_FEATURES + key, feats, feats.numel() * feats.element_size(), block)
+        nbytes = feats.numel() * feats.element_size()
+        return self._enqueue(_FEATURES.prefix + key, feats, nbytes, block)
 
     def _enqueue(self, ikey: bytes, tensor: torch.Tensor, nbytes: int, block: bool) -> bool:
         if not self.writable or ikey in self:
@@ -519,10 +474,10 @@ class DiskTier:
                 ikey, tensor, nbytes = item
                 try:
                     if self.writable and ikey not in self:
-                        if len(ikey) == 16:
+                        if self._kind(ikey) is _PAGES:
                             self.write_now(ikey, tensor)
                         else:
-                            self.write_features_now(ikey[len(_FEATURES) :], tensor)
+                            self.write_features_now(ikey[len(_FEATURES.prefix) :], tensor)
                 except Exception:  # noqa: BLE001 - the writer thread must outlive one bad write
                     log.exception("KV disk tier: write failed")
                 with self._lock:
@@ -538,20 +493,14 @@ class DiskTier:
         Returns:
             True if written; an ``OSError`` (full disk, permissions) turns writing off with
             one warning and returns False.
+
+        Raises:
+            ValueError: a page of another size than ``page_shape`` and ``dtype`` give.
         """
         payload = page.detach().contiguous().cpu().view(torch.uint8).numpy()
         if payload.nbytes != self.payload_bytes:
             raise ValueError(f"page of {payload.nbytes} bytes, expected {self.payload_bytes}")
-        header = _HEADER.pack(
-            _MAGIC,
-            FORMAT_VERSION,
-            0,
-            self.namespace,
-            key,
-            self.payload_bytes,
-            xxhash.xxh3_64_intdigest(payload),
-        )
-        if not self._write_file(key, header, payload):
+        if not self._write_checked(_PAGES, key, payload):
             return False
         self.writes += 1
         return True
@@ -570,28 +519,30 @@ class DiskTier:
         if feats.dim() != 2 or code is None:
             raise ValueError(f"features of shape {tuple(feats.shape)} and dtype {feats.dtype}")
         payload = feats.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1)
-        rows, cols = feats.shape
-        header = _FEATURE_HEADER.pack(
-            _FEATURE_MAGIC,
+        if not self._write_checked(_FEATURES, key, payload, *feats.shape, code):
+            return False
+        self.feature_writes += 1
+        return True
+
+    def _write_checked(self, kind: _FileKind, key: bytes, payload: np.ndarray, *extra) -> bool:  # noqa: ANN002
+        """Write the file of ``key``: the common header (checksum of ``payload``), the
+        ``extra`` fields of ``kind``, then ``payload``, to a unique temporary file renamed
+        over the final name (a reader sees a whole file or none; concurrent writers of one
+        key leave one whole file); then index it, deleting files past the capacity.
+
+        Returns:
+            True if written; False after an ``OSError`` (writing turned off, one warning).
+        """
+        ikey = kind.prefix + key
+        header = _COMMON.pack(
+            kind.magic,
             FORMAT_VERSION,
             0,
             self.namespace,
             key,
             payload.nbytes,
             xxhash.xxh3_64_intdigest(payload),
-            rows,
-            cols,
-            code,
-        )
-        if not self._write_file(_FEATURES + key, header, payload):
-            return False
-        self.feature_writes += 1
-        return True
-
-    def _write_file(self, ikey: bytes, header: bytes, payload: np.ndarray) -> bool:
-        """Header and payload to a unique temporary file, renamed over the final name (a
-        reader sees a whole file or none; concurrent writers of one key leave one whole
-        file); then index it and trim to capacity."""
+        ) + kind.extra.pack(*extra)
         path = self._path(ikey)
         self._tmp_counter += 1
         tmp = os.path.join(
@@ -614,8 +565,8 @@ class DiskTier:
                 pass
             return False
         with self._lock:
-            self._add(ikey, len(header) + payload.nbytes)
-        self._trim()
+            victims = self._add(ikey, len(header) + payload.nbytes)
+        self._unlink(victims)
         return True
 
     # ---- reading ----------------------------------------------------------
@@ -627,17 +578,55 @@ class DiskTier:
     def pending_features(self, key: bytes) -> torch.Tensor | None:
         """Image ``key``'s features if they wait in the write queue, else None."""
         with self._lock:
-            return self._pending.get(_FEATURES + key)
+            return self._pending.get(_FEATURES.prefix + key)
 
-    def _bad(self, ikey: bytes) -> None:
-        self.read_failures += 1
-        log.warning("KV disk tier: ignoring and deleting bad file %s", self._path(ikey))
-        self._drop(ikey, delete=True)
+    def _read_checked(
+        self,
+        kind: _FileKind,
+        key: bytes,
+        max_payload: int,
+        accept: Callable[[tuple, int], bool],
+    ) -> tuple[tuple, bytearray] | None:
+        """Read the file of ``key`` and check it: magic, format version, namespace, key,
+        payload length and checksum, then ``accept(extra header fields, payload bytes)``.
+        At most ``max_payload`` payload bytes are read.
 
-    def _touch(self, ikey: bytes) -> None:
-        with self._lock:
-            if ikey in self._index:
-                self._index.move_to_end(ikey)
+        Returns:
+            The extra header fields and the payload, or None for a miss: a missing file
+            leaves the index; a bad one (truncated, corrupted, foreign, not accepted) is
+            deleted and counted in ``read_failures``. A hit becomes most recently used.
+        """
+        if not self.enabled:
+            return None
+        ikey = kind.prefix + key
+        head = kind.header_bytes
+        try:
+            with open(self._path(ikey), "rb") as f:
+                data = f.read(head + max_payload + 1)
+        except OSError:
+            self._drop(ikey, delete=False)
+            return None
+        ok = head <= len(data) <= head + max_payload
+        if ok:
+            magic, version, _, ns, fkey, n, check = _COMMON.unpack_from(data)
+            extra = kind.extra.unpack_from(data, _COMMON.size)
+            payload = memoryview(data)[head:]
+            ok = (
+                magic == kind.magic
+                and version == FORMAT_VERSION
+                and ns == self.namespace
+                and fkey == key
+                and n == len(payload)
+                and accept(extra, n)
+                and xxhash.xxh3_64_intdigest(payload) == check
+            )
+        if not ok:
+            self.read_failures += 1
+            log.warning("KV disk tier: ignoring and deleting bad file %s", self._path(ikey))
+            self._drop(ikey, delete=True)
+            return None
+        self._index.touch(ikey)
+        return extra, bytearray(payload)
 
     def read(self, key: bytes) -> torch.Tensor | None:
         """Read and check the page for ``key`` on the caller's thread.
@@ -647,32 +636,13 @@ class DiskTier:
             missing, truncated, corrupted (checksum), or of another namespace, key, version
             or size is a miss; a bad file is deleted.
         """
-        if not self.enabled:
-            return None
-        try:
-            with open(self._path(key), "rb") as f:
-                data = f.read(self.file_bytes + 1)
-        except OSError:
-            self._drop(key, delete=False)
-            return None
-        ok = len(data) == self.file_bytes
-        if ok:
-            magic, version, _, ns, fkey, n, check = _HEADER.unpack_from(data)
-            payload = memoryview(data)[HEADER_BYTES:]
-            ok = (
-                magic == _MAGIC
-                and version == FORMAT_VERSION
-                and ns == self.namespace
-                and fkey == key
-                and n == self.payload_bytes
-                and xxhash.xxh3_64_intdigest(payload) == check
-            )
-        if not ok:
-            self._bad(key)
+        got = self._read_checked(
+            _PAGES, key, self.payload_bytes, lambda _extra, n: n == self.payload_bytes
+        )
+        if got is None:
             return None
         self.reads += 1
-        self._touch(key)
-        buf = bytearray(payload)
+        buf = got[1]
         return torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).reshape(self.page_shape)
 
     def read_features(self, key: bytes, rows: int, cols: int) -> torch.Tensor | None:
@@ -689,38 +659,22 @@ class DiskTier:
             is a miss; a bad file is deleted. At most ``rows * cols * 4`` payload bytes are
             read.
         """
-        if not self.enabled:
-            return None
-        ikey = _FEATURES + key
-        limit = _FEATURE_HEADER.size + rows * cols * 4
-        try:
-            with open(self._path(ikey), "rb") as f:
-                data = f.read(limit + 1)
-        except OSError:
-            self._drop(ikey, delete=False)
-            return None
-        ok = _FEATURE_HEADER.size <= len(data) <= limit
-        if ok:
-            magic, version, _, ns, fkey, n, check, r, c, code = _FEATURE_HEADER.unpack_from(data)
+
+        def accept(extra: tuple, n: int) -> bool:
+            r, c, code = extra
             dtype = _CODE_DTYPES.get(code)
-            payload = memoryview(data)[_FEATURE_HEADER.size :]
-            ok = (
-                magic == _FEATURE_MAGIC
-                and version == FORMAT_VERSION
-                and ns == self.namespace
-                and fkey == key
-                and (r, c) == (rows, cols)
+            return (
+                (r, c) == (rows, cols)
                 and dtype is not None
-                and n == len(payload) == rows * cols * torch.empty((), dtype=dtype).element_size()
-                and xxhash.xxh3_64_intdigest(payload) == check
+                and n == rows * cols * torch.empty((), dtype=dtype).element_size()
             )
-        if not ok:
-            self._bad(ikey)
+
+        got = self._read_checked(_FEATURES, key, rows * cols * 4, accept)
+        if got is None:
             return None
         self.feature_reads += 1
-        self._touch(ikey)
-        buf = bytearray(payload)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(rows, cols)
+        (_, _, code), buf = got
+        return torch.frombuffer(buf, dtype=torch.uint8).view(_CODE_DTYPES[code]).reshape(rows, cols)
 
 
 @dataclass
@@ -778,16 +732,15 @@ class KVTiers:
         self.page_shape = (2, pool.num_layers, *k.shape[1:])
         self.page_bytes = int(np.prod(self.page_shape)) * k.element_size()
         self.pin = k.device.type == "cuda"
-        self.host = HostTier(host_bytes, self.page_bytes)
+        self.host = host_tier(host_bytes, self.page_bytes)
         self.disk = (
             DiskTier(disk_dir, namespace, disk_bytes, self.page_shape, k.dtype)
             if disk_dir is not None
             else None
         )
         # pages read from disk for a waiting request, taken at its admission; bounded by
-        # the pool's size (LRU dropped beyond it)
-        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self._staged_cap = pool.num_pages
+        # the pool's size (least recently staged dropped beyond it)
+        self._staged: LRU[bytes, torch.Tensor] = LRU(max_items=pool.num_pages)
         # (request id, pages read, features read, seconds) of finished disk loads
         self._done: list[
             tuple[str, list[tuple[bytes, torch.Tensor]], list[tuple[bytes, torch.Tensor]], float]
@@ -797,11 +750,8 @@ class KVTiers:
         self._jobs: set[str] = set()  # request ids whose disk load is in flight
         self._tried: set[str] = set()  # request ids that had a disk load since admission
         self._loader: ThreadPoolExecutor | None = None
-        # counters (tokens, bytes, seconds)
-        self.host_hit_tokens = 0
-        self.disk_hit_tokens = 0
-        self.evicted_pages = 0
-        self.loads = 0
+        # counters: tokens taken from each tier, pages evicted to them, disk loads
+        self.host_hit_tokens = self.disk_hit_tokens = self.evicted_pages = self.loads = 0
         self.load_seconds = 0.0
         self.loaded_bytes = 0
         self.feature_loads = 0  # images whose features came from disk, not the tower
@@ -823,7 +773,7 @@ class KVTiers:
         todo = [
             (k, p)
             for k, p in zip(keys, pages, strict=True)
-            if (self.host.capacity_bytes and k not in self.host)
+            if (self.host.max_bytes and k not in self.host)
             or (self.disk_on and k not in self.disk and self._pending(k) is None)
         ]
         if not todo:
@@ -832,7 +782,7 @@ class KVTiers:
         host = self._to_host([p for _, p in todo])
         for i, (key, _) in enumerate(todo):
             page = host[i]
-            if self.host.capacity_bytes:
+            if self.host.max_bytes:
                 self.host.put(key, page)
             if self.disk_on:
                 self.disk.write(key, page)
@@ -881,7 +831,7 @@ class KVTiers:
         first one missing); staged pages are removed, host pages stay."""
         out = []
         for key in keys:
-            page = self._staged.pop(key, None)
+            page = self._staged.pop(key)
             if page is None:
                 page = self._pending(key)
             if page is not None:
@@ -949,7 +899,7 @@ class KVTiers:
                 continue
             page = self._pending(k)
             if page is not None:  # stage it now: once written it leaves the write queue
-                self._staged[k] = page
+                self._staged.put(k, page)
             else:
                 todo.append(k)
         self._tried.add(rid)
@@ -998,14 +948,11 @@ class KVTiers:
             self.load_seconds += seconds
             self.loaded_bytes += len(pages) * self.page_bytes
             for key, page in pages:
-                self._staged[key] = page
-                self._staged.move_to_end(key)
+                self._staged.put(key, page)
             for key, f in feats:  # the runner finds them there instead of running the tower
                 self.feature_cache.put(key, f)
                 self.feature_loads += 1
                 self.loaded_bytes += f.numel() * f.element_size()
-        while len(self._staged) > self._staged_cap:
-            self._staged.popitem(last=False)
         return len(done)
 
     def wait(self, timeout: float) -> None:
@@ -1035,7 +982,7 @@ class KVTiers:
             return 0
         n = 0
         for key in self.host.keys():
-            page = self.host.get(key)
+            page = self.host.get(key, touch=False, count=False)
             if page is not None and self.disk.write(key, page, block=True):
                 n += 1
         for keys, pages in nodes:
@@ -1068,8 +1015,8 @@ class KVTiers:
             "tier_host_hit_tokens": self.host_hit_tokens,
             "tier_disk_hit_tokens": self.disk_hit_tokens,
             "tier_host_pages": len(self.host),
-            "tier_host_bytes": self.host.bytes_used,
-            "tier_host_capacity_bytes": self.host.capacity_bytes,
+            "tier_host_bytes": self.host.nbytes,
+            "tier_host_capacity_bytes": self.host.max_bytes,
             "tier_disk_pages": len(disk) if disk is not None else 0,
             "tier_disk_bytes": disk.bytes_used if disk is not None else 0,
             "tier_disk_capacity_bytes": disk.capacity_bytes if disk is not None else 0,

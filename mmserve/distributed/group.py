@@ -7,7 +7,7 @@ ranks with ``torch.multiprocessing`` (spawn) on this machine and joins them in a
 CUDA). Every step, :class:`TPDecoder` (rank 0's decoder) sends each worker a small
 header over its pipe, then broadcasts the step's embeddings ``[T, hidden]`` (text
 embeddings with image features already in) and one int64 tensor with the attention
-metadata; every rank runs :meth:`ShardedDecoder.forward_shard` on its heads, and
+metadata; every rank runs :meth:`ShardedDecoder.forward` on its heads, and
 rank 0 gathers the vocabulary slices of the logits.
 
 Faults: every collective has the group's timeout (``EngineConfig.tp_timeout_seconds``).
@@ -320,7 +320,7 @@ class TPDecoder(ShardedDecoder):
         try:
             dist.broadcast(embeds.contiguous(), src=0)
             dist.broadcast(ints, src=0)
-            local = self.forward_shard(embeds, positions, backend, pool, logit_rows)
+            local = super().forward(embeds, positions, backend, pool, logit_rows)
             return gather_logits(local, self.layout)
         except Exception as exc:
             # the ranks are out of step now: nothing can run on this group again

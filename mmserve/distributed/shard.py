@@ -20,9 +20,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from mmserve.cache.kv_pool import KVPool
 from mmserve.distributed.layout import TPLayout
-from mmserve.kernels.torch_backend import TorchAttentionBackend
 from mmserve.model.llama import DecoderLayer, LlamaDecoder, RMSNorm
 from mmserve.model.weights import CheckpointError, split_weights, weight_files
 
@@ -75,6 +73,10 @@ class ShardedDecoder(nn.Module):
     """
 
     rope = LlamaDecoder.rope  # the same RoPE tables, from the same fp32 frequencies
+    # The same layer loop, final norm and head, on this rank's heads: every rank calls it
+    # with the same batch, and it returns fp32 logits ``[B, vocab_rows]`` of this rank's
+    # vocabulary rows (:func:`~mmserve.distributed.worker.gather_logits` joins them).
+    forward = LlamaDecoder.forward
 
     def __init__(self, layout: TPLayout, with_embedding: bool) -> None:
         super().__init__()
@@ -156,33 +158,3 @@ class ShardedDecoder(nn.Module):
                 seen.add(key)
                 total += p.numel() * p.element_size()
         return total
-
-    @torch.inference_mode()
-    def forward_shard(
-        self,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        backend: TorchAttentionBackend,
-        pool: KVPool,
-        logit_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """This rank's part of the forward pass (every rank calls it with the same batch).
-
-        Args:
-            embeds: ``[T, hidden]`` input embeddings, equal on every rank.
-            positions: int64 ``[T]``.
-            backend: attention backend planned for this batch, over this rank's heads.
-            pool: this rank's KV pool (its K/V heads only).
-            logit_rows: int64 ``[B]`` rows whose logits are wanted.
-
-        Returns:
-            fp32 logits ``[B, ceil(V / N)]`` of this rank's vocabulary rows, zero-padded.
-        """
-        cos, sin = self.rope(positions, embeds.dtype)
-        x = embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, backend, pool)
-        x = self.norm(x[logit_rows])
-        logits = self.lm_head(x).float()
-        pad = self.layout.vocab_per_rank - logits.shape[1]
-        return F.pad(logits, (0, pad)) if pad else logits

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mmserve.cache.kv_pool import KVPool
 from mmserve.distributed.layout import TPLayout
@@ -108,7 +109,10 @@ def unpack_step(
 
 
 def gather_logits(local: torch.Tensor, layout: TPLayout) -> torch.Tensor | None:
-    """Rank 0: ``[B, V]`` logits from every rank's padded slice; others: None."""
+    """Rank 0: ``[B, V]`` logits from every rank's ``[B, vocab_rows]`` slice (each padded
+    to ``vocab_per_rank`` columns for the gather); others: None."""
+    pad = layout.vocab_per_rank - local.shape[1]
+    local = F.pad(local, (0, pad)) if pad else local
     if layout.rank != 0:
         dist.gather(local, None, dst=0)
         return None
@@ -203,7 +207,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection, p
             dist.broadcast(ints, src=0)
             meta, rows = unpack_step(head, ints, spec.page_size)
             backend.plan(meta)
-            local = decoder.forward_shard(embeds, meta.positions, backend, pool, rows)
+            local = decoder(embeds, meta.positions, backend, pool, rows)
             gather_logits(local, layout)
     except Exception:  # noqa: BLE001 - tell rank 0 why, then exit; rank 0 fails the step
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from mmserve.cache.kv_pool import KVPool
+from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.metadata import AttentionMetadata
 
 #: Bytes of the float workspace shared by both wrappers (FlashInfer's recommended size).
@@ -82,7 +83,7 @@ def import_flashinfer():  # noqa: ANN201
     return flashinfer
 
 
-class FlashInferAttentionBackend:
+class FlashInferAttentionBackend(AttentionBackend):
     """Paged attention with FlashInfer's batch prefill/decode wrappers (CUDA only).
 
     Same interface as :class:`~mmserve.kernels.torch_backend.TorchAttentionBackend`:
@@ -150,65 +151,32 @@ class FlashInferAttentionBackend:
             meta: the batch's metadata, with index tensors on this backend's device.
         """
         self._meta = meta
+        # the arguments both wrappers' plan() take, in their order
+        pages = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+        heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, meta.page_size)
+        types = {
+            "pos_encoding_mode": "NONE",  # RoPE is applied by the model before attention
+            "q_data_type": self.dtype,
+            "kv_data_type": self.dtype,
+        }
         if meta.is_decode:
-            self._decode.plan(
-                meta.kv_indptr,
-                meta.kv_indices,
-                meta.kv_last_page_len,
-                self.num_qo_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                meta.page_size,
-                pos_encoding_mode="NONE",  # RoPE is applied by the model before attention
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-            )
+            self._decode.plan(*pages, *heads, **types)
             self._wrapper = self._decode
         else:
-            self._prefill.plan(
-                meta.qo_indptr,
-                meta.kv_indptr,
-                meta.kv_indices,
-                meta.kv_last_page_len,
-                self.num_qo_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                meta.page_size,
-                causal=True,
-                pos_encoding_mode="NONE",
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-            )
+            self._prefill.plan(meta.qo_indptr, *pages, *heads, causal=True, **types)
             self._wrapper = self._prefill
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        pool: KVPool,
-    ) -> torch.Tensor:
-        """Write the new K/V into the pool, then attend over each request's pages.
-
-        Args:
-            q: ``[T, Hq, D]`` queries of the batch's new tokens (packed by ``qo_indptr``).
-            k, v: ``[T, Hkv, D]`` keys/values of the same tokens.
-            layer_id: decoder layer index into the pool.
-            pool: the KV pool (pages ``[num_pages, P, Hkv, D]`` per layer, dtype
-                equal to this backend's).
-
-        Returns:
-            ``[T, Hq, D]`` attention output, same dtype as ``q``.
-
-        Raises:
-            ValueError: if the pool's dtype is not the planned K/V dtype.
-        """
-        meta = self._meta
-        assert meta is not None and self._wrapper is not None, "plan() before forward()"
-        k_buf, v_buf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
+    def _check_pool(self, layer_id: int, pool: KVPool) -> None:
+        """Raises ``ValueError`` if the pool's dtype is not the planned K/V dtype."""
+        assert self._wrapper is not None, "plan() before forward()"
+        k_buf = pool.k_buffers[layer_id]
         if k_buf.dtype != self.dtype:
             raise ValueError(f"KV pool dtype {k_buf.dtype} differs from the planned {self.dtype}")
-        pool.write_kv(layer_id, meta.out_cache_loc, k, v)
+
+    def _attend(
+        self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layer_id: int, pool: KVPool
+    ) -> torch.Tensor:
+        """See :meth:`AttentionBackend._attend`: the planned wrapper over the layer's pages."""
+        k_buf, v_buf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
         out = self._wrapper.run(q.to(self.dtype).contiguous(), (k_buf, v_buf))
         return out.to(q.dtype)

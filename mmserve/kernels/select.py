@@ -9,12 +9,10 @@ a bare ImportError.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from mmserve.cache.kv_pool import KVPool
 from mmserve.config import ATTENTION_BACKENDS
+from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.flashinfer_backend import (
     FALLBACK_HINT,
     SUPPORTED_DTYPES,
@@ -22,22 +20,7 @@ from mmserve.kernels.flashinfer_backend import (
     FlashInferAttentionBackend,
     flashinfer_import_problem,
 )
-from mmserve.kernels.metadata import AttentionMetadata
 from mmserve.kernels.torch_backend import TorchAttentionBackend
-
-
-class AttentionBackend(Protocol):
-    """What the decoder needs from a backend (see :class:`TorchAttentionBackend`)."""
-
-    name: str
-
-    def plan(self, meta: AttentionMetadata) -> None:
-        """Prepare for one batch; called once before the layers run."""
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool
-    ) -> torch.Tensor:
-        """Write ``k``/``v`` into ``pool`` and return ``[T, Hq, D]`` attention output."""
 
 
 def _flashinfer_problems(device: torch.device, dtype: torch.dtype, probe_import: bool) -> list[str]:

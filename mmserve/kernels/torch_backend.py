@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.cache.kv_pool import KVPool
+from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.metadata import AttentionMetadata
 
 #: CPU flash-attention kernel that also returns the log-sum-exp of each query row
@@ -61,7 +62,7 @@ class _Chunk:
     dead: bool = False  # some query row sees none of these keys
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Call :meth:`plan` once per batch, then :meth:`forward` once per layer.
@@ -219,45 +220,27 @@ class TorchAttentionBackend:
         hidden = keys[None, :] > queries[:, None]  # [q_len, keys]
         return hidden  # expanded to G rows and the dtype in forward (G known there)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        pool: KVPool,
+    def _attend(
+        self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layer_id: int, pool: KVPool
     ) -> torch.Tensor:
-        """Write the new K/V into the pool, then attend.
-
-        Args:
-            q: ``[T, Hq, D]`` queries of the batch's new tokens (packed by ``qo_indptr``).
-            k, v: ``[T, Hkv, D]`` keys/values of the same tokens.
-            layer_id: decoder layer index into the pool.
-            pool: the KV pool (pages ``[num_pages, P, Hkv, D]`` per layer).
-
-        Returns:
-            ``[T, Hq, D]`` attention output, same dtype as ``q``.
-        """
-        meta = self._meta
-        assert meta is not None, "plan() must be called before forward()"
-        k_flat, v_flat = pool.write_kv(layer_id, meta.out_cache_loc, k, v)
+        """See :meth:`AttentionBackend._attend`."""
         if self._decode_index is not None and not self._loop and not self._view_reqs:
-            return self._decode_batched(q, k_flat, v_flat)
+            return self._decode_batched(q, k_all, v_all)
         out = torch.empty_like(q)
         if self._view_reqs:
-            whole = self._attend_views(q, k_flat, v_flat, out)
+            whole = self._attend_views(q, k_all, v_all, out)
             if whole is not None:  # a pure decode batch: nothing else to fill
                 return whole
         if self._decode_index is not None:
             rows = self._decode_rows
-            out[rows] = self._decode_batched(q[rows], k_flat, v_flat)
+            out[rows] = self._decode_batched(q[rows], k_all, v_all)
         qo = self._qo
         for i in self._loop:
             slots = self._slots[i]
             # 4-D inputs: with 3-D ones CPU SDPA falls back to a ~3x slower generic path
             qi = q[qo[i] : qo[i + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-            ki = _gather(k_flat, slots).transpose(0, 1).to(q.dtype)[None]  # [1, Hkv, seq, D]
-            vi = _gather(v_flat, slots).transpose(0, 1).to(q.dtype)[None]
+            ki = _gather(k_all, slots).transpose(0, 1).to(q.dtype)[None]  # [1, Hkv, seq, D]
+            vi = _gather(v_all, slots).transpose(0, 1).to(q.dtype)[None]
             mask = self._masks[i]
             causal = mask is None and qi.shape[2] > 1
             oi = F.scaled_dot_product_attention(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from PIL import Image
 from torch import nn
+from transformers import AutoModel
 
 if TYPE_CHECKING:
     from mmserve.vision.inputs import ImageInput
@@ -46,8 +47,51 @@ class VisionModule(nn.Module):
     :meth:`preprocess` runs on the front end's threads (it only reads the image
     processor's settings and the tower's dtype); :meth:`encode_pixels` runs on the engine
     thread. Subclasses implement those two; :meth:`encode` and :meth:`encode_items` chain
-    them for callers that still hold decoded images (tests, benchmarks).
+    them for callers that still hold decoded images (tests, benchmarks). :meth:`project`
+    is the tower -> feature-select -> projector path their :meth:`encode_pixels` share.
+
+    Args:
+        config: the checkpoint's LLaVA-family config (checked by :func:`check_vision_config`).
+        projector: the family's transformers projector class, built as ``projector(config)``.
+        image_processor: the checkpoint's image processor.
+
+    Raises:
+        ValueError: for a multi-layer ``vision_feature_layer`` or an unknown
+            ``vision_feature_select_strategy``.
     """
+
+    def __init__(
+        self, config: object, projector: Callable[[object], nn.Module], image_processor: object
+    ) -> None:
+        super().__init__()
+        check_vision_config(config)
+        self.config = config
+        self.vision_tower = AutoModel.from_config(config.vision_config)
+        self.multi_modal_projector = projector(config)
+        self.image_processor = image_processor
+
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Encode and project tiles, as transformers' LLaVA ``get_image_features`` does: the
+        tower's hidden states at ``config.vision_feature_layer``, the CLS position dropped
+        for the "default" ``vision_feature_select_strategy``, then the
+        ``multi_modal_projector`` (Liu et al., arXiv 2310.03744, Section 3.1).
+
+        Args:
+            pixels: ``[N, 3, H, W]`` normalised pixels, any dtype and device (cast to the
+                tower's).
+
+        Returns:
+            ``[N, patches, text_hidden]`` in the model's dtype.
+        """
+        cfg = self.config
+        p = next(self.vision_tower.parameters())
+        out = self.vision_tower(
+            pixels.to(p.device, p.dtype), output_hidden_states=True, return_dict=True
+        )
+        hidden = out.hidden_states[cfg.vision_feature_layer]
+        if cfg.vision_feature_select_strategy == "default":
+            hidden = hidden[:, 1:]
+        return self.multi_modal_projector(hidden)
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
         """The family's transformers image processing of ``images`` in ``mode``: one fp32

@@ -12,10 +12,9 @@ from typing import ClassVar
 
 import torch
 from PIL import Image
-from transformers import AutoModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule, check_vision_config
+from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule
 from mmserve.vision.pixels import Pixels
 
 
@@ -28,22 +27,7 @@ class LlavaVision(VisionModule):
     """
 
     def __init__(self, config: object, image_processor: object) -> None:
-        super().__init__()
-        check_vision_config(config)
-        self.vision_tower = AutoModel.from_config(config.vision_config)
-        self.multi_modal_projector = LlavaMultiModalProjector(config)
-        self.feature_layer = config.vision_feature_layer
-        self.drop_cls = config.vision_feature_select_strategy == "default"
-        self.image_processor = image_processor
-
-    @torch.inference_mode()
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[N, 3, H, W]`` normalised pixels -> ``[N, num_image_tokens, text_hidden]``."""
-        out = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
-        feats = out.hidden_states[self.feature_layer]
-        if self.drop_cls:
-            feats = feats[:, 1:]
-        return self.multi_modal_projector(feats)
+        super().__init__(config, LlavaMultiModalProjector, image_processor)
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
         """See :meth:`VisionModule.preprocess`: ``[1, 3, H, W]`` per image.
@@ -53,13 +37,12 @@ class LlavaVision(VisionModule):
         """
         return preprocess_llava(self.image_processor, images, mode)
 
+    @torch.inference_mode()
     def encode_pixels(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
         """See :meth:`VisionModule.encode_pixels`; one tower call for all items."""
         for it in items:
             _check_mode(it.mode)
-        p = next(self.parameters())
-        pixels = torch.cat([it.values for it in items])
-        return list(self(pixels.to(p.device, p.dtype)))
+        return list(self.project(torch.cat([it.values for it in items])))
 
 
 def preprocess_llava(

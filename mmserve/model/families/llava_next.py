@@ -18,14 +18,13 @@ from typing import ClassVar
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoModel
 from transformers.models.llava_next.modeling_llava_next import (
     LlavaNextModel,
     LlavaNextMultiModalProjector,
     image_size_to_num_patches,
 )
 
-from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule, check_vision_config
+from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule
 from mmserve.vision.pixels import Pixels
 
 
@@ -41,13 +40,8 @@ class LlavaNextVision(VisionModule):
     """
 
     def __init__(self, config: object, image_processor: object) -> None:
-        super().__init__()
-        check_vision_config(config)
-        self.config = config
-        self.vision_tower = AutoModel.from_config(config.vision_config)
-        self.multi_modal_projector = LlavaNextMultiModalProjector(config)
+        super().__init__(config, LlavaNextMultiModalProjector, image_processor)
         self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
-        self.image_processor = image_processor
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
         """See :meth:`VisionModule.preprocess`: per image its ``[tiles, 3, H, W]`` (base
@@ -68,17 +62,11 @@ class LlavaNextVision(VisionModule):
         sizes = torch.stack([it.image_size for it in items])
         counts = [it.values.shape[0] for it in items]
         pixels = torch.cat([it.values for it in items])
-        p = self.image_newline
-        hidden = self.vision_tower(
-            pixels.to(p.device, p.dtype), output_hidden_states=True, return_dict=True
-        ).hidden_states[cfg.vision_feature_layer]
-        if cfg.vision_feature_select_strategy == "default":
-            hidden = hidden[:, 1:]
-        feats = torch.split(self.multi_modal_projector(hidden), counts)
+        feats = torch.split(self.project(pixels), counts)
         # transformers' packing (unpad + newline per row + base image first) reads only
         # self.config, so it runs on this module as it would on LlavaNextModel
         packed, _ = LlavaNextModel.pack_image_features(
-            self, feats, sizes, cfg.vision_feature_select_strategy, image_newline=p
+            self, feats, sizes, cfg.vision_feature_select_strategy, image_newline=self.image_newline
         )
         return list(packed)
 

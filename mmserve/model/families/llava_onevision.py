@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoImageProcessor, AutoModel, AutoTokenizer, LlavaOnevisionProcessor
+from transformers import AutoImageProcessor, AutoTokenizer, LlavaOnevisionProcessor
 from transformers.models.llava_onevision.modeling_llava_onevision import (
     LlavaOnevisionModel,
     LlavaOnevisionMultiModalProjector,
@@ -57,7 +57,6 @@ from mmserve.model.families.base import (
     IMAGE_MODE,
     ModelFamily,
     VisionModule,
-    check_vision_config,
 )
 from mmserve.model.families.llava_next import preprocess_anyres
 from mmserve.vision.frames import FramePrep, prepare_frames
@@ -145,31 +144,15 @@ class LlavaOnevisionVision(VisionModule):
     """
 
     def __init__(self, config: object, image_processor: object, frame_prep: FramePrep) -> None:
-        super().__init__()
-        check_vision_config(config)
         tile = config.vision_config.image_size
         if (frame_prep.height, frame_prep.width) != (tile, tile) or not frame_prep.do_resize:
             raise ValueError(
                 f"video frames are resized to {frame_prep.height}x{frame_prep.width}, but the "
                 f"vision tower takes {tile}x{tile}"
             )
-        self.config = config
-        self.vision_tower = AutoModel.from_config(config.vision_config)
-        self.multi_modal_projector = LlavaOnevisionMultiModalProjector(config)
+        super().__init__(config, LlavaOnevisionMultiModalProjector, image_processor)
         self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
-        self.image_processor = image_processor
         self.frame_prep = frame_prep
-
-    def _project(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``[N, 3, tile, tile]`` pixels -> projected features ``[N, patches, text_hidden]``."""
-        cfg = self.config
-        p = self.image_newline
-        hidden = self.vision_tower(
-            pixels.to(p.device, p.dtype), output_hidden_states=True, return_dict=True
-        ).hidden_states[cfg.vision_feature_layer]
-        if cfg.vision_feature_select_strategy == "default":
-            hidden = hidden[:, 1:]
-        return self.multi_modal_projector(hidden)
 
     def _pack(self, feats: Sequence[torch.Tensor], sizes: torch.Tensor) -> list[torch.Tensor]:
         # transformers' packing reads only self.config, so it runs on this module as it
@@ -201,15 +184,15 @@ class LlavaOnevisionVision(VisionModule):
         counts = [it.values.shape[0] for it in items]
         pixels = torch.cat([it.values for it in items])
         sizes = torch.stack([it.image_size for it in items])
-        return self._pack(torch.split(self._project(pixels), counts), sizes)
+        return self._pack(torch.split(self.project(pixels), counts), sizes)
 
     def _base(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
-        feats = self._project(torch.cat([it.values for it in items]))
+        feats = self.project(torch.cat([it.values for it in items]))
         sizes = torch.stack([it.image_size for it in items])
         return self._pack([f[None] for f in feats], sizes)
 
     def _frames(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
-        feats = self._project(torch.cat([it.values for it in items]))
+        feats = self.project(torch.cat([it.values for it in items]))
         return list(LlavaOnevisionModel.apply_pooling(self, feats))
 
     @torch.inference_mode()
