@@ -4,6 +4,8 @@ test checkpoint descriptions it writes (``ModelFamily.test_config``)."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from mmserve.model.families import FAMILIES, FAMILY_NAMES, family_for, family_na
 from mmserve.model.families.llava import LlavaFamily
 from mmserve.model.families.llava_onevision import LlavaOnevisionFamily
 from mmserve.testing import checkpoints as mc
-from tests.helpers import SAMPLES
+from tests.helpers import ROOT, SAMPLES
 
 PHOTOS = ("astronaut.png", "cat.png", "coffee.png", "rocket.jpg")
 CONVERSATION = [
@@ -271,3 +273,34 @@ def test_onevision_05b_shapes_and_tokenizer() -> None:
     assert cfg.image_grid_pinpoints[-1] == [2304, 2304] and cfg.image_token_index == 151646
     with pytest.raises(ValueError, match="llava-onevision model"):
         mc.make_checkpoint("/nonexistent", size="onevision-0.5b", family="llava")
+
+
+def test_make_model_choices_come_from_the_registry_when_used() -> None:
+    """Building the parser (``mmserve --help``, ``mmserve serve``) does not import the family
+    registry and transformers' model code; parsing make-model's arguments checks them
+    against the registry's names and sizes."""
+    code = (
+        "import argparse, sys\n"
+        "from mmserve.cli import add_make_model_parser\n"
+        "p = argparse.ArgumentParser()\n"
+        "add_make_model_parser(p.add_subparsers())\n"
+        "loaded = {'mmserve.testing', 'mmserve.model.families'} & set(sys.modules)\n"
+        "assert not loaded, loaded\n"
+        "a = p.parse_args(['make-model', 'd', '--size', 'onevision-0.5b', '--family', "
+        "'llava-onevision'])\n"
+        "assert (a.size, a.family) == ('onevision-0.5b', 'llava-onevision'), a\n"
+        "for bad in (['--family', 'gpt'], ['--size', 'huge']):\n"
+        "    try:\n"
+        "        p.parse_args(['make-model', 'd', *bad])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 2\n"
+        "    else:\n"
+        "        raise AssertionError(bad)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "invalid choice: 'gpt' (choose from 'llava', 'llava-next', 'llava-onevision')" in (
+        done.stderr
+    )

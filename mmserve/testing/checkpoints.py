@@ -32,7 +32,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from mmserve.model.families import FAMILIES, FAMILY_NAMES, ModelFamily, family_named
-from mmserve.model.families.base import special_token_ids
+from mmserve.model.families.sizes import special_token_ids
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -243,7 +243,7 @@ def build_config(spec: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> Pr
 
     Raises:
         ValueError: if the tokenizer's special-token ids are not the ones the description's
-            config uses (:func:`~mmserve.model.families.base.special_token_ids`).
+            config uses (:func:`~mmserve.model.families.sizes.special_token_ids`).
     """
     from transformers import AutoConfig
 

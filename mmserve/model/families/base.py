@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -189,7 +188,8 @@ class ModelFamily:
         return None
 
     #: Sizes of the seeded test checkpoints :meth:`test_config` describes (``make-model``
-    #: ``--size``): the shared :data:`TEST_WIDTHS` and the family's real shapes, if any.
+    #: ``--size``): the shared ones (:data:`mmserve.model.families.sizes.TEST_WIDTHS`) and
+    #: the family's real shapes, if any.
     test_sizes: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
@@ -202,7 +202,7 @@ class ModelFamily:
           (``vision_config`` and ``text_config`` nested, each with its ``model_type``);
           ``architectures`` names the transformers model class; ``text_config`` without
           ``vocab_size`` takes the trained tokenizer's length. Token ids are those of
-          :func:`special_token_ids` of the tokenizer below.
+          :func:`~mmserve.model.families.sizes.special_token_ids` of the tokenizer below.
         - ``"tokenizer"``: ``kind`` ("bpe": byte-level BPE, or "sentencepiece": a Llama
           ``tokenizer.model``, which must start with ``<unk> <s> </s> <pad>``) trained on the
           bundled corpus; ``specials`` (special tokens with ids 0, 1, ...); ``padded``
@@ -220,51 +220,3 @@ class ModelFamily:
             ValueError: if ``size`` is not one of :attr:`test_sizes`.
         """
         raise ValueError(f"the {cls.name} family has no test checkpoints")
-
-
-# ---- seeded test checkpoints (described by each family, written by mmserve.testing) -------
-
-#: Patch side (pixels) of every test checkpoint's vision tower, as CLIP's and SigLIP's.
-TEST_PATCH = 14
-#: Widths of the test sizes every family has: "tiny" (~1M parameters, tests) and "small"
-#: (~28M, CPU benchmarks); ``vision`` and ``text`` are transformers config arguments of the
-#: tower and the decoder.
-TEST_WIDTHS: dict[str, dict[str, dict[str, int]]] = {
-    "tiny": {
-        "vision": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=128),
-        "text": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, intermediate_size=256, max_position_embeddings=8192),
-    },
-    "small": {
-        "vision": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                       intermediate_size=1024),
-        "text": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                     num_key_value_heads=2, intermediate_size=1408, max_position_embeddings=8192),
-    },
-}  # fmt: skip
-
-
-def size_widths(family: type[ModelFamily], size: str, real: dict[str, dict]) -> dict[str, dict]:
-    """A copy of the widths of ``size``: :data:`TEST_WIDTHS`, or the family's ``real`` shapes.
-
-    Raises:
-        ValueError: if ``size`` is neither.
-    """
-    widths = TEST_WIDTHS.get(size) or real.get(size)
-    if widths is None:
-        raise ValueError(
-            f"unknown checkpoint size {size!r} for {family.name}; "
-            f"expected one of {', '.join(family.test_sizes)}"
-        )
-    return copy.deepcopy(widths)
-
-
-def special_token_ids(tokenizer: dict[str, Any]) -> dict[str, int]:
-    """Ids of the special tokens of a test tokenizer description (:meth:`ModelFamily.test_config`):
-    ``specials`` take 0, 1, ...; a padded vocabulary's ``tail`` follows its ``regular`` ids."""
-    ids = {t: i for i, t in enumerate(tokenizer["specials"])}
-    if tokenizer.get("padded"):
-        regular, tail = tokenizer["padded"]
-        ids.update({t: regular + i for i, t in enumerate(tail)})
-    return ids

@@ -15,16 +15,8 @@ from PIL import Image
 from transformers import AutoModel
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from mmserve.model.families.base import (
-    IMAGE_MODE,
-    TEST_PATCH,
-    TEST_WIDTHS,
-    ModelFamily,
-    VisionModule,
-    check_vision_config,
-    size_widths,
-    special_token_ids,
-)
+from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule, check_vision_config
+from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths, special_token_ids
 from mmserve.vision.pixels import Pixels
 
 

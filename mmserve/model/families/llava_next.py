@@ -25,21 +25,14 @@ from transformers.models.llava_next.modeling_llava_next import (
     image_size_to_num_patches,
 )
 
-from mmserve.model.families.base import (
-    IMAGE_MODE,
-    TEST_PATCH,
-    TEST_WIDTHS,
-    ModelFamily,
-    VisionModule,
-    check_vision_config,
-    size_widths,
-)
+from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule, check_vision_config
 from mmserve.model.families.llava import (
     VICUNA_7B,
     clip_processors,
     llama_tokenizer,
     llava_test_config,
 )
+from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths
 from mmserve.vision.pixels import Pixels
 
 

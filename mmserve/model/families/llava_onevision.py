@@ -55,15 +55,12 @@ from mmserve.model.families.base import (
     BASE_MODE,
     FRAME_MODE,
     IMAGE_MODE,
-    TEST_PATCH,
-    TEST_WIDTHS,
     ModelFamily,
     VisionModule,
     check_vision_config,
-    size_widths,
-    special_token_ids,
 )
 from mmserve.model.families.llava_next import preprocess_anyres
+from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths, special_token_ids
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerprint
 from mmserve.vision.pixels import Pixels
