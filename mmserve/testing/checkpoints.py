@@ -272,14 +272,13 @@ def _write_processor(out: Path, spec: dict[str, Any], tokenizer: PreTrainedToken
     transformers' processor class cannot be built without torchvision, which its video
     processor needs; only the video processor's settings are used here."""
     image_processor = _instance(spec["image_processor"])
-    args = {k: v for k, v in spec["processor"].items() if k != "class"}
     if "video_processor" not in spec:
         template = (ASSETS_DIR / spec["tokenizer"]["chat_template"]).read_text(encoding="utf-8")
-        processor = _instance({**spec["processor"], "image_processor": image_processor,
-                               "tokenizer": tokenizer, "chat_template": template})  # fmt: skip
-        processor.save_pretrained(out)
+        parts = dict(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+        _instance({**spec["processor"], **parts}).save_pretrained(out)
         image_processor.save_pretrained(out)
         return
+    args = {k: v for k, v in spec["processor"].items() if k != "class"}
     video_processor = _instance(spec["video_processor"])
     image_processor.save_pretrained(out)
     video_processor.save_pretrained(out)
