@@ -85,20 +85,19 @@ def make_sp_checkpoint(out: Path, size: str = "small", seed: int = 0) -> Path:
     """``make_checkpoint(out, size, seed)`` with a SentencePiece tokenizer (same weights:
     the initialisation is seeded by parameter name, and the vocabulary has the same ids),
     written through a temporary sibling renamed into place."""
-    from mmserve.testing import checkpoints as mc
+    from mmserve.testing.checkpoints import checkpoint_spec, write_checkpoint
 
     out = Path(out)
     if (out / "model.safetensors").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    original = mc.build_tokenizer
+    spec = checkpoint_spec(size, "llava")
+    spec["tokenizer"] = checkpoint_spec(size, "llava-next")["tokenizer"]  # SentencePiece
     try:
-        mc.build_tokenizer = lambda *a, **k: mc.build_sentencepiece_tokenizer(tmp)
-        mc.make_checkpoint(tmp, size=size, seed=seed, family="llava")
+        write_checkpoint(tmp, spec, seed)
         os.rename(tmp, out)
     finally:
-        mc.build_tokenizer = original
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 

@@ -9,8 +9,27 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
-from mmserve.testing.checkpoints import FAMILY_NAMES, SIZES
+
+class _RegistryChoices(Sequence[str]):
+    """``FAMILY_NAMES`` or ``SIZES`` of :mod:`mmserve.testing.checkpoints`, read on first use:
+    they come from the family registry, whose import loads transformers' model code, which
+    ``mmserve --help`` and ``mmserve serve`` should not wait for."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _values(self) -> tuple[str, ...]:
+        from mmserve.testing import checkpoints
+
+        return getattr(checkpoints, self.name)
+
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        return self._values()[i]
+
+    def __len__(self) -> int:
+        return len(self._values())
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -37,20 +56,22 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
     m.add_argument("dir", help="directory to write")
     m.add_argument(
         "--size",
-        choices=list(SIZES),
+        choices=_RegistryChoices("SIZES"),
+        metavar="SIZE",  # a metavar keeps argparse from reading the choices before use
         default="tiny",
-        help="tiny (1M parameters, tests), small (28M, CPU benchmarks), or the exact shapes "
-        "of a real model with seeded random weights: onevision-0.5b (LLaVA-OneVision-0.5B, "
-        "1.8 GB in bf16), llava-1.5-7b, llava-next-7b (about 14 GB each in bf16)",
+        help="%(choices)s. tiny: 1M parameters (tests); small: 28M (CPU benchmarks); the "
+        "others: a real model's exact shapes with seeded random weights (onevision-0.5b: "
+        "LLaVA-OneVision-0.5B, 1.8 GB in bf16; the 7b ones about 14 GB each in bf16)",
     )
     m.add_argument("--seed", type=int, default=0)
     m.add_argument(
         "--family",
-        choices=FAMILY_NAMES,
+        choices=_RegistryChoices("FAMILY_NAMES"),
+        metavar="FAMILY",
         default=None,
-        help="llava: LLaVA-1.5 (576 tokens per image); llava-next: any-resolution tiles; "
-        "llava-onevision: SigLIP + Qwen2, any-resolution grid and pooled video frames "
-        "(default: llava, or the family of a real --size)",
+        help="%(choices)s. llava: LLaVA-1.5 (576 tokens per image); llava-next: "
+        "any-resolution tiles; llava-onevision: SigLIP + Qwen2, any-resolution grid and "
+        "pooled video frames (default: llava, or the family of a real --size)",
     )
     m.add_argument(
         "--dtype",

@@ -34,7 +34,8 @@ class EngineConfig:
     """Settings of one :class:`~mmserve.engine.engine.Engine`.
 
     Attributes:
-        model_path: checkpoint directory (None: build/use the bundled tiny model).
+        model_path: checkpoint directory; the Engine needs it unless given a loaded model
+            (``mmserve serve`` without ``--model`` fills in the bundled tiny model).
         device: torch device ("cpu" or "cuda").
         dtype: weights, activations and KV pool dtype: "auto" (bfloat16 on CUDA and on
             a CPU with native bf16 arithmetic, AVX512-BF16 or AMX-BF16; float32 on other

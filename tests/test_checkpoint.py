@@ -1,8 +1,11 @@
-"""Tests for mmserve.testing.checkpoints (the synthetic LLaVA-1.5 checkpoint builder)."""
+"""Tests for mmserve.testing.checkpoints (the seeded checkpoint writer) and the families'
+test checkpoint descriptions it writes (``ModelFamily.test_config``)."""
 
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,8 +13,13 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
 
+from mmserve.config import EngineConfig
+from mmserve.engine.engine import Engine
+from mmserve.model.families import FAMILIES, FAMILY_NAMES, family_for, family_named
+from mmserve.model.families.llava import LlavaFamily
+from mmserve.model.families.llava_onevision import LlavaOnevisionFamily
 from mmserve.testing import checkpoints as mc
-from tests.helpers import SAMPLES
+from tests.helpers import ROOT, SAMPLES
 
 PHOTOS = ("astronaut.png", "cat.png", "coffee.png", "rocket.jpg")
 CONVERSATION = [
@@ -72,14 +80,15 @@ def test_config_shape(model: LlavaForConditionalGeneration, processor) -> None:
 def test_tokenizer(tiny_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     assert 1900 <= len(tok) <= 2100
-    ids = {t: tok.convert_tokens_to_ids(t) for t in mc.SPECIAL_TOKENS}
+    specials = LlavaFamily.test_config("tiny")["tokenizer"]["specials"]
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
     assert ids == {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, "<image>": 4}
     assert tok("<image>", add_special_tokens=False).input_ids == [ids["<image>"]]
     text = "A grey cat sits on a red chair, doesn't it?\n  Ünïcödé 日本 ok."
     enc = tok(text).input_ids
     assert enc[0] == ids["<s>"] and enc.count(ids["<s>"]) == 1
     assert tok.decode(enc, skip_special_tokens=True) == text
-    assert tok.chat_template == mc.CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    assert tok.chat_template == (mc.ASSETS_DIR / "chat_template.jinja").read_text(encoding="utf-8")
 
 
 def test_processor_expands_image(processor) -> None:
@@ -127,18 +136,91 @@ def test_images_change_greedy_answers(model: LlavaForConditionalGeneration, proc
     assert len(answers) >= 3
 
 
-def test_small_size_is_in_range() -> None:
-    tok = mc.build_tokenizer()
-    config = mc.build_config("small", tok)
+def test_unknown_size_family_or_dtype() -> None:
+    with pytest.raises(ValueError, match="unknown checkpoint size 'huge' for llava"):
+        LlavaFamily.test_config("huge")
+    with pytest.raises(ValueError, match="unknown checkpoint size 'huge'; expected one of tiny"):
+        mc.make_checkpoint("/nonexistent", size="huge")
+    with pytest.raises(ValueError, match="unknown family 'gpt'; expected one of llava, "):
+        mc.make_checkpoint("/nonexistent", family="gpt")
+    with pytest.raises(ValueError, match="unknown checkpoint dtype 'int8'"):
+        mc.make_checkpoint("/nonexistent", dtype="int8")
+    with pytest.raises(ValueError, match="size 'llava-1.5-7b' is a llava model, not llava-next"):
+        mc.make_checkpoint("/nonexistent", size="llava-1.5-7b", family="llava-next")
+
+
+def test_families_and_sizes_come_from_the_registry() -> None:
+    assert FAMILY_NAMES == mc.FAMILY_NAMES == ("llava", "llava-next", "llava-onevision")
+    assert [family_named(n) for n in FAMILY_NAMES] == list(FAMILIES.values())
+    assert set(mc.SIZES) == {"tiny", "small", "llava-1.5-7b", "llava-next-7b", "onevision-0.5b"}
+    # the default family of a size: llava for the shared sizes, the owner of a real shape
+    assert mc.checkpoint_spec("tiny")["config"]["model_type"] == "llava"
+    assert mc.checkpoint_spec("llava-next-7b")["config"]["model_type"] == "llava_next"
+
+
+#: (family, size) -> parameters of the model its description builds: ranges for the test
+#: sizes; for the real shapes the exact counts of these shapes, which round to the published
+#: models' (llava-1.5-7b-hf and llava-v1.6-vicuna-7b-hf 7.06B, the second with its
+#: image_newline; llava-onevision-qwen2-0.5b-ov-hf 894M, the tied head counted once)
+PARAMETERS = {
+    ("llava", "tiny"): (0.6e6, 1.2e6),
+    ("llava", "small"): (20e6, 60e6),
+    ("llava", "llava-1.5-7b"): (7_063_427_072, 7_063_427_072),
+    ("llava-next", "tiny"): (0.6e6, 1.2e6),
+    ("llava-next", "small"): (20e6, 60e6),
+    ("llava-next", "llava-next-7b"): (7_063_427_072 + 4096, 7_063_427_072 + 4096),
+    ("llava-onevision", "tiny"): (0.6e6, 1.2e6),
+    ("llava-onevision", "small"): (20e6, 60e6),
+    ("llava-onevision", "onevision-0.5b"): (893_618_208, 893_618_208),
+}
+
+
+def test_every_size_of_every_family_is_checked() -> None:
+    assert set(PARAMETERS) == {(f.name, s) for f in FAMILIES.values() for s in f.test_sizes}
+
+
+@pytest.mark.parametrize(("family", "size"), sorted(PARAMETERS))
+def test_description_builds_a_model_of_its_family(family: str, size: str, tmp_path: Path) -> None:
+    """Each description gives a config that the loader maps back to its family, whose
+    special-token ids the trained tokenizer has (build_config checks them), and a model of
+    the expected size (built on the meta device: shapes only)."""
+    import transformers
+
+    cls = family_named(family)
+    spec = cls.test_config(size)
+    assert spec == cls.test_config(size) and spec is not cls.test_config(size)
+    tok = mc.build_tokenizer(spec["tokenizer"], tmp_path)
+    config = mc.build_config(spec, tok)
+    assert family_for(config.model_type) is cls
+    assert config.text_config.vocab_size >= len(tok)
+    assert spec["real"] == (size not in ("tiny", "small"))
     with torch.device("meta"):
-        small = LlavaForConditionalGeneration(config)
-    n = sum(p.numel() for p in small.parameters())
-    assert 20_000_000 <= n <= 60_000_000
+        model = getattr(transformers, config.architectures[0])(config)
+    low, high = PARAMETERS[family, size]
+    assert low <= model.num_parameters() <= high
 
 
-def test_unknown_size() -> None:
-    with pytest.raises(ValueError):
-        mc.build_config("huge", mc.build_tokenizer())
+def test_a_tokenizer_that_disagrees_with_the_config_is_refused() -> None:
+    spec = LlavaFamily.test_config("tiny")
+    tok = mc.build_tokenizer(spec["tokenizer"])
+    spec["tokenizer"]["specials"] = ["<s>", "<unk>", "</s>", "<pad>", "<image>"]
+    with pytest.raises(ValueError, match="the tokenizer gives <s> id 1; the config expects 0"):
+        mc.build_config(spec, tok)
+
+
+def test_bfloat16_is_stored_for_a_test_size(tmp_path: Path, tiny_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = mc.make_checkpoint(tmp_path / "bf16", "tiny", dtype="bfloat16")
+    got, want = load_file(out / "model.safetensors"), load_file(tiny_dir / "model.safetensors")
+    assert set(got) == set(want)
+    assert all(got[k].dtype == torch.bfloat16 for k in got)
+    assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+
+
+def test_engine_needs_a_model_path_or_a_model() -> None:
+    with pytest.raises(ValueError, match="no model: set EngineConfig.model_path"):
+        Engine(EngineConfig())
 
 
 def test_ensure_model_uses_cache_dir(
@@ -173,12 +255,13 @@ def test_streamed_weights_equal_save_pretrained(tiny_dir: Path, tmp_path: Path) 
 
 
 def test_onevision_05b_shapes_and_tokenizer() -> None:
-    tok = mc.build_qwen2_tokenizer(real="onevision-0.5b")
+    spec = LlavaOnevisionFamily.test_config("onevision-0.5b")
+    tok = mc.build_tokenizer(spec["tokenizer"])
     assert len(tok) == 151648
     ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"])
     assert ids == [151643, 151644, 151645, 151646] and tok.eos_token_id == 151645
     assert tok.decode(tok("a photo of a cat").input_ids) == "a photo of a cat"
-    cfg = mc.build_onevision_config("onevision-0.5b", tok)
+    cfg = mc.build_config(spec, tok)
     t, v = cfg.text_config, cfg.vision_config
     assert (t.vocab_size, t.hidden_size, t.num_hidden_layers, t.intermediate_size) == (
         151936, 896, 24, 4864,
@@ -190,3 +273,34 @@ def test_onevision_05b_shapes_and_tokenizer() -> None:
     assert cfg.image_grid_pinpoints[-1] == [2304, 2304] and cfg.image_token_index == 151646
     with pytest.raises(ValueError, match="llava-onevision model"):
         mc.make_checkpoint("/nonexistent", size="onevision-0.5b", family="llava")
+
+
+def test_make_model_choices_come_from_the_registry_when_used() -> None:
+    """Building the parser (``mmserve --help``, ``mmserve serve``) does not import the family
+    registry and transformers' model code; parsing make-model's arguments checks them
+    against the registry's names and sizes."""
+    code = (
+        "import argparse, sys\n"
+        "from mmserve.cli import add_make_model_parser\n"
+        "p = argparse.ArgumentParser()\n"
+        "add_make_model_parser(p.add_subparsers())\n"
+        "loaded = {'mmserve.testing', 'mmserve.model.families'} & set(sys.modules)\n"
+        "assert not loaded, loaded\n"
+        "a = p.parse_args(['make-model', 'd', '--size', 'onevision-0.5b', '--family', "
+        "'llava-onevision'])\n"
+        "assert (a.size, a.family) == ('onevision-0.5b', 'llava-onevision'), a\n"
+        "for bad in (['--family', 'gpt'], ['--size', 'huge']):\n"
+        "    try:\n"
+        "        p.parse_args(['make-model', 'd', *bad])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 2\n"
+        "    else:\n"
+        "        raise AssertionError(bad)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "invalid choice: 'gpt' (choose from 'llava', 'llava-next', 'llava-onevision')" in (
+        done.stderr
+    )

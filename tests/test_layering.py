@@ -155,3 +155,21 @@ def test_the_engine_is_the_one_writer_of_a_requests_output() -> None:
                 if node.func.attr in LIST_EDITS and _receiver(node.func) in OUTPUT_FIELDS:
                     bad.append(f"{name}:{node.lineno} {_receiver(node.func)}.{node.func.attr}()")
     assert not bad, bad
+
+
+#: Packages of the serving path, which never build test checkpoints (mmserve.testing).
+SERVING = ("engine", "model", "cache", "kernels", "vision", "structured", "distributed")
+
+
+def test_the_serving_path_never_imports_the_checkpoint_writer() -> None:
+    bad = []
+    for pkg in SERVING:
+        paths = sorted((ROOT / "mmserve" / pkg).rglob("*.py"))
+        assert paths, pkg
+        for path in paths:
+            bad += [
+                f"{rel(path)}:{line} {name}"
+                for line, name in _imports(path)
+                if name == "mmserve.testing" or name.startswith("mmserve.testing.")
+            ]
+    assert not bad, bad

@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 from transformers.utils import is_protobuf_available
@@ -22,7 +21,7 @@ from transformers.utils import is_protobuf_available
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.model.loader import CheckpointError, load_model
-from mmserve.testing.checkpoints import CORPUS_PATH
+from mmserve.testing.checkpoints import checkpoint_spec, train_sentencepiece
 from tests.helpers import check_against_reference, greedy, user
 
 MAX_NEW = 8
@@ -120,23 +119,8 @@ def sentencepiece_dir(src: Path, dst: Path, vocab_size: int) -> Path:
     match the checkpoint's: <unk> 0, <s> 1, </s> 2, <pad> 3, <image> 4, ``vocab_size`` in all."""
     shutil.copytree(src, dst)
     (dst / "tokenizer.json").unlink()
-    spm.SentencePieceTrainer.train(
-        input=str(CORPUS_PATH),
-        model_prefix=str(dst / "tokenizer"),
-        vocab_size=vocab_size,
-        model_type="bpe",
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=3,
-        pad_piece="<pad>",
-        user_defined_symbols=["<image>"],
-        byte_fallback=True,
-        character_coverage=1.0,
-        num_threads=1,
-        minloglevel=2,
-    )
-    (dst / "tokenizer.vocab").unlink()
+    specials = checkpoint_spec("tiny", "llava")["tokenizer"]["specials"]
+    (dst / "tokenizer.model").write_bytes(train_sentencepiece(specials, vocab_size))
     cfg_path = dst / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "LlamaTokenizer"

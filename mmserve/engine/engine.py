@@ -66,21 +66,21 @@ class Engine:
     """Offline and step-wise generation with LLaVA on a paged KV pool.
 
     Args:
-        config: engine settings; ``config.model_path`` names the checkpoint.
+        config: engine settings; ``config.model_path`` names the checkpoint (required
+            unless ``model`` is given).
         model: an already loaded model (skips loading; for tests).
 
     Raises:
-        ValueError: for invalid settings; CheckpointError for a bad checkpoint.
+        ValueError: for invalid settings or neither a model path nor a model;
+            CheckpointError for a bad checkpoint.
     """
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None) -> None:
         config.validate()
         self.config = config
         if model is None:
-            if config.model_path is None:
-                from mmserve.testing.checkpoints import ensure_model
-
-                config.model_path = str(ensure_model("tiny"))
+            if config.model_path is None:  # the CLI supplies its bundled default model
+                raise ValueError("no model: set EngineConfig.model_path or pass a loaded model")
             if config.tp > 1:  # rank 0 of a tensor-parallel group; starts the other ranks
                 from mmserve.distributed.group import load_tp_model
 

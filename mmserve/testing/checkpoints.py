@@ -1,150 +1,175 @@
-"""Build small, deterministic, randomly initialised LLaVA-1.5-shaped checkpoints.
+"""Write seeded, randomly initialised checkpoints of the model families' test shapes.
 
-The checkpoint directory written by :func:`make_checkpoint` loads offline with
-``transformers.LlavaForConditionalGeneration.from_pretrained(dir)`` and
-``transformers.AutoProcessor.from_pretrained(dir)`` (a ``LlavaProcessor``). It has the
-real LLaVA-1.5 layout -- CLIP vision tower at 336 px / patch 14 (576 image tokens, CLS
-dropped, features from layer -2), a two-layer GELU projector and a Llama text model
-with grouped-query attention and head_dim 64 -- but tiny widths, so that the serving
-stack can be exercised on CPU. The tokenizer is a byte-level BPE trained at build time
-on ``assets/corpus.txt``; the chat template is ``assets/chat_template.jinja``.
+Each family describes its checkpoints (:meth:`mmserve.model.families.base.ModelFamily.test_config`:
+the transformers config, the tokenizer, the processors); this module only writes them,
+whatever the family: the tokenizer (a byte-level BPE or SentencePiece model trained at build
+time on ``assets/corpus.txt``, chat template from ``assets/``), the processor files and the
+weights. A written directory loads offline with transformers' ``from_pretrained`` (the
+family's ``...ForConditionalGeneration`` and processor) and with mmserve's loader.
 
-Weights are seeded random values, scaled (not the usual 0.02 std) so that different
-images produce clearly different greedy answers. Same seed and same library versions
-give byte-identical files.
+Weights are seeded random values, scaled (not the usual 0.02 std) so that different images
+produce clearly different greedy answers. Same seed and same library versions give
+byte-identical files. Real-shape sizes are written tensor by tensor
+(:func:`write_weights_streamed`), never the whole model in memory.
 
-Families (``--family``): "llava" (above), "llava-next" (any-resolution tiles, a
-SentencePiece tokenizer) and "llava-onevision" (SigLIP tower, Qwen2 decoder with q/k/v
-biases, any-resolution grid, video path; a byte-level BPE tokenizer with Qwen2's ChatML
-specials and ``assets/chat_template_chatml.jinja``).
-
-Command line: ``python -m mmserve.testing.checkpoints OUT_DIR [--size tiny|small]``.
+Not on the serving path: ``mmserve make-model`` (:mod:`mmserve.cli`), the server's bundled
+default model (:func:`ensure_model`), tests and benchmarks call in here.
 """
 
 from __future__ import annotations
 
-import argparse
+import copy
+import importlib
 import json
 import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from mmserve.model.families import FAMILIES, FAMILY_NAMES, ModelFamily, family_named
+from mmserve.model.families.sizes import special_token_ids
+
 if TYPE_CHECKING:
-    from transformers import LlavaConfig, PreTrainedTokenizerFast
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 CORPUS_PATH = ASSETS_DIR / "corpus.txt"
-CHAT_TEMPLATE_PATH = ASSETS_DIR / "chat_template.jinja"
-CHATML_TEMPLATE_PATH = ASSETS_DIR / "chat_template_chatml.jinja"
-
-#: Special tokens, in id order (``<unk>`` = 0, ``<s>`` = 1, ``</s>`` = 2, ``<pad>`` = 3,
-#: ``<image>`` = 4).
-SPECIAL_TOKENS: tuple[str, ...] = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+#: Trained vocabulary size (special tokens included) of the test tokenizers.
 VOCAB_SIZE = 2000
-IMAGE_SIZE = 336
-PATCH_SIZE = 14
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+#: Every checkpoint size some family has (``make-model --size``), in registry order.
+SIZES: tuple[str, ...] = tuple(dict.fromkeys(s for f in FAMILIES.values() for s in f.test_sizes))
+#: Llama's first four ids, which a SentencePiece test tokenizer must start with.
+SENTENCEPIECE_HEAD = ("<unk>", "<s>", "</s>", "<pad>")
 
-#: Width/depth per size. ``v_*``: CLIP vision tower, ``t_*``: Llama text model.
-SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(
-        v_hidden=64, v_layers=2, v_heads=4, v_inter=128,
-        t_hidden=128, t_layers=2, t_heads=2, t_kv_heads=1, t_inter=256,
-    ),
-    "small": dict(
-        v_hidden=256, v_layers=4, v_heads=4, v_inter=1024,
-        t_hidden=512, t_layers=8, t_heads=8, t_kv_heads=2, t_inter=1408,
-    ),
-    # Real shapes (seeded random weights), as published in the llava-hf config.json files.
-    # llava-onevision-qwen2-0.5b-ov-hf: SigLIP so400m (27 layers, 26 used at 384 px) and
-    # Qwen2-0.5B (tied embeddings; 151,936 embedding rows for 151,648 token ids).
-    "onevision-0.5b": dict(
-        v_hidden=1152, v_layers=26, v_heads=16, v_inter=4304,
-        t_hidden=896, t_layers=24, t_heads=14, t_kv_heads=2, t_inter=4864,
-        t_vocab=151936, t_max_pos=32768, t_head_dim=64,
-    ),
-    # llava-1.5-7b-hf: CLIP ViT-L/14 at 336 px and Vicuna-7B (Llama, 32,064 rows).
-    "llava-1.5-7b": dict(
-        v_hidden=1024, v_layers=24, v_heads=16, v_inter=4096, v_proj=768,
-        t_hidden=4096, t_layers=32, t_heads=32, t_kv_heads=32, t_inter=11008,
-        t_vocab=32064, t_max_pos=4096, t_head_dim=128,
-    ),
-    # llava-v1.6-vicuna-7b-hf: the same two models, 336-px tiles on NeXT's five grids.
-    "llava-next-7b": dict(
-        v_hidden=1024, v_layers=24, v_heads=16, v_inter=4096, v_proj=768,
-        t_hidden=4096, t_layers=32, t_heads=32, t_kv_heads=32, t_inter=11008,
-        t_vocab=32064, t_max_pos=4096, t_head_dim=128,
-    ),
-}  # fmt: skip
-#: The family of each real-shape size (the test sizes take any family).
-REAL_SIZES: dict[str, str] = {
-    "onevision-0.5b": "llava-onevision",
-    "llava-1.5-7b": "llava",
-    "llava-next-7b": "llava-next",
-}
-#: Qwen2's special tokens in real id order, then LLaVA-OneVision's two placeholders.
-QWEN2_REAL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
-#: Token ids (the tokenizer's length) of the real-shape sizes: the regular vocabulary of
-#: the real tokenizer, then its special tokens at their real ids (see :func:`pad_vocabulary`).
-REAL_TOKENIZERS: dict[str, tuple[int, tuple[str, ...]]] = {
-    # Qwen2: 151,643 byte-level BPE tokens, then <|endoftext|> 151643, <|im_start|> 151644,
-    # <|im_end|> 151645, and OneVision's <image> 151646, <video> 151647
-    "onevision-0.5b": (151643, QWEN2_REAL_SPECIALS),
-    # Llama's 32,000 (<unk> 0, <s> 1, </s> 2 among them), then llava-hf's <image> 32000, <pad> 32001
-    "llava-1.5-7b": (32000, ("<image>", "<pad>")),
-    "llava-next-7b": (32000, ("<image>", "<pad>")),
-}  # fmt: skip
+__all__ = [
+    "CORPUS_PATH",
+    "FAMILY_NAMES",
+    "SIZES",
+    "build_config",
+    "build_tokenizer",
+    "checkpoint_spec",
+    "count_parameters",
+    "default_model_dir",
+    "ensure_model",
+    "make_checkpoint",
+    "train_sentencepiece",
+    "write_checkpoint",
+    "write_weights_streamed",
+]
+
+
+def checkpoint_spec(size: str = "tiny", family: str | None = None) -> dict[str, Any]:
+    """The description of ``family``'s checkpoint of ``size`` (its
+    :meth:`~mmserve.model.families.base.ModelFamily.test_config`).
+
+    Args:
+        size: one of :data:`SIZES`.
+        family: one of :data:`FAMILY_NAMES`; None: the first registered family that has
+            ``size`` ("llava" for the test sizes, the model's own family for a real shape).
+
+    Raises:
+        ValueError: if ``size`` or ``family`` is unknown, or ``family`` has no ``size``
+            (a real shape belongs to one family).
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown checkpoint size {size!r}; expected one of {', '.join(SIZES)}")
+    owners = [f for f in FAMILIES.values() if size in f.test_sizes]
+    cls: type[ModelFamily] | None = owners[0] if family is None else family_named(family)
+    if cls is None:
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILY_NAMES)}")
+    if cls not in owners:
+        raise ValueError(f"size {size!r} is a {owners[0].name} model, not {cls.name}")
+    return cls.test_config(size)
 
 
 def build_tokenizer(
-    corpus_path: str | Path = CORPUS_PATH, vocab_size: int = VOCAB_SIZE, real: str | None = None
-) -> PreTrainedTokenizerFast:
-    """Train the byte-level BPE tokenizer and wrap it for transformers.
+    spec: dict[str, Any], out_dir: Path | None = None, corpus_path: str | Path = CORPUS_PATH
+) -> PreTrainedTokenizerBase:
+    """Train the tokenizer a family's ``"tokenizer"`` description asks for.
 
-    Args:
-        corpus_path: UTF-8 text file, one sentence per line.
-        vocab_size: target vocabulary size including the special tokens.
-        real: a LLaVA key of :data:`REAL_TOKENIZERS`: the vocabulary is padded to the
-            real tokenizer's 32,000 ids (``<unk>`` 0, ``<s>`` 1, ``</s>`` 2) and
-            ``<image>`` / ``<pad>`` take their real ids 32000 / 32001
-            (:func:`pad_vocabulary`); else ids follow :data:`SPECIAL_TOKENS`.
+    "bpe": a byte-level BPE of :data:`VOCAB_SIZE` ids (``specials`` first), grown to a real
+    tokenizer's ids when ``padded`` (:func:`pad_vocabulary`), with ``prepend`` put before
+    every sequence, wrapped as transformers' fast tokenizer with ``settings``.
+    "sentencepiece": :func:`train_sentencepiece` writes ``tokenizer.model`` and
+    ``tokenizer_config.json`` (``settings``) into ``out_dir``, read back with
+    ``AutoTokenizer`` (transformers needs protobuf to convert it).
 
     Returns:
-        A ``transformers`` fast tokenizer (``TokenizersBackend``) that prepends ``<s>``
-        to every encoded sequence, with ``<image>`` as a single special token.
+        A transformers tokenizer with the description's chat template.
 
     Raises:
         FileNotFoundError: if ``corpus_path`` does not exist.
+        ValueError: for an unknown ``kind``, or "sentencepiece" without ``out_dir``.
     """
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if real is None:
-        tok = _train_byte_bpe(corpus_path, vocab_size, SPECIAL_TOKENS)
-    else:
-        regular, tail = REAL_TOKENIZERS[real]
-        head = tuple(t for t in SPECIAL_TOKENS if t not in tail)
-        tok = pad_vocabulary(_train_byte_bpe(corpus_path, vocab_size, head), regular, tail)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    template = (ASSETS_DIR / spec["chat_template"]).read_text(encoding="utf-8")
+    if spec["kind"] == "sentencepiece":
+        if out_dir is None:
+            raise ValueError("a SentencePiece tokenizer is written into out_dir: give one")
+        model = train_sentencepiece(spec["specials"], corpus_path=corpus_path)
+        (out_dir / "tokenizer.model").write_bytes(model)
+        settings = {**spec["settings"], "chat_template": template}
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+        return AutoTokenizer.from_pretrained(out_dir)
+    if spec["kind"] != "bpe":
+        raise ValueError(f"unknown tokenizer kind {spec['kind']!r}; expected bpe or sentencepiece")
+    tok = _train_byte_bpe(corpus_path, VOCAB_SIZE, tuple(spec["specials"]))
+    if spec.get("padded"):
+        regular, tail = spec["padded"]
+        tok = pad_vocabulary(tok, regular, tuple(tail))
+    if first := spec.get("prepend"):
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{first} $A",
+            pair=f"{first} $A {first} $B",
+            special_tokens=[(first, tok.token_to_id(first))],
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **spec["settings"], chat_template=template)
+
+
+def train_sentencepiece(
+    specials: list[str] | tuple[str, ...],
+    vocab_size: int = VOCAB_SIZE,
+    corpus_path: str | Path = CORPUS_PATH,
+) -> bytes:
+    """A SentencePiece BPE ``tokenizer.model`` (the file's bytes) trained on ``corpus_path``,
+    laid out as Llama's: ``specials`` start with :data:`SENTENCEPIECE_HEAD` (ids 0-3); the
+    rest (``<image>``) are user-defined symbols from id 4; byte fallback on, digits split,
+    no normalisation.
+
+    Raises:
+        ValueError: if ``specials`` does not start with :data:`SENTENCEPIECE_HEAD`.
+    """
+    import io
+
+    import sentencepiece as spm
+
+    if tuple(specials[:4]) != SENTENCEPIECE_HEAD:
+        raise ValueError(f"SentencePiece specials must start with {SENTENCEPIECE_HEAD}")
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        input=str(corpus_path),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        user_defined_symbols=list(specials[4:]),
+        byte_fallback=True,
+        character_coverage=1.0,
+        num_threads=1,
+        normalization_rule_name="identity",
+        split_digits=True,
+        minloglevel=2,
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
-        model_max_length=SIZES[real]["t_max_pos"] if real else 8192,
-        chat_template=CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
-    )
+    return buf.getvalue()
 
 
 def pad_vocabulary(tok: Tokenizer, regular: int, tail: tuple[str, ...]) -> Tokenizer:
@@ -212,312 +237,59 @@ def _train_byte_bpe(
     return tok
 
 
-#: Qwen2's special tokens, in id order (``<|endoftext|>`` = 0, ``<|im_start|>`` = 1,
-#: ``<|im_end|>`` = 2), then the ``<image>`` (3) and ``<video>`` (4) placeholders.
-QWEN2_SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<image>",
-    "<video>",
-)
-
-
-def build_qwen2_tokenizer(
-    corpus_path: str | Path = CORPUS_PATH, vocab_size: int = VOCAB_SIZE, real: str | None = None
-) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer shaped like Qwen2's: no BOS, ``<|im_end|>`` ends a turn
-    (EOS), ``<|endoftext|>`` pads, ``<image>`` and ``<video>`` are single special tokens,
-    and the ChatML chat template (``assets/chat_template_chatml.jinja``).
-
-    Ids: see :data:`QWEN2_SPECIAL_TOKENS`; every special string is in
-    ``all_special_tokens``, so a typed ``<|im_start|>`` stays plain text. With ``real``
-    ("onevision-0.5b"), the real layout instead: 151,643 regular ids (the trained ones,
-    then unreachable fillers, :func:`pad_vocabulary`) and the specials at 151643..151647.
+def build_config(spec: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The transformers config of a family's description, for ``tokenizer``: ``text_config``'s
+    ``vocab_size`` is the tokenizer's length unless the description gives one.
 
     Raises:
-        FileNotFoundError: if ``corpus_path`` does not exist.
+        ValueError: if the tokenizer's special-token ids are not the ones the description's
+            config uses (:func:`~mmserve.model.families.sizes.special_token_ids`).
     """
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoConfig
 
-    if real is None:
-        tok = _train_byte_bpe(corpus_path, vocab_size, QWEN2_SPECIAL_TOKENS)
-    else:
-        regular, tail = REAL_TOKENIZERS[real]
-        tok = pad_vocabulary(_train_byte_bpe(corpus_path, vocab_size, ()), regular, tail)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=["<|im_start|>", "<image>", "<video>"],
-        image_token="<image>",
-        video_token="<video>",
-        model_max_length=SIZES[real]["t_max_pos"] if real else 8192,
-        chat_template=CHATML_TEMPLATE_PATH.read_text(encoding="utf-8"),
-    )
+    kwargs = copy.deepcopy(spec["config"])
+    kwargs["text_config"].setdefault("vocab_size", len(tokenizer))
+    for token, want in special_token_ids(spec["tokenizer"]).items():
+        got = tokenizer.convert_tokens_to_ids(token)
+        if got != want:
+            raise ValueError(f"the tokenizer gives {token} id {got}; the config expects {want}")
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
-#: Checkpoint families ``make_checkpoint`` writes (``--family``).
-FAMILY_NAMES = ("llava", "llava-next", "llava-onevision")
-#: LLaVA-NeXT tile side (pixels) and grid pinpoints per size: small tiles keep a CPU
-#: prefill short; real llava-v1.6 checkpoints use 336-px tiles.
-NEXT_TILES: dict[str, tuple[int, list[list[int]]]] = {
-    "tiny": (112, [[112, 224], [224, 112], [224, 224], [112, 336], [336, 112]]),
-    "small": (168, [[168, 336], [336, 168], [336, 336], [168, 504], [504, 168]]),
-    "llava-next-7b": (336, [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]),
-}
+def _instance(spec: dict[str, Any]) -> Any:
+    """``spec["class"]`` (a transformers name or a dotted path) called with the other keys."""
+    name = spec["class"]
+    module, _, attr = name.rpartition(".")
+    cls = getattr(importlib.import_module(module or "transformers"), attr)
+    return cls(**{k: v for k, v in spec.items() if k != "class"})
 
 
-#: LLaVA-OneVision tile side (pixels, patch 14) and grid size (tiles per side, up to) per
-#: size. Real checkpoints use 384-px tiles (27 x 27 patches) on a 6 x 6 grid; these give
-#: 7 x 7 (tiny) and 9 x 9 (small) patches, odd like 27, so video pooling (to ceil(n / 2))
-#: is a real bilinear resize, and a 4 x 4 tiny grid is past "anyres_max_9", so large
-#: images are shrunk as on the real model.
-ONEVISION_TILES: dict[str, tuple[int, int]] = {
-    "tiny": (98, 4),
-    "small": (126, 3),
-    "onevision-0.5b": (384, 6),
-}
-#: Mean and std of the SigLIP image and video processors.
-SIGLIP_MEAN = [0.5, 0.5, 0.5]
-SIGLIP_STD = [0.5, 0.5, 0.5]
-
-
-def onevision_pinpoints(size: str) -> list[list[int]]:
-    """The ``image_grid_pinpoints`` of a OneVision checkpoint: every ``[i * tile, j * tile]``
-    for 1 <= i, j <= the grid size of :data:`ONEVISION_TILES` (like the real 6 x 6 list)."""
-    tile, grid = ONEVISION_TILES[size]
-    return [[i * tile, j * tile] for i in range(1, grid + 1) for j in range(1, grid + 1)]
-
-
-def build_onevision_config(size: str, tokenizer: object) -> object:
-    """The ``LlavaOnevisionConfig`` for ``size``: a SigLIP tower (no head, features of the
-    last layer, all patches: "full"), a Qwen2 decoder (q/k/v biases, RoPE base 1e6; tied
-    embeddings for "tiny" as Qwen2-0.5B, untied for "small" as the 7B) and the grid of
-    :func:`onevision_pinpoints` with ``vision_aspect_ratio`` "anyres_max_9".
-
-    Raises:
-        ValueError: if ``size`` is not a key of :data:`SIZES`.
-    """
-    from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig
-
-    if size not in SIZES:
-        raise ValueError(f"unknown checkpoint size {size!r}; expected one of {sorted(SIZES)}")
-    s = SIZES[size]
-    tile, _ = ONEVISION_TILES[size]
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_SPECIAL_TOKENS}
-    tied = size in ("tiny", "onevision-0.5b")
-    vision = SiglipVisionConfig(
-        hidden_size=s["v_hidden"],
-        intermediate_size=s["v_inter"],
-        num_hidden_layers=s["v_layers"],
-        num_attention_heads=s["v_heads"],
-        image_size=tile,
-        patch_size=PATCH_SIZE,
-        vision_use_head=False,
-    )
-    text = Qwen2Config(
-        vocab_size=s.get("t_vocab", len(tokenizer)),
-        hidden_size=s["t_hidden"],
-        intermediate_size=s["t_inter"],
-        num_hidden_layers=s["t_layers"],
-        num_attention_heads=s["t_heads"],
-        num_key_value_heads=s["t_kv_heads"],
-        max_position_embeddings=s.get("t_max_pos", 8192),
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        rms_norm_eps=1e-6,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        tie_word_embeddings=tied,
-    )
-    return LlavaOnevisionConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=ids["<image>"],
-        video_token_index=ids["<video>"],
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="full",
-        vision_feature_layer=-1,
-        vision_aspect_ratio="anyres_max_9",
-        image_grid_pinpoints=onevision_pinpoints(size),
-        tie_word_embeddings=tied,
-    )
-
-
-def _write_onevision_processor(out: Path, size: str, config: object, tokenizer: object) -> None:
-    """The OneVision processor files, as transformers' ``save_pretrained`` lays them out:
-    ``preprocessor_config.json`` (PIL image processor), ``video_preprocessor_config.json``,
-    ``processor_config.json`` (both nested, plus the processor's own settings), the
-    tokenizer and ``chat_template.jinja``. Written by hand: a ``LlavaOnevisionProcessor``
-    cannot be built without torchvision (its video processor needs it)."""
-    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
-        LlavaOnevisionImageProcessorPil,
-    )
-
-    # the module, not ``transformers.LlavaOnevisionVideoProcessor`` (a stand-in that
-    # refuses to exist without torchvision); only its settings are used
-    from transformers.models.llava_onevision.video_processing_llava_onevision import (
-        LlavaOnevisionVideoProcessor,
-    )
-
-    tile, _ = ONEVISION_TILES[size]
-    common = dict(
-        size={"height": tile, "width": tile},
-        image_mean=SIGLIP_MEAN,
-        image_std=SIGLIP_STD,
-        do_convert_rgb=True,
-    )
-    image_processor = LlavaOnevisionImageProcessorPil(
-        image_grid_pinpoints=config.image_grid_pinpoints, do_pad=True, **common
-    )
-    video_processor = LlavaOnevisionVideoProcessor(**common)
+def _write_processor(out: Path, spec: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> None:
+    """The tokenizer and processor files, as transformers' ``save_pretrained`` lays them out:
+    the processor's (``processor_config.json`` with the image processor nested, tokenizer,
+    ``chat_template.jinja``) and a standalone ``preprocessor_config.json``. A processor with
+    a video processor is written file by file (``video_preprocessor_config.json`` too):
+    transformers' processor class cannot be built without torchvision, which its video
+    processor needs; only the video processor's settings are used here."""
+    image_processor = _instance(spec["image_processor"])
+    if "video_processor" not in spec:
+        template = (ASSETS_DIR / spec["tokenizer"]["chat_template"]).read_text(encoding="utf-8")
+        parts = dict(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+        _instance({**spec["processor"], **parts}).save_pretrained(out)
+        image_processor.save_pretrained(out)
+        return
+    args = {k: v for k, v in spec["processor"].items() if k != "class"}
+    video_processor = _instance(spec["video_processor"])
     image_processor.save_pretrained(out)
     video_processor.save_pretrained(out)
     tokenizer.save_pretrained(out)
     nested = {
         "image_processor": json.loads(image_processor.to_json_string()),
         "video_processor": json.loads(video_processor.to_json_string()),
-        "image_token": "<image>",
-        "video_token": "<video>",
-        "num_image_tokens": (tile // PATCH_SIZE) ** 2,
-        "vision_aspect_ratio": config.vision_aspect_ratio,
-        "vision_feature_select_strategy": config.vision_feature_select_strategy,
-        "processor_class": "LlavaOnevisionProcessor",
+        **args,
+        "processor_class": spec["processor"]["class"],
     }
     (out / "processor_config.json").write_text(json.dumps(nested, indent=2, sort_keys=True) + "\n")
-
-
-def build_sentencepiece_tokenizer(out_dir: Path, corpus_path: str | Path = CORPUS_PATH) -> object:
-    """Train a SentencePiece BPE ``tokenizer.model`` into ``out_dir`` and load it with
-    transformers (a Llama tokenizer, as llava-v1.6 Vicuna/Mistral checkpoints have).
-
-    Ids: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, ``<pad>`` 3, ``<image>`` 4; byte fallback on.
-
-    Returns:
-        The transformers tokenizer read from ``out_dir`` (needs protobuf to convert).
-    """
-    import io
-
-    import sentencepiece as spm
-    from transformers import AutoTokenizer
-
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        input=str(corpus_path),
-        model_writer=buf,
-        vocab_size=VOCAB_SIZE,
-        model_type="bpe",
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=3,
-        user_defined_symbols=["<image>"],
-        byte_fallback=True,
-        character_coverage=1.0,
-        num_threads=1,
-        normalization_rule_name="identity",
-        split_digits=True,
-        minloglevel=2,
-    )
-    (out_dir / "tokenizer.model").write_bytes(buf.getvalue())
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "LlamaTokenizer",
-                "legacy": False,
-                "add_bos_token": True,
-                "add_eos_token": False,
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "pad_token": "<pad>",
-                "extra_special_tokens": {"image_token": "<image>"},
-                "model_max_length": 8192,
-                "chat_template": CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
-            }
-        )
-    )
-    return AutoTokenizer.from_pretrained(out_dir)
-
-
-def build_next_config(size: str, tokenizer: object) -> object:
-    """The ``LlavaNextConfig`` for ``size``: LLaVA-1.5's widths, NeXT tiles (see
-    :data:`NEXT_TILES`).
-
-    Raises:
-        ValueError: if ``size`` is not a key of :data:`SIZES`.
-    """
-    from transformers import LlavaNextConfig
-
-    base = build_config(size, tokenizer)
-    tile, pinpoints = NEXT_TILES[size]
-    vision = base.vision_config
-    vision.image_size = tile
-    return LlavaNextConfig(
-        vision_config=vision,
-        text_config=base.text_config,
-        image_token_index=base.image_token_index,
-        image_grid_pinpoints=pinpoints,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
-        tie_word_embeddings=False,
-        image_seq_length=(tile // PATCH_SIZE) ** 2,
-    )
-
-
-def build_config(size: str, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
-    """Return the ``LlavaConfig`` for ``size`` (see :data:`SIZES`) and ``tokenizer``.
-
-    Raises:
-        ValueError: if ``size`` is not a key of :data:`SIZES`.
-    """
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-    if size not in SIZES:
-        raise ValueError(f"unknown checkpoint size {size!r}; expected one of {sorted(SIZES)}")
-    s = SIZES[size]
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vision = CLIPVisionConfig(
-        hidden_size=s["v_hidden"],
-        intermediate_size=s["v_inter"],
-        num_hidden_layers=s["v_layers"],
-        num_attention_heads=s["v_heads"],
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-        projection_dim=s.get("v_proj", s["v_hidden"]),
-        hidden_act="quick_gelu",
-    )
-    text = LlamaConfig(
-        vocab_size=s.get("t_vocab", len(tokenizer)),
-        hidden_size=s["t_hidden"],
-        intermediate_size=s["t_inter"],
-        num_hidden_layers=s["t_layers"],
-        num_attention_heads=s["t_heads"],
-        num_key_value_heads=s["t_kv_heads"],
-        head_dim=s.get("t_head_dim", 64),
-        max_position_embeddings=s.get("t_max_pos", 8192),
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        rms_norm_eps=1e-5,
-        bos_token_id=ids["<s>"],
-        eos_token_id=ids["</s>"],
-        pad_token_id=ids["<pad>"],
-        tie_word_embeddings=False,
-    )
-    return LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=ids["<image>"],
-        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
-        tie_word_embeddings=False,
-        pad_token_id=ids["<pad>"],
-        bos_token_id=ids["<s>"],
-        eos_token_id=ids["</s>"],
-    )
 
 
 def _init_std(name: str, shape: torch.Size, tied: bool = False) -> float | None:
@@ -668,6 +440,62 @@ def write_weights_streamed(
     return sum(math.prod(s) for s in shapes.values())
 
 
+def write_checkpoint(
+    out_dir: str | Path, spec: dict[str, Any], seed: int = 0, dtype: str | None = None
+) -> Path:
+    """Write the checkpoint a family's description (:func:`checkpoint_spec`) asks for.
+
+    Files: ``config.json``, ``generation_config.json``, the weights (``model.safetensors``;
+    a real shape's sharded above :data:`SHARD_BYTES`, with an index), the tokenizer
+    (``tokenizer.json`` and/or ``tokenizer.model``, ``tokenizer_config.json``),
+    ``chat_template.jinja``, ``processor_config.json`` and ``preprocessor_config.json``
+    (with a video processor also ``video_preprocessor_config.json``). Existing files of the
+    same names are overwritten.
+
+    Args:
+        out_dir: target directory; created (with parents) if missing.
+        spec: the description (not modified).
+        seed: weight seed; the same seed and library versions give byte-identical files.
+        dtype: stored dtype, "float32" or "bfloat16"; None: bfloat16 for a real shape (as
+            published), else float32.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        ValueError: for an unknown ``dtype`` or a description the tokenizer disagrees with.
+    """
+    import transformers
+    from transformers import GenerationConfig
+
+    if dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"unknown checkpoint dtype {dtype!r}; expected float32 or bfloat16")
+    spec = copy.deepcopy(spec)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(spec["tokenizer"], out)
+    config = build_config(spec, tokenizer)
+    model_cls = getattr(transformers, config.architectures[0])
+    stored = getattr(torch, dtype or ("bfloat16" if spec["real"] else "float32"))
+    tied = bool(config.tie_word_embeddings)
+    _write_processor(out, spec, tokenizer)
+    if spec["real"]:  # never the whole model in memory
+        config.dtype = stored
+        config.save_pretrained(out)
+        generation = GenerationConfig.from_model_config(config)
+        generation.do_sample = False
+        generation.save_pretrained(out)
+        write_weights_streamed(out, model_cls, config, seed, tied, stored)
+        return out
+    model = model_cls(config).to(torch.float32).eval()
+    _reinit(model, seed, tied=tied)  # drawn in fp32, then stored in ``stored``
+    model.to(stored)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
+    return out
+
+
 def make_checkpoint(
     out_dir: str | Path,
     size: str = "tiny",
@@ -675,31 +503,18 @@ def make_checkpoint(
     family: str | None = None,
     dtype: str | None = None,
 ) -> Path:
-    """Write a complete seeded checkpoint directory in transformers' save layout.
-
-    Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32; the
-    real shapes: bf16, sharded above :data:`SHARD_BYTES` with an index),
-    the tokenizer (``tokenizer.json``; for "llava-next" also the SentencePiece
-    ``tokenizer.model`` it was built from), ``tokenizer_config.json``,
-    ``chat_template.jinja``, ``processor_config.json`` and ``preprocessor_config.json``
-    (for "llava-onevision" also ``video_preprocessor_config.json``).
-    Existing files of the same names are overwritten.
+    """Write ``family``'s seeded checkpoint of ``size`` (:func:`write_checkpoint` of
+    :func:`checkpoint_spec`).
 
     Args:
         out_dir: target directory; created (with parents) if missing.
-        size: ``"tiny"`` (~1.0M parameters, for tests), ``"small"`` (~28M parameters,
-            for CPU benchmarks), or a real shape of :data:`REAL_SIZES`:
-            ``"onevision-0.5b"`` (894M parameters, 1.8 GB in bf16), ``"llava-1.5-7b"``
-            (7.1B, 14 GB) or ``"llava-next-7b"`` (7.1B, 14 GB), with the real tile sizes,
-            grids, vocabulary sizes and special-token ids (tokenizer: :func:`pad_vocabulary`).
-            Real shapes are written tensor by tensor (:func:`write_weights_streamed`).
+        size: one of :data:`SIZES`: "tiny" (~1.0M parameters, for tests), "small" (~28M,
+            for CPU benchmarks), or a real model's shapes with its tile sizes, grids,
+            vocabulary size and special-token ids: "onevision-0.5b" (894M parameters,
+            1.8 GB in bf16), "llava-1.5-7b" or "llava-next-7b" (7.1B, 14 GB).
         seed: weight seed; the same seed and library versions give byte-identical files.
-        family: "llava" (LLaVA-1.5: CLIP 336 px, 576 tokens per image), "llava-next"
-            (any-resolution tiles of :data:`NEXT_TILES`) or "llava-onevision" (SigLIP +
-            Qwen2, tiles and grid of :data:`ONEVISION_TILES`, video path). None: "llava",
-            or the family of a real shape (which takes no other).
-        dtype: stored dtype, "float32" or "bfloat16"; None: float32 for the test sizes,
-            bfloat16 (as published) for the real shapes.
+        family: one of :data:`FAMILY_NAMES`; None: "llava", or a real shape's family.
+        dtype: "float32" or "bfloat16"; None: bfloat16 for the real shapes, else float32.
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -708,135 +523,9 @@ def make_checkpoint(
         ValueError: if ``size``, ``family`` or ``dtype`` is unknown, or ``family`` is not
             the family of a real ``size``.
     """
-    if size not in SIZES:
-        raise ValueError(f"unknown checkpoint size {size!r}; expected one of {list(SIZES)}")
-    real_family = REAL_SIZES.get(size)
-    if family is None:
-        family = real_family or "llava"
-    if family not in FAMILY_NAMES:
-        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILY_NAMES)}")
-    if real_family is not None and family != real_family:
-        raise ValueError(f"size {size!r} is a {real_family} model, not {family}")
     if dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"unknown checkpoint dtype {dtype!r}; expected float32 or bfloat16")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    if real_family is not None:
-        return _make_real(out, size, seed, getattr(torch, dtype or "bfloat16"))
-    if family == "llava-onevision":
-        return _make_onevision(out, size, seed)
-    if family == "llava":
-        from transformers import LlavaForConditionalGeneration, LlavaProcessor
-
-        tokenizer = build_tokenizer()
-        config = build_config(size, tokenizer)
-        model = LlavaForConditionalGeneration(config)
-        image_processor = _clip_image_processor(IMAGE_SIZE)
-        processor_cls = LlavaProcessor
-    else:
-        from transformers import LlavaNextForConditionalGeneration, LlavaNextProcessor
-
-        tokenizer = build_sentencepiece_tokenizer(out)
-        config = build_next_config(size, tokenizer)
-        model = LlavaNextForConditionalGeneration(config)
-        tile, pinpoints = NEXT_TILES[size]
-        image_processor = _clip_image_processor(tile, pinpoints)
-        processor_cls = LlavaNextProcessor
-    model = model.to(torch.float32).eval()
-    _reinit(model, seed)
-    model.generation_config.do_sample = False
-    model.save_pretrained(out)
-    processor = processor_cls(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
-    )
-    processor.save_pretrained(out)
-    image_processor.save_pretrained(out)  # standalone preprocessor_config.json too
-    return out
-
-
-def _make_onevision(out: Path, size: str, seed: int) -> Path:
-    """The "llava-onevision" branch of :func:`make_checkpoint`."""
-    from transformers import LlavaOnevisionForConditionalGeneration
-
-    tokenizer = build_qwen2_tokenizer()
-    config = build_onevision_config(size, tokenizer)
-    model = LlavaOnevisionForConditionalGeneration(config).to(torch.float32).eval()
-    _reinit(model, seed, tied=config.tie_word_embeddings)
-    model.generation_config.do_sample = False
-    model.save_pretrained(out)
-    _write_onevision_processor(out, size, config, tokenizer)
-    return out
-
-
-def _make_real(out: Path, size: str, seed: int, dtype: torch.dtype) -> Path:
-    """The real-shape branch of :func:`make_checkpoint`: config, processor files and
-    streamed weights, never the whole model in memory."""
-    import transformers
-    from transformers import GenerationConfig
-
-    family = REAL_SIZES[size]
-    if family == "llava-onevision":
-        tokenizer = build_qwen2_tokenizer(real=size)
-        config = build_onevision_config(size, tokenizer)
-        _write_onevision_processor(out, size, config, tokenizer)
-        cls = transformers.LlavaOnevisionForConditionalGeneration
-    else:
-        tokenizer = build_tokenizer(real=size)
-        if family == "llava":
-            config = build_config(size, tokenizer)
-            image_processor = _clip_image_processor(IMAGE_SIZE)
-            processor_cls = transformers.LlavaProcessor
-            cls = transformers.LlavaForConditionalGeneration
-        else:
-            config = build_next_config(size, tokenizer)
-            tile, pinpoints = NEXT_TILES[size]
-            image_processor = _clip_image_processor(tile, pinpoints)
-            processor_cls = transformers.LlavaNextProcessor
-            cls = transformers.LlavaNextForConditionalGeneration
-        processor = processor_cls(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            patch_size=PATCH_SIZE,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-            chat_template=CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
-        )
-        processor.save_pretrained(out)
-        image_processor.save_pretrained(out)
-    config.architectures = [cls.__name__]
-    config.dtype = dtype
-    config.save_pretrained(out)
-    generation = GenerationConfig.from_model_config(config)
-    generation.do_sample = False
-    generation.save_pretrained(out)
-    write_weights_streamed(out, cls, config, seed, bool(config.tie_word_embeddings), dtype)
-    return out
-
-
-def _clip_image_processor(tile: int, pinpoints: list[list[int]] | None = None) -> object:
-    """CLIP-normalising PIL image processor: LLaVA-1.5's, or NeXT's with ``pinpoints``."""
-    kw = dict(
-        size={"shortest_edge": tile},
-        crop_size={"height": tile, "width": tile},
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
-        do_convert_rgb=True,
-    )
-    if pinpoints is None:
-        from transformers import CLIPImageProcessorPil
-
-        return CLIPImageProcessorPil(**kw)
-    from transformers.models.llava_next.image_processing_pil_llava_next import (
-        LlavaNextImageProcessorPil,
-    )
-
-    return LlavaNextImageProcessorPil(image_grid_pinpoints=pinpoints, do_pad=True, **kw)
+    return write_checkpoint(out_dir, checkpoint_spec(size, family), seed, dtype)
 
 
 def count_parameters(model_dir: str | Path) -> int:
@@ -884,23 +573,3 @@ def ensure_model(size: str = "tiny", family: str = "llava") -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def main_make_model(argv: list[str] | None = None) -> int:
-    """CLI: ``make-model OUT_DIR [--size tiny|small] [--seed N]``; prints the param count."""
-    parser = argparse.ArgumentParser(prog="make-model", description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--size", choices=list(SIZES), default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=FAMILY_NAMES, default=None)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    args = parser.parse_args(argv)
-    out = make_checkpoint(
-        args.out_dir, size=args.size, seed=args.seed, family=args.family, dtype=args.dtype
-    )
-    print(f"wrote {args.size} checkpoint to {out} ({count_parameters(out):,} parameters)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main_make_model())

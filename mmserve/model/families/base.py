@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from PIL import Image
@@ -230,3 +230,37 @@ class ModelFamily:
         runs then one video newline), or None when the family has no video path (a
         video is then sent as its frames, each an image)."""
         return None
+
+    #: Sizes of the seeded test checkpoints :meth:`test_config` describes (``make-model``
+    #: ``--size``): the shared ones (:data:`mmserve.model.families.sizes.TEST_WIDTHS`) and
+    #: the family's real shapes, if any.
+    test_sizes: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def test_config(cls, size: str) -> dict[str, Any]:
+        """Description of the family's seeded test checkpoint of ``size``, which
+        :mod:`mmserve.testing` writes (``mmserve make-model``). Plain data, a fresh copy per
+        call; nothing on the serving path reads it. Keys:
+
+        - ``"config"``: keyword arguments of the transformers config of ``model_type``
+          (``vision_config`` and ``text_config`` nested, each with its ``model_type``);
+          ``architectures`` names the transformers model class; ``text_config`` without
+          ``vocab_size`` takes the trained tokenizer's length. Token ids are those of
+          :func:`~mmserve.model.families.sizes.special_token_ids` of the tokenizer below.
+        - ``"tokenizer"``: ``kind`` ("bpe": byte-level BPE, or "sentencepiece": a Llama
+          ``tokenizer.model``, which must start with ``<unk> <s> </s> <pad>``) trained on the
+          bundled corpus; ``specials`` (special tokens with ids 0, 1, ...); ``padded``
+          (``[regular, tail]``: the vocabulary filled up to ``regular`` ids, then the
+          ``tail`` specials; None for a trained-size vocabulary); ``prepend`` (a token put
+          before every sequence, or None); ``settings`` (the transformers tokenizer's
+          arguments); ``chat_template`` (a file name in ``mmserve/testing/assets``).
+        - ``"image_processor"`` and, for a family with videos, ``"video_processor"``:
+          ``class`` (a transformers class name, or a dotted path) and its arguments.
+        - ``"processor"``: ``class`` and the processor's own arguments.
+        - ``"real"``: True for a real model's shapes (stored in bf16 by default, weights
+          written tensor by tensor).
+
+        Raises:
+            ValueError: if ``size`` is not one of :attr:`test_sizes`.
+        """
+        raise ValueError(f"the {cls.name} family has no test checkpoints")

@@ -13,7 +13,7 @@ own ``pack_image_features``, so neither can drift from the reference.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from PIL import Image
@@ -25,6 +25,13 @@ from transformers.models.llava_next.modeling_llava_next import (
 )
 
 from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule
+from mmserve.model.families.llava import (
+    VICUNA_7B,
+    clip_processors,
+    llama_tokenizer,
+    llava_test_config,
+)
+from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths
 from mmserve.vision.pixels import Pixels
 
 
@@ -112,3 +119,45 @@ class LlavaNextFamily(ModelFamily):
     def num_image_tokens(self, width: int, height: int) -> int:
         data = self.processor._get_num_multimodal_tokens(image_sizes=[[height, width]])
         return int(data["num_image_tokens"][0])
+
+    test_sizes: ClassVar[tuple[str, ...]] = (*TEST_WIDTHS, "llava-next-7b")
+
+    @classmethod
+    def test_config(cls, size: str) -> dict[str, Any]:
+        """See :meth:`ModelFamily.test_config`: LLaVA-1.5's widths on the tiles of
+        :data:`NEXT_TILES`, a SentencePiece tokenizer; "llava-next-7b":
+        llava-v1.6-vicuna-7b-hf's shapes and special-token ids (a byte-level BPE tokenizer).
+
+        Raises:
+            ValueError: for a size not in :attr:`test_sizes`.
+        """
+        widths = size_widths(cls, size, {"llava-next-7b": VICUNA_7B})
+        real = size not in TEST_WIDTHS
+        max_length = widths["text"]["max_position_embeddings"]
+        tokenizer = llama_tokenizer("bpe" if real else "sentencepiece", real, max_length)
+        tile, pinpoints = NEXT_TILES[size]
+        base = llava_test_config(widths, tokenizer, tile)
+        shared = ("vision_config", "text_config", "image_token_index", "projector_hidden_act")
+        shared += ("vision_feature_select_strategy", "vision_feature_layer", "tie_word_embeddings")
+        config = dict(
+            model_type=cls.model_type,
+            architectures=["LlavaNextForConditionalGeneration"],
+            **{k: base[k] for k in shared},
+            image_grid_pinpoints=pinpoints,
+            image_seq_length=(tile // TEST_PATCH) ** 2,
+        )
+        return {
+            "config": config,
+            "tokenizer": tokenizer,
+            **clip_processors(tile, pinpoints),
+            "real": real,
+        }
+
+
+#: Test tile side (pixels) and grid pinpoints per size: small tiles keep a CPU prefill
+#: short; real llava-v1.6 checkpoints use 336-px tiles.
+NEXT_TILES: dict[str, tuple[int, list[list[int]]]] = {
+    "tiny": (112, [[112, 224], [224, 112], [224, 224], [112, 336], [336, 112]]),
+    "small": (168, [[168, 336], [336, 168], [336, 336], [168, 504], [504, 168]]),
+    "llava-next-7b": (336, [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]),
+}

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from PIL import Image
@@ -59,6 +59,7 @@ from mmserve.model.families.base import (
     VisionModule,
 )
 from mmserve.model.families.llava_next import preprocess_anyres
+from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths, special_token_ids
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerprint
 from mmserve.vision.pixels import Pixels
@@ -330,3 +331,114 @@ class LlavaOnevisionFamily(ModelFamily):
 
     def video_frame_tokens(self) -> int:
         return self._frame_tokens
+
+    test_sizes: ClassVar[tuple[str, ...]] = (*TEST_WIDTHS, "onevision-0.5b")
+
+    @classmethod
+    def test_config(cls, size: str) -> dict[str, Any]:
+        """See :meth:`ModelFamily.test_config`: a SigLIP tower (no head, last layer, all
+        patches: "full"), a Qwen2 decoder (q/k/v biases, RoPE base 1e6; tied embeddings for
+        "tiny" as Qwen2-0.5B, untied for "small" as the 7B), the grid of
+        :data:`ONEVISION_TILES` with "anyres_max_9", a video processor, a Qwen2-shaped
+        byte-level BPE tokenizer with the ChatML template; "onevision-0.5b":
+        llava-onevision-qwen2-0.5b-ov-hf's shapes and special-token ids.
+
+        Raises:
+            ValueError: for a size not in :attr:`test_sizes`.
+        """
+        widths = size_widths(cls, size, {"onevision-0.5b": QWEN2_05B})
+        real = size not in TEST_WIDTHS
+        tile, grid = ONEVISION_TILES[size]
+        pinpoints = [[i * tile, j * tile] for i in range(1, grid + 1) for j in range(1, grid + 1)]
+        tokenizer = {
+            "kind": "bpe",
+            "specials": [] if real else list(QWEN2_SPECIALS),
+            # Qwen2's 151,643 regular ids, then its specials and OneVision's placeholders
+            "padded": [151643, list(QWEN2_SPECIALS)] if real else None,
+            "prepend": None,
+            "settings": dict(
+                eos_token="<|im_end|>",
+                pad_token="<|endoftext|>",
+                extra_special_tokens=["<|im_start|>", "<image>", "<video>"],
+                image_token="<image>",
+                video_token="<video>",
+                model_max_length=widths["text"]["max_position_embeddings"],
+            ),
+            "chat_template": "chat_template_chatml.jinja",
+        }
+        ids = special_token_ids(tokenizer)
+        tied = size in ("tiny", "onevision-0.5b")
+        vision = {"model_type": "siglip_vision_model", **widths["vision"]}
+        vision.update(image_size=tile, patch_size=TEST_PATCH, vision_use_head=False)
+        text = {"model_type": "qwen2", **widths["text"]}
+        text.update(
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            rms_norm_eps=1e-6,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=tied,
+        )
+        config = dict(
+            model_type=cls.model_type,
+            architectures=["LlavaOnevisionForConditionalGeneration"],
+            vision_config=vision,
+            text_config=text,
+            image_token_index=ids["<image>"],
+            video_token_index=ids["<video>"],
+            projector_hidden_act="gelu",
+            vision_feature_select_strategy="full",
+            vision_feature_layer=-1,
+            vision_aspect_ratio="anyres_max_9",
+            image_grid_pinpoints=pinpoints,
+            tie_word_embeddings=tied,
+        )
+        frames = dict(size={"height": tile, "width": tile}, image_mean=SIGLIP_MEAN,
+                      image_std=SIGLIP_STD, do_convert_rgb=True)  # fmt: skip
+        module = "transformers.models.llava_onevision."
+        image_cls = module + "image_processing_pil_llava_onevision.LlavaOnevisionImageProcessorPil"
+        video_cls = module + "video_processing_llava_onevision.LlavaOnevisionVideoProcessor"
+        processor = dict(
+            image_token="<image>",
+            video_token="<video>",
+            num_image_tokens=(tile // TEST_PATCH) ** 2,
+            vision_aspect_ratio=config["vision_aspect_ratio"],
+            vision_feature_select_strategy=config["vision_feature_select_strategy"],
+        )
+        return {
+            "config": config,
+            "tokenizer": tokenizer,
+            "image_processor": {"class": image_cls, "image_grid_pinpoints": pinpoints,
+                                "do_pad": True, **frames},
+            "video_processor": {"class": video_cls, **frames},
+            "processor": {"class": "LlavaOnevisionProcessor", **processor},
+            "real": real,
+        }  # fmt: skip
+
+
+# ---- seeded test checkpoints ----------------------------------------------------------------
+
+#: Qwen2's special tokens in id order, then LLaVA-OneVision's two placeholders.
+QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
+#: Test tile side (pixels, patch 14) and grid size (tiles per side, up to) per size. Real
+#: checkpoints use 384-px tiles (27 x 27 patches) on a 6 x 6 grid; these give 7 x 7 (tiny)
+#: and 9 x 9 (small) patches, odd like 27, so video pooling (to ceil(n / 2)) is a real
+#: bilinear resize, and a 4 x 4 tiny grid is past "anyres_max_9", so large images are
+#: shrunk as on the real model.
+ONEVISION_TILES: dict[str, tuple[int, int]] = {
+    "tiny": (98, 4),
+    "small": (126, 3),
+    "onevision-0.5b": (384, 6),
+}
+#: Mean and std of the SigLIP image and video processors.
+SIGLIP_MEAN = [0.5, 0.5, 0.5]
+SIGLIP_STD = [0.5, 0.5, 0.5]
+#: llava-onevision-qwen2-0.5b-ov-hf's widths, as in its config.json: SigLIP so400m (27
+#: layers, 26 used at 384 px) and Qwen2-0.5B (tied; 151,936 rows for 151,648 token ids).
+QWEN2_05B = {
+    "vision": dict(hidden_size=1152, num_hidden_layers=26, num_attention_heads=16,
+                   intermediate_size=4304),
+    "text": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                 max_position_embeddings=32768),
+}  # fmt: skip
