@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = sorted((ROOT / "mmserve").rglob("*.py"))
 API = sorted((ROOT / "api").rglob("*.py"))
@@ -57,18 +59,32 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def test_packages_below_the_engine_never_import_it() -> None:
+def _imports_of(packages: tuple[str, ...], banned: str) -> list[str]:
+    """``path:line module`` of every import of ``banned`` (or a submodule) in ``packages``."""
     bad = []
-    for pkg in BELOW_ENGINE:
+    for pkg in packages:
         paths = sorted((ROOT / "mmserve" / pkg).rglob("*.py"))
         assert paths, pkg
-        for path in paths:
-            bad += [
-                f"{rel(path)}:{line} {name}"
-                for line, name in _imports(path)
-                if name.startswith("mmserve.engine")
-            ]
-    assert not bad, bad
+        bad += [
+            f"{rel(path)}:{line} {name}"
+            for path in paths
+            for line, name in _imports(path)
+            if name == banned or name.startswith(banned + ".")
+        ]
+    return bad
+
+
+#: Packages of the serving path, which never build test checkpoints (mmserve.testing).
+SERVING = ("engine", "model", "cache", "kernels", "vision", "structured", "distributed")
+
+
+@pytest.mark.parametrize(
+    ("packages", "banned"),
+    [(BELOW_ENGINE, "mmserve.engine"), (SERVING, "mmserve.testing")],
+    ids=["below-engine", "serving-path-vs-checkpoint-writer"],
+)
+def test_packages_never_import(packages: tuple[str, ...], banned: str) -> None:
+    assert not _imports_of(packages, banned)
 
 
 def test_structured_specs_and_the_lru_load_without_torch() -> None:
@@ -154,22 +170,4 @@ def test_the_engine_is_the_one_writer_of_a_requests_output() -> None:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 if node.func.attr in LIST_EDITS and _receiver(node.func) in OUTPUT_FIELDS:
                     bad.append(f"{name}:{node.lineno} {_receiver(node.func)}.{node.func.attr}()")
-    assert not bad, bad
-
-
-#: Packages of the serving path, which never build test checkpoints (mmserve.testing).
-SERVING = ("engine", "model", "cache", "kernels", "vision", "structured", "distributed")
-
-
-def test_the_serving_path_never_imports_the_checkpoint_writer() -> None:
-    bad = []
-    for pkg in SERVING:
-        paths = sorted((ROOT / "mmserve" / pkg).rglob("*.py"))
-        assert paths, pkg
-        for path in paths:
-            bad += [
-                f"{rel(path)}:{line} {name}"
-                for line, name in _imports(path)
-                if name == "mmserve.testing" or name.startswith("mmserve.testing.")
-            ]
     assert not bad, bad
