@@ -119,11 +119,12 @@ def replicas(args: argparse.Namespace, model_dir: str) -> int:
     init_ray_local()
     try:
         http_options = {"host": "127.0.0.1", "port": args.port}
-        serve.start(proxy_location="HeadOnly", http_options=http_options)
+        log = {"log_level": "WARNING"}
+        serve.start(proxy_location="HeadOnly", http_options=http_options, logging_config=log)
         for name, n, router in SETUPS:
             rs = ReplicaSettings(replicas=n, replica_router=router, cpus_per_replica=0.5)
             app = build_application(EngineConfig(model_path=model_dir), ServerSettings(), rs)
-            serve.run(app, name=APP_NAME, logging_config={"log_level": "WARNING"})
+            serve.run(app, name=APP_NAME, logging_config=log)
             deadline = time.time() + 300
             while http.get_json(f"{url}/health").get("healthy_replicas", 0) < n:
                 if time.time() > deadline:

@@ -208,11 +208,7 @@ def engine_summary(results: dict, sweeps: dict, targets: list[dict], m: dict) ->
         f"- model `{m['model']}`, torch threads {m['threads']}, scale {m['scale']}, seed "
         f"{m['seed']}; {m['total_seconds']:.1f} s; load average {m['loadavg_start']} -> "
         f"{m['loadavg_end']} (other load inflates wall times, not the CPU-time figures)",
-        "- (a) = transformers `generate`, one request at a time; (b) = `mmserve-off` (radix "
-        "and vision-embedding caches off); `mmserve-<policy>` = caches on. Same prompts, "
-        "greedy, `max_tokens` tokens each; TTFT from submission (queueing included).",
-        "- `*` = subsampled; hit/opt = hit rate / offline optimum (SGLang Theorem 3.1); "
-        "mismatch = requests whose tokens differ from (b); agree (a) = equal to transformers'.",
+        "- (a) = transformers, (b) = `mmserve-off`, `*` = subsampled (benchmarks/README.md)",
         "",
         "## Targets",
         "",
@@ -318,9 +314,7 @@ def http_summary(res: dict) -> str:
             "## Agreement with llama.cpp (greedy, before timing)",
             "",
             f"Text-only: **{ag['text_agree']}/{ag['text_total']}** equal; images: "
-            f"**{ag['image_agree']}/{ag['image_total']}**; passed: {fmt(ag['passed'])}. "
-            "Compared as token ids (mmserve's engine in-process, its text checked equal "
-            "to its HTTP answer; llama.cpp's `/completion` with `return_tokens`).",
+            f"**{ag['image_agree']}/{ag['image_total']}**; passed: {fmt(ag['passed'])}.",
             "",
             table(items, AGREE_COLS),
         ]
@@ -340,17 +334,12 @@ def http_summary(res: dict) -> str:
         lines += [
             "## Cost bound",
             "",
-            "The least time any server could take here (see `cost_bound.py`); "
-            "`achieved / bound` = bound / the server's time on the burst run, wall "
-            "(CPU: bound CPU s / server CPU s); 1.0 = at the bound.",
-            "",
             table(rows, BOUND_COLS + "".join(f"|{s} wall (CPU)={s}" for s in servers)),
         ]
     lines += [
         "## Runs",
         "",
-        "Times in ms; throughput over the first send to the last answer; CPU s: the "
-        "server process's; tok ok: every answer had exactly N tokens.",
+        "Times in ms; tok ok: every answer had exactly N tokens.",
         "",
     ]
     for name, w in res["workloads"].items():
@@ -368,9 +357,7 @@ def http_summary(res: dict) -> str:
         lines += [
             "## HTTP overhead (mmserve, cache on)",
             "",
-            f"`{ov['workload']}` at rate `{ov['rate']}` (mmserve's peak run), the same "
-            "arrivals through HTTP (cache flushed) and through an in-process engine doing "
-            f"the front-end work, {ov['pairs']} back-to-back pairs, medians.",
+            f"`{ov['workload']}` at rate `{ov['rate']}`, {ov['pairs']} pairs, medians.",
             "",
             table(rows, "|seconds=wall_s|CPU s=cpu_s|TTFT p50 ms=ttft_p50_s:ms"),
             f"In-process steps: {st['prefill']} prefill {st['prefill_s']:.2f} s, "

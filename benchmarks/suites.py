@@ -111,7 +111,7 @@ def run_workload(
             same = len(ref.outputs) - _mismatches(r, ref)
             c["agree_with_transformers"] = f"{same}/{len(ref.outputs)}"
     res = {"workload": wl.name, "description": wl.description, "params": wl.params}
-    res.update(notes=wl.notes, prompts=prompts, comparisons=comparisons)
+    res.update(notes=[], prompts=prompts, comparisons=comparisons)
     res["systems"] = [r.summary() for r in runs]
     if len(pairs) > 1:  # on req/s over off req/s, per pair
         res["paired_on_off"] = {
