@@ -35,18 +35,15 @@ def photo() -> bytes:
 
 def _gaps(stamps: list[tuple[float, float]], first: int = 1) -> tuple[list, list]:
     """Wall and CPU seconds between consecutive stamps from index ``first`` on."""
-    t = stamps[first:]
-    return [b[0] - a[0] for a, b in zip(t, t[1:], strict=False)], [
-        b[1] - a[1] for a, b in zip(t, t[1:], strict=False)
-    ]
+    pairs = list(zip(stamps[first:], stamps[first + 1 :], strict=False))
+    return [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
 
 
 class Sides:
     """transformers and mmserve on one checkpoint in one dtype, asked about :func:`photo`."""
 
     def __init__(self, model_dir: str, dtype: str) -> None:
-        loaded = load_model(model_dir, dtype=getattr(torch, dtype))
-        self.mm = MMServeRunner(loaded, model_dir, dtype=dtype, max_total_tokens=32768)
+        self.mm = MMServeRunner.load(model_dir, dtype=dtype, max_total_tokens=32768)
         self.hf = TransformersRunner(model_dir, [], getattr(torch, dtype))
         self.image = Image.open(io.BytesIO(photo())).convert("RGB")
         self.render = self.mm.engine().processor.prompts.render_chat
