@@ -333,3 +333,15 @@ def test_interleaved_workload_and_table_writer() -> None:
     md = report.table(rows, "row|x=x:.3f|TTFT ms=t.p50:ms|ok=ok|missing=nope")
     assert md.splitlines()[0] == "| row | x | TTFT ms | ok | missing |"
     assert md.splitlines()[2:] == ["| a | 0.500 | 12 | yes | - |", "| b | 2 | - | NO | - |"]
+
+
+def test_each_subcommand_keeps_its_own_checkpoint_defaults() -> None:
+    from benchmarks.__main__ import parser
+
+    got = {c: parser().parse_args([c]) for c in ("replicas", "real-shapes", "video-qa", "serve")}
+    assert {c: (a.size, a.family) for c, a in got.items()} == {
+        "replicas": ("tiny", "llava"),
+        "real-shapes": ("onevision-0.5b", "llava-onevision"),
+        "video-qa": ("small", "llava"),
+        "serve": (None, "llava"),
+    }
