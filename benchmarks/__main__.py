@@ -29,15 +29,10 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--servers",), dict(default=",".join(suites.SERVERS))),
         (("--workloads",), dict(default="", help=f"of {','.join(workloads.HTTP_WORKLOADS)}")),
         (("--rates",), dict(help="offered req/s, comma-separated, inf = burst")),
-        (("--slo-ttft",), dict(type=float, default=5.0, help="goodput SLO on TTFT (s)")),
-        (("--slo-tpot",), dict(type=float, default=0.5, help="goodput SLO on TPOT (s)")),
         (("--llamacpp-dir",), dict(type=Path, help="setup folder (default .llamacpp)")),
-        (("--llamacpp-slots",), dict(type=int, default=4, help="llama-server -np")),
         (("--no-llamacpp",), dict(action="store_true")),
         (("--no-bound",), dict(action="store_true", help="skip the cost bound")),
-        (("--bound",), dict(action="store_true", help="measure the bound with --url too")),
         (("--no-overhead",), dict(action="store_true", help="skip the HTTP-overhead step")),
-        (("--no-agreement",), dict(action="store_true", help="skip the llama.cpp agreement")),
     ]),
     "real-shapes": (real_shapes.real_shapes, "full", "onevision-0.5b", "llava-onevision", [
         (("--dtypes",), dict(default="bfloat16,float32")),
@@ -48,7 +43,6 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--decode-batches",), dict(default="1,4,8,16")),
         (("--decode-tokens",), dict(type=int, default=8, help="decode steps per run")),
         (("--bandwidth-gb",), dict(type=float, default=1.0, help="tensor read for GB/s (GiB)")),
-        (("--no-default-dtype",), dict(action="store_true", help="skip the default-dtype check")),
     ]),
     "replicas": (experiments.replicas, "full", "tiny", "llava", [
         (("--port",), dict(type=int, default=8470, help="HTTP port of the endpoint")),
@@ -96,21 +90,22 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
 
 
 def parser() -> argparse.ArgumentParser:
-    """The CLI's parser: :data:`COMMANDS` (sharing one parent's options) plus ``llamacpp``."""
+    """The CLI's parser: :data:`COMMANDS` (with the common options) plus ``llamacpp``."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--scale", choices=("ci", "quick", "full"), default="full")
-    common.add_argument("--quick", action="store_const", const="quick", dest="scale")
-    common.add_argument("--size", help="tiny, small or a real shape (mmserve make-model)")
-    common.add_argument("--family", choices=("llava", "llava-next", "llava-onevision"))
-    common.add_argument("--model", type=Path, help="checkpoint directory (overrides --size)")
-    common.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    common.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
-    common.add_argument("--seed", type=int, default=0)
     for name, (fn, scale, size, family, extra) in COMMANDS.items():
-        p = sub.add_parser(name, parents=[common], help=fn.__doc__.splitlines()[0].strip("`: "))
-        p.set_defaults(scale=scale, size=size, family=family)
+        # options added per subcommand: argparse's `parents` would share one action object,
+        # and each set_defaults would overwrite the others' defaults
+        p = sub.add_parser(name, help=fn.__doc__.splitlines()[0].strip("`: "))
+        p.add_argument("--scale", choices=("ci", "quick", "full"), default=scale)
+        p.add_argument("--quick", action="store_const", const="quick", dest="scale")
+        p.add_argument("--size", default=size, help="tiny, small or a real shape (make-model)")
+        p.add_argument("--family", choices=("llava", "llava-next", "llava-onevision"))
+        p.add_argument("--model", type=Path, help="checkpoint directory (overrides --size)")
+        p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+        p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
+        p.add_argument("--seed", type=int, default=0)
+        p.set_defaults(family=family)
         for flags, kw in extra:
             p.add_argument(*flags, **kw)
     ll = sub.add_parser("llamacpp", help="setup helpers of scripts/setup_llamacpp.sh")

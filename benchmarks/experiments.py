@@ -1,13 +1,13 @@
 """Single-purpose benchmarks, each a ``python -m benchmarks`` subcommand (what each
 measured: ``benchmarks/README.md``): ``replicas``, ``structured``, ``batch-order``,
-``batch-api``, ``kv-tiers``, ``image-memory`` and ``video-qa``."""
+``batch-api``, ``kv-tiers``, ``image-memory`` and ``video-qa``. Each compares setups on one
+workload and writes ``<name>.json`` and ``<name>.md`` (:func:`benchmarks.report.emit`)."""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -24,11 +24,9 @@ from PIL import Image
 
 from benchmarks import over_http as http
 from benchmarks import report, workloads
-from benchmarks.in_process import MMServeRunner, one_request
-from benchmarks.report import percentiles
+from benchmarks.in_process import CACHE_OFF, MMServeRunner, one_request
 from benchmarks.workloads import Prompt, Workload, ask
 from mmserve.engine.request import SamplingParams
-from mmserve.model.loader import load_model
 
 # ---- replicas --------------------------------------------------------------------------
 
@@ -44,6 +42,12 @@ SETUPS = (
     ("2 replicas, cache", 2, "cache"),
     ("2 replicas, pow2", 2, "pow2"),
     ("2 replicas, round_robin", 2, "round_robin"),
+)
+REPLICAS_TABLE = (
+    "setup|hit rate=hit_rate:.3f|hit / optimum=hit_rate_over_optimum:.3f"
+    "|tower runs / image=tower_runs_per_image:.2f|pixel fetches=pixel_fetches"
+    "|req/s=requests_per_second:.2f|output tok/s=output_tokens_per_second:.1f"
+    "|TTFT p50 ms=ttft_p50_ms:.0f|TTFT p99 ms=ttft_p99_ms:.0f|errors=errors|routed=routed"
 )
 
 
@@ -65,10 +69,10 @@ def run_setup(
     }
     before = http.get_json(f"{url}/v1/cache/stats")
     bodies = http.request_bodies(wl, model, urls=ids)
-    results, wall = http.run_sessions(url, bodies, wl.sessions, clients)
+    results, wall = http.run_load(url, bodies, sessions=wl.sessions, clients=clients)
     after = http.get_json(f"{url}/v1/cache/stats")
     delta = lambda k: (after.get(k) or 0) - (before.get(k) or 0)  # noqa: E731
-    load = http.summarize(results, wl.max_tokens, http.SLO(float("inf"), float("inf")), wall)
+    load = http.summarize(results, wl.max_tokens, wall=wall)
     distinct = distinct or len(wl.images)
     hit = delta("cached_tokens") / delta("prompt_tokens") if delta("prompt_tokens") else 0.0
     out = dict(requests=len(results), errors=load["failed"], error_messages=load["errors"])
@@ -82,21 +86,20 @@ def run_setup(
     out["tower_runs_per_image"] = tower / distinct
     keys = ("ok", "text", "prompt_tokens", "cached_tokens", "error")
     out["replies"] = [{k: getattr(r, k) for k in keys} for r in results]
-    if after.get("router") is not None:
-        out["router"] = after["router"]["by_reason"]
-    if isinstance(after.get("replicas"), dict):
-        keys = {"requests": "requests_finished", "hit_rate": "cache_hit_rate"}
-        keys["tower_runs"] = "vision_tower_images"
-        out["per_replica"] = {
-            uid: {k: s.get(v) for k, v in keys.items()}
-            for uid, s in after["replicas"].items()
-            if isinstance(s, dict)
-        }
+    out["router"] = (after.get("router") or {}).get("by_reason", {})
+    out["routed"] = ", ".join(f"{k} {v}" for k, v in sorted(out["router"].items()))
+    keys = {"requests": "requests_finished", "hit_rate": "cache_hit_rate"}
+    keys["tower_runs"] = "vision_tower_images"
+    out["per_replica"] = {
+        uid: {k: s.get(v) for k, v in keys.items()}
+        for uid, s in (after.get("replicas") or {}).items()
+        if isinstance(s, dict)
+    }
     return out
 
 
 def replicas(args: argparse.Namespace, model_dir: str) -> int:
-    """Each of :data:`SETUPS` on Ray Serve on loopback in turn; ``replicas.json``/``.md``."""
+    """Each of :data:`SETUPS` on Ray Serve on loopback in turn."""
     import ray
     from ray import serve
 
@@ -108,47 +111,43 @@ def replicas(args: argparse.Namespace, model_dir: str) -> int:
     size = dict(REPLICA_SCALES[args.scale])
     clients = size.pop("concurrency")
     wl = workloads.interleaved(**size, seed=args.seed)
-    mm = MMServeRunner(load_model(model_dir), model_dir)
+    mm = MMServeRunner.load(model_dir)
     opt = workloads.optimal_hit_rate(mm.prompt_ids(wl))
     distinct = len({mm.decoded[b].key for b in wl.images.values()})
-    params = {**wl.params, "requests": wl.num_requests, "distinct_images": distinct, **opt}
-    results = {"scale": args.scale, "model": model_dir, "setups": {}}
-    results["workload"] = {**params, "concurrency": clients}
+    w = {**wl.params, "requests": wl.num_requests, "distinct_images": distinct, **opt}
+    setups, url = {}, f"http://127.0.0.1:{args.port}"
     init_ray_local()
-    url = f"http://127.0.0.1:{args.port}"
     try:
-        serve.start(
-            proxy_location="HeadOnly",
-            http_options={"host": "127.0.0.1", "port": args.port},
-            logging_config={"log_level": "WARNING"},
-        )
+        http_options = {"host": "127.0.0.1", "port": args.port}
+        log = {"log_level": "WARNING"}
+        serve.start(proxy_location="HeadOnly", http_options=http_options, logging_config=log)
         for name, n, router in SETUPS:
             rs = ReplicaSettings(replicas=n, replica_router=router, cpus_per_replica=0.5)
             app = build_application(EngineConfig(model_path=model_dir), ServerSettings(), rs)
-            serve.run(app, name=APP_NAME, logging_config={"log_level": "WARNING"})
+            serve.run(app, name=APP_NAME, logging_config=log)
             deadline = time.time() + 300
             while http.get_json(f"{url}/health").get("healthy_replicas", 0) < n:
                 if time.time() > deadline:
                     raise TimeoutError(f"{url} not healthy with {n} replicas in 300 s")
                 time.sleep(0.5)
             r = run_setup(url, Path(model_dir).name, wl, clients, opt["optimal_hit_rate"], distinct)
-            results["setups"][name] = {**r, "replicas": n, "router_policy": router}
-            print(
-                f"{name:<24} hit {r['hit_rate']:.3f}  tower/image "
-                f"{r['tower_runs_per_image']:.2f}  errors {r['errors']}",
-                flush=True,
-            )
+            del r["replies"]
+            setups[name] = {**r, "replicas": n, "router_policy": router}
+            print(f"{name:<24} hit {r['hit_rate']:.3f}  errors {r['errors']}", flush=True)
             serve.delete(APP_NAME)
     finally:
         serve.shutdown()
         ray.shutdown()
-    for r in results["setups"].values():
-        r.pop("replies")
-    report.write_json(args.out / "replicas.json", results)
-    md = report.replicas_table(results)
-    (args.out / "replicas.md").write_text(md)
-    print(md)
-    return 0
+    md = (
+        f"{w['requests']} requests ({w['images']} images x {w['questions']} questions + "
+        f"{w['sessions']} sessions x {w['turns']} turns) from {clients} clients, "
+        f"{w['max_tokens']} tokens each, {distinct} distinct images, offline-optimal hit rate "
+        f"{w['optimal_hit_rate']:.3f}; model `{Path(model_dir).name}`.\n\n"
+    )
+    out = {"scale": args.scale, "model": model_dir, "workload": {**w, "concurrency": clients}}
+    return report.emit(
+        args.out, "replicas", {**out, "setups": setups}, md + report.table(setups, REPLICAS_TABLE)
+    )
 
 
 # ---- structured output -------------------------------------------------------------------
@@ -195,14 +194,12 @@ def structured_run(
 
     eng = mm.engine(max_total_tokens=65536, disable_jump_forward=mode == "off")
     imgs = workloads.photos(4)
-    names = list(imgs)
-    q = STRUCTURED_QUESTIONS
+    names, q = list(imgs), STRUCTURED_QUESTIONS
     prompts = [Prompt(ask(q[i // 4 % 4], system=False), [names[i % 4]]) for i in range(n)]
-    params = (
-        SamplingParams(max_tokens=free_tokens, ignore_eos=True)
-        if mode == "free"
-        else SamplingParams(max_tokens=max_tokens, guided=GuidedSpec.json_schema(SCHEMA))
-    )
+    if mode == "free":
+        params = SamplingParams(max_tokens=free_tokens, ignore_eos=True)
+    else:
+        params = SamplingParams(max_tokens=max_tokens, guided=GuidedSpec.json_schema(SCHEMA))
     warm = Workload("warm", "", imgs, [[Prompt(ask(".", system=False), [m]) for m in names]], 1)
     eng.generate(mm.requests(eng, warm, SamplingParams(max_tokens=1)))
     reqs = mm.requests(eng, Workload("structured", "", imgs, [prompts], max_tokens), params)
@@ -229,18 +226,18 @@ def structured_run(
 
 
 def structured(args: argparse.Namespace, model_dir: str) -> int:
-    """Jump-forward off, on, and free decoding; writes ``structured.json``/``.md``."""
-
-    mm = MMServeRunner(load_model(model_dir), model_dir)
+    """Jump-forward off, on, and free decoding of JSON-schema answers."""
+    mm = MMServeRunner.load(model_dir)
     n = args.requests or (16 if args.scale == "quick" else 32)
     off = structured_run(mm, n, "off", args.max_tokens)
     on = structured_run(mm, n, "on", args.max_tokens)
     free = structured_run(mm, n, "free", args.max_tokens, max(1, round(off["mean_output_tokens"])))
-    cols = "mode decode_steps extend_steps engine_steps mean_output_tokens jumped_tokens wall_s"
-    cols = (cols + " output_tokens_per_s output_chars_per_s requests_per_s step_ms").split()
-    cols += ["mask_ms_per_step", "mask_us_per_row"]
+    cols = "mode|decode steps=decode_steps|extend steps=extend_steps|engine steps=engine_steps"
+    cols += "|tokens/request=mean_output_tokens|jumped tokens=jumped_tokens|wall s=wall_s"
+    cols += "|tok/s=output_tokens_per_s|chars/s=output_chars_per_s|requests/s=requests_per_s"
+    cols += "|step (ms)=step_ms|masks (ms/step)=mask_ms_per_step|masks (us/row)=mask_us_per_row"
     saved = 1 - on["decode_steps"] / off["decode_steps"]
-    md = report.md_table(cols, [[r[c] for c in cols] for r in (off, on, free)]) + (
+    md = report.table({"jump-forward off": off, "jump-forward on": on, "free": free}, cols) + (
         f"\n- decode steps saved by jump-forward: {saved:.0%} ({off['decode_steps']} -> "
         f"{on['decode_steps']}; engine steps {off['engine_steps']} -> {on['engine_steps']}); "
         f"target >= 30%: {'met' if saved >= 0.3 else 'MISSED'}\n"
@@ -248,17 +245,17 @@ def structured(args: argparse.Namespace, model_dir: str) -> int:
         f"characters/s, {on['requests_per_s'] / off['requests_per_s']:.2f}x requests/s\n"
         f"- grammar masks: {off['mask_ms_per_step']:.3f} ms per step "
         f"({off['mask_us_per_row']:.1f} us per row) against a free step of {free['step_ms']:.1f} ms"
+        f"\n- example (jump-forward on): {on['example']}"
     )
-    report.write_json(
-        args.out / "structured.json",
-        {"model": model_dir, "requests": n, "schema": SCHEMA, "runs": [off, on, free]},
-    )
-    (args.out / "structured.md").write_text(md + "\n")
-    print(md, f"\nexample (jump-forward on): {on['example']}")
-    return 0
+    out = {"model": model_dir, "requests": n, "schema": SCHEMA, "runs": [off, on, free]}
+    return report.emit(args.out, "structured", out, md)
 
 
 # ---- batch jobs ------------------------------------------------------------------------------
+
+BATCH_TABLE = (
+    "run|hit rate=hit_rate:.3f|/ optimum=of_opt:.3f|tower runs (photos)=towers|wall s=wall_s:.1f"
+)
 
 
 def _batch_workload(args: argparse.Namespace, images: int, seed: int) -> Workload:
@@ -268,57 +265,50 @@ def _batch_workload(args: argparse.Namespace, images: int, seed: int) -> Workloa
 
 
 @contextmanager
-def _batch_server(model_dir: str, args: argparse.Namespace, *flags: str) -> Iterator[tuple]:
+def _batch_server(model_dir: str, args: argparse.Namespace, *flags: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as d:
         flags += ("--max-total-tokens", str(args.max_total_tokens), "--data-dir", d)
-        with http.mmserve_server(model_dir, flags, args.threads) as got:
-            yield got
+        with http.mmserve_server(model_dir, flags, args.threads) as (url, _):
+            yield url
 
 
 def _towers(url: str) -> int:
     return http.get_json(f"{url}/v1/cache/stats")["vision_tower_images"]
 
 
-def _timed_batch(url: str, wl: Workload) -> dict:
-    """``wl`` through ``/v1/files`` + ``/v1/batches`` from cold caches: hit rate, tower runs
-    and wall time."""
+def _timed(url: str, wl: Workload, opt: float, batch: bool = True) -> dict:
+    """``wl`` from cold caches through ``/v1/files`` + ``/v1/batches`` (or as a chat burst):
+    requests answered, hit rate, tower runs and wall time."""
     http.flush(url)
     t0, tower = time.perf_counter(), _towers(url)
-    b = http.wait_batch(url, http.create_batch(url, http.request_bodies(wl, None, stream=False)))
-    u, wall = b["usage"], time.perf_counter() - t0
-    hit = u["input_tokens_details"]["cached_tokens"] / u["input_tokens"]
-    out = {"requests": b["request_counts"]["completed"], "hit_rate": hit, "wall_s": wall}
-    return {**out, "tower_runs": _towers(url) - tower}
-
-
-def _batch_rows(runs: dict[str, dict], opt: float, images: int) -> str:
-    rows = [
-        (
-            name,
-            f"{r['hit_rate']:.3f}",
-            f"{r['hit_rate'] / opt:.3f}",
-            f"{r['tower_runs']} ({images})",
-        )
-        + (f"{r['wall_s']:.1f}",)
-        for name, r in runs.items()
-    ]
-    return report.md_table(("run", "hit rate", "/ optimum", "tower runs (photos)", "wall s"), rows)
+    if batch:
+        b = http.wait_batch(url, http.create_batch(url, wl))
+        u, n = b["usage"], b["request_counts"]["completed"]
+        hit = u["input_tokens_details"]["cached_tokens"] / u["input_tokens"]
+    else:
+        results, _ = http.run_load(url, http.request_bodies(wl, None), [0.0] * wl.num_requests)
+        s = http.summarize(results, wl.max_tokens)
+        n, hit = s["completed"], s["cache_hit_rate"]
+    out = {"requests": n, "hit_rate": hit, "of_opt": hit / opt, "wall_s": time.perf_counter() - t0}
+    out["tower_runs"] = _towers(url) - tower
+    return {**out, "towers": f"{out['tower_runs']} ({len(wl.images)})"}
 
 
 def batch_order(args: argparse.Namespace, model_dir: str) -> int:
     """``--images`` noise photos x ``--questions``, shuffled, as a batch on fresh servers
     with ``--batch-order cache`` and ``submitted``: hit rate against the optimum."""
     wl = _batch_workload(args, args.images, args.seed)
-    mm = MMServeRunner(load_model(model_dir), model_dir)
-    opt = workloads.optimal_hit_rate(mm.prompt_ids(wl))["optimal_hit_rate"]
+    opt = MMServeRunner.load(model_dir).optimum(wl)
     runs = {}
     for order in ("cache", "submitted"):
-        with _batch_server(model_dir, args, "--batch-order", order) as (url, _):
-            runs[order] = _timed_batch(url, wl)
-    print(f"{wl.description}, shuffled; KV pool {args.max_total_tokens} tokens; optimum {opt:.3f}")
-    print(_batch_rows(runs, opt, args.images))
-    report.write_json(args.out / "batch_order.json", {"optimum": opt, **runs})
-    return 0
+        with _batch_server(model_dir, args, "--batch-order", order) as url:
+            runs[order] = _timed(url, wl, opt)
+    md = (
+        f"{wl.description}, shuffled; KV pool {args.max_total_tokens} tokens; optimum {opt:.3f}\n\n"
+    )
+    return report.emit(
+        args.out, "batch_order", {"optimum": opt, **runs}, md + report.table(runs, BATCH_TABLE)
+    )
 
 
 def _probes(url: str, period: float, start: int, until: Any) -> list[float]:
@@ -337,25 +327,17 @@ def _probes(url: str, period: float, start: int, until: Any) -> list[float]:
 
 def batch_api(args: argparse.Namespace, model_dir: str) -> int:
     """A batch against the same requests as a chat burst, and interactive TTFT before,
-    during and after a ``--ttft-scale`` times larger batch; caches flushed between."""
+    during and after a ``--ttft-scale`` times larger batch; each part from cold caches."""
     wl = _batch_workload(args, args.images, args.seed)
-    mm = MMServeRunner(load_model(model_dir), model_dir)
-    opt = workloads.optimal_hit_rate(mm.prompt_ids(wl))["optimal_hit_rate"]
-    out: dict[str, Any] = {"optimum": opt}
+    opt = MMServeRunner.load(model_dir).optimum(wl)
     long = _batch_workload(args, args.images * args.ttft_scale, args.seed + 1)
     n, period = args.probes, args.probe_period
-    with _batch_server(model_dir, args) as (url, _):  # each part from cold caches
-        out["batch"] = _timed_batch(url, wl)
-        http.flush(url)
-        tower, bodies = _towers(url), http.request_bodies(wl, None)
-        results, wall = http.run_load(url, bodies, [0.0] * wl.num_requests)
-        s = http.summarize(results, wl.max_tokens, http.SLO(math.inf, math.inf), wall)
-        out["burst"] = {"requests": s["completed"], "hit_rate": s["cache_hit_rate"]}
-        out["burst"].update(tower_runs=_towers(url) - tower, wall_s=wall)
+    with _batch_server(model_dir, args) as url:
+        out = {"optimum": opt, "batch": _timed(url, wl, opt), "burst": _timed(url, wl, opt, False)}
         http.flush(url)
         _probes(url, 0.0, 1000, lambda c: c >= 3)  # warm-up: first-request costs
         before = _probes(url, period, 0, lambda c: c >= n)
-        bid = http.create_batch(url, http.request_bodies(long, None, stream=False))
+        bid = http.create_batch(url, long)
         done = lambda: http.get_json(f"{url}/v1/batches/{bid}")["status"] in http.TERMINAL  # noqa: E731
         during = _probes(url, period, n, lambda c: c > 0 and done())
         http.wait_batch(url, bid)
@@ -363,16 +345,15 @@ def batch_api(args: argparse.Namespace, model_dir: str) -> int:
     idle, busy = statistics.median(before + after), statistics.median(during)
     out["ttft"] = {"before_p50": statistics.median(before), "after_p50": statistics.median(after)}
     out["ttft"].update(idle_p50=idle, during_p50=busy, during_n=len(during), ratio=busy / idle)
-    a, b, c = out["batch"], out["burst"], out["ttft"]
-    print(f"{wl.description}, shuffled; KV pool {args.max_total_tokens} tokens; optimum {opt:.3f}")
-    print(_batch_rows({"/v1/batches": a, "chat burst": b}, opt, args.images))
-    print(
-        f"throughput, batch / burst: {b['wall_s'] / a['wall_s']:.2f}\ninteractive TTFT p50: "
+    a, b = out["batch"], out["burst"]
+    md = (
+        f"{wl.description}, shuffled; KV pool {args.max_total_tokens} tokens; optimum {opt:.3f}\n\n"
+        + report.table({"/v1/batches": a, "chat burst": b}, BATCH_TABLE)
+        + f"\nthroughput, batch / burst: {b['wall_s'] / a['wall_s']:.2f}\ninteractive TTFT p50: "
         f"{idle * 1e3:.1f} ms without the batch, {busy * 1e3:.1f} ms during a batch of "
-        f"{long.num_requests} ({len(during)} probes); ratio {c['ratio']:.2f}"
+        f"{long.num_requests} ({len(during)} probes); ratio {busy / idle:.2f}"
     )
-    report.write_json(args.out / "batch_api.json", out)
-    return 0
+    return report.emit(args.out, "batch_api", out, md)
 
 
 # ---- KV tiers ----------------------------------------------------------------------------------
@@ -380,6 +361,11 @@ def batch_api(args: argparse.Namespace, model_dir: str) -> int:
 #: A question the workload never asks: after a restart its prompt shares only the template
 #: and the image with what is on disk.
 NEW_QUESTION = "Where might this photo have been taken?"
+TIERS_TABLE = (
+    "setup|hit rate=cache_hit_rate:.3f|/ optimum=of_opt:.3f|req/s=requests_per_s:.2f"
+    "|vs off=vs_off:.2f|TTFT p50 ms=ttft_p50_s:ms|p90 ms=ttft_p90_s:ms"
+    "|tower runs=vision_tower_runs"
+)
 
 
 def drop_page_cache(directory: str) -> int:
@@ -397,46 +383,28 @@ def drop_page_cache(directory: str) -> int:
     return n
 
 
-def _tier_run(mm: MMServeRunner, wl: Workload, name: str, **kw: Any) -> dict:
-    r = mm.run(wl, name, closed_loop=False, check_leaks=False, **kw)
-    s, st = r.summary(), mm.last_engine.cache_stats()
-    out = {k: s[k] for k in ("requests", "wall_s", "requests_per_s", "cache_hit_rate")}
-    out.update(ttft_p50_ms=1e3 * s["ttft_p50_s"], ttft_p90_ms=1e3 * percentiles(r.ttfts_s)["p90"])
-    out.update(vision_tower_runs=r.vision_tower_runs, outputs=r.outputs)
-    for k in (
-        "tier_host_hit_tokens",
-        "tier_disk_hit_tokens",
-        "tier_feature_loads",
-        "tier_load_seconds",
-    ):
-        out[k] = st.get(k, 0)
-    return out
+def _new_question(imgs: dict[str, bytes], max_tokens: int) -> Workload:
+    wl = workloads.questions_about(imgs, 1, max_tokens, None)
+    for p in wl.prompts:
+        p.messages[-1]["content"][-1]["text"] = NEW_QUESTION
+    return wl
 
 
 def kv_tiers(args: argparse.Namespace, model_dir: str) -> int:
     """Host and disk KV tiers against tiers off and a pool holding everything (the optimum),
     questions asked round-robin over a pool of ``--pool-images`` photos' KV; a restart on
     the disk directory; TTFT of a new question from disk against recomputing it."""
-    mm = MMServeRunner(load_model(model_dir), model_dir, page_size=args.page_size)
+    mm = MMServeRunner.load(model_dir, page_size=args.page_size)
     imgs = workloads.photos(args.images)
     prompts = workloads.questions_about(imgs, args.questions, args.max_tokens, None).prompts
     c = args.concurrency
-    wl = Workload(
-        "kv_tiers",
-        "",
-        imgs,
-        [prompts[i : i + c] for i in range(0, len(prompts), c)],
-        args.max_tokens,
-    )
+    rounds = [prompts[i : i + c] for i in range(0, len(prompts), c)]
+    wl = Workload("kv_tiers", "", imgs, rounds, args.max_tokens)
     per_image = max(map(len, mm.prompt_ids(one_request(wl, 0))))
     pool = int(per_image * args.pool_images) // args.page_size * args.page_size
     total_kv = per_image * args.images
     mm.run(one_request(wl, 0), "warm-up", check_leaks=False)
-    print(f"{wl.num_requests} requests, ~{per_image} prompt tokens each; pool {pool} tokens")
     out, host_bytes = {}, 4 * total_kv * mm.engine().pool.bytes_per_token()
-    ask_new = workloads.questions_about(imgs, 1, args.max_tokens, None)
-    for p in ask_new.prompts:
-        p.messages[-1]["content"][-1]["text"] = NEW_QUESTION
     with tempfile.TemporaryDirectory() as disk:
         for name, kw in (
             ("off", {}),
@@ -444,15 +412,18 @@ def kv_tiers(args: argparse.Namespace, model_dir: str) -> int:
             ("disk", {"kv_disk_dir": disk}),
             ("optimum", {"max_total_tokens": 2 * total_kv}),
         ):
-            out[name] = _tier_run(mm, wl, name, **{"max_total_tokens": pool, **kw})
+            r = mm.run(wl, name, check_leaks=False, **{"max_total_tokens": pool, **kw})
+            keys = ("tier_host_hit_tokens", "tier_disk_hit_tokens", "tier_feature_loads")
+            out[name] = {**r.summary(), **{k: mm.last_engine.cache_stats().get(k, 0) for k in keys}}
             mm.last_engine.close()  # the disk engine writes its tree's pages
-        for name in ("host", "disk"):
-            assert out[name]["outputs"] == out["off"]["outputs"], f"{name}: outputs differ"
+            if name == "off":
+                ref = r.outputs
+            assert name == "optimum" or r.outputs == ref, f"{name}: outputs differ"
         eng = mm.engine(kv_disk_dir=disk, max_total_tokens=pool)
         k = min(10, args.images)
-        reqs = mm.requests(eng, ask_new)[:k]
-        res = eng.generate(reqs)
+        reqs = mm.requests(eng, _new_question(imgs, args.max_tokens))[:k]
         spans = [r.spans[0] for r in reqs]
+        res = eng.generate(reqs)
         cached = sum(
             max(0, min(x.cached_tokens, s.end) - s.start) for x, s in zip(res, spans, strict=True)
         )
@@ -463,12 +434,21 @@ def kv_tiers(args: argparse.Namespace, model_dir: str) -> int:
         out["restart"].update(vision_tower_runs=eng.runner.vision_tower_images)
         out["restart"]["feature_loads"] = eng.cache_stats()["tier_feature_loads"]
         eng.close()
-    out["ttft"] = ttft_from_disk(mm, args)
-    for f in out.values():
-        f.pop("outputs", None)
-    print(report.tiers_summary(out))
-    report.write_json(args.out / "kv_tiers.json", out)
-    return 0
+    for name in ("off", "host", "disk", "optimum"):
+        out[name]["of_opt"] = out[name]["cache_hit_rate"] / out["optimum"]["cache_hit_rate"]
+        out[name]["vs_off"] = out[name]["requests_per_s"] / out["off"]["requests_per_s"]
+    out["ttft"] = t = ttft_from_disk(mm, args)
+    r = out["restart"]
+    md = report.table({k: out[k] for k in ("off", "host", "disk", "optimum")}, TIERS_TABLE)
+    md += (
+        f"restart: {r['image_tokens_cached_share']:.3f} of the image tokens of {r['images']} "
+        f"photos cached, tower runs {r['vision_tower_runs']}, feature loads {r['feature_loads']}"
+        f"\nTTFT, new question about a photo on disk: {t['disk_ttft_p50_ms']:.0f} ms vs "
+        f"recompute {t['recompute_ttft_p50_ms']:.0f} ms (p50 of {t['images']}): "
+        f"{t['speedup_p50']:.1f}x; tower runs {t['disk_tower_runs']} vs "
+        f"{t['recompute_tower_runs']}; first tokens equal: {t['first_tokens_equal']}"
+    )
+    return report.emit(args.out, "kv_tiers", out, md)
 
 
 def ttft_from_disk(mm: MMServeRunner, args: argparse.Namespace) -> dict:
@@ -476,10 +456,7 @@ def ttft_from_disk(mm: MMServeRunner, args: argparse.Namespace) -> dict:
     another engine, dropped from the page cache unless ``--no-cold``) against recomputing
     them without tiers; photo by photo, interleaved. First tokens must agree."""
     imgs = workloads.photos(args.ttft_images)
-    wl = workloads.questions_about(imgs, 1, 1, None)
-    for p in wl.prompts:
-        p.messages[-1]["content"][-1]["text"] = NEW_QUESTION
-    big = 4 * 8192
+    wl, big = _new_question(imgs, 1), 4 * 8192
     with tempfile.TemporaryDirectory() as disk:
         writer = mm.engine(kv_disk_dir=disk, max_total_tokens=big)
         writer.generate(mm.requests(writer, workloads.questions_about(imgs, 1, 1, None)))
@@ -492,31 +469,30 @@ def ttft_from_disk(mm: MMServeRunner, args: argparse.Namespace) -> dict:
         got: dict[str, list] = {"recompute": [], "disk": []}
         for i in range(wl.num_requests):
             for name, eng in engines.items():
-                got[name].append(
-                    eng.generate(mm.requests(eng, one_request(wl, i), cached=False))[0]
-                )
+                reqs = mm.requests(eng, one_request(wl, i), cached=False)
+                got[name].append(eng.generate(reqs)[0])
         p50 = {n: statistics.median(r.ttft * 1e3 for r in v) for n, v in got.items()}
         st = engines["disk"].cache_stats()
-        out = {
-            "images": args.ttft_images,
-            "cold": args.cold,
-            "files_dropped_from_page_cache": dropped,
-        }
+        out = {"images": args.ttft_images, "cold": args.cold, "files_dropped": dropped}
         out.update(recompute_ttft_p50_ms=p50["recompute"], disk_ttft_p50_ms=p50["disk"])
         out["speedup_p50"] = p50["recompute"] / p50["disk"]
         out["disk_tower_runs"] = engines["disk"].runner.vision_tower_images
         out["recompute_tower_runs"] = engines["recompute"].runner.vision_tower_images
-        out.update(
-            disk_feature_loads=st["tier_feature_loads"], disk_hit_tokens=st["tier_disk_hit_tokens"]
-        )
-        out["first_tokens_equal"] = [r.output_ids for r in got["recompute"]] == [
-            r.output_ids for r in got["disk"]
-        ]
+        out["disk_feature_loads"] = st["tier_feature_loads"]
+        out["disk_hit_tokens"] = st["tier_disk_hit_tokens"]
+        ids = {n: [r.output_ids for r in v] for n, v in got.items()}
+        out["first_tokens_equal"] = ids["recompute"] == ids["disk"]
         engines["disk"].close()
     return out
 
 
 # ---- image memory ---------------------------------------------------------------------------
+
+
+MEMORY_TABLE = (
+    "server|baseline=baseline:.0f|1 request: peak=one_peak|after=one_after"
+    "|2 at once: peak=two_peak|after=two_after|VmHWM=VmHWM:.0f|status=status"
+)
 
 
 def big_png(side: int, seed: int) -> bytes:
@@ -548,7 +524,7 @@ def _send_watching(pid: int, url: str, bodies: list[dict]) -> tuple[int, list[in
     thread.start()
     try:
         with ThreadPoolExecutor(len(bodies)) as ex:
-            status = [s for s, _ in ex.map(lambda b: http.post(url, b, 900), bodies)]
+            status = [r.status_code for r in ex.map(lambda b: http.post(url, b, 900), bodies)]
     finally:
         stop.set()
         thread.join()
@@ -557,22 +533,18 @@ def _send_watching(pid: int, url: str, bodies: list[dict]) -> tuple[int, list[in
 
 def _chat(images: list[bytes]) -> dict:
     """A chat request asking about ``images`` (data URLs), 4 tokens."""
-    names = [str(i) for i in range(len(images))]
-    msgs = [{"role": "user", "content": [{"type": "image"}] * len(images) + [
-        {"type": "text", "text": "Describe the pictures."}]}]  # fmt: skip
-    urls = {n: workloads.data_url(b) for n, b in zip(names, images, strict=True)}
-    return {"messages": workloads.openai_messages(Prompt(msgs, names), urls), "max_tokens": 4}
+    parts = [{"type": "image_url", "image_url": {"url": workloads.data_url(b)}} for b in images]
+    parts.append({"type": "text", "text": "Describe the pictures."})
+    return {"messages": [{"role": "user", "content": parts}], "max_tokens": 4}
 
 
 def image_memory(args: argparse.Namespace, model_dir: str | None) -> int:
     """Server RSS at rest, under one request with eight distinct ``--side``-pixel PNGs,
     then under two such requests at once (``VmRSS`` polled every 5 ms; per ``--repo``)."""
-    mb = 1 << 20
-    pngs = [big_png(args.side, s) for s in range(24)]
+    mb, pngs, rows = 1 << 20, [big_png(args.side, s) for s in range(24)], {}
     groups = [[_chat(pngs[:8])], [_chat(pngs[8:16]), _chat(pngs[16:])]]
-    rows = []
     for repo in [Path(r).resolve() for r in args.repo or [workloads.ROOT]]:
-        with http.mmserve_server(model_dir, args.flags, 2, repo=repo, timeout=300) as (url, proc):
+        with http.mmserve_server(model_dir, args.flags, 2, repo=repo) as (url, proc):
             chat = f"{url}/v1/chat/completions"
             http.post(chat, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
             http.post(chat, _chat([big_png(64, 99)]))  # the image path once: lazy imports
@@ -580,18 +552,18 @@ def image_memory(args: argparse.Namespace, model_dir: str | None) -> int:
             base, figs, status = _rss(proc.pid), [], []
             for group in groups:
                 peak, got = _send_watching(proc.pid, chat, group)
-                figs.append(peak)
-                status += got
                 time.sleep(3)
-                figs.append(_rss(proc.pid))
+                figs += [peak, _rss(proc.pid)]
+                status += got
             hwm = _rss(proc.pid, "VmHWM")
-        above = [f"{v / mb:.0f} (+{(v - base) / mb:.0f})" for v in figs]
-        rows.append((str(repo), f"{base / mb:.0f}", *above, f"{hwm / mb:.0f}", status))
-    print(f"eight distinct {args.side}x{args.side} PNGs per request; resident MB (above baseline)")
-    head = ("server", "baseline", "1 request: peak", "after", "2 at once: peak", "after")
-    head += ("VmHWM", "status")
-    print(report.md_table(head, rows))
-    return 0
+        row = rows[str(repo)] = {"baseline": base / mb, "VmHWM": hwm / mb, "status": status}
+        for k, v in zip(("one_peak", "one_after", "two_peak", "two_after"), figs, strict=True):
+            row[k] = f"{v / mb:.0f} (+{(v - base) / mb:.0f})"
+    md = (
+        f"eight distinct {args.side}x{args.side} PNGs per request; resident MB (above baseline)\n\n"
+    )
+    md += report.table(rows, MEMORY_TABLE)
+    return report.emit(args.out, "image_memory", rows, md)
 
 
 # ---- video QA --------------------------------------------------------------------------------
@@ -605,27 +577,26 @@ def video_qa(args: argparse.Namespace, model_dir: str) -> int:
     from api.app import create_app
     from samples.video_qa import QUESTIONS
 
-    mm = MMServeRunner(load_model(model_dir), model_dir, max_total_tokens=32768)
-    out = {}
-    for name, kw in (("on", {}), ("off", {"disable_radix_cache": True, "vision_cache_bytes": 0})):
+    mm = MMServeRunner.load(model_dir, max_total_tokens=32768)
+    video = (workloads.ROOT / "samples" / "video" / "pans.mp4").read_bytes()
+    body = {"questions": QUESTIONS, "num_frames": args.num_frames, "temperature": 0.0}
+    out, texts = {}, {}
+    for name, kw in (("on", {}), ("off", CACHE_OFF)):
         with TestClient(create_app(mm.engine(**kw))) as c:
             hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             c.post("/v1/chat/completions", json=hi)  # warm-up, text only
-            video = (workloads.ROOT / "samples" / "video" / "pans.mp4").read_bytes()
             vid = c.post("/v1/videos", files={"file": ("v.mp4", video)}).json()["id"]
-            body = {"questions": QUESTIONS, "num_frames": args.num_frames, "temperature": 0.0}
-            body["max_tokens"] = args.max_tokens
             t0 = time.perf_counter()
-            answer = c.post(f"/v1/videos/{vid}/qa", json=body).text
-            secs = round(time.perf_counter() - t0, 2)
-        events = [json.loads(x) for x in answer.splitlines()]
+            answer = c.post(f"/v1/videos/{vid}/qa", json={**body, "max_tokens": args.max_tokens})
+            secs = time.perf_counter() - t0
+        events = [json.loads(x) for x in answer.text.splitlines()]
         s = events[-1]
-        out[name] = {"seconds": secs, "answers": s["answers"], "tower_runs": s["vision_tower_runs"]}
-        out[name]["cache_hit_rate"] = round(s["cache_hit_rate"], 3)
-        texts = [
+        out[name] = {"seconds": secs, "tower_runs": s["vision_tower_runs"], "answers": s["answers"]}
+        out[name]["cache_hit_rate"] = s["cache_hit_rate"]
+        texts[name] = sorted(
             (e["frame"], e["question_index"], e["text"]) for e in events if e["type"] == "answer"
-        ]
-        out[name]["texts"] = sorted(texts)
-    same = out["on"].pop("texts") == out["off"].pop("texts")
-    print(json.dumps({"model": model_dir, **out, "same_answers": same}, indent=1))
-    return 0
+        )
+    same = texts["on"] == texts["off"]
+    cols = "caches|seconds=seconds:.2f|tower runs=tower_runs|hit rate=cache_hit_rate:.3f"
+    md = report.table(out, cols + "|answers=answers") + f"same answers: {same}"
+    return report.emit(args.out, "video_qa", {"model": model_dir, **out, "same_answers": same}, md)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.report import percentiles, ratio_table
-from benchmarks.workloads import Workload
+from benchmarks.report import md_table, percentiles
+from benchmarks.workloads import Workload, optimal_hit_rate
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.engine.messages import EngineRequest
@@ -41,8 +41,8 @@ class Run:
     ``measured_requests`` < ``requests``: a subsampled baseline (``wall_s``, ``cpu_s``
     extrapolated); ``outputs``: token ids by request index; ``leak_free``: accounting held
     and every page was free after evicting the tree (None: not checked); ``steps``:
-    prefill/decode step counts and seconds; ``decode_steps_s``/``decode_steps_cpu_s``:
-    each decode step's wall and CPU seconds.
+    prefill/decode step counts and seconds; ``decode_times``: each decode step's
+    ``(wall, CPU)`` seconds.
     """
 
     system: str
@@ -54,43 +54,38 @@ class Run:
     prompt_tokens: int
     cached_tokens: int
     vision_tower_runs: int
-    policy: str | None = None
-    radix_cache: bool = False
-    pool_tokens: int | None = None
     measured_requests: int = 0
+    pool_tokens: int | None = None
     image_prefills: int = 0
     ttfts_s: list[float] = field(default_factory=list)
     tpots_s: list[float] = field(default_factory=list)
-    service_ttfts_s: list[float] = field(default_factory=list)
     tree_seconds: float = 0.0
     outputs: dict[int, list[int]] = field(default_factory=dict)
     all_finished: bool = True
     leak_free: bool | None = None
     retractions: int = 0
-    repeats: int = 1
     steps: dict[str, float] = field(default_factory=dict)
-    decode_steps_s: list[float] = field(default_factory=list)
-    decode_steps_cpu_s: list[float] = field(default_factory=list)
+    decode_times: list[tuple[float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures: the fields without per-request lists, plus rates."""
-        lists = ("outputs", "ttfts_s", "tpots_s", "service_ttfts_s", "decode_steps_s")
-        lists += ("decode_steps_cpu_s",)
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in lists}
+        d = dataclasses.asdict(self)
+        for k in ("outputs", "ttfts_s", "tpots_s", "decode_times"):
+            del d[k]
         per = lambda x, t: x / t if t > 0 else 0.0  # noqa: E731
-        d.update(
+        ttft = percentiles(self.ttfts_s)
+        return d | dict(
             requests_per_s=per(self.requests, self.wall_s),
             requests_per_cpu_s=per(self.requests, self.cpu_s),
             output_tokens_per_s=per(self.output_tokens, self.wall_s),
             cache_hit_rate=per(self.cached_tokens, self.prompt_tokens),
             tree_fraction=per(self.tree_seconds, self.wall_s),
-            ttft_p50_s=percentiles(self.ttfts_s)["p50"],
-            ttft_p99_s=percentiles(self.ttfts_s)["p99"],
+            ttft_p50_s=ttft["p50"],
+            ttft_p90_s=ttft["p90"],
+            ttft_p99_s=ttft["p99"],
             tpot_p50_s=percentiles(self.tpots_s)["p50"],
-            service_ttft_p50_s=percentiles(self.service_ttfts_s)["p50"],
         )
-        return d
 
 
 def policy_supported(policy: str) -> str | None:
@@ -118,18 +113,21 @@ def leak_check(eng: Engine) -> tuple[bool, str]:
 
 
 class MMServeRunner:
-    """Runs workloads on fresh engines sharing one loaded model.
-
-    Args:
-        model: the loaded checkpoint (read-only weights shared by every engine).
-        model_path: its directory.
-        engine_kwargs: ``EngineConfig`` fields for every engine (device, dtype, ...).
-    """
+    """Runs workloads on fresh engines sharing one loaded model (``model``, read-only, from
+    ``model_path``); ``engine_kwargs``: ``EngineConfig`` fields of every engine."""
 
     def __init__(self, model: LoadedModel, model_path: str, **engine_kwargs: Any) -> None:
         self.model, self.model_path, self.engine_kwargs = model, model_path, engine_kwargs
         self.decoded: dict[bytes, ImageInput] = {}  # decoded, hashed images by encoded bytes
         self.last_engine: Engine | None = None  # the engine of the latest run (its stats)
+
+    @classmethod
+    def load(cls, path: str, **engine_kwargs: Any) -> MMServeRunner:
+        """A runner on the checkpoint at ``path``, loaded in fp32 (or ``dtype``)."""
+        dtype = engine_kwargs.get("dtype")
+        return cls(
+            load_model(path, dtype=getattr(torch, dtype or "float32")), path, **engine_kwargs
+        )
 
     def engine(self, **kw: Any) -> Engine:
         """A fresh engine (empty pool, tree and embedding cache)."""
@@ -144,16 +142,15 @@ class MMServeRunner:
         params = params or SamplingParams(
             max_tokens=wl.max_tokens, temperature=0.0, ignore_eos=True
         )
-        out = []
+        prepare, out = eng.processor.prepare_image, []
         for p in wl.prompts:
             imgs = []
-            for n in p.images:
-                data = wl.images[n]
+            for data in (wl.images[n] for n in p.images):
                 if not cached:
-                    imgs.append(eng.processor.prepare_image(data))
+                    imgs.append(prepare(data))
                     continue
                 if data not in self.decoded:
-                    self.decoded[data] = eng.processor.prepare_image(data)
+                    self.decoded[data] = prepare(data)
                 imgs.append(self.decoded[data])
             out.append(eng.processor.make_request(messages=p.messages, images=imgs, params=params))
         return out
@@ -163,13 +160,16 @@ class MMServeRunner:
         eng = self.engine(**CACHE_OFF)
         return [r.input_ids for r in self.requests(eng, wl, SamplingParams(max_tokens=1))]
 
+    def optimum(self, wl: Workload) -> float:
+        """The offline-optimal hit rate of ``wl``'s prompts."""
+        return optimal_hit_rate(self.prompt_ids(wl))["optimal_hit_rate"]
+
     def run(
         self,
         wl: Workload,
         label: str,
         *,
         radix_cache: bool = True,
-        policy: str = "lpm",
         closed_loop: bool | None = None,
         arrivals: list[float] | None = None,
         check_leaks: bool = True,
@@ -182,16 +182,10 @@ class MMServeRunner:
                 False: lock-step rounds.
             arrivals: submit request ``i`` at ``arrivals[i]`` seconds, doing the front-end
                 work then (overrides ``closed_loop``).
-            engine_kw: more ``EngineConfig`` fields (``max_total_tokens``, tiers, ...).
-
-        Raises:
-            ValueError: ``closed_loop`` for a workload without sessions.
+            engine_kw: more ``EngineConfig`` fields (``policy``, ``max_total_tokens``, ...).
         """
-        if closed_loop and not wl.sessions:
-            raise ValueError(f"workload {wl.name!r} has no sessions to drive closed-loop")
         closed_loop = bool(wl.sessions) if closed_loop is None else closed_loop
-        kw = {"policy": policy, **({} if radix_cache else CACHE_OFF), **engine_kw}
-        eng = self.engine(**kw)
+        eng = self.engine(**({} if radix_cache else CACHE_OFF), **engine_kw)
         n = wl.num_requests
         if arrivals is not None:
             build = lambda i: self.requests(eng, one_request(wl, i), cached=False)[0]  # noqa: E731
@@ -219,8 +213,6 @@ class MMServeRunner:
             prompt_tokens=sum(r.prompt_tokens for r in res),
             cached_tokens=sum(r.cached_tokens for r in res),
             vision_tower_runs=int(stats["vision_tower_images"]),
-            policy=policy if radix_cache else None,
-            radix_cache=radix_cache,
             pool_tokens=eng.pool.size_tokens,
             image_prefills=sum(r.images_needing_vision for r in res),
             ttfts_s=[r.ttft for r in res],
@@ -234,8 +226,7 @@ class MMServeRunner:
             all_finished=len(res) == n and all(r.finish_reason == "length" for r in res),
             retractions=int(stats.get("retractions", 0)),
             steps=steps,
-            decode_steps_s=[w for w, _ in times],
-            decode_steps_cpu_s=[c for _, c in times],
+            decode_times=times,
         )
         if closed_loop and arrivals is None:
             run.notes.append(
@@ -255,21 +246,16 @@ def one_request(wl: Workload, i: int) -> Workload:
 
 
 def _drive(
-    eng: Engine,
-    build: Any,
-    groups: list[Any],
-    nxt: dict[int, int],
-    at: list[float] | None = None,
-) -> tuple[dict[int, GenerateResult], float, float, dict[str, float]]:
-    """Step ``eng`` over request groups, one group at a time (a lock-step round).
-
-    Within a group, request ``build(i)`` is submitted at once (or at ``at[i]`` seconds
-    after the start) and ``nxt[i]`` as soon as ``i`` finishes (before the next step).
+    eng: Engine, build: Any, groups: list[Any], nxt: dict[int, int], at: list[float] | None = None
+) -> tuple[dict[int, GenerateResult], float, float, dict[str, float], list]:
+    """Step ``eng`` over request groups, one group at a time (a lock-step round). Within a
+    group, request ``build(i)`` is submitted at once (or at ``at[i]`` seconds after the
+    start) and ``nxt[i]`` as soon as ``i`` finishes (before the next step).
 
     Returns:
         ``(results by index, wall s, CPU s, steps, decode step times)``; ``steps`` counts
-        prefill and decode steps, their seconds, and decode rows (mean batch = rows /
-        steps); the times are ``(wall, CPU)`` seconds per decode step.
+        prefill and decode steps, their seconds, and decode rows (mean batch = rows / steps);
+        the times are ``(wall, CPU)`` seconds per decode step.
     """
     results: dict[int, GenerateResult] = {}
     steps = dict(prefill=0, prefill_s=0.0, decode=0, decode_s=0.0, decode_rows=0)
@@ -323,18 +309,11 @@ class _Stamps:
 
 
 class TransformersRunner:
-    """transformers' ``generate`` (the class the checkpoint names) one request at a time.
+    """transformers' ``generate`` (the class the checkpoint names) one request at a time, in
+    ``dtype`` (mmserve's, so both run the same arithmetic), with mmserve's
+    ``never_sample_ids`` as ``suppress_tokens``."""
 
-    Args:
-        model_path: checkpoint directory.
-        never_sample_ids: ids mmserve never samples, passed as ``suppress_tokens``.
-        dtype: parameter dtype (mmserve's model's, so both run the same arithmetic;
-            transformers 5 would load a real-shape checkpoint's bf16).
-    """
-
-    def __init__(
-        self, model_path: str, never_sample_ids: list[int], dtype: torch.dtype = torch.float32
-    ) -> None:
+    def __init__(self, model_path: str, never_sample_ids: list[int], dtype: torch.dtype) -> None:
         from transformers import AutoModelForImageTextToText
 
         from mmserve.model.loader import load_processor
@@ -370,20 +349,17 @@ class TransformersRunner:
     def run(
         self, wl: Workload, render: Any, images: dict[str, Any], lens: list[int], most: Any = None
     ) -> Run:
-        """Run ``wl`` (or ``most`` evenly spaced requests of it).
-
-        Args:
-            render: ``messages -> prompt text`` (mmserve's template: both see one string).
-            images: decoded PIL images by name.
-            lens: mmserve's prompt length of each request (tokens).
-        """
+        """Run ``wl`` (or ``most`` evenly spaced requests of it, wall time extrapolated);
+        ``render``: messages -> prompt text (mmserve's template), ``images``: PIL images by
+        name, ``lens``: mmserve's prompt length of each request."""
         n = wl.num_requests
         chosen = spread(n, most)
         out, lat, cpu, service = {}, {}, {}, {}
         for i in chosen:
             p = wl.prompts[i]
-            text = render(p.messages)
-            out[i], t = self.generate(text, [images[m] for m in p.images], wl.max_tokens)
+            out[i], t = self.generate(
+                render(p.messages), [images[m] for m in p.images], wl.max_tokens
+            )
             end = (time.perf_counter(), time.process_time())
             lat[i], cpu[i], service[i] = end[0] - t[0][0], end[1] - t[0][1], t[1][0] - t[0][0]
         mean = sum(lat.values()) / len(lat)
@@ -406,7 +382,6 @@ class TransformersRunner:
             cached_tokens=0,
             vision_tower_runs=sum(len(p.images) for p in wl.prompts),
             ttfts_s=ttfts,
-            service_ttfts_s=[service[i] for i in chosen],
             outputs=out,
         )
         if len(chosen) < n:
@@ -426,10 +401,8 @@ def spread(n: int, k: int | None) -> list[int]:
 
 def cache_on_off(path: str, wl: Workload, **engine_kw: Any) -> dict[str, Any]:
     """``wl`` on one loaded model with the caches on, then off (after an untimed warm-up),
-    as the GPU check runs it; prints the side-by-side table.
-
-    Args:
-        engine_kw: ``EngineConfig`` fields (``device``, ``dtype``, ``attention_backend``).
+    as the GPU check runs it; prints the side-by-side table. ``engine_kw``: ``EngineConfig``
+    fields (``device``, ``dtype``, ``attention_backend``).
 
     Returns:
         ``{"config", "on", "off", "ratio"}``: the two runs' summaries and on / off per figure.
@@ -446,16 +419,8 @@ def cache_on_off(path: str, wl: Workload, **engine_kw: Any) -> dict[str, Any]:
         cfg.attention_backend, cfg.device, model.decoder.embed_tokens.weight.dtype
     )
     config = {"model": path, **wl.params, "attention_backend": backend, **engine_kw}
-    print(f"{wl.name}: {wl.description}; {config}")
-    keys = (
-        "requests_per_s",
-        "output_tokens_per_s",
-        "ttft_p50_s",
-        "cache_hit_rate",
-        "vision_tower_runs",
-        "image_prefills",
-        "wall_s",
-    )
-    print(ratio_table(keys, on, off))
     ratio = {k: on[k] / off[k] if isinstance(on[k], float | int) and off[k] else None for k in on}
+    keys = "requests_per_s output_tokens_per_s ttft_p50_s cache_hit_rate vision_tower_runs"
+    rows = [(k, on[k], off[k], ratio[k]) for k in (keys + " image_prefills wall_s").split()]
+    print(f"{wl.name}: {wl.description}; {config}\n" + md_table("|cache on|cache off|on/off", rows))
     return {"config": config, "on": on, "off": off, "ratio": ratio}

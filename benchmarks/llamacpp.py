@@ -182,7 +182,7 @@ def agreement(
     mm_url: str, ll_url: str, engine: Any, never: list[int], max_tokens: int = 16
 ) -> dict:
     """Compare greedy answers of mmserve (``mm_url``; token ids from ``engine``, in-process
-    on the same checkpoint) and llama.cpp (``ll_url``).
+    on the same checkpoint) and llama.cpp (``ll_url``), giving each difference a reason.
 
     Returns:
         ``items`` (per chat: label, prompt tokens of both, ``agree``, ``reason``), counts
@@ -190,47 +190,32 @@ def agreement(
         ``engine_equals_http`` and ``passed`` (>= :data:`MIN_TEXT_AGREE` text chats equal,
         nothing unexplained).
     """
+    from PIL import Image
+
     from mmserve.engine.request import SamplingParams
 
     bias = [[i, False] for i in never]
-    gen = {
-        "n_predict": max_tokens,
-        "temperature": 0.0,
-        "logit_bias": bias,
-        "cache_prompt": False,
-        "return_tokens": True,
-    }
-    tok = engine.model.tokenizer
+    gen = {"n_predict": max_tokens, "temperature": 0.0, "logit_bias": bias}
+    gen.update(cache_prompt=False, return_tokens=True)
+    completion = lambda prompt: post_json(f"{ll_url}/completion", {"prompt": prompt, **gen})  # noqa: E731
     items = []
-    chats = [(None, None, m) for m in text_chats()] + image_chats()
-    for label, data, msgs in chats:
-        imgs = [data] if data else []
-        req = engine.processor.make_request(
-            messages=msgs,
-            images=[engine.processor.prepare_image(b) for b in imgs],
-            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2),
-        )
+    for label, data, msgs in [(None, None, m) for m in text_chats()] + image_chats():
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2)
+        imgs = [engine.processor.prepare_image(data)] if data else []
+        req = engine.processor.make_request(messages=msgs, images=imgs, params=params)
         mine = engine.generate([req])[0]
-        oai = workloads.openai_messages(
-            Prompt(msgs, [label] if data else []), {label: workloads.data_url(data)} if data else {}
-        )
+        urls = {label: workloads.data_url(data)} if data else {}
+        oai = workloads.openai_messages(Prompt(msgs, [label] if data else []), urls)
         body = {"messages": oai, "max_tokens": max_tokens, "temperature": 0.0}
         http = post_json(f"{mm_url}/v1/chat/completions", body)
         if data:  # llama.cpp flattens parts and drops the template's "\n" after <image>
             oai[-1]["content"][1] = {"type": "text", "text": "\n" + oai[-1]["content"][1]["text"]}
         rendered = post_json(f"{ll_url}/apply-template", {"messages": oai})["prompt"]
-        prompt: Any = rendered
-        if data:
-            prompt = {
-                "prompt_string": rendered,
-                "multimodal_data": [base64.b64encode(data).decode()],
-            }
-        theirs = post_json(f"{ll_url}/completion", {"prompt": prompt, **gen}).get("tokens") or []
-        ll_chat = post_json(
-            f"{ll_url}/v1/chat/completions",
-            {**body, "messages": oai, "logit_bias": bias, "cache_prompt": False},
-        )
-        a, b = list(mine.output_ids), list(theirs)
+        b64 = [base64.b64encode(data).decode()] if data else []
+        prompt = {"prompt_string": rendered, "multimodal_data": b64} if data else rendered
+        a, b = list(mine.output_ids), completion(prompt).get("tokens") or []
+        ll_body = {**body, "messages": oai, "logit_bias": bias, "cache_prompt": False}
+        ll_chat = post_json(f"{ll_url}/v1/chat/completions", ll_body)
         item = {
             "chat": label or f"text, {len(msgs)} messages: {msgs[-1]['content'][:40]!r}",
             "kind": "image" if data else "text",
@@ -240,64 +225,49 @@ def agreement(
             "agree": a == b,
         }
         item["engine_equals_http"] = mine.text == item["mmserve"]
-        if not item["agree"]:
-            k = _first_diff(a, b)
-            top = (mine.logprobs or [])[k].top if k < len(mine.logprobs or []) else []
-            gap = top[0][1] - top[1][1] if len(top) > 1 else None
-            item.update(token_index=k, top2_gap=gap)
-            ours = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            reasons = []
-            if data:
-                if item["prompt_tokens"][0] != item["prompt_tokens"][1]:
-                    reasons.append(
-                        "tokenizer (llama.cpp tokenizes the text after the image "
-                        "as its own chunk, with a leading '▁')"
-                    )
-                from PIL import Image
-
-                with Image.open(io.BytesIO(data)) as im:
-                    if im.width != im.height:
-                        reasons.append(
-                            "preprocessing (llama.cpp pads to a square; "
-                            "transformers crops the centre)"
-                        )
-            elif rendered != ours:
-                reasons.append("template")
-            else:
-                ids = post_json(
-                    f"{ll_url}/tokenize",
-                    {"content": ours, "add_special": True, "parse_special": True},
-                )["tokens"]
-                if list(ids) != list(req.input_ids):
-                    j = _first_diff(list(ids), list(req.input_ids))
-                    same = (
-                        post_json(
-                            f"{ll_url}/completion", {"prompt": list(req.input_ids), **gen}
-                        ).get("tokens")
-                        == a
-                    )
-                    reasons.append(
-                        f"tokenizer: prompt ids differ from position {j} (llama.cpp puts '▁' "
-                        "after a special token); given mmserve's ids llama.cpp's answer "
-                        + ("equals mmserve's" if same else "still differs")
-                    )
-            if not reasons and (data or (gap is not None and gap < NEAR_TIE)):
-                reasons.append(
-                    f"float order (token {k}: top-2 gap {gap}; for images ggml's "
-                    "patch convolution also takes f16 input)"
-                )
-            item["reason"] = "; ".join(reasons) or f"unexplained (token {k}, top-2 gap {gap})"
         items.append(item)
+        if item["agree"]:
+            continue
+        k = _first_diff(a, b)
+        top = (mine.logprobs or [])[k].top if k < len(mine.logprobs or []) else []
+        gap = top[0][1] - top[1][1] if len(top) > 1 else None
+        item.update(token_index=k, top2_gap=gap)
+        ours = engine.model.tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=True
+        )
+        reasons = []
+        if data and item["prompt_tokens"][0] != item["prompt_tokens"][1]:
+            reasons.append(
+                "tokenizer (llama.cpp tokenizes the text after the image as its own chunk, "
+                "with a leading '▁')"
+            )
+        if data and (im := Image.open(io.BytesIO(data))).width != im.height:
+            reasons.append(
+                "preprocessing (llama.cpp pads to a square; transformers crops the centre)"
+            )
+        if not data and rendered != ours:
+            reasons.append("template")
+        elif not data:
+            tok = {"content": ours, "add_special": True, "parse_special": True}
+            ids, want = list(post_json(f"{ll_url}/tokenize", tok)["tokens"]), list(req.input_ids)
+            if ids != want:
+                same = completion(want).get("tokens") == a
+                reasons.append(
+                    f"tokenizer: prompt ids differ from position {_first_diff(ids, want)} "
+                    "(llama.cpp puts '▁' after a special token); given mmserve's ids "
+                    f"llama.cpp's answer {'equals' if same else 'still differs from'} mmserve's"
+                )
+        if not reasons and (data or (gap is not None and gap < NEAR_TIE)):
+            reasons.append(
+                f"float order (token {k}: top-2 gap {gap}; for images ggml's patch "
+                "convolution also takes f16 input)"
+            )
+        item["reason"] = "; ".join(reasons) or f"unexplained (token {k}, top-2 gap {gap})"
     text = [i for i in items if i["kind"] == "text"]
-    out = {
-        "items": items,
-        "max_tokens": max_tokens,
-        "text_agree": sum(i["agree"] for i in text),
-        "text_total": len(text),
-        "image_agree": sum(i["agree"] for i in items if i["kind"] == "image"),
-        "image_total": len(items) - len(text),
-        "unexplained": sum("unexplained" in i.get("reason", "") for i in items),
-        "engine_equals_http": all(i["engine_equals_http"] for i in items),
-    }
+    out = {"items": items, "max_tokens": max_tokens, "text_total": len(text)}
+    out.update(text_agree=sum(i["agree"] for i in text), image_total=len(items) - len(text))
+    out["image_agree"] = sum(i["agree"] for i in items if i["kind"] == "image")
+    out["unexplained"] = sum("unexplained" in i.get("reason", "") for i in items)
+    out["engine_equals_http"] = all(i["engine_equals_http"] for i in items)
     out["passed"] = out["text_agree"] >= MIN_TEXT_AGREE and not out["unexplained"]
     return out

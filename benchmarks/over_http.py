@@ -1,10 +1,10 @@
-"""The HTTP runner: a load generator for OpenAI-compatible servers, batch jobs, and
-server processes.
+"""The HTTP runner: a load generator for OpenAI-compatible servers, batch jobs, and server
+processes.
 
 Every chat request streams (``stream_options.include_usage``: token counts are checked
 against N), greedy, ``max_tokens`` N with ``ignore_eos``; bodies are serialised before a
-run. Open loop (seeded Poisson arrivals or a burst) or closed loop (a session's next
-turn queued when its previous answer arrives). :func:`summarize` reports what SGLang's
+run. Open loop (seeded Poisson arrivals or a burst) or closed loop (a session's next turn
+queued when its previous answer arrives). :func:`summarize` reports what SGLang's
 ``bench_serving`` and ``vllm bench serve`` do. Our own rather than ``guidellm``, whose
 wheel pulls ``datasets`` (pyarrow, pandas), sanic, uvloop and a dozen more.
 """
@@ -21,11 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,11 +38,12 @@ MMSERVE_SYSTEMS: dict[str, list[str]] = {
     "mmserve": [],
     "mmserve-off": ["--disable-radix-cache", "--vision-cache-bytes", "0"],
 }
+TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
 def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
-    """Send offsets (s) of ``n`` requests: all 0 for ``rate`` inf, else a Poisson process
-    at ``rate`` req/s (seeded exponential gaps, the first at 0).
+    """Send offsets (s) of ``n`` requests: all 0 for ``rate`` inf, else a Poisson process at
+    ``rate`` req/s (seeded exponential gaps, the first at 0).
 
     Raises:
         ValueError: ``rate`` <= 0.
@@ -59,33 +58,18 @@ def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def request_bodies(
-    wl: Workload,
-    model: str | None,
-    extra: dict | None = None,
-    urls: dict | None = None,
-    stream: bool = True,
+    wl: Workload, model: str | None, extra: dict | None = None, urls: dict | None = None
 ) -> list[bytes]:
-    """Serialised chat bodies of every request of ``wl``.
-
-    Args:
-        model: the ``model`` field (None: left out).
-        extra: more fields for every body (e.g. llama.cpp's ``cache_prompt``).
-        urls: image URL by name (default: data URLs of the bytes; or uploaded ids).
-    """
+    """Serialised streaming chat bodies of every request of ``wl``; ``model`` None is left
+    out, ``extra`` joins every body, ``urls`` are the images' URLs by name (default: data
+    URLs of the bytes)."""
     urls = urls or {n: data_url(b) for n, b in wl.images.items()}
-    out = []
-    for p in wl.prompts:
-        body = {
-            "messages": openai_messages(p, urls),
-            "max_tokens": wl.max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
-            **({"model": model} if model else {}),
-            **(extra or {}),
-        }
-        out.append(json.dumps(body).encode())
-    return out
+    base = {"max_tokens": wl.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    base.update(stream_options={"include_usage": True}, **({"model": model} if model else {}))
+    return [
+        json.dumps({"messages": openai_messages(p, urls), **base, **(extra or {})}).encode()
+        for p in wl.prompts
+    ]
 
 
 @dataclass
@@ -152,9 +136,8 @@ async def send(
                 if usage := chunk.get("usage"):
                     res.prompt_tokens = usage.get("prompt_tokens")
                     res.completion_tokens = usage.get("completion_tokens")
-                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens"
-                    )
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens")
                 timings = chunk.get("timings") or {}  # llama.cpp
                 if res.cached_tokens is None and "cache_n" in timings:
                     res.cached_tokens = timings["cache_n"]
@@ -166,93 +149,66 @@ async def send(
         res.error, res.latency = f"{type(e).__name__}: {e}"[:300], time.perf_counter() - sent
 
 
-def _client(timeout: float) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits)
-
-
 def run_load(
-    base_url: str, bodies: Sequence[bytes], arrivals: Sequence[float], timeout: float = 600.0
+    base_url: str,
+    bodies: Sequence[bytes],
+    arrivals: Sequence[float] = (),
+    sessions: list[list[int]] | None = None,
+    clients: int = 1,
+    timeout: float = 600.0,
 ) -> tuple[list[RequestResult], float]:
-    """Open loop: ``bodies[i]`` sent ``arrivals[i]`` s after the start; waits for every answer.
+    """Send ``bodies`` to the chat endpoint and wait for every answer. Open loop:
+    ``bodies[i]`` at ``arrivals[i]`` s after the start. Closed loop (``sessions``: chains of
+    body indices): ``clients`` clients take requests from one queue holding each chain's
+    first; when one is answered its chain's next joins the end of the queue.
 
     Returns:
         ``(results in body order, wall seconds from the start to the last answer)``.
     """
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    nxt = {a: b for s in sessions or [] for a, b in zip(s, s[1:], strict=False)}
 
     async def go() -> tuple[list[RequestResult], float]:
-        url = base_url.rstrip("/") + "/v1/chat/completions"
-        results = [RequestResult(i, float(a)) for i, a in enumerate(arrivals)]
-        async with _client(timeout) as client:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as http:
             t0 = time.perf_counter()
-            await asyncio.gather(
-                *(send(client, url, b, r, t0) for b, r in zip(bodies, results, strict=True))
-            )
-            return results, time.perf_counter() - t0
+            if sessions is None:
+                results = {i: RequestResult(i, float(a)) for i, a in enumerate(arrivals)}
+                await asyncio.gather(
+                    *(send(http, url, bodies[i], r, t0) for i, r in results.items())
+                )
+            else:
+                queue: asyncio.Queue[int] = asyncio.Queue()
+                for s in sessions:
+                    queue.put_nowait(s[0])
+                results = {}
 
-    return asyncio.run(go())
+                async def client() -> None:
+                    while len(results) < len(bodies):
+                        try:
+                            i = await asyncio.wait_for(queue.get(), 0.05)
+                        except asyncio.TimeoutError:
+                            continue  # another client's answer may still queue a next turn
+                        results[i] = RequestResult(i, time.perf_counter() - t0)
+                        await send(http, url, bodies[i], results[i], t0)
+                        if i in nxt:
+                            queue.put_nowait(nxt[i])
 
-
-def run_sessions(
-    base_url: str,
-    bodies: Sequence[bytes],
-    sessions: list[list[int]],
-    clients: int,
-    timeout: float = 300.0,
-) -> tuple[list[RequestResult], float]:
-    """Closed loop: ``clients`` clients take session chains' requests in order from one
-    queue (each chain's first request, in chain order); when request ``i`` is answered,
-    its chain's next request joins the end of the queue.
-
-    Returns:
-        ``(results by body index, wall seconds)``.
-    """
-    nxt = {a: b for s in sessions for a, b in zip(s, s[1:], strict=False)}
-
-    async def go() -> tuple[list[RequestResult], float]:
-        url = base_url.rstrip("/") + "/v1/chat/completions"
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for s in sessions:
-            queue.put_nowait(s[0])
-        results: dict[int, RequestResult] = {}
-
-        async def client(http: httpx.AsyncClient, t0: float) -> None:
-            while len(results) < len(bodies):
-                try:
-                    i = await asyncio.wait_for(queue.get(), 0.05)
-                except asyncio.TimeoutError:
-                    continue  # another client's answer may still queue a next turn
-                results[i] = RequestResult(i, time.perf_counter() - t0)
-                await send(http, url, bodies[i], results[i], t0)
-                if i in nxt:
-                    queue.put_nowait(nxt[i])
-
-        async with _client(timeout) as http:
-            t0 = time.perf_counter()
-            await asyncio.gather(*(client(http, t0) for _ in range(clients)))
+                await asyncio.gather(*(client() for _ in range(clients)))
             return [results[i] for i in sorted(results)], time.perf_counter() - t0
 
     return asyncio.run(go())
 
 
-@dataclass
-class SLO:
-    """Goodput's objective: a request is good when TTFT <= ``ttft_s`` and TPOT <= ``tpot_s``."""
-
-    ttft_s: float
-    tpot_s: float
-
-    def met(self, r: RequestResult) -> bool:
-        """``r`` succeeded within both bounds (TPOT holds for one-token answers)."""
-        ok = r.ok and r.ttft is not None and r.ttft <= self.ttft_s
-        return ok and (r.tpot is None or r.tpot <= self.tpot_s)
-
-
 def summarize(
-    results: Sequence[RequestResult], expected_tokens: int, slo: SLO, wall: float | None = None
+    results: Sequence[RequestResult],
+    expected_tokens: int,
+    slo: tuple[float, float] = (math.inf, math.inf),
+    wall: float | None = None,
 ) -> dict[str, Any]:
-    """Figures of one run; ``token_counts_ok``: every request succeeded with exactly
-    ``expected_tokens`` completion tokens."""
+    """Figures of one run. Throughputs are over the span from the first send to the last
+    answer; goodput counts requests within ``slo`` = (TTFT s, TPOT s); ``token_counts_ok``:
+    every request succeeded with exactly ``expected_tokens`` completion tokens."""
     ok = [r for r in results if r.ok]
     span = max((r.sent + (r.latency or 0.0) for r in results), default=0.0) - min(
         (r.sent for r in results), default=0.0
@@ -263,7 +219,9 @@ def summarize(
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
     wrong = [r.index for r in ok if r.completion_tokens != expected_tokens]
-    good = sum(slo.met(r) for r in results)
+    good = sum(
+        r.ttft is not None and r.ttft <= slo[0] and (r.tpot is None or r.tpot <= slo[1]) for r in ok
+    )
     return {
         "requests": len(results),
         "completed": len(ok),
@@ -284,28 +242,26 @@ def summarize(
         "tpot_s": percentiles([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": percentiles(itl),
         "e2e_s": percentiles([r.latency for r in ok if r.latency is not None]),
-        "slo": asdict(slo),
+        "slo": {"ttft_s": slo[0], "tpot_s": slo[1]},
         "good_requests": good,
         "goodput": per(good),
         "client_lateness_max_s": max((r.sent - r.scheduled for r in results), default=None),
     }
 
 
-TERMINAL = ("completed", "failed", "cancelled", "expired")
-
-
-def create_batch(url: str, bodies: Sequence[bytes]) -> str:
-    """Upload ``bodies`` as a JSONL batch input and create a chat-completions batch; its id."""
-    lines = [
-        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
-        for i, b in enumerate(json.loads(b) for b in bodies)
-    ]
+def create_batch(url: str, wl: Workload) -> str:
+    """Upload ``wl``'s requests (non-streaming) as a JSONL batch input and create a
+    chat-completions batch; its id."""
+    lines = []
+    for i, b in enumerate(json.loads(b) for b in request_bodies(wl, None)):
+        del b["stream"], b["stream_options"]
+        lines.append({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions"})
+        lines[-1]["body"] = b
     data = "\n".join(json.dumps(x) for x in lines).encode()
     files = {"file": ("in.jsonl", data)}
     r = httpx.post(f"{url}/v1/files", data={"purpose": "batch"}, files=files, timeout=300)
-    r.raise_for_status()
-    body = {"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions"}
-    return post_json(f"{url}/v1/batches", {**body, "completion_window": "24h"})["id"]
+    body = {"input_file_id": r.raise_for_status().json()["id"], "completion_window": "24h"}
+    return post_json(f"{url}/v1/batches", {**body, "endpoint": "/v1/chat/completions"})["id"]
 
 
 def wait_batch(url: str, batch_id: str, timeout: float = 900) -> dict:
@@ -336,19 +292,15 @@ def free_port() -> int:
 
 def get_json(url: str, timeout: float = 60) -> Any:
     """GET ``url``, parsed."""
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+    return httpx.get(url, timeout=timeout).json()
 
 
-def post(url: str, body: Any = None, timeout: float = 300) -> tuple[int, bytes]:
-    """POST ``body`` (JSON; raw bytes as given; None: empty) and return ``(status, body)``."""
+def post(url: str, body: Any = None, timeout: float = 300) -> httpx.Response:
+    """POST ``body`` (JSON; bytes as given; None: empty)."""
     data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    return httpx.post(
+        url, content=data, headers={"Content-Type": "application/json"}, timeout=timeout
+    )
 
 
 def post_json(url: str, body: Any, timeout: float = 300) -> Any:
@@ -357,17 +309,17 @@ def post_json(url: str, body: Any, timeout: float = 300) -> Any:
     Raises:
         RuntimeError: a status other than 200.
     """
-    status, data = post(url, body, timeout)
-    if status != 200:
-        raise RuntimeError(f"{url}: {status} {data[:300]!r}")
-    return json.loads(data)
+    r = post(url, body, timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: {r.status_code} {r.content[:300]!r}")
+    return r.json()
 
 
 def served_model(url: str) -> str | None:
     """The first id of ``GET /v1/models``, None if the server does not say."""
     try:
         return (get_json(f"{url}/v1/models", 10).get("data") or [{}])[0].get("id")
-    except (OSError, ValueError):
+    except (httpx.HTTPError, ValueError):
         return None
 
 
@@ -378,11 +330,10 @@ def flush(url: str) -> None:
         RuntimeError: still refused after 10 s.
     """
     for _ in range(40):
-        status, body = post(f"{url}/v1/cache/flush")
-        if status == 200:
+        if (r := post(f"{url}/v1/cache/flush")).status_code == 200:
             return
         time.sleep(0.25)
-    raise RuntimeError(f"cache flush refused: {status} {body[:200]!r}")
+    raise RuntimeError(f"cache flush refused: {r.status_code} {r.content[:200]!r}")
 
 
 def cpu_seconds(pid: int | None) -> float | None:
@@ -402,30 +353,26 @@ def server(
     timeout: float = 180,
     cwd: Path = ROOT,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run ``cmd`` plus ``--port`` on a free port; yield ``(url, process)`` once
-    ``/health`` answers 200; SIGTERM (SIGKILL after 20 s) on exit.
+    """Run ``cmd`` plus ``--port`` on a free port; yield ``(url, process)`` once ``/health``
+    answers 200; SIGTERM (SIGKILL after 20 s) on exit.
 
     Raises:
         RuntimeError: the process exited or was not healthy in ``timeout`` s (with its log).
     """
     port = free_port()
     log: IO[bytes] = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
+    env = {**os.environ, **env}
     proc = subprocess.Popen(
-        [*cmd, "--port", str(port)],
-        env={**os.environ, **env},
-        cwd=cwd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        [*cmd, "--port", str(port)], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
     )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout
         while True:
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.time() > deadline:
                 log.flush()
@@ -453,7 +400,6 @@ def mmserve_server(
     launcher: Sequence[str] = ("-m", "api.cli"),
     env: dict | None = None,
     repo: Path = ROOT,
-    timeout: float = 180,
 ) -> Any:
     """:func:`server` of ``mmserve serve`` (from checkout ``repo``) on ``model`` (None: the
     bundled one) with ``threads`` OpenMP threads."""
@@ -462,4 +408,4 @@ def mmserve_server(
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
     if repo != ROOT:
         env["PYTHONPATH"] = str(repo)
-    return server([*cmd, *flags], env, log_path, timeout, cwd=repo)
+    return server([*cmd, *flags], env, log_path, timeout=300, cwd=repo)

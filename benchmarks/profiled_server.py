@@ -43,33 +43,6 @@ def category(filename: str, func: str) -> str:
     return next((n for n, needles in CATEGORIES if any(x in text for x in needles)), "other")
 
 
-#: Engine-thread functions whose cumulative time is "model forward" and "sampling"
-#: (file suffix, function names); the rest of ``Engine.step`` is the engine's overhead.
-FORWARD = ("engine/model_runner.py", ("prefill", "decode"))
-SAMPLING = (
-    "engine/sampling.py",
-    ("sample_batch", "batch_logprobs", "sample_token", "token_logprob"),
-)
-
-
-def engine_step_share(st: dict) -> dict[str, float] | None:
-    """Where the engine thread's steps go, from its pstats dict: ``step_s`` (cumulative
-    seconds in ``Engine.step``), ``forward_s`` (``ModelRunner.prefill``/``decode``:
-    embedding, vision tower, decoder, logits), ``sampling_s`` and ``outside_share``, the
-    share of step time in neither (scheduling, grammar, page tables, deltas); None if
-    the thread never stepped."""
-
-    def cum(suffix: str, names: tuple[str, ...]) -> float:
-        return sum(v[3] for k, v in st.items() if k[0].endswith(suffix) and k[2] in names)
-
-    step = cum("engine/engine.py", ("step",))
-    if step <= 0:
-        return None
-    forward, sampling = cum(*FORWARD), cum(*SAMPLING)
-    outside = max(0.0, 1.0 - (forward + sampling) / step)
-    return {"step_s": step, "forward_s": forward, "sampling_s": sampling, "outside_share": outside}
-
-
 def breakdown(profile_path: Path) -> dict[str, Any]:
     """Busy self time per thread, and of the non-engine threads by category (a C
     function's time, file ``~``, goes to its callers' categories in proportion)."""
@@ -89,11 +62,7 @@ def breakdown(profile_path: Path) -> dict[str, Any]:
                 cats[category(caller[0], caller[2])] += tt * c[2] / total
     ranked = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
     work = [k for k in ranked if not k.startswith("engine") and k != "other"]
-    engine = next(
-        (engine_step_share(st) for n, st in stats.items() if n.startswith("mmserve-engine")), None
-    )
     return {
-        "engine_thread": engine,
         "threads_s": dict(sorted(threads.items(), key=lambda kv: -kv[1])),
         "categories_s": ranked,
         "largest": work[0] if work else None,

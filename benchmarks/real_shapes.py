@@ -35,18 +35,15 @@ def photo() -> bytes:
 
 def _gaps(stamps: list[tuple[float, float]], first: int = 1) -> tuple[list, list]:
     """Wall and CPU seconds between consecutive stamps from index ``first`` on."""
-    t = stamps[first:]
-    return [b[0] - a[0] for a, b in zip(t, t[1:], strict=False)], [
-        b[1] - a[1] for a, b in zip(t, t[1:], strict=False)
-    ]
+    pairs = list(zip(stamps[first:], stamps[first + 1 :], strict=False))
+    return [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
 
 
 class Sides:
     """transformers and mmserve on one checkpoint in one dtype, asked about :func:`photo`."""
 
     def __init__(self, model_dir: str, dtype: str) -> None:
-        loaded = load_model(model_dir, dtype=getattr(torch, dtype))
-        self.mm = MMServeRunner(loaded, model_dir, dtype=dtype, max_total_tokens=32768)
+        self.mm = MMServeRunner.load(model_dir, dtype=dtype, max_total_tokens=32768)
         self.hf = TransformersRunner(model_dir, [], getattr(torch, dtype))
         self.image = Image.open(io.BytesIO(photo())).convert("RGB")
         self.render = self.mm.engine().processor.prompts.render_chat
@@ -78,7 +75,7 @@ class Sides:
         """Decode steps (wall, CPU) of ``qs`` at once, once all have their first token, and
         tokens they made."""
         r = self.mm.run(self.questions(qs, n), "decode", check_leaks=False)
-        return r.decode_steps_s, r.decode_steps_cpu_s, r.output_tokens - len(qs)
+        return (*map(list, zip(*r.decode_times, strict=True)), r.output_tokens - len(qs))
 
     def hf_decode(self, batch: int, n: int) -> tuple[list, list]:
         """Decode steps (wall, CPU) of ``generate`` at ``batch`` copies of the first question.
@@ -187,7 +184,7 @@ def decode_sweep(model_dir: str, dtype: str, args: argparse.Namespace, check: bo
             wl = s.questions([f"{workloads.QUESTIONS[2]} (d {i})"], n + 1)
             d = default.run(wl, "default", check_leaks=False)
             e = s.mm_decode([f"{workloads.QUESTIONS[2]} (e {i})"], n + 1)
-            pairs.append(((d.decode_steps_s, d.decode_steps_cpu_s), e))
+            pairs.append((list(zip(*d.decode_times, strict=True)), e))
         out["default"] = {"dtype": str(auto).removeprefix("torch.")}
         for key, j, side in (("ms", 0, 0), ("cpu_ms", 1, 0), ("explicit_ms", 0, 1)):
             out["default"][key] = med(med(p[side][j]) for p in pairs) * 1e3
@@ -195,24 +192,72 @@ def decode_sweep(model_dir: str, dtype: str, args: argparse.Namespace, check: bo
     return out
 
 
+def compare_table(results: dict[str, dict]) -> str:
+    """``--parts compare``: transformers and mmserve per dtype."""
+    rows = {}
+    for dtype, r in results.items():
+        for label, k, unit, x in (
+            ("first question (tower + prefill)", "first", "s", 1),
+            ("second question, same photo", "second", "s", 1),
+            ("decode, batch 1", "decode", "ms/token", 1e3),
+            ("decode, batch 1, CPU time", "decode_cpu", "ms/token", 1e3),
+        ):
+            hf, mm = r[f"hf_{k}"] * x, r[f"mm_{k}"] * x
+            rows[f"{label}, {dtype}"] = {"hf": f"{hf:.3g} {unit}", "mm": f"{mm:.3g} {unit}"}
+            rows[f"{label}, {dtype}"]["ratio"] = mm / hf
+        for suffix, what in (("", "tokens/s"), ("_cpu", "tokens per CPU second")):
+            b, one = r["mm_batch_tps" + suffix], r["mm_single_tps" + suffix]
+            label = f"{r['batch']} concurrent answers vs batch 1 ({what}), {dtype}"
+            rows[label] = {"hf": "-", "mm": f"{b:.1f} vs {one:.1f}", "ratio": f"{b / one:.2f}x"}
+    return report.table(rows, "|transformers=hf|mmserve=mm|mmserve / transformers=ratio:.2f")
+
+
+def decode_table(sweeps: list[dict]) -> str:
+    """``--parts decode``: ms per step (CPU in brackets) against the bound, per dtype and
+    batch."""
+    rows, lines = {}, []
+    for sw in sweeps:
+        bound, bound_cpu = sw["bound_ms"], sw["bound_cpu_ms"]
+        for b, r in sw["batches"].items():
+            rows[f"{sw['dtype']}, batch {b}"] = {
+                "hf": f"{r['hf']:.1f} ({r['hf_cpu']:.1f})",
+                "mm": f"{r['mm']:.1f} ({r['mm_cpu']:.1f})",
+                "ratio": f"{r['mm'] / r['hf']:.2f} ({r['mm_cpu'] / r['hf_cpu']:.2f})",
+                "per_token": r["mm"] / int(b),
+                "bound": f"{bound:.1f} ({bound_cpu:.1f})",
+                "of_bound": f"{r['mm'] / bound:.2f} ({r['mm_cpu'] / bound_cpu:.2f})",
+            }
+        lines.append(
+            f"{sw['dtype']}: read bandwidth {sw['bandwidth_gbs']:.1f} GB/s "
+            f"({sw['bandwidth_cpu_gbs']:.1f} per CPU second), decode weights "
+            f"{sw['weight_bytes'] / 1e9:.3f} GB"
+        )
+        if d := sw.get("default"):
+            lines.append(
+                f"default server dtype ({d['dtype']}): batch-1 decode {d['ms']:.1f} ms (CPU "
+                f"{d['cpu_ms']:.1f}) vs --dtype {sw['dtype']} {d['explicit_ms']:.1f} (CPU "
+                f"{d['explicit_cpu_ms']:.1f}), alternating: {d['ms'] / d['explicit_ms']:.2f}x"
+            )
+    cols = "dtype, batch|transformers ms/step (CPU)=hf|mmserve ms/step (CPU)=mm"
+    cols += "|mmserve / transformers=ratio|mmserve ms/token=per_token:.1f"
+    cols += "|bound ms/step (CPU)=bound|mmserve / bound=of_bound"
+    return report.table(rows, cols) + "\n".join(lines)
+
+
 def real_shapes(args: argparse.Namespace, model_dir: str) -> int:
-    """``real-shapes``: mmserve against transformers at real shapes; ``real_shapes.json``."""
+    """``real-shapes``: mmserve against transformers at real shapes."""
     results, sweeps, tables = {}, [], []
     dtypes = args.dtypes.split(",")
     if "compare" in args.parts:
         for dtype in dtypes:
             results[dtype] = compare(model_dir, dtype, args)
             print(f"{dtype}: {results[dtype]}", flush=True)
-        tables.append(report.real_shapes_table(results))
+        tables.append(compare_table(results))
     if "decode" in args.parts:
         for i, dtype in enumerate(dtypes):
-            sweeps.append(
-                decode_sweep(model_dir, dtype, args, i == 0 and not args.no_default_dtype)
-            )
+            sweeps.append(decode_sweep(model_dir, dtype, args, i == 0))
             print(f"decode {dtype}: {sweeps[-1]}", flush=True)
-        tables.append(report.decode_table(sweeps))
+        tables.append(decode_table(sweeps))
     table = "\n\n".join(tables)
-    print(table)
     out = {"model": model_dir, "threads": torch.get_num_threads(), "results": results}
-    report.write_json(args.out / "real_shapes.json", {**out, "decode": sweeps, "table": table})
-    return 0
+    return report.emit(args.out, "real_shapes", {**out, "decode": sweeps, "table": table}, table)

@@ -1,5 +1,5 @@
-"""The two comparison suites, ``run`` (in-process) and ``serve`` (HTTP); what each runs
-and writes: ``benchmarks/README.md``."""
+"""The two comparison suites, ``run`` (in-process) and ``serve`` (HTTP); what each runs and
+writes: ``benchmarks/README.md``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ SWEEP_WORKLOADS = ("many_questions", "multi_turn")
 SERVERS = ("mmserve", "mmserve-off", "llamacpp")
 #: mmserve (cache on) should reach this fraction of the workload's cost bound.
 TARGET_WORKLOAD, TARGET_FRACTION = "many_questions", 0.95
+#: Goodput's objective: TTFT and TPOT at most these seconds.
+SLO = (5.0, 0.5)
 
 
 def _log(t0: float) -> Any:
@@ -35,6 +37,13 @@ def _log(t0: float) -> Any:
 
 def _mismatches(r: Run, ref: Run) -> int:
     return sum(r.outputs.get(i) != o for i, o in ref.outputs.items())
+
+
+def _names(given: str, known: tuple[str, ...]) -> list[str]:
+    names = [w for w in given.split(",") if w] or list(known)
+    if bad := [w for w in names if w not in known]:
+        raise SystemExit(f"unknown name {bad[0]!r}; known: {', '.join(known)}")
+    return names
 
 
 def run_workload(
@@ -46,12 +55,13 @@ def run_workload(
     log: Any,
     closed: bool | None,
 ) -> tuple[dict, list[Run]]:
-    """Every system on ``wl``; the workload's JSON dict and the runs."""
+    """Every system on ``wl``: transformers, cache off, each policy (with ``repeats`` on/off
+    pairs in alternating order on no_sharing), each policy at half the working set on
+    multi_turn. Returns the workload's JSON dict and the runs."""
     ids = mm.prompt_ids(wl)
     prompts = {**workloads.optimal_hit_rate(ids), "requests": wl.num_requests}
     prompts["working_set_tokens"] = prompts["distinct_tokens"] + wl.num_requests * wl.max_tokens
     prompts["one_request_tokens"] = max(map(len, ids)) + wl.max_tokens
-    runs: list[Run] = []
 
     def done(r: Run) -> Run:
         s = r.summary()
@@ -61,32 +71,27 @@ def run_workload(
         )
         return r
 
+    runs: list[Run] = []
     if hf is not None:
         eng = mm.engine()
-        reqs = mm.requests(eng, wl)
+        lens = [len(r.input_ids) for r in mm.requests(eng, wl)]
         imgs = {n: mm.decoded[b].image for n, b in wl.images.items()}
         render = eng.processor.prompts.render_chat
-        runs.append(
-            done(hf.run(wl, render, imgs, [len(r.input_ids) for r in reqs], scale["baseline_max"]))
-        )
+        runs.append(done(hf.run(wl, render, imgs, lens, scale["baseline_max"])))
     on = f"mmserve-{MAIN_POLICY}"
-    pairs_of = [("mmserve-off", False)] + ([(on, True)] if MAIN_POLICY in policies else [])
+    pair = [("mmserve-off", False)] + ([(on, True)] if MAIN_POLICY in policies else [])
     best: dict[str, Run] = {}
     pairs = []
-    repeats = scale["repeats"] if wl.name == "no_sharing" else 1
-    for rep in range(repeats):  # (b) and (c, main policy) back to back, order alternating
+    for rep in range(scale["repeats"] if wl.name == "no_sharing" else 1):
         got = {}
-        for label, radix in pairs_of if rep % 2 == 0 else pairs_of[::-1]:
+        for label, radix in pair if rep % 2 == 0 else pair[::-1]:
             r = got[label] = done(mm.run(wl, label, radix_cache=radix, closed_loop=closed))
             if label not in best or r.wall_s < best[label].wall_s:
                 best[label] = r
         pairs += [(got["mmserve-off"], got[on])] if on in got else []
-    for r in best.values():
-        r.repeats = repeats
     for p in policies:
-        label = f"mmserve-{p}"
-        if label not in best:
-            best[label] = done(mm.run(wl, label, policy=p, closed_loop=closed))
+        if f"mmserve-{p}" not in best:
+            best[f"mmserve-{p}"] = done(mm.run(wl, f"mmserve-{p}", policy=p, closed_loop=closed))
     runs += [best["mmserve-off"]] + [best[f"mmserve-{p}"] for p in policies]
     if wl.name == "multi_turn":
         pool = max(prompts["working_set_tokens"] // 2, prompts["one_request_tokens"])
@@ -96,7 +101,7 @@ def run_workload(
             )
             r.notes.append(f"KV pool {pool} tokens = half the working set")
             runs.append(done(r))
-    off, ref = best["mmserve-off"], next((r for r in runs if r.kind == "transformers"), None)
+    off, ref = best["mmserve-off"], runs[0] if hf is not None else None
     comparisons = {}
     for r in runs:
         c = comparisons[r.system] = {}
@@ -105,17 +110,11 @@ def run_workload(
         if ref is not None and r is not ref:
             same = len(ref.outputs) - _mismatches(r, ref)
             c["agree_with_transformers"] = f"{same}/{len(ref.outputs)}"
-    res = {
-        "workload": wl.name,
-        "description": wl.description,
-        "params": wl.params,
-        "notes": wl.notes,
-        "prompts": prompts,
-        "systems": [r.summary() for r in runs],
-        "comparisons": comparisons,
-    }
-    if repeats > 1 and pairs:
-        res["paired_on_off"] = {  # on req/s over off req/s, per pair
+    res = {"workload": wl.name, "description": wl.description, "params": wl.params}
+    res.update(notes=[], prompts=prompts, comparisons=comparisons)
+    res["systems"] = [r.summary() for r in runs]
+    if len(pairs) > 1:  # on req/s over off req/s, per pair
+        res["paired_on_off"] = {
             "wall_ratios": [off.wall_s / on.wall_s for off, on in pairs],
             "cpu_ratios": [off.cpu_s / on.cpu_s for off, on in pairs],
         }
@@ -140,39 +139,27 @@ def pool_sweep(
     sizes = {x for x in sizes if x in (hi, lo) or all(abs(x - d) > 0.05 * x for d in done)}
     out = []
     for pool in sorted(sizes | set(done), reverse=True):
-        r = done.get(pool) or mm.run(
-            wl, f"mmserve-{MAIN_POLICY}", max_total_tokens=pool, closed_loop=closed
-        )
-        s = {**r.summary(), "output_mismatches": _mismatches(r, off)}
+        label = f"mmserve-{MAIN_POLICY}"
+        r = done.get(pool) or mm.run(wl, label, max_total_tokens=pool, closed_loop=closed)
+        out.append(s := {**r.summary(), "output_mismatches": _mismatches(r, off)})
         log(
             f"  {wl.name:15s} sweep pool {pool:6d}  hit {s['cache_hit_rate']:.3f}  "
             f"mismatches {s['output_mismatches']}  leak_free {r.leak_free}"
         )
-        out.append(s)
-    return {
-        "workload": wl.name,
-        "policy": MAIN_POLICY,
-        "working_set_tokens": hi,
-        "one_request_tokens": lo,
-        "optimal_hit_rate": prompts["optimal_hit_rate"],
-        "points": out,
-    }
+    sweep = {"workload": wl.name, "policy": MAIN_POLICY, "working_set_tokens": hi}
+    sweep.update(one_request_tokens=lo, optimal_hit_rate=prompts["optimal_hit_rate"])
+    return {**sweep, "points": out}
 
 
 def engine_suite(args: argparse.Namespace, model_dir: str) -> int:
-    """``python -m benchmarks run``: see the module docstring; returns the exit code."""
+    """``python -m benchmarks run``: transformers, mmserve with the caches off and on per
+    policy, and the KV-pool sweep, per workload; returns the exit code."""
     t0, load0, log = time.perf_counter(), report.loadavg(), _log(time.perf_counter())
     scale = dict(workloads.SCALES["engine"][args.scale])
     if args.baseline_max >= 0:
         scale["baseline_max"] = args.baseline_max or None
-    names = [w for w in args.workloads.split(",") if w] or list(workloads.ENGINE_WORKLOADS)
-    if bad := [w for w in names if w not in workloads.ENGINE_WORKLOADS]:
-        print(f"unknown workload {bad[0]!r}", file=sys.stderr)
-        return 2
-    from mmserve.model.loader import load_model
-
-    loaded = load_model(model_dir)
-    mm = MMServeRunner(loaded, model_dir)
+    names = _names(args.workloads, workloads.ENGINE_WORKLOADS)
+    mm = MMServeRunner.load(model_dir)
     policies, skipped = [], []
     for p in [p for p in args.policies.split(",") if p]:
         if (err := policy_supported(p)) is None:
@@ -182,8 +169,7 @@ def engine_suite(args: argparse.Namespace, model_dir: str) -> int:
             log(skipped[-1])
     hf = None
     if not args.no_baseline:
-        dtype = loaded.decoder.embed_tokens.weight.dtype
-        hf = TransformersRunner(model_dir, loaded.never_sample_ids, dtype)
+        hf = TransformersRunner(model_dir, mm.model.never_sample_ids, torch.float32)
     warm = workloads.many_questions(1, 1, 2, seed=12345)
     mm.run(warm, "warm-up", check_leaks=False)
     if hf is not None:
@@ -206,24 +192,12 @@ def engine_suite(args: argparse.Namespace, model_dir: str) -> int:
             )
             report.write_json(args.out / "pool_sweep.json", sweeps)
     targets = report.engine_targets(results, sweeps, MAIN_POLICY)
-    meta = {
-        "model": Path(model_dir).name,
-        "model_dir": model_dir,
-        "scale": args.scale,
-        "threads": torch.get_num_threads(),
-        "seed": args.seed,
-        "policies": policies,
-        "loadavg_start": load0,
-        "loadavg_end": report.loadavg(),
-        "total_seconds": time.perf_counter() - t0,
-        "torch": torch.__version__,
-    }
-    report.write_json(args.out / "targets.json", {"meta": meta, "targets": targets})
+    meta = {"model": Path(model_dir).name, "model_dir": model_dir, "scale": args.scale}
+    meta.update(threads=torch.get_num_threads(), seed=args.seed, policies=policies)
+    meta.update(loadavg_start=load0, loadavg_end=report.loadavg(), torch=torch.__version__)
+    meta["total_seconds"] = time.perf_counter() - t0
     text = report.engine_summary(results, sweeps, targets, meta)
-    (args.out / "summary.md").write_text(text, encoding="utf-8")
-    print(text)
-    log(f"done; results in {args.out}")
-    return 0
+    return report.emit(args.out, "summary", {"meta": meta, "targets": targets}, text)
 
 
 # ---- serve ---------------------------------------------------------------------------
@@ -247,24 +221,17 @@ def warm_up(url: str) -> None:
 
 
 def one_run(
-    label: str,
-    url: str,
-    wl: workloads.Workload,
-    rate: float,
-    args: Any,
-    log: Any,
-    pid: int | None = None,
-    flush: bool = False,
+    label: str, url: str, wl: workloads.Workload, rate: float, seed: int, log: Any, pid: Any = None
 ) -> dict:
-    """``wl`` at ``rate`` on a running server; the summary plus its CPU seconds."""
-    if flush:
+    """``wl`` at ``rate`` on a running server (mmserve's caches flushed first when ``pid``
+    is given); the summary plus the server's CPU seconds and the answers."""
+    if pid is not None and label != "llamacpp":
         http.flush(url)
     bodies = http.request_bodies(wl, http.served_model(url))
-    arrivals = http.arrival_times(len(bodies), rate, args.seed)
     c0 = http.cpu_seconds(pid)
-    results, wall = http.run_load(url, bodies, arrivals)
+    results, wall = http.run_load(url, bodies, http.arrival_times(len(bodies), rate, seed))
     c1 = http.cpu_seconds(pid)
-    s = http.summarize(results, wl.max_tokens, http.SLO(args.slo_ttft, args.slo_tpot), wall)
+    s = http.summarize(results, wl.max_tokens, SLO, wall)
     s.update(offered_rate=rate, server_cpu_s=c1 - c0 if c0 is not None and c1 else None)
     s["answers"] = [r.text for r in results]
     log(
@@ -275,22 +242,21 @@ def one_run(
     return s
 
 
-def http_suite(args: argparse.Namespace, model_dir: str | None) -> int:  # noqa: C901 - steps in order
-    """``python -m benchmarks serve``: see the module docstring; returns the exit code."""
+def http_suite(args: argparse.Namespace, model_dir: str | None) -> int:
+    """``python -m benchmarks serve``: every server at every workload and rate, against
+    the cost bound, with llama.cpp's agreement and mmserve's HTTP overhead; returns the exit
+    code."""
     from benchmarks.cost_bound import CostModel, share_costs
     from benchmarks.llamacpp import agreement, find_setup, llama_server
-    from mmserve.model.loader import load_model
 
     t0, log = time.perf_counter(), _log(time.perf_counter())
     scale = workloads.SCALES["http"][args.scale]
     rates = [float(x) for x in args.rates.split(",") if x] if args.rates else scale["rates"]
-    names = [w for w in args.workloads.split(",") if w] or list(workloads.HTTP_WORKLOADS)
-    servers = [] if args.url else [s for s in args.servers.split(",") if s]
-    if bad := [w for w in names if w not in workloads.HTTP_WORKLOADS] + [
-        s for s in servers if s not in SERVERS
-    ]:
-        print(f"unknown workload or server {bad[0]!r}", file=sys.stderr)
-        return 2
+    wls = [
+        workloads.build(n, scale, args.seed)
+        for n in _names(args.workloads, workloads.HTTP_WORKLOADS)
+    ]
+    servers = [] if args.url else _names(args.servers, SERVERS)
     notes: list[str] = []
     setup, why = (
         (None, "--no-llamacpp given") if args.no_llamacpp else find_setup(args.llamacpp_dir)
@@ -301,40 +267,18 @@ def http_suite(args: argparse.Namespace, model_dir: str | None) -> int:  # noqa:
     if model_dir is None:  # the llama.cpp setup's checkpoint, or the default one
         size = args.size or ("tiny" if args.scale == "ci" else "small")
         model_dir = str(setup.hf_dir) if setup else default_model_dir(size)
-    same_weights = setup is not None and Path(model_dir) == setup.hf_dir
     log(f"model {model_dir}; servers {servers or args.url}; rates {[rate_label(r) for r in rates]}")
-    loaded = load_model(model_dir)
-    # servers in the in-process model's dtype (fp32): the bound, the agreement engine and
-    # the overhead's in-process run use it, and `serve`'s default (auto) may be bf16
-    dtype_flag = ["--dtype", str(loaded.decoder.embed_tokens.weight.dtype).removeprefix("torch.")]
-    wls = [workloads.build(n, scale, args.seed) for n in names]
-    res: dict[str, Any] = {
-        "meta": {
-            "model_dir": model_dir,
-            "model": Path(model_dir).name,
-            "scale": args.scale,
-            "threads": args.threads,
-            "rates": [rate_label(r) for r in rates],
-            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
-            "seed": args.seed,
-            "loadavg_start": report.loadavg(),
-            "cpus": os.cpu_count(),
-            "llamacpp": setup.info if setup else None,
-        },
-        "notes": notes,
-        "workloads": {
-            wl.name: {
-                "description": wl.description,
-                "params": wl.params,
-                "requests": wl.num_requests,
-                "max_tokens": wl.max_tokens,
-                "runs": {},
-            }
-            for wl in wls
-        },
-    }
-    if not args.no_bound and (servers or args.bound):
-        cm = CostModel(MMServeRunner(loaded, model_dir), reps=2 if args.scale != "full" else 3)
+    mm = MMServeRunner.load(model_dir)
+    meta = {"model_dir": model_dir, "model": Path(model_dir).name, "scale": args.scale}
+    meta.update(threads=args.threads, rates=[rate_label(r) for r in rates], seed=args.seed)
+    meta.update(slo={"ttft_s": SLO[0], "tpot_s": SLO[1]}, loadavg_start=report.loadavg())
+    meta.update(cpus=os.cpu_count(), llamacpp=setup.info if setup else None)
+    res: dict[str, Any] = {"meta": meta, "notes": notes, "workloads": {}}
+    for wl in wls:
+        w = res["workloads"][wl.name] = {"description": wl.description, "params": wl.params}
+        w.update(requests=wl.num_requests, max_tokens=wl.max_tokens, runs={})
+    if servers and not args.no_bound:
+        cm = CostModel(mm, reps=2 if args.scale != "full" else 3)
         bounds = [cm.bound(wl) for wl in wls]
         share_costs(bounds)
         for wl, b in zip(wls, bounds, strict=True):
@@ -344,114 +288,87 @@ def http_suite(args: argparse.Namespace, model_dir: str | None) -> int:  # noqa:
                 f"tower {b['tower_s']:.2f} + decode {b['decode_s']:.2f})"
             )
     logs = Path(tempfile.mkdtemp(prefix="mmserve-serve-"))
-    llama = lambda name: llama_server(setup, args.threads, args.llamacpp_slots, logs / name)  # noqa: E731
+    llama = lambda name: llama_server(setup, args.threads, 4, logs / name)  # noqa: E731
+    # servers in the in-process model's dtype (fp32), as the bound, the agreement engine and
+    # the overhead's in-process run: `serve`'s default (auto) may be bf16
+    dtype = ["--dtype", "float32"]
     for label in servers:
-        runs: dict[str, dict] = {}
-        if label == "llamacpp":
-            for wl in wls:
-                for rate in rates:  # a fresh server per run: its prompt cache starts cold
-                    with llama("llamacpp.log") as (url, proc):
-                        warm_up(url)
-                        runs.setdefault(wl.name, {})[rate_label(rate)] = one_run(
-                            label, url, wl, rate, args, log, proc.pid
-                        )
-        else:
-            flags = [*http.MMSERVE_SYSTEMS[label], *dtype_flag]
-            with http.mmserve_server(model_dir, flags, args.threads, logs / f"{label}.log") as (
-                url,
-                proc,
-            ):
+        # one mmserve server, flushed before each run; llama.cpp fresh per run (cold cache)
+        fresh = label == "llamacpp"
+        flags = [*http.MMSERVE_SYSTEMS.get(label, []), *dtype]
+        log_path = logs / f"{label}.log"
+        server = http.mmserve_server(model_dir, flags, args.threads, log_path)
+        with nullcontext((None, None)) if fresh else server as (url, proc):
+            if not fresh:
                 warm_up(url)
-                if label == "mmserve" and same_weights and not args.no_agreement:
-                    from mmserve.config import EngineConfig
-                    from mmserve.engine.engine import Engine
-
-                    eng = Engine(EngineConfig(model_path=model_dir), model=loaded)
-                    with llama("llamacpp-agreement.log") as (ll_url, _):
-                        ag = res["agreement"] = agreement(
-                            url, ll_url, eng, list(loaded.never_sample_ids)
-                        )
-                    log(
-                        f"agreement: text {ag['text_agree']}/{ag['text_total']}, image "
-                        f"{ag['image_agree']}/{ag['image_total']}; passed {ag['passed']}"
+            if label == "mmserve" and setup and Path(model_dir) == setup.hf_dir:
+                with llama("llamacpp-agreement.log") as (ll_url, _):
+                    eng = mm.engine()
+                    ag = res["agreement"] = agreement(
+                        url, ll_url, eng, list(mm.model.never_sample_ids)
                     )
-                for wl in wls:
-                    for rate in rates:
-                        runs.setdefault(wl.name, {})[rate_label(rate)] = one_run(
-                            label, url, wl, rate, args, log, proc.pid, flush=True
-                        )
-                if label == "mmserve" and not args.no_overhead:
-                    res["overhead"] = overhead(
-                        url, proc.pid, runs, wls, loaded, model_dir, args, log
-                    )
-        for name, by_rate in runs.items():
-            res["workloads"][name]["runs"][label] = by_rate
+                log(
+                    f"agreement: text {ag['text_agree']}/{ag['text_total']}, image "
+                    f"{ag['image_agree']}/{ag['image_total']}; passed {ag['passed']}"
+                )
+            for wl in wls:
+                runs = res["workloads"][wl.name]["runs"].setdefault(label, {})
+                for rate in rates:
+                    with llama("llamacpp.log") if fresh else nullcontext((url, proc)) as (u, p):
+                        if fresh:
+                            warm_up(u)
+                        runs[rate_label(rate)] = one_run(label, u, wl, rate, args.seed, log, p.pid)
+            if label == "mmserve" and not args.no_overhead:
+                res["overhead"] = overhead(url, proc.pid, res, wls, mm, args.seed, log)
     for spec in args.url:
         label, _, url = spec.rpartition("=") if "=" in spec else (spec, "", spec)
         for wl in wls:
             res["workloads"][wl.name]["runs"][label] = {
-                rate_label(r): one_run(label, url.rstrip("/"), wl, r, args, log) for r in rates
+                rate_label(r): one_run(label, url.rstrip("/"), wl, r, args.seed, log) for r in rates
             }
         notes.append(f"{label} ({url}): external server, caches not flushed between runs")
-    if "overhead" in res:
-        ov = res["overhead"]
-        ov["profile"] = profile(model_dir, wls, ov, args, logs, dtype_flag)
-    res["meta"].update(loadavg_end=report.loadavg(), total_seconds=time.perf_counter() - t0)
+    if ov := res.get("overhead"):
+        ov["profile"] = profile(model_dir, wls, ov, args, logs, dtype)
+    meta.update(loadavg_end=report.loadavg(), total_seconds=time.perf_counter() - t0)
     res["targets"] = report.http_targets(res, TARGET_WORKLOAD, TARGET_FRACTION, 8)
-    report.write_json(args.out / "serve.json", res)
-    text = report.http_summary(res)
-    (args.out / "serve_summary.md").write_text(text, encoding="utf-8")
-    print(text)
-    log(f"done; results in {args.out}")
-    return 0
+    return report.emit(args.out, "serve", res, report.http_summary(res))
 
 
 def overhead(
-    url: str,
-    pid: int,
-    runs: dict,
-    wls: list,
-    loaded: Any,
-    model_dir: str,
-    args: Any,
-    log: Any,
-    pairs: int = 3,
+    url: str, pid: int, res: dict, wls: list, mm: MMServeRunner, seed: int, log: Any, pairs: int = 3
 ) -> dict:
     """The target workload at mmserve's peak-throughput rate through HTTP (flushed) and
     through an in-process engine at the same arrivals, ``pairs`` times; medians."""
     wl = next((w for w in wls if w.name == TARGET_WORKLOAD), wls[0])
-    peak = max(runs[wl.name], key=lambda k: runs[wl.name][k]["request_throughput"] or 0)
-    rate = runs[wl.name][peak]["offered_rate"]
-    arrivals = http.arrival_times(wl.num_requests, rate, args.seed)
-    mm = MMServeRunner(loaded, model_dir)
+    runs = res["workloads"][wl.name]["runs"]["mmserve"]
+    peak = max(runs, key=lambda k: runs[k]["request_throughput"] or 0)
+    rate = runs[peak]["offered_rate"]
+    arrivals = http.arrival_times(wl.num_requests, rate, seed)
     got = [
         (
-            one_run("mmserve", url, wl, rate, args, log, pid, flush=True),
+            one_run("mmserve", url, wl, rate, seed, log, pid),
             mm.run(wl, "in-process", arrivals=arrivals).summary(),
         )
         for _ in range(pairs)
     ]
-    med = lambda xs: statistics.median(x for x in xs if x is not None)  # noqa: E731
-    h_wall, h_cpu = (
-        med(h["duration_s"] for h, _ in got),
-        med(h["server_cpu_s"] or 0 for h, _ in got),
-    )
-    i_wall, i_cpu = med(i["wall_s"] for _, i in got), med(i["cpu_s"] for _, i in got)
-    mid = sorted((i for _, i in got), key=lambda i: i["wall_s"])[pairs // 2]
-    ov = {
-        "workload": wl.name,
-        "rate": peak,
-        "offered_rate": rate,
-        "pairs": pairs,
-        "in_process": {**mid, "wall_s": i_wall, "cpu_s": i_cpu},
-        "http": {"duration_s": h_wall, "server_cpu_s": h_cpu},
-        "http_ttft_p50_s": med(h["ttft_s"]["p50"] for h, _ in got),
-        "wall_overhead": h_wall / i_wall - 1,
-        "cpu_overhead": h_cpu / i_cpu - 1 if h_cpu else None,
+    med = lambda xs: statistics.median(x or 0 for x in xs)  # noqa: E731
+    h = {
+        "wall_s": med(h["duration_s"] for h, _ in got),
+        "cpu_s": med(h["server_cpu_s"] for h, _ in got),
     }
+    h["ttft_p50_s"] = med(h["ttft_s"]["p50"] for h, _ in got)
+    mid = sorted((i for _, i in got), key=lambda i: i["wall_s"])[pairs // 2]
+    ip = {
+        **mid,
+        "wall_s": med(i["wall_s"] for _, i in got),
+        "cpu_s": med(i["cpu_s"] for _, i in got),
+    }
+    ov = {"workload": wl.name, "rate": peak, "offered_rate": rate, "pairs": pairs}
+    ov.update(in_process=ip, http=h, wall_overhead=h["wall_s"] / ip["wall_s"] - 1)
+    ov["cpu_overhead"] = h["cpu_s"] / ip["cpu_s"] - 1 if h["cpu_s"] else None
     log(
-        f"overhead {wl.name} at {peak}: HTTP {h_wall:.2f} s vs in-process {i_wall:.2f} s "
-        f"({ov['wall_overhead']:+.1%})"
+        f"overhead {wl.name} at {peak}: HTTP {h['wall_s']:.2f} s vs in-process "
+        f"{ip['wall_s']:.2f} s ({ov['wall_overhead']:+.1%})"
     )
     return ov
 
@@ -464,13 +381,9 @@ def profile(
 
     wl = next(w for w in wls if w.name == ov["workload"])
     path = logs / "profile.pkl"
+    launcher, env = ["-m", "benchmarks.profiled_server"], {"MMSERVE_PROFILE_OUT": str(path)}
     with http.mmserve_server(
-        model_dir,
-        flags,
-        args.threads,
-        logs / "profiled.log",
-        launcher=["-m", "benchmarks.profiled_server"],
-        env={"MMSERVE_PROFILE_OUT": str(path)},
+        model_dir, flags, args.threads, logs / "profiled.log", launcher, env
     ) as (url, proc):
         warm_up(url)
         http.flush(url)

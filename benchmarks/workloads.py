@@ -81,19 +81,10 @@ class Prompt:
 
 @dataclass
 class Workload:
-    """Requests in rounds, the encoded images they use, and optional session chains.
-
-    Attributes:
-        name: workload name (also the results file name).
-        description: one line on what it models.
-        images: encoded image bytes by name (every system decodes the same pixels).
-        rounds: requests submitted together; round ``r + 1`` starts when round ``r`` ends.
-        max_tokens: output tokens per request (``ignore_eos``: always exactly this many).
-        params: the generator's arguments.
-        notes: how the data was made.
-        sessions: chains of indices into :attr:`prompts`; closed-loop drivers send a
-            chain's next request when its previous one is answered. Empty: open workload.
-    """
+    """Requests in ``rounds`` (round ``r + 1`` starts when round ``r`` ends), the encoded
+    ``images`` they use by name, ``max_tokens`` per answer (``ignore_eos``: exactly this
+    many), the generator's ``params``, and ``sessions``: chains of indices into
+    :attr:`prompts` that closed-loop drivers send in order (empty: an open workload)."""
 
     name: str
     description: str
@@ -101,7 +92,6 @@ class Workload:
     rounds: list[list[Prompt]]
     max_tokens: int
     params: dict = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
     sessions: list[list[int]] = field(default_factory=list)
 
     @property
@@ -270,7 +260,6 @@ def many_questions(
         [prompts],
         max_tokens,
         {"images": k, "questions_per_image": m, "max_tokens": max_tokens, "seed": seed},
-        [f"images: {', '.join(imgs)} (past the 4 sample photos: flipped/rotated copies)"],
     )
 
 
@@ -303,10 +292,6 @@ def multi_turn(c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
         rounds,
         max_tokens,
         {"sessions": c, "turns": t, "max_tokens": max_tokens, "seed": seed},
-        [
-            "history holds fixed canned assistant answers, so every system sees the same prompts",
-            f"images: {', '.join(names)}",
-        ],
         chains,
     )
 
@@ -325,10 +310,6 @@ def video_frames(f: int, q: int, max_tokens: int, seed: int = 0, repeat_every: i
         [prompts],
         max_tokens,
         {"frames": f, "questions_per_frame": q, "max_tokens": max_tokens, "seed": seed},
-        [
-            "frames: a synthetic pan (3/4-side squares sliding across astronaut.png, 336 px); "
-            f"every {repeat_every}rd frame repeats the previous one (a static shot)"
-        ],
     )
 
 

@@ -69,7 +69,7 @@ def test_summary_figures() -> None:
         http.RequestResult(3, 0.0, sent=0.2, error="HTTP 500", latency=0.1),
     ]
     rs[0].chunk_times = [0.5, 1.0, 1.5]
-    s = http.summarize(rs, 3, http.SLO(ttft_s=1.0, tpot_s=0.6))
+    s = http.summarize(rs, 3, slo=(1.0, 0.6))
     assert rs[0].tpot == pytest.approx(0.5) and rs[1].tpot == pytest.approx(0.1)
     assert s["duration_s"] == pytest.approx(3.3) and (s["completed"], s["failed"]) == (3, 1)
     assert s["request_throughput"] == pytest.approx(3 / 3.3)
@@ -83,7 +83,7 @@ def test_load_generator_against_live_server(server_url: str) -> None:
     bodies = http.request_bodies(wl, None)
     for rate in (math.inf, 20.0):
         results, wall = http.run_load(server_url, bodies, http.arrival_times(len(bodies), rate))
-        s = http.summarize(results, wl.max_tokens, http.SLO(60.0, 60.0), wall)
+        s = http.summarize(results, wl.max_tokens, wall=wall)
         assert s["completed"] == wl.num_requests, s["errors"]
         assert s["token_counts_ok"], s["wrong_token_counts"]
         assert s["ttft_s"]["p50"] > 0 and s["tpot_s"]["p50"] > 0 and s["goodput"] > 0
@@ -95,7 +95,8 @@ def test_load_generator_against_live_server(server_url: str) -> None:
 def test_closed_loop_clients_wait_for_the_previous_turn(server_url: str) -> None:
     wl = workloads.interleaved(1, 2, 1, 3, 2)
     http.flush(server_url)
-    results, _ = http.run_sessions(server_url, http.request_bodies(wl, None), wl.sessions, 2)
+    bodies = http.request_bodies(wl, None)
+    results, _ = http.run_load(server_url, bodies, sessions=wl.sessions, clients=2)
     assert [r.index for r in results] == list(range(wl.num_requests)) and all(r.ok for r in results)
     chain = next(s for s in wl.sessions if len(s) == 3)
     for a, b in zip(chain, chain[1:], strict=False):
@@ -127,7 +128,7 @@ def test_serve_suite_against_url(server_url: str, model_dir: Path, tmp_path: Pat
         runs = res["workloads"][wl]["runs"]["tiny"]
         assert set(runs) == {"burst", "50"} and all(r["token_counts_ok"] for r in runs.values())
     assert "bound" not in res["workloads"]["no_sharing"]  # --url measures no bound by default
-    assert "| tiny | burst |" in (tmp_path / "serve_summary.md").read_text()
+    assert "| tiny, burst |" in (tmp_path / "serve.md").read_text()
 
 
 def test_llamacpp_skipped_with_a_note_without_setup(model_dir: Path, tmp_path: Path) -> None:
@@ -157,7 +158,7 @@ def test_llamacpp_skipped_with_a_note_without_setup(model_dir: Path, tmp_path: P
         ]
     )
     assert rc == 0
-    assert "llama.cpp skipped: no llama.cpp setup" in (out / "serve_summary.md").read_text()
+    assert "llama.cpp skipped: no llama.cpp setup" in (out / "serve.md").read_text()
 
 
 def test_profile_breakdown_by_category(tmp_path: Path) -> None:
