@@ -359,27 +359,35 @@ def server(
     Raises:
         RuntimeError: the process exited or was not healthy in ``timeout`` s (with its log).
     """
-    port = free_port()
     log: IO[bytes] = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
     env = {**os.environ, **env}
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port)], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout
-        while True:
+    deadline = time.time() + timeout
+    for attempt in range(3):  # another process may take the free port before the server binds it
+        port = free_port()
+        log.seek(0)
+        log.truncate()
+        proc = subprocess.Popen(
+            [*cmd, "--port", str(port)], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
+        )
+        url = f"http://127.0.0.1:{port}"
+        healthy = False
+        while not healthy and proc.poll() is None and time.time() < deadline:
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
+                healthy = httpx.get(f"{url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                log.flush()
-                log.seek(0)
-                tail = log.read().decode(errors="replace")[-2000:]
-                raise RuntimeError(f"server {cmd[:4]} not healthy (exit {proc.poll()}): {tail}")
-            time.sleep(0.25)
+                time.sleep(0.25)
+        if healthy:
+            break
+        log.flush()
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-2000:]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if "address already in use" not in tail.lower() or attempt == 2:
+            log.close()
+            raise RuntimeError(f"server {cmd[:4]} not healthy (exit {proc.poll()}): {tail}")
+    try:
         yield url, proc
     finally:
         if proc.poll() is None:

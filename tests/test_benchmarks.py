@@ -345,3 +345,36 @@ def test_each_subcommand_keeps_its_own_checkpoint_defaults() -> None:
         "video-qa": ("small", "llava"),
         "serve": (None, "llava"),
     }
+
+
+def test_server_retries_when_its_port_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import sys
+
+    from benchmarks import over_http
+
+    # a tiny server that answers /health on the --port it is given, or dies on a taken one
+    code = (
+        "import sys, http.server\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "try:\n"
+        "    s = http.server.HTTPServer(('127.0.0.1', int(sys.argv[-1])), H)\n"
+        "except OSError as e:\n"
+        "    print(e, file=sys.stderr); sys.exit(1)\n"
+        "s.serve_forever()\n"
+    )
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], over_http.free_port()])
+    monkeypatch.setattr(over_http, "free_port", lambda: next(ports))
+    try:
+        with over_http.server([sys.executable, "-c", code], {}, timeout=30) as (url, proc):
+            assert url != f"http://127.0.0.1:{taken.getsockname()[1]}"
+            assert proc.poll() is None
+        assert proc.poll() is not None
+    finally:
+        taken.close()
