@@ -156,12 +156,32 @@ def _tier(root: Path) -> DiskTier:
     return DiskTier(str(root), NS, 1 << 20, PAGE_SHAPE, torch.float32, 3600)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version"])
-def test_bad_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
+FEATURES = torch.arange(12, dtype=torch.float32).reshape(3, 4)  # a [rows=3, 4] feature run
+
+
+def _write(tier: DiskTier, kind: str, k: bytes) -> bool:
+    """Write a KV page (``kind="kv"``) or :data:`FEATURES` (``"feat"``) under ``k``."""
+    return tier.write_now(k, page(1)) if kind == "kv" else tier.write_features_now(k, FEATURES)
+
+
+def _read(tier: DiskTier, kind: str, k: bytes, rows: int = 3) -> torch.Tensor | None:
+    return tier.read(k) if kind == "kv" else tier.read_features(k, rows, 4)
+
+
+@pytest.mark.parametrize(
+    ("kind", "damage"),
+    [
+        *((kind, d) for kind in ("kv", "feat") for d in ("truncate", "flip", "foreign", "empty")),
+        *((kind, "version") for kind in ("kv", "feat")),
+        ("feat", "shape"),  # a whole, checked file that does not fit the prompt's run
+    ],
+)
+def test_bad_files_are_misses_and_deleted(tmp_path: Path, kind: str, damage: str, caplog) -> None:  # noqa: ANN001
     tier = _tier(tmp_path)
-    assert tier.write_now(key(1), page(1))
-    path = Path(tier.dir) / (key(1).hex() + ".kv")
+    assert _write(tier, kind, key(1))
+    path = Path(tier.dir) / f"{key(1).hex()}.{kind}"
     data = bytearray(path.read_bytes())
+    rows = 2 if damage == "shape" else 3
     if damage == "truncate":
         data = data[:-3]
     elif damage == "flip":
@@ -170,56 +190,27 @@ def test_bad_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -
         data = bytearray()
     elif damage == "version":
         data[8] += 1
-    else:  # the same page written under another namespace (another model or dtype)
+    elif damage == "foreign":  # the same file written under another namespace (model, dtype)
         other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
-        other.write_now(key(1), page(1))
+        _write(other, kind, key(1))
         data = bytearray((Path(other.dir) / path.name).read_bytes())
         other.close()
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        assert tier.read(key(1)) is None
-    assert not path.exists() and key(1) not in tier
-    assert tier.read_failures == 1
-    assert tier.write_now(key(1), page(1))  # rewritten, read back whole
-    assert torch.equal(tier.read(key(1)), page(1))
+        assert _read(tier, kind, key(1), rows) is None
+    assert not path.exists() and key(1) not in tier and not tier.has_features(key(1))
+    assert tier.read_failures == 1 and tier.bytes_used == 0
+    assert _write(tier, kind, key(1))  # rewritten, read back whole
+    assert torch.equal(_read(tier, kind, key(1)), page(1) if kind == "kv" else FEATURES)
     tier.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty", "version", "shape"])
-def test_bad_feature_files_are_misses_and_deleted(tmp_path: Path, damage: str, caplog) -> None:  # noqa: ANN001
+def test_feature_files_keep_their_dtype_and_refuse_other_shapes(tmp_path: Path) -> None:
     tier = _tier(tmp_path)
-    f = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    assert tier.write_features_now(key(1), f)
-    path = Path(tier.dir) / (key(1).hex() + ".feat")
-    data = bytearray(path.read_bytes())
-    rows = 3
-    if damage == "truncate":
-        data = data[:-3]
-    elif damage == "flip":
-        data[-1] ^= 0xFF
-    elif damage == "empty":
-        data = bytearray()
-    elif damage == "version":
-        data[8] += 1
-    elif damage == "shape":  # a whole, checked file that does not fit the prompt's run
-        rows = 2
-    else:  # written under another namespace (another model or dtype)
-        other = DiskTier(str(tmp_path / "o"), key(7), 1 << 20, PAGE_SHAPE, torch.float32, 3600)
-        other.write_features_now(key(1), f)
-        data = bytearray((Path(other.dir) / path.name).read_bytes())
-        other.close()
-    path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING):
-        assert tier.read_features(key(1), rows, 4) is None
-    assert not path.exists() and not tier.has_features(key(1))
-    assert tier.read_failures == 1 and tier.bytes_used == 0
-    assert tier.write_features_now(key(1), f)  # rewritten, read back whole
-    assert torch.equal(tier.read_features(key(1), 3, 4), f)
-    # other dtypes keep theirs; other shapes are refused at the writer
-    half = f.to(torch.bfloat16)
+    half = FEATURES.to(torch.bfloat16)
     assert tier.write_features_now(key(2), half)
     assert torch.equal(tier.read_features(key(2), 3, 4), half)
-    assert not tier.write_features(key(3), f.reshape(-1))
+    assert not tier.write_features(key(3), FEATURES.reshape(-1))
     tier.close()
 
 
