@@ -1,11 +1,14 @@
 """Helpers the tests import: request builders, the output comparator and the
-transformers reference, HTTP shortcuts for ``TestClient`` apps, and engine workloads.
+transformers reference, engine workloads, HTTP shortcuts for ``TestClient`` apps (chat,
+uploads, video QA; the apps come from ``tests/live_server.py``'s ``app_client``), and
+``mmserve serve --help``'s defaults.
 
 Fixtures (checkpoints, loaded models, engines, photos) live in ``tests/conftest.py``
 and are never imported. Three sibling helper modules hold the larger jobs:
-``tests/live_server.py`` (a real ``mmserve serve`` process), ``tests/videos.py``
-(tiny test videos encoded with PyAV) and ``tests/cases.py`` (odd and broken input
-files). No test imports another ``test_*.py`` module.
+``tests/live_server.py`` (a real ``mmserve serve`` process, or the app in-process),
+``tests/videos.py`` (tiny test videos encoded with PyAV) and ``tests/cases.py`` (odd and
+broken input files). No test imports another ``test_*.py`` module. This module is on the
+GPU check's path: nothing here imports FastAPI (tests/test_gpu_bundle.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from fastapi.testclient import TestClient
 from PIL import Image
 
 from mmserve.cache.kv_pool import KVPool
@@ -313,17 +315,6 @@ def tp_engine(model_dir: Path, tp: int = 2, **kw) -> Iterator[Engine]:
 # ---- HTTP shortcuts for TestClient apps serving the tiny model as "llava-tiny" ----------
 
 MODEL = "llava-tiny"
-
-
-@contextmanager
-def app_client(engine: Engine, **settings) -> Iterator[TestClient]:
-    """A ``TestClient`` (lifespan run) on ``create_app(engine, ServerSettings(**settings))``;
-    the model is served as :data:`MODEL` unless ``settings`` name another."""
-    from api.app import ServerSettings, create_app
-
-    settings.setdefault("served_model_name", MODEL)
-    with TestClient(create_app(engine, ServerSettings(**settings))) as c:
-        yield c
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""A real ``mmserve serve`` subprocess on a free 127.0.0.1 port, for end-to-end tests."""
+"""A real ``mmserve serve`` subprocess on a free 127.0.0.1 port, for end-to-end tests, and
+the app in-process behind a ``TestClient`` (:func:`app_client`).
+
+Apart from ``tests/helpers.py``: the GPU check imports that one, and its image has no
+FastAPI (tests/test_gpu_bundle.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
+
+from api.app import ServerSettings, create_app
+from mmserve.engine.engine import Engine
+from tests.helpers import MODEL
 
 
 def free_port() -> int:
@@ -146,3 +155,12 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.1)
+
+
+@contextmanager
+def app_client(engine: Engine, **settings) -> Iterator[TestClient]:
+    """A ``TestClient`` (lifespan run) on ``create_app(engine, ServerSettings(**settings))``;
+    the model is served as ``tests.helpers.MODEL`` unless ``settings`` name another."""
+    settings.setdefault("served_model_name", MODEL)
+    with TestClient(create_app(engine, ServerSettings(**settings))) as c:
+        yield c

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from tests.helpers import MODEL, ChatDefaults, app_client
+from tests.helpers import MODEL, ChatDefaults
+from tests.live_server import app_client
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tests.helpers import ChatDefaults, app_client, assert_error, assert_healthy
+from tests.helpers import ChatDefaults, assert_error, assert_healthy
+from tests.live_server import app_client
 
 KEEP = 1234  # the one id the "all but one" bias leaves
 

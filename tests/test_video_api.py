@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from mmserve.vision.video import Video, VideoLimits
-from tests.helpers import app_client, png_bytes, upload_video, video_qa
+from tests.helpers import png_bytes, upload_video, video_qa
+from tests.live_server import app_client
 from tests.videos import (
     encode_mp4,
     encode_video,

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from mmserve.vision.image import clean_decoder_message
 from mmserve.vision.video import Video, VideoError, VideoLimits
-from tests.helpers import ROOT, app_client, upload_video, video_qa
+from tests.helpers import ROOT, upload_video, video_qa
+from tests.live_server import app_client
 
 av = pytest.importorskip("av")
 
