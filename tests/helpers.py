@@ -1,11 +1,14 @@
 """Helpers the tests import: request builders, the output comparator and the
-transformers reference, HTTP shortcuts for ``TestClient`` apps, and engine workloads.
+transformers reference, engine workloads, HTTP shortcuts for ``TestClient`` apps (chat,
+uploads, video QA; the apps come from ``tests/live_server.py``'s ``app_client``), and
+``mmserve serve --help``'s defaults.
 
 Fixtures (checkpoints, loaded models, engines, photos) live in ``tests/conftest.py``
 and are never imported. Three sibling helper modules hold the larger jobs:
-``tests/live_server.py`` (a real ``mmserve serve`` process), ``tests/videos.py``
-(tiny test videos encoded with PyAV) and ``tests/cases.py`` (odd and broken input
-files). No test imports another ``test_*.py`` module.
+``tests/live_server.py`` (a real ``mmserve serve`` process, or the app in-process),
+``tests/videos.py`` (tiny test videos encoded with PyAV) and ``tests/cases.py`` (odd and
+broken input files). No test imports another ``test_*.py`` module. This module is on the
+GPU check's path: nothing here imports FastAPI (tests/test_gpu_bundle.py).
 """
 
 from __future__ import annotations
@@ -14,8 +17,13 @@ import base64
 import io
 import json
 import random
+import re
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -309,17 +317,39 @@ def tp_engine(model_dir: Path, tp: int = 2, **kw) -> Iterator[Engine]:
 MODEL = "llava-tiny"
 
 
+@dataclass(frozen=True)
+class ChatDefaults:
+    """Chat completions of one user message with fixed defaults: greedy, ``max_tokens``
+    tokens, ``text`` as the message unless a call names another."""
+
+    text: str = "Say hello."
+    max_tokens: int = 3
+
+    def body(self, text: str | list | None = None, **kw) -> dict:
+        """The request body; ``kw`` adds or overrides fields (``None`` values are sent)."""
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": self.text if text is None else text}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            **kw,
+        }
+
+    def complete(self, client, text: str | list | None = None, **kw) -> dict:  # noqa: ANN001
+        """POST :meth:`body`; assert a 200 and return the JSON body."""
+        r = client.post("/v1/chat/completions", json=self.body(text, **kw))
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stream(self, client, text: str | list | None = None, **kw) -> list[dict]:  # noqa: ANN001
+        """:meth:`body` streamed: the parsed chunks (:func:`stream_chunks`)."""
+        return stream_chunks(client, self.body(text, **kw))
+
+
 def chat(client, content, **kw):  # noqa: ANN001, ANN201
     """POST one user message (``content``: a string or parts) to ``/v1/chat/completions``:
     greedy, 3 tokens unless ``kw`` says otherwise. Returns the response."""
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 3,
-        "temperature": 0,
-        **kw,
-    }
-    return client.post("/v1/chat/completions", json=body)
+    return client.post("/v1/chat/completions", json=ChatDefaults().body(content, **kw))
 
 
 def chat_json(client, content, **kw) -> dict:  # noqa: ANN001
@@ -355,6 +385,21 @@ def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
     return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
 
 
+def upload_video(client, data: bytes, name: str = "v.mp4"):  # noqa: ANN001, ANN201
+    """POST ``data`` to ``/v1/videos`` as a multipart file; returns the response."""
+    return client.post("/v1/videos", files={"file": (name, data, "video/mp4")})
+
+
+def video_qa(client, vid: str, **body) -> list[dict]:  # noqa: ANN001, ANN003
+    """POST ``body`` (greedy unless it says otherwise) to ``/v1/videos/{vid}/qa``; assert
+    a 200 whose NDJSON events start with ``frames`` and end with ``summary``; return them."""
+    r = client.post(f"/v1/videos/{vid}/qa", json={"temperature": 0.0, **body})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line) for line in r.text.splitlines() if line]
+    assert events[0]["type"] == "frames" and events[-1]["type"] == "summary", events
+    return events
+
+
 def assert_healthy(client) -> None:  # noqa: ANN001
     """A normal request is answered and the pool accounting holds at rest."""
     r = chat(client, "Say hello.")
@@ -377,3 +422,30 @@ def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+# ---- the command line ----------------------------------------------------------------
+
+
+@cache
+def serve_help_defaults() -> dict[str, str | None]:
+    """``mmserve serve --help`` (run once per session): each option's first flag -> the
+    default its help shows (``None`` where it shows none)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    body = out[out.index("\noptions:") :]
+    # an option's entry starts on a line indented by two spaces and a dash
+    entries = re.split(r"\n  (?=-)", body)[1:]
+    found: dict[str, str | None] = {}
+    for entry in entries:
+        flat = " ".join(entry.split("\n\n")[0].split())  # not the next section's title
+        flag = flat.split()[0].rstrip(",")
+        head, sep, default = flat.rpartition("[default: ")
+        found[flag] = default.removesuffix("]") if sep else None
+    return found

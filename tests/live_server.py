@@ -1,4 +1,8 @@
-"""A real ``mmserve serve`` subprocess on a free 127.0.0.1 port, for end-to-end tests."""
+"""A real ``mmserve serve`` subprocess on a free 127.0.0.1 port, for end-to-end tests, and
+the app in-process behind a ``TestClient`` (:func:`app_client`).
+
+Apart from ``tests/helpers.py``: the GPU check imports that one, and its image has no
+FastAPI (tests/test_gpu_bundle.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from fastapi.testclient import TestClient
+
+from api.app import ServerSettings, create_app
 from benchmarks.over_http import free_port, server
+from mmserve.engine.engine import Engine
+from tests.helpers import MODEL
 
 __all__ = ["free_port", "live_server", "live_server_process"]
 
@@ -104,3 +113,12 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.1)
+
+
+@contextmanager
+def app_client(engine: Engine, **settings) -> Iterator[TestClient]:
+    """A ``TestClient`` (lifespan run) on ``create_app(engine, ServerSettings(**settings))``;
+    the model is served as ``tests.helpers.MODEL`` unless ``settings`` name another."""
+    settings.setdefault("served_model_name", MODEL)
+    with TestClient(create_app(engine, ServerSettings(**settings))) as c:
+        yield c

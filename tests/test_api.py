@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
-from tests.helpers import assert_healthy, chat, stream_chunks, upload
+from tests.helpers import assert_healthy, chat, stream_chunks, upload, user
 
 MODEL = "llava-tiny"
 
@@ -20,6 +20,16 @@ def client(make_engine):  # noqa: ANN001, ANN201
     with TestClient(app) as c:
         c.engine = engine
         yield c
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def ask(image_id: str, q: str) -> list[dict]:
@@ -35,18 +45,25 @@ def test_upload_same_pixels_same_id(client, photos) -> None:  # noqa: ANN001
 
 
 def test_three_questions_reuse_the_image(client, photos) -> None:  # noqa: ANN001
+    assert client.post("/v1/cache/flush").status_code == 200  # whatever other tests cached
     image_id = upload(client, photos["coffee.png"]).json()["id"]
-    usages = []
+    proc = client.engine.processor
+    image = proc.prepare_image(photos["coffee.png"])
+    asked: list[list[int]] = []
     for q in ["What is this?", "What colour is the cup?", "Is it hot?"]:
         r = chat(client, ask(image_id, q))
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "chat.completion"
-        assert isinstance(body["choices"][0]["message"]["content"], str)
-        usages.append(body["usage"])
-    assert usages[0]["prompt_tokens"] > 576
-    for u in usages[1:]:
-        assert u["prompt_tokens_details"]["cached_tokens"] >= 576
+        assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["message"]["content"]
+        ids = proc.make_request(messages=user(None, q), images=[image]).input_ids
+        assert body["usage"]["prompt_tokens"] == len(ids) > 576
+        # page size 1: the cache holds each earlier prompt; the match is the longest
+        # shared prefix (image included), never the whole prompt
+        want = max((shared_prefix(ids, before) for before in asked), default=0)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == min(want, len(ids) - 1)
+        asked.append(ids)
+    assert min(shared_prefix(asked[0], a) for a in asked[1:]) > 576  # the image was reused
 
 
 def test_data_url_equals_upload(client, photos) -> None:  # noqa: ANN001
@@ -55,7 +72,8 @@ def test_data_url_equals_upload(client, photos) -> None:  # noqa: ANN001
     a = chat(client, ask(image_id, "What is this?")).json()
     b = chat(client, ask(url, "What is this?")).json()
     assert a["choices"][0]["message"] == b["choices"][0]["message"]
-    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576
+    # the same prompt again: all of it but the token that gives the first logits
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == b["usage"]["prompt_tokens"] - 1
 
 
 def test_streaming_sse(client, photos) -> None:  # noqa: ANN001
@@ -71,7 +89,8 @@ def test_streaming_sse(client, photos) -> None:  # noqa: ANN001
     chunks = stream_chunks(client, body)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == plain
-    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
     assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)
 
 

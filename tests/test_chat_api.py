@@ -5,40 +5,21 @@ from __future__ import annotations
 import math
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.app import ServerSettings, create_app
-from tests.helpers import stream_chunks
-
-MODEL = "llava-tiny"
+from tests.helpers import MODEL, ChatDefaults
+from tests.live_server import app_client
 
 
 @pytest.fixture(scope="module")
 def client(make_engine):  # noqa: ANN001, ANN201
     engine = make_engine(max_total_tokens=8192)
-    with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
+    with app_client(engine) as c:
         c.engine = engine
         yield c
 
 
-def body(text: str = "Tell me a story.", **kw) -> dict:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 6,
-        "temperature": 0,
-        **kw,
-    }
-
-
-def complete(client, **kw) -> dict:  # noqa: ANN001
-    r = client.post("/v1/chat/completions", json=body(**kw))
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def stream(client, **kw) -> list[dict]:  # noqa: ANN001
-    return stream_chunks(client, body(**kw))
+STORY = ChatDefaults("Tell me a story.", max_tokens=6)
+body, complete, stream = STORY.body, STORY.complete, STORY.stream
 
 
 def streamed_text(chunks: list[dict], index: int = 0) -> str:
@@ -159,16 +140,22 @@ def test_optional_model_developer_role_and_default_length(client) -> None:  # no
 
 def test_default_max_tokens_is_capped_by_what_is_left(make_engine) -> None:  # noqa: ANN001
     engine = make_engine(max_total_tokens=1024)  # the pool, not the context, binds here
-    with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
+    with app_client(engine) as c:
         long = "word " * 470  # about 940 tokens
         r = c.post(
             "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": long}], "temperature": 0},
+            json={
+                "messages": [{"role": "user", "content": long}],
+                "temperature": 0,
+                "ignore_eos": True,
+            },
         )
         assert r.status_code == 200, r.text
         u = r.json()["usage"]
         assert 900 < u["prompt_tokens"] < 1000
-        assert u["prompt_tokens"] + u["completion_tokens"] <= 1024
+        # no max_tokens: the default (256) cut to what the pool leaves, used to the last token
+        assert u["prompt_tokens"] + u["completion_tokens"] == 1024
+        assert r.json()["choices"][0]["finish_reason"] == "length"
         r = c.post(
             "/v1/chat/completions",
             json={"messages": [{"role": "user", "content": long * 2}]},

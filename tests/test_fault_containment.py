@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from fastapi.testclient import TestClient
@@ -54,6 +56,28 @@ def accounting(c: TestClient) -> dict:
     return acc
 
 
+@contextmanager
+def normal_requests(c: TestClient) -> Iterator[list[str]]:
+    """POST each of :data:`NORMAL` from its own thread while the block runs; on leaving,
+    wait for them (60 s at most) and fill the yielded list with their answers' texts."""
+    answers: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = c.post("/v1/chat/completions", json=body(NORMAL[i]))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(NORMAL))]
+    for t in threads:
+        t.start()
+    texts: list[str] = []
+    try:
+        yield texts
+    finally:  # a failed check in the block still waits for the threads
+        for t in threads:
+            t.join(timeout=60)
+    assert len(answers) == len(NORMAL), "a request never finished"
+    texts += [answers[i].json()["choices"][0]["message"]["content"] for i in range(len(NORMAL))]
+
+
 @pytest.fixture(scope="module")
 def baseline(make_engine) -> list[str]:  # noqa: ANN001
     with TestClient(create_app(make_engine(), ServerSettings(served_model_name="m"))) as c:
@@ -66,31 +90,21 @@ def baseline(make_engine) -> list[str]:  # noqa: ANN001
 def test_a_failing_batch_fails_only_its_requests(make_engine, baseline) -> None:  # noqa: ANN001
     engine = make_engine()
     with TestClient(poisoned_app(engine)) as c:
-        answers: dict[int, object] = {}
-
-        def ask(i: int) -> None:
-            answers[i] = c.post("/v1/chat/completions", json=body(NORMAL[i]))
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(NORMAL))]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 30
-        # all three decoding, so the poisoned request's prefill batch holds only itself
-        while len(engine.scheduler.running) < len(NORMAL) and time.time() < deadline:
-            time.sleep(0.002)
-        assert len(engine.scheduler.running) == len(NORMAL), "the requests never all decoded"
-        r = c.post("/v1/chat/completions", json=body(POISON))
-        err = r.json()["error"]
-        assert r.status_code == 500 and err["type"] == "server_error", r.text
-        assert "req-" in err["message"] and "RuntimeError" in err["message"]
-        # a stream that fails gets an error event, then [DONE]
-        with c.stream("POST", "/v1/chat/completions", json=body(POISON, stream=True)) as s:
-            events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        assert any("error" in json.loads(e) for e in events[:-1]), events
-        for t in threads:
-            t.join(timeout=60)
-        got = [answers[i].json()["choices"][0]["message"]["content"] for i in range(len(NORMAL))]
+        with normal_requests(c) as got:
+            deadline = time.time() + 30
+            # all three decoding, so the poisoned request's prefill batch holds only itself
+            while len(engine.scheduler.running) < len(NORMAL) and time.time() < deadline:
+                time.sleep(0.002)
+            assert len(engine.scheduler.running) == len(NORMAL), "the requests never all decoded"
+            r = c.post("/v1/chat/completions", json=body(POISON))
+            err = r.json()["error"]
+            assert r.status_code == 500 and err["type"] == "server_error", r.text
+            assert "req-" in err["message"] and "RuntimeError" in err["message"]
+            # a stream that fails gets an error event, then [DONE]
+            with c.stream("POST", "/v1/chat/completions", json=body(POISON, stream=True)) as s:
+                events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert any("error" in json.loads(e) for e in events[:-1]), events
         assert got == baseline
         assert c.get("/health").status_code == 200
         accounting(c)
@@ -138,18 +152,8 @@ def test_a_failure_while_sampling_fails_only_that_request(
     monkeypatch.setattr(engine_module, "sample_batch", flaky_batch)
     engine = make_engine()
     with TestClient(create_app(engine, ServerSettings(served_model_name="m"))) as c:
-        answers: dict[int, object] = {}
-
-        def ask(i: int) -> None:
-            answers[i] = c.post("/v1/chat/completions", json=body(NORMAL[i]))
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(NORMAL))]
-        for t in threads:
-            t.start()
-        r = c.post("/v1/chat/completions", json=body(POISON, seed=666))
-        assert r.status_code == 500 and "FloatingPointError" in r.json()["error"]["message"]
-        for t in threads:
-            t.join(timeout=60)
-        got = [answers[i].json()["choices"][0]["message"]["content"] for i in range(len(NORMAL))]
+        with normal_requests(c) as got:
+            r = c.post("/v1/chat/completions", json=body(POISON, seed=666))
+            assert r.status_code == 500 and "FloatingPointError" in r.json()["error"]["message"]
         assert got == baseline  # requests sharing its decode batches were not touched
         accounting(c)

@@ -471,6 +471,11 @@ def test_parse_reads_back_every_call(calls) -> None:  # noqa: ANN001
 def test_json_upload_still_works(app) -> None:  # noqa: ANN001
     from PIL import Image
 
-    data = base64.b64encode(png_bytes(Image.new("RGB", (5, 5), "red"))).decode()
-    r = app.post("/v1/images", json={"data": data})
+    raw = png_bytes(Image.new("RGB", (5, 4), "red"))
+    r = app.post("/v1/images", json={"data": base64.b64encode(raw).decode()})
     assert r.status_code == 200, r.text
+    info = r.json()
+    assert (info["width"], info["height"]) == (5, 4) and info["id"].startswith("img-")
+    # the same pixels uploaded as a file get the same id
+    files = {"file": ("red.png", raw, "image/png")}
+    assert app.post("/v1/images", files=files).json()["id"] == info["id"]

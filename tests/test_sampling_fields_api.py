@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.app import ServerSettings, create_app
-from tests.helpers import MODEL, assert_error, assert_healthy, stream_chunks
+from tests.helpers import ChatDefaults, assert_error, assert_healthy
+from tests.live_server import app_client
 
 KEEP = 1234  # the one id the "all but one" bias leaves
 
@@ -22,33 +21,13 @@ def engine(make_engine):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def client(engine, tmp_path_factory):  # noqa: ANN001, ANN201
-    settings = ServerSettings(
-        served_model_name=MODEL,
-        default_max_tokens=8,
-        image_store_dir=str(tmp_path_factory.mktemp("store")),
-    )
-    with TestClient(create_app(engine, settings)) as c:
+    store = str(tmp_path_factory.mktemp("store"))
+    with app_client(engine, default_max_tokens=8, image_store_dir=store) as c:
         yield c
 
 
-def body(text: str = "The end.", **kw) -> dict:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 10,
-        "temperature": 0,
-        **kw,
-    }
-
-
-def complete(client, **kw) -> dict:  # noqa: ANN001
-    r = client.post("/v1/chat/completions", json=body(**kw))
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def stream(client, **kw) -> list[dict]:  # noqa: ANN001
-    return stream_chunks(client, body(**kw))
+ENDING = ChatDefaults("The end.", max_tokens=10)
+body, complete, stream = ENDING.body, ENDING.complete, ENDING.stream
 
 
 def all_but(engine, keep: int) -> dict[str, float]:  # noqa: ANN001
@@ -219,5 +198,9 @@ def test_bad_values_are_400s_naming_the_field(client, photos, extra: dict, field
     assert assert_error(r, 400, field)["param"].startswith(field)
 
 
-def test_server_stays_healthy(client) -> None:  # noqa: ANN001
+def test_server_stays_healthy_after_every_bad_value(client) -> None:  # noqa: ANN001
+    for extra, field in BAD:
+        for stream_ in (False, True):
+            r = client.post("/v1/chat/completions", json=body(stream=stream_, **extra))
+            assert_error(r, 400, field)
     assert_healthy(client)

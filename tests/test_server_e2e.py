@@ -8,26 +8,22 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import SAMPLES
 from tests.live_server import live_server
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: Path):  # noqa: ANN201
-    with live_server(model_dir, "--served-model-name", "tiny", "--max-total-tokens", "8192") as url:
-        yield url
-
-
-def test_sample_client_against_real_server(server: str) -> None:
-    out = subprocess.run(
-        [sys.executable, str(SAMPLES.parent / "ask.py"), "--url", server, "--max-tokens", "4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
+def test_sample_client_against_real_server(model_dir: Path) -> None:
+    args = ("--served-model-name", "tiny", "--max-total-tokens", "8192")
+    with live_server(model_dir, *args) as server:
+        out = subprocess.run(
+            [sys.executable, str(SAMPLES.parent / "ask.py"), "--url", server, "--max-tokens", "4"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        ).stdout
+        with urllib.request.urlopen(f"{server}/v1/cache/stats", timeout=10) as r:
+            stats = json.loads(r.read())
     per_photo = [b for b in out.split("\n\n") if "id=img-" in b]
     assert len(per_photo) == 4, out
     for block in per_photo:
@@ -40,11 +36,8 @@ def test_sample_client_against_real_server(server: str) -> None:
         assert cached[0] < 576 and all(c >= 576 for c in cached[1:]), block
     frac = float(out.rsplit("cached fraction of prompt tokens: ", 1)[1])
     assert frac > 0.6
-
-
-def test_stats_after_questions(server: str) -> None:
-    with urllib.request.urlopen(f"{server}/v1/cache/stats", timeout=10) as r:
-        stats = json.loads(r.read())
+    # the server at rest after the client: nothing running, every page free or in the
+    # tree, the vision tower run once per photo
     assert stats["running_requests"] == 0
     assert stats["free_pages"] + stats["tree_pages"] == stats["pool_pages"]
     assert stats["vision_tower_images"] == 4

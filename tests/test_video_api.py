@@ -10,9 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from api.app import ServerSettings, create_app
 from mmserve.vision.video import Video, VideoLimits
-from tests.helpers import png_bytes
+from tests.helpers import png_bytes, upload_video, video_qa
+from tests.live_server import app_client
 from tests.videos import (
     encode_mp4,
     encode_video,
@@ -28,6 +28,9 @@ pytest.importorskip("av")
 
 QS = ["What is this?", "Describe the colors."]
 GREEDY = {"max_tokens": 3, "temperature": 0.0}
+#: the video limits of this file's servers
+LIMITS = {"max_video_bytes": 200_000, "max_video_frames": 16, "max_video_side": 640}
+upload = upload_video
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +40,7 @@ def engine(make_engine):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def client(engine):  # noqa: ANN001, ANN201
-    settings = ServerSettings(max_video_bytes=200_000, max_video_frames=16, max_video_side=640)
-    with TestClient(create_app(engine, settings)) as c:
+    with app_client(engine, **LIMITS) as c:
         yield c
 
 
@@ -47,16 +49,8 @@ def clip12() -> bytes:
     return encode_mp4(rgb_frames(12), fps=10)
 
 
-def upload(client: TestClient, data: bytes, name: str = "v.mp4"):  # noqa: ANN201
-    return client.post("/v1/videos", files={"file": (name, data, "video/mp4")})
-
-
 def qa(client: TestClient, vid: str, **body) -> list[dict]:  # noqa: ANN003
-    r = client.post(f"/v1/videos/{vid}/qa", json={**GREEDY, "questions": QS, **body})
-    assert r.status_code == 200, r.text
-    events = [json.loads(line) for line in r.text.splitlines() if line]
-    assert events[0]["type"] == "frames" and events[-1]["type"] == "summary"
-    return events
+    return video_qa(client, vid, **{**GREEDY, "questions": QS, **body})
 
 
 def assert_healthy(client: TestClient, engine) -> None:  # noqa: ANN001
@@ -84,10 +78,11 @@ def test_upload_get_list_delete(client: TestClient, clip12: bytes) -> None:
 
 def test_per_frame_matches_png_images_and_runs_the_tower_once_per_frame(
     client: TestClient,
-    clip12: bytes,
     engine,  # noqa: ANN001
 ) -> None:
-    vid = upload(client, clip12).json()["id"]
+    # frames no other test asks about: their features are in no cache yet
+    clip = encode_mp4(rgb_frames(12, seed=21), fps=10)
+    vid = upload(client, clip).json()["id"]
     before = engine.runner.vision_tower_images
     events = qa(client, vid, num_frames=3, system="Be brief.")
     answers = [e for e in events if e["type"] == "answer"]
@@ -103,7 +98,7 @@ def test_per_frame_matches_png_images_and_runs_the_tower_once_per_frame(
         got.sort(key=lambda a: a["question_index"])
         assert all(a["cached_tokens"] >= n_img for a in got[1:])
     # the same questions about each frame uploaded as a PNG image give the same answers
-    frames = Video(clip12, VideoLimits()).frames([f["frame_index"] for f in events[0]["frames"]])
+    frames = Video(clip, VideoLimits()).frames([f["frame_index"] for f in events[0]["frames"]])
     for k, im in enumerate(frames):
         image_id = client.post("/v1/images", files={"file": ("f.png", png_bytes(im))}).json()["id"]
         assert image_id == events[0]["frames"][k]["image_id"]
@@ -167,7 +162,7 @@ def test_clip_too_long_says_how_many_frames_fit(client: TestClient, make_engine)
     assert r.status_code == 400 and "select at most 8 frames" in r.json()["error"]["message"]
     # a server that allows more images per prompt: the context is the bound
     big = make_engine(max_total_tokens=16384, max_images_per_request=16)
-    with TestClient(create_app(big)) as c2:
+    with app_client(big) as c2:
         vid = upload(c2, encode_mp4(rgb_frames(14, seed=11), fps=10)).json()["id"]
         body = {"questions": QS, "mode": "clip", "num_frames": 14, "max_tokens": 4}
         r = c2.post(f"/v1/videos/{vid}/qa", json=body)
@@ -289,8 +284,7 @@ def test_engine_failure_during_video_qa_is_an_error_event(make_engine) -> None: 
         raise RuntimeError("injected /secret/path")
 
     prefill, engine.runner.prefill = engine.runner.prefill, boom
-    settings = ServerSettings(max_video_bytes=200_000, max_video_frames=16, max_video_side=640)
-    with TestClient(create_app(engine, settings)) as c:
+    with app_client(engine, **LIMITS) as c:
         vid = upload(c, encode_mp4(rgb_frames(4))).json()["id"]
         for fmt in ("ndjson", "sse"):
             body = {**GREEDY, "questions": QS, "num_frames": 2, "stream_format": fmt}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import re
 from pathlib import Path
 
@@ -17,10 +16,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.app import ServerSettings, create_app
 from mmserve.vision.image import clean_decoder_message
 from mmserve.vision.video import Video, VideoError, VideoLimits
-from tests.helpers import ROOT
+from tests.helpers import ROOT, upload_video, video_qa
+from tests.live_server import app_client
 
 av = pytest.importorskip("av")
 
@@ -84,24 +83,19 @@ def engine(make_engine):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def client(engine):  # noqa: ANN001, ANN201
-    settings = ServerSettings(max_video_bytes=200_000, max_video_frames=40, max_video_side=640)
-    with TestClient(create_app(engine, settings)) as c:
+    limits = {"max_video_bytes": 200_000, "max_video_frames": 40, "max_video_side": 640}
+    with app_client(engine, **limits) as c:
         yield c
 
 
 def upload(client: TestClient, data: bytes) -> dict:
-    r = client.post("/v1/videos", files={"file": ("v.mp4", data, "video/mp4")})
+    r = upload_video(client, data)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def qa(client: TestClient, vid: str, **body) -> list[dict]:  # noqa: ANN003
-    body = {**GREEDY, "questions": ["What is this?"], **body}
-    r = client.post(f"/v1/videos/{vid}/qa", json=body)
-    assert r.status_code == 200, r.text
-    events = [json.loads(line) for line in r.text.splitlines() if line]
-    assert events[0]["type"] == "frames" and events[-1]["type"] == "summary"
-    return events
+    return video_qa(client, vid, **{**GREEDY, "questions": ["What is this?"], **body})
 
 
 def assert_clean(msg: str) -> None:
