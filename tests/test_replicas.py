@@ -387,7 +387,7 @@ def test_cache_router_counts_the_shared_disk_tier() -> None:
 def cache_ep(model_dir: Path):  # noqa: ANN201
     """``mmserve serve --replicas 2`` with the cache router (for one test class)."""
     with live_server(model_dir, *RAY_ARGS, timeout=START_TIMEOUT) as url:
-        yield url
+        yield both_replicas_up(url)
 
 
 @pytest.fixture(scope="class")
@@ -395,7 +395,17 @@ def rr_ep(model_dir: Path):  # noqa: ANN201
     """Two replicas with ``--replica-router round_robin`` and a queue limit of 4."""
     args = (*RAY_ARGS, "--replica-router", "round_robin", "--max-queued-requests", "4")
     with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
-        yield url
+        yield both_replicas_up(url)
+
+
+def both_replicas_up(url: str) -> str:
+    """``url`` once both replicas are healthy: ``/health`` is 200 as soon as one is."""
+
+    def up() -> bool:
+        return httpx.get(f"{url}/health", timeout=10).json().get("healthy_replicas") == 2
+
+    wait_for(up, START_TIMEOUT, "both replicas healthy")
+    return url
 
 
 class TestCacheRouter:
