@@ -46,7 +46,6 @@ NOT_ON_THE_GPU_PATH = {
     ("mmserve/structured/spec.py", "xgrammar"): "only requests with structured output",
     ("mmserve/vision/video.py", "av"): "only requests with videos (the front end decodes them)",
     ("mmserve/testing/checkpoints.py", "sentencepiece"): "only --family llava-next",
-    ("benchmarks/report.py", "matplotlib"): "only the plots, which the GPU check does not draw",
 }
 
 
