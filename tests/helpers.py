@@ -43,6 +43,14 @@ TINY_FAMILIES = ("llava", "llava-next", "llava-onevision")
 # ---- requests ----------------------------------------------------------------------
 
 
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter from the repository root (what a first import
+    loads is only visible there); text output captured, ``timeout`` seconds at most."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def png_bytes(im: Image.Image, fmt: str = "PNG") -> bytes:
     """Encode a PIL image (PNG unless ``fmt`` names another Pillow format)."""
     buf = io.BytesIO()

@@ -4,8 +4,6 @@ test checkpoint descriptions it writes (``ModelFamily.test_config``)."""
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from mmserve.model.families import FAMILIES, FAMILY_NAMES, family_for, family_na
 from mmserve.model.families.llava import LlavaFamily
 from mmserve.model.families.llava_onevision import LlavaOnevisionFamily
 from mmserve.testing import checkpoints as mc
-from tests.helpers import ROOT, SAMPLES
+from tests.helpers import SAMPLES, run_python
 
 PHOTOS = ("astronaut.png", "cat.png", "coffee.png", "rocket.jpg")
 CONVERSATION = [
@@ -297,9 +295,7 @@ def test_make_model_choices_come_from_the_registry_when_used() -> None:
         "    else:\n"
         "        raise AssertionError(bad)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     assert "invalid choice: 'gpt' (choose from 'llava', 'llava-next', 'llava-onevision')" in (
         done.stderr

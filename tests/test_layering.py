@@ -4,11 +4,11 @@ the scheduler, tree or allocator, and only the scheduler changes its queues."""
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = sorted((ROOT / "mmserve").rglob("*.py"))
@@ -94,9 +94,7 @@ def test_structured_specs_and_the_lru_load_without_torch() -> None:
         "heavy = sorted({'torch', 'transformers', 'xgrammar'} & set(sys.modules))\n"
         "assert not heavy, heavy"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    done = run_python(code, timeout=60)
     assert done.returncode == 0, done.stderr
 
 
