@@ -68,7 +68,6 @@ def test_host_tier_is_a_byte_bounded_lru(ops: list[tuple[str, int]], cap_pages: 
     for op, k in ops:
         if op == "put":
             dropped = [dk for dk, _ in tier.put(key(k), page(k))]
-            assert dropped == [] or cap_pages
             if cap_pages:
                 model[key(k)] = k
                 model.move_to_end(key(k))

@@ -169,3 +169,22 @@ def test_the_engine_is_the_one_writer_of_a_requests_output() -> None:
                 if node.func.attr in LIST_EDITS and _receiver(node.func) in OUTPUT_FIELDS:
                     bad.append(f"{name}:{node.lineno} {_receiver(node.func)}.{node.func.attr}()")
     assert not bad, bad
+
+
+def test_api_imports_the_checkpoint_writer_only_when_it_builds_the_default_model() -> None:
+    # module-level imports load on every server and replica start; only the default-model
+    # fallback (a function body) may reach mmserve.testing
+    bad = []
+    for path in API:
+        for node in parse(path).body:
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            bad += [
+                f"{rel(path)}:{node.lineno} {n}" for n in names if n.startswith("mmserve.testing")
+            ]
+    assert not bad, bad

@@ -31,7 +31,6 @@ from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
 from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.request import ImageInput, ImageSpan
-from mmserve.testing.checkpoints import ensure_model
 
 #: Seconds a stopping replica may spend writing its KV pages to the disk tier (on top of
 #: the grace period its requests get; see ``build_application``).
@@ -94,7 +93,9 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, threads: int = 1, unhealthy_after: int = 3) -> None:
         torch.set_num_threads(max(1, threads))
-        if config.model_path is None:
+        if config.model_path is None:  # the bundled default model, as `mmserve serve` has
+            from mmserve.testing import ensure_model
+
             config.model_path = str(ensure_model("tiny"))
         self.engine = Engine(config)
         self.aengine = AsyncEngine(self.engine)

@@ -257,7 +257,7 @@ class PlanCapture:
         self.inner.plan(meta)
 
     def forward(self, q, k, v, layer_id, pool):  # noqa: ANN001, ANN201
-        """``inner.forward``: see :class:`~mmserve.kernels.select.AttentionBackend`."""
+        """``inner.forward``: see :class:`~mmserve.kernels.backend.AttentionBackend`."""
         return self.inner.forward(q, k, v, layer_id, pool)
 
 

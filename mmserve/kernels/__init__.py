@@ -1,9 +1,9 @@
 """Attention kernels over the paged KV pool: metadata, torch and FlashInfer backends."""
 
+from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.flashinfer_backend import BackendUnavailableError
 from mmserve.kernels.select import (
     ATTENTION_BACKENDS,
-    AttentionBackend,
     make_attention_backend,
     resolve_attention_backend,
 )

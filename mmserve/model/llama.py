@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mmserve.cache.kv_pool import KVPool
-from mmserve.kernels.torch_backend import TorchAttentionBackend
+from mmserve.kernels.backend import AttentionBackend
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        backend: TorchAttentionBackend,
+        backend: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -161,7 +161,7 @@ class LlamaDecoder(nn.Module):
         self,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        backend: TorchAttentionBackend,
+        backend: AttentionBackend,
         pool: KVPool,
         logit_rows: torch.Tensor,
     ) -> torch.Tensor:
@@ -177,7 +177,8 @@ class LlamaDecoder(nn.Module):
                 (each request's last new token).
 
         Returns:
-            fp32 logits ``[B, vocab_size]``.
+            fp32 logits ``[B, vocab_size]`` (run by a tensor-parallel shard: its own rows
+            of the vocabulary; ``gather_logits`` pads and joins the ranks' slices).
         """
         cos, sin = self.rope(positions, embeds.dtype)
         x = embeds
