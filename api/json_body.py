@@ -268,7 +268,7 @@ async def read_json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
     ctype = request.headers.get("content-type")
     raw = await request.body()
     if not json_media_type(ctype):
-        got = f"Content-Type {ctype.split(';')[0]!r}" if ctype else "no Content-Type"
+        got = f"Content-Type {ctype.strip()[:100]!r}" if ctype else "no Content-Type"
         raise _error(
             f"request body must be a JSON object sent with Content-Type: application/json "
             f"(UTF-8); got {got}"

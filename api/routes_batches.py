@@ -91,9 +91,10 @@ async def upload_file(request: Request, st: State) -> dict:
             )
         purpose = form.get("purpose")
         if purpose not in UPLOAD_PURPOSES:
+            got = "field required" if purpose is None else f"{purpose!r} is not supported"
             raise APIError(
                 400,
-                f"purpose: {purpose!r} is not supported; use one of {list(UPLOAD_PURPOSES)}",
+                f"purpose: {got}; use one of {list(UPLOAD_PURPOSES)}",
                 param="purpose",
             )
         file = form.get("file")

@@ -46,12 +46,19 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default unless it is None (those options say their default in words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``make-model DIR [--size] [--seed] [--family] [--dtype]`` to a subcommand set."""
     m = sub.add_parser(
         "make-model",
         help="write a seeded random LLaVA-1.5, LLaVA-NeXT or LLaVA-OneVision checkpoint",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     m.add_argument("dir", help="directory to write")
     m.add_argument(
@@ -63,7 +70,7 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
         "others: a real model's exact shapes with seeded random weights (onevision-0.5b: "
         "LLaVA-OneVision-0.5B, 1.8 GB in bf16; the 7b ones about 14 GB each in bf16)",
     )
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     m.add_argument(
         "--family",
         choices=_RegistryChoices("FAMILY_NAMES"),

@@ -304,3 +304,45 @@ def test_chat_refuses_tool_fields_without_tools_the_same_way(client) -> None:  #
         r = chat(client, [{"type": "text", "text": "Hi"}], max_tokens=1, **{field: value})
         err = assert_error(r, 400, f"{field} needs tools")
         assert err["param"] == field
+
+
+# ---- 5. messages that name what was wrong ------------------------------------------------
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+            "expected a string or an array",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stop": 5},
+            "stop",
+            "expected a string or an array",
+        ),
+        ("/v1/responses", {"model": MODEL, "input": 5}, "input", "expected a string or an array"),
+    ],
+)
+def test_a_value_no_union_branch_takes_names_every_branch(
+    client, path: str, body: dict, param: str, words: str
+) -> None:  # noqa: ANN001
+    err = assert_error(client.post(path, json=body), 400, words)
+    assert err["param"] == param
+
+
+def test_a_wrong_charset_is_named(client) -> None:  # noqa: ANN001
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    r = client.post(
+        "/v1/chat/completions",
+        content=body.encode("latin-1"),
+        headers={"Content-Type": "application/json; charset=latin-1"},
+    )
+    assert_error(r, 400, "charset=latin-1")
+
+
+def test_a_file_upload_without_purpose_says_field_required(client) -> None:  # noqa: ANN001
+    r = client.post("/v1/files", files={"file": ("b.jsonl", b"{}\n")})
+    err = assert_error(r, 400, "purpose: field required")
+    assert err["param"] == "purpose"

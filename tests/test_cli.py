@@ -119,3 +119,15 @@ def test_cli_serve_kv_budget_too_small_is_refused_with_numbers(model_dir, capsys
     assert "bytes per token" in err and "Traceback" not in err
     assert main(["serve", "--kv-cache-memory", "1", "--mem-fraction-static", "0.5"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_make_model_help_shows_each_default_once() -> None:
+    import argparse
+
+    from mmserve.cli import add_make_model_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    text = " ".join(add_make_model_parser(sub).format_help().split())
+    assert "(default: None)" not in text
+    assert "(default: tiny)" in text and "(default: 0)" in text  # --size, --seed
+    assert "(default: llava, or the family of a real --size)" in text
