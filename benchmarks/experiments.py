@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from PIL import Image
 
@@ -524,7 +525,10 @@ def _send_watching(pid: int, url: str, bodies: list[dict]) -> tuple[int, list[in
     thread.start()
     try:
         with ThreadPoolExecutor(len(bodies)) as ex:
-            status = [r.status_code for r in ex.map(lambda b: http.post(url, b, 900), bodies)]
+            status = [
+                r.status_code
+                for r in ex.map(lambda b: httpx.post(url, json=b, timeout=900), bodies)
+            ]
     finally:
         stop.set()
         thread.join()
@@ -546,8 +550,11 @@ def image_memory(args: argparse.Namespace, model_dir: str | None) -> int:
     for repo in [Path(r).resolve() for r in args.repo or [workloads.ROOT]]:
         with http.mmserve_server(model_dir, args.flags, 2, repo=repo) as (url, proc):
             chat = f"{url}/v1/chat/completions"
-            http.post(chat, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-            http.post(chat, _chat([big_png(64, 99)]))  # the image path once: lazy imports
+            hi = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            httpx.post(chat, json=hi, timeout=300)
+            httpx.post(
+                chat, json=_chat([big_png(64, 99)]), timeout=300
+            )  # the image path once: lazy imports
             time.sleep(2)
             base, figs, status = _rss(proc.pid), [], []
             for group in groups:

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -86,15 +87,6 @@ class Run:
             ttft_p99_s=ttft["p99"],
             tpot_p50_s=percentiles(self.tpots_s)["p50"],
         )
-
-
-def policy_supported(policy: str) -> str | None:
-    """None if ``EngineConfig(policy=policy)`` validates, else its error message."""
-    try:
-        EngineConfig(policy=policy).validate()
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def leak_check(eng: Engine) -> tuple[bool, str]:
@@ -295,19 +287,6 @@ def _drive(
     return results, wall, cpu, steps, times
 
 
-class _Stamps:
-    """A ``generate`` streamer: ``(wall, CPU)`` times of every ``put`` (the prompt first)."""
-
-    def __init__(self) -> None:
-        self.t: list[tuple[float, float]] = []
-
-    def put(self, value: torch.Tensor) -> None:  # noqa: ARG002
-        self.t.append((time.perf_counter(), time.process_time()))
-
-    def end(self) -> None:
-        pass
-
-
 class TransformersRunner:
     """transformers' ``generate`` (the class the checkpoint names) one request at a time, in
     ``dtype`` (mmserve's, so both run the same arithmetic), with mmserve's
@@ -333,7 +312,9 @@ class TransformersRunner:
     def generate(self, text: str, images: list[Any], n: int, **kw: Any) -> tuple[list, list]:
         """``n`` greedy tokens for ``text`` and ``images``: ``(new token ids, (wall, CPU) of
         the start and of each token)``."""
-        stamps, t0 = _Stamps(), (time.perf_counter(), time.process_time())
+        t0, t = (time.perf_counter(), time.process_time()), []
+        stamp = lambda _: t.append((time.perf_counter(), time.process_time()))  # noqa: E731
+        stamps = SimpleNamespace(put=stamp, end=lambda: None)  # a streamer: times of each put
         inputs = kw.pop("inputs", None) or self.inputs(text, images)
         ids = self.model.generate(
             **inputs,
@@ -344,7 +325,7 @@ class TransformersRunner:
             streamer=stamps,
             **kw,
         )
-        return ids[0, inputs["input_ids"].shape[1] :].tolist(), [t0, *stamps.t[1:]]
+        return ids[0, inputs["input_ids"].shape[1] :].tolist(), [t0, *t[1:]]  # t[0]: the prompt
 
     def run(
         self, wl: Workload, render: Any, images: dict[str, Any], lens: list[int], most: Any = None

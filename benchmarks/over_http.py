@@ -295,21 +295,13 @@ def get_json(url: str, timeout: float = 60) -> Any:
     return httpx.get(url, timeout=timeout).json()
 
 
-def post(url: str, body: Any = None, timeout: float = 300) -> httpx.Response:
-    """POST ``body`` (JSON; bytes as given; None: empty)."""
-    data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-    return httpx.post(
-        url, content=data, headers={"Content-Type": "application/json"}, timeout=timeout
-    )
-
-
 def post_json(url: str, body: Any, timeout: float = 300) -> Any:
     """POST ``body`` as JSON and parse the answer.
 
     Raises:
         RuntimeError: a status other than 200.
     """
-    r = post(url, body, timeout)
+    r = httpx.post(url, json=body, timeout=timeout)
     if r.status_code != 200:
         raise RuntimeError(f"{url}: {r.status_code} {r.content[:300]!r}")
     return r.json()
@@ -330,7 +322,7 @@ def flush(url: str) -> None:
         RuntimeError: still refused after 10 s.
     """
     for _ in range(40):
-        if (r := post(f"{url}/v1/cache/flush")).status_code == 200:
+        if (r := httpx.post(f"{url}/v1/cache/flush", timeout=300)).status_code == 200:
             return
         time.sleep(0.25)
     raise RuntimeError(f"cache flush refused: {r.status_code} {r.content[:200]!r}")

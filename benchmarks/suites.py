@@ -18,8 +18,9 @@ import torch
 
 from benchmarks import over_http as http
 from benchmarks import report, workloads
-from benchmarks.in_process import MMServeRunner, Run, TransformersRunner, policy_supported
+from benchmarks.in_process import MMServeRunner, Run, TransformersRunner
 from benchmarks.in_process import model_dir as default_model_dir
+from mmserve.config import EngineConfig
 
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 MAIN_POLICY = "lpm"
@@ -162,10 +163,11 @@ def engine_suite(args: argparse.Namespace, model_dir: str) -> int:
     mm = MMServeRunner.load(model_dir)
     policies, skipped = [], []
     for p in [p for p in args.policies.split(",") if p]:
-        if (err := policy_supported(p)) is None:
+        try:
+            EngineConfig(policy=p).validate()
             policies.append(p)
-        else:
-            skipped.append(f"policy {p!r} skipped: EngineConfig rejects it ({err})")
+        except ValueError as e:
+            skipped.append(f"policy {p!r} skipped: EngineConfig rejects it ({e})")
             log(skipped[-1])
     hf = None
     if not args.no_baseline:
