@@ -1,7 +1,5 @@
-"""Single-purpose benchmarks, each a ``python -m benchmarks`` subcommand (what each
-measured: ``benchmarks/README.md``): ``replicas``, ``structured``, ``batch-order``,
-``batch-api``, ``kv-tiers``, ``image-memory`` and ``video-qa``. Each compares setups on one
-workload and writes ``<name>.json`` and ``<name>.md`` (:func:`benchmarks.report.emit`)."""
+"""The single-purpose subcommands (``replicas``, ``structured``, ``batch-order``, ``batch-api``,
+``kv-tiers``, ``image-memory``, ``video-qa``; what each measures: ``benchmarks/README.md``)."""
 
 from __future__ import annotations
 

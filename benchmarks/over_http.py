@@ -1,13 +1,6 @@
-"""The HTTP runner: a load generator for OpenAI-compatible servers, batch jobs, and server
-processes.
-
-Every chat request streams (``stream_options.include_usage``: token counts are checked
-against N), greedy, ``max_tokens`` N with ``ignore_eos``; bodies are serialised before a
-run. Open loop (seeded Poisson arrivals or a burst) or closed loop (a session's next turn
-queued when its previous answer arrives). :func:`summarize` reports what SGLang's
-``bench_serving`` and ``vllm bench serve`` do. Our own rather than ``guidellm``, whose
-wheel pulls ``datasets`` (pyarrow, pandas), sanic, uvloop and a dozen more.
-"""
+"""The HTTP runner: a load generator for OpenAI-compatible servers (open or closed loop;
+what it sends and reports, and why not ``guidellm``: ``benchmarks/README.md``), batch jobs,
+and server processes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""``real-shapes``: mmserve against transformers on a real-shape checkpoint, side by side.
-
-Per dtype, on one 380x300 photo, same seeded weights, greedy, medians of ``--repeats``
-with the systems alternating: the first question (tower + prefill), a second question
-about the same photo, batch-1 decode and ``--batch`` concurrent answers (``compare``);
-decode at ``--decode-batches`` against the weight-reading bound (``decode``).
-"""
+"""``real-shapes``: mmserve against transformers on a real-shape checkpoint, side by side
+(what each part measures: ``benchmarks/README.md``)."""
 
 from __future__ import annotations
 
