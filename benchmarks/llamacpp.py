@@ -61,18 +61,17 @@ def llama_server(
     threads: int = 1,
     slots: int = 4,
     log_path: Path | None = None,
-    ctx_per_slot: int = 4096,
-    cache_ram_mib: int = 1024,
 ) -> AbstractContextManager[tuple[str, Any]]:
     """``llama-server`` on 127.0.0.1: ``threads`` for generation, batches and the CLIP
-    encoder, ``slots`` requests decoded together, f32 KV cache, prompt cache on
-    (``--cache-ram``), mmserve's chat template; yields ``(url, process)`` once healthy."""
+    encoder, ``slots`` requests decoded together (4,096 context tokens each), f32 KV cache,
+    prompt cache on (``--cache-ram`` 1 GiB), mmserve's chat template; yields ``(url,
+    process)`` once healthy."""
     cmd = [
         str(setup.server), "-m", str(setup.model_gguf), "--mmproj", str(setup.mmproj_gguf),
         "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-        "-c", str(slots * ctx_per_slot), "-b", "2048", "-ub", "2048", "-ctk", "f32",
+        "-c", str(slots * 4096), "-b", "2048", "-ub", "2048", "-ctk", "f32",
         "-ctv", "f32", "--jinja", "--chat-template-file", str(setup.chat_template),
-        "--no-warmup", "-a", setup.hf_dir.name, "--cache-ram", str(cache_ram_mib),
+        "--no-warmup", "-a", setup.hf_dir.name, "--cache-ram", "1024",
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": str(threads), "LLAMA_MEDIA_MARKER": MEDIA_MARKER}
     return server(cmd, env, log_path, timeout=120)
@@ -164,14 +163,9 @@ def text_chats() -> list[list[dict]]:
 
 def image_chats() -> list[tuple[str, bytes, list[dict]]]:
     """``(label, image bytes, messages)``: two non-square photos and a 336-px frame."""
-    return [
-        (label, data, workloads.ask(workloads.QUESTIONS[1]))
-        for label, data in (
-            ("cat.png", workloads.photo_bytes("cat.png")),
-            ("rocket.jpg", workloads.photo_bytes("rocket.jpg")),
-            ("pan frame 336x336", workloads.pan_frames(2, repeat_every=0)[1]),
-        )
-    ]
+    ims = {**workloads.photos(4), "pan frame 336x336": workloads.pan_frames(2, repeat_every=0)[1]}
+    names = ("cat.png", "rocket.jpg", "pan frame 336x336")
+    return [(n, ims[n], workloads.ask(workloads.QUESTIONS[1])) for n in names]
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:

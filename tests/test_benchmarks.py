@@ -70,7 +70,7 @@ def test_workloads_are_deterministic_per_seed() -> None:
 def test_photos_are_distinct_pixels_past_the_samples() -> None:
     imgs = workloads.photos(16)  # rotating a mirror twice would repeat the originals
     assert len({_pixels(b) for b in imgs.values()}) == 16
-    assert imgs["cat.png"] == workloads.photo_bytes("cat.png")
+    assert imgs["cat.png"] == (workloads.SAMPLES_DIR / "cat.png").read_bytes()
 
 
 def test_workload_shapes() -> None:
