@@ -194,32 +194,20 @@ class MMServeRunner:
         results, wall, cpu, steps, times = got
         res = [results[i] for i in sorted(results)]
         stats = eng.cache_stats()
-        run = Run(
-            system=label,
-            kind="mmserve",
-            requests=n,
-            measured_requests=n,
-            wall_s=wall,
-            cpu_s=cpu,
-            output_tokens=sum(r.completion_tokens for r in res),
-            prompt_tokens=sum(r.prompt_tokens for r in res),
-            cached_tokens=sum(r.cached_tokens for r in res),
-            vision_tower_runs=int(stats["vision_tower_images"]),
-            pool_tokens=eng.pool.size_tokens,
-            image_prefills=sum(r.images_needing_vision for r in res),
-            ttfts_s=[r.ttft for r in res],
-            tpots_s=[
-                (r.latency - r.ttft) / (r.completion_tokens - 1)
-                for r in res
-                if r.completion_tokens > 1
-            ],
-            tree_seconds=float(stats.get("tree_seconds", 0.0)),
-            outputs={i: list(r.output_ids) for i, r in results.items()},
-            all_finished=len(res) == n and all(r.finish_reason == "length" for r in res),
-            retractions=int(stats.get("retractions", 0)),
-            steps=steps,
-            decode_times=times,
-        )
+        tokens = [
+            sum(getattr(r, f"{k}_tokens") for r in res) for k in ("completion", "prompt", "cached")
+        ]
+        run = Run(label, "mmserve", n, wall, cpu, *tokens, int(stats["vision_tower_images"]), n)
+        run.pool_tokens, run.steps, run.decode_times = eng.pool.size_tokens, steps, times
+        run.image_prefills = sum(r.images_needing_vision for r in res)
+        run.ttfts_s = [r.ttft for r in res]
+        run.tpots_s = [
+            (r.latency - r.ttft) / (r.completion_tokens - 1) for r in res if r.completion_tokens > 1
+        ]
+        run.tree_seconds = float(stats.get("tree_seconds", 0.0))
+        run.outputs = {i: list(r.output_ids) for i, r in results.items()}
+        run.all_finished = len(res) == n and all(r.finish_reason == "length" for r in res)
+        run.retractions = int(stats.get("retractions", 0))
         if closed_loop and arrivals is None:
             run.notes.append(
                 f"closed loop: {len(wl.sessions)} sessions start at once; each sends its next "
@@ -351,20 +339,11 @@ class TransformersRunner:
                 if i in lat:
                     ttfts.append(start + service[i])
                 start, i = start + lat.get(i, mean), i + 1
-        run = Run(
-            system="transformers",
-            kind="transformers",
-            requests=n,
-            measured_requests=len(chosen),
-            wall_s=mean * n if len(chosen) < n else sum(lat.values()),
-            cpu_s=sum(cpu.values()) * n / len(cpu),
-            output_tokens=n * wl.max_tokens,
-            prompt_tokens=sum(lens[i] for i in chosen),
-            cached_tokens=0,
-            vision_tower_runs=sum(len(p.images) for p in wl.prompts),
-            ttfts_s=ttfts,
-            outputs=out,
-        )
+        wall = mean * n if len(chosen) < n else sum(lat.values())
+        towers, prompt = sum(len(p.images) for p in wl.prompts), sum(lens[i] for i in chosen)
+        cpu_s, tokens = sum(cpu.values()) * n / len(cpu), n * wl.max_tokens
+        run = Run("transformers", "transformers", n, wall, cpu_s, tokens, prompt, 0, towers)
+        run.measured_requests, run.ttfts_s, run.outputs = len(chosen), ttfts, out
         if len(chosen) < n:
             run.notes.append(
                 f"SUBSAMPLED: ran {len(chosen)} of {n} requests (evenly spaced); wall time "
