@@ -353,18 +353,11 @@ def overhead(
         )
         for _ in range(pairs)
     ]
-    med = lambda xs: statistics.median(x or 0 for x in xs)  # noqa: E731
-    h = {
-        "wall_s": med(h["duration_s"] for h, _ in got),
-        "cpu_s": med(h["server_cpu_s"] for h, _ in got),
-    }
-    h["ttft_p50_s"] = med(h["ttft_s"]["p50"] for h, _ in got)
-    mid = sorted((i for _, i in got), key=lambda i: i["wall_s"])[pairs // 2]
-    ip = {
-        **mid,
-        "wall_s": med(i["wall_s"] for _, i in got),
-        "cpu_s": med(i["cpu_s"] for _, i in got),
-    }
+    med = lambda f: statistics.median(f(*p) or 0 for p in got)  # noqa: E731
+    h = {"wall_s": med(lambda x, _: x["duration_s"]), "cpu_s": med(lambda x, _: x["server_cpu_s"])}
+    h["ttft_p50_s"] = med(lambda x, _: x["ttft_s"]["p50"])
+    ip = sorted((i for _, i in got), key=lambda i: i["wall_s"])[pairs // 2]  # the median run
+    ip = {**ip, "wall_s": med(lambda _, y: y["wall_s"]), "cpu_s": med(lambda _, y: y["cpu_s"])}
     ov = {"workload": wl.name, "rate": peak, "offered_rate": rate, "pairs": pairs}
     ov.update(in_process=ip, http=h, wall_overhead=h["wall_s"] / ip["wall_s"] - 1)
     ov["cpu_overhead"] = h["cpu_s"] / ip["cpu_s"] - 1 if h["cpu_s"] else None
