@@ -62,10 +62,8 @@ def run_setup(
     and measure: hit rate (the endpoint's ``/v1/cache/stats`` before and after), tower runs
     per distinct image, pixel fetches, req/s, TTFT, the router's decisions, and ``replies``
     (each request's text and usage, in prompt order)."""
-    ids = {
-        name: http.post_json(f"{url}/v1/images", {"data": base64.b64encode(data).decode()})["id"]
-        for name, data in wl.images.items()
-    }
+    upload = lambda data: {"data": base64.b64encode(data).decode()}  # noqa: E731
+    ids = {n: http.post_json(f"{url}/v1/images", upload(b))["id"] for n, b in wl.images.items()}
     before = http.get_json(f"{url}/v1/cache/stats")
     bodies = http.request_bodies(wl, model, urls=ids)
     results, wall = http.run_load(url, bodies, sessions=wl.sessions, clients=clients)
@@ -89,10 +87,9 @@ def run_setup(
     out["routed"] = ", ".join(f"{k} {v}" for k, v in sorted(out["router"].items()))
     keys = {"requests": "requests_finished", "hit_rate": "cache_hit_rate"}
     keys["tower_runs"] = "vision_tower_images"
+    replicas = {uid: s for uid, s in (after.get("replicas") or {}).items() if isinstance(s, dict)}
     out["per_replica"] = {
-        uid: {k: s.get(v) for k, v in keys.items()}
-        for uid, s in (after.get("replicas") or {}).items()
-        if isinstance(s, dict)
+        uid: {k: s.get(v) for k, v in keys.items()} for uid, s in replicas.items()
     }
     return out
 

@@ -136,14 +136,10 @@ class MMServeRunner:
         )
         prepare, out = eng.processor.prepare_image, []
         for p in wl.prompts:
-            imgs = []
-            for data in (wl.images[n] for n in p.images):
-                if not cached:
-                    imgs.append(prepare(data))
-                    continue
-                if data not in self.decoded:
-                    self.decoded[data] = prepare(data)
-                imgs.append(self.decoded[data])
+            data = [wl.images[n] for n in p.images]
+            if cached:
+                self.decoded.update({d: prepare(d) for d in data if d not in self.decoded})
+            imgs = [self.decoded[d] if cached else prepare(d) for d in data]
             out.append(eng.processor.make_request(messages=p.messages, images=imgs, params=params))
         return out
 
