@@ -193,7 +193,8 @@ class MMServeRunner:
         tokens = [
             sum(getattr(r, f"{k}_tokens") for r in res) for k in ("completion", "prompt", "cached")
         ]
-        run = Run(label, "mmserve", n, wall, cpu, *tokens, int(stats["vision_tower_images"]), n)
+        towers = int(stats["vision_tower_images"])
+        run = Run(label, "mmserve", n, wall, cpu, *tokens, towers, measured_requests=n)
         run.pool_tokens, run.steps, run.decode_times = eng.pool.size_tokens, steps, times
         run.image_prefills = sum(r.images_needing_vision for r in res)
         run.ttfts_s = [r.ttft for r in res]
