@@ -234,11 +234,8 @@ def engine_summary(results: dict, sweeps: dict, targets: list[dict], m: dict) ->
             table(rows, WORKLOAD_COLS),
         ]
         notes = res["notes"] + res["skipped"]
-        lines += [
-            f"- {n}"
-            for n in notes + [f"{s['system']}: {n}" for s in res["systems"] for n in s["notes"]]
-        ]
-        lines.append("")
+        notes += [f"{s['system']}: {n}" for s in res["systems"] for n in s["notes"]]
+        lines += [f"- {n}" for n in notes] + [""]
     for sw in sweeps.values():
         pts = {str(p["pool_tokens"]): p for p in sw["points"]}
         for p in pts.values():
