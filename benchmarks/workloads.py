@@ -133,15 +133,8 @@ def png(im: Image.Image) -> bytes:
 
 #: Orientations of copy ``j`` of a sample photo (entry ``j - 1``; past them, shifted
 #: pixel values): other pixels, so another key.
-_VARIANTS = (
-    Image.Transpose.TRANSPOSE,
-    Image.Transpose.ROTATE_180,
-    Image.Transpose.FLIP_TOP_BOTTOM,
-    Image.Transpose.ROTATE_90,
-    Image.Transpose.ROTATE_270,
-    Image.Transpose.FLIP_LEFT_RIGHT,
-    Image.Transpose.TRANSVERSE,
-)
+_VARIANTS = [Image.Transpose[n] for n in "TRANSPOSE ROTATE_180 FLIP_TOP_BOTTOM".split()]
+_VARIANTS += [Image.Transpose[n] for n in "ROTATE_90 ROTATE_270 FLIP_LEFT_RIGHT TRANSVERSE".split()]
 
 
 def photos(k: int) -> dict[str, bytes]:
