@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.step == "make-checkpoint":
             p = [p[0], args.size, args.seed]
         steps = {"make-checkpoint": llamacpp.make_sp_checkpoint, "vit-dir": llamacpp.write_vit_dir}
-        print(steps.get(args.step, llamacpp.export_language_model)(*p))
+        print(steps.get(args.step, llamacpp.export_language_model)(*p))  # else export-lm
         print(f"{args.step}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return 0
     if args.threads:

@@ -87,9 +87,10 @@ def run_setup(
     out["routed"] = ", ".join(f"{k} {v}" for k, v in sorted(out["router"].items()))
     keys = {"requests": "requests_finished", "hit_rate": "cache_hit_rate"}
     keys["tower_runs"] = "vision_tower_images"
-    replicas = {uid: s for uid, s in (after.get("replicas") or {}).items() if isinstance(s, dict)}
     out["per_replica"] = {
-        uid: {k: s.get(v) for k, v in keys.items()} for uid, s in replicas.items()
+        uid: {k: s.get(v) for k, v in keys.items()}
+        for uid, s in (after.get("replicas") or {}).items()
+        if isinstance(s, dict)
     }
     return out
 
