@@ -13,6 +13,13 @@ import torch
 from benchmarks import experiments, real_shapes, suites, workloads
 from benchmarks.in_process import model_dir as checkpoint
 
+
+def _qa(images: int, questions: int) -> list[tuple[tuple[str, ...], dict]]:
+    """``--images``, ``--questions`` and ``--max-tokens`` (4) of the photo-question runs."""
+    pairs = (("--images", images), ("--questions", questions), ("--max-tokens", 4))
+    return [((flag,), dict(type=int, default=n)) for flag, n in pairs]
+
+
 #: subcommand -> (function, default scale, size, family, extra options: (flags, kwargs)).
 COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...], dict]]]] = {
     "run": (suites.engine_suite, "full", "small", "llava", [
@@ -52,27 +59,19 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--max-tokens",), dict(type=int, default=256)),
     ]),
     "batch-order": (experiments.batch_order, "full", "tiny", "llava", [
-        (("--images",), dict(type=int, default=40)),
-        (("--questions",), dict(type=int, default=5)),
-        (("--max-tokens",), dict(type=int, default=4)),
-        (("--max-total-tokens",), dict(type=int, default=4096, help="KV pool (tokens)")),
+        *_qa(40, 5), (("--max-total-tokens",), dict(type=int, default=4096, help="KV pool")),
     ]),
     "batch-api": (experiments.batch_api, "full", "tiny", "llava", [
-        (("--images",), dict(type=int, default=40)),
-        (("--questions",), dict(type=int, default=10)),
-        (("--max-tokens",), dict(type=int, default=4)),
-        (("--max-total-tokens",), dict(type=int, default=4096, help="KV pool (tokens)")),
+        *_qa(40, 10), (("--max-total-tokens",), dict(type=int, default=4096, help="KV pool")),
         (("--probes",), dict(type=int, default=20, help="TTFT probes before and after")),
         (("--probe-period",), dict(type=float, default=0.3, help="seconds between probes")),
         (("--ttft-scale",), dict(type=int, default=3, help="photos x this in the TTFT batch")),
     ]),
     "kv-tiers": (experiments.kv_tiers, "full", "tiny", "llava", [
-        (("--images",), dict(type=int, default=16)),
-        (("--questions",), dict(type=int, default=3)),
+        *_qa(16, 3),
         (("--pool-images",), dict(type=float, default=2.0, help="pool size in photos' KV")),
         (("--page-size",), dict(type=int, default=16)),
         (("--concurrency",), dict(type=int, default=2)),
-        (("--max-tokens",), dict(type=int, default=4)),
         (("--ttft-images",), dict(type=int, default=6, help="photos of the TTFT part")),
         (("--cold",), dict(action=argparse.BooleanOptionalAction, default=True,
                            help="drop the disk files from the page cache before TTFT loads")),
@@ -124,11 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 
         t0, p = time.perf_counter(), args.paths
         if args.step == "make-checkpoint":
-            print(llamacpp.make_sp_checkpoint(p[0], args.size, args.seed))
-        elif args.step == "export-lm":
-            print(llamacpp.export_language_model(*p))
-        else:
-            print(llamacpp.write_vit_dir(*p))
+            p = [p[0], args.size, args.seed]
+        steps = {"make-checkpoint": llamacpp.make_sp_checkpoint, "vit-dir": llamacpp.write_vit_dir}
+        print(steps.get(args.step, llamacpp.export_language_model)(*p))  # else export-lm
         print(f"{args.step}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return 0
     if args.threads:

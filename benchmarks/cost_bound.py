@@ -19,6 +19,10 @@ from benchmarks.workloads import Workload, optimal_hit_rate
 from mmserve.config import EngineConfig
 from mmserve.engine.request import SamplingParams
 
+#: Unit costs that do not depend on the workload (same model, same threads).
+SHARED_COSTS = ("prefill_s_per_token", "prefill_cpu_s_per_token", "tower_s_per_image")
+SHARED_COSTS += ("tower_cpu_s_per_image",)
+
 
 def _timed(fn: Any) -> tuple[float, float]:
     """``(wall s, CPU s of this process)`` of ``fn()``."""
@@ -47,7 +51,8 @@ class CostModel:
     @torch.inference_mode()
     def costs(self, wl: Workload, batch: int) -> dict[str, float]:
         """Per-token prefill, per-image tower and per-step decode costs (wall and CPU s)."""
-        best = dict.fromkeys(("prefill", "prefill_cpu", "tower", "tower_cpu"), math.inf)
+        best = dict.fromkeys(SHARED_COSTS, math.inf)
+        pre, pre_cpu, tow, tow_cpu = SHARED_COSTS
         eng = self.mm.engine(disable_radix_cache=True)
         picks = spread(wl.num_requests, 3)
         eng.generate(self._reqs(eng, wl, picks, 1))  # image features now cached
@@ -55,8 +60,8 @@ class CostModel:
             reqs = self._reqs(eng, wl, group, 1)
             tokens = sum(len(r.input_ids) for r in reqs)
             wall, cpu = _timed(lambda r=reqs: eng.generate(r))
-            best["prefill"] = min(best["prefill"], wall / tokens)
-            best["prefill_cpu"] = min(best["prefill_cpu"], cpu / tokens)
+            best[pre] = min(best[pre], wall / tokens)
+            best[pre_cpu] = min(best[pre_cpu], cpu / tokens)
         names = list(dict.fromkeys(n for p in wl.prompts for n in p.images))[:4]
         ims = [self.mm.decoded[wl.images[n]].image for n in names]
         vision = self.mm.model.vision
@@ -64,10 +69,10 @@ class CostModel:
             vision.encode(ims[:1])  # warm
             for group in [ims[:1]] * self.reps + [ims] * self.reps:
                 wall, cpu = _timed(lambda g=group: vision.encode(g))
-                best["tower"] = min(best["tower"], wall / len(group))
-                best["tower_cpu"] = min(best["tower_cpu"], cpu / len(group))
+                best[tow] = min(best[tow], wall / len(group))
+                best[tow_cpu] = min(best[tow_cpu], cpu / len(group))
         else:
-            best["tower"] = best["tower_cpu"] = 0.0
+            best[tow] = best[tow_cpu] = 0.0
         dec, dec_cpu = math.inf, math.inf
         # prefill every request first, then time pure decode steps at the full batch
         eng = self.mm.engine(disable_mixed_steps=True)
@@ -78,15 +83,7 @@ class CostModel:
             wall, cpu = _timed(eng.step)
             if eng.stats.decode_steps > before and len(eng.scheduler.running) == batch:
                 dec, dec_cpu = min(dec, wall), min(dec_cpu, cpu)
-        return {
-            "prefill_s_per_token": best["prefill"],
-            "prefill_cpu_s_per_token": best["prefill_cpu"],
-            "tower_s_per_image": best["tower"],
-            "tower_cpu_s_per_image": best["tower_cpu"],
-            "decode_step_s": dec,
-            "decode_step_cpu_s": dec_cpu,
-            "decode_batch": batch,
-        }
+        return {**best, "decode_step_s": dec, "decode_step_cpu_s": dec_cpu, "decode_batch": batch}
 
     def bound(self, wl: Workload) -> dict[str, Any]:
         """The workload's bound for a burst (every request known at time 0)."""
@@ -118,27 +115,13 @@ def totals(b: dict[str, Any]) -> dict[str, Any]:
     b["tower_s"] = b["distinct_images"] * b["tower_s_per_image"]
     b["decode_s"] = b["decode_steps"] * b["decode_step_s"]
     b["bound_s"] = b["prefill_s"] + b["tower_s"] + b["decode_s"]
-    b["bound_cpu_s"] = (
-        b["distinct_prompt_tokens"] * b["prefill_cpu_s_per_token"]
-        + b["distinct_images"] * b["tower_cpu_s_per_image"]
-        + b["decode_steps"] * b["decode_step_cpu_s"]
-    )
-    no_reuse = (
-        b["prompt_tokens"] * b["prefill_s_per_token"]
-        + b["images"] * b["tower_s_per_image"]
-        + b["decode_s"]
-    )
+    cpu = ("prefill_cpu_s_per_token", "tower_cpu_s_per_image", "decode_step_cpu_s")
+    counts = ("distinct_prompt_tokens", "distinct_images", "decode_steps")
+    b["bound_cpu_s"] = sum(b[n] * b[c] for n, c in zip(counts, cpu, strict=True))
+    no_reuse = b["prompt_tokens"] * b["prefill_s_per_token"] + b["decode_s"]
+    no_reuse += b["images"] * b["tower_s_per_image"]
     b["max_speedup_from_reuse"] = no_reuse / b["bound_s"] if b["bound_s"] else None
     return b
-
-
-#: Unit costs that do not depend on the workload (same model, same threads).
-SHARED_COSTS = (
-    "prefill_s_per_token",
-    "prefill_cpu_s_per_token",
-    "tower_s_per_image",
-    "tower_cpu_s_per_image",
-)
 
 
 def share_costs(bounds: list[dict[str, Any]]) -> None:

@@ -1,7 +1,5 @@
-"""Single-purpose benchmarks, each a ``python -m benchmarks`` subcommand (what each
-measured: ``benchmarks/README.md``): ``replicas``, ``structured``, ``batch-order``,
-``batch-api``, ``kv-tiers``, ``image-memory`` and ``video-qa``. Each compares setups on one
-workload and writes ``<name>.json`` and ``<name>.md`` (:func:`benchmarks.report.emit`)."""
+"""The single-purpose subcommands (``replicas``, ``structured``, ``batch-order``, ``batch-api``,
+``kv-tiers``, ``image-memory``, ``video-qa``; what each measures: ``benchmarks/README.md``)."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from PIL import Image
 
@@ -63,10 +62,8 @@ def run_setup(
     and measure: hit rate (the endpoint's ``/v1/cache/stats`` before and after), tower runs
     per distinct image, pixel fetches, req/s, TTFT, the router's decisions, and ``replies``
     (each request's text and usage, in prompt order)."""
-    ids = {
-        name: http.post_json(f"{url}/v1/images", {"data": base64.b64encode(data).decode()})["id"]
-        for name, data in wl.images.items()
-    }
+    upload = lambda data: {"data": base64.b64encode(data).decode()}  # noqa: E731
+    ids = {n: http.post_json(f"{url}/v1/images", upload(b))["id"] for n, b in wl.images.items()}
     before = http.get_json(f"{url}/v1/cache/stats")
     bodies = http.request_bodies(wl, model, urls=ids)
     results, wall = http.run_load(url, bodies, sessions=wl.sessions, clients=clients)
@@ -272,15 +269,12 @@ def _batch_server(model_dir: str, args: argparse.Namespace, *flags: str) -> Iter
             yield url
 
 
-def _towers(url: str) -> int:
-    return http.get_json(f"{url}/v1/cache/stats")["vision_tower_images"]
-
-
 def _timed(url: str, wl: Workload, opt: float, batch: bool = True) -> dict:
     """``wl`` from cold caches through ``/v1/files`` + ``/v1/batches`` (or as a chat burst):
     requests answered, hit rate, tower runs and wall time."""
     http.flush(url)
-    t0, tower = time.perf_counter(), _towers(url)
+    towers = lambda: http.get_json(f"{url}/v1/cache/stats")["vision_tower_images"]  # noqa: E731
+    t0, tower = time.perf_counter(), towers()
     if batch:
         b = http.wait_batch(url, http.create_batch(url, wl))
         u, n = b["usage"], b["request_counts"]["completed"]
@@ -290,7 +284,7 @@ def _timed(url: str, wl: Workload, opt: float, batch: bool = True) -> dict:
         s = http.summarize(results, wl.max_tokens)
         n, hit = s["completed"], s["cache_hit_rate"]
     out = {"requests": n, "hit_rate": hit, "of_opt": hit / opt, "wall_s": time.perf_counter() - t0}
-    out["tower_runs"] = _towers(url) - tower
+    out["tower_runs"] = towers() - tower
     return {**out, "towers": f"{out['tower_runs']} ({len(wl.images)})"}
 
 
@@ -368,21 +362,6 @@ TIERS_TABLE = (
 )
 
 
-def drop_page_cache(directory: str) -> int:
-    """Write back and drop every file under ``directory`` from the OS page cache (so the
-    next reads come from the device); the number of files."""
-    n = 0
-    for path in (p for p in Path(directory).rglob("*") if p.is_file()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            n += 1
-        finally:
-            os.close(fd)
-    return n
-
-
 def _new_question(imgs: dict[str, bytes], max_tokens: int) -> Workload:
     wl = workloads.questions_about(imgs, 1, max_tokens, None)
     for p in wl.prompts:
@@ -427,18 +406,14 @@ def kv_tiers(args: argparse.Namespace, model_dir: str) -> int:
         cached = sum(
             max(0, min(x.cached_tokens, s.end) - s.start) for x, s in zip(res, spans, strict=True)
         )
-        out["restart"] = {
-            "images": k,
-            "image_tokens_cached_share": cached / sum(s.end - s.start for s in spans),
-        }
-        out["restart"].update(vision_tower_runs=eng.runner.vision_tower_images)
-        out["restart"]["feature_loads"] = eng.cache_stats()["tier_feature_loads"]
+        r = out["restart"] = {"images": k, "vision_tower_runs": eng.runner.vision_tower_images}
+        r["image_tokens_cached_share"] = cached / sum(s.end - s.start for s in spans)
+        r["feature_loads"] = eng.cache_stats()["tier_feature_loads"]
         eng.close()
     for name in ("off", "host", "disk", "optimum"):
         out[name]["of_opt"] = out[name]["cache_hit_rate"] / out["optimum"]["cache_hit_rate"]
         out[name]["vs_off"] = out[name]["requests_per_s"] / out["off"]["requests_per_s"]
     out["ttft"] = t = ttft_from_disk(mm, args)
-    r = out["restart"]
     md = report.table({k: out[k] for k in ("off", "host", "disk", "optimum")}, TIERS_TABLE)
     md += (
         f"restart: {r['image_tokens_cached_share']:.3f} of the image tokens of {r['images']} "
@@ -461,7 +436,15 @@ def ttft_from_disk(mm: MMServeRunner, args: argparse.Namespace) -> dict:
         writer = mm.engine(kv_disk_dir=disk, max_total_tokens=big)
         writer.generate(mm.requests(writer, workloads.questions_about(imgs, 1, 1, None)))
         writer.close()  # its tree's pages (and the features written on encode) to disk
-        dropped = drop_page_cache(disk) if args.cold else 0
+        dropped = 0  # files written back and dropped from the page cache: loads read the device
+        for path in [p for p in Path(disk).rglob("*") if p.is_file()] if args.cold else []:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dropped += 1
+            finally:
+                os.close(fd)
         engines = {
             "recompute": mm.engine(max_total_tokens=big),
             "disk": mm.engine(kv_disk_dir=disk, max_total_tokens=big),
@@ -524,7 +507,10 @@ def _send_watching(pid: int, url: str, bodies: list[dict]) -> tuple[int, list[in
     thread.start()
     try:
         with ThreadPoolExecutor(len(bodies)) as ex:
-            status = [r.status_code for r in ex.map(lambda b: http.post(url, b, 900), bodies)]
+            status = [
+                r.status_code
+                for r in ex.map(lambda b: httpx.post(url, json=b, timeout=900), bodies)
+            ]
     finally:
         stop.set()
         thread.join()
@@ -546,8 +532,11 @@ def image_memory(args: argparse.Namespace, model_dir: str | None) -> int:
     for repo in [Path(r).resolve() for r in args.repo or [workloads.ROOT]]:
         with http.mmserve_server(model_dir, args.flags, 2, repo=repo) as (url, proc):
             chat = f"{url}/v1/chat/completions"
-            http.post(chat, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-            http.post(chat, _chat([big_png(64, 99)]))  # the image path once: lazy imports
+            hi = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            httpx.post(chat, json=hi, timeout=300)
+            httpx.post(
+                chat, json=_chat([big_png(64, 99)]), timeout=300
+            )  # the image path once: lazy imports
             time.sleep(2)
             base, figs, status = _rss(proc.pid), [], []
             for group in groups:

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -88,15 +89,6 @@ class Run:
         )
 
 
-def policy_supported(policy: str) -> str | None:
-    """None if ``EngineConfig(policy=policy)`` validates, else its error message."""
-    try:
-        EngineConfig(policy=policy).validate()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def leak_check(eng: Engine) -> tuple[bool, str]:
     """At a quiescent point: accounting holds, nothing waits, and after evicting the whole
     tree every page is free. Returns ``(ok, why not)``."""
@@ -144,14 +136,10 @@ class MMServeRunner:
         )
         prepare, out = eng.processor.prepare_image, []
         for p in wl.prompts:
-            imgs = []
-            for data in (wl.images[n] for n in p.images):
-                if not cached:
-                    imgs.append(prepare(data))
-                    continue
-                if data not in self.decoded:
-                    self.decoded[data] = prepare(data)
-                imgs.append(self.decoded[data])
+            data = [wl.images[n] for n in p.images]
+            if cached:
+                self.decoded.update({d: prepare(d) for d in data if d not in self.decoded})
+            imgs = [self.decoded[d] if cached else prepare(d) for d in data]
             out.append(eng.processor.make_request(messages=p.messages, images=imgs, params=params))
         return out
 
@@ -202,32 +190,21 @@ class MMServeRunner:
         results, wall, cpu, steps, times = got
         res = [results[i] for i in sorted(results)]
         stats = eng.cache_stats()
-        run = Run(
-            system=label,
-            kind="mmserve",
-            requests=n,
-            measured_requests=n,
-            wall_s=wall,
-            cpu_s=cpu,
-            output_tokens=sum(r.completion_tokens for r in res),
-            prompt_tokens=sum(r.prompt_tokens for r in res),
-            cached_tokens=sum(r.cached_tokens for r in res),
-            vision_tower_runs=int(stats["vision_tower_images"]),
-            pool_tokens=eng.pool.size_tokens,
-            image_prefills=sum(r.images_needing_vision for r in res),
-            ttfts_s=[r.ttft for r in res],
-            tpots_s=[
-                (r.latency - r.ttft) / (r.completion_tokens - 1)
-                for r in res
-                if r.completion_tokens > 1
-            ],
-            tree_seconds=float(stats.get("tree_seconds", 0.0)),
-            outputs={i: list(r.output_ids) for i, r in results.items()},
-            all_finished=len(res) == n and all(r.finish_reason == "length" for r in res),
-            retractions=int(stats.get("retractions", 0)),
-            steps=steps,
-            decode_times=times,
-        )
+        tokens = [
+            sum(getattr(r, f"{k}_tokens") for r in res) for k in ("completion", "prompt", "cached")
+        ]
+        towers = int(stats["vision_tower_images"])
+        run = Run(label, "mmserve", n, wall, cpu, *tokens, towers, measured_requests=n)
+        run.pool_tokens, run.steps, run.decode_times = eng.pool.size_tokens, steps, times
+        run.image_prefills = sum(r.images_needing_vision for r in res)
+        run.ttfts_s = [r.ttft for r in res]
+        run.tpots_s = [
+            (r.latency - r.ttft) / (r.completion_tokens - 1) for r in res if r.completion_tokens > 1
+        ]
+        run.tree_seconds = float(stats.get("tree_seconds", 0.0))
+        run.outputs = {i: list(r.output_ids) for i, r in results.items()}
+        run.all_finished = len(res) == n and all(r.finish_reason == "length" for r in res)
+        run.retractions = int(stats.get("retractions", 0))
         if closed_loop and arrivals is None:
             run.notes.append(
                 f"closed loop: {len(wl.sessions)} sessions start at once; each sends its next "
@@ -295,19 +272,6 @@ def _drive(
     return results, wall, cpu, steps, times
 
 
-class _Stamps:
-    """A ``generate`` streamer: ``(wall, CPU)`` times of every ``put`` (the prompt first)."""
-
-    def __init__(self) -> None:
-        self.t: list[tuple[float, float]] = []
-
-    def put(self, value: torch.Tensor) -> None:  # noqa: ARG002
-        self.t.append((time.perf_counter(), time.process_time()))
-
-    def end(self) -> None:
-        pass
-
-
 class TransformersRunner:
     """transformers' ``generate`` (the class the checkpoint names) one request at a time, in
     ``dtype`` (mmserve's, so both run the same arithmetic), with mmserve's
@@ -333,7 +297,9 @@ class TransformersRunner:
     def generate(self, text: str, images: list[Any], n: int, **kw: Any) -> tuple[list, list]:
         """``n`` greedy tokens for ``text`` and ``images``: ``(new token ids, (wall, CPU) of
         the start and of each token)``."""
-        stamps, t0 = _Stamps(), (time.perf_counter(), time.process_time())
+        t0, t = (time.perf_counter(), time.process_time()), []
+        stamp = lambda _: t.append((time.perf_counter(), time.process_time()))  # noqa: E731
+        stamps = SimpleNamespace(put=stamp, end=lambda: None)  # a streamer: times of each put
         inputs = kw.pop("inputs", None) or self.inputs(text, images)
         ids = self.model.generate(
             **inputs,
@@ -344,7 +310,7 @@ class TransformersRunner:
             streamer=stamps,
             **kw,
         )
-        return ids[0, inputs["input_ids"].shape[1] :].tolist(), [t0, *stamps.t[1:]]
+        return ids[0, inputs["input_ids"].shape[1] :].tolist(), [t0, *t[1:]]  # t[0]: the prompt
 
     def run(
         self, wl: Workload, render: Any, images: dict[str, Any], lens: list[int], most: Any = None
@@ -370,20 +336,11 @@ class TransformersRunner:
                 if i in lat:
                     ttfts.append(start + service[i])
                 start, i = start + lat.get(i, mean), i + 1
-        run = Run(
-            system="transformers",
-            kind="transformers",
-            requests=n,
-            measured_requests=len(chosen),
-            wall_s=mean * n if len(chosen) < n else sum(lat.values()),
-            cpu_s=sum(cpu.values()) * n / len(cpu),
-            output_tokens=n * wl.max_tokens,
-            prompt_tokens=sum(lens[i] for i in chosen),
-            cached_tokens=0,
-            vision_tower_runs=sum(len(p.images) for p in wl.prompts),
-            ttfts_s=ttfts,
-            outputs=out,
-        )
+        wall = mean * n if len(chosen) < n else sum(lat.values())
+        towers, prompt = sum(len(p.images) for p in wl.prompts), sum(lens[i] for i in chosen)
+        cpu_s, tokens = sum(cpu.values()) * n / len(cpu), n * wl.max_tokens
+        run = Run("transformers", "transformers", n, wall, cpu_s, tokens, prompt, 0, towers)
+        run.measured_requests, run.ttfts_s, run.outputs = len(chosen), ttfts, out
         if len(chosen) < n:
             run.notes.append(
                 f"SUBSAMPLED: ran {len(chosen)} of {n} requests (evenly spaced); wall time "

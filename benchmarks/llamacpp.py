@@ -61,18 +61,17 @@ def llama_server(
     threads: int = 1,
     slots: int = 4,
     log_path: Path | None = None,
-    ctx_per_slot: int = 4096,
-    cache_ram_mib: int = 1024,
 ) -> AbstractContextManager[tuple[str, Any]]:
     """``llama-server`` on 127.0.0.1: ``threads`` for generation, batches and the CLIP
-    encoder, ``slots`` requests decoded together, f32 KV cache, prompt cache on
-    (``--cache-ram``), mmserve's chat template; yields ``(url, process)`` once healthy."""
+    encoder, ``slots`` requests decoded together (4,096 context tokens each), f32 KV cache,
+    prompt cache on (``--cache-ram`` 1 GiB), mmserve's chat template; yields ``(url,
+    process)`` once healthy."""
     cmd = [
         str(setup.server), "-m", str(setup.model_gguf), "--mmproj", str(setup.mmproj_gguf),
         "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-        "-c", str(slots * ctx_per_slot), "-b", "2048", "-ub", "2048", "-ctk", "f32",
+        "-c", str(slots * 4096), "-b", "2048", "-ub", "2048", "-ctk", "f32",
         "-ctv", "f32", "--jinja", "--chat-template-file", str(setup.chat_template),
-        "--no-warmup", "-a", setup.hf_dir.name, "--cache-ram", str(cache_ram_mib),
+        "--no-warmup", "-a", setup.hf_dir.name, "--cache-ram", "1024",
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": str(threads), "LLAMA_MEDIA_MARKER": MEDIA_MARKER}
     return server(cmd, env, log_path, timeout=120)
@@ -145,33 +144,22 @@ def write_vit_dir(hf_dir: Path, surgery_dir: Path, out: Path) -> Path:
 # ---- agreement ------------------------------------------------------------------------------
 
 
-def text_chats() -> list[list[dict]]:
-    """Ten text-only chats: 4 with the system prompt, 4 bare, 2 with a chat history."""
-    sys_msg = {"role": "system", "content": workloads.SYSTEM_PROMPT}
-    q = workloads.QUESTIONS
+def chats() -> list[tuple[str | None, bytes | None, list[dict]]]:
+    """``(label, image bytes, messages)``: ten text-only chats (4 with the system prompt, 4
+    bare, 2 with a chat history; no label or image), then two non-square photos and a
+    336-px frame."""
+    sys_msg, q = {"role": "system", "content": workloads.SYSTEM_PROMPT}, workloads.QUESTIONS
     chats = [[sys_msg, {"role": "user", "content": q[i]}] for i in (0, 2, 5, 8)]
     chats += [[{"role": "user", "content": q[i]}] for i in (1, 10, 14, 12)]
     for t in (1, 2):
-        msgs = [sys_msg, {"role": "user", "content": q[3]}]
-        for j in range(t):
-            msgs += [
-                {"role": "assistant", "content": workloads.CANNED_ANSWERS[j]},
-                {"role": "user", "content": workloads.FOLLOW_UPS[j]},
-            ]
-        chats.append(msgs)
-    return chats
-
-
-def image_chats() -> list[tuple[str, bytes, list[dict]]]:
-    """``(label, image bytes, messages)``: two non-square photos and a 336-px frame."""
-    return [
-        (label, data, workloads.ask(workloads.QUESTIONS[1]))
-        for label, data in (
-            ("cat.png", workloads.photo_bytes("cat.png")),
-            ("rocket.jpg", workloads.photo_bytes("rocket.jpg")),
-            ("pan frame 336x336", workloads.pan_frames(2, repeat_every=0)[1]),
-        )
-    ]
+        history = [(workloads.CANNED_ANSWERS[j], workloads.FOLLOW_UPS[j]) for j in range(t)]
+        chats.append([sys_msg, {"role": "user", "content": q[3]}])
+        for a, u in history:
+            chats[-1] += [{"role": "assistant", "content": a}, {"role": "user", "content": u}]
+    ims = workloads.photos(4)
+    ims = {"cat.png": ims["cat.png"], "rocket.jpg": ims["rocket.jpg"]}
+    ims["pan frame 336x336"] = workloads.pan_frames(2, repeat_every=0)[1]
+    return [(None, None, m) for m in chats] + [(n, b, workloads.ask(q[1])) for n, b in ims.items()]
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
@@ -199,7 +187,7 @@ def agreement(
     gen.update(cache_prompt=False, return_tokens=True)
     completion = lambda prompt: post_json(f"{ll_url}/completion", {"prompt": prompt, **gen})  # noqa: E731
     items = []
-    for label, data, msgs in [(None, None, m) for m in text_chats()] + image_chats():
+    for label, data, msgs in chats():
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2)
         imgs = [engine.processor.prepare_image(data)] if data else []
         req = engine.processor.make_request(messages=msgs, images=imgs, params=params)

@@ -1,13 +1,6 @@
-"""The HTTP runner: a load generator for OpenAI-compatible servers, batch jobs, and server
-processes.
-
-Every chat request streams (``stream_options.include_usage``: token counts are checked
-against N), greedy, ``max_tokens`` N with ``ignore_eos``; bodies are serialised before a
-run. Open loop (seeded Poisson arrivals or a burst) or closed loop (a session's next turn
-queued when its previous answer arrives). :func:`summarize` reports what SGLang's
-``bench_serving`` and ``vllm bench serve`` do. Our own rather than ``guidellm``, whose
-wheel pulls ``datasets`` (pyarrow, pandas), sanic, uvloop and a dozen more.
-"""
+"""The HTTP runner: a load generator for OpenAI-compatible servers (open or closed loop;
+what it sends and reports, and why not ``guidellm``: ``benchmarks/README.md``), batch jobs,
+and server processes."""
 
 from __future__ import annotations
 
@@ -295,21 +288,13 @@ def get_json(url: str, timeout: float = 60) -> Any:
     return httpx.get(url, timeout=timeout).json()
 
 
-def post(url: str, body: Any = None, timeout: float = 300) -> httpx.Response:
-    """POST ``body`` (JSON; bytes as given; None: empty)."""
-    data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-    return httpx.post(
-        url, content=data, headers={"Content-Type": "application/json"}, timeout=timeout
-    )
-
-
 def post_json(url: str, body: Any, timeout: float = 300) -> Any:
     """POST ``body`` as JSON and parse the answer.
 
     Raises:
         RuntimeError: a status other than 200.
     """
-    r = post(url, body, timeout)
+    r = httpx.post(url, json=body, timeout=timeout)
     if r.status_code != 200:
         raise RuntimeError(f"{url}: {r.status_code} {r.content[:300]!r}")
     return r.json()
@@ -330,7 +315,7 @@ def flush(url: str) -> None:
         RuntimeError: still refused after 10 s.
     """
     for _ in range(40):
-        if (r := post(f"{url}/v1/cache/flush")).status_code == 200:
+        if (r := httpx.post(f"{url}/v1/cache/flush", timeout=300)).status_code == 200:
             return
         time.sleep(0.25)
     raise RuntimeError(f"cache flush refused: {r.status_code} {r.content[:200]!r}")

@@ -1,10 +1,5 @@
-"""``real-shapes``: mmserve against transformers on a real-shape checkpoint, side by side.
-
-Per dtype, on one 380x300 photo, same seeded weights, greedy, medians of ``--repeats``
-with the systems alternating: the first question (tower + prefill), a second question
-about the same photo, batch-1 decode and ``--batch`` concurrent answers (``compare``);
-decode at ``--decode-batches`` against the weight-reading bound (``decode``).
-"""
+"""``real-shapes``: mmserve against transformers on a real-shape checkpoint, side by side
+(what each part measures: ``benchmarks/README.md``)."""
 
 from __future__ import annotations
 
@@ -101,31 +96,19 @@ class Sides:
 
 def compare(model_dir: str, dtype: str, args: argparse.Namespace) -> dict:
     """First and second question, batch-1 decode and ``--batch`` answers, medians."""
-    s, q = Sides(model_dir, dtype), workloads.QUESTIONS
-    res: dict[str, list[float]] = {}
-    add = lambda k, v: res.setdefault(k, []).append(v)  # noqa: E731
+    s, q, reps = Sides(model_dir, dtype), workloads.QUESTIONS, []
     for rep in range(args.repeats):
         first, gaps, cpu = s.hf_ask(q[0], args.tokens)
-        add("hf_first", first)
-        add("hf_decode", med(gaps))
-        add("hf_decode_cpu", med(cpu))
-        add("hf_second", s.hf_ask(q[1], 2)[0])
-        first, second, prompt_tokens = s.mm_first_second(q[0], q[1])
-        add("mm_first", first)
-        add("mm_second", second)
+        r = dict(hf_first=first, hf_decode=med(gaps), hf_decode_cpu=med(cpu))
+        r["hf_second"] = s.hf_ask(q[1], 2)[0]
+        r["mm_first"], r["mm_second"], prompt_tokens = s.mm_first_second(q[0], q[1])
         wall, cpu, n = s.mm_decode([q[2 + rep % 3]], args.tokens)
-        add("mm_decode", med(wall))
-        add("mm_decode_cpu", med(cpu))
-        add("mm_single_tps", n / sum(wall))
-        add("mm_single_tps_cpu", n / sum(cpu))
+        r.update(mm_decode=med(wall), mm_decode_cpu=med(cpu))
+        r.update(mm_single_tps=n / sum(wall), mm_single_tps_cpu=n / sum(cpu))
         wall, cpu, n = s.mm_decode([f"{x} (take {rep})" for x in q[: args.batch]], args.tokens)
-        add("mm_batch_tps", n / sum(wall))
-        add("mm_batch_tps_cpu", n / sum(cpu))
-    return {
-        **{k: med(v) for k, v in res.items()},
-        "prompt_tokens": prompt_tokens,
-        "batch": args.batch,
-    }
+        reps.append({**r, "mm_batch_tps": n / sum(wall), "mm_batch_tps_cpu": n / sum(cpu)})
+    out = {k: med(r[k] for r in reps) for k in reps[0]}
+    return {**out, "prompt_tokens": prompt_tokens, "batch": args.batch}
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 #: Targets of the in-process suite (ratios or fractions).
 SPEEDUP_VS_TRANSFORMERS, SPEEDUP_VS_CACHE_OFF = 6.0, 3.0
 HIT_OF_OPTIMUM, HIT_OF_OPTIMUM_HALF_POOL = 0.98, 0.90
@@ -46,18 +48,12 @@ RUN_COLS = (
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float | None]:
-    """``mean``, ``p50``, ``p90``, ``p99`` of ``xs`` (linear interpolation, numpy's default);
-    all None for no values."""
+    """``mean``, ``p50``, ``p90``, ``p99`` of ``xs`` (numpy's linear interpolation); all None
+    for no values."""
     if not len(xs):
         return dict.fromkeys(("mean", "p50", "p90", "p99"))
-    s = sorted(float(x) for x in xs)
-
-    def q(p: float) -> float:
-        k = (len(s) - 1) * p / 100
-        lo = math.floor(k)
-        return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
-
-    return {"mean": sum(s) / len(s), "p50": q(50), "p90": q(90), "p99": q(99)}
+    p50, p90, p99 = np.percentile(np.asarray(xs, dtype=float), (50, 90, 99)).tolist()
+    return {"mean": float(np.mean(xs)), "p50": p50, "p90": p90, "p99": p99}
 
 
 def fmt(x: Any, spec: str = ".3g") -> str:
@@ -238,11 +234,8 @@ def engine_summary(results: dict, sweeps: dict, targets: list[dict], m: dict) ->
             table(rows, WORKLOAD_COLS),
         ]
         notes = res["notes"] + res["skipped"]
-        lines += [
-            f"- {n}"
-            for n in notes + [f"{s['system']}: {n}" for s in res["systems"] for n in s["notes"]]
-        ]
-        lines.append("")
+        notes += [f"{s['system']}: {n}" for s in res["systems"] for n in s["notes"]]
+        lines += [f"- {n}" for n in notes] + [""]
     for sw in sweeps.values():
         pts = {str(p["pool_tokens"]): p for p in sw["points"]}
         for p in pts.values():

@@ -18,8 +18,9 @@ import torch
 
 from benchmarks import over_http as http
 from benchmarks import report, workloads
-from benchmarks.in_process import MMServeRunner, Run, TransformersRunner, policy_supported
+from benchmarks.in_process import MMServeRunner, Run, TransformersRunner
 from benchmarks.in_process import model_dir as default_model_dir
+from mmserve.config import EngineConfig
 
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 MAIN_POLICY = "lpm"
@@ -162,10 +163,11 @@ def engine_suite(args: argparse.Namespace, model_dir: str) -> int:
     mm = MMServeRunner.load(model_dir)
     policies, skipped = [], []
     for p in [p for p in args.policies.split(",") if p]:
-        if (err := policy_supported(p)) is None:
+        try:
+            EngineConfig(policy=p).validate()
             policies.append(p)
-        else:
-            skipped.append(f"policy {p!r} skipped: EngineConfig rejects it ({err})")
+        except ValueError as e:
+            skipped.append(f"policy {p!r} skipped: EngineConfig rejects it ({e})")
             log(skipped[-1])
     hf = None
     if not args.no_baseline:
@@ -351,18 +353,11 @@ def overhead(
         )
         for _ in range(pairs)
     ]
-    med = lambda xs: statistics.median(x or 0 for x in xs)  # noqa: E731
-    h = {
-        "wall_s": med(h["duration_s"] for h, _ in got),
-        "cpu_s": med(h["server_cpu_s"] for h, _ in got),
-    }
-    h["ttft_p50_s"] = med(h["ttft_s"]["p50"] for h, _ in got)
-    mid = sorted((i for _, i in got), key=lambda i: i["wall_s"])[pairs // 2]
-    ip = {
-        **mid,
-        "wall_s": med(i["wall_s"] for _, i in got),
-        "cpu_s": med(i["cpu_s"] for _, i in got),
-    }
+    med = lambda f: statistics.median(f(*p) or 0 for p in got)  # noqa: E731
+    h = {"wall_s": med(lambda x, _: x["duration_s"]), "cpu_s": med(lambda x, _: x["server_cpu_s"])}
+    h["ttft_p50_s"] = med(lambda x, _: x["ttft_s"]["p50"])
+    ip = sorted((i for _, i in got), key=lambda i: i["wall_s"])[pairs // 2]  # the median run
+    ip = {**ip, "wall_s": med(lambda _, y: y["wall_s"]), "cpu_s": med(lambda _, y: y["cpu_s"])}
     ov = {"workload": wl.name, "rate": peak, "offered_rate": rate, "pairs": pairs}
     ov.update(in_process=ip, http=h, wall_overhead=h["wall_s"] / ip["wall_s"] - 1)
     ov["cpu_overhead"] = h["cpu_s"] / ip["cpu_s"] - 1 if h["cpu_s"] else None

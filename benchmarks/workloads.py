@@ -131,22 +131,10 @@ def png(im: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def photo_bytes(name: str) -> bytes:
-    """Encoded bytes of a sample photo in ``samples/images``."""
-    return (SAMPLES_DIR / name).read_bytes()
-
-
 #: Orientations of copy ``j`` of a sample photo (entry ``j - 1``; past them, shifted
 #: pixel values): other pixels, so another key.
-_VARIANTS = (
-    Image.Transpose.TRANSPOSE,
-    Image.Transpose.ROTATE_180,
-    Image.Transpose.FLIP_TOP_BOTTOM,
-    Image.Transpose.ROTATE_90,
-    Image.Transpose.ROTATE_270,
-    Image.Transpose.FLIP_LEFT_RIGHT,
-    Image.Transpose.TRANSVERSE,
-)
+_VARIANTS = [Image.Transpose[n] for n in "TRANSPOSE ROTATE_180 FLIP_TOP_BOTTOM".split()]
+_VARIANTS += [Image.Transpose[n] for n in "ROTATE_90 ROTATE_270 FLIP_LEFT_RIGHT TRANSVERSE".split()]
 
 
 def photos(k: int) -> dict[str, bytes]:
@@ -156,7 +144,7 @@ def photos(k: int) -> dict[str, bytes]:
     for i in range(k):
         name, j = PHOTOS[i % len(PHOTOS)], i // len(PHOTOS)
         if j == 0:
-            out[name] = photo_bytes(name)
+            out[name] = (SAMPLES_DIR / name).read_bytes()
             continue
         im = Image.open(SAMPLES_DIR / name).convert("RGB")
         im = im.transpose(_VARIANTS[(j - 1) % len(_VARIANTS)])
@@ -252,15 +240,10 @@ def many_questions(
         for q in _pick(rnd, QUESTIONS, total // k + (i < total % k))
     ]
     rnd.shuffle(prompts)
-    return Workload(
-        name,
-        f"{k} images x {m:g} questions each ({total} requests, llava-bench style), shared "
-        "system prompt, submitted at once in shuffled order",
-        imgs,
-        [prompts],
-        max_tokens,
-        {"images": k, "questions_per_image": m, "max_tokens": max_tokens, "seed": seed},
-    )
+    desc = f"{k} images x {m:g} questions each ({total} requests, llava-bench style), shared "
+    desc += "system prompt, submitted at once in shuffled order"
+    params = {"images": k, "questions_per_image": m, "max_tokens": max_tokens, "seed": seed}
+    return Workload(name, desc, imgs, [prompts], max_tokens, params)
 
 
 def multi_turn(c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
@@ -284,16 +267,10 @@ def multi_turn(c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
         for i, (s, _) in enumerate(batch):
             chains[s][turn] = turn * c + i
         rounds.append([p for _, p in batch])
-    return Workload(
-        "multi_turn",
-        f"{c} chat sessions x {t} turns, each session with its own photo in the first turn; "
-        "closed loop: a session sends its next turn when its previous answer arrives",
-        imgs,
-        rounds,
-        max_tokens,
-        {"sessions": c, "turns": t, "max_tokens": max_tokens, "seed": seed},
-        chains,
-    )
+    desc = f"{c} chat sessions x {t} turns, each session with its own photo in the first turn; "
+    desc += "closed loop: a session sends its next turn when its previous answer arrives"
+    params = {"sessions": c, "turns": t, "max_tokens": max_tokens, "seed": seed}
+    return Workload("multi_turn", desc, imgs, rounds, max_tokens, params, chains)
 
 
 def video_frames(f: int, q: int, max_tokens: int, seed: int = 0, repeat_every: int = 3) -> Workload:
@@ -303,14 +280,9 @@ def video_frames(f: int, q: int, max_tokens: int, seed: int = 0, repeat_every: i
     questions = _pick(rnd, QUESTIONS, q)
     prompts = [Prompt(ask(question), [n]) for n in imgs for question in questions]
     rnd.shuffle(prompts)
-    return Workload(
-        "video_frames",
-        f"{f} video frames x {q} questions per frame (per-frame QA), submitted at once",
-        imgs,
-        [prompts],
-        max_tokens,
-        {"frames": f, "questions_per_frame": q, "max_tokens": max_tokens, "seed": seed},
-    )
+    desc = f"{f} video frames x {q} questions per frame (per-frame QA), submitted at once"
+    params = {"frames": f, "questions_per_frame": q, "max_tokens": max_tokens, "seed": seed}
+    return Workload("video_frames", desc, imgs, [prompts], max_tokens, params)
 
 
 def no_sharing(n: int, max_tokens: int, seed: int = 0, image_size: int = 336) -> Workload:
@@ -328,14 +300,9 @@ def no_sharing(n: int, max_tokens: int, seed: int = 0, image_size: int = 336) ->
             {"type": "text", "text": f"{tail}?"},
         ]
         prompts.append(Prompt([{"role": "user", "content": content}], [name]))
-    return Workload(
-        "no_sharing",
-        f"{n} requests with distinct random-noise images and random texts (overhead check)",
-        imgs,
-        [prompts],
-        max_tokens,
-        {"requests": n, "max_tokens": max_tokens, "seed": seed},
-    )
+    desc = f"{n} requests with distinct random-noise images and random texts (overhead check)"
+    params = {"requests": n, "max_tokens": max_tokens, "seed": seed}
+    return Workload("no_sharing", desc, imgs, [prompts], max_tokens, params)
 
 
 def questions_about(
@@ -348,14 +315,9 @@ def questions_about(
     prompts = [Prompt(ask(QUESTIONS[k % len(QUESTIONS)], system=False), [n]) for k, n in order]
     if seed is not None:
         random.Random(seed).shuffle(prompts)
-    return Workload(
-        "questions",
-        f"{len(images)} images x {questions} questions",
-        images,
-        [prompts],
-        max_tokens,
-        {"images": len(images), "questions": questions, "max_tokens": max_tokens, "seed": seed},
-    )
+    desc, params = f"{len(images)} images x {questions} questions", {"questions": questions}
+    params.update(images=len(images), max_tokens=max_tokens, seed=seed)
+    return Workload("questions", desc, images, [prompts], max_tokens, params)
 
 
 def interleaved(k: int, m: int, c: int, t: int, max_tokens: int, seed: int = 0) -> Workload:
@@ -369,15 +331,9 @@ def interleaved(k: int, m: int, c: int, t: int, max_tokens: int, seed: int = 0) 
     q = mq.num_requests
     chains = [[i] for i in range(q)] + [[q + i for i in s] for s in mt.sessions]
     random.Random(seed).shuffle(chains)
-    return Workload(
-        "interleaved",
-        f"{k} images x {m} questions and {c} sessions x {t} turns, interleaved",
-        imgs,
-        [mq.prompts + turns],
-        max_tokens,
-        {"images": k, "questions": m, "sessions": c, "turns": t, "max_tokens": max_tokens},
-        sessions=chains,
-    )
+    desc = f"{k} images x {m} questions and {c} sessions x {t} turns, interleaved"
+    params = {"images": k, "questions": m, "sessions": c, "turns": t, "max_tokens": max_tokens}
+    return Workload("interleaved", desc, imgs, [mq.prompts + turns], max_tokens, params, chains)
 
 
 FACTORIES: dict[str, Any] = {
