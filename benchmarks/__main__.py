@@ -10,8 +10,13 @@ from typing import Any
 
 import torch
 
-from benchmarks import experiments, real_shapes, suites, workloads
-from benchmarks.in_process import model_dir as checkpoint
+try:  # the HTTP runner's client, from the bench (or test) extra
+    import httpx  # noqa: F401
+except ImportError:
+    sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
+
+from benchmarks import experiments, real_shapes, suites, workloads  # noqa: E402
+from benchmarks.in_process import model_dir as checkpoint  # noqa: E402
 
 
 def _qa(images: int, questions: int) -> list[tuple[tuple[str, ...], dict]]:
