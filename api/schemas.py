@@ -53,6 +53,18 @@ def _refuse_unless_default(
     )
 
 
+def _refusing(table: dict[str, tuple[tuple[Any, ...], str]]) -> Any:
+    """A field validator for a model's fields we do not act on: ``table`` maps each field
+    to ``(defaults, why)``; a value other than its defaults is refused (see
+    :func:`_refuse_unless_default`)."""
+
+    def check(cls: type, value: Any, info: ValidationInfo) -> Any:
+        defaults, why = table[info.field_name]
+        return _refuse_unless_default(value, info, {info.field_name: defaults}, why)
+
+    return field_validator(*table)(classmethod(check))
+
+
 class ImageURL(BaseModel):
     """``image_url`` part: an uploaded image id (``img-...``) or a ``data:`` URL.
 
@@ -351,11 +363,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: Any = None
     function_call: Any = None
 
-    @field_validator(*_CHAT_DEFAULTS)
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        defaults, why = _CHAT_DEFAULTS[info.field_name]
-        return _refuse_unless_default(value, info, {info.field_name: defaults}, why)
+    _unsupported = _refusing(_CHAT_DEFAULTS)
 
 
 class AskRequest(SamplingFields):
@@ -530,8 +538,4 @@ class ResponsesRequest(BaseModel):
     top_logprobs: Any = None
     stream_options: Any = None
 
-    @field_validator(*_RESPONSES_DEFAULTS)
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        defaults, why = _RESPONSES_DEFAULTS[info.field_name]
-        return _refuse_unless_default(value, info, {info.field_name: defaults}, why)
+    _unsupported = _refusing(_RESPONSES_DEFAULTS)
