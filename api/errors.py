@@ -139,17 +139,15 @@ def describe_validation_errors(errors: Sequence[dict]) -> tuple[str, str | None]
         what = "field required: give the part's type"
     else:
         what = _EXPECTED.get(kind) or _lower_first(best.get("msg", "invalid value"))
-        if kind.endswith("_type"):  # a value no branch of a union takes: name every branch
-            alts = [
+        if kind.endswith("_type") and kind in _EXPECTED:  # no union branch takes the value:
+            alts = [  # name every branch's type (best's own among them)
                 _EXPECTED[e["type"]].removeprefix("expected ")
                 for e in errors
                 if e.get("type", "").endswith("_type")
                 and e["type"] in _EXPECTED
                 and (field_path(fields(e)) or None) == path
             ]
-            what = "expected " + " or ".join(
-                dict.fromkeys(alts or [what.removeprefix("expected ")])
-            )
+            what = "expected " + " or ".join(dict.fromkeys(alts))
     if kind == "literal_error" and path and path.endswith(".type") and "content" in path:
         # every union branch refused the type: list what each of them accepts
         accepted = [
