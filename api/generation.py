@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -10,12 +11,21 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
 from api.media import busy_error
-from api.schemas import MAX_STOP, MAX_STOP_CHARS, SamplingFields
+from api.schemas import (
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    ChatTemplateFields,
+    EndUserFields,
+    SamplingFields,
+)
 from api.structured import guided_spec
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.processor import InputProcessor, RequestError
+from mmserve.engine.prompt import NEW_TURN, ChatTemplateOptions, PromptError
 from mmserve.engine.request import ImageInput, ParamError, SamplingParams
 from mmserve.vision.budget import DecodeBusyError
+
+log = logging.getLogger(__name__)
 
 #: A ``logit_bias`` key: a token id written in decimal, no sign but "-", no leading
 #: zeros, spaces or underscores (which ``int`` would accept), so two keys never name
@@ -31,6 +41,34 @@ def check_questions(questions: Sequence[str], limit: int) -> None:
     """
     if len(questions) > limit:
         raise APIError(400, f"{len(questions)} questions; the limit is {limit}", param="questions")
+
+
+def template_options(body: ChatTemplateFields, messages: Sequence[dict]) -> ChatTemplateOptions:
+    """The chat-template options of ``body`` for the engine ``messages`` (roles mapped).
+
+    Raises:
+        APIError: 400 naming ``continue_final_message`` when it is set together with
+            ``add_generation_prompt`` or the last message is not an assistant message.
+    """
+    options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message)
+    try:
+        options.check(messages)
+    except PromptError as e:
+        raise APIError(400, str(e), param="continue_final_message") from None
+    return options
+
+
+def log_end_user(body: EndUserFields, reqs: Sequence[EngineRequest]) -> None:
+    """Record the client's ``user`` / ``safety_identifier`` (when given) with the engine
+    request ids, one INFO line (values quoted, so a newline cannot forge a line)."""
+    if body.user is None and body.safety_identifier is None:
+        return
+    log.info(
+        "requests %s: user=%r safety_identifier=%r",
+        ",".join(r.rid for r in reqs),
+        body.user,
+        body.safety_identifier,
+    )
 
 
 def sampling_params(body: SamplingFields) -> SamplingParams:
@@ -116,10 +154,12 @@ async def make_requests(
     n: int = 1,
     default_max_tokens: int = 256,
     videos: Sequence[Sequence[ImageInput]] = (),
+    template: ChatTemplateOptions = NEW_TURN,
 ) -> list[EngineRequest]:
     """``n`` engine requests for one prompt; seeds ``seed``, ``seed + 1``, ... when seeded.
 
-    ``videos`` (each its frames) fill the video parts on a model with a video path.
+    ``videos`` (each its frames) fill the video parts on a model with a video path;
+    ``template`` says how the chat template ends the prompt.
 
     ``params.max_tokens == 0`` means "not given": up to ``default_max_tokens`` (or
     ``params.min_tokens`` if more), capped at what the context and the KV pool leave
@@ -132,7 +172,7 @@ async def make_requests(
     if not params.max_tokens:
         # the prompt alone must leave room for one token; the error then names the prompt
         one = replace(params, max_tokens=1, min_tokens=0)
-        first = await _make(processor, messages, images, one, videos)
+        first = await _make(processor, messages, images, one, videos, template)
         room = processor.output_room(first.prompt_len)
         if params.min_tokens > room:
             raise APIError(
@@ -148,7 +188,7 @@ async def make_requests(
         p = params
         if params.seed is not None and i:
             p = replace(params, seed=(params.seed + i) % (1 << 64))
-        reqs.append(await _make(processor, messages, images, p, videos))
+        reqs.append(await _make(processor, messages, images, p, videos, template))
     return reqs
 
 
@@ -158,6 +198,7 @@ async def _make(
     images: Sequence[ImageInput],
     params: SamplingParams,
     videos: Sequence[Sequence[ImageInput]] = (),
+    template: ChatTemplateOptions = NEW_TURN,
 ) -> EngineRequest:
     try:  # front-end work on a worker thread, off the event loop and the engine thread
         return await run_in_threadpool(
@@ -166,6 +207,7 @@ async def _make(
             images=list(images),
             params=params,
             videos=[list(v) for v in videos],
+            template=template,
         )
     except RequestError as e:
         raise APIError(400, str(e), param=e.param or "messages") from None

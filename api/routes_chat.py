@@ -11,7 +11,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
 from api.errors import APIError, field_path
-from api.generation import make_requests, sampling_params
+from api.generation import log_end_user, make_requests, sampling_params, template_options
 from api.json_body import JSONBodyRoute
 from api.media import check_image_count
 from api.openai_format import TokenText, chat_completion, chat_stream
@@ -20,6 +20,7 @@ from api.state import ServerState, State
 from api.structured import ToolCalling, tool_calling
 from api.video_media import frame_parts, resolve_video, selection
 from mmserve.engine.messages import EngineRequest
+from mmserve.engine.prompt import NEW_TURN, ChatTemplateOptions
 from mmserve.engine.request import ImageInput, SamplingParams
 from mmserve.model.families.base import FRAME_MODE
 from mmserve.vision.video import FrameSelection
@@ -108,7 +109,9 @@ async def prepare_chat(
     if tools is not None:
         params = replace(params, guided=tools.spec)
     messages, urls = _split_images(body.messages, st.engine.config.max_images_per_request)
-    reqs = await engine_requests(st, messages, urls, params, body.n or 1)
+    template = template_options(body, messages)
+    reqs = await engine_requests(st, messages, urls, params, body.n or 1, template)
+    log_end_user(body, reqs)
     return reqs, params, tools
 
 
@@ -118,10 +121,11 @@ async def engine_requests(
     urls: list[tuple[str, str, FrameSelection | None]],
     params: SamplingParams,
     n: int = 1,
+    template: ChatTemplateOptions = NEW_TURN,
 ) -> list[EngineRequest]:
     """Resolve the media of ``messages`` (``urls`` as :func:`_split_images` gives them:
     upload ids, data URLs, allowed files or remote URLs; videos become their sampled
-    frames) and build ``n`` engine requests.
+    frames) and build ``n`` engine requests, the prompt ending as ``template`` says.
 
     Raises:
         APIError: 400 naming the part at fault (unknown id, undecodable image, too many
@@ -144,7 +148,14 @@ async def engine_requests(
         messages, images, st.engine.config.max_images_per_request, video_path
     )
     return await make_requests(
-        st.engine.processor, messages, images, params, n, st.settings.default_max_tokens, videos
+        st.engine.processor,
+        messages,
+        images,
+        params,
+        n,
+        st.settings.default_max_tokens,
+        videos,
+        template,
     )
 
 
@@ -155,11 +166,13 @@ def _split_images(
     in order (``frames`` is None for an image).
 
     Raises:
-        APIError: 400 for more images than ``max_images`` (before any is decoded), an
-            image outside a user message, or an image part without a url.
+        APIError: 400 for a message against OpenAI's rules for its role
+            (:func:`check_message`), more images than ``max_images`` (before any is
+            decoded), an image outside a user message, or an image part without a url.
     """
     out, urls = [], []
     for i, m in enumerate(messages):
+        check_message(m, i)
         role = "system" if m.role == "developer" else m.role
         if m.content is None or isinstance(m.content, str):
             out.append({"role": role, "content": m.content or ""})
@@ -201,6 +214,46 @@ def _split_images(
         out.append({"role": role, "content": parts})
     check_image_count(sum(sel is None for _, _, sel in urls), max_images, "messages")
     return out, urls
+
+
+def check_message(m: ChatMessage, i: int) -> None:
+    """OpenAI's rules for a message of each role: content is required (a string, empty
+    allowed, or parts) except in an assistant message with ``tool_calls``; a ``tool``
+    message needs ``tool_call_id`` and no other role has one. A well-formed tool turn is
+    then refused: the chat templates served cannot render it (the schema refuses
+    ``tool_calls`` for the same reason).
+
+    Raises:
+        APIError: 400 naming ``messages[i].content``, ``messages[i].tool_call_id`` or
+            ``messages[i].role``.
+    """
+    at = f"messages[{i}]"
+    if m.role == "tool" and not m.tool_call_id:
+        raise APIError(
+            400,
+            f"{at}.tool_call_id: required in a tool message (the id of the tool call it answers)",
+            param=f"{at}.tool_call_id",
+        )
+    if m.role != "tool" and m.tool_call_id is not None:
+        raise APIError(
+            400,
+            f"{at}.tool_call_id: not used in a {m.role!r} message (only a tool message has one)",
+            param=f"{at}.tool_call_id",
+        )
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise APIError(
+            400,
+            f"{at}.content: a {m.role!r} message needs content (a string or a list of "
+            "content parts); only an assistant message with tool_calls may have none",
+            param=f"{at}.content",
+        )
+    if m.role == "tool":
+        raise APIError(
+            400,
+            f"{at}.role: 'tool' messages are not supported: this server does not render "
+            "tool results into the prompt; give the tool's result as text in a user message",
+            param=f"{at}.role",
+        )
 
 
 _FRAME_FIELDS = frozenset({"num_frames", "fps", "timestamps"})

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from api.errors import APIError, error_body
-from api.generation import sampling_params
+from api.generation import log_end_user, sampling_params, template_options
 from api.json_body import JSONBodyRoute
 from api.media import check_image_count
 from api.routes_chat import engine_requests
@@ -72,7 +72,10 @@ async def prepare_response(st: ServerState, body: ResponsesRequest) -> list[Engi
     if spec is not None:
         params = replace(params, guided=spec)
     messages, urls = _messages(body, st.engine.config.max_images_per_request)
-    return await engine_requests(st, messages, urls, params)
+    template = template_options(body, messages)
+    reqs = await engine_requests(st, messages, urls, params, 1, template)
+    log_end_user(body, reqs)
+    return reqs
 
 
 def _text_format(fmt: TextFormat | None) -> GuidedSpec | None:

@@ -114,38 +114,40 @@ _MESSAGE_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "function_call": (None,),
     "tool_calls": (None, []),
-    "tool_call_id": (None,),
 }
 
 
 class ChatMessage(BaseModel):
     """A chat message; content is a string or a list of parts ("developer" acts as "system").
 
-    Tool turns are refused: a ``tool`` message, or an assistant message with
-    ``tool_calls``, gets a 400 naming the field, since the chat templates this server
-    loads have no way to render them (give a tool's result as text in a user message).
-    ``name``, ``refusal``, ``audio`` and ``function_call`` are refused when set.
+    OpenAI's per-role rules (null content, ``tool_call_id``, images in user messages
+    only) are checked by the chat route, which names ``messages[i].<field>``. Tool turns
+    are refused: a ``tool`` message, or an assistant message with ``tool_calls``, gets a
+    400 naming the field, since the chat templates this server loads have no way to
+    render them (give a tool's result as text in a user message). ``name``,
+    ``refusal``, ``audio`` and ``function_call`` are refused when set.
     """
 
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: Any = None
     refusal: Any = None
     audio: Any = None
     function_call: Any = None
     tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_call_id: str | None = None
 
     @field_validator("role", mode="before")
     @classmethod
     def _role(cls, value: Any) -> Any:
-        if value in ("tool", "function"):
+        if value == "function":
             raise PydanticCustomError(
                 "unsupported_field",
-                "{role} messages are not supported: this server does not render tool "
-                "results into the prompt; give the tool's result as text in a user message",
-                {"role": repr(value)},
+                "'function' messages (legacy function calling) are not supported: this "
+                "server does not render tool results into the prompt; give the function's "
+                "result as text in a user message",
+                {},
             )
         return value
 
@@ -155,7 +157,6 @@ class ChatMessage(BaseModel):
         why = {
             "tool_calls": "earlier tool calls are not rendered into the prompt; give them "
             "as text in an assistant message",
-            "tool_call_id": "tool results are not rendered into the prompt",
         }.get(info.field_name, "the chat template has no place for it")
         return _refuse_unless_default(value, info, _MESSAGE_DEFAULTS, why)
 
@@ -313,10 +314,36 @@ def _function_name(value: str) -> str:
     return value
 
 
+#: Longest ``user`` / ``safety_identifier`` (characters): they go into the log line.
+MAX_USER_CHARS = 256
+
+
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat-template fields: how the prompt ends (see
+    :class:`mmserve.engine.prompt.ChatTemplateOptions`)."""
+
+    model_config = STRICT
+    add_generation_prompt: bool = Field(
+        default=True, description="vLLM extension: open a new assistant turn after the last message"
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="vLLM extension: the final assistant message is the start of the answer "
+        "(no end of turn); needs add_generation_prompt false",
+    )
+
+
+class EndUserFields(BaseModel):
+    """OpenAI's end-user identifiers: accepted and written to the request's log line."""
+
+    model_config = STRICT
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    safety_identifier: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+
+
 #: OpenAI chat fields the server does not act on, with the values accepted (their
 #: defaults) and why another value is refused.
 _CHAT_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "user": ((None,), "no per-user tracking"),
     "metadata": ((None, {}), "completions are not stored"),
     "store": ((None, False), "completions are not stored"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
@@ -327,18 +354,18 @@ _CHAT_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "verbosity": ((None,), "the model has no verbosity setting"),
     "web_search_options": ((None,), "no web search"),
     "prompt_cache_key": ((None,), "the prefix cache needs no key"),
-    "safety_identifier": ((None,), "no per-user tracking"),
     "functions": ((None,), "legacy function calling: use tools and tool_choice"),
     "function_call": ((None,), "legacy function calling: use tools and tool_choice"),
 }
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, EndUserFields):
     """``POST /v1/chat/completions`` body.
 
     Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is enforced by
     constrained decoding; see :mod:`api.structured` for the rules. The fields of
-    :data:`_CHAT_DEFAULTS` are refused unless left at their defaults.
+    :data:`_CHAT_DEFAULTS` are refused unless left at their defaults; ``user`` and
+    ``safety_identifier`` are logged.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -348,7 +375,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    user: Any = None
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
@@ -359,7 +385,6 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Any = None
     web_search_options: Any = None
     prompt_cache_key: Any = None
-    safety_identifier: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -490,8 +515,6 @@ _RESPONSES_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt": ((None,), "no stored prompt templates"),
     "prompt_cache_key": ((None,), "the prefix cache needs no key"),
     "prompt_cache_retention": ((None,), "the prefix cache needs no key"),
-    "safety_identifier": ((None,), "no per-user tracking"),
-    "user": ((None,), "no per-user tracking"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "truncation": ((None, "disabled"), "input is never truncated; a too long input is a 400"),
     "top_logprobs": ((None, 0), "logprobs are not returned by /v1/responses"),
@@ -499,8 +522,12 @@ _RESPONSES_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ChatTemplateFields, EndUserFields):
     """``POST /v1/responses`` body (text and image input, text output).
+
+    ``add_generation_prompt`` and ``continue_final_message`` are the chat route's
+    (extensions here too): an assistant ``input`` item last is continued or followed by
+    a new assistant turn. ``user`` and ``safety_identifier`` are logged.
 
     The fields of :data:`_RESPONSES_DEFAULTS` are refused unless left at their defaults;
     ``tool_choice`` and ``parallel_tool_calls`` as in a chat completion without tools
@@ -531,8 +558,6 @@ class ResponsesRequest(BaseModel):
     prompt: Any = None
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
-    safety_identifier: Any = None
-    user: Any = None
     service_tier: Any = None
     truncation: Any = None
     top_logprobs: Any = None

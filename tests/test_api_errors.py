@@ -224,7 +224,13 @@ def test_too_many_images_refused_before_decoding(client, photos) -> None:  # noq
         ("hello", {"model": "gpt-4"}, 404, "does not exist", "model"),
         ("what is <image> this", {}, 400, "placeholder", "messages"),
         ("hello", {"messages": []}, 400, "messages", "messages"),
-        ("hello", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role", None),
+        (
+            "hello",
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
+            400,
+            "role",
+            "messages[0].role",
+        ),
     ],
 )
 def test_bad_chat_requests(client, content, kw, status, words, param) -> None:  # noqa: ANN001
@@ -361,7 +367,11 @@ def test_malformed_parts_name_the_deepest_field(client, part, param, words) -> N
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'tool'"),
+        (
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
+            "messages[0].role",
+            "'tool'",
+        ),
         ({"messages": "hello"}, "messages", "expected an array"),
         (
             {"messages": [{"role": "user", "content": "x"}], "max_tokens": "3"},

@@ -128,7 +128,7 @@ def test_optional_model_developer_role_and_default_length(client) -> None:  # no
     msgs = [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
-        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": ""},
         {"role": "user", "content": "Again"},
     ]
     r = client.post(

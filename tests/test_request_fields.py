@@ -184,7 +184,6 @@ def test_multipart_upload_with_another_field_is_refused(app) -> None:  # noqa: A
 
 # ---- known OpenAI fields the server does not act on -----------------------------------
 UNSUPPORTED = [
-    (["user"], "alice"),
     (["metadata"], {"k": "v"}),
     (["store"], True),
     (["service_tier"], "flex"),
@@ -202,13 +201,14 @@ UNSUPPORTED = [
     (["messages", 0, "content", 0, "image_url", "detail"], "low"),
     (["messages", 0, "content", 1, "image_url"], {"url": "IMG"}),  # on a text part
     (["messages", 0, "content", 0, "num_frames"], 3),  # on an image part
-    (["messages", 0, "role"], "tool"),
     (["messages", 0, "role"], "function"),
     (["messages", 0, "tool_call_id"], "call_1"),
     (["stream_options"], {"include_usage": True}),  # without stream
 ]
 DEFAULTS = [
     (["user"], None),
+    (["user"], "alice"),  # accepted and logged
+    (["safety_identifier"], "hash-1"),
     (["metadata"], {}),
     (["store"], False),
     (["service_tier"], "auto"),

@@ -159,7 +159,9 @@ class ReplicaClient:
         may_retry = not STREAMED.get()
         attempt = 0
         while True:
-            col = OutputCollector(req.rid, self.tokenizer, req.params, req.prompt_len, req.arrival)
+            col = OutputCollector(
+                req.rid, self.tokenizer, req.params, req.prompt_len, req.arrival, req.text_context
+            )
             gen = _detached(
                 self.handle.options(method_name="generate", stream=True).remote, payload
             )

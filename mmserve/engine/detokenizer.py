@@ -65,12 +65,17 @@ class IncrementalDetokenizer:
             directly when it has one: same text, without transformers' per-call
             conversion of the id list).
         skip_special_tokens: drop special tokens from the text (as the server does).
+        context: ids the text follows (the tail of a prompt that ends inside a message
+            being continued): the pieces are the text the ids add after it, so a first
+            token's leading space, which decoding alone drops, is kept.
 
     The cost of a push is that of decoding the ids since the last emitted piece plus
     a few earlier ones, independent of how many ids came before.
     """
 
-    def __init__(self, tokenizer: object, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: object, skip_special_tokens: bool = True, context: Sequence[int] = ()
+    ) -> None:
         skip = skip_special_tokens
         backend = getattr(tokenizer, "_tokenizer", None)
         cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
@@ -81,9 +86,11 @@ class IncrementalDetokenizer:
         self._byte_ids, special = token_classes(tokenizer)
         self._transparent = special if skip_special_tokens else frozenset()
         self._in_byte_run = False
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context)
         self._prefix = 0  # window start: ids before it are settled text
-        self._read = 0  # ids up to here are emitted
+        self._read = len(self.ids)  # ids up to here are emitted
+        #: characters of the context's text (not part of :attr:`text`)
+        self.context_chars = len(self._decode(self.ids)) if self.ids else 0
         self.text = ""
 
     def push(self, ids: Sequence[int]) -> str:
@@ -126,6 +133,7 @@ class TextStream:
             whatever their order; the text is cut before it).
         min_tokens: stop strings are not looked for before this many output tokens, and
             must end after the text of the first ``min_tokens - 1`` (as vLLM).
+        context: prompt ids the text follows (see :class:`IncrementalDetokenizer`).
 
     Attributes:
         text: the answer so far (cut at a stop string once one is found).
@@ -135,8 +143,14 @@ class TextStream:
         num_tokens: output tokens pushed up to and including the one that stopped it.
     """
 
-    def __init__(self, tokenizer: object, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
+    def __init__(
+        self,
+        tokenizer: object,
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+        context: Sequence[int] = (),
+    ) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, context=context)
         self.stop = [s for s in stop if s]
         self.min_tokens = min_tokens
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -156,7 +170,7 @@ class TextStream:
             piece = self.detok.push([tok])
             if self.num_tokens == self.min_tokens - 1:
                 # stop strings must end after the text of the first min_tokens - 1 tokens
-                self._floor = len(self.detok._decode(self.detok.ids))
+                self._floor = len(self.detok._decode(self.detok.ids)) - self.detok.context_chars
             if piece:
                 self._add(piece)
         return self._release(final=self.stopped)

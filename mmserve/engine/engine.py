@@ -464,7 +464,7 @@ class Engine:
     def collector(self, msg: EngineRequest) -> OutputCollector:
         """A front-end collector for ``msg``'s deltas (text, stop strings, result)."""
         return OutputCollector(
-            msg.rid, self.model.tokenizer, msg.params, msg.prompt_len, msg.arrival
+            msg.rid, self.model.tokenizer, msg.params, msg.prompt_len, msg.arrival, msg.text_context
         )
 
     def track(self, msg: EngineRequest) -> OutputCollector:

@@ -44,6 +44,10 @@ class EngineRequest:
             smaller class before any of a larger one (the cache-aware order holds inside
             each class; a request past the starvation bound goes first whatever its
             class), and retracts from the largest class first.
+        text_context: the prompt's last text ids when the prompt ends inside a message
+            being continued (``continue_final_message``): the output text is decoded
+            after them, so it is exactly what the output adds to the prompt's text (a
+            SentencePiece first token keeps its leading space); empty otherwise.
     """
 
     input_ids: tuple[int, ...]
@@ -53,6 +57,7 @@ class EngineRequest:
     arrival: float = field(default_factory=time.perf_counter)
     grammar: Any = None
     priority: int = INTERACTIVE
+    text_context: tuple[int, ...] = ()
 
     @property
     def prompt_len(self) -> int:

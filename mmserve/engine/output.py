@@ -49,6 +49,8 @@ class OutputCollector:
         prompt_tokens: prompt length in tokens.
         arrival: ``time.perf_counter()`` when the request arrived (seconds); time to
             first token and latency are measured on this side's clock when deltas arrive.
+        text_context: prompt ids the text is decoded after
+            (:attr:`~mmserve.engine.messages.EngineRequest.text_context`).
 
     Attributes:
         stop_hit: a stop string ended the answer; the engine's request should be aborted
@@ -62,12 +64,15 @@ class OutputCollector:
         params: SamplingParams,
         prompt_tokens: int,
         arrival: float,
+        text_context: tuple[int, ...] = (),
     ) -> None:
         self.rid = rid
         self.params = params
         self.prompt_tokens = prompt_tokens
         self.arrival = arrival
-        self.stream = TextStream(tokenizer, params.stop, getattr(params, "min_tokens", 0))
+        self.stream = TextStream(
+            tokenizer, params.stop, getattr(params, "min_tokens", 0), text_context
+        )
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.logits: list | None = [] if params.return_logits else None

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 from mmserve.config import EngineConfig
 from mmserve.engine.messages import EngineRequest
-from mmserve.engine.prompt import PromptBuilder, PromptError
+from mmserve.engine.prompt import NEW_TURN, ChatTemplateOptions, PromptBuilder, PromptError
 from mmserve.engine.request import (
     ImageInput,
     ImageSpan,
@@ -336,12 +336,15 @@ class InputProcessor:
         params: SamplingParams | None = None,
         rid: str | None = None,
         videos: Sequence[Sequence[ImageInput]] = (),
+        template: ChatTemplateOptions = NEW_TURN,
     ) -> EngineRequest:
         """Build a validated, tokenized request message from chat ``messages`` or a raw
         ``prompt``.
 
         ``images`` fill the image placeholders and ``videos`` (each its frames, decoded
         and hashed like images) the video placeholders of a model with a video path.
+        ``template`` says how the chat template ends the prompt (a continued final
+        assistant message also sets the request's ``text_context``).
 
         A constrained request (``params.guided``) carries its compiled grammar, compiled
         here once per distinct spec (:class:`GrammarCache`); the engine makes the
@@ -361,7 +364,9 @@ class InputProcessor:
             if (messages is None) == (prompt is None):
                 raise RequestError("give exactly one of messages or prompt")
             if messages is not None:
-                ids, spans = self.prompts.from_messages(messages, list(images), list(videos))
+                ids, spans = self.prompts.from_messages(
+                    messages, list(images), list(videos), template
+                )
             else:
                 ids, spans = self.prompts.from_text(prompt, list(images), list(videos))
         except RequestError:
@@ -393,8 +398,16 @@ class InputProcessor:
                 grammar = self.grammars.compile(params.guided)
             except GrammarError as e:
                 raise RequestError(str(e), param=e.param) from None
+        context: tuple[int, ...] = ()
+        if messages is not None and template.continue_final_message:
+            context = text_tail(ids)
         return EngineRequest(
-            tuple(ids), tuple(spans), params, rid=rid or new_rid(), grammar=grammar
+            tuple(ids),
+            tuple(spans),
+            params,
+            rid=rid or new_rid(),
+            grammar=grammar,
+            text_context=context,
         )
 
     def check_length(
@@ -440,6 +453,22 @@ class InputProcessor:
     def output_room(self, prompt_len: int) -> int:
         """Most output tokens a prompt of ``prompt_len`` tokens leaves room for."""
         return min(self.max_context, self.kv_capacity_tokens) - prompt_len
+
+
+#: Prompt ids an output is decoded after when it continues the prompt's text (vLLM's
+#: incremental detokenizer starts this many tokens back too).
+TEXT_CONTEXT_IDS = 5
+
+
+def text_tail(ids: Sequence[int]) -> tuple[int, ...]:
+    """The last :data:`TEXT_CONTEXT_IDS` ids of ``ids`` after its last image or video
+    position (pseudo-token ids are negative)."""
+    tail: list[int] = []
+    for t in reversed(ids):
+        if t < 0 or len(tail) == TEXT_CONTEXT_IDS:
+            break
+        tail.append(t)
+    return tuple(reversed(tail))
 
 
 def _image_tokens(counts: Sequence[int]) -> str:

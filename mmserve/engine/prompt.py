@@ -16,12 +16,19 @@ turn and forge a conversation; only the chat template's own structure produces
 special ids. This is the one documented difference from transformers, which reads
 a typed ``</s>`` as the real token. A chat whose texts hold no special-token string
 is tokenized as one string, exactly as transformers does.
+
+A chat may end with an assistant message (:class:`ChatTemplateOptions`, vLLM's
+``add_generation_prompt`` and ``continue_final_message``): continued, its text is the
+start of the answer (the rendering is cut where its text ends, before the template's
+end of turn, as transformers' ``apply_chat_template(..., continue_final_message=True)``);
+otherwise it is a closed turn and the template must open a new assistant turn after it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mmserve.engine.request import ImageInput, ImageSpan
 from mmserve.model.families.base import FRAME_MODE
@@ -31,6 +38,46 @@ from mmserve.vision.hashing import VIDEO_NEWLINE_ID, PseudoIdCache
 
 class PromptError(ValueError):
     """A prompt that cannot be built; the message says why (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How the chat template ends a prompt (vLLM's chat-completion fields of these names).
+
+    Attributes:
+        add_generation_prompt: open a new assistant turn after the last message.
+        continue_final_message: the last message is an assistant message whose text is
+            the start of the answer: no end of turn after it (needs
+            ``add_generation_prompt`` false).
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self, messages: Sequence[dict]) -> None:
+        """Refuse options that do not fit ``messages``.
+
+        Raises:
+            PromptError: ``continue_final_message`` together with
+                ``add_generation_prompt``, or without a final assistant message.
+        """
+        if not self.continue_final_message:
+            return
+        if self.add_generation_prompt:
+            raise PromptError(
+                "continue_final_message needs add_generation_prompt: false (a continued "
+                "assistant message gets no new assistant turn after it)"
+            )
+        last = messages[-1].get("role") if messages else None
+        if last != "assistant":
+            raise PromptError(
+                "continue_final_message continues a final assistant message, but the last "
+                f"message's role is {last!r}"
+            )
+
+
+#: The default: a new assistant turn after the last message.
+NEW_TURN = ChatTemplateOptions()
 
 
 class PromptBuilder:
@@ -71,16 +118,24 @@ class PromptBuilder:
         # what the tokenizer's post-processor puts around a whole prompt (BOS for LLaVA)
         self._prefix_ids, self._suffix_ids = full[:at], full[at + len(bare) :]
 
-    def render_chat(self, messages: Sequence[dict]) -> str:
-        """Render messages with the checkpoint's chat template and a generation prompt.
+    def render_chat(self, messages: Sequence[dict], options: ChatTemplateOptions = NEW_TURN) -> str:
+        """Render messages with the checkpoint's chat template.
 
         Each message is ``{"role": ..., "content": str | [parts]}`` with parts
         ``{"type": "text", "text": ...}``, ``{"type": "image"}`` or (a family with a
-        video path) ``{"type": "video"}``.
+        video path) ``{"type": "video"}``. ``options`` says how the prompt ends (a new
+        assistant turn by default; see :class:`ChatTemplateOptions`).
+
+        A continued final message is rendered with a private-use sentinel after its text
+        and the rendering is cut at the sentinel, so nothing the template puts after the
+        text (end of turn, end of sequence) remains, and an empty text continues too.
 
         Raises:
-            PromptError: if user text contains the literal image (or video) placeholder
-                (it would create a slot that has no image).
+            PromptError: user text containing the literal image (or video) placeholder
+                (it would create a slot that has no image); options that do not fit
+                the messages (:meth:`ChatTemplateOptions.check`); a template that does
+                not render the text of the message to continue, or opens no new turn
+                after a final assistant message.
         """
         for m in messages:
             for text in _texts(m):
@@ -91,18 +146,65 @@ class PromptBuilder:
                             f"message text contains the reserved {what} placeholder "
                             f"{token!r}; send {what}s as {what}_url content parts"
                         )
+        options.check(messages)
+        if options.continue_final_message:
+            return self._render_continued(messages)
+        rendered = self._apply(messages, options.add_generation_prompt)
+        if (
+            options.add_generation_prompt
+            and messages
+            and messages[-1].get("role") == "assistant"
+            and rendered == self._apply(messages, False)
+        ):
+            # the model would generate after a closed turn with no role marker
+            raise PromptError(
+                "this model's chat template opens no new assistant turn after a final "
+                "assistant message: end the messages with a user message, or continue the "
+                "assistant message (continue_final_message: true, add_generation_prompt: "
+                "false)"
+            )
+        return rendered
+
+    def _apply(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    def _render_continued(self, messages: Sequence[dict]) -> str:
+        """The rendering of ``messages`` up to the end of the last message's text."""
+        joined = "".join(_texts_all(messages))
+        # a character no text holds (masked special strings use another private-use one)
+        sentinel = next(c for c in map(chr, range(0xF8FF, 0xE000, -1)) if c not in joined)
+        last = dict(messages[-1])
+        content = last.get("content")
+        if content is None or isinstance(content, str):
+            last["content"] = (content or "") + sentinel
+        else:
+            parts = list(content)
+            at = max((i for i, p in enumerate(parts) if p.get("type") == "text"), default=None)
+            if at is None:
+                parts.append({"type": "text", "text": sentinel})
+            else:
+                parts[at] = {**parts[at], "text": (parts[at].get("text") or "") + sentinel}
+            last["content"] = parts
+        rendered = self._apply([*messages[:-1], last], False)
+        cut = rendered.rfind(sentinel)
+        if cut < 0:
+            raise PromptError(
+                "this model's chat template does not render the final assistant message's "
+                "text, so it cannot be continued"
+            )
+        return rendered[:cut]
 
     def from_messages(
         self,
         messages: Sequence[dict],
         images: Sequence[ImageInput],
         videos: Sequence[Sequence[ImageInput]] = (),
+        options: ChatTemplateOptions = NEW_TURN,
     ) -> tuple[list[int], list[ImageSpan]]:
         """Token ids for a chat; ``images`` fill the image parts and ``videos`` (each a
-        list of frames) the video parts, in order.
+        list of frames) the video parts, in order; ``options`` as :meth:`render_chat`.
 
         Message texts are encoded as plain text (see the module docstring).
 
@@ -111,14 +213,16 @@ class PromptBuilder:
         """
         texts = _texts_all(messages)
         if any(p in t for t in texts for p in self.placeholders):
-            self.render_chat(messages)  # raises the placeholder error
+            self.render_chat(messages, options)  # raises the placeholder error
         if not any(self._special_re.search(t) for t in texts):
-            return self.from_text(self.render_chat(messages), images, videos)
-        rendered, typed, mark = self._mask_specials(messages)
+            return self.from_text(self.render_chat(messages, options), images, videos)
+        rendered, typed, mark = self._mask_specials(messages, options)
         self._check_text(rendered)
         return self._expand(self.encode_plain_texts(rendered, typed, mark), images, videos)
 
-    def _mask_specials(self, messages: Sequence[dict]) -> tuple[str, list[str], str]:
+    def _mask_specials(
+        self, messages: Sequence[dict], options: ChatTemplateOptions = NEW_TURN
+    ) -> tuple[str, list[str], str]:
         """Render with every typed special string replaced by a private-use marker.
 
         Returns:
@@ -146,7 +250,7 @@ class PromptBuilder:
                     for p in content
                 ]
             masked.append({**m, "content": content})
-        return self.render_chat(masked), typed, mark
+        return self.render_chat(masked, options), typed, mark
 
     def encode_plain_texts(
         self, rendered: str, typed: Sequence[str] = (), mark: str = ""
