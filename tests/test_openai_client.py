@@ -132,3 +132,35 @@ def test_api_key_is_required_except_for_health(server: str) -> None:
     req = urllib.request.Request(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert b"mmserve_cache_hit_rate" in r.read()
+
+
+def test_assistant_prefill_and_message_rules_through_the_client(client) -> None:  # noqa: ANN001
+    ask = {"role": "user", "content": "Where is the tower?"}
+    prefill = {"role": "assistant", "content": "The city is"}
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    out = client.chat.completions.create(
+        model=MODEL, messages=[ask, prefill], max_tokens=4, temperature=0, extra_body=flags
+    )
+    again = client.chat.completions.create(
+        model=MODEL, messages=[ask, prefill], max_tokens=4, temperature=0, extra_body=flags
+    )
+    assert again.choices[0].message.content == out.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == out.usage.prompt_tokens - 1
+    # without the flags the closed assistant turn is followed by a new one: a longer prompt
+    turn = client.chat.completions.create(
+        model=MODEL, messages=[ask, prefill], max_tokens=4, temperature=0, user="alice"
+    )
+    assert turn.usage.prompt_tokens > out.usage.prompt_tokens
+    # the client sends the previous answer back as it was returned
+    follow = [ask, turn.choices[0].message, {"role": "user", "content": "Sure?"}]
+    assert client.chat.completions.create(model=MODEL, messages=follow, max_tokens=2).choices
+    for messages, param in [
+        ([{"role": "user", "content": None}], "messages[0].content"),
+        ([ask], "continue_final_message"),
+        ([ask, {"role": "tool", "content": "42"}], "messages[1].tool_call_id"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=2, extra_body=flags
+            )
+        assert e.value.body["param"] == param, e.value.body
