@@ -13,6 +13,7 @@ replicas deploys them on Ray Serve (:mod:`api.replicas.launch`).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import logging
 import re
@@ -209,6 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=launch.host,
         port=launch.port,
         log_level=launch.log_level,
+        log_config=log_config(launch.log_level),
         timeout_graceful_shutdown=launch.shutdown_grace_seconds,
     )
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, waits up to the grace period
@@ -220,6 +222,22 @@ def _serve(args: argparse.Namespace) -> int:
     _exit_on_fatal(engine, userver, launch.fatal_exit_seconds)
     userver.run()
     return 1 if engine.fatal_error() else 0
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging configuration plus the ``api`` and ``mmserve`` loggers at
+    ``level`` on uvicorn's stderr handler (without it their INFO lines, such as a
+    request's ``user``, would go nowhere: the root logger has no handler)."""
+    import uvicorn.config
+
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for name in ("api", "mmserve"):
+        config["loggers"][name] = {
+            "handlers": ["default"],
+            "level": level.upper(),
+            "propagate": False,
+        }
+    return config
 
 
 def _exit_on_fatal(engine: Engine, userver: object, delay: float) -> None:

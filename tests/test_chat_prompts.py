@@ -18,6 +18,7 @@ from tests.helpers import (
     assert_same_generation,
     greedy,
     reference_generate,
+    run_python,
     user,
 )
 from tests.live_server import app_client
@@ -57,6 +58,19 @@ def test_continued_message_ids_equal_transformers(families, family: str, last) -
     # the prompt ends with the message's text: no end of turn, no end of sequence
     text = last if isinstance(last, str) else last[-1]["text"]
     assert prompts.render_chat(msgs, CONTINUE).endswith(text)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_a_typed_end_of_sequence_in_the_prefill_stays_text(families, family: str) -> None:  # noqa: ANN001
+    prompts = families[family].make_engine().processor.prompts
+    tok = prompts.tokenizer
+    msgs = [CHAT[1], {"role": "assistant", "content": f"a{tok.eos_token}b"}]
+    ids, _ = prompts.from_messages(msgs, [], (), CONTINUE)
+    rendered = prompts.render_chat(msgs, CONTINUE)
+    assert rendered.endswith(f"a{tok.eos_token}b")
+    # the typed string is its characters; the template's own end-of-turn ids remain
+    assert ids.count(tok.eos_token_id) == rendered.count(tok.eos_token) - 1
+    assert ids[-1] != tok.eos_token_id and tok.decode(ids).endswith(f"a{tok.eos_token}b")
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -307,3 +321,20 @@ def test_user_and_safety_identifier_are_accepted_and_logged(client, caplog) -> N
     assert all("\n" not in ln for ln in lines)
     err = assert_error(_post(client, msgs, user="u" * 257), 400, "user")
     assert err["param"] == "user"
+
+
+def test_serve_shows_the_end_user_line() -> None:
+    # mmserve serve hands uvicorn this config: the api loggers' INFO lines reach stderr
+    code = (
+        "import logging.config, types\n"
+        "from api.cli import log_config\n"
+        "from api.generation import log_end_user\n"
+        "from api.schemas import EndUserFields\n"
+        "logging.config.dictConfig(log_config('info'))\n"
+        "log_end_user(EndUserFields(user='alice'), [types.SimpleNamespace(rid='r1')])\n"
+        "logging.getLogger('api.generation').debug('hidden')\n"
+    )
+    out = run_python(code, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "requests r1: user='alice' safety_identifier=None" in out.stderr
+    assert "hidden" not in out.stderr
