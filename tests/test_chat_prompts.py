@@ -19,6 +19,7 @@ from tests.helpers import (
     greedy,
     reference_generate,
     run_python,
+    stream_chunks,
     user,
 )
 from tests.live_server import app_client
@@ -137,6 +138,10 @@ def test_a_template_that_opens_no_turn_after_an_assistant_message_is_refused(
     assert prompts.render_chat(CHAT[1:], CONTINUE) == "USER: Where is the tower? ASSISTANT: " + (
         PREFILL
     )
+    # a template's own refusal is a prompt error (a 400), not a crash
+    prompts.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(PromptError, match="roles must alternate"):
+        prompts.render_chat(CHAT[1:])
 
 
 # ---- greedy tokens: transformers' generate on the continued prompt -------------------------
@@ -213,6 +218,9 @@ def test_continued_answer_over_http_and_cached_prefix(client) -> None:  # noqa: 
     out = first.json()
     assert out["choices"][0]["message"]["content"] == want.text
     assert out["usage"]["prompt_tokens"] == len(req.input_ids)
+    chunks = stream_chunks(client, {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+                                    "temperature": 0, **flags})  # fmt: skip
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == want.text
     again = _post(client, CHAT, **flags).json()
     assert again["choices"][0]["message"]["content"] == want.text
     # the continued prompt is in the prefix cache: all of it but the last token

@@ -30,6 +30,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jinja2.exceptions import TemplateError
+
 from mmserve.engine.request import ImageInput, ImageSpan
 from mmserve.model.families.base import FRAME_MODE
 from mmserve.model.loader import LoadedModel
@@ -134,8 +136,8 @@ class PromptBuilder:
             PromptError: user text containing the literal image (or video) placeholder
                 (it would create a slot that has no image); options that do not fit
                 the messages (:meth:`ChatTemplateOptions.check`); a template that does
-                not render the text of the message to continue, or opens no new turn
-                after a final assistant message.
+                not render the text of the message to continue, opens no new turn
+                after a final assistant message, or raises an error of its own.
         """
         for m in messages:
             for text in _texts(m):
@@ -166,9 +168,14 @@ class PromptBuilder:
         return rendered
 
     def _apply(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        """The template's rendering; its own refusals (``raise_exception``, a role it does
+        not know) become :class:`PromptError`."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as e:
+            raise PromptError(f"the model's chat template refused these messages: {e}") from None
 
     def _render_continued(self, messages: Sequence[dict]) -> str:
         """The rendering of ``messages`` up to the end of the last message's text."""
