@@ -50,12 +50,12 @@ class ServerSettings:
         default_max_tokens: ``max_tokens`` when the client gives none (tokens; capped at
             what the context leaves).
         max_video_bytes: largest encoded video upload or data URL (bytes).
-        max_video_frames: most frames sampled from a video for one request (a hard limit:
-            a selection over it is refused).
+        max_video_frames: most frames sampled from a video for one request; ``fps`` and
+            the default sampling are thinned to it, an exact ``num_frames`` or
+            ``timestamps`` over it is refused.
         max_video_tokens: most pseudo-tokens one video's sampled frames may take in a
-            prompt (None: no budget); ``fps`` and the default sampling are thinned to fit,
-            an exact ``num_frames`` or ``timestamps`` over it is refused; a request's
-            ``max_video_tokens`` can only lower it.
+            prompt (None: no budget); thinned to or refused as ``max_video_frames``; a
+            request's ``max_video_tokens`` may lower it, not raise it.
         max_video_side: largest video frame width or height (pixels).
         max_stored_videos: most videos the upload store keeps (LRU beyond it).
         max_stored_video_bytes: most encoded video bytes the upload store keeps (bytes).

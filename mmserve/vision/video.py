@@ -84,8 +84,8 @@ class VideoLimits:
 
     Attributes:
         max_bytes: largest encoded upload (bytes).
-        max_frames: most frames sampled for one request (a hard limit: a selection
-            over it is refused, see :func:`sample_frame_indices`).
+        max_frames: most frames sampled for one request (``fps`` and the default are
+            thinned to it, an exact count over it is refused: :func:`sample_frame_indices`).
         max_side: largest frame width or height (pixels).
         max_pixels: largest width*height of a frame (pixels).
         max_video_frames: most frames a video may hold (the probe reads every packet
@@ -215,12 +215,13 @@ def sample_frame_indices(
 
     How the fields combine (one rule): at most one of ``num_frames``, ``fps``,
     ``timestamps`` picks the frames (none: :data:`DEFAULT_NUM_FRAMES` uniform). The cap is
-    the smallest of ``max_frames`` and the frames that fit the token budget (the smaller
-    of the request's ``max_video_tokens`` and ``max_tokens``, priced by ``cost``).
-    ``fps`` and the default are lowered to the cap: ``fps`` whose frames would exceed it
-    takes the cap's count of frames spread evenly over the clip, as ``num_frames`` would.
-    ``num_frames`` and ``timestamps`` are exact: over the cap, or over ``max_frames``
-    (the server's hard limit, which nothing is lowered to), they are refused.
+    the smallest of the server's ``max_frames``, the request's ``max_frames`` and the
+    frames that fit the token budget (the smaller of the request's ``max_video_tokens``
+    and ``max_tokens``, priced by ``cost``). ``fps`` and the default are lowered to the
+    cap: ``fps`` whose frames would exceed it takes the cap's count of frames spread
+    evenly over the clip, as ``num_frames`` would. ``num_frames`` and ``timestamps`` are
+    exact: over a cap they are refused, as is a request's ``max_frames`` or
+    ``max_video_tokens`` over the server's.
 
     Args:
         num_frames: frames in the video.
@@ -260,11 +261,16 @@ def sample_frame_indices(
                 "request (the server's --max-video-frames)",
                 "max_frames",
             )
-    if sel.max_video_tokens is not None and sel.max_video_tokens < 1:
+    asked = sel.max_video_tokens
+    if asked is not None and asked < 1:
+        raise VideoError(f"max_video_tokens must be >= 1, got {asked}", "max_video_tokens")
+    if asked is not None and max_tokens is not None and asked > max_tokens:
         raise VideoError(
-            f"max_video_tokens must be >= 1, got {sel.max_video_tokens}", "max_video_tokens"
+            f"max_video_tokens={asked} is over the limit of {max_tokens} video tokens (the "
+            "server's --max-video-tokens)",
+            "max_video_tokens",
         )
-    budget = _token_budget(sel.max_video_tokens, max_tokens)
+    budget = _token_budget(asked, max_tokens)
     fit: int | None = None
     if budget is not None and cost is not None:
         tokens, named, field = budget
@@ -276,7 +282,6 @@ def sample_frame_indices(
                 field or sel.count_field(1),
             )
     caps = [c for c in (sel.max_frames, fit) if c is not None]
-    cap = min(caps) if caps else None
 
     def exact(asked: int, taken: int, what: str, field: str) -> None:
         """Refuse an exact count over a limit: ``asked`` frames named, ``taken`` taken."""
@@ -333,21 +338,11 @@ def sample_frame_indices(
         if not math.isfinite(rate) or rate <= 0:
             raise VideoError(f"fps must be > 0, got {rate}", "fps")
         span = duration * rate
-        what = f"fps={rate:g} over {duration:g} s"
-        hint = "; lower fps, or set max_frames to take at most that many frames evenly"
         # sample times k / rate before the end: 0 <= k / rate < duration
         count = max(1, math.ceil(span - _EPS)) if math.isfinite(span) else math.inf
-        if cap is not None and count > cap:  # thinned: the cap's frames, evenly
-            out = uniform(cap)
-            _check_count(len(out), max_frames, what, "fps", hint)
-            return out
-        if not math.isfinite(span) or span > max_frames + 1:
-            raise VideoError(
-                f"{what} selects more than {max_frames} frames; the limit is {max_frames} "
-                f"frames per request (the server's --max-video-frames){hint}",
-                "fps",
-            )
-        _check_count(int(count), max_frames, what, "fps", hint)
+        cap = min([max_frames, *caps])
+        if count > cap:  # thinned: the cap's count of frames, evenly over the clip
+            return uniform(cap)
         out = []
         for k in range(int(count)):
             i = at(k / rate)
@@ -365,22 +360,13 @@ def sample_frame_indices(
 
 def _token_budget(asked: int | None, server: int | None) -> tuple[int, str, str | None] | None:
     """The video token budget: ``(tokens, its name in messages, the request field or
-    None)`` for the smaller of the request's ``max_video_tokens`` and the server's, or
-    None when neither is set."""
-    if asked is not None and (server is None or asked <= server):
+    None)``: the request's ``max_video_tokens`` (no more than the server's), else the
+    server's, else None."""
+    if asked is not None:
         return asked, f"max_video_tokens={asked}", "max_video_tokens"
     if server is not None:
         return server, f"the server's limit of {server} video tokens (--max-video-tokens)", None
     return None
-
-
-def _check_count(count: int, max_frames: int, what: str, field: str, hint: str = "") -> None:
-    if count > max_frames:
-        raise VideoError(
-            f"{what} selects {count} frames; the limit is {max_frames} frames per request "
-            f"(the server's --max-video-frames){hint}",
-            field,
-        )
 
 
 @dataclass(frozen=True)
