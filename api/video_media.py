@@ -54,7 +54,7 @@ def fewer_frames(field: str, most: int) -> str:
         return f"give at most {most} timestamps"
     if field == "num_frames":
         return f"ask for num_frames={most}"
-    return f"set max_frames={most}" if most else "send a shorter video"
+    return f"set max_frames={most}" if most else "send fewer images with it"
 
 
 def selection(fields: FrameFields) -> FrameSelection:

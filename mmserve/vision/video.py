@@ -4,7 +4,7 @@ A frame is an RGB uint8 array turned into a PIL image and hashed like an
 uploaded photo (:func:`mmserve.vision.hashing.image_key`), so identical frames
 (a static scene, the same footage in two clips) share one key, one vision-tower
 run and their KV. Frame selection is a pure function of the video's frame times,
-duration and the request (:func:`sample_frame_indices`).
+duration, the request and its caps (:func:`sample_frame_indices`).
 
 One decoder reads every video: PyAV, FFmpeg's own API. decord (used before) refused
 frames narrower than about 32 pixels and some odd widths (8, 12, 16, 24, 48, 72: "The
@@ -69,8 +69,10 @@ class VideoError(ValueError):
     """A video or frame selection that cannot be accepted; the message says why (HTTP 400).
 
     Attributes:
-        field: the request field at fault (``"timestamps"``, ``"fps"``, ``"num_frames"``),
-            or None when the video itself is at fault.
+        field: the request field at fault, one the client set (``"timestamps"``,
+            ``"fps"``, ``"num_frames"``, ``"max_frames"``, ``"max_video_tokens"``; or
+            ``"num_frames"`` for the default count), or None when the video itself is at
+            fault.
     """
 
     def __init__(self, message: str, field: str | None = None) -> None:
