@@ -18,12 +18,11 @@ from api.openai_format import TokenText, chat_completion, chat_stream
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.state import ServerState, State
 from api.structured import ToolCalling, tool_calling
-from api.video_media import frame_parts, resolve_video, selection
+from api.video_media import VideoPart, fewer_frames, frame_parts, resolve_video, selection
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.prompt import NEW_TURN, ChatTemplateOptions
 from mmserve.engine.request import ImageInput, SamplingParams
 from mmserve.model.families.base import FRAME_MODE
-from mmserve.vision.video import FrameSelection
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -118,7 +117,7 @@ async def prepare_chat(
 async def engine_requests(
     st: ServerState,
     messages: list[dict],
-    urls: list[tuple[str, str, FrameSelection | None]],
+    urls: list[tuple[str, str, VideoPart | None]],
     params: SamplingParams,
     n: int = 1,
     template: ChatTemplateOptions = NEW_TURN,
@@ -145,7 +144,11 @@ async def engine_requests(
         else:  # a video: its sampled frames, each an image
             images.append(await resolve_video(st, url, sel, param, frame_mode, pixels))
     messages, images, videos = _expand_videos(
-        messages, images, st.engine.config.max_images_per_request, video_path
+        messages,
+        images,
+        st.engine.config.max_images_per_request,
+        video_path,
+        [sel for _, _, sel in urls],
     )
     return await make_requests(
         st.engine.processor,
@@ -161,7 +164,7 @@ async def engine_requests(
 
 def _split_images(
     messages: list[ChatMessage], max_images: int
-) -> tuple[list[dict], list[tuple[str, str, FrameSelection | None]]]:
+) -> tuple[list[dict], list[tuple[str, str, VideoPart | None]]]:
     """Engine messages with image and video parts, and each one's ``(url, param, frames)``
     in order (``frames`` is None for an image).
 
@@ -203,8 +206,8 @@ def _split_images(
                         "give them in one place",
                         param=where,
                     )
-                fields = src if on_url else p
-                urls.append((url, f"{param}.video_url", selection(fields)))
+                fields, at = (src, f"{param}.video_url.") if on_url else (p, f"{param}.")
+                urls.append((url, f"{param}.video_url", VideoPart(selection(fields), at)))
                 parts.append({"type": "video"})
             else:
                 # the field holding the url: image_url itself, or its "url" key
@@ -256,7 +259,7 @@ def check_message(m: ChatMessage, i: int) -> None:
         )
 
 
-_FRAME_FIELDS = frozenset({"num_frames", "fps", "timestamps"})
+_FRAME_FIELDS = frozenset({"num_frames", "fps", "timestamps", "max_frames", "max_video_tokens"})
 #: The fields each content part type uses (besides ``type``).
 _PART_FIELDS = {
     "text": frozenset({"text"}),
@@ -291,7 +294,11 @@ def _check_part_fields(part: ContentPart, param: str) -> None:
 
 
 def _expand_videos(
-    messages: list[dict], media: list, max_images: int, video_path: bool = False
+    messages: list[dict],
+    media: list,
+    max_images: int,
+    video_path: bool = False,
+    parts: list[VideoPart | None] | None = None,
 ) -> tuple[list[dict], list[ImageInput], list[list[ImageInput]]]:
     """Split ``media`` (in part order) into images and videos.
 
@@ -299,36 +306,55 @@ def _expand_videos(
     video and its frames go to ``videos``; elsewhere it is replaced by its frames
     (``Frame at 1.5s: <image>``, in order), each an image.
 
+    Args:
+        parts: each medium's :class:`VideoPart` (None for an image), to name the frame
+            field at fault.
+
     Returns:
         ``(messages, images, videos)``.
 
     Raises:
-        APIError: 400 when the images (frames included, without a video path) exceed
-            ``max_images``.
+        APIError: 400 ``too_many_images`` when the images (frames included, without a video
+            path) exceed ``max_images``; with frames among them it names the last video's
+            field that decided its frame count (``...video_url.fps``, ...).
     """
     images: list[ImageInput] = []
     videos: list[list[ImageInput]] = []
-    it = iter(media)
+    blame: tuple[VideoPart, int] | None = None  # the last video and its frame count
+    it = iter(zip(media, parts or [None] * len(media), strict=True))
     out = []
     for m in messages:
         if isinstance(m["content"], str):
             out.append(m)
             continue
-        parts = []
+        content = []
         for p in m["content"]:
             if p["type"] == "image":
-                images.append(next(it))
-                parts.append(p)
+                images.append(next(it)[0])
+                content.append(p)
             elif p["type"] == "video" and video_path:
-                videos.append([fr.image for fr in next(it)])
-                parts.append(p)
+                videos.append([fr.image for fr in next(it)[0]])
+                content.append(p)
             elif p["type"] == "video":
-                frames = next(it)
+                frames, part = next(it)
+                if part is not None:
+                    blame = (part, len(frames))
                 images += [fr.image for fr in frames]
-                parts += frame_parts(frames)
+                content += frame_parts(frames)
             else:
-                parts.append(p)
-        out.append({**m, "content": parts})
-    what = "images (video frames count one each; ask for fewer with num_frames)"
-    check_image_count(len(images), max_images, "messages", what)
+                content.append(p)
+        out.append({**m, "content": content})
+    if blame is not None and len(images) > max_images:
+        part, n = blame
+        field = part.param(n)
+        room = max(0, max_images - (len(images) - n))
+        raise APIError(
+            400,
+            f"{field}: {len(images)} images in one request (video frames count one each; "
+            f"this video's {n} frames among them); the limit is {max_images} images per "
+            f"request; {fewer_frames(field.rsplit('.', 1)[-1], room)}",
+            param=field,
+            code="too_many_images",
+        )
+    check_image_count(len(images), max_images, "messages")
     return out, images, videos

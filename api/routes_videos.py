@@ -26,7 +26,7 @@ from api.json_body import JSONBodyRoute
 from api.schemas import VideoQARequest
 from api.state import ServerState, State
 from api.uploads import read_upload, upload_body
-from api.video_media import expand_video, frame_parts, selection
+from api.video_media import VideoPart, expand_video, fewer_frames, frame_parts, selection
 from api.video_store import StoredVideo
 from mmserve.engine.request import Request as EngineRequest
 from mmserve.model.families.base import FRAME_MODE
@@ -103,8 +103,9 @@ async def video_qa(
     else:  # a video, or frames as the images of one prompt
         video_path = st.engine.model.video_token_id is not None
         mode = FRAME_MODE if video_path else processor.image_mode(st.settings.max_video_frames)
+    part = VideoPart(selection(body), "")
     frames, skipped = await expand_video(
-        st, entry.data, selection(body), "video", True, "", mode, processor.request_pixels()
+        st, entry.data, part.selection, "video", True, "", mode, processor.request_pixels()
     )
     system = [{"role": "system", "content": body.system}] if body.system else []
     default_tokens = st.settings.default_max_tokens
@@ -120,7 +121,7 @@ async def video_qa(
                 jobs.append((k, qi))
     else:
         if st.engine.model.video_token_id is None:  # frames are images: the image limit
-            _check_clip_count(st, len(frames))
+            _check_clip_count(st, len(frames), part)
         for qi, q in enumerate(body.questions):
             msgs, images, videos = clip_prompt(st, frames, system, q)
             try:
@@ -128,7 +129,7 @@ async def video_qa(
                     st.engine.processor, msgs, images, params, 1, default_tokens, videos
                 )
             except APIError as e:
-                raise await _clip_too_long(st, frames, system, q, params, e) from None
+                raise await _clip_too_long(st, frames, system, q, params, e, part) from None
             jobs.append((None, qi))
     sub = st.client.submit(reqs)
     sse = body.stream_format == "sse" or (
@@ -226,20 +227,26 @@ def clip_prompt(
     return [*system, _user([*frame_parts(frames), text])], [fr.image for fr in frames], []
 
 
-def _check_clip_count(st: ServerState, n: int) -> None:
+def _check_clip_count(st: ServerState, n: int, part: VideoPart) -> None:
+    """Refuse a clip of ``n`` frames over the images-per-prompt limit, naming the frame
+    field that decided ``n``."""
     most = st.engine.config.max_images_per_request
     if n > most:
+        field = part.param(n)
         raise APIError(
             400,
-            f"a clip of {n} frames is over the limit of {most} images per prompt; "
-            f"select at most {most} frames (num_frames={most}) or use mode=per_frame",
-            param="num_frames",
+            f"{field}: a clip of {n} frames is over the limit of {most} images per prompt; "
+            f"select at most {most} frames ({fewer_frames(field, most)}) or use "
+            "mode=per_frame",
+            param=field,
             code="clip_too_long",
         )
 
 
-async def _clip_too_long(st, frames, system, question, params, err) -> APIError:  # noqa: ANN001
-    """The 400 for a clip that does not fit: how many frames would."""
+async def _clip_too_long(st, frames, system, question, params, err, part) -> APIError:  # noqa: ANN001
+    """The 400 for a clip that does not fit the context: how many frames would, naming
+    the frame field that decided their number."""
+    field = part.param(len(frames))
     lens = []
     for k in (1, 2):
         msgs, imgs, videos = clip_prompt(st, frames[:k], system, question)
@@ -253,17 +260,19 @@ async def _clip_too_long(st, frames, system, question, params, err) -> APIError:
                 videos=videos,
             )
         except Exception:  # noqa: BLE001 - even one frame does not fit
-            return APIError(400, f"clip does not fit: {err.message}", param="num_frames")
+            return APIError(
+                400, f"{field}: clip does not fit: {err.message}", param=field, code="clip_too_long"
+            )
         lens.append(r.prompt_len)
     per = max(1, lens[1] - lens[0]) if len(frames) > 1 else lens[0]
     room = st.engine.processor.output_room(max(params.max_tokens, 1))
     fit = max(0, (room - (lens[0] - per)) // per)
     return APIError(
         400,
-        f"a clip of {len(frames)} frames does not fit the model's context "
+        f"{field}: a clip of {len(frames)} frames does not fit the model's context "
         f"({st.engine.processor.max_context} tokens, {per} tokens per frame): at most {fit} frames "
-        f"would; ask for num_frames={fit} or use mode=per_frame ({err.message})",
-        param="num_frames",
+        f"would; {fewer_frames(field, fit)} or use mode=per_frame ({err.message})",
+        param=field,
         code="clip_too_long",
     )
 

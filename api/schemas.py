@@ -84,12 +84,20 @@ class ImageURL(BaseModel):
 
 
 class FrameFields(BaseModel):
-    """Which frames of a video: one of ``num_frames``, ``fps`` or ``timestamps``."""
+    """Which frames of a video: one of ``num_frames``, ``fps`` or ``timestamps``, and the
+    caps ``max_frames`` and ``max_video_tokens`` (see
+    :func:`mmserve.vision.video.sample_frame_indices` for how they combine)."""
 
     model_config = STRICT
     num_frames: int | None = Field(default=None, ge=1, description="frames spread uniformly")
     fps: float | None = Field(default=None, gt=0, description="frames per second of video")
     timestamps: list[float] | None = Field(default=None, description="times in seconds")
+    max_frames: int | None = Field(
+        default=None, ge=1, description="most frames; fps and the default are thinned to it"
+    )
+    max_video_tokens: int | None = Field(
+        default=None, ge=1, description="most tokens the frames take; fps/default thinned to fit"
+    )
 
 
 class VideoURL(FrameFields):

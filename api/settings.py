@@ -50,7 +50,12 @@ class ServerSettings:
         default_max_tokens: ``max_tokens`` when the client gives none (tokens; capped at
             what the context leaves).
         max_video_bytes: largest encoded video upload or data URL (bytes).
-        max_video_frames: most frames sampled from a video for one request.
+        max_video_frames: most frames sampled from a video for one request; ``fps`` and
+            the default sampling are thinned to it, an exact ``num_frames`` or
+            ``timestamps`` over it is refused.
+        max_video_tokens: most pseudo-tokens one video's sampled frames may take in a
+            prompt (None: no budget); thinned to or refused as ``max_video_frames``; a
+            request's ``max_video_tokens`` may lower it, not raise it.
         max_video_side: largest video frame width or height (pixels).
         max_stored_videos: most videos the upload store keeps (LRU beyond it).
         max_stored_video_bytes: most encoded video bytes the upload store keeps (bytes).
@@ -91,6 +96,7 @@ class ServerSettings:
     default_max_tokens: int = 256
     max_video_bytes: int = 64 << 20
     max_video_frames: int = 64
+    max_video_tokens: int | None = None
     max_video_side: int = 3840
     max_stored_videos: int = 32
     max_stored_video_bytes: int = 512 << 20
@@ -107,7 +113,11 @@ class ServerSettings:
         """The video bounds these settings give."""
         side = self.max_video_side
         return VideoLimits(
-            self.max_video_bytes, self.max_video_frames, side, min(side * side, 3840 * 2160)
+            self.max_video_bytes,
+            self.max_video_frames,
+            side,
+            min(side * side, 3840 * 2160),
+            max_tokens=self.max_video_tokens,
         )
 
     def resolved_data_dir(self) -> Path:
@@ -151,6 +161,8 @@ class ServerSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_video_tokens is not None and self.max_video_tokens < 1:
+            raise ValueError(f"max_video_tokens must be >= 1, got {self.max_video_tokens}")
         if self.batch_order not in BATCH_ORDERS:
             raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {self.batch_order!r}")
         if self.retry_after_seconds < 0 or self.remote_image_timeout <= 0:

@@ -9,6 +9,8 @@ requests onto it and its errors onto HTTP.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fastapi.concurrency import run_in_threadpool
 
 from api.errors import APIError
@@ -27,10 +29,40 @@ VIDEO_HINT = (
 )
 
 
+@dataclass(frozen=True)
+class VideoPart:
+    """A video in a request: its frame selection and where the selection's fields sit.
+
+    Attributes:
+        selection: the frame fields the client set.
+        fields_at: the path prefix of those fields (``"messages[0].content[1].video_url."``
+            or ``"messages[0].content[1]."``), so an error names the field as sent.
+    """
+
+    selection: FrameSelection
+    fields_at: str
+
+    def param(self, frames: int) -> str:
+        """The field to name in an error about taking ``frames`` frames (the one that
+        decided their number, :meth:`FrameSelection.count_field`), with its path."""
+        return self.fields_at + self.selection.count_field(frames)
+
+
+def fewer_frames(field: str, most: int) -> str:
+    """Advice for taking at most ``most`` frames, worded for the field at fault."""
+    if field == "timestamps":
+        return f"give at most {most} timestamps"
+    if field == "num_frames":
+        return f"ask for num_frames={most}"
+    return f"set max_frames={most}" if most else "send fewer images with it"
+
+
 def selection(fields: FrameFields) -> FrameSelection:
     """The frame selection named by request fields."""
     ts = tuple(fields.timestamps) if fields.timestamps is not None else None
-    return FrameSelection(fields.num_frames, fields.fps, ts)
+    return FrameSelection(
+        fields.num_frames, fields.fps, ts, fields.max_frames, fields.max_video_tokens
+    )
 
 
 async def expand_video(
@@ -61,9 +93,11 @@ async def expand_video(
     Raises:
         APIError: 400 ``invalid_video`` naming the problem (bad file, a frame that does
             not decode when not ``skip``, or none that decodes); 400
-            ``invalid_frame_selection`` naming the selection field (``timestamps``,
-            ``fps``, ``num_frames``) for a selection that does not fit the video, e.g. a
-            timestamp at or past its end (the message gives the duration); 400
+            ``invalid_frame_selection`` naming the selection field the client set
+            (``timestamps``, ``fps``, ``num_frames``, ``max_frames``,
+            ``max_video_tokens``) for a selection that does not fit the video or crosses a
+            limit (the message names it), e.g. a timestamp at or past its end (the
+            message gives the duration); 400
             ``request_image_pixels_exceeded`` past the request's pixel budget; 503 when
             the server's decoded-image budget stays full.
     """
@@ -91,13 +125,13 @@ async def expand_video(
 async def resolve_video(
     st: ServerState,
     url: str,
-    sel: FrameSelection,
+    part: VideoPart,
     param: str,
     mode: str | None = None,
     pixels: RequestPixels | None = None,
 ) -> list[Frame]:
     """The frames of a ``video_url``: an uploaded ``vid-...`` id or a base64 data URL,
-    prepared in ``mode`` (see :func:`expand_video`).
+    prepared in ``mode`` (see :func:`expand_video`); ``param`` names the url's field.
 
     Raises:
         APIError: 400 for a malformed or unknown id, another kind of url, or a bad video (a frame
@@ -106,13 +140,18 @@ async def resolve_video(
     url = url.strip()
     if id_like(url):
         entry = VIDEO.find(url, param, st.videos.get)
-        return (await expand_video(st, entry.data, sel, param, False, f"{param}.", mode, pixels))[0]
-    if url.split(":", 1)[0].lower() != "data":
-        raise APIError(
-            400, f"{param}: unsupported video url; {VIDEO_HINT}", param=param, code="invalid_video"
-        )
-    data = decode_data_url(url, param)
-    return (await expand_video(st, data, sel, param, False, f"{param}.", mode, pixels))[0]
+        data = entry.data
+    else:
+        if url.split(":", 1)[0].lower() != "data":
+            raise APIError(
+                400,
+                f"{param}: unsupported video url; {VIDEO_HINT}",
+                param=param,
+                code="invalid_video",
+            )
+        data = decode_data_url(url, param)
+    sel, at = part.selection, part.fields_at
+    return (await expand_video(st, data, sel, param, False, at, mode, pixels))[0]
 
 
 def frame_parts(frames: list[Frame]) -> list[dict]:

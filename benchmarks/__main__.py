@@ -90,6 +90,12 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--num-frames",), dict(type=int, default=8)),
         (("--max-tokens",), dict(type=int, default=16)),
     ]),
+    "video-budget": (experiments.video_budget, "full", "small", "llava-onevision", [
+        (("--seconds",), dict(type=int, default=60, help="clip length (10 fps)")),
+        (("--max-video-tokens",), dict(type=int, default=4096)),
+        (("--max-video-frames",), dict(type=int, default=64)),
+        (("--max-total-tokens",), dict(type=int, default=16384, help="KV pool")),
+    ]),
 }  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """The single-purpose subcommands (``replicas``, ``structured``, ``batch-order``, ``batch-api``,
-``kv-tiers``, ``image-memory``, ``video-qa``; what each measures: ``benchmarks/README.md``)."""
+``kv-tiers``, ``image-memory``, ``video-qa``, ``video-budget``; what each measures:
+``benchmarks/README.md``)."""
 
 from __future__ import annotations
 
@@ -589,3 +590,109 @@ def video_qa(args: argparse.Namespace, model_dir: str) -> int:
     cols = "caches|seconds=seconds:.2f|tower runs=tower_runs|hit rate=cache_hit_rate:.3f"
     md = report.table(out, cols + "|answers=answers") + f"same answers: {same}"
     return report.emit(args.out, "video_qa", {"model": model_dir, **out, "same_answers": same}, md)
+
+
+# ---- video-budget ----------------------------------------------------------------------
+
+
+def long_clip(seconds: int, fps: int = 10) -> bytes:
+    """A ``seconds``-long H.264 MP4 at ``fps`` from ``samples/video/pans.mp4``'s frames,
+    each shifted a little so that no two frames are equal (160x120)."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO((workloads.ROOT / "samples" / "video" / "pans.mp4").read_bytes())) as c:
+        base = [f.to_ndarray(format="rgb24")[::2, ::2] for f in c.decode(video=0)]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        s = c.add_stream("libx264", rate=fps)
+        s.width, s.height, s.pix_fmt = 160, 120, "yuv420p"
+        s.options = {"preset": "ultrafast"}
+        for k in range(seconds * fps):
+            frame = np.roll(base[k % len(base)], k, axis=1)
+            for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), "rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return buf.getvalue()
+
+
+#: Frame fields of each video-budget request (clip mode), by row name.
+BUDGET_REQUESTS = {
+    "default (8 frames)": {},
+    "fps=1": {"fps": 1},
+    "fps=2": {"fps": 2},
+    "fps=10": {"fps": 10},
+    "fps=10, max_frames=16": {"fps": 10, "max_frames": 16},
+}
+
+
+def video_budget(args: argparse.Namespace, model_dir: str) -> int:
+    """``--max-video-tokens`` on a long clip: the frames each request takes and the video
+    tokens its prompt holds (``/v1/videos/{id}/qa`` clip mode, in process)."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import ServerSettings
+
+    mm = MMServeRunner.load(model_dir, max_total_tokens=args.max_total_tokens)
+    eng = mm.engine()
+    settings = ServerSettings(
+        max_video_tokens=args.max_video_tokens,
+        max_video_frames=args.max_video_frames,
+        max_video_bytes=256 << 20,
+    )
+    clip = long_clip(args.seconds)
+    rows: dict[str, dict] = {}
+    with TestClient(create_app(eng, settings)) as c:
+        vid = c.post("/v1/videos", files={"file": ("v.mp4", clip)}).json()["id"]
+        info = c.get(f"/v1/videos/{vid}").json()
+        cost = eng.processor.frame_cost(info["width"], info["height"], "frame")
+
+        def ask(fields: dict) -> dict:
+            body = {"questions": ["What happens?"], "mode": "clip", "max_tokens": 1, **fields}
+            r = c.post(f"/v1/videos/{vid}/qa", json={"temperature": 0.0, **body})
+            r.raise_for_status()
+            events = [json.loads(x) for x in r.text.splitlines()]
+            return {"frames": events[0]["frames"], "prompt": events[-1]["prompt_tokens"]}
+
+        one = ask({"num_frames": 1})["prompt"]
+        quarter = max(1, args.max_video_tokens // 4)  # a request's own, lower budget
+        lower = {f"fps=10, max_video_tokens={quarter}": {"fps": 10, "max_video_tokens": quarter}}
+        asks = {**BUDGET_REQUESTS, **lower}
+        for name, fields in asks.items():
+            got = ask(fields)
+            times = [f["timestamp"] for f in got["frames"]]
+            cap = min(args.max_video_tokens, fields.get("max_video_tokens", 1 << 62))
+            used = got["prompt"] - one + cost.tokens(1)
+            rows[name] = {
+                "frames": len(times),
+                "first_s": times[0],
+                "last_s": times[-1],
+                "spacing_s": (times[-1] - times[0]) / max(1, len(times) - 1),
+                "video_tokens": used,
+                "cap": cap,
+                "within": used <= cap,
+            }
+        # an exact count one past what fits: refused, naming num_frames
+        too_many = min(cost.fit(args.max_video_tokens), args.max_video_frames) + 1
+        over = c.post(
+            f"/v1/videos/{vid}/qa",
+            json={"questions": ["x"], "mode": "clip", "num_frames": too_many},
+        )
+    head = (
+        f"{args.seconds} s clip ({info['num_frames']} frames), --max-video-tokens "
+        f"{args.max_video_tokens}, --max-video-frames {args.max_video_frames}, "
+        f"{cost.per_frame} tokens/frame + {cost.per_video}; load {report.loadavg()}\n\n"
+    )
+    cols = (
+        "request|frames=frames|first s=first_s:.1f|last s=last_s:.1f|spacing s=spacing_s:.2f"
+        "|video tokens=video_tokens|cap=cap|within=within"
+    )
+    refused = over.json().get("error", {})
+    tail = f"\nnum_frames={too_many}: {over.status_code} {refused.get('message')}"
+    md = head + report.table(rows, cols) + tail
+    out = {"model": model_dir, "info": info, "per_frame": cost.per_frame, "rows": rows}
+    out["exact_over"] = {"status": over.status_code, "error": refused}
+    return report.emit(args.out, "video_budget", out, md)

@@ -278,6 +278,28 @@ def test_kv_tiers_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert t["disk_feature_loads"] == 2 and t["disk_hit_tokens"] >= 2 * 560
 
 
+def test_video_budget_benchmark_tiny(families, tmp_path: Path) -> None:  # noqa: ANN001
+    ov = families["llava-onevision"]
+    per = ov.loaded.family.video_frame_tokens()
+    cap = 12 * per + 1  # room for 12 frames
+    argv = ["video-budget", "--model", str(ov.model_dir), "--seconds", "3"]
+    assert main([*argv, "--max-video-tokens", str(cap), "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "video_budget.json").read_text())
+    rows = out["rows"]
+    assert out["per_frame"] == per and out["info"]["num_frames"] == 30
+    assert all(r["within"] and r["video_tokens"] == r["frames"] * per + 1 for r in rows.values())
+    assert {k: r["frames"] for k, r in rows.items()} == {
+        "default (8 frames)": 8,
+        "fps=1": 3,
+        "fps=2": 6,
+        "fps=10": 12,  # 30 asked, thinned to the budget
+        "fps=10, max_frames=16": 12,
+        f"fps=10, max_video_tokens={cap // 4}": 2,  # 48 tokens: 2 frames and the newline
+    }
+    assert out["exact_over"]["status"] == 400
+    assert out["exact_over"]["error"]["param"] == "num_frames"
+
+
 def test_decode_weight_bytes_counts_a_tied_head_once() -> None:
     from benchmarks.real_shapes import decode_weight_bytes
 
@@ -333,11 +355,13 @@ def test_interleaved_workload_and_table_writer() -> None:
 def test_each_subcommand_keeps_its_own_checkpoint_defaults() -> None:
     from benchmarks.__main__ import parser
 
-    got = {c: parser().parse_args([c]) for c in ("replicas", "real-shapes", "video-qa", "serve")}
+    names = ("replicas", "real-shapes", "video-qa", "video-budget", "serve")
+    got = {c: parser().parse_args([c]) for c in names}
     assert {c: (a.size, a.family) for c, a in got.items()} == {
         "replicas": ("tiny", "llava"),
         "real-shapes": ("onevision-0.5b", "llava-onevision"),
         "video-qa": ("small", "llava"),
+        "video-budget": ("small", "llava-onevision"),
         "serve": (None, "llava"),
     }
 

@@ -228,7 +228,7 @@ def test_bad_videos_get_4xx_and_the_server_stays_healthy(
     url = f"/v1/videos/{vid}/qa"
     err(client.post(url, json={"questions": QS, "timestamps": [5.0]}), 400, "beyond the video")
     err(client.post(url, json={"questions": QS, "num_frames": 17}), 400, "limit is 16 frames")
-    err(client.post(url, json={"questions": QS, "fps": 100.0}), 400, "limit is 16 frames")
+    err(client.post(url, json={"questions": QS, "fps": 100.0, "mode": "clip"}), 400, "fps: a clip")
     err(client.post(url, json={"questions": QS, "mode": "nope"}), 400, "mode")
     err(client.post("/v1/videos/vid-0/qa", json={"questions": QS}), 404, "no video")
     msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": "vid-00"}]}]

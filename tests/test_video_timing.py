@@ -69,9 +69,8 @@ def test_variable_frame_rate_fps_edges(clip: Video) -> None:
     assert pick(clip, fps=0.25) == [0]  # one sample, at 0 s
     assert pick(clip, fps=1e-9) == [0]
     assert pick(clip, fps=16.0) == [0, 1, 2, 3, 4, 5]  # 64 samples, each frame once
-    with pytest.raises(VideoError, match="limit is 64 frames") as e:
-        pick(clip, fps=16.25)  # 65 samples before 4.0 s
-    assert e.value.field == "fps"
+    # 65 samples before 4.0 s, over the limit of 64: thinned to 64 uniform, every frame once
+    assert pick(clip, fps=16.25) == [0, 1, 2, 3, 4, 5]
 
 
 def test_variable_frame_rate_timestamps(clip: Video) -> None:
@@ -292,7 +291,9 @@ def test_api_refuses_times_outside_the_video(client: TestClient) -> None:
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "timestamps[0]" and literal in err["message"], err
-    refused(qa(client, vid, {"fps": 16.25}), "fps", "limit is 16 frames")
+    refused(qa(client, vid, {"num_frames": 17}), "num_frames", "limit is 16 frames")
+    head = json.loads(qa(client, vid, {"fps": 16.25}).text.splitlines()[0])  # thinned
+    assert [f["frame_index"] for f in head["frames"]] == [0, 1, 2, 3, 4, 5]
     part = {"type": "video_url", "video_url": {"url": vid, "timestamps": [4.0]}}
     chat = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
     r = client.post("/v1/chat/completions", json=chat)

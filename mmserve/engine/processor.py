@@ -35,6 +35,7 @@ from mmserve.engine.request import (
     SamplingParams,
     new_rid,
 )
+from mmserve.model.families.base import FRAME_MODE
 from mmserve.model.loader import LoadedModel
 from mmserve.structured.compile import GrammarCache
 from mmserve.structured.spec import GrammarError
@@ -44,6 +45,7 @@ from mmserve.vision.hashing import image_key, processor_fingerprint
 from mmserve.vision.image import ImageError, decode_image
 from mmserve.vision.inputs import Frame
 from mmserve.vision.video import (
+    FrameCost,
     FrameFailure,
     FrameSelection,
     Video,
@@ -214,6 +216,18 @@ class InputProcessor:
             out.append(done[it.key])
         return out
 
+    def frame_cost(self, width: int, height: int, mode: str | None = None) -> FrameCost:
+        """Pseudo-tokens a video's frames of ``width`` x ``height`` pixels take in ``mode``:
+        on the video path (:data:`~mmserve.model.families.base.FRAME_MODE`) each frame's run
+        plus one video newline per video; elsewhere each frame's count as an image in
+        ``mode`` (None: the video path where the model has one, else a frame alone in its
+        prompt). Text around the frames (``Frame at 1.5s:`` labels) is not counted."""
+        video_path = self.model.video_token_id is not None
+        if mode is None:
+            mode = FRAME_MODE if video_path else self.image_mode(1)
+        per_video = 1 if mode == FRAME_MODE else 0
+        return FrameCost(self.model.image_tokens(width, height, mode), per_video)
+
     def open_video(self, data: bytes, limits: VideoLimits) -> Video:
         """Open and probe an encoded video against ``limits`` and the image limits (its
         frames are images of this model).
@@ -254,8 +268,8 @@ class InputProcessor:
                 larger than the whole server budget.
             DecodeBusyError: the server-wide budget stayed full.
         """
-        indices = video.indices(selection)
         w, h = video.info.width, video.info.height
+        indices = video.indices(selection, self.frame_cost(w, h, mode))
         if pixels is not None:
             for _ in indices:
                 pixels.charge(w, h, "video frame")
