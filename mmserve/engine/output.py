@@ -48,7 +48,9 @@ class OutputCollector:
         params: the request's sampling parameters (stop strings, min_tokens, logprobs).
         prompt_tokens: prompt length in tokens.
         arrival: ``time.perf_counter()`` when the request arrived (seconds); time to
-            first token and latency are measured on this side's clock when deltas arrive.
+            first token and latency are measured on this side's clock when deltas arrive;
+            queue and vision tower times come from the engine's timestamps, read on the
+            clock of ``arrival`` (``time.perf_counter`` is one clock per host).
 
     Attributes:
         stop_hit: a stop string ended the answer; the engine's request should be aborted
@@ -75,6 +77,8 @@ class OutputCollector:
         self.cached_tokens = 0
         self.images_needing_vision = 0
         self.vision_tower_runs = 0
+        self.admitted = 0.0  # the first admission (a retracted request is admitted again)
+        self.vision_time: tuple[float, float] | None = None
         self.result: GenerateResult | None = None
         self.stop_hit = False
 
@@ -94,6 +98,8 @@ class OutputCollector:
         self.cached_tokens = delta.cached_tokens
         self.images_needing_vision = delta.images_needing_vision
         self.vision_tower_runs = delta.vision_tower_runs
+        self.admitted = self.admitted or delta.admitted
+        self.vision_time = delta.vision_time
         ids = delta.token_ids
         now = time.perf_counter()  # this side's clock: a replica's deltas come from another
         if ids and self.first_token_time is None:
@@ -135,6 +141,7 @@ class OutputCollector:
 
     def _result(self, reason: str, error: str | None, end: float) -> GenerateResult:
         first = self.first_token_time or end
+        vision = self.vision_time
         return GenerateResult(
             rid=self.rid,
             text=self.stream.text,
@@ -150,4 +157,6 @@ class OutputCollector:
             logits=self.logits,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             error=error,
+            queue_time=self.admitted - self.arrival if self.admitted else None,
+            vision_time=(vision[0] - self.arrival, vision[1] - self.arrival) if vision else None,
         )
