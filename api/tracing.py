@@ -170,12 +170,16 @@ class RequestTracing:
             span = self.tracer.start_span(name, ctx, start_time=at(start), attributes=attributes)
             span.end(end_time=max(at(end), at(start)))
 
-        admitted = result.queue_time
-        child("mmserve.queue", 0.0, result.latency if admitted is None else admitted)
-        if result.vision_time is not None:
+        admitted, vision = result.queue_time, result.vision_time
+        if admitted is not None and not 0.0 <= admitted <= result.ttft:
+            # the engine's clock is not this one (a replica on another host): no engine times
+            admitted = vision = None
+        else:
+            child("mmserve.queue", 0.0, result.latency if admitted is None else admitted)
+        if vision is not None:
             child(
                 "mmserve.vision_tower",
-                *result.vision_time,
+                *vision,
                 images_encoded=result.vision_tower_runs,
                 images_needing_vision=result.images_needing_vision,
             )

@@ -90,6 +90,9 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--num-frames",), dict(type=int, default=8)),
         (("--max-tokens",), dict(type=int, default=16)),
     ]),
+    "tracing": (experiments.tracing_overhead, "quick", "tiny", "llava", [
+        (("--repeats",), dict(type=int, default=8, help="off/on pairs")),
+    ]),
 }  # fmt: skip
 
 

@@ -160,6 +160,28 @@ def test_n_choices_streaming_and_errors(traced) -> None:  # noqa: ANN001
     assert "http.route" not in spans[0].attributes
 
 
+def test_ask_route_names_the_template_and_counts_every_question(traced, photos) -> None:  # noqa: ANN001
+    client, exporter = traced
+    image_id = upload(client, photos["cat.png"]).json()["id"]
+    exporter.clear()
+    body = {"questions": ["What is it?", "Where?", "Why?"], "max_tokens": 2, "temperature": 0}
+    r = client.post(f"/v1/images/{image_id}/ask", json=body)
+    assert r.status_code == 200, r.text
+    root, spans = one_trace(exporter, "POST /v1/images/{image_id}/ask")
+    assert root.attributes["http.route"] == "/v1/images/{image_id}/ask"
+    assert root.attributes["url.path"] == f"/v1/images/{image_id}/ask"
+    (pre,) = by_name(spans, "mmserve.preprocess")
+    assert pre.attributes["mmserve.engine_requests"] == 3
+    assert pre.attributes["mmserve.distinct_images"] == 1
+    reqs = by_name(spans, "mmserve.request")
+    assert len(reqs) == 3 and all(q.attributes["mmserve.images"] == 1 for q in reqs)
+    answers = r.json()["answers"]
+    cached = sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+    assert sorted(q.attributes["mmserve.cached_tokens"] for q in reqs) == cached
+    # the image is encoded once: one request's spans hold the tower call
+    assert len(by_name(spans, "mmserve.vision_tower")) == 1
+
+
 def test_off_by_default_imports_no_opentelemetry_sdk(model_dir) -> None:  # noqa: ANN001
     # (FastAPI itself imports the OpenTelemetry API, never the SDK)
     code = f"""
