@@ -73,8 +73,9 @@ class ServerSettings:
             (input file order).
         otlp_traces_endpoint: URL of an OTLP/HTTP collector (e.g.
             http://localhost:4318/v1/traces; /v1/traces is added to a URL without a path)
-            to which every /v1/ request's spans are sent (OpenTelemetry; needs the
-            ``tracing`` extra). None: no tracing, and opentelemetry is never imported.
+            to which every /v1/ request's spans are sent (OpenTelemetry; needs
+            pip install 'mmserve[tracing]'). None: no tracing, and the OpenTelemetry SDK
+            is never imported.
     """
 
     served_model_name: str | None = None

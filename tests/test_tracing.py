@@ -4,6 +4,7 @@ and times in the SDK's in-memory exporter; the client's ``traceparent``; nothing
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from api.app import ServerSettings, create_app
+from api.cli import main
 from api.tracing import RequestTracing, traces_url
 from tests.helpers import MODEL, ChatDefaults, image_part, run_python, upload
 
@@ -188,6 +190,7 @@ def test_off_by_default_imports_no_opentelemetry_sdk(model_dir) -> None:  # noqa
 import sys
 from fastapi.testclient import TestClient
 from api.app import ServerSettings, create_app
+from api.cli import main
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 app = create_app(Engine(EngineConfig(model_path={str(model_dir)!r})), ServerSettings())
@@ -205,7 +208,7 @@ print(sorted(m for m in sys.modules if m.startswith(loaded)))
     assert json.loads(out.stdout.strip().splitlines()[-1].replace("'", '"')) == []
 
 
-def test_endpoint_setting() -> None:
+def test_endpoint_setting(monkeypatch, capsys) -> None:  # noqa: ANN001
     assert traces_url("http://c:4318") == "http://c:4318/v1/traces"
     assert traces_url("https://c:4318/") == "https://c:4318/v1/traces"
     assert traces_url("http://c:4318/custom/path") == "http://c:4318/custom/path"
@@ -213,3 +216,14 @@ def test_endpoint_setting() -> None:
     for bad in ("grpc://c:4317", "c:4318", "http://"):
         with pytest.raises(ValueError, match="otlp_traces_endpoint must be an http"):
             ServerSettings(otlp_traces_endpoint=bad).validate()
+    assert main(["serve", "--otlp-traces-endpoint", "grpc://127.0.0.1:4317"]) == 2
+    assert "OTLP/HTTP collector" in capsys.readouterr().err
+    # without the extra: refused at start-up with the command that installs it
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("opentelemetry.exporter") else find_spec(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"pip install 'mmserve\[tracing\]'"):
+        ServerSettings(otlp_traces_endpoint="http://127.0.0.1:4318").validate()

@@ -162,11 +162,11 @@ class ModelRunner:
                 else:
                     found[key] = f
         if missing:
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             found.update(self._encode(list(missing.values())))
-            end = time.perf_counter()
+            t1 = time.perf_counter()
             for rid in encoding:
-                self.vision_times[rid] = (self.vision_times.get(rid, (start,))[0], end)
+                self.vision_times[rid] = (self.vision_times.get(rid, (t0,))[0], t1)
         return found
 
     @torch.inference_mode()
