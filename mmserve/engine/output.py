@@ -42,15 +42,16 @@ class StreamUpdate:
 class OutputCollector:
     """Builds one request's text and :class:`GenerateResult` from its :class:`TokenDelta`.
 
+    The result's queue and vision tower times come from the engine's timestamps in the
+    deltas, read on the clock of ``arrival`` (``time.perf_counter`` is one clock per host).
+
     Args:
         rid: the request id.
         tokenizer: the model's tokenizer (for incremental detokenization).
         params: the request's sampling parameters (stop strings, min_tokens, logprobs).
         prompt_tokens: prompt length in tokens.
         arrival: ``time.perf_counter()`` when the request arrived (seconds); time to
-            first token and latency are measured on this side's clock when deltas arrive;
-            queue and vision tower times come from the engine's timestamps, read on the
-            clock of ``arrival`` (``time.perf_counter`` is one clock per host).
+            first token and latency are measured on this side's clock when deltas arrive.
 
     Attributes:
         stop_hit: a stop string ended the answer; the engine's request should be aborted
