@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI
 
@@ -38,6 +39,9 @@ from api.video_store import VideoStore
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
 
+if TYPE_CHECKING:  # api.tracing imports opentelemetry: only when tracing is on
+    from api.tracing import RequestTracing
+
 __all__ = ["ServerSettings", "assemble_app", "create_app", "server_state"]
 
 
@@ -52,7 +56,13 @@ def server_state(
     """What every route needs (``app.state.mm``), with the image and video stores and the
     media resolver built from ``settings``; shared by :func:`create_app` and the replica
     ingress (whose ``engine`` is a weightless front end and ``aengine`` a replica client).
+    With ``settings.otlp_traces_endpoint`` set, ``client`` gets OTLP tracing unless it
+    has its own.
     """
+    if settings.otlp_traces_endpoint is not None and client.tracing is None:
+        from api.tracing import otlp_tracing
+
+        client.tracing = otlp_tracing(settings.otlp_traces_endpoint)
     store = ImageStore(
         engine.processor.prepare_image,
         max_images=settings.max_stored_images,
@@ -83,7 +93,8 @@ def assemble_app(
     """One FastAPI app around ``state``: every route parses JSON with
     :class:`~api.json_body.JSONBodyRoute`, errors answer in OpenAI's shape
     (:func:`~api.errors.install_error_handlers`), the body limit and (when set) the API
-    key apply to every route.
+    key apply to every route; with tracing on (``state.client.tracing``) FastAPI's own
+    OpenTelemetry support makes each ``/v1/`` request's server span (:mod:`api.tracing`).
 
     Args:
         state: what the routes read (``app.state.mm``).
@@ -91,7 +102,9 @@ def assemble_app(
         lifespan: the app's startup and shutdown.
         middleware: extra middleware classes (no arguments), innermost first.
     """
-    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
+    tracing = state.client.tracing
+    telemetry = tracing.fastapi_telemetry() if tracing is not None else None
+    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
     app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser
     app.state.mm = state
     install_error_handlers(app)
@@ -103,11 +116,20 @@ def assemble_app(
     key = state.settings.resolved_api_key()
     if key:
         app.add_middleware(APIKeyMiddleware, api_key=key)
+    if tracing is not None:
+        from api.tracing import TracingMiddleware
+
+        app.add_middleware(TracingMiddleware)
     return app
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(
+    engine: Engine, settings: ServerSettings | None = None, tracing: RequestTracing | None = None
+) -> FastAPI:
     """Build the FastAPI app around ``engine`` (its thread starts and stops with the app).
+
+    ``tracing`` makes the spans (tests pass one with an in-memory exporter); without it,
+    ``settings.otlp_traces_endpoint`` (when set) gives OTLP tracing.
 
     Raises:
         ValueError: for settings out of range.
@@ -118,7 +140,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     aengine = AsyncEngine(engine)
     metrics = Metrics()
     client = EngineClient(
-        aengine, metrics, settings.max_queued_requests, settings.retry_after_seconds
+        aengine, metrics, settings.max_queued_requests, settings.retry_after_seconds, tracing
     )
     state = server_state(engine, aengine, client, metrics, settings, model_name)
     state.batches = BatchManager(
@@ -136,6 +158,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         aengine.stop()
         # the engine thread is gone: KV pages to the disk tier (if on), TP workers stopped
         engine.close()
+        if client.tracing is not None:  # export the spans still buffered
+            client.tracing.shutdown()
 
     health_router = APIRouter(route_class=JSONBodyRoute)
 

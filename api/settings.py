@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,11 @@ class ServerSettings:
         batch_order: order of a batch's requests: "cache" (depth-first over their prompts'
             segments, so requests about one image or prefix run together) or "submitted"
             (input file order).
+        otlp_traces_endpoint: URL of an OTLP/HTTP collector (e.g.
+            http://localhost:4318/v1/traces; /v1/traces is added to a URL without a path)
+            to which every /v1/ request's spans are sent (OpenTelemetry; needs
+            pip install 'mmserve[tracing]'). None: no tracing, and the OpenTelemetry SDK
+            is never imported.
     """
 
     served_model_name: str | None = None
@@ -108,6 +114,7 @@ class ServerSettings:
     batch_max_in_flight: int = 8
     batch_in_flight_with_online: int = 1
     batch_order: str = "cache"
+    otlp_traces_endpoint: str | None = None
 
     def video_limits(self) -> VideoLimits:
         """The video bounds these settings give."""
@@ -177,6 +184,24 @@ class ServerSettings:
             self.allowed_networks()
         except ValueError as e:
             raise ValueError(f"remote_image_allowed_networks: {e}") from None
+        if self.otlp_traces_endpoint is not None:
+            self._check_tracing()
+
+    def _check_tracing(self) -> None:
+        """Raises ValueError when the ``tracing`` extra is not installed (checked without
+        importing it) or ``otlp_traces_endpoint`` is no http(s) URL."""
+        for module in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:  # a parent package is missing
+                found = False
+            if not found:
+                raise ValueError(
+                    f"otlp_traces_endpoint needs {module}: pip install 'mmserve[tracing]'"
+                )
+        from api.tracing import traces_url  # imports opentelemetry: only when tracing is on
+
+        traces_url(self.otlp_traces_endpoint or "")
 
     def allowed_networks(self) -> tuple[IPNetwork, ...]:
         """The networks of ``remote_image_allowed_networks``.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from fastapi import Request as HTTPRequest
 
@@ -19,6 +20,9 @@ from api.metrics import Metrics
 from mmserve.engine.async_engine import AsyncEngine, StreamUpdate
 from mmserve.engine.messages import BACKGROUND, EngineRequest
 from mmserve.engine.request import GenerateResult
+
+if TYPE_CHECKING:  # api.tracing imports opentelemetry: only when tracing is on
+    from api.tracing import RequestTracing
 
 
 class EngineClient:
@@ -29,13 +33,20 @@ class EngineClient:
         metrics: where finished requests are counted.
         max_queued: most requests waiting for their first token (beyond: 503).
         retry_after: ``Retry-After`` seconds sent with the 503.
+        tracing: spans of the submitted requests (:mod:`api.tracing`), None when off.
     """
 
     def __init__(
-        self, aengine: AsyncEngine, metrics: Metrics, max_queued: int, retry_after: int
+        self,
+        aengine: AsyncEngine,
+        metrics: Metrics,
+        max_queued: int,
+        retry_after: int,
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.aengine = aengine
         self.metrics = metrics
+        self.tracing = tracing
         self.max_queued = max_queued
         self.retry_after = retry_after
         self.queued = 0
@@ -67,6 +78,8 @@ class EngineClient:
         if background:
             reqs = [dataclasses.replace(r, priority=max(r.priority, BACKGROUND)) for r in reqs]
         self._set_queued(self.queued + len(reqs))
+        if self.tracing is not None:
+            self.tracing.submitted(reqs)
         return Submission(self, reqs, background)
 
     def _set_queued(self, n: int) -> None:
@@ -112,6 +125,8 @@ class Submission:
                 if upd.result is not None:
                     self.results[index] = upd.result
                     self.client.metrics.observe(upd.result)
+                    if self.client.tracing is not None:
+                        self.client.tracing.finished(req, upd.result)
                 self._queue.put_nowait((index, upd))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             self._queue.put_nowait((index, e))

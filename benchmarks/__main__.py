@@ -15,7 +15,7 @@ try:  # the HTTP runner's client, from the bench (or test) extra
 except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
-from benchmarks import experiments, real_shapes, suites, workloads  # noqa: E402
+from benchmarks import experiments, real_shapes, suites, tracing_overhead, workloads  # noqa: E402
 from benchmarks.in_process import model_dir as checkpoint  # noqa: E402
 
 
@@ -62,6 +62,9 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
     "structured": (experiments.structured, "full", "small", "llava", [
         (("--requests",), dict(type=int, help="per run (default 32; 16 with --quick)")),
         (("--max-tokens",), dict(type=int, default=256)),
+    ]),
+    "tracing": (tracing_overhead.tracing_overhead, "quick", "tiny", "llava", [
+        (("--repeats",), dict(type=int, default=8, help="off/on pairs")),
     ]),
     "batch-order": (experiments.batch_order, "full", "tiny", "llava", [
         *_qa(40, 5), (("--max-total-tokens",), dict(type=int, default=4096, help="KV pool")),

@@ -262,6 +262,17 @@ def test_batch_api_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert c["during_n"] >= 1 and c["ratio"] == pytest.approx(c["during_p50"] / c["idle_p50"])
 
 
+def test_tracing_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["tracing", "--model", str(model_dir), "--scale", "ci", "--repeats", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "tracing_overhead.json").read_text())
+    assert len(out["req_s_ratios"]) == 2 and out["req_s_on_over_off"] > 0
+    assert set(out["rows"]) == {"off", "on"} and out["rows"]["on"]["cpu_ms"] > 0
+    # every chat request's spans reached the sink: server, endpoint, preprocess, request,
+    # queue, prefill, decode at least (the rest: warm-up, flushes, vision tower)
+    assert out["spans_per_request"] >= 7 and out["export_bytes_per_request"] > 0
+
+
 def test_kv_tiers_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     argv = ["kv-tiers", "--model", str(model_dir), "--images", "3", "--questions", "2"]
     argv += ["--max-tokens", "2", "--ttft-images", "2", "--no-cold", "--out", str(tmp_path)]

@@ -265,10 +265,14 @@ class Engine:
         failed_before = self.stats.failed_steps
         logits = self._run_mixed(decode, chunks)
         found = self.runner.take_vision_counts()  # applied here: the engine writes requests
+        times = self.runner.take_vision_times()
         for req, _ in chunks:
             needing, runs = found.get(req.rid, (0, 0))
             req.images_needing_vision += needing
             req.vision_tower_runs += runs
+            if req.rid in times:  # chunked prefill: first tower start, last tower end
+                start, end = times[req.rid]
+                req.vision_time = (req.vision_time[0] if req.vision_time else start, end)
         if logits is None:
             return []
         if self.stats.failed_steps == failed_before:
@@ -445,6 +449,8 @@ class Engine:
                 cached_tokens=req.cached_len,
                 images_needing_vision=req.images_needing_vision,
                 vision_tower_runs=req.vision_tower_runs,
+                admitted=req.admitted_at,
+                vision_time=req.vision_time,
                 finish_reason=req.finish_reason,
                 error=req.error,
                 logits=tuple(req.logits[start:]) if req.logits is not None else None,

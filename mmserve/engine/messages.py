@@ -80,6 +80,12 @@ class TokenDelta:
             first delta on).
         images_needing_vision: images whose positions the prefix match did not cover.
         vision_tower_runs: images the vision tower encoded for this request.
+        admitted: ``time.perf_counter()`` when the scheduler admitted the request (its
+            queue wait ends, its prefill starts; seconds, on the clock of
+            :attr:`EngineRequest.arrival`), 0.0 before.
+        vision_time: ``(start, end)`` ``time.perf_counter()`` of the vision tower calls
+            that encoded this request's images (first start, last end; seconds), None
+            while the tower has run for none of them.
         finish_reason: on the last delta: "stop" (end of sequence or grammar end),
             "length", "abort" or "error"; None before.
         error: why the request failed (finish reason "error").
@@ -93,6 +99,8 @@ class TokenDelta:
     cached_tokens: int = 0
     images_needing_vision: int = 0
     vision_tower_runs: int = 0
+    admitted: float = 0.0
+    vision_time: tuple[float, float] | None = None
     finish_reason: str | None = None
     error: str | None = None
     logits: tuple[torch.Tensor, ...] | None = None

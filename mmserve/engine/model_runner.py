@@ -17,6 +17,8 @@ are no image (the video newline) take the fixed embeddings the vision module def
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from mmserve.cache.kv_pool import KVPool
@@ -50,6 +52,10 @@ class ModelRunner:
         vision_counts: request id -> ``[images needing vision, tower runs]`` found by
             prefills since :meth:`take_vision_counts` last emptied it (the engine
             applies them to its requests: the runner writes no request state).
+        vision_times: request id -> ``(start, end)`` ``time.perf_counter()`` of the vision
+            tower calls that ran for it (seconds; first start, last end) since
+            :meth:`take_vision_times` last emptied it. On CUDA the call is timed as
+            launched (no synchronization is added for it).
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.vision_tower_images = 0
         self.vision_counts: dict[str, list[int]] = {}
+        self.vision_times: dict[str, tuple[float, float]] = {}
         self.dtype = model.decoder.embed_tokens.weight.dtype
         shape = model.decoder.shape
         # The model's actual dtype, not the config's: tests hand in pre-loaded models.
@@ -125,11 +132,17 @@ class ModelRunner:
         out, self.vision_counts = self.vision_counts, {}
         return out
 
+    def take_vision_times(self) -> dict[str, tuple[float, float]]:
+        """:attr:`vision_times` so far, emptied."""
+        out, self.vision_times = self.vision_times, {}
+        return out
+
     def _features(
         self, reqs: list[Request], starts: list[int], ends: list[int]
     ) -> dict[bytes, torch.Tensor]:
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, ImageInput] = {}
+        encoding: set[str] = set()  # requests with a tower run in this call
         for req, start, end in zip(reqs, starts, ends, strict=True):
             for span in req.spans:
                 if span.end <= start or span.start >= end:
@@ -145,10 +158,15 @@ class ModelRunner:
                     missing[key] = span.image
                     if span.image.features is None:  # else the request carries them
                         counts[1] += 1  # a tower run
+                        encoding.add(req.rid)
                 else:
                     found[key] = f
         if missing:
+            t0 = time.perf_counter()
             found.update(self._encode(list(missing.values())))
+            t1 = time.perf_counter()
+            for rid in encoding:
+                self.vision_times[rid] = (self.vision_times.get(rid, (t0,))[0], t1)
         return found
 
     @torch.inference_mode()

@@ -42,6 +42,9 @@ class StreamUpdate:
 class OutputCollector:
     """Builds one request's text and :class:`GenerateResult` from its :class:`TokenDelta`.
 
+    The result's queue and vision tower times come from the engine's timestamps in the
+    deltas, read on the clock of ``arrival`` (``time.perf_counter`` is one clock per host).
+
     Args:
         rid: the request id.
         tokenizer: the model's tokenizer (for incremental detokenization).
@@ -80,6 +83,8 @@ class OutputCollector:
         self.cached_tokens = 0
         self.images_needing_vision = 0
         self.vision_tower_runs = 0
+        self.admitted = 0.0  # the first admission (a retracted request is admitted again)
+        self.vision_time: tuple[float, float] | None = None
         self.result: GenerateResult | None = None
         self.stop_hit = False
 
@@ -99,6 +104,8 @@ class OutputCollector:
         self.cached_tokens = delta.cached_tokens
         self.images_needing_vision = delta.images_needing_vision
         self.vision_tower_runs = delta.vision_tower_runs
+        self.admitted = self.admitted or delta.admitted
+        self.vision_time = delta.vision_time
         ids = delta.token_ids
         now = time.perf_counter()  # this side's clock: a replica's deltas come from another
         if ids and self.first_token_time is None:
@@ -140,6 +147,7 @@ class OutputCollector:
 
     def _result(self, reason: str, error: str | None, end: float) -> GenerateResult:
         first = self.first_token_time or end
+        vision = self.vision_time
         return GenerateResult(
             rid=self.rid,
             text=self.stream.text,
@@ -155,4 +163,6 @@ class OutputCollector:
             logits=self.logits,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             error=error,
+            queue_time=self.admitted - self.arrival if self.admitted else None,
+            vision_time=(vision[0] - self.arrival, vision[1] - self.arrival) if vision else None,
         )

@@ -219,6 +219,10 @@ class GenerateResult:
         logits: per-step fp32 logits ``[vocab]`` if ``return_logits`` was set.
         logprobs: one :class:`TokenLogprob` per output token if ``logprobs`` was set.
         error: why the request failed (finish reason "error"), else None.
+        queue_time: seconds from arrival to the scheduler's first admission (the queue
+            wait; prefill starts then), None if it was never admitted.
+        vision_time: ``(start, end)`` seconds from arrival of the vision tower calls that
+            encoded its images, None if the tower ran for none.
     """
 
     rid: str
@@ -235,6 +239,8 @@ class GenerateResult:
     logits: list[torch.Tensor] | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    queue_time: float | None = None
+    vision_time: tuple[float, float] | None = None
 
 
 _rid_counter = itertools.count()
@@ -293,6 +299,7 @@ class Request:
         self.finish_reason: str | None = None
         self.images_needing_vision = 0
         self.vision_tower_runs = 0
+        self.vision_time: tuple[float, float] | None = None  # tower calls: first start, last end
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.logits: list[torch.Tensor] | None = [] if params.return_logits else None
