@@ -116,10 +116,12 @@ async def make_requests(
     n: int = 1,
     default_max_tokens: int = 256,
     videos: Sequence[Sequence[ImageInput]] = (),
+    details: Sequence[str] = (),
 ) -> list[EngineRequest]:
     """``n`` engine requests for one prompt; seeds ``seed``, ``seed + 1``, ... when seeded.
 
-    ``videos`` (each its frames) fill the video parts on a model with a video path.
+    ``videos`` (each its frames) fill the video parts on a model with a video path;
+    ``details`` is each image's ``detail`` (empty: all "auto").
 
     ``params.max_tokens == 0`` means "not given": up to ``default_max_tokens`` (or
     ``params.min_tokens`` if more), capped at what the context and the KV pool leave
@@ -132,7 +134,7 @@ async def make_requests(
     if not params.max_tokens:
         # the prompt alone must leave room for one token; the error then names the prompt
         one = replace(params, max_tokens=1, min_tokens=0)
-        first = await _make(processor, messages, images, one, videos)
+        first = await _make(processor, messages, images, one, videos, details)
         room = processor.output_room(first.prompt_len)
         if params.min_tokens > room:
             raise APIError(
@@ -148,7 +150,7 @@ async def make_requests(
         p = params
         if params.seed is not None and i:
             p = replace(params, seed=(params.seed + i) % (1 << 64))
-        reqs.append(await _make(processor, messages, images, p, videos))
+        reqs.append(await _make(processor, messages, images, p, videos, details))
     return reqs
 
 
@@ -158,6 +160,7 @@ async def _make(
     images: Sequence[ImageInput],
     params: SamplingParams,
     videos: Sequence[Sequence[ImageInput]] = (),
+    details: Sequence[str] = (),
 ) -> EngineRequest:
     try:  # front-end work on a worker thread, off the event loop and the engine thread
         return await run_in_threadpool(
@@ -166,6 +169,7 @@ async def _make(
             images=list(images),
             params=params,
             videos=[list(v) for v in videos],
+            details=list(details),
         )
     except RequestError as e:
         raise APIError(400, str(e), param=e.param or "messages") from None

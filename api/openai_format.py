@@ -70,11 +70,22 @@ class ChoiceLogprobs:
         return out
 
 
+def prompt_details(result: GenerateResult) -> dict:
+    """``prompt_tokens_details`` (``input_tokens_details``) of one result: cached prompt
+    tokens, and the prompt's image and video tokens (the rest of the prompt is text)."""
+    return {
+        "cached_tokens": result.cached_tokens,
+        "image_tokens": result.image_tokens,
+        "video_tokens": result.video_tokens,
+    }
+
+
 def usage(results: Sequence[GenerateResult]) -> dict:
     """OpenAI ``usage`` for the choices of one prompt.
 
     The prompt counts once (as in vLLM for ``n`` > 1), with the first choice's cached
-    tokens; completion tokens add up over the choices.
+    tokens; completion tokens add up over the choices. ``prompt_tokens_details`` has
+    ``cached_tokens``, ``image_tokens`` and ``video_tokens`` (:func:`prompt_details`).
     """
     first = results[0]
     completion = sum(r.completion_tokens for r in results)
@@ -82,7 +93,7 @@ def usage(results: Sequence[GenerateResult]) -> dict:
         "prompt_tokens": first.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "prompt_tokens_details": prompt_details(first),
     }
 
 

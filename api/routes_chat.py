@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import replace
+from typing import NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -112,16 +113,27 @@ async def prepare_chat(
     return reqs, params, tools
 
 
+class MediaRef(NamedTuple):
+    """A media part of a prompt: its url, the request field naming it, the frames to
+    sample (None for an image) and an image's ``detail`` ("auto", "low" or "high")."""
+
+    url: str
+    param: str
+    frames: FrameSelection | None = None
+    detail: str = "auto"
+
+
 async def engine_requests(
     st: ServerState,
     messages: list[dict],
-    urls: list[tuple[str, str, FrameSelection | None]],
+    urls: list[MediaRef],
     params: SamplingParams,
     n: int = 1,
 ) -> list[EngineRequest]:
     """Resolve the media of ``messages`` (``urls`` as :func:`_split_images` gives them:
     upload ids, data URLs, allowed files or remote URLs; videos become their sampled
-    frames) and build ``n`` engine requests.
+    frames; each image in the view its ``detail`` asks for) and build ``n`` engine
+    requests.
 
     Raises:
         APIError: 400 naming the part at fault (unknown id, undecodable image, too many
@@ -132,27 +144,37 @@ async def engine_requests(
     # one image at a time: decoded, hashed, preprocessed, its pixels dropped, in the mode
     # its prompt gives it (frames without a video path are images of the prompt too)
     pixels = processor.request_pixels()
-    mode = processor.image_mode(sum(sel is None for _, _, sel in urls))
-    frame_mode = FRAME_MODE if video_path else mode
-    images = []
-    for url, param, sel in urls:
-        if sel is None:
-            images.append(await st.media.resolve(url, param, mode, pixels))
+    num_images = sum(ref.frames is None for ref in urls)
+    frame_mode = FRAME_MODE if video_path else processor.image_mode(num_images)
+    media = []
+    for ref in urls:
+        if ref.frames is None:
+            mode = processor.image_mode(num_images, ref.detail)
+            media.append(await st.media.resolve(ref.url, ref.param, mode, pixels))
         else:  # a video: its sampled frames, each an image
-            images.append(await resolve_video(st, url, sel, param, frame_mode, pixels))
-    messages, images, videos = _expand_videos(
-        messages, images, st.engine.config.max_images_per_request, video_path
+            media.append(
+                await resolve_video(st, ref.url, ref.frames, ref.param, frame_mode, pixels)
+            )
+    messages, images, videos, details = _expand_videos(
+        messages, media, st.engine.config.max_images_per_request, video_path, urls
     )
     return await make_requests(
-        st.engine.processor, messages, images, params, n, st.settings.default_max_tokens, videos
+        st.engine.processor,
+        messages,
+        images,
+        params,
+        n,
+        st.settings.default_max_tokens,
+        videos,
+        details,
     )
 
 
 def _split_images(
     messages: list[ChatMessage], max_images: int
-) -> tuple[list[dict], list[tuple[str, str, FrameSelection | None]]]:
-    """Engine messages with image and video parts, and each one's ``(url, param, frames)``
-    in order (``frames`` is None for an image).
+) -> tuple[list[dict], list[MediaRef]]:
+    """Engine messages with image and video parts, and each one's :class:`MediaRef` in
+    order.
 
     Raises:
         APIError: 400 for more images than ``max_images`` (before any is decoded), an
@@ -191,15 +213,16 @@ def _split_images(
                         param=where,
                     )
                 fields = src if on_url else p
-                urls.append((url, f"{param}.video_url", selection(fields)))
+                urls.append(MediaRef(url, f"{param}.video_url", selection(fields)))
                 parts.append({"type": "video"})
             else:
                 # the field holding the url: image_url itself, or its "url" key
                 at = f"{param}.image_url" if isinstance(src, str) else f"{param}.image_url.url"
-                urls.append((url, at, None))
+                detail = "auto" if isinstance(src, str) else src.detail or "auto"
+                urls.append(MediaRef(url, at, None, detail))
                 parts.append({"type": "image"})
         out.append({"role": role, "content": parts})
-    check_image_count(sum(sel is None for _, _, sel in urls), max_images, "messages")
+    check_image_count(sum(ref.frames is None for ref in urls), max_images, "messages")
     return out, urls
 
 
@@ -238,8 +261,12 @@ def _check_part_fields(part: ContentPart, param: str) -> None:
 
 
 def _expand_videos(
-    messages: list[dict], media: list, max_images: int, video_path: bool = False
-) -> tuple[list[dict], list[ImageInput], list[list[ImageInput]]]:
+    messages: list[dict],
+    media: list,
+    max_images: int,
+    video_path: bool = False,
+    refs: list[MediaRef] | None = None,
+) -> tuple[list[dict], list[ImageInput], list[list[ImageInput]], list[str]]:
     """Split ``media`` (in part order) into images and videos.
 
     On a model with a video path (``video_path``: LLaVA-OneVision) a video part stays a
@@ -247,7 +274,8 @@ def _expand_videos(
     (``Frame at 1.5s: <image>``, in order), each an image.
 
     Returns:
-        ``(messages, images, videos)``.
+        ``(messages, images, videos, details)``: ``details`` holds each image's
+        ``detail`` from ``refs`` (a video's frames made images: "auto").
 
     Raises:
         APIError: 400 when the images (frames included, without a video path) exceed
@@ -255,7 +283,9 @@ def _expand_videos(
     """
     images: list[ImageInput] = []
     videos: list[list[ImageInput]] = []
+    details: list[str] = []
     it = iter(media)
+    ref_details = iter(r.detail for r in refs) if refs is not None else None
     out = []
     for m in messages:
         if isinstance(m["content"], str):
@@ -263,8 +293,12 @@ def _expand_videos(
             continue
         parts = []
         for p in m["content"]:
+            detail = (
+                next(ref_details) if ref_details is not None and p["type"] != "text" else "auto"
+            )
             if p["type"] == "image":
                 images.append(next(it))
+                details.append(detail)
                 parts.append(p)
             elif p["type"] == "video" and video_path:
                 videos.append([fr.image for fr in next(it)])
@@ -272,10 +306,11 @@ def _expand_videos(
             elif p["type"] == "video":
                 frames = next(it)
                 images += [fr.image for fr in frames]
+                details += ["auto"] * len(frames)
                 parts += frame_parts(frames)
             else:
                 parts.append(p)
         out.append({**m, "content": parts})
     what = "images (video frames count one each; ask for fewer with num_frames)"
     check_image_count(len(images), max_images, "messages", what)
-    return out, images, videos
+    return out, images, videos, details

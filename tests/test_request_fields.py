@@ -198,8 +198,6 @@ UNSUPPORTED = [
     (["functions"], [{"name": "f", "parameters": {}}]),
     (["function_call"], "auto"),
     (["messages", 0, "name"], "alice"),
-    (["messages", 0, "content", 0, "image_url", "detail"], "high"),
-    (["messages", 0, "content", 0, "image_url", "detail"], "low"),
     (["messages", 0, "content", 1, "image_url"], {"url": "IMG"}),  # on a text part
     (["messages", 0, "content", 0, "num_frames"], 3),  # on an image part
     (["messages", 0, "role"], "tool"),
@@ -216,6 +214,8 @@ DEFAULTS = [
     (["parallel_tool_calls"], True),
     (["tool_choice"], "none"),
     (["messages", 0, "content", 0, "image_url", "detail"], "auto"),
+    (["messages", 0, "content", 0, "image_url", "detail"], "low"),  # acted on: test_detail.py
+    (["messages", 0, "content", 0, "image_url", "detail"], "high"),
     (["messages", 0, "tool_calls"], []),
 ]
 
