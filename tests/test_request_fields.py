@@ -522,6 +522,17 @@ def test_parse_reads_back_every_call(calls) -> None:  # noqa: ANN001
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
     assert required.parse(text[:-1]) is None  # cut short: no call
+    # every prefix (a cut anywhere): calls and their arguments only grow, ending as parsed
+    named = ToolCalling(GuidedSpec("json_object"), None, True, tuple({n for n, _ in calls}))
+    prev: list = []
+    for i in range(len(text) + 1):
+        split = named.split(text[:i])
+        assert len(split) >= len(prev)
+        assert all(
+            n1 == n0 and a1.startswith(a0) for (n0, a0), (n1, a1) in zip(prev, split, strict=False)
+        )
+        prev = split
+    assert [(n, json.loads(a)) for n, a in prev] == calls
     one = ToolCalling(GuidedSpec("json_object"), "f", False)
     assert one.parse(json.dumps(calls[0][1]))[0]["function"]["arguments"] == json.dumps(calls[0][1])
     assert one.parse("[1]") is None
