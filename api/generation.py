@@ -155,11 +155,13 @@ async def make_requests(
     default_max_tokens: int = 256,
     videos: Sequence[Sequence[ImageInput]] = (),
     template: ChatTemplateOptions = NEW_TURN,
+    details: Sequence[str] = (),
 ) -> list[EngineRequest]:
     """``n`` engine requests for one prompt; seeds ``seed``, ``seed + 1``, ... when seeded.
 
     ``videos`` (each its frames) fill the video parts on a model with a video path;
     ``template`` says how the chat template ends the prompt.
+    ``details`` is each image's ``detail`` (empty: all "auto").
 
     ``params.max_tokens == 0`` means "not given": up to ``default_max_tokens`` (or
     ``params.min_tokens`` if more), capped at what the context and the KV pool leave
@@ -172,7 +174,7 @@ async def make_requests(
     if not params.max_tokens:
         # the prompt alone must leave room for one token; the error then names the prompt
         one = replace(params, max_tokens=1, min_tokens=0)
-        first = await _make(processor, messages, images, one, videos, template)
+        first = await _make(processor, messages, images, one, videos, template, details)
         room = processor.output_room(first.prompt_len)
         if params.min_tokens > room:
             raise APIError(
@@ -188,7 +190,7 @@ async def make_requests(
         p = params
         if params.seed is not None and i:
             p = replace(params, seed=(params.seed + i) % (1 << 64))
-        reqs.append(await _make(processor, messages, images, p, videos, template))
+        reqs.append(await _make(processor, messages, images, p, videos, template, details))
     return reqs
 
 
@@ -199,6 +201,7 @@ async def _make(
     params: SamplingParams,
     videos: Sequence[Sequence[ImageInput]] = (),
     template: ChatTemplateOptions = NEW_TURN,
+    details: Sequence[str] = (),
 ) -> EngineRequest:
     try:  # front-end work on a worker thread, off the event loop and the engine thread
         return await run_in_threadpool(
@@ -208,6 +211,7 @@ async def _make(
             params=params,
             videos=[list(v) for v in videos],
             template=template,
+            details=list(details),
         )
     except RequestError as e:
         raise APIError(400, str(e), param=e.param or "messages") from None

@@ -14,13 +14,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mmserve.engine.request import GenerateResult
+from mmserve.vision.inputs import MODALITIES
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 # (metric name, cache_stats key, help, counter?) for cumulative engine counters
 _COUNTERS = (
-    ("mmserve_prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests.", True),
     ("mmserve_generation_tokens", "completion_tokens", "Generated tokens.", True),
     (
         "mmserve_cached_prompt_tokens",
@@ -159,6 +159,7 @@ class _EngineCollector(Collector):
         if not s:
             return
         yield from _table_metrics(_COUNTERS, s, missing=0)
+        yield _prompt_tokens(s)
         yield GaugeMetricFamily(
             "mmserve_cache_hit_rate",
             "Cached prompt tokens / prompt tokens since start.",
@@ -191,6 +192,22 @@ class _EngineCollector(Collector):
             "Requests in the engine's waiting queue.",
             value=s["waiting_requests"],
         )
+
+
+def _prompt_tokens(s: dict) -> Metric:
+    """``mmserve_prompt_tokens_total{modality}``: prompt tokens of finished requests by
+    modality (text, image, video); the series add up to all prompt tokens."""
+    image, video = s.get("prompt_image_tokens", 0), s.get("prompt_video_tokens", 0)
+    family = CounterMetricFamily(
+        "mmserve_prompt_tokens",
+        "Prompt tokens of finished requests, by modality (text, image, video).",
+        labels=["modality"],
+    )
+    for modality, value in zip(
+        MODALITIES, (s["prompt_tokens"] - image - video, image, video), strict=True
+    ):
+        family.add_metric([modality], value)
+    return family
 
 
 # (metric name, stats key with "{}" for the tier, help, counter?): one series per tier

@@ -70,11 +70,22 @@ class ChoiceLogprobs:
         return out
 
 
+def prompt_details(result: GenerateResult) -> dict:
+    """``prompt_tokens_details`` (``input_tokens_details``) of one result: cached prompt
+    tokens, and the prompt's image and video tokens (the rest of the prompt is text)."""
+    return {
+        "cached_tokens": result.cached_tokens,
+        "image_tokens": result.image_tokens,
+        "video_tokens": result.video_tokens,
+    }
+
+
 def usage(results: Sequence[GenerateResult]) -> dict:
     """OpenAI ``usage`` for the choices of one prompt.
 
     The prompt counts once (as in vLLM for ``n`` > 1), with the first choice's cached
-    tokens; completion tokens add up over the choices.
+    tokens; completion tokens add up over the choices. ``prompt_tokens_details`` has
+    ``cached_tokens``, ``image_tokens`` and ``video_tokens`` (:func:`prompt_details`).
     """
     first = results[0]
     completion = sum(r.completion_tokens for r in results)
@@ -82,7 +93,7 @@ def usage(results: Sequence[GenerateResult]) -> dict:
         "prompt_tokens": first.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "prompt_tokens_details": prompt_details(first),
     }
 
 
@@ -96,18 +107,22 @@ def chat_completion(
 ) -> dict:
     """A ``chat.completion`` object; ``tokens`` set means logprobs were asked for.
 
-    With ``tools`` (an enforced tool call) a complete answer becomes ``tool_calls``
-    with ``content`` null and finish reason ``tool_calls``; one cut short (``length``,
-    or a stop string) keeps its text as ``content`` and its own finish reason.
+    With ``tools`` (an enforced tool call) the answer is always ``tool_calls`` with
+    ``content`` null: finish reason ``tool_calls`` when complete; cut short (``length``,
+    or a stop string) it keeps its own finish reason and has the calls readable so far,
+    each with the arguments generated so far (as OpenAI answers a cut tool call).
     """
     choices = []
     for i, r in enumerate(results):
         message: dict = {"role": "assistant", "content": r.text}
         finish = r.finish_reason
-        calls = tools.parse(r.text) if tools is not None and finish == "stop" else None
-        if calls is not None:
+        if tools is not None:
+            calls = tools.parse(r.text) if finish == "stop" else None
+            if calls is not None:
+                finish = "tool_calls"
+            else:
+                calls = [tool_call(name, args) for name, args in tools.split(r.text)]
             message = {"role": "assistant", "content": None, "tool_calls": calls}
-            finish = "tool_calls"
         choices.append(
             {
                 "index": i,
@@ -147,14 +162,13 @@ async def chat_stream(
         sub: the running choices.
         holdback: characters kept back until more text arrives (longest stop string
             minus one), so that a stop string is never partly sent.
-        tools: an enforced tool call. A named function's call is announced in the
-            first chunk (``tool_calls[0]`` with id, type and name) and its arguments
-            stream as they are generated; with ``"required"`` the text is held back
-            and the calls come in one chunk when complete. Either way the last chunk
-            has finish reason ``tool_calls``. An answer cut short (``length``, a stop
-            string) ends with its own finish reason: a named function's partial
-            arguments have been streamed; with ``"required"`` its text comes as
-            ``content``.
+        tools: an enforced tool call, streamed as ``tool_calls`` deltas (content stays
+            null): each call is announced (index, id, type, name) as soon as its name is
+            known (a named function's in the first chunk) and its arguments stream as they
+            are generated (:meth:`~api.structured.ToolCalling.split`). The last chunk has
+            finish reason ``tool_calls`` when the answer is complete; one cut short
+            (``length``, a stop string) ends with its own finish reason, the arguments
+            generated so far having been streamed.
 
     A choice cut short by an engine failure ends the stream with an error event
     (``sub.client.failure``). Closing the generator (the client disconnected) cancels
@@ -171,33 +185,36 @@ async def chat_stream(
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
-    named = tools is not None and tools.name is not None
-    held = tools is not None and not named  # "required": text held back until complete
-
-    def text_delta(text: str) -> dict:
-        if named:
-            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-        return {"content": text}
-
     n = len(sub.reqs)
     sent = [""] * n
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent
     formats = [tokens.choice() for _ in range(n)] if tokens is not None else []
     results: list[GenerateResult | None] = [None] * n
+    calls: list[list[str]] = [[] for _ in range(n)]  # per call: the arguments sent
+
+    def call_deltas(i: int, text: str) -> list[dict]:
+        """Tool-call deltas bringing choice ``i``'s calls up to ``text``."""
+        out = []
+        for k, (name, args) in enumerate(tools.split(text)):
+            if k == len(calls[i]):
+                out.append({"index": k, **tool_call(name, args)})
+                calls[i].append(args)
+            elif len(args) > len(calls[i][k]):
+                out.append({"index": k, "function": {"arguments": args[len(calls[i][k]) :]}})
+                calls[i][k] = args
+        return out
+
     for i in range(n):
-        if named:
-            call = {"index": 0, **tool_call(tools.name, "")}
-            yield chunk(i, {"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
-            yield chunk(i, {"role": "assistant", "content": None if held else ""})
+        first = {"role": "assistant", "content": None if tools is not None else ""}
+        if tools is not None and (deltas := call_deltas(i, "")):
+            first["tool_calls"] = deltas
+        yield chunk(i, first)
     async for i, upd in sub.updates():
         final = upd.result is not None
         if final and (err := sub.client.failure(upd.result)) is not None:
             yield f"data: {json.dumps(error_body(err.message, 'server_error'))}\n\n"
             sub.cancel()
             break
-        if held and not final:
-            continue
         text = upd.text
         if not final:
             text = text[: max(len(sent[i]), len(text) - holdback)]
@@ -211,14 +228,14 @@ async def chat_stream(
                 lps = formats[i].content(pending[i])
                 pending[i] = []
         finish = upd.result.finish_reason if final else None
-        calls = tools.parse(text) if final and tools is not None and finish == "stop" else None
-        if calls is not None:
-            finish = "tool_calls"
-        if held and calls is not None:
-            delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
-            yield chunk(i, delta, lps=lps)
+        if tools is not None:
+            if final and finish == "stop" and tools.parse(text) is not None:
+                finish = "tool_calls"
+            deltas = call_deltas(i, text)
+            if deltas or lps:
+                yield chunk(i, {"tool_calls": deltas} if deltas else {}, lps=lps)
         elif new_text or lps:
-            yield chunk(i, text_delta(new_text), lps=lps)
+            yield chunk(i, {"content": new_text}, lps=lps)
         sent[i] += new_text
         if final:
             results[i] = upd.result

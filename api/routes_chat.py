@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import replace
+from typing import NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -114,17 +115,29 @@ async def prepare_chat(
     return reqs, params, tools
 
 
+class MediaRef(NamedTuple):
+    """A media part of a prompt: its url, the request field naming it, the video's frame
+    fields and where they sit (None for an image) and an image's ``detail`` ("auto",
+    "low" or "high")."""
+
+    url: str
+    param: str
+    frames: VideoPart | None = None
+    detail: str = "auto"
+
+
 async def engine_requests(
     st: ServerState,
     messages: list[dict],
-    urls: list[tuple[str, str, VideoPart | None]],
+    urls: list[MediaRef],
     params: SamplingParams,
     n: int = 1,
     template: ChatTemplateOptions = NEW_TURN,
 ) -> list[EngineRequest]:
     """Resolve the media of ``messages`` (``urls`` as :func:`_split_images` gives them:
     upload ids, data URLs, allowed files or remote URLs; videos become their sampled
-    frames) and build ``n`` engine requests, the prompt ending as ``template`` says.
+    frames; each image in the view its ``detail`` asks for) and build ``n`` engine
+    requests, the prompt ending as ``template`` says.
 
     Raises:
         APIError: 400 naming the part at fault (unknown id, undecodable image, too many
@@ -135,20 +148,19 @@ async def engine_requests(
     # one image at a time: decoded, hashed, preprocessed, its pixels dropped, in the mode
     # its prompt gives it (frames without a video path are images of the prompt too)
     pixels = processor.request_pixels()
-    mode = processor.image_mode(sum(sel is None for _, _, sel in urls))
-    frame_mode = FRAME_MODE if video_path else mode
-    images = []
-    for url, param, sel in urls:
-        if sel is None:
-            images.append(await st.media.resolve(url, param, mode, pixels))
+    num_images = sum(ref.frames is None for ref in urls)
+    frame_mode = FRAME_MODE if video_path else processor.image_mode(num_images)
+    media = []
+    for ref in urls:
+        if ref.frames is None:
+            mode = processor.image_mode(num_images, ref.detail)
+            media.append(await st.media.resolve(ref.url, ref.param, mode, pixels))
         else:  # a video: its sampled frames, each an image
-            images.append(await resolve_video(st, url, sel, param, frame_mode, pixels))
-    messages, images, videos = _expand_videos(
-        messages,
-        images,
-        st.engine.config.max_images_per_request,
-        video_path,
-        [sel for _, _, sel in urls],
+            media.append(
+                await resolve_video(st, ref.url, ref.frames, ref.param, frame_mode, pixels)
+            )
+    messages, images, videos, details = _expand_videos(
+        messages, media, st.engine.config.max_images_per_request, video_path, urls
     )
     return await make_requests(
         st.engine.processor,
@@ -159,14 +171,15 @@ async def engine_requests(
         st.settings.default_max_tokens,
         videos,
         template,
+        details,
     )
 
 
 def _split_images(
     messages: list[ChatMessage], max_images: int
-) -> tuple[list[dict], list[tuple[str, str, VideoPart | None]]]:
-    """Engine messages with image and video parts, and each one's ``(url, param, frames)``
-    in order (``frames`` is None for an image).
+) -> tuple[list[dict], list[MediaRef]]:
+    """Engine messages with image and video parts, and each one's :class:`MediaRef` in
+    order.
 
     Raises:
         APIError: 400 for a message against OpenAI's rules for its role
@@ -207,15 +220,16 @@ def _split_images(
                         param=where,
                     )
                 fields, at = (src, f"{param}.video_url.") if on_url else (p, f"{param}.")
-                urls.append((url, f"{param}.video_url", VideoPart(selection(fields), at)))
+                urls.append(MediaRef(url, f"{param}.video_url", VideoPart(selection(fields), at)))
                 parts.append({"type": "video"})
             else:
                 # the field holding the url: image_url itself, or its "url" key
                 at = f"{param}.image_url" if isinstance(src, str) else f"{param}.image_url.url"
-                urls.append((url, at, None))
+                detail = "auto" if isinstance(src, str) else src.detail or "auto"
+                urls.append(MediaRef(url, at, None, detail))
                 parts.append({"type": "image"})
         out.append({"role": role, "content": parts})
-    check_image_count(sum(sel is None for _, _, sel in urls), max_images, "messages")
+    check_image_count(sum(ref.frames is None for ref in urls), max_images, "messages")
     return out, urls
 
 
@@ -298,8 +312,8 @@ def _expand_videos(
     media: list,
     max_images: int,
     video_path: bool = False,
-    parts: list[VideoPart | None] | None = None,
-) -> tuple[list[dict], list[ImageInput], list[list[ImageInput]]]:
+    refs: list[MediaRef] | None = None,
+) -> tuple[list[dict], list[ImageInput], list[list[ImageInput]], list[str]]:
     """Split ``media`` (in part order) into images and videos.
 
     On a model with a video path (``video_path``: LLaVA-OneVision) a video part stays a
@@ -307,11 +321,12 @@ def _expand_videos(
     (``Frame at 1.5s: <image>``, in order), each an image.
 
     Args:
-        parts: each medium's :class:`VideoPart` (None for an image), to name the frame
-            field at fault.
+        refs: each medium's :class:`MediaRef` (its ``detail``; a video's
+            :class:`VideoPart`, to name the frame field at fault).
 
     Returns:
-        ``(messages, images, videos)``.
+        ``(messages, images, videos, details)``: ``details`` holds each image's
+        ``detail`` from ``refs`` (a video's frames made images: "auto").
 
     Raises:
         APIError: 400 ``too_many_images`` when the images (frames included, without a video
@@ -320,8 +335,9 @@ def _expand_videos(
     """
     images: list[ImageInput] = []
     videos: list[list[ImageInput]] = []
+    details: list[str] = []
     blame: tuple[VideoPart, int] | None = None  # the last video and its frame count
-    it = iter(zip(media, parts or [None] * len(media), strict=True))
+    it = iter(zip(media, refs or [None] * len(media), strict=True))
     out = []
     for m in messages:
         if isinstance(m["content"], str):
@@ -330,16 +346,19 @@ def _expand_videos(
         content = []
         for p in m["content"]:
             if p["type"] == "image":
-                images.append(next(it)[0])
+                image, ref = next(it)
+                images.append(image)
+                details.append(ref.detail if ref is not None else "auto")
                 content.append(p)
             elif p["type"] == "video" and video_path:
                 videos.append([fr.image for fr in next(it)[0]])
                 content.append(p)
             elif p["type"] == "video":
-                frames, part = next(it)
-                if part is not None:
-                    blame = (part, len(frames))
+                frames, ref = next(it)
+                if ref is not None and ref.frames is not None:
+                    blame = (ref.frames, len(frames))
                 images += [fr.image for fr in frames]
+                details += ["auto"] * len(frames)
                 content += frame_parts(frames)
             else:
                 content.append(p)
@@ -357,4 +376,4 @@ def _expand_videos(
             code="too_many_images",
         )
     check_image_count(len(images), max_images, "messages")
-    return out, images, videos
+    return out, images, videos, details

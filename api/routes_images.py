@@ -16,6 +16,7 @@ from api.openai_format import usage
 from api.schemas import AskRequest
 from api.state import ServerState, State
 from api.uploads import read_upload, upload_body
+from mmserve.model.families.base import DETAILS
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -66,7 +67,8 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
     check_questions(body.questions, st.settings.max_questions)
     # prepared once (decoded again only if its features are not cached), used by each question
     processor = st.engine.processor
-    image = await st.media.resolve(image_id, "image_id", processor.image_mode(1))
+    detail = body.detail or "auto"
+    image = await st.media.resolve(image_id, "image_id", processor.image_mode(1, detail))
     params = sampling_params(body)
     system = [{"role": "system", "content": body.system}] if body.system else []
     reqs = []
@@ -74,7 +76,7 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
         content = [{"type": "image"}, {"type": "text", "text": q}]
         msgs = [*system, {"role": "user", "content": content}]
         reqs += await make_requests(
-            st.engine.processor, msgs, [image], params, 1, st.settings.default_max_tokens
+            processor, msgs, [image], params, 1, st.settings.default_max_tokens, (), [detail]
         )
     sub = st.client.submit(reqs)
     results = await sub.answers(request)
@@ -93,7 +95,8 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
         for k in ("prompt_tokens", "completion_tokens", "total_tokens")
     }
     total["prompt_tokens_details"] = {
-        "cached_tokens": sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+        k: sum(a["usage"]["prompt_tokens_details"][k] for a in answers)
+        for k in ("cached_tokens", "image_tokens", "video_tokens")
     }
     return {
         "id": f"ask-{uuid.uuid4().hex}",
@@ -121,4 +124,7 @@ def _info(st: ServerState, entry: StoredImage) -> dict:
         "mode": entry.color_mode,
         "bytes": entry.file_bytes,
         "num_image_tokens": st.engine.processor.image_tokens(entry.image),
+        "num_image_tokens_by_detail": {
+            d: st.engine.processor.image_tokens(entry.image, d) for d in DETAILS
+        },
     }

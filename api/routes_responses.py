@@ -24,7 +24,8 @@ from api.errors import APIError, error_body
 from api.generation import log_end_user, sampling_params, template_options
 from api.json_body import JSONBodyRoute
 from api.media import check_image_count
-from api.routes_chat import engine_requests
+from api.openai_format import prompt_details
+from api.routes_chat import MediaRef, engine_requests
 from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState, State
 from api.structured import refuse_tool_fields
@@ -103,15 +104,15 @@ def _text_format(fmt: TextFormat | None) -> GuidedSpec | None:
     return spec
 
 
-def _messages(body: ResponsesRequest, max_images: int) -> tuple[list[dict], list[tuple]]:
-    """Engine messages and each image's ``(url, param, None)``, in order.
+def _messages(body: ResponsesRequest, max_images: int) -> tuple[list[dict], list[MediaRef]]:
+    """Engine messages and each image's :class:`~api.routes_chat.MediaRef`, in order.
 
     Raises:
         APIError: 400 for an image part without ``image_url``, an image outside a user
             message, or more images than ``max_images`` (before any is decoded).
     """
     out: list[dict] = []
-    urls: list[tuple] = []
+    urls: list[MediaRef] = []
     if body.instructions:
         out.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
@@ -139,7 +140,7 @@ def _messages(body: ResponsesRequest, max_images: int) -> tuple[list[dict], list
                     raise APIError(
                         400, f"{param}: images are only allowed in user messages", param=param
                     )
-                urls.append((p.image_url, f"{param}.image_url", None))
+                urls.append(MediaRef(p.image_url, f"{param}.image_url", None, p.detail or "auto"))
                 parts.append({"type": "image"})
             out.append({"role": role, "content": parts})
     check_image_count(len(urls), max_images, "input")
@@ -165,10 +166,11 @@ def _message_item(msg_id: str, text: str, status: str) -> dict:
 
 
 def response_usage(result: GenerateResult) -> dict:
-    """The Responses ``usage`` object of one result (cached prompt tokens included)."""
+    """The Responses ``usage`` object of one result (cached, image and video input tokens
+    in ``input_tokens_details``)."""
     return {
         "input_tokens": result.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": result.cached_tokens},
+        "input_tokens_details": prompt_details(result),
         "output_tokens": result.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": result.prompt_tokens + result.completion_tokens,

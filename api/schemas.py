@@ -65,22 +65,20 @@ def _refusing(table: dict[str, tuple[tuple[Any, ...], str]]) -> Any:
     return field_validator(*table)(classmethod(check))
 
 
-class ImageURL(BaseModel):
-    """``image_url`` part: an uploaded image id (``img-...``) or a ``data:`` URL.
+#: OpenAI's ``detail`` of an image: ``"low"`` is the family's single base view (for
+#: LLaVA-NeXT and OneVision the downscaled whole image, no tiles), ``"high"`` its usual
+#: processing (any-resolution tiles), ``"auto"`` (the default) is ``"high"``.
+Detail = Literal["auto", "low", "high"]
+DETAIL_HELP = 'image view: "low" (one base view, fewer tokens), "high" or "auto" (tiles)'
 
-    ``detail`` may only be ``"auto"`` (or absent): every image is processed at the
-    model's own resolution, so ``"low"``/``"high"`` would not be honoured.
-    """
+
+class ImageURL(BaseModel):
+    """``image_url`` part: an uploaded image id (``img-...``) or a ``data:`` URL, and the
+    view to process it in (``detail``, :data:`Detail`)."""
 
     model_config = STRICT
     url: str
-    detail: str | None = None
-
-    @field_validator("detail")
-    @classmethod
-    def _detail(cls, value: str | None, info: ValidationInfo) -> str | None:
-        why = "images are always processed at the model's own resolution"
-        return _refuse_unless_default(value, info, {"detail": (None, "auto")}, why)
+    detail: Detail | None = Field(default=None, description=DETAIL_HELP)
 
 
 class FrameFields(BaseModel):
@@ -404,6 +402,7 @@ class AskRequest(SamplingFields):
 
     questions: list[str] = Field(min_length=1)
     system: str | None = Field(default=None, description="an optional system message")
+    detail: Detail | None = Field(default=None, description=DETAIL_HELP)
 
 
 class VideoQARequest(SamplingFields, FrameFields):
@@ -444,21 +443,16 @@ class InputImagePart(BaseModel):
     """``{"type": "input_image", "image_url": ...}``: an uploaded image id (``img-...``),
     a data URL, or an allowed file or remote URL, as in chat completions.
 
-    ``detail`` may only be ``"auto"``; ``file_id`` (OpenAI's file store) is refused:
-    upload images with ``POST /v1/images`` and pass the id as ``image_url``.
+    ``detail`` picks the view as in chat (:data:`Detail`); ``file_id`` (OpenAI's file
+    store) is refused: upload images with ``POST /v1/images`` and pass the id as
+    ``image_url``.
     """
 
     model_config = STRICT
     type: Literal["input_image"]
     image_url: str | None = None
-    detail: str | None = None
+    detail: Detail | None = Field(default=None, description=DETAIL_HELP)
     file_id: Any = None
-
-    @field_validator("detail")
-    @classmethod
-    def _detail(cls, value: str | None, info: ValidationInfo) -> str | None:
-        why = "images are always processed at the model's own resolution"
-        return _refuse_unless_default(value, info, {"detail": (None, "auto")}, why)
 
     @field_validator("file_id")
     @classmethod

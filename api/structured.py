@@ -116,9 +116,14 @@ class ToolCalling:
     name: str | None
     parallel: bool
 
+    #: the tools' names (``"required"``: a name cut short is completed when one fits)
+    names: tuple[str, ...] = ()
+
     def parse(self, text: str) -> list[dict] | None:
         """OpenAI ``tool_calls`` (``[{"id": "call_...", "type": "function", "function":
         {"name", "arguments"}}]``, arguments a JSON string) from a complete answer.
+
+        Each call's ``arguments`` is its text as generated (what a stream sends in pieces).
 
         Returns:
             None when ``text`` is not a complete answer of the expected shape (cut by
@@ -132,15 +137,104 @@ class ToolCalling:
             return [tool_call(self.name, text)] if isinstance(value, dict) else None
         if not isinstance(value, list) or not value:
             return None
-        calls = []
         for call in value:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 return None
             if not isinstance(call.get("arguments"), dict):
                 return None
-            arguments = json.dumps(call["arguments"], ensure_ascii=False, separators=(", ", ": "))
-            calls.append(tool_call(call["name"], arguments))
+        calls = self.split(text)
+        if len(calls) != len(value):
+            return None
+        return [tool_call(name, args) for name, args in calls]
+
+    def split(self, text: str) -> list[tuple[str, str]]:
+        """The calls readable in ``text`` so far, complete or not: ``(name, arguments
+        text so far)`` each, in order. A named function's is always there (its arguments
+        are the whole text); with ``"required"`` a call appears once its name is known
+        (a name cut short counts when exactly one tool's name starts with it), with
+        ``""`` as arguments until they begin. Each call's arguments only grow as
+        ``text`` does, so a stream sends the difference."""
+        if self.name is not None:
+            return [(self.name, text)]
+        return _required_calls(text, self.names)
+
+
+def _skip(text: str, pos: int, chars: str = " \t\n\r") -> int:
+    while pos < len(text) and text[pos] in chars:
+        pos += 1
+    return pos
+
+
+def _value_end(text: str, pos: int) -> int | None:
+    """One past the JSON object or array starting at ``text[pos]``; None when ``text``
+    ends inside it (strings and escapes are skipped over)."""
+    depth, in_str, esc = 0, False, False
+    for i in range(pos, len(text)):
+        c = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _required_calls(text: str, names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """:meth:`ToolCalling.split` of a ``"required"`` answer: the JSON array
+    ``[{"name": ..., "arguments": {...}}, ...]`` the grammar produces, read up to where
+    ``text`` ends."""
+    decoder = json.JSONDecoder()
+    calls: list[tuple[str, str]] = []
+    pos = _skip(text, 0)
+    if not text.startswith("[", pos):
         return calls
+    pos += 1
+    while True:
+        pos = _skip(text, pos, " \t\n\r,")
+        if not text.startswith("{", pos):
+            return calls
+        pos += 1
+        name: str | None = None
+        args = ""
+        while True:
+            pos = _skip(text, pos, " \t\n\r,")
+            if text.startswith("}", pos):
+                pos += 1
+                break
+            try:
+                key, pos = decoder.raw_decode(text, pos)
+                pos = _skip(text, pos)
+                if not text.startswith(":", pos):
+                    raise ValueError("cut before the colon")
+                pos = _skip(text, pos + 1)
+            except ValueError:  # cut inside a key
+                return calls + ([(name, args)] if name is not None else [])
+            if key == "name":
+                try:
+                    name, pos = decoder.raw_decode(text, pos)
+                except ValueError:  # cut inside the name: complete it if only one fits
+                    prefix = text[pos + 1 :]
+                    fits = [n for n in names if n.startswith(prefix)]
+                    return calls + ([(fits[0], "")] if len(fits) == 1 else [])
+            elif key == "arguments":
+                end = _value_end(text, pos)
+                if end is None:
+                    return calls + ([(name, text[pos:])] if name is not None else [])
+                args, pos = text[pos:end], end
+            else:  # no other key: the grammar forbids them
+                return calls
+        if name is not None:
+            calls.append((name, args))
 
 
 def tool_call(name: str, arguments: str) -> dict:
@@ -219,7 +313,7 @@ def tool_calling(body: ChatCompletionRequest) -> ToolCalling | None:
         parallel = body.parallel_tool_calls is not False
         spec = GuidedSpec.json_schema(_calls_schema(schemas, parallel), "tools")
         _check(spec)
-        return ToolCalling(spec, None, parallel)
+        return ToolCalling(spec, None, parallel, tuple(schemas))
     name = choice.function.name
     if name not in schemas:
         raise APIError(

@@ -99,6 +99,11 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--max-video-frames",), dict(type=int, default=64)),
         (("--max-total-tokens",), dict(type=int, default=16384, help="KV pool")),
     ]),
+    "image-detail": (experiments.image_detail, "full", None, "llava-next", [
+        (("--families",), dict(default="llava-onevision,llava-next")),
+        (("--photo",), dict(default="1024x768", help="WxH of the photo")),
+        (("--repeats",), dict(type=int, default=5, help="requests per view and round")),
+    ]),
 }  # fmt: skip
 
 

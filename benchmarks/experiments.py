@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 import os
 import statistics
@@ -25,6 +26,7 @@ from PIL import Image
 from benchmarks import over_http as http
 from benchmarks import report, workloads
 from benchmarks.in_process import CACHE_OFF, MMServeRunner, one_request
+from benchmarks.in_process import model_dir as checkpoint
 from benchmarks.workloads import Prompt, Workload, ask
 from mmserve.engine.request import SamplingParams
 
@@ -696,3 +698,49 @@ def video_budget(args: argparse.Namespace, model_dir: str) -> int:
     out = {"model": model_dir, "info": info, "per_frame": cost.per_frame, "rows": rows}
     out["exact_over"] = {"status": over.status_code, "error": refused}
     return report.emit(args.out, "video_budget", out, md)
+
+
+def image_detail(args: argparse.Namespace, model_dir: str | None) -> int:
+    """``detail`` low vs high: image tokens and TTFT of one photo per family (caches off).
+
+    TTFT is from the encoded file to the first token: decode, preprocessing, vision tower
+    and prefill, one request at a time on a fresh engine with the prefix and embedding
+    caches off, so every repeat pays all of it; the median of ``--repeats``.
+    """
+    photo = Image.open(workloads.ROOT / "samples" / "images" / "astronaut.png").convert("RGB")
+    side = [int(x) for x in args.photo.split("x")]
+    buf = io.BytesIO()
+    photo.resize(side).save(buf, "PNG")
+    data = buf.getvalue()
+    rows: dict[str, dict] = {}
+    for family in args.families.split(","):
+        path = model_dir or checkpoint(args.size or "small", family)
+        mm = MMServeRunner.load(path)
+        eng = mm.engine(**CACHE_OFF)
+        proc = eng.processor
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for detail in ("high", "low", "high", "low")[: 2 if args.scale == "ci" else 4]:
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                img = proc.prepare_image(data, proc.image_mode(1, detail))
+                req = proc.make_request(
+                    messages=msgs, images=[img], params=params, details=[detail]
+                )
+                (res,) = eng.generate([req])
+                times.append(req.arrival - t0 + res.ttft)
+            # high and low alternate, so drift on a shared machine hits both alike
+            row = rows.setdefault(f"{family} {detail}", {"image_tokens": req.spans[0].length})
+            row.setdefault("ttft_s", []).extend(times)
+            row["prompt_tokens"] = res.prompt_tokens
+    for row in rows.values():
+        row["ttft_s"] = statistics.median(row["ttft_s"])
+    for family in args.families.split(","):
+        hi, lo = rows[f"{family} high"], rows[f"{family} low"]
+        lo["ttft_ratio_vs_high"] = lo["ttft_s"] / hi["ttft_s"]
+        hi["ttft_ratio_vs_high"] = 1.0
+    cols = "view|image tokens=image_tokens|prompt tokens=prompt_tokens"
+    cols += "|TTFT s (median)=ttft_s:.4f|TTFT / high=ttft_ratio_vs_high:.3f"
+    md = report.table(rows, cols) + f"photo {args.photo}, load {report.loadavg()}"
+    return report.emit(args.out, "image_detail", {"photo": args.photo, **rows}, md)

@@ -105,6 +105,10 @@ def test_batch_answers_equal_online_answers(client, photos) -> None:  # noqa: AN
         online = client.chat.completions.create(**bodies[r["custom_id"]])
         body = r["response"]["body"]
         assert r["response"]["request_id"] == body["id"]
+        details = body["usage"]["prompt_tokens_details"]
+        assert (details["image_tokens"], details["video_tokens"]) == (
+            (0, 0) if r["custom_id"] == "text" else (576, 0)
+        )
         assert body["choices"][0]["message"]["content"] == online.choices[0].message.content
     info = client.files.retrieve(batch.output_file_id)
     assert info.purpose == "batch_output" and info.bytes > 0

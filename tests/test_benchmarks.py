@@ -408,3 +408,19 @@ def test_server_retries_when_its_port_is_taken(monkeypatch: pytest.MonkeyPatch) 
         assert proc.poll() is not None
     finally:
         taken.close()
+
+
+def test_image_detail_reports_fewer_tokens_for_low(tmp_path: Path) -> None:
+    from benchmarks.__main__ import main
+
+    argv = ["image-detail", "--size", "tiny", "--scale", "ci", "--repeats", "1"]
+    assert main([*argv, "--out", str(tmp_path), "--photo", "300x200"]) == 0
+    rows = json.loads((tmp_path / "image_detail.json").read_text())
+    assert rows["photo"] == "300x200"
+    for family in ("llava-onevision", "llava-next"):
+        high, low = rows[f"{family} high"], rows[f"{family} low"]
+        assert low["image_tokens"] < high["image_tokens"]
+        assert high["prompt_tokens"] - low["prompt_tokens"] == (
+            high["image_tokens"] - low["image_tokens"]
+        )
+        assert low["ttft_s"] > 0 and high["ttft_ratio_vs_high"] == 1.0

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import ServerSettings, create_app
+from mmserve.vision.inputs import MODALITIES
 
 MODEL = "llava-tiny"
 
@@ -50,7 +51,10 @@ def test_metrics_count_requests_tokens_cache_and_vision(client, photos) -> None:
     cached = sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
     assert cached >= 2 * 576
     assert m[("mmserve_requests_total", (("finish_reason", "length"),))] == 3
-    assert m[("mmserve_prompt_tokens_total", ())] == prompt
+    by = {k: m[("mmserve_prompt_tokens_total", (("modality", k),))] for k in MODALITIES}
+    image = sum(o["usage"]["prompt_tokens_details"]["image_tokens"] for o in outs)
+    assert by == {"text": prompt - 3 * 576, "image": 3 * 576, "video": 0}
+    assert image == 3 * 576
     assert m[("mmserve_cached_prompt_tokens_total", ())] == cached
     assert m[("mmserve_generation_tokens_total", ())] == 9
     assert m[("mmserve_cache_hit_rate", ())] == pytest.approx(cached / prompt)

@@ -37,6 +37,7 @@ from benchmarks import experiments as bench  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 from mmserve.config import EngineConfig  # noqa: E402
 from mmserve.engine.request import SamplingParams  # noqa: E402
+from mmserve.vision.inputs import MODALITIES  # noqa: E402
 from tests.helpers import serve_help_defaults  # noqa: E402
 from tests.live_server import live_server, metric  # noqa: E402
 from tests.videos import encode_mp4, rgb_frames  # noqa: E402
@@ -523,7 +524,9 @@ class TestCacheRouter:
         assert s["accounting"]["ok"] and s["accounting"]["total"] == s["pool_pages"]
         assert set(s["router"]["replicas"]) == set(per) and s["router"]["policy"] == "cache"
         text = httpx.get(f"{ep}/metrics").text
-        assert metric(text, "mmserve_prompt_tokens_total") == s["prompt_tokens"]
+        by = {m: metric(text, "mmserve_prompt_tokens_total", {"modality": m}) for m in MODALITIES}
+        assert sum(by.values()) == s["prompt_tokens"]
+        assert by["image"] == s["prompt_image_tokens"]
         for uid, r in per.items():
             labels = {"replica": uid}
             assert metric(text, "mmserve_replica_up", labels) == 1

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api.app import ServerSettings, create_app
-from api.structured import MAX_PARALLEL_TOOL_CALLS, ToolCalling
+from api.structured import MAX_PARALLEL_TOOL_CALLS, ToolCalling, _calls_schema
 from mmserve.structured.spec import GuidedSpec
 from tests.helpers import assert_error, assert_healthy, image_part, png_bytes
 
@@ -197,8 +197,6 @@ UNSUPPORTED = [
     (["functions"], [{"name": "f", "parameters": {}}]),
     (["function_call"], "auto"),
     (["messages", 0, "name"], "alice"),
-    (["messages", 0, "content", 0, "image_url", "detail"], "high"),
-    (["messages", 0, "content", 0, "image_url", "detail"], "low"),
     (["messages", 0, "content", 1, "image_url"], {"url": "IMG"}),  # on a text part
     (["messages", 0, "content", 0, "num_frames"], 3),  # on an image part
     (["messages", 0, "role"], "function"),
@@ -216,6 +214,8 @@ DEFAULTS = [
     (["parallel_tool_calls"], True),
     (["tool_choice"], "none"),
     (["messages", 0, "content", 0, "image_url", "detail"], "auto"),
+    (["messages", 0, "content", 0, "image_url", "detail"], "low"),  # acted on: test_detail.py
+    (["messages", 0, "content", 0, "image_url", "detail"], "high"),
     (["messages", 0, "tool_calls"], []),
 ]
 
@@ -337,30 +337,89 @@ def test_tool_choice_none_answers_in_text(client) -> None:  # noqa: ANN001
     assert out.choices[0].finish_reason == plain.choices[0].finish_reason
 
 
-def test_a_call_cut_by_max_tokens_is_not_reported_as_a_call(client) -> None:  # noqa: ANN001
-    out = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named("get_weather"), max_tokens=3,
-        temperature=0,
+def _streamed_calls(chunks: list) -> tuple[dict[int, dict], str, str]:  # noqa: ANN001
+    """``(calls by index, content, last finish reason)`` of one streamed choice."""
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for tc in c.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(tc.index, {"arguments": ""})
+            if tc.id:
+                assert "id" not in call, "a call is announced once"
+                call.update(id=tc.id, name=tc.function.name)
+            call["arguments"] += tc.function.arguments or ""
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return calls, content, [c.choices[0].finish_reason for c in chunks][-1]
+
+
+@pytest.mark.parametrize("max_tokens", [3, 6, 12])
+@pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
+def test_a_call_cut_by_max_tokens_is_a_tool_call_with_partial_arguments(
+    client, tool_choice, max_tokens
+) -> None:  # noqa: ANN001
+    """OpenAI's answer to a cut tool call: ``tool_calls`` holding the arguments generated
+    so far, finish reason "length", never the call's JSON as content; streamed the same."""
+    required = tool_choice == "required"
+    choice_field = tool_choice if required else named(tool_choice)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice_field,
+              max_tokens=max_tokens, temperature=0)  # fmt: skip
+    # the same grammar as a response format: its text is what the call is made of
+    schema = _calls_schema(SCHEMAS, True) if required else SCHEMAS[tool_choice]
+    raw = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=max_tokens, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": schema}},
     )  # fmt: skip
+    assert raw.choices[0].finish_reason == "length"
+    text = raw.choices[0].message.content
+    out = client.chat.completions.create(**kw)
     choice = out.choices[0]
     assert choice.finish_reason == "length"
-    assert choice.message.tool_calls is None
-    assert choice.message.content.startswith('{"c')  # the arguments object, cut
-    for tool_choice in (named("get_weather"), "required"):
-        chunks = list(
-            client.chat.completions.create(
-                model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=3,
-                temperature=0, stream=True,
-            )
-        )  # fmt: skip
-        assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-        content = "".join(c.choices[0].delta.content or "" for c in chunks)
-        deltas = [c.choices[0].delta for c in chunks]
-        args = "".join(tc.function.arguments or "" for d in deltas for tc in d.tool_calls or [])
-        if tool_choice == "required":  # held back, then sent as text: no call
-            assert content.startswith("[{") and args == ""
-        else:  # streamed as arguments
-            assert args == choice.message.content and content == ""
+    assert choice.message.content is None
+    calls = choice.message.tool_calls
+    if required:
+        expect = ToolCalling(GuidedSpec("json_object", ""), None, True, tuple(SCHEMAS)).split(text)
+    else:
+        expect = [(tool_choice, text)]
+    assert [(c.function.name, c.function.arguments) for c in calls] == expect
+    assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    if expect:  # the arguments are a prefix of a JSON object, cut
+        args = expect[-1][1]
+        assert args == "" or args.startswith("{")
+        with pytest.raises(ValueError):
+            json.loads(args)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed, content, finish = _streamed_calls(chunks)
+    assert finish == "length" and content == ""
+    assert [(streamed[k]["name"], streamed[k]["arguments"]) for k in sorted(streamed)] == expect
+    assert sum(c.choices[0].finish_reason is not None for c in chunks) == 1
+
+
+def test_cut_calls_split_as_the_grammar_writes_them() -> None:
+    """:meth:`ToolCalling.split` on every prefix of a two-call answer: a call appears once
+    its name is known (a cut name completed only when one tool's name fits), and its
+    arguments are that prefix of the generated text, growing with it."""
+    tools = ToolCalling(GuidedSpec("json_object", ""), None, True, ("calc", "cat", "tag"))
+    one = '{"op": "a}\\"d", "args": [1, 2]}'
+    two = '{"tag": "red"}'
+    full = f'[{{"name": "calc", "arguments": {one}}}, {{"name": "tag", "arguments": {two}}}]'
+    calls = [("calc", one), ("tag", two)]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in tools.parse(full)] == calls
+    at_one, at_two = full.index(one), full.index(two)
+    name = full.index('"calc"') + 1
+    assert tools.split(full[:name]) == tools.split(full[: name + 2]) == []  # "ca": calc or cat
+    assert tools.split(full[: name + 3]) == [("calc", "")]
+    assert tools.split(full[: at_one + 9]) == [("calc", one[:9])]  # cut inside a string
+    assert tools.split(full[: at_one + len(one)]) == [("calc", one)]
+    assert tools.split(full[: full.index('"tag"') + 2]) == [("calc", one), ("tag", "")]
+    assert tools.split(full[: at_two + 3]) == [("calc", one), ("tag", two[:3])]
+    assert tools.split(full) == calls
+    prev: list = []
+    for i in range(len(full) + 1):  # calls and their arguments only ever grow
+        got = tools.split(full[:i])
+        assert len(got) >= len(prev)
+        assert all(
+            n1 == n0 and a1.startswith(a0) for (n0, a0), (n1, a1) in zip(prev, got, strict=False)
+        )
+        prev = got
 
 
 @pytest.mark.parametrize("choice", [None, "auto"])
@@ -463,6 +522,17 @@ def test_parse_reads_back_every_call(calls) -> None:  # noqa: ANN001
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
     assert required.parse(text[:-1]) is None  # cut short: no call
+    # every prefix (a cut anywhere): calls and their arguments only grow, ending as parsed
+    named = ToolCalling(GuidedSpec("json_object"), None, True, tuple({n for n, _ in calls}))
+    prev: list = []
+    for i in range(len(text) + 1):
+        split = named.split(text[:i])
+        assert len(split) >= len(prev)
+        assert all(
+            n1 == n0 and a1.startswith(a0) for (n0, a0), (n1, a1) in zip(prev, split, strict=False)
+        )
+        prev = split
+    assert [(n, json.loads(a)) for n, a in prev] == calls
     one = ToolCalling(GuidedSpec("json_object"), "f", False)
     assert one.parse(json.dumps(calls[0][1]))[0]["function"]["arguments"] == json.dumps(calls[0][1])
     assert one.parse("[1]") is None

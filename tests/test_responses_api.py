@@ -174,9 +174,9 @@ def test_bad_input_is_a_400_naming_the_part(client: openai.OpenAI) -> None:
     [
         ({"type": "input_image", "file_id": "file-1"}, "input[0].content[0].file_id", "/v1/images"),
         (
-            {"type": "input_image", "image_url": "img-" + "0" * 32, "detail": "high"},
+            {"type": "input_image", "image_url": "img-" + "0" * 32, "detail": "medium"},
             "input[0].content[0].detail",
-            "auto",
+            "'low'",
         ),
         ({"type": "input_audio", "data": "x"}, "input[0].content[0].type", "'input_image'"),
     ],

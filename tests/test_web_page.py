@@ -169,13 +169,15 @@ def test_image_two_questions_stream_and_the_second_is_cached(
         item = page.locator("#media-list li.selected")
         assert re.fullmatch(r"img-[0-9a-f]{32}", item.locator(".id").inner_text())
         expect(item.locator(".size")).to_contain_text("451×300")
-        expect(item.locator(".size")).to_contain_text("576 tokens")
+        expect(item.locator(".size")).to_contain_text("576 tokens (low: 576)")
+        expect(page.locator("#detail")).to_have_value("auto")  # image_url.detail
         ask(page, ["What is in this picture?", "What colours stand out?"])
         first, second = wait_answers(page, 2)
         assert first["question"] == "What is in this picture?"
         assert first["answer"] and second["answer"]
         assert first["cached"] < 576 <= second["cached"], (first, second)
         assert f"cached {second['cached']} of" in second["meta"] and " s" in second["meta"]
+        assert "(576 image)" in second["meta"]
         # the stats panel refreshes after the questions: one vision-tower run
         expect(page.locator("#stat-tower")).to_have_text("1", timeout=WAIT_MS)
         expect(page.locator("#stat-hit")).to_have_text(re.compile(r"\d+\.\d%"))

@@ -142,7 +142,7 @@ class ReplicaClient:
     def payload(self, req: EngineRequest) -> ReplicaRequest:
         """The tokenized request a replica receives for ``req``."""
         spans = [
-            SpanRef(s.start, s.length, s.image.key, s.image.mode, self._pixels(s.image))
+            SpanRef(s.start, s.length, s.image.key, s.image.mode, self._pixels(s.image), s.modality)
             for s in req.spans
         ]
         return ReplicaRequest(req.rid, list(req.input_ids), spans, req.params)
@@ -160,7 +160,13 @@ class ReplicaClient:
         attempt = 0
         while True:
             col = OutputCollector(
-                req.rid, self.tokenizer, req.params, req.prompt_len, req.arrival, req.text_context
+                req.rid,
+                self.tokenizer,
+                req.params,
+                req.prompt_len,
+                req.arrival,
+                req.text_context,
+                req.media_tokens,
             )
             gen = _detached(
                 self.handle.options(method_name="generate", stream=True).remote, payload

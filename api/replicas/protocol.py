@@ -33,6 +33,7 @@ class SpanRef:
         mode: how the family encodes it (``ImageInput.mode``).
         pixels: ``ray.ObjectRef`` of the item's preprocessed tower input
             (:class:`~mmserve.vision.pixels.Pixels`), put once by the ingress.
+        modality: ``ImageSpan.modality`` ("image" or "video", for usage counts).
     """
 
     start: int
@@ -40,6 +41,7 @@ class SpanRef:
     key: bytes
     mode: str
     pixels: Any
+    modality: str = "image"
 
 
 @dataclass

@@ -115,7 +115,12 @@ class EngineReplica:
 
     def _request(self, rr: ReplicaRequest) -> EngineRequest:
         spans = tuple(
-            ImageSpan(s.start, s.length, RemoteImage(s.key, s.mode, s.pixels, self._fetched))
+            ImageSpan(
+                s.start,
+                s.length,
+                RemoteImage(s.key, s.mode, s.pixels, self._fetched),
+                s.modality,
+            )
             for s in rr.spans
         )
         grammar = None

@@ -156,7 +156,7 @@ async function upload(file) {
       "size",
       kind === "video"
         ? `${size}, ${info.duration.toFixed(1)} s, ${info.num_frames} frames at ${info.fps} fps`
-        : `${size}, ${info.num_image_tokens} tokens`,
+        : `${size}, ${info.num_image_tokens} tokens (low: ${info.num_image_tokens_by_detail.low})`,
     ),
   );
   li.append(text);
@@ -192,6 +192,7 @@ function select(id) {
   $("#selected-name").textContent = `${item.name} (${id.slice(0, 16)}…)`;
   $("#video-options").hidden = item.kind !== "video";
   $("#schema-box").hidden = item.kind === "video"; // structured output is for chat answers
+  $("#detail-box").hidden = item.kind === "video"; // an image's view
   $("#ask").disabled = false;
 }
 
@@ -234,7 +235,8 @@ async function askOne(card, body, onStart) {
         const u = chunk.usage;
         card.dataset.cached = u.prompt_tokens_details.cached_tokens;
         meta.textContent =
-          `cached ${u.prompt_tokens_details.cached_tokens} of ${u.prompt_tokens} prompt tokens, ` +
+          `cached ${u.prompt_tokens_details.cached_tokens} of ${u.prompt_tokens} prompt tokens ` +
+          `(${u.prompt_tokens_details.image_tokens} image), ` +
           `${u.completion_tokens} generated, first text after ${firstText ?? "–"} s, ` +
           `done in ${seconds()} s`;
       }
@@ -264,7 +266,7 @@ async function askImage(id, questions) {
     card.append(el("h3", "question", q), el("p", "answer"), el("p", "meta", "waiting…"));
     $("#results").append(card);
     const content = [
-      { type: "image_url", image_url: { url: id } },
+      { type: "image_url", image_url: { url: id, detail: $("#detail").value } },
       { type: "text", text: q },
     ];
     return { card, body: { ...base, messages: [{ role: "user", content }] } };

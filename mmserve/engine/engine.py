@@ -40,6 +40,7 @@ from mmserve.model.loader import LoadedModel, load_model
 from mmserve.structured.compile import new_state
 from mmserve.structured.decode import GuidedDecoding
 from mmserve.vision.embedding_cache import EmbeddingCache
+from mmserve.vision.inputs import media_tokens
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class EngineStats:
     requests_finished: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prompt_image_tokens: int = 0
+    prompt_video_tokens: int = 0
     completion_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
@@ -463,6 +466,9 @@ class Engine:
         self.stats.requests_finished += 1
         self.stats.completion_tokens += len(req.output_ids)
         self.stats.prompt_tokens += req.prompt_len
+        image, video = media_tokens(req.input_ids, req.spans)
+        self.stats.prompt_image_tokens += image
+        self.stats.prompt_video_tokens += video
         self.stats.cached_tokens += req.cached_len
         self._emit(req)
 
@@ -470,7 +476,13 @@ class Engine:
     def collector(self, msg: EngineRequest) -> OutputCollector:
         """A front-end collector for ``msg``'s deltas (text, stop strings, result)."""
         return OutputCollector(
-            msg.rid, self.model.tokenizer, msg.params, msg.prompt_len, msg.arrival, msg.text_context
+            msg.rid,
+            self.model.tokenizer,
+            msg.params,
+            msg.prompt_len,
+            msg.arrival,
+            msg.text_context,
+            msg.media_tokens,
         )
 
     def track(self, msg: EngineRequest) -> OutputCollector:
@@ -529,6 +541,8 @@ class Engine:
             "running_requests": len(self.scheduler.running) + len(self.scheduler.extending),
             "waiting_requests": len(self.scheduler.waiting),
             "prompt_tokens": s.prompt_tokens,
+            "prompt_image_tokens": s.prompt_image_tokens,
+            "prompt_video_tokens": s.prompt_video_tokens,
             "cached_tokens": s.cached_tokens,
             "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             "completion_tokens": s.completion_tokens,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mmserve.engine.request import ImageSpan, SamplingParams, TokenLogprob, new_rid
+from mmserve.vision.inputs import media_tokens
 
 #: :attr:`EngineRequest.priority` of interactive traffic (the default).
 INTERACTIVE = 0
@@ -63,6 +64,11 @@ class EngineRequest:
     def prompt_len(self) -> int:
         """Prompt length in tokens."""
         return len(self.input_ids)
+
+    @property
+    def media_tokens(self) -> tuple[int, int]:
+        """``(image, video)`` prompt tokens (:func:`~mmserve.vision.inputs.media_tokens`)."""
+        return media_tokens(self.input_ids, self.spans)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class OutputCollector:
             first token and latency are measured on this side's clock when deltas arrive.
         text_context: prompt ids the text is decoded after
             (:attr:`~mmserve.engine.messages.EngineRequest.text_context`).
+        media_tokens: ``(image, video)`` tokens of the prompt (reported in the result).
 
     Attributes:
         stop_hit: a stop string ended the answer; the engine's request should be aborted
@@ -68,8 +69,10 @@ class OutputCollector:
         prompt_tokens: int,
         arrival: float,
         text_context: tuple[int, ...] = (),
+        media_tokens: tuple[int, int] = (0, 0),
     ) -> None:
         self.rid = rid
+        self.media_tokens = media_tokens
         self.params = params
         self.prompt_tokens = prompt_tokens
         self.arrival = arrival
@@ -155,6 +158,8 @@ class OutputCollector:
             finish_reason=reason,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
+            image_tokens=self.media_tokens[0],
+            video_tokens=self.media_tokens[1],
             completion_tokens=len(self.ids),
             images_needing_vision=self.images_needing_vision,
             vision_tower_runs=self.vision_tower_runs,

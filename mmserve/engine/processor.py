@@ -113,10 +113,15 @@ class InputProcessor:
         """A fresh per-request pixel count (``config.max_request_image_pixels``)."""
         return RequestPixels(self.config.max_request_image_pixels)
 
-    def image_mode(self, num_images: int) -> str:
-        """The mode each image of a prompt with ``num_images`` images (videos not counted)
-        is prepared in (see :meth:`~mmserve.model.families.base.ModelFamily.image_mode`)."""
-        return self.model.family.image_mode(num_images)
+    def image_mode(self, num_images: int, detail: str = "auto") -> str:
+        """The mode an image sent with ``detail`` in a prompt with ``num_images`` images
+        (videos not counted) is prepared in (see
+        :meth:`~mmserve.model.families.base.ModelFamily.detail_mode`).
+
+        Raises:
+            ValueError: for a ``detail`` other than "auto", "low" and "high".
+        """
+        return self.model.family.detail_mode(detail, num_images)
 
     def prepare_image(
         self,
@@ -281,7 +286,7 @@ class InputProcessor:
             for i in dict.fromkeys(indices):
                 im = got.images.get(i)
                 if im is not None:
-                    items[i] = ImageInput(image_key(im, self.fingerprint), im)
+                    items[i] = ImageInput(image_key(im, self.fingerprint), im, video=True)
             if mode is not None:  # the tower input made here, the decoded frames dropped
                 items = dict(
                     zip(items, self.prepare_frames(list(items.values()), mode), strict=True)
@@ -351,6 +356,7 @@ class InputProcessor:
         rid: str | None = None,
         videos: Sequence[Sequence[ImageInput]] = (),
         template: ChatTemplateOptions = NEW_TURN,
+        details: Sequence[str] = (),
     ) -> EngineRequest:
         """Build a validated, tokenized request message from chat ``messages`` or a raw
         ``prompt``.
@@ -358,7 +364,9 @@ class InputProcessor:
         ``images`` fill the image placeholders and ``videos`` (each its frames, decoded
         and hashed like images) the video placeholders of a model with a video path.
         ``template`` says how the chat template ends the prompt (a continued final
-        assistant message also sets the request's ``text_context``).
+        assistant message also sets the request's ``text_context``); ``details`` (empty:
+        all "auto") is each image's OpenAI ``detail`` ("low": the family's single base
+        view, its own key).
 
         A constrained request (``params.guided``) carries its compiled grammar, compiled
         here once per distinct spec (:class:`GrammarCache`); the engine makes the
@@ -379,10 +387,10 @@ class InputProcessor:
                 raise RequestError("give exactly one of messages or prompt")
             if messages is not None:
                 ids, spans = self.prompts.from_messages(
-                    messages, list(images), list(videos), template
+                    messages, list(images), list(videos), template, details
                 )
             else:
-                ids, spans = self.prompts.from_text(prompt, list(images), list(videos))
+                ids, spans = self.prompts.from_text(prompt, list(images), list(videos), details)
         except RequestError:
             raise
         except (PromptError, ValueError) as e:
@@ -460,9 +468,10 @@ class InputProcessor:
                     param="max_tokens",
                 )
 
-    def image_tokens(self, image: ImageInput) -> int:
-        """Pseudo-tokens ``image`` becomes for the served model."""
-        return self.model.image_tokens(image.width, image.height)
+    def image_tokens(self, image: ImageInput, detail: str = "auto") -> int:
+        """Pseudo-tokens ``image`` becomes for the served model, alone in its prompt and
+        sent with ``detail``."""
+        return self.model.image_tokens(image.width, image.height, self.image_mode(1, detail))
 
     def output_room(self, prompt_len: int) -> int:
         """Most output tokens a prompt of ``prompt_len`` tokens leaves room for."""

@@ -209,9 +209,11 @@ class PromptBuilder:
         images: Sequence[ImageInput],
         videos: Sequence[Sequence[ImageInput]] = (),
         options: ChatTemplateOptions = NEW_TURN,
+        details: Sequence[str] = (),
     ) -> tuple[list[int], list[ImageSpan]]:
         """Token ids for a chat; ``images`` fill the image parts and ``videos`` (each a
-        list of frames) the video parts, in order; ``options`` as :meth:`render_chat`.
+        list of frames) the video parts, in order; ``options`` as :meth:`render_chat`,
+        ``details`` as in :meth:`from_text`.
 
         Message texts are encoded as plain text (see the module docstring).
 
@@ -222,10 +224,11 @@ class PromptBuilder:
         if any(p in t for t in texts for p in self.placeholders):
             self.render_chat(messages, options)  # raises the placeholder error
         if not any(self._special_re.search(t) for t in texts):
-            return self.from_text(self.render_chat(messages, options), images, videos)
+            return self.from_text(self.render_chat(messages, options), images, videos, details)
         rendered, typed, mark = self._mask_specials(messages, options)
         self._check_text(rendered)
-        return self._expand(self.encode_plain_texts(rendered, typed, mark), images, videos)
+        ids = self.encode_plain_texts(rendered, typed, mark)
+        return self._expand(ids, images, videos, details)
 
     def _mask_specials(
         self, messages: Sequence[dict], options: ChatTemplateOptions = NEW_TURN
@@ -305,9 +308,13 @@ class PromptBuilder:
         text: str,
         images: Sequence[ImageInput],
         videos: Sequence[Sequence[ImageInput]] = (),
+        details: Sequence[str] = (),
     ) -> tuple[list[int], list[ImageSpan]]:
         """Token ids for raw text whose ``<image>`` placeholders take ``images`` and whose
         ``<video>`` placeholders take ``videos`` (lists of frames), in order.
+
+        ``details`` (empty: all "auto") gives each image's OpenAI ``detail``, which picks
+        its view (:meth:`~mmserve.model.families.base.ModelFamily.detail_mode`).
 
         Returns:
             ``(input_ids, spans)``: ids with each placeholder expanded to the image's
@@ -318,11 +325,11 @@ class PromptBuilder:
             PromptError: placeholder count differs from the number of images or videos,
                 videos for a model without a video path, a video without frames, too
                 many images, text that is not valid Unicode (an unpaired surrogate) or
-                far longer than the context.
+                far longer than the context, ``details`` not one per image.
         """
         self._check_text(text)
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        return self._expand(ids, images, videos)
+        return self._expand(ids, images, videos, details)
 
     def _check_text(self, text: str) -> None:
         """Refuse text far longer than the context (before tokenizing) or not valid Unicode."""
@@ -343,10 +350,11 @@ class PromptBuilder:
         ids: list[int],
         images: Sequence[ImageInput],
         videos: Sequence[Sequence[ImageInput]] = (),
+        details: Sequence[str] = (),
     ) -> tuple[list[int], list[ImageSpan]]:
         """Replace each image placeholder id in ``ids`` by its image's pseudo-token ids (in
-        the family's mode for this many images) and each video placeholder by its frames'
-        ids then the video newline."""
+        the mode its ``detail`` gives it in a prompt of this many images) and each video
+        placeholder by its frames' ids then the video newline."""
         if len(images) > self.max_images:
             raise PromptError(
                 f"{len(images)} images in one request; the limit is {self.max_images}"
@@ -365,8 +373,12 @@ class PromptBuilder:
                 f"prompt has {len(slots) - n_images} video placeholders but {len(videos)} "
                 "videos were given"
             )
+        if details and len(details) != len(images):
+            raise PromptError(f"{len(details)} details given for {len(images)} images")
         family = self.model.family
-        mode = family.image_mode(len(images))
+        modes = iter(
+            family.detail_mode(d, len(images)) for d in (details or ["auto"] * len(images))
+        )
         next_image, next_video = iter(images), iter(videos)
         out: list[int] = []
         spans: list[ImageSpan] = []
@@ -375,13 +387,14 @@ class PromptBuilder:
         def add(image: ImageInput, mode: str) -> None:
             item = family.mode_item(image, mode)
             n = self.model.image_tokens(image.width, image.height, mode)
-            spans.append(ImageSpan(len(out), n, item))
+            modality = "video" if image.video or mode == FRAME_MODE else "image"
+            spans.append(ImageSpan(len(out), n, item, modality))
             out.extend(self.pseudo_ids.get(item.key, n))
 
         for slot in slots:
             out.extend(ids[prev:slot])
             if ids[slot] == self.image_token_id:
-                add(next(next_image), mode)
+                add(next(next_image), next(modes))
             else:
                 frames = next(next_video)
                 if not frames:

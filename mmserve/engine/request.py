@@ -212,6 +212,8 @@ class GenerateResult:
         prompt_tokens: prompt length in tokens (each image counts its pseudo-tokens).
         cached_tokens: prompt tokens whose KV came from the radix cache.
         completion_tokens: ``len(output_ids)``.
+        image_tokens: prompt tokens of images; video_tokens: of video frames (and each
+            video's newline); the rest of ``prompt_tokens`` is text.
         images_needing_vision: images whose positions the prefix match did not cover.
         vision_tower_runs: images actually encoded by the tower (embedding-cache misses).
         ttft: seconds from arrival to the first token.
@@ -241,6 +243,8 @@ class GenerateResult:
     error: str | None = None
     queue_time: float | None = None
     vision_time: tuple[float, float] | None = None
+    image_tokens: int = 0
+    video_tokens: int = 0
 
 
 _rid_counter = itertools.count()

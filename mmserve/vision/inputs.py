@@ -8,11 +8,13 @@ They live below the engine because the model families take them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
 
+from mmserve.vision.hashing import VIDEO_NEWLINE_ID
 from mmserve.vision.pixels import Pixels
 
 
@@ -43,6 +45,8 @@ class ImageInput:
         source: the encoded file, kept until the request is built so the front end can
             decode it again if it must prepare another mode; None for video frames and
             in requests.
+        video: a frame sampled from a video (its positions count as video tokens in
+            usage, also where the family takes it as an image).
     """
 
     key: bytes
@@ -53,6 +57,7 @@ class ImageInput:
     pixels: Pixels | None = field(default=None, repr=False)
     features: torch.Tensor | None = field(default=None, repr=False)
     source: bytes | None = field(default=None, repr=False)
+    video: bool = False
 
     def __post_init__(self) -> None:
         if self.image is not None and not self.width:
@@ -71,13 +76,19 @@ class ImageInput:
         )
 
 
+#: :attr:`ImageSpan.modality` values (with "text", the labels of per-modality counts).
+MODALITIES = ("text", "image", "video")
+
+
 @dataclass
 class ImageSpan:
-    """Positions ``[start, start + length)`` of a prompt filled by one image's features."""
+    """Positions ``[start, start + length)`` of a prompt filled by one image's features;
+    ``modality`` is "image", or "video" for a video's frame."""
 
     start: int
     length: int
     image: ImageInput
+    modality: str = "image"
 
     @property
     def end(self) -> int:
@@ -94,3 +105,19 @@ class Frame:
     index: int
     timestamp: float
     image: ImageInput
+
+
+def media_tokens(input_ids: Sequence[int], spans: Sequence[ImageSpan]) -> tuple[int, int]:
+    """``(image, video)`` tokens of a prompt: its image spans' positions, and its video
+    frames' positions plus each video's newline (:data:`VIDEO_NEWLINE_ID`). The rest of
+    ``input_ids`` is text.
+
+    Args:
+        input_ids: the prompt's token ids (pseudo-ids at image positions).
+        spans: its image runs.
+    """
+    image = sum(s.length for s in spans if s.modality == "image")
+    video = sum(s.length for s in spans if s.modality == "video")
+    if video:
+        video += sum(1 for t in input_ids if t == VIDEO_NEWLINE_ID)
+    return image, video

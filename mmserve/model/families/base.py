@@ -16,14 +16,20 @@ if TYPE_CHECKING:
     from mmserve.vision.pixels import Pixels
 
 #: How an image is turned into features. ``IMAGE_MODE``: the family's own processing of
-#: an image (the only mode of LLaVA-1.5 and LLaVA-NeXT). ``BASE_MODE``: LLaVA-OneVision's
-#: image in a prompt with several images (one padded square tile + newline).
+#: an image (the only mode of LLaVA-1.5). ``BASE_MODE``: one downscaled view of the whole
+#: image and a newline, no tiles: LLaVA-OneVision's image in a prompt with several images
+#: (one padded square tile + newline), and the ``detail: "low"`` view of LLaVA-NeXT and
+#: LLaVA-OneVision.
 #: ``FRAME_MODE``: a video frame on a family's video path (pooled features, no newline).
 #: A mode other than ``IMAGE_MODE`` has its own content key
 #: (:func:`mmserve.vision.hashing.mode_key`), so its features and KV never mix with another's.
 IMAGE_MODE = "image"
 BASE_MODE = "base"
 FRAME_MODE = "frame"
+
+#: OpenAI's ``detail`` values of an image part: "low" is the family's single base view
+#: (:meth:`ModelFamily.low_mode`), "high" what the family does for the prompt, "auto" = "high".
+DETAILS = ("auto", "low", "high")
 
 
 def check_vision_config(config: object) -> None:
@@ -205,6 +211,23 @@ class ModelFamily:
         """The mode of each image in a prompt holding ``num_images`` images (videos not
         counted); :data:`IMAGE_MODE` unless the family treats several images differently."""
         return IMAGE_MODE
+
+    def low_mode(self) -> str:
+        """The mode of an image sent with ``detail: "low"``: the family's single base view
+        (:data:`BASE_MODE` for the any-resolution families; :data:`IMAGE_MODE` here, for a
+        family whose images have one view)."""
+        return IMAGE_MODE
+
+    def detail_mode(self, detail: str, num_images: int) -> str:
+        """The mode of an image sent with ``detail`` (one of :data:`DETAILS`) in a prompt of
+        ``num_images`` images: :meth:`low_mode` for "low", else :meth:`image_mode`.
+
+        Raises:
+            ValueError: for a ``detail`` not in :data:`DETAILS`.
+        """
+        if detail not in DETAILS:
+            raise ValueError(f"detail must be one of {', '.join(DETAILS)}; got {detail!r}")
+        return self.low_mode() if detail == "low" else self.image_mode(num_images)
 
     def mode_tokens(self, width: int, height: int, mode: str) -> int:
         """Pseudo-tokens an image becomes in a mode other than :data:`IMAGE_MODE`.

@@ -8,12 +8,17 @@ the image's aspect ratio with an ``image_newline`` after each row, and the whole
 image's features come first. The token count therefore depends on the image's
 size; it is asked of transformers' processor, and the packing is transformers'
 own ``pack_image_features``, so neither can drift from the reference.
+
+The ``detail: "low"`` view (:data:`BASE_MODE`) is the downscaled whole image alone: the
+base tile's features and one ``image_newline``, as ``pack_image_features`` packs an image
+of one tile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from PIL import Image
@@ -24,7 +29,7 @@ from transformers.models.llava_next.modeling_llava_next import (
     image_size_to_num_patches,
 )
 
-from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule
+from mmserve.model.families.base import BASE_MODE, IMAGE_MODE, ModelFamily, VisionModule
 from mmserve.model.families.llava import (
     VICUNA_7B,
     clip_processors,
@@ -32,7 +37,11 @@ from mmserve.model.families.llava import (
     llava_test_config,
 )
 from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths
+from mmserve.vision.hashing import mode_key
 from mmserve.vision.pixels import Pixels
+
+if TYPE_CHECKING:
+    from mmserve.vision.inputs import ImageInput
 
 
 class LlavaNextVision(VisionModule):
@@ -52,19 +61,23 @@ class LlavaNextVision(VisionModule):
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
         """See :meth:`VisionModule.preprocess`: per image its ``[tiles, 3, H, W]`` (base
-        tile first, padding tiles dropped) and its ``image_size``.
+        tile first, padding tiles dropped; the base tile alone in :data:`BASE_MODE`) and
+        its ``image_size``.
 
         Raises:
-            ValueError: for a mode other than :data:`IMAGE_MODE`.
+            ValueError: for a mode other than :data:`IMAGE_MODE` and :data:`BASE_MODE`.
         """
-        return preprocess_anyres(self.image_processor, self.config, images, mode)
+        return preprocess_anyres(
+            self.image_processor, self.config, images, mode, base_only=mode == BASE_MODE
+        )
 
     @torch.inference_mode()
     def encode_pixels(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
-        """See :meth:`VisionModule.encode_pixels`: every tile of every item in one tower call."""
+        """See :meth:`VisionModule.encode_pixels`: every tile of every item in one tower call
+        (an item of one tile, :data:`BASE_MODE`, is packed as its features and a newline)."""
         cfg = self.config
         for it in items:
-            if it.mode != IMAGE_MODE:
+            if it.mode not in (IMAGE_MODE, BASE_MODE):
                 raise ValueError(f"LLaVA-NeXT has no {it.mode!r} mode")
         sizes = torch.stack([it.image_size for it in items])
         counts = [it.values.shape[0] for it in items]
@@ -79,22 +92,37 @@ class LlavaNextVision(VisionModule):
 
 
 def preprocess_anyres(
-    image_processor: object, config: object, images: Sequence[Image.Image], mode: str
+    image_processor: object,
+    config: object,
+    images: Sequence[Image.Image],
+    mode: str,
+    base_only: bool = False,
 ) -> list[Pixels]:
     """The checkpoint's any-resolution image processor on ``images``: per image fp32
     ``[tiles, 3, H, W]`` (base tile first, the batch's padding tiles dropped) and its
-    ``image_size`` (LLaVA-NeXT and OneVision's image mode).
+    ``image_size`` (LLaVA-NeXT and OneVision's image mode). With ``base_only`` (LLaVA-NeXT's
+    :data:`BASE_MODE`) the base tile alone, ``[1, 3, H, W]``: the grid is then asked for
+    one tile only (``image_grid_pinpoints`` of one tile), which leaves the base tile as it is.
 
     Raises:
-        ValueError: for a mode other than :data:`IMAGE_MODE`.
+        ValueError: for a mode other than :data:`IMAGE_MODE` (and :data:`BASE_MODE` with
+            ``base_only``).
     """
-    if mode != IMAGE_MODE:
+    if mode != IMAGE_MODE and not (base_only and mode == BASE_MODE):
         raise ValueError(f"{type(config).__name__} has no {mode!r} mode here")
-    out = image_processor(images=list(images), return_tensors="pt")
+    kwargs = {}
+    if base_only:
+        tile = config.vision_config.image_size
+        kwargs["image_grid_pinpoints"] = [[tile, tile]]
+    out = image_processor(images=list(images), return_tensors="pt", **kwargs)
     result = []
     for pv, size in zip(out["pixel_values"], out["image_sizes"], strict=True):
-        n = image_size_to_num_patches(
-            size, config.image_grid_pinpoints, config.vision_config.image_size
+        n = (
+            1
+            if base_only
+            else image_size_to_num_patches(
+                size, config.image_grid_pinpoints, config.vision_config.image_size
+            )
         )
         result.append(Pixels(mode, pv[:n].clone(), size.clone()))
     return result
@@ -114,11 +142,33 @@ class LlavaNextFamily(ModelFamily):
         return LlavaNextVision(self.config, self.processor.image_processor)
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
-        return preprocess_anyres(self.processor.image_processor, self.config, images, mode)
+        return preprocess_anyres(
+            self.processor.image_processor, self.config, images, mode, base_only=mode == BASE_MODE
+        )
 
     def num_image_tokens(self, width: int, height: int) -> int:
         data = self.processor._get_num_multimodal_tokens(image_sizes=[[height, width]])
         return int(data["num_image_tokens"][0])
+
+    def low_mode(self) -> str:
+        """:data:`BASE_MODE`: the base tile and one newline."""
+        return BASE_MODE
+
+    def mode_tokens(self, width: int, height: int, mode: str) -> int:
+        """:data:`BASE_MODE`: the base tile's patches (CLS too for the "full" strategy) and
+        one newline, whatever the image's size."""
+        if mode != BASE_MODE:
+            return super().mode_tokens(width, height, mode)
+        vc = self.config.vision_config
+        full = self.config.vision_feature_select_strategy == "full"
+        return (vc.image_size // vc.patch_size) ** 2 + full + 1
+
+    def mode_item(self, image: ImageInput, mode: str) -> ImageInput:
+        """``image`` in ``mode``: a :data:`BASE_MODE` item has its own key, so its features
+        and KV never mix with the tiled view's."""
+        if mode != BASE_MODE:
+            return super().mode_item(image, mode)
+        return dataclasses.replace(image, key=mode_key(image.key, mode), mode=mode, features=None)
 
     test_sizes: ClassVar[tuple[str, ...]] = (*TEST_WIDTHS, "llava-next-7b")
 

@@ -303,6 +303,11 @@ class LlavaOnevisionFamily(ModelFamily):
             self.processor.image_processor, self.config, self.frame_prep, images, mode
         )
 
+    def low_mode(self) -> str:
+        """:data:`BASE_MODE`: one padded square tile and a newline, as an image among
+        several (the same view, so the same key and KV)."""
+        return BASE_MODE
+
     def image_mode(self, num_images: int) -> str:
         """:data:`BASE_MODE` for each image of a prompt with several images, as
         ``LlavaOnevisionProcessor.replace_image_token`` counts them."""
