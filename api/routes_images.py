@@ -76,7 +76,7 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
         content = [{"type": "image"}, {"type": "text", "text": q}]
         msgs = [*system, {"role": "user", "content": content}]
         reqs += await make_requests(
-            processor, msgs, [image], params, 1, st.settings.default_max_tokens, (), [detail]
+            processor, msgs, [image], params, 1, st.settings.default_max_tokens, details=[detail]
         )
     sub = st.client.submit(reqs)
     results = await sub.answers(request)
