@@ -72,8 +72,9 @@ def test_decoder_is_qwen2_shaped(ov_loaded) -> None:  # noqa: ANN001
     assert (shape.qkv_bias, shape.o_bias, shape.tie_word_embeddings) == (True, False, True)
     assert shape.rope_theta == 1e6
     attn = ov_loaded.decoder.layers[0].self_attn
-    assert attn.q_proj.bias is not None and attn.o_proj.bias is None
-    assert attn.q_proj.bias.abs().sum() > 0  # seeded non-zero, so dropping them would show
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
+    # seeded non-zero (q, k and v rows alike), so dropping them would show
+    assert (attn.qkv_proj.bias.view(-1, attn.d).abs().sum(-1) > 0).all()
     assert ov_loaded.decoder.lm_head.weight is ov_loaded.decoder.embed_tokens.weight
     tok = ov_loaded.tokenizer
     assert tok.bos_token is None and tok.eos_token == "<|im_end|>"

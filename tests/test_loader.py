@@ -107,9 +107,14 @@ def test_loaded_weights_equal_the_file_and_own_their_memory(copy_dir: Path) -> N
     want = {k: v.clone() for k, v in load_file(copy_dir / "model.safetensors").items()}
     model = load_model(copy_dir, dtype=torch.bfloat16)
     (copy_dir / "model.safetensors").write_bytes(b"")
-    got = model.decoder.layers[0].self_attn.q_proj.weight
-    ref = want["language_model.model.layers.0.self_attn.q_proj.weight"]
+    got = model.decoder.layers[0].self_attn.qkv_proj.weight
+    pre = "language_model.model.layers.0.self_attn."
+    ref = torch.cat([want[f"{pre}{p}_proj.weight"] for p in "qkv"])  # fused: q, k, v rows
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref.to(torch.bfloat16))
+    got = model.decoder.layers[0].mlp.gate_up_proj.weight
+    pre = "language_model.model.layers.0.mlp."
+    ref = torch.cat([want[f"{pre}{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(got, ref.to(torch.bfloat16))
     assert torch.equal(
         model.decoder.embed_tokens.weight,
         want["language_model.model.embed_tokens.weight"].to(torch.bfloat16),

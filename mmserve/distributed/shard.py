@@ -21,8 +21,9 @@ from safetensors import safe_open
 from torch import nn
 
 from mmserve.distributed.layout import TPLayout
+from mmserve.kernels import ops
 from mmserve.model.llama import DecoderLayer, LlamaDecoder, RMSNorm
-from mmserve.model.weights import CheckpointError, split_weights, weight_files
+from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
 
 
 class RowParallelLinear(nn.Linear):
@@ -38,8 +39,9 @@ class RowParallelLinear(nn.Linear):
 
 
 def _slices(layout: TPLayout, name: str) -> tuple[str, tuple[int, int] | None]:
-    """``(axis, (lo, hi))`` of checkpoint tensor ``name`` this rank reads: axis "row"
-    or "col", or ``("all", None)`` for a replicated tensor."""
+    """``(axis, (lo, hi))`` of checkpoint tensor ``name`` (a checkpoint-side name: a fused
+    parameter is read source by source, each rank's ``qkv_proj`` its own q, k and v heads)
+    this rank reads: axis "row" or "col", or ``("all", None)`` for a replicated tensor."""
     parts = name.split(".")
     leaf = parts[-2] if len(parts) >= 2 else ""
     kind = parts[-1]
@@ -72,7 +74,7 @@ class ShardedDecoder(nn.Module):
         lm_head: this rank's vocabulary rows ``[vocab_rows, hidden]``.
     """
 
-    rope = LlamaDecoder.rope  # the same RoPE tables, from the same fp32 frequencies
+    rope_cache = LlamaDecoder.rope_cache  # the same RoPE table, from the same fp32 frequencies
     # The same layer loop, final norm and head, on this rank's heads: every rank calls it
     # with the same batch, and it returns fp32 logits ``[B, vocab_rows]`` of this rank's
     # vocabulary rows (:func:`~mmserve.distributed.worker.gather_logits` joins them).
@@ -100,10 +102,8 @@ class ShardedDecoder(nn.Module):
             self.layers = nn.ModuleList(layers)
             self.norm = RMSNorm(full.hidden_size, full.rms_norm_eps)
             self.lm_head = nn.Linear(full.hidden_size, hi - lo, bias=False)
-        self._inv_freq_fp32 = 1.0 / (
-            full.rope_theta
-            ** (torch.arange(0, full.head_dim, 2, dtype=torch.float) / full.head_dim)
-        )
+        self._inv_freq_fp32 = ops.rope_inv_freq(full.head_dim, full.rope_theta)
+        self._rope_cache = ops.cos_sin_cache(self._inv_freq_fp32, full.max_position_embeddings)
 
     def load(self, model_dir: Path, device: str, dtype: torch.dtype) -> None:
         """Read this rank's slices from ``model_dir``'s safetensors and move them to
@@ -123,26 +123,30 @@ class ShardedDecoder(nn.Module):
             dec.pop("lm_head.weight", None)
             if "embed_tokens.weight" in dec:
                 dec["lm_head.weight"] = dec["embed_tokens.weight"]
-        wanted = set(self.state_dict())
-        missing = sorted(wanted - set(dec))
+        sources = {name: fused_sources(name) for name in self.state_dict()}
+        missing = sorted(s for srcs in sources.values() for s in srcs if s not in dec)
         if missing:
             raise CheckpointError(f"decoder: weights missing from checkpoint: {missing[:8]}")
-        state: dict[str, torch.Tensor] = {}
+        parts: dict[str, torch.Tensor] = {}  # checkpoint-side name -> this rank's slice
         by_file: dict[Path, list[str]] = {}
-        for name in wanted:
-            by_file.setdefault(where[dec[name]], []).append(name)
+        for src in {s for srcs in sources.values() for s in srcs}:
+            by_file.setdefault(where[dec[src]], []).append(src)
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as f:
-                for name in names:
-                    axis, span = _slices(self.layout, name)
-                    sl = f.get_slice(dec[name])
+                for src in names:
+                    axis, span = _slices(self.layout, src)
+                    sl = f.get_slice(dec[src])
                     if axis == "row":
                         t = sl[span[0] : span[1]]
                     elif axis == "col":
                         t = sl[:, span[0] : span[1]]
                     else:
                         t = sl[:]
-                    state[name] = t.to(device=device, dtype=dtype)
+                    parts[src] = t.to(device=device, dtype=dtype)
+        state = {
+            name: parts[srcs[0]] if len(srcs) == 1 else torch.cat([parts.pop(s) for s in srcs])
+            for name, srcs in sources.items()
+        }
         self.load_state_dict(state, strict=True, assign=True)
         if self.layout.full.tie_word_embeddings and self.embed_tokens is not None:
             lo, hi = self.layout.vocab_rows()  # the head is a view of the embedding's rows

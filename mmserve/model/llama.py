@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mmserve.cache.kv_pool import KVPool
+from mmserve.kernels import ops
 from mmserve.kernels.backend import AttentionBackend
 
 
@@ -45,71 +46,81 @@ class LlamaShape:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich, arXiv 1910.07467), computed in fp32."""
+    """Root-mean-square layer norm (Zhang & Sennrich, arXiv 1910.07467), computed in fp32.
+
+    Called with a ``residual``, it adds it first and returns ``(normed, new residual)``
+    (:func:`~mmserve.kernels.ops.fused_add_rms_norm`, which may overwrite both inputs).
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with GQA and RoPE over the paged pool."""
+    """Multi-head self-attention with GQA and RoPE over the paged pool.
+
+    q, k and v are one matmul: ``qkv_proj``'s rows are ``q_proj``'s, then ``k_proj``'s,
+    then ``v_proj``'s (the loader concatenates the checkpoint's three).
+    """
 
     def __init__(self, s: LlamaShape, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.h, self.hkv, self.d = s.num_heads, s.num_kv_heads, s.head_dim
-        self.q_proj = nn.Linear(s.hidden_size, self.h * self.d, bias=s.qkv_bias)
-        self.k_proj = nn.Linear(s.hidden_size, self.hkv * self.d, bias=s.qkv_bias)
-        self.v_proj = nn.Linear(s.hidden_size, self.hkv * self.d, bias=s.qkv_bias)
+        self.qkv_proj = nn.Linear(s.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=s.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, s.hidden_size, bias=s.o_bias)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        rope_cache: torch.Tensor,
         backend: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.h, self.d)
-        k = self.k_proj(x).view(t, self.hkv, self.d)
-        v = self.v_proj(x).view(t, self.hkv, self.d)
-        c, s_ = cos[:, None, :], sin[:, None, :]
-        q = q * c + _rotate_half(q) * s_
-        k = k * c + _rotate_half(k) * s_
-        o = backend.forward(q, k, v, self.layer_id, pool)
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        t, nq, nkv = x.shape[0], self.h * self.d, self.hkv * self.d
+        q, k, v = self.qkv_proj(x).split((nq, nkv, nkv), dim=-1)
+        ops.apply_rope(positions, q, k, self.d, rope_cache)
+        o = backend.forward(
+            q.view(t, self.h, self.d),
+            k.view(t, self.hkv, self.d),
+            v.view(t, self.hkv, self.d),
+            self.layer_id,
+            pool,
+        )
+        return self.o_proj(o.reshape(t, nq))
 
 
 class MLP(nn.Module):
-    """SiLU-gated feed-forward block (Shazeer, arXiv 2002.05202)."""
+    """SiLU-gated feed-forward block (Shazeer, arXiv 2002.05202); ``gate_up_proj``'s rows
+    are ``gate_proj``'s then ``up_proj``'s."""
 
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
-        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention then MLP, each with a residual."""
+    """Pre-norm transformer block: attention then MLP, each with a residual.
+
+    The residual stream is carried between layers, so each block's add is fused into the
+    next norm: ``forward(x, residual)`` takes the previous block's output ``x`` and the
+    stream before it (None on the first layer: ``x`` is then the stream itself) and
+    returns ``(mlp output, residual)``; the stream after the layer is their sum.
+    """
 
     def __init__(self, s: LlamaShape, layer_id: int) -> None:
         super().__init__()
@@ -118,9 +129,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, x, cos, sin, backend, pool) -> torch.Tensor:  # noqa: ANN001
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope_cache, backend, pool):  # noqa: ANN001, ANN201
+        if residual is None:  # a copy: the fused add may write into it, x is the caller's
+            residual, h = x.clone(), self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope_cache, backend, pool)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaDecoder(nn.Module):
@@ -141,20 +157,18 @@ class LlamaDecoder(nn.Module):
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor, as transformers ties
         # on the CPU even when the module is built on the meta device (the loader does)
-        steps = torch.arange(0, shape.head_dim, 2, dtype=torch.float, device="cpu")
-        inv_freq = 1.0 / (shape.rope_theta ** (steps / shape.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        # A plain attribute, so ``.to(dtype=bfloat16)`` cannot round it: bf16 inverse
+        self._inv_freq_fp32 = ops.rope_inv_freq(shape.head_dim, shape.rope_theta)
+        # Plain attributes, so ``.to(dtype=bfloat16)`` cannot round them: bf16 inverse
         # frequencies put RoPE angles off by ~pos * 2**-9 rad. transformers keeps them fp32.
-        self._inv_freq_fp32 = inv_freq
+        self._rope_cache = ops.cos_sin_cache(self._inv_freq_fp32, shape.max_position_embeddings)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin tables ``[T, head_dim]`` for int64 ``positions`` ``[T]``."""
-        if self._inv_freq_fp32.device != positions.device:
-            self._inv_freq_fp32 = self._inv_freq_fp32.to(positions.device)
-        freqs = positions[:, None].float() * self._inv_freq_fp32[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def rope_cache(self, device: torch.device) -> torch.Tensor:
+        """fp32 cos/sin table ``[max_position_embeddings, head_dim]``
+        (:func:`~mmserve.kernels.ops.cos_sin_cache`), built once, moved to ``device`` on
+        first use."""
+        if self._rope_cache.device != device:
+            self._rope_cache = self._rope_cache.to(device)
+        return self._rope_cache
 
     @torch.inference_mode()
     def forward(
@@ -180,9 +194,9 @@ class LlamaDecoder(nn.Module):
             fp32 logits ``[B, vocab_size]`` (run by a tensor-parallel shard: its own rows
             of the vocabulary; ``gather_logits`` pads and joins the ranks' slices).
         """
-        cos, sin = self.rope(positions, embeds.dtype)
-        x = embeds
+        cache = self.rope_cache(embeds.device)
+        x, residual = embeds, None
         for layer in self.layers:
-            x = layer(x, cos, sin, backend, pool)
-        x = self.norm(x[logit_rows])
+            x, residual = layer(x, residual, positions, cache, backend, pool)
+        x, _ = self.norm(x[logit_rows], residual[logit_rows])
         return self.lm_head(x).float()

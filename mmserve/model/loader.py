@@ -39,7 +39,7 @@ from transformers.utils import is_protobuf_available
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
 from mmserve.model.families.base import IMAGE_MODE, VisionModule
 from mmserve.model.llama import LlamaDecoder, LlamaShape
-from mmserve.model.weights import CheckpointError, split_weights, weight_files
+from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
 from mmserve.model.weights import short_error as _short
 
 #: Decoder ``model_type`` values our Llama decoder runs (Mistral and Qwen2 without a
@@ -199,28 +199,32 @@ def _load_vision(vision: VisionModule, states: dict[str, dict], to: _Target) -> 
 def _load_strict(module: torch.nn.Module, state: dict, what: str, to: _Target) -> None:
     """Put checkpoint tensor ``state[name]`` in place of each of ``module``'s parameters
     and persistent buffers (assigned, not copied: the module may live on the meta
-    device). Names that two entries share become one parameter (tied embeddings)."""
+    device). Names that two entries share become one parameter (tied embeddings). A fused
+    parameter (``qkv_proj``, ``gate_up_proj``: :func:`~mmserve.model.weights.fused_sources`)
+    is its sources' tensors concatenated by rows."""
     expected = set(module.state_dict())
     # Accept CLIP weights with or without the ``vision_model.`` level.
     if expected and not any(k.startswith("vision_model.") for k in expected):
         state = {k.removeprefix("vision_model."): v for k, v in state.items()}
-    missing = sorted(expected - set(state))
+    sources = {name: fused_sources(name) for name in expected}
+    missing = sorted(s for srcs in sources.values() for s in srcs if s not in state)
     if missing:
         raise CheckpointError(f"{what}: weights missing from checkpoint: {missing[:8]}")
-    loaded: dict[str, torch.Tensor] = {}
+    loaded: dict[tuple[str, ...], torch.Tensor] = {}
     for name in sorted(expected):
-        key = state[name]
+        keys = tuple(state[s] for s in sources[name])
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name)
-        if key not in loaded:
-            t = to.weights.get(key, to.dtype, to.device)
+        if keys not in loaded:
+            parts = [to.weights.get(k, to.dtype, to.device) for k in keys]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts)
             if attr in owner._parameters:
                 t = torch.nn.Parameter(t, requires_grad=False)
-            loaded[key] = t
+            loaded[keys] = t
         if attr in owner._parameters:
-            owner._parameters[attr] = loaded[key]
+            owner._parameters[attr] = loaded[keys]
         else:
-            owner._buffers[attr] = loaded[key]
+            owner._buffers[attr] = loaded[keys]
 
 
 def text_shape(config: PretrainedConfig) -> LlamaShape:

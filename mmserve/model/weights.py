@@ -73,3 +73,24 @@ def split_weights(
                 if k.startswith(prefix):
                     vision[attr][k.removeprefix(prefix)] = t
     return dec, vision
+
+
+#: Fused decoder modules and the checkpoint modules whose rows they concatenate, in order
+#: (q, k, v heads; gate, up columns): the decoder runs one matmul where transformers runs
+#: three or two, and checkpoints keep transformers' names.
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def fused_sources(name: str) -> list[str]:
+    """The checkpoint-side decoder state names whose tensors make state ``name``,
+    concatenated along dim 0 in this order: ``layers.0.self_attn.qkv_proj.weight`` ->
+    its ``q_proj``, ``k_proj`` and ``v_proj`` weights; any other name -> ``[name]``."""
+    owner, _, rest = name.rpartition(".")
+    parent, _, module = owner.rpartition(".")
+    parts = FUSED_MODULES.get(module)
+    if parts is None:
+        return [name]
+    return [f"{parent}.{p}.{rest}" for p in parts]
