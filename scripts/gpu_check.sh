@@ -12,7 +12,7 @@
 # from the work tree (PYTHONPATH, no install). Without .gpu_bundle/ the environment
 # must already have flashinfer (e.g. `pip install -e ".[gpu,test]"`).
 #
-# Phases, each with its own timeout, 470 s in all (under 8 minutes; 620 s on a machine
+# Phases, each with its own timeout, 480 s in all (8 minutes; 630 s on a machine
 # with two GPUs, which adds the --tp 2 phase). FlashInfer
 # compiles its kernels on first use (JIT, into ~/.cache/flashinfer), which is most of
 # the pytest phase: on an H100/H200 the tests need the FA3 prefill module (10 files of
@@ -22,23 +22,30 @@
 #   install      30 s: checksums, then the offline install of .gpu_bundle/ (skipped without it)
 #   environment  30 s: nvidia-smi; python, torch, CUDA, GPU, nvcc, ninja, flashinfer,
 #                transformers versions; import flashinfer; what backend "auto" picks
-#   pytest       340 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
-#                equality with transformers in fp32 on CUDA) and tests/test_reference.py,
+#   pytest       280 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
+#                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager:
+#                tests/gpu/test_cuda_graph_gpu.py) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
-#   benchmark    70 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
+#   benchmark    50 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
+#   graph decode 90 s: benchmarks/graph_decode.py on the OneVision-0.5B-shaped checkpoint
+#                (built on first use, ~25 s): decode tokens/s at batch 1, 8, 32 for
+#                FlashInfer with CUDA graphs, FlashInfer eager and the torch backend, their
+#                tokens compared, capture time and memory; the engine thread's step
+#                profile (host share) on many_questions for the same three
 #   --tp 2      150 s, only with two GPUs (else a "skipped" row with the reason):
 #                tests/gpu/test_tp_gpu.py, tp 2 over NCCL against tp 1 (fp32 and bf16)
 #
 # Output, in OUT_DIR (the argument, else $GPU_CHECK_OUT, else $OUT, else gpu_check_out/):
 #   gpu_check.log  all output;  summary.txt  the phases table;  versions.json;
-#   pytest.xml (JUnit);  benchmark.json;  summary.json  phases (status, seconds, limit),
-#   versions, pytest counts, benchmark figures and "passed".
+#   pytest.xml (JUnit);  benchmark.json;  graph_decode.json (and its tables in the log);
+#   summary.json  phases (status, seconds, limit), versions, pytest counts, benchmark and
+#   graph-decode figures and "passed".
 #
 # Env: PYTHON (default: the active venv's python, else the first of python, python3,
 # python3.12 that has torch), GPU_BUNDLE (.gpu_bundle), GPU_SITE (.gpu_site),
 # GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
 # `scripts/gpu_bundle.sh --check PYTHON`), INSTALL_TIMEOUT, ENV_TIMEOUT, PYTEST_TIMEOUT,
-# BENCH_TIMEOUT, TP_TIMEOUT (seconds).
+# BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT (seconds).
 set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
@@ -58,8 +65,9 @@ SITE=$(abspath "${GPU_SITE:-$ROOT/.gpu_site}")
 ONLY=${GPU_CHECK_ONLY:-}
 INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-30}
 ENV_TIMEOUT=${ENV_TIMEOUT:-30}
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-340}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-70}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-280}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-50}
+GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-90}
 TP_TIMEOUT=${TP_TIMEOUT:-150}
 HAVE_BUNDLE=0
 compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
@@ -301,6 +309,12 @@ result = in_process.cache_on_off(in_process.model_dir("small"), wl, device="cuda
 with open(sys.argv[1], "w") as f:
     json.dump(result, f, indent=2, default=str)
 ' "$OUT_DIR/benchmark.json"
+
+  # CUDA graphs on/off, FlashInfer vs torch, at OneVision-0.5B shapes (checkpoint built once
+  # into $MMSERVE_CACHE_DIR or ~/.cache/mmserve)
+  phase "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "$PY" -m benchmarks.graph_decode \
+    --device cuda --size onevision-0.5b --family llava-onevision --batches 1,8,32 --tokens 32 \
+    --images 2 --questions 4 --profile-tokens 16 --out "$OUT_DIR"
 fi
 
 # ---- summary ------------------------------------------------------------------------------
@@ -328,6 +342,8 @@ if (out / "pytest.xml").exists():
     s["pytest"] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
 if (out / "benchmark.json").exists():
     s["benchmark"] = json.loads((out / "benchmark.json").read_text())
+if (out / "graph_decode.json").exists():
+    s["graph_decode"] = json.loads((out / "graph_decode.json").read_text())
 (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
 print(f"summary.json written to {out}")
 PY

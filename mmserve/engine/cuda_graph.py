@@ -181,7 +181,12 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         """Capture one graph per bucket, largest first so that smaller ones reuse its
         memory pool; every bucket runs on padding rows only (the scratch page). Logs the
-        time and the device memory taken. A no-op without ``capture``."""
+        time and the device memory taken. A no-op without ``capture``.
+
+        Raises:
+            RuntimeError: a bucket failed to capture (the message names the way out,
+                ``--disable-cuda-graph``).
+        """
         if not self.capture_enabled:
             return
         t0 = time.perf_counter()
@@ -190,15 +195,22 @@ class DecodeGraphRunner:
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bucket in reversed(self.buckets):
+            torch.cuda.synchronize(self.device)  # the host buffers' last copies are done
             self._fill([], [], [], bucket)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: lazy inits and allocator state outside capture
-                    self._forward(bucket)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                out = self._forward(bucket)
+            try:
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up: lazy inits, allocator state, JIT builds
+                        self._forward(bucket)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                    out = self._forward(bucket)
+            except Exception as e:
+                raise RuntimeError(
+                    f"CUDA graph capture of decode batch size {bucket} failed "
+                    f"({type(e).__name__}: {e}); run with --disable-cuda-graph"
+                ) from e
             self.graphs[bucket], self.outputs[bucket] = graph, out
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0

@@ -1,0 +1,128 @@
+"""GPU checks of CUDA-graph decode (skipped without CUDA / flashinfer unless
+``MMSERVE_REQUIRE_GPU=1``, as tests/gpu/test_flashinfer.py).
+
+* graphs are captured at start-up for every bucket, and decode batches replay them;
+* greedy tokens with graphs equal those of eager decode (bf16, FlashInfer, page sizes 1
+  and 16) across bucket boundaries (5 requests of different lengths: buckets 8, 4, 2, 1),
+  the logits within the bf16 bound while both runs agree, a divergence only at a near tie;
+* a replayed padded batch writes K/V only into its requests' new slots and the scratch
+  page, and its logits equal the same step run eagerly;
+* the padded twin with the torch backend on CUDA (fp32) gives eager's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.engine.engine import Engine
+from mmserve.kernels.flashinfer_backend import flashinfer_import_problem
+from tests.helpers import BF16_LOGIT_RTOL, QUESTIONS, assert_same_generation, greedy, user
+
+_CUDA = torch.cuda.is_available()
+_FI_PROBLEM = flashinfer_import_problem() if _CUDA else "no CUDA GPU"
+_REQUIRED = os.environ.get("MMSERVE_REQUIRE_GPU") == "1"
+needs_cuda = pytest.mark.skipif(not _CUDA and not _REQUIRED, reason="needs a CUDA GPU")
+needs_flashinfer = pytest.mark.skipif(
+    _FI_PROBLEM is not None and not _REQUIRED, reason=f"flashinfer unavailable: {_FI_PROBLEM}"
+)
+
+
+def cuda_engine(model_dir, **kw) -> Engine:  # noqa: ANN001
+    """An engine on CUDA that loads the checkpoint itself."""
+    cfg = EngineConfig(model_path=str(model_dir), device="cuda", max_total_tokens=8192, **kw)
+    return Engine(cfg)
+
+
+def generate(eng: Engine, photos: dict[str, bytes], n: int = 5) -> list:  # noqa: ANN001
+    """``n`` requests, ``4 + 3k`` tokens each (the batch shrinks through the buckets)."""
+    img = eng.processor.prepare_image(photos["cat.png"])
+    msgs = [
+        eng.processor.make_request(
+            messages=user(*([None] if k % 2 else []), f"{QUESTIONS[k % len(QUESTIONS)]} ({k})"),
+            images=[img] if k % 2 else [],
+            params=greedy(4 + 3 * k, ignore_eos=True),
+        )
+        for k in range(n)
+    ]
+    return eng.generate(msgs)
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_decode_matches_eager_bf16(model_dir, photos, page_size: int) -> None:  # noqa: ANN001
+    runs = {}
+    for graphs in (True, False):
+        eng = cuda_engine(
+            model_dir, dtype="bfloat16", page_size=page_size, disable_cuda_graph=not graphs
+        )
+        assert eng.runner.backend.name == "flashinfer"
+        if graphs:
+            g = eng.runner.graphs
+            assert g is not None and sorted(g.graphs) == g.buckets and g.capture_seconds > 0
+        else:
+            assert eng.runner.graphs is None
+        runs[graphs] = generate(eng, photos)
+        if graphs:
+            assert eng.runner.graphs.replays > 0
+        eng.check_accounting()
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert len(a.output_ids) == len(b.output_ids)
+        for step in range(len(a.output_ids)):
+            la, lb = a.logits[step], b.logits[step]
+            fin = torch.isfinite(lb)
+            bound = BF16_LOGIT_RTOL * lb[fin].abs().max().item()
+            diff = (la[fin] - lb[fin]).abs().max().item()
+            assert diff <= bound, f"{a.rid} step {step}: logits differ by {diff} > {bound}"
+            if a.output_ids[step] != b.output_ids[step]:
+                top2 = torch.topk(lb, 2).values
+                assert (top2[0] - top2[1]).item() <= 2 * bound, f"{a.rid} step {step}: not a tie"
+                break
+
+
+@needs_flashinfer
+def test_replayed_padding_rows_write_only_the_scratch_page(model_dir, photos) -> None:  # noqa: ANN001
+    eng = cuda_engine(model_dir, dtype="bfloat16", page_size=4)
+    pool, graphs = eng.pool, eng.runner.graphs
+    assert graphs is not None and graphs.graphs
+    for k in range(3):  # bucket 4: one padding row
+        eng.add_request(
+            eng.processor.make_request(messages=user(f"{QUESTIONS[k]} {k}"), params=greedy(8))
+        )
+    while len(eng.scheduler.running) < 3:
+        eng.step()
+    reqs = list(eng.scheduler.running)
+    eng.scheduler.prepare_decode()
+    before = [b.clone() for b in pool.k_buffers]
+    replays = graphs.replays
+    padded = eng.runner.decode(reqs)
+    assert graphs.replays == replays + 1
+    P = pool.page_size
+    new = {r.pages.tensor().tolist()[r.computed_len // P] * P + r.computed_len % P for r in reqs}
+    scratch = set(range(pool.scratch_page * P, pool.scratch_page * P + P))
+    for b, a in zip(before, pool.k_buffers, strict=True):
+        flat_a, flat_b = a.view(-1, *a.shape[2:]), b.view(-1, *b.shape[2:])
+        changed = set(torch.nonzero((flat_a != flat_b).any(-1).any(-1)).flatten().tolist())
+        assert changed - scratch == new
+    eng.runner.graphs = None
+    eager = eng.runner.decode(reqs)
+    bound = BF16_LOGIT_RTOL * eager.abs().max().item()
+    assert (padded - eager).abs().max().item() <= bound
+
+
+@needs_cuda
+def test_padded_twin_with_the_torch_backend_on_cuda(model_dir, photos) -> None:  # noqa: ANN001
+    runs = []
+    for twin in (False, True):
+        eng = cuda_engine(
+            model_dir, dtype="float32", attention_backend="torch", cuda_graph_twin=twin
+        )
+        assert (eng.runner.graphs is not None) == twin
+        runs.append(generate(eng, photos))
+        if twin:
+            assert eng.runner.graphs.graphs == {} and eng.runner.graphs.replays > 0
+    for k, (a, b) in enumerate(zip(runs[1], runs[0], strict=True)):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, f"twin #{k}")
