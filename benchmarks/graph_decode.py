@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ import torch
 from benchmarks import workloads
 from benchmarks.in_process import MMServeRunner
 from benchmarks.in_process import model_dir as checkpoint
+from benchmarks.report import emit, loadavg
 from mmserve.config import EngineConfig
 from mmserve.engine import engine as engine_module
 from mmserve.engine.engine import Engine
@@ -223,7 +223,7 @@ def table(res: dict) -> str:
 
 def run(args: argparse.Namespace, model_dir: str) -> int:
     """The ``graph-decode`` subcommand: :func:`rates` and :func:`many_questions_profile`;
-    prints the tables, writes ``graph_decode.json`` into ``--out``."""
+    prints the tables, writes ``graph_decode.json`` and ``.md`` into ``--out``."""
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     res: dict[str, Any] = {}
     parts = args.parts.split(",")
@@ -235,10 +235,9 @@ def run(args: argparse.Namespace, model_dir: str) -> int:
         res["profile"] = many_questions_profile(
             args.profile_model or model_dir, args.device, dtype, scale
         )
-    print(table(res))
+    res["loadavg"] = loadavg()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "graph_decode.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
-    return 0
+    return emit(args.out, "graph_decode", res, table(res) + f"\n\nload average {res['loadavg']}")
 
 
 #: The subcommand's options (flags, kwargs), shared with ``python -m benchmarks``.
