@@ -8,7 +8,8 @@
   backend (eager: its kernels cannot be captured); on the CPU eager and the padded CPU
   twin (``cuda_graph_twin``). ``B`` text requests, greedy, ``ignore_eos``, submitted at
   once; tokens/s counts only steps without a prefill. Each configuration's tokens are
-  compared with the first one's (``tokens_equal``: requests whose output ids match).
+  compared with the first one's (``tokens_equal``: requests whose output ids match);
+  on CUDA also the synchronizing calls per decode step (torch's sync debug mode).
 * **engine-thread profile** on many_questions, every request submitted at once (its peak
   rate): per step, wall time of :meth:`Engine.step`, of the model calls
   (``ModelRunner.prefill``/``decode``: on CUDA only their launch, the kernels run
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,37 @@ def summarize(acc: dict[str, float]) -> dict[str, float]:
     }
 
 
+@contextlib.contextmanager
+def sync_warnings() -> Iterator[list]:
+    """The synchronizing CUDA calls made inside (torch's sync debug mode, "warn"), as a
+    list of warnings filled on exit."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def syncs_per_decode_step(eng: Engine, batch: int, tokens: int) -> float:
+    """Mean synchronizing CUDA calls in a step without a prefill (``batch`` greedy text
+    requests of ``tokens`` tokens): 1 is the sampled tokens' read alone."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        text = f"{workloads.QUESTIONS[i % 16]} (sync {i})"
+        msg = [{"role": "user", "content": text}]
+        eng.track(eng.processor.make_request(messages=msg, params=params))
+    counts = []
+    while eng.has_work():
+        pre = eng.stats.prefill_steps
+        with sync_warnings() as caught:
+            eng.step()
+        if eng.stats.prefill_steps == pre:
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    return sum(counts) / len(counts) if counts else 0.0
+
+
 def decode_rate(eng: Engine, batch: int, tokens: int) -> tuple[float, list[list[int]], dict]:
     """``batch`` text requests of ``tokens`` greedy tokens at once: decode tokens/s over
     the steps without a prefill, their output ids, and the step profile."""
@@ -157,6 +190,8 @@ def rates(model_dir: str, device: str, dtype: str, batches: list[int], tokens: i
             tps, outs[b], prof = decode_rate(eng, b, tokens)
             row[f"bs{b}_tok_s"] = tps
             row[f"bs{b}_host_share"] = prof["host_share"]
+        if device.startswith("cuda"):
+            row["syncs_per_decode_step"] = syncs_per_decode_step(eng, min(batches[-1], 8), 8)
         if first is None:
             first = outs
         row["tokens_equal"] = {
@@ -196,17 +231,18 @@ def table(res: dict) -> str:
             if k.endswith("_tok_s")
         ]
         lines.append(f"decode tokens/s ({r['device']}, {r['dtype']}, {r['tokens']} tokens each)")
-        lines.append(
-            "| config | " + " | ".join(f"bs {b}" for b in bs) + " | capture | same tokens |"
-        )
-        lines.append("|---" * (len(bs) + 3) + "|")
+        head = " | ".join(f"bs {b}" for b in bs)
+        lines.append(f"| config | {head} | capture | same tokens | syncs per decode step |")
+        lines.append("|---" * (len(bs) + 4) + "|")
         for name, row in r["configs"].items():
             cells = [f"{row[f'bs{b}_tok_s']:.0f}" for b in bs]
             cap = (
                 f"{len(row['captured'])} in {row['capture_s']:.1f} s, {row['capture_mib']:.0f} MiB"
             )
             same = ", ".join(f"{v}/{b}" for b, v in row["tokens_equal"].items())
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {cap} | {same} |")
+            syncs = row.get("syncs_per_decode_step", "n/a (CPU)")
+            syncs = f"{syncs:.1f}" if isinstance(syncs, float) else syncs
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {cap} | {same} | {syncs} |")
     if "profile" in res:
         lines.append(
             "\nengine thread per step on many_questions (ms; host = step - model - sampling)"
