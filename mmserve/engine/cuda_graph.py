@@ -123,7 +123,8 @@ class DecodeGraphRunner:
         buckets: the batch sizes (:func:`capture_sizes`).
         capture_seconds: wall time of :meth:`capture` (0 before or without it).
         capture_bytes: device memory the graphs took (bytes; 0 without capture).
-        replays: padded batches run so far (captured or eager).
+        replays: padded batches run so far (captured or eager), by bucket in
+            ``replays_by_bucket``.
     """
 
     def __init__(
@@ -153,6 +154,7 @@ class DecodeGraphRunner:
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.replays = 0
+        self.replays_by_bucket: dict[int, int] = {}
 
     def bucket(self, batch_size: int) -> int | None:
         """The smallest bucket holding ``batch_size`` requests, or None when too large."""
@@ -246,6 +248,7 @@ class DecodeGraphRunner:
             raise ValueError(f"a decode batch of {n} exceeds the largest bucket {self.max_bs}")
         self._fill(page_tables, seq_lens, token_ids, bucket)
         self.replays += 1
+        self.replays_by_bucket[bucket] = self.replays_by_bucket.get(bucket, 0) + 1
         graph = self.graphs.get(bucket)
         if graph is None:
             return self._forward(bucket)[:n]
