@@ -223,3 +223,24 @@ def test_structured_output_with_the_twin(make_engine, imgs) -> None:  # noqa: AN
         outs.append([(r.output_ids, r.finish_reason) for r in eng.generate(msgs)])
     assert eng.runner.graphs.replays > 0
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
+def test_other_families_with_the_twin(families, photos, family: str) -> None:  # noqa: ANN001
+    # LLaVA-1.5 is covered above; NeXT and OneVision (tiles, newline ids) take the same path
+    fam = families[family]
+    outs = []
+    for cfg in ({}, TWIN):
+        eng = fam.make_engine(**cfg)
+        img = eng.processor.prepare_image(photos["cat.png"])
+        msgs = [
+            eng.processor.make_request(
+                messages=user(*([None] if k % 2 else []), f"{QUESTIONS[k % 3]} {k}"),
+                images=[img] if k % 2 else [],
+                params=greedy(3 + 2 * k, ignore_eos=True),
+            )
+            for k in range(5)
+        ]
+        outs.append(eng.generate(msgs))
+    assert eng.runner.graphs.replays > 0
+    same(outs[1], outs[0], f"{family} twin")
