@@ -22,12 +22,12 @@
 #   install      30 s: checksums, then the offline install of .gpu_bundle/ (skipped without it)
 #   environment  30 s: nvidia-smi; python, torch, CUDA, GPU, nvcc, ninja, flashinfer,
 #                transformers versions; import flashinfer; what backend "auto" picks
-#   pytest       280 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
+#   pytest       290 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
 #                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager:
 #                tests/gpu/test_cuda_graph_gpu.py) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
-#   benchmark    50 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
-#   graph decode 90 s: benchmarks/graph_decode.py on the OneVision-0.5B-shaped checkpoint
+#   benchmark    45 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
+#   graph decode 85 s: benchmarks/graph_decode.py on the OneVision-0.5B-shaped checkpoint
 #                (built on first use, ~25 s): decode tokens/s at batch 1, 8, 32 for
 #                FlashInfer with CUDA graphs, FlashInfer eager and the torch backend, their
 #                tokens compared, capture time and memory; the engine thread's step
@@ -65,9 +65,9 @@ SITE=$(abspath "${GPU_SITE:-$ROOT/.gpu_site}")
 ONLY=${GPU_CHECK_ONLY:-}
 INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-30}
 ENV_TIMEOUT=${ENV_TIMEOUT:-30}
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-280}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-50}
-GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-90}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-290}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-45}
+GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-85}
 TP_TIMEOUT=${TP_TIMEOUT:-150}
 HAVE_BUNDLE=0
 compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
@@ -314,7 +314,7 @@ with open(sys.argv[1], "w") as f:
   # into $MMSERVE_CACHE_DIR or ~/.cache/mmserve)
   phase "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "$PY" -m benchmarks.graph_decode \
     --device cuda --size onevision-0.5b --family llava-onevision --batches 1,8,32 --tokens 32 \
-    --images 2 --questions 4 --profile-tokens 16 --out "$OUT_DIR"
+    --images 2 --questions 2 --profile-tokens 16 --out "$OUT_DIR"
 fi
 
 # ---- summary ------------------------------------------------------------------------------
