@@ -1,6 +1,10 @@
 """GPU checks of CUDA-graph decode (skipped without CUDA / flashinfer unless
 ``MMSERVE_REQUIRE_GPU=1``, as tests/gpu/test_flashinfer.py).
 
+* FlashInfer's CUDA-graph decode wrapper at OneVision-0.5B's heads (14 / 2: the
+  tensor-core decode), captured over an all-padding batch as the runner does, then
+  re-planned for a real batch and replayed: equal to the torch backend in fp32, K/V
+  written to the real slots and the scratch page only;
 * graphs are captured at start-up for every bucket, and decode batches replay them;
 * greedy tokens with graphs equal those of eager decode (bf16, FlashInfer, page sizes 1
   and 16) across bucket boundaries (5 requests of different lengths: buckets 8, 4, 2, 1),
@@ -19,8 +23,17 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
-from mmserve.kernels.flashinfer_backend import flashinfer_import_problem
-from tests.helpers import BF16_LOGIT_RTOL, QUESTIONS, assert_same_generation, greedy, user
+from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend, flashinfer_import_problem
+from mmserve.kernels.metadata import PaddedDecodeBuffers
+from mmserve.kernels.torch_backend import TorchAttentionBackend
+from tests.helpers import (
+    BF16_LOGIT_RTOL,
+    QUESTIONS,
+    assert_same_generation,
+    greedy,
+    random_batch,
+    user,
+)
 
 _CUDA = torch.cuda.is_available()
 _FI_PROBLEM = flashinfer_import_problem() if _CUDA else "no CUDA GPU"
@@ -49,6 +62,52 @@ def generate(eng: Engine, photos: dict[str, bytes], n: int = 5) -> list:  # noqa
         for k in range(n)
     ]
     return eng.generate(msgs)
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_captured_tensor_core_decode_matches_torch(page_size: int) -> None:
+    dtype, bucket = torch.bfloat16, 8
+    pool, meta, q, k, v = random_batch(page_size, "decode", 14, 2, dtype, device="cuda", seed=11)
+    ref_pool = type(pool)(pool.num_pages, page_size, pool.num_layers, 2, 64, torch.float32, "cuda")
+    for d, src in zip(
+        ref_pool.k_buffers + ref_pool.v_buffers, pool.k_buffers + pool.v_buffers, strict=True
+    ):
+        d.copy_(src.float())
+    indptr = meta.kv_indptr.tolist()
+    tables = [meta.kv_indices[indptr[i] : indptr[i + 1]].tolist() for i in range(4)]
+    bufs = PaddedDecodeBuffers(bucket, max(map(len, tables)), page_size, pool.scratch_page, "cuda")
+    fi = FlashInferAttentionBackend(14, 2, 64, "cuda", dtype)
+    assert fi._tensor_cores  # the path OneVision-0.5B decodes on
+    qs = torch.zeros(bucket, 14, 64, dtype=dtype, device="cuda")
+    ks = torch.zeros(bucket, 2, 64, dtype=dtype, device="cuda")
+    vs = torch.zeros_like(ks)
+    # capture over an all-padding batch, as DecodeGraphRunner.capture does
+    fi.plan_padded(bufs.fill([], [], [], bucket))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fi.forward(qs, ks, vs, 0, pool)  # warm-up: FlashInfer's JIT build, lazy state
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fi.forward(qs, ks, vs, 0, pool)
+    # the real batch: refill, re-plan, replay
+    for b in pool.k_buffers + pool.v_buffers:  # undo the padding rows' writes
+        b[pool.scratch_page].zero_()
+    before = pool.k_buffers[0].clone()
+    fi.plan_padded(bufs.fill(tables, meta.seq_lens, [0] * 4, bucket))
+    qs[:4], ks[:4], vs[:4] = q, k, v
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = TorchAttentionBackend()
+    ref.plan(meta)
+    want = ref.forward(q.float(), k.float(), v.float(), 0, ref_pool)
+    torch.testing.assert_close(out[:4].float(), want, atol=2e-2, rtol=2e-2)
+    real = pool.k_buffers[0][: pool.num_pages]
+    assert torch.equal(real, ref_pool.k_buffers[0][: pool.num_pages].to(dtype))
+    changed = (real != before[: pool.num_pages]).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(changed) <= set(meta.kv_indices.tolist())
 
 
 @needs_flashinfer
