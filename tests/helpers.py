@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -33,6 +34,7 @@ from mmserve.cache.kv_pool import KVPool
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import SamplingParams
+from mmserve.kernels.flashinfer_backend import flashinfer_import_problem
 from mmserve.kernels.metadata import build_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -457,3 +459,25 @@ def serve_help_defaults() -> dict[str, str | None]:
         head, sep, default = flat.rpartition("[default: ")
         found[flag] = default.removesuffix("]") if sep else None
     return found
+
+
+# ---- GPU tests (tests/gpu) -----------------------------------------------------------------
+
+#: whether torch sees a CUDA device
+CUDA_AVAILABLE = torch.cuda.is_available()
+#: why FlashInfer cannot run here, or None (the import is tried only where CUDA is)
+FLASHINFER_PROBLEM = flashinfer_import_problem() if CUDA_AVAILABLE else "no CUDA GPU"
+needs_cuda = pytest.mark.skipif(
+    not CUDA_AVAILABLE, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
+needs_flashinfer = pytest.mark.skipif(
+    FLASHINFER_PROBLEM is not None, reason=f"flashinfer unavailable: {FLASHINFER_PROBLEM}"
+)
+
+
+def cuda_engine(model_dir: Path | str, **kw) -> Engine:
+    """An engine that loads the checkpoint itself, on CUDA (no pre-loaded CPU model), with
+    an 8192-token pool; ``kw`` are more EngineConfig fields."""
+    return Engine(
+        EngineConfig(model_path=str(model_dir), device="cuda", max_total_tokens=8192, **kw)
+    )

@@ -1,5 +1,5 @@
-"""GPU checks of CUDA-graph decode (skipped without CUDA / flashinfer unless
-``MMSERVE_REQUIRE_GPU=1``, as tests/gpu/test_flashinfer.py).
+"""GPU checks of CUDA-graph decode (skipped without CUDA / flashinfer, as
+tests/gpu/test_flashinfer.py, whose environment test fails a GPU check that lacks them).
 
 * FlashInfer's CUDA-graph decode wrapper at OneVision-0.5B's heads (14 / 2: the
   tensor-core decode), captured over an all-padding batch as the runner does, then
@@ -16,41 +16,26 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
-from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend, flashinfer_import_problem
+from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend
 from mmserve.kernels.metadata import PaddedDecodeBuffers
 from mmserve.kernels.torch_backend import TorchAttentionBackend
 from tests.helpers import (
     BF16_LOGIT_RTOL,
     QUESTIONS,
     assert_same_generation,
+    cuda_engine,
     greedy,
+    needs_cuda,
+    needs_flashinfer,
     random_batch,
     user,
 )
 
-_CUDA = torch.cuda.is_available()
-_FI_PROBLEM = flashinfer_import_problem() if _CUDA else "no CUDA GPU"
-_REQUIRED = os.environ.get("MMSERVE_REQUIRE_GPU") == "1"
-needs_cuda = pytest.mark.skipif(not _CUDA and not _REQUIRED, reason="needs a CUDA GPU")
-needs_flashinfer = pytest.mark.skipif(
-    _FI_PROBLEM is not None and not _REQUIRED, reason=f"flashinfer unavailable: {_FI_PROBLEM}"
-)
 
-
-def cuda_engine(model_dir, **kw) -> Engine:  # noqa: ANN001
-    """An engine on CUDA that loads the checkpoint itself."""
-    cfg = EngineConfig(model_path=str(model_dir), device="cuda", max_total_tokens=8192, **kw)
-    return Engine(cfg)
-
-
-def generate(eng: Engine, photos: dict[str, bytes], n: int = 5) -> list:  # noqa: ANN001
+def generate(eng, photos: dict[str, bytes], n: int = 5) -> list:  # noqa: ANN001
     """``n`` requests, ``4 + 3k`` tokens each (the batch shrinks through the buckets)."""
     img = eng.processor.prepare_image(photos["cat.png"])
     msgs = [
