@@ -120,7 +120,10 @@ class DecodeGraphRunner:
             ``captures_graphs``); False runs the padded batch eagerly (the CPU twin).
 
     Attributes:
-        buckets: the batch sizes (:func:`capture_sizes`).
+        buckets: the batch sizes (:func:`capture_sizes`); max_bs: the largest.
+        buffers: the static inputs (:class:`~mmserve.kernels.metadata.PaddedDecodeBuffers`).
+        graphs, outputs: bucket -> captured graph and its static fp32 logits
+            ``[bucket, vocab]`` (empty without capture).
         capture_seconds: wall time of :meth:`capture` (0 before or without it).
         capture_bytes: device memory the graphs took (bytes; 0 without capture).
         replays: padded batches run so far (captured or eager), by bucket in
