@@ -7,6 +7,7 @@ pool's scratch page."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,6 +61,11 @@ def test_graph_mode_decisions() -> None:
     assert graph_mode(EngineConfig(tp=2, **TWIN), backend)[0] == 0
     # CUDA with a backend whose kernels cannot be captured: eager unless the twin
     assert graph_mode(EngineConfig(device="cuda"), backend)[0] == 0
+    capturable = SimpleNamespace(name="flashinfer", captures_graphs=True)
+    cuda = EngineConfig(device="cuda", cuda_graph_max_bs=48)
+    assert graph_mode(cuda, capturable)[:2] == (48, True)
+    assert graph_mode(dataclasses.replace(cuda, max_running_requests=20), capturable)[0] == 20
+    assert graph_mode(dataclasses.replace(cuda, disable_cuda_graph=True), capturable)[0] == 0
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         EngineConfig(cuda_graph_max_bs=-1).validate()
 
