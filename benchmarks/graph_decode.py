@@ -28,7 +28,7 @@ import contextlib
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ import torch
 from benchmarks import workloads
 from benchmarks.in_process import MMServeRunner
 from benchmarks.in_process import model_dir as checkpoint
-from benchmarks.report import emit, loadavg
+from benchmarks.report import emit, loadavg, write_json
 from mmserve.config import EngineConfig
 from mmserve.engine import engine as engine_module
 from mmserve.engine.engine import Engine
@@ -167,8 +167,16 @@ def decode_rate(eng: Engine, batch: int, tokens: int) -> tuple[float, list[list[
     return decode_tokens / decode_s if decode_s else 0.0, outputs, summarize(acc)
 
 
-def rates(model_dir: str, device: str, dtype: str, batches: list[int], tokens: int) -> dict:
-    """:func:`decode_rate` for every configuration of :data:`CONFIGS` on ``device``."""
+def rates(
+    model_dir: str,
+    device: str,
+    dtype: str,
+    batches: list[int],
+    tokens: int,
+    on_row: Callable[[dict], None] = lambda _: None,
+) -> dict:
+    """:func:`decode_rate` for every configuration of :data:`CONFIGS` on ``device``;
+    ``on_row(result so far)`` after each configuration."""
     model = load_model(model_dir, device=device, dtype=getattr(torch, dtype))
     out: dict[str, Any] = {"device": device, "dtype": dtype, "tokens": tokens, "configs": {}}
     first: dict[int, list[list[int]]] | None = None
@@ -198,6 +206,7 @@ def rates(model_dir: str, device: str, dtype: str, batches: list[int], tokens: i
             b: sum(x == y for x, y in zip(outs[b], first[b], strict=True)) for b in batches
         }
         out["configs"][name] = row
+        on_row(out)
         del eng
     return out
 
@@ -263,16 +272,19 @@ def run(args: argparse.Namespace, model_dir: str) -> int:
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     res: dict[str, Any] = {}
     parts = args.parts.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial = args.out / "graph_decode.partial.json"  # what a timed-out run leaves
     if "rates" in parts:
         batches = [int(b) for b in args.batches.split(",")]
-        res["rates"] = rates(model_dir, args.device, dtype, batches, args.tokens)
+        save = lambda r: write_json(partial, {"rates": r})  # noqa: E731
+        res["rates"] = rates(model_dir, args.device, dtype, batches, args.tokens, save)
     if "profile" in parts:
         scale = (args.images, args.questions, args.profile_tokens)
         res["profile"] = many_questions_profile(
             args.profile_model or model_dir, args.device, dtype, scale
         )
     res["loadavg"] = loadavg()
-    args.out.mkdir(parents=True, exist_ok=True)
+    partial.unlink(missing_ok=True)
     return emit(args.out, "graph_decode", res, table(res) + f"\n\nload average {res['loadavg']}")
 
 

@@ -345,6 +345,8 @@ if (out / "benchmark.json").exists():
     s["benchmark"] = json.loads((out / "benchmark.json").read_text())
 if (out / "graph_decode.json").exists():
     s["graph_decode"] = json.loads((out / "graph_decode.json").read_text())
+elif (out / "graph_decode.partial.json").exists():  # the phase timed out midway
+    s["graph_decode"] = {"partial": True, **json.loads((out / "graph_decode.partial.json").read_text())}
 (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
 print(f"summary.json written to {out}")
 PY
