@@ -2,7 +2,8 @@
 ``EngineConfig.cuda_graph_twin``): the same static buffers and buckets a captured graph
 replays. Its tokens equal eager decode's across bucket boundaries, retraction,
 structured output, seeded sampling and n > 1, and its padding rows write only the
-pool's scratch page."""
+pool's scratch page. FlashInfer's CUDA-graph wrappers are exercised against a stand-in
+that keeps their contract (tests/helpers.py ``FakeFlashInfer``)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.config import EngineConfig
-from mmserve.engine.cuda_graph import capture_sizes, default_max_bs, graph_mode
+from mmserve.engine.cuda_graph import (
+    DecodeGraphRunner,
+    capture_sizes,
+    default_max_bs,
+    graph_mode,
+)
 from mmserve.engine.request import SamplingParams
+from mmserve.kernels import flashinfer_backend as fb
 from mmserve.kernels.metadata import PaddedDecodeBuffers, build_metadata
 from mmserve.kernels.torch_backend import TorchAttentionBackend
 from mmserve.structured.spec import GuidedSpec
-from tests.helpers import QUESTIONS, assert_same_generation, greedy, run_workload, user, workload
+from tests.helpers import (
+    QUESTIONS,
+    FakeFlashInfer,
+    assert_same_generation,
+    greedy,
+    run_workload,
+    user,
+    workload,
+)
 
 TWIN = {"cuda_graph_twin": True}
 
@@ -250,3 +265,42 @@ def test_other_families_with_the_twin(families, photos, family: str) -> None:  #
         outs.append(eng.generate(msgs))
     assert eng.runner.graphs.replays > 0
     same(outs[1], outs[0], f"{family} twin")
+
+
+def test_flashinfer_graph_wrappers_on_a_stand_in(make_engine, imgs, monkeypatch) -> None:  # noqa: ANN001
+    # FlashInferAttentionBackend.plan_padded against FlashInfer's CUDA-graph contract
+    # (tests/helpers.py FakeFlashInfer): one wrapper per bucket over the runner's fixed
+    # buffers, planned from host copies, run from those buffers only
+    fake = FakeFlashInfer()
+    monkeypatch.setattr(fb, "import_flashinfer", lambda: fake)
+    monkeypatch.setattr(fb, "SUPPORTED_DTYPES", (torch.float32,))
+    eng = make_engine(page_size=4)
+    shape = eng.model.decoder.shape
+    fi = fb.FlashInferAttentionBackend(
+        shape.num_heads, shape.num_kv_heads, shape.head_dim, "cpu", torch.float32, 1024
+    )
+    runner = DecodeGraphRunner(
+        eng.model.decoder, fi, eng.pool, eng.runner.logit_mask, 8, 4096, capture=False
+    )
+    for k in range(5):
+        msg = eng.processor.make_request(
+            messages=user(None, f"{QUESTIONS[k % 3]} {k}"), images=[imgs[k % 3]], params=greedy(4)
+        )
+        eng.add_request(msg)
+    while len(eng.scheduler.running) < 5:
+        eng.step()
+    reqs = list(eng.scheduler.running)
+    eng.scheduler.prepare_decode()
+    for batch in (reqs[:3], reqs, reqs[:3]):  # buckets 4, 8, 4 again (re-planned)
+        args = ([r.pages for r in batch], [r.computed_len + 1 for r in batch])
+        got = runner.run(*args, [r.output_ids[-1] for r in batch])
+        want = eng.runner.decode(batch)  # eager, torch backend: rewrites the same slots
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    wrappers = [w for w, _, _ in fake.plans]
+    assert wrappers[0] is wrappers[2] and wrappers[0] is not wrappers[1]
+    assert sorted(fi._graph_decode) == [4, 8]
+    b = runner.buffers  # the wrappers' fixed inputs are the runner's static buffers
+    for w in wrappers[:2]:
+        assert w.indptr.data_ptr() == b.kv_indptr.data_ptr()
+        assert w.indices.data_ptr() == b.kv_indices.data_ptr()
+        assert len(w.indices) == len(b.kv_indices) and len(w.indptr) == len(w.last) + 1
