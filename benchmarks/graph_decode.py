@@ -14,9 +14,11 @@
   rate): per step, wall time of :meth:`Engine.step`, of the model calls
   (``ModelRunner.prefill``/``decode``: on CUDA only their launch, the kernels run
   asynchronously) and of sampling (``sample_batch`` + ``batch_logprobs``: on CUDA this
-  holds the wait for the device, the step's one sync). ``host`` = step - model -
-  sampling: the engine thread's own work (scheduling, metadata, logits processors,
-  grammar, bookkeeping), and ``host_share`` = host / step.
+  holds the wait for the device, the step's one sync, measured apart as ``wait`` by a
+  synchronize just before it). ``host`` = step - model - sampling - wait: the engine
+  thread's own work (scheduling, metadata, logits processors, grammar, bookkeeping),
+  ``host_share`` = host / step; on CUDA ``busy_share`` = 1 - wait / step, the part of
+  a step in which the engine thread, not the device, is the bottleneck.
 
 Seconds are wall time on a machine that may be shared: compare ratios within one run.
 """
@@ -57,9 +59,12 @@ CONFIGS = {
 
 @contextlib.contextmanager
 def profiled(eng: Engine) -> Iterator[dict[str, float]]:
-    """Accumulate ``step``, ``model`` and ``sample`` seconds (and ``steps``) of ``eng``
-    while inside; the engine module's sampling functions are restored on exit."""
-    acc = {"steps": 0, "step_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
+    """Accumulate ``step``, ``model``, ``sample`` and ``wait`` seconds (and ``steps``) of
+    ``eng`` while inside; the engine module's sampling functions are restored on exit.
+    On CUDA, ``wait`` is a synchronize just before sampling (which would wait there
+    anyway): the time the engine thread waits for the device, kept out of ``sample``."""
+    acc = {"steps": 0, "step_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "wait_s": 0.0}
+    cuda = eng.config.device.startswith("cuda")
 
     def timed(fn: Any, key: str) -> Any:
         def wrapper(*a: Any, **kw: Any) -> Any:
@@ -75,7 +80,16 @@ def profiled(eng: Engine) -> Iterator[dict[str, float]]:
     runner = eng.runner
     runner.prefill = timed(type(runner).prefill.__get__(runner), "model_s")
     runner.decode = timed(type(runner).decode.__get__(runner), "model_s")
-    engine_module.sample_batch = timed(saved[0], "sample_s")
+    sample = timed(saved[0], "sample_s")
+
+    def waited_sample(*a: Any, **kw: Any) -> Any:
+        if cuda:
+            t0 = time.perf_counter()
+            torch.cuda.synchronize()
+            acc["wait_s"] += time.perf_counter() - t0
+        return sample(*a, **kw)
+
+    engine_module.sample_batch = waited_sample
     engine_module.batch_logprobs = timed(saved[1], "sample_s")
     step = eng.step
 
@@ -95,16 +109,22 @@ def profiled(eng: Engine) -> Iterator[dict[str, float]]:
 
 
 def summarize(acc: dict[str, float]) -> dict[str, float]:
-    """Per-step milliseconds and the host share from :func:`profiled`'s sums."""
+    """Per-step milliseconds and shares from :func:`profiled`'s sums: ``host_share`` (the
+    engine thread's own work outside model calls and sampling) and, on CUDA,
+    ``busy_share`` = 1 - wait / step (the part of a step the engine thread spends not
+    waiting for the device: what overlapping the next step's host work could hide)."""
     n = max(1, acc["steps"])
-    host = acc["step_s"] - acc["model_s"] - acc["sample_s"]
+    step = acc["step_s"]
+    host = step - acc["model_s"] - acc["sample_s"] - acc["wait_s"]
     return {
         "steps": acc["steps"],
-        "step_ms": acc["step_s"] / n * 1e3,
+        "step_ms": step / n * 1e3,
         "model_ms": acc["model_s"] / n * 1e3,
         "sample_ms": acc["sample_s"] / n * 1e3,
+        "wait_ms": acc["wait_s"] / n * 1e3,
         "host_ms": host / n * 1e3,
-        "host_share": host / acc["step_s"] if acc["step_s"] else 0.0,
+        "host_share": host / step if step else 0.0,
+        "busy_share": 1 - acc["wait_s"] / step if step else 0.0,
     }
 
 
@@ -254,14 +274,18 @@ def table(res: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {cap} | {same} | {syncs} |")
     if "profile" in res:
         lines.append(
-            "\nengine thread per step on many_questions (ms; host = step - model - sampling)"
+            "\nengine thread per step on many_questions (ms; host = step - model - sampling - wait)"
         )
-        lines.append("| config | steps | step | model | sampling | host | host share |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append(
+            "| config | steps | step | model | sampling | device wait | host | host share "
+            "| not waiting |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for name, p in res["profile"].items():
             lines.append(
                 f"| {name} | {p['steps']} | {p['step_ms']:.2f} | {p['model_ms']:.2f} | "
-                f"{p['sample_ms']:.2f} | {p['host_ms']:.2f} | {p['host_share']:.1%} |"
+                f"{p['sample_ms']:.2f} | {p['wait_ms']:.2f} | {p['host_ms']:.2f} | "
+                f"{p['host_share']:.1%} | {p['busy_share']:.1%} |"
             )
     return "\n".join(lines)
 
