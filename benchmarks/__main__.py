@@ -15,7 +15,14 @@ try:  # the HTTP runner's client, from the bench (or test) extra
 except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
-from benchmarks import experiments, real_shapes, suites, tracing_overhead, workloads  # noqa: E402
+from benchmarks import (  # noqa: E402
+    experiments,
+    graph_decode,
+    real_shapes,
+    suites,
+    tracing_overhead,
+    workloads,
+)
 from benchmarks.in_process import model_dir as checkpoint  # noqa: E402
 
 
@@ -56,6 +63,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--decode-tokens",), dict(type=int, default=8, help="decode steps per run")),
         (("--bandwidth-gb",), dict(type=float, default=1.0, help="tensor read for GB/s (GiB)")),
     ]),
+    "graph-decode": (graph_decode.run, "full", "small", "llava", graph_decode.OPTIONS),
     "replicas": (experiments.replicas, "full", "tiny", "llava", [
         (("--port",), dict(type=int, default=8470, help="HTTP port of the endpoint")),
     ]),

@@ -111,6 +111,16 @@ class EngineConfig:
             model's query heads (see :mod:`mmserve.distributed`).
         tp_timeout_seconds: bound on every tensor-parallel collective (seconds); a rank
             that dies or hangs longer fails the step's requests and takes the engine down.
+        disable_cuda_graph: run decode eagerly on CUDA (SGLang's flag); by default decode
+            batches are padded to a bucket and replayed from CUDA graphs captured at
+            start-up (FlashInfer backend, ``tp`` 1; see :mod:`mmserve.engine.cuda_graph`).
+        cuda_graph_max_bs: largest captured decode batch (requests); 0 = by GPU memory as
+            SGLang (8 under 20 GiB ... 256 on 80-141 GiB), capped at
+            ``max_running_requests``. Larger decode batches run eagerly.
+        cuda_graph_twin: run decode through the graph runner's padded static buffers even
+            where nothing is captured (the CPU, or the torch backend on CUDA): the CPU twin
+            that tests hold token-equal to eager decode. Off by default (padding costs
+            compute where launches are cheap); ``disable_cuda_graph`` wins.
     """
 
     model_path: str | None = None
@@ -145,6 +155,9 @@ class EngineConfig:
     kv_disk_bytes: int = 16 << 30
     tp: int = 1
     tp_timeout_seconds: float = 120.0
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 0
+    cuda_graph_twin: bool = False
 
     def mixed_step_tokens(self) -> int:
         """``max_num_batched_tokens`` with 0 resolved for ``device`` (tokens)."""
@@ -195,6 +208,8 @@ class EngineConfig:
                 "--mem-fraction-static measure one process's memory, and every rank's pool "
                 "must hold the same pages"
             )
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError("cuda_graph_max_bs must be >= 0 (0: by GPU memory)")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -213,6 +228,8 @@ class EngineConfig:
 
         if self.dtype == "auto":
             return getattr(torch, auto_dtype(self.device)[0])
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError("cuda_graph_max_bs must be >= 0 (0: by GPU memory)")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         return getattr(torch, self.dtype)

@@ -12,36 +12,43 @@
 # from the work tree (PYTHONPATH, no install). Without .gpu_bundle/ the environment
 # must already have flashinfer (e.g. `pip install -e ".[gpu,test]"`).
 #
-# Phases, each with its own timeout, 560 s of limits in all (the fused-ops phase, unmeasured
-# on a GPU yet, added 90; 710 s on a machine
+# Phases, each with its own timeout, 480 s in all (8 minutes; 630 s on a machine
 # with two GPUs, which adds the --tp 2 phase). FlashInfer
 # compiles its kernels on first use (JIT, into ~/.cache/flashinfer), which is most of
 # the pytest phase: on an H100/H200 the tests need the FA3 prefill module (10 files of
 # about 2 minutes of one core each, measured on a CPU machine) and the decode module
-# (about 10 s a file), for bf16 and for fp16;
-# ninja builds each module's files in parallel.
+# (about 10 s a file), for bf16 and for fp16, and (tests/gpu/test_cuda_graph_gpu.py) the
+# tensor-core decode module of OneVision-0.5B's 14/2 heads, so that the graph-decode
+# phase finds every kernel it needs built; ninja builds each module's files in parallel.
 #   install      30 s: checksums, then the offline install of .gpu_bundle/ (skipped without it)
 #   environment  30 s: nvidia-smi; python, torch, CUDA, GPU, nvcc, ninja, flashinfer,
 #                transformers versions; import flashinfer; what backend "auto" picks
-#   pytest       340 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
-#                equality with transformers in fp32 on CUDA) and tests/test_reference.py,
+#   pytest       310 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
+#                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager:
+#                tests/gpu/test_cuda_graph_gpu.py; FlashInfer's fused RMSNorm (+ residual),
+#                cos/sin-cache RoPE and SiLU-and-mul vs mmserve/kernels/ops.py's torch
+#                versions: tests/gpu/test_fused_ops.py) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
-#   fused ops    90 s: tests/gpu/test_fused_ops.py, FlashInfer's RMSNorm (+ residual), RoPE
-#                (cos/sin cache, in place) and SiLU-and-mul against the torch versions
-#   benchmark    70 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
+#   benchmark    40 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
+#   graph decode 70 s: benchmarks/graph_decode.py on the OneVision-0.5B-shaped checkpoint
+#                (built on first use, ~25 s): decode tokens/s at batch 1, 8, 32 for
+#                FlashInfer with CUDA graphs, FlashInfer eager and the torch backend, their
+#                tokens compared, capture time and memory; the engine thread's step
+#                profile (host share) on many_questions for the same three
 #   --tp 2      150 s, only with two GPUs (else a "skipped" row with the reason):
 #                tests/gpu/test_tp_gpu.py, tp 2 over NCCL against tp 1 (fp32 and bf16)
 #
 # Output, in OUT_DIR (the argument, else $GPU_CHECK_OUT, else $OUT, else gpu_check_out/):
 #   gpu_check.log  all output;  summary.txt  the phases table;  versions.json;
-#   pytest.xml (JUnit);  benchmark.json;  summary.json  phases (status, seconds, limit),
-#   versions, pytest counts, benchmark figures and "passed".
+#   pytest.xml (JUnit);  benchmark.json;  graph_decode.json (and its tables in the log);
+#   summary.json  phases (status, seconds, limit), versions, pytest counts, benchmark and
+#   graph-decode figures and "passed".
 #
 # Env: PYTHON (default: the active venv's python, else the first of python, python3,
 # python3.12 that has torch), GPU_BUNDLE (.gpu_bundle), GPU_SITE (.gpu_site),
 # GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
 # `scripts/gpu_bundle.sh --check PYTHON`), INSTALL_TIMEOUT, ENV_TIMEOUT, PYTEST_TIMEOUT,
-# BENCH_TIMEOUT, TP_TIMEOUT, FUSED_TIMEOUT (seconds).
+# BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT (seconds).
 set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
@@ -61,10 +68,10 @@ SITE=$(abspath "${GPU_SITE:-$ROOT/.gpu_site}")
 ONLY=${GPU_CHECK_ONLY:-}
 INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-30}
 ENV_TIMEOUT=${ENV_TIMEOUT:-30}
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-340}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-70}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-310}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-40}
+GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-70}
 TP_TIMEOUT=${TP_TIMEOUT:-150}
-FUSED_TIMEOUT=${FUSED_TIMEOUT:-90}
 HAVE_BUNDLE=0
 compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
 
@@ -284,13 +291,7 @@ if [[ $ONLY != setup ]]; then
   # GPU or flashinfer a failure (a skipped GPU test is not a pass).
   phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
     "$PY" -m pytest -v -rs --durations=10 -p no:cacheprovider \
-    --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py \
-    --ignore=tests/gpu/test_fused_ops.py tests/gpu tests/test_reference.py
-
-  # FlashInfer's norm, RoPE and SiLU-and-mul kernels (what the decoder runs on CUDA)
-  # against mmserve/kernels/ops.py's torch versions; JIT-compiles three small modules
-  phase "pytest fused ops" "$FUSED_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
-    "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_fused_ops.py
+    --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py tests/gpu tests/test_reference.py
 
   # --tp 2 (NCCL, one rank per GPU) only where there are two GPUs; else a skip row
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
@@ -311,6 +312,12 @@ result = in_process.cache_on_off(in_process.model_dir("small"), wl, device="cuda
 with open(sys.argv[1], "w") as f:
     json.dump(result, f, indent=2, default=str)
 ' "$OUT_DIR/benchmark.json"
+
+  # CUDA graphs on/off, FlashInfer vs torch, at OneVision-0.5B shapes (checkpoint built once
+  # into $MMSERVE_CACHE_DIR or ~/.cache/mmserve)
+  phase "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "$PY" -m benchmarks.graph_decode \
+    --device cuda --size onevision-0.5b --family llava-onevision --batches 1,8,32 --tokens 32 \
+    --images 2 --questions 2 --profile-tokens 16 --out "$OUT_DIR"
 fi
 
 # ---- summary ------------------------------------------------------------------------------
@@ -338,6 +345,10 @@ if (out / "pytest.xml").exists():
     s["pytest"] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
 if (out / "benchmark.json").exists():
     s["benchmark"] = json.loads((out / "benchmark.json").read_text())
+if (out / "graph_decode.json").exists():
+    s["graph_decode"] = json.loads((out / "graph_decode.json").read_text())
+elif (out / "graph_decode.partial.json").exists():  # the phase timed out midway
+    s["graph_decode"] = {"partial": True, **json.loads((out / "graph_decode.partial.json").read_text())}
 (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
 print(f"summary.json written to {out}")
 PY

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -33,7 +34,9 @@ from mmserve.cache.kv_pool import KVPool
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import SamplingParams
-from mmserve.kernels.metadata import build_metadata
+from mmserve.kernels.flashinfer_backend import flashinfer_import_problem
+from mmserve.kernels.metadata import AttentionMetadata, build_metadata
+from mmserve.kernels.torch_backend import TorchAttentionBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples" / "images"
@@ -457,3 +460,81 @@ def serve_help_defaults() -> dict[str, str | None]:
         head, sep, default = flat.rpartition("[default: ")
         found[flag] = default.removesuffix("]") if sep else None
     return found
+
+
+# ---- GPU tests (tests/gpu) -----------------------------------------------------------------
+
+#: whether torch sees a CUDA device
+CUDA_AVAILABLE = torch.cuda.is_available()
+#: why FlashInfer cannot run here, or None (the import is tried only where CUDA is)
+FLASHINFER_PROBLEM = flashinfer_import_problem() if CUDA_AVAILABLE else "no CUDA GPU"
+needs_cuda = pytest.mark.skipif(
+    not CUDA_AVAILABLE, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
+needs_flashinfer = pytest.mark.skipif(
+    FLASHINFER_PROBLEM is not None, reason=f"flashinfer unavailable: {FLASHINFER_PROBLEM}"
+)
+
+
+def cuda_engine(model_dir: Path | str, **kw) -> Engine:
+    """An engine that loads the checkpoint itself, on CUDA (no pre-loaded CPU model), with
+    an 8192-token pool; ``kw`` are more EngineConfig fields."""
+    return Engine(
+        EngineConfig(model_path=str(model_dir), device="cuda", max_total_tokens=8192, **kw)
+    )
+
+
+class FakeFlashInfer:
+    """A stand-in ``flashinfer`` module for the CPU: its decode wrapper keeps FlashInfer's
+    CUDA-graph contract (``use_cuda_graph=True``: fixed ``[B + 1]`` / ``[B]`` indptr and
+    last-page buffers, a page-index buffer at least as long as any plan's indices, ``plan``
+    copies into them; ``run`` reads only those buffers, as a replayed graph would) and
+    attends with the torch backend's literal path. Decode only (the prefill wrapper is
+    built, never planned). ``plans`` records each plan's ``(wrapper, indptr device,
+    last_page_len device)``."""
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[object, str, str]] = []
+        fake = self
+
+        class Wrapper:
+            def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, **kw) -> None:  # noqa: ANN001
+                self.graph = use_cuda_graph
+                self.indptr = kw.get("paged_kv_indptr_buffer")
+                self.indices = kw.get("paged_kv_indices_buffer")
+                self.last = kw.get("paged_kv_last_page_len_buffer")
+                if use_cuda_graph:
+                    assert len(self.indptr) == len(self.last) + 1, "indptr must be [B + 1]"
+
+            def plan(self, indptr, indices, last, hq, hkv, d, page_size, **kw) -> None:  # noqa: ANN001
+                fake.plans.append((self, indptr.device.type, last.device.type))
+                self.page_size = page_size
+                if not self.graph:
+                    self.indptr, self.indices, self.last = indptr, indices, last
+                    return
+                assert len(last) == len(self.last), "the batch size is fixed in graph mode"
+                assert len(indices) <= len(self.indices), "indices exceed the buffer"
+                self.indptr.copy_(indptr)
+                self.last.copy_(last)
+                self.indices[: len(indices)].copy_(indices)
+
+            def run(self, q, kv) -> torch.Tensor:  # noqa: ANN001
+                k_buf, v_buf = kv
+                n = len(self.last)
+                pages = (self.indptr[1:] - self.indptr[:-1]).tolist()
+                seq = [
+                    (p - 1) * self.page_size + int(x) for p, x in zip(pages, self.last, strict=True)
+                ]
+                meta = AttentionMetadata(
+                    torch.arange(n + 1, dtype=torch.int32), self.indptr.clone(),
+                    self.indices[: int(self.indptr[-1])].clone(), self.last.clone(),
+                    self.page_size, torch.zeros(n, dtype=torch.int64),
+                    torch.zeros(n, dtype=torch.int64), seq, [1] * n, True,
+                )  # fmt: skip
+                ref = TorchAttentionBackend(views=False)
+                ref.plan(meta)
+                flat = lambda b: b.view(-1, *b.shape[2:])  # noqa: E731
+                return ref._attend(q, flat(k_buf), flat(v_buf), 0, None)
+
+        self.BatchDecodeWithPagedKVCacheWrapper = Wrapper
+        self.BatchPrefillWithPagedKVCacheWrapper = Wrapper  # built, never planned here

@@ -424,3 +424,20 @@ def test_image_detail_reports_fewer_tokens_for_low(tmp_path: Path) -> None:
             high["image_tokens"] - low["image_tokens"]
         )
         assert low["ttft_s"] > 0 and high["ttft_ratio_vs_high"] == 1.0
+
+
+def test_graph_decode_tiny(model_dir: Path, tmp_path: Path) -> None:
+    from benchmarks import graph_decode
+
+    argv = ["--model", str(model_dir), "--out", str(tmp_path), "--batches", "1,3"]
+    argv += ["--tokens", "3", "--images", "1", "--questions", "2", "--profile-tokens", "2"]
+    assert graph_decode.main(argv) == 0
+    res = json.loads((tmp_path / "graph_decode.json").read_text())
+    rows = res["rates"]["configs"]
+    assert set(rows) == {"eager", "padded twin"}
+    for row in rows.values():
+        assert row["tokens_equal"] == {"1": 1, "3": 3}  # the twin's tokens are eager's
+        assert row["bs1_tok_s"] > 0 and row["bs3_tok_s"] > 0 and row["captured"] == []
+    for prof in res["profile"].values():
+        assert prof["steps"] >= 2 and 0 <= prof["host_share"] < 1
+        assert prof["model_ms"] > 0 and prof["step_ms"] >= prof["model_ms"]

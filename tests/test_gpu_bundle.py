@@ -37,6 +37,7 @@ GPU_CHECK_ROOTS = [
     ROOT / "tests" / "conftest.py",
     ROOT / "tests" / "test_reference.py",
     ROOT / "benchmarks" / "in_process.py",
+    ROOT / "benchmarks" / "graph_decode.py",
     ROOT / "mmserve" / "kernels" / "flashinfer_backend.py",
     ROOT / "mmserve" / "kernels" / "select.py",
 ]

@@ -3,7 +3,10 @@
 Each layer has one K and one V buffer in FlashInfer's paged layout
 ``[num_pages, page_size, num_kv_heads, head_dim]`` (the "NHD" layout). Which
 pages are free is tracked by a :class:`~mmserve.cache.page_allocator.PageAllocator`;
-pages not free are owned either by the radix tree or by a running request.
+pages not free are owned either by the radix tree or by a running request. One more
+page, :attr:`KVPool.scratch_page`, lies past the allocator's range: no request or tree
+node ever owns it, and the padding rows of a padded decode batch (the CUDA-graph
+runner's, :mod:`mmserve.engine.cuda_graph`) write their K/V there.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        #: page id past the allocator's range, owned by no request (padding rows write it)
+        self.scratch_page = num_pages
+        shape = (num_pages + 1, page_size, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
@@ -93,7 +98,8 @@ class KVPool:
         return self.num_pages * self.page_size
 
     def flat_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of layer ``layer_id``'s K and V as ``[num_pages * P, Hkv, D]`` slots."""
+        """Views of layer ``layer_id``'s K and V as ``[(num_pages + 1) * P, Hkv, D]`` slots
+        (the last page is :attr:`scratch_page`)."""
         k = self.k_buffers[layer_id]
         v = self.v_buffers[layer_id]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
@@ -109,7 +115,7 @@ class KVPool:
             k, v: ``[T, Hkv, D]``; cast to the pool's dtype.
 
         Returns:
-            The layer's flat ``(K, V)`` views ``[num_pages * P, Hkv, D]``.
+            The layer's flat ``(K, V)`` views ``[(num_pages + 1) * P, Hkv, D]``.
         """
         k_flat, v_flat = self.flat_kv(layer_id)
         k_flat[loc] = k.to(k_flat.dtype)

@@ -21,6 +21,7 @@ import torch
 from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.radix_cache import RadixCache
 from mmserve.config import EngineConfig
+from mmserve.engine.cuda_graph import graph_mode
 from mmserve.engine.detokenizer import first_stop
 from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.model_runner import ModelRunner
@@ -114,6 +115,13 @@ class Engine:
         )
         if hasattr(model.decoder, "bind"):  # tensor parallel: broadcasts each batch's plan
             model.decoder.bind(self.runner)
+        max_bs, capture, why = graph_mode(config, self.runner.backend)
+        if max_bs:  # after the pool: graphs capture over its buffers
+            self.runner.enable_graphs(max_bs, capture)
+        log.info(
+            "decode: %s",
+            f"CUDA-graph buckets up to {max_bs}, {why}" if max_bs else f"eager ({why})",
+        )
         # front-end work (decode, hash, template, tokenize, limits) runs on callers'
         # threads through the processor; the engine itself accepts only its Requests
         self.processor = InputProcessor(model, config, self.pool.size_tokens, self.embedding_cache)

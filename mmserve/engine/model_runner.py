@@ -23,6 +23,7 @@ import torch
 
 from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.kv_tiers import KVTiers
+from mmserve.engine.cuda_graph import DecodeGraphRunner
 from mmserve.engine.request import ImageInput, Request
 from mmserve.kernels.metadata import build_metadata
 from mmserve.kernels.select import make_attention_backend
@@ -48,6 +49,7 @@ class ModelRunner:
             or cannot run on this device/dtype.
 
     Attributes:
+        graphs: the padded decode runner (:meth:`enable_graphs`), or None: decode eager.
         vision_tower_images: images encoded by the vision tower so far.
         vision_counts: request id -> ``[images needing vision, tower runs]`` found by
             prefills since :meth:`take_vision_counts` last emptied it (the engine
@@ -90,6 +92,25 @@ class ModelRunner:
         mask[model.never_sample_ids] = float("-inf")
         self.logit_mask = mask.to(self.device)
         self.fixed_embeddings = model.vision.token_embeddings()
+        self.graphs: DecodeGraphRunner | None = None
+
+    def enable_graphs(self, max_bs: int, capture: bool) -> DecodeGraphRunner:
+        """Run decode batches of at most ``max_bs`` requests padded to a bucket, from CUDA
+        graphs captured now when ``capture`` (else eagerly: the CPU twin); see
+        :mod:`mmserve.engine.cuda_graph`. Larger batches, prefill and mixed steps stay
+        eager.
+
+        Raises:
+            ValueError: ``max_bs < 1``.
+        """
+        shape = self.model.decoder.shape
+        max_context = min(shape.max_position_embeddings, self.pool.size_tokens)
+        self.graphs = DecodeGraphRunner(
+            self.model.decoder, self.backend, self.pool, self.logit_mask, max_bs, max_context,
+            capture,
+        )  # fmt: skip
+        self.graphs.capture()
+        return self.graphs
 
     def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
         """Features ``[num_image_tokens, hidden]`` for each distinct image (or frame): the
@@ -208,7 +229,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One token for each request; returns logits ``[B, vocab]``."""
+        """One token for each request; returns logits ``[B, vocab]``: padded and replayed
+        through :attr:`graphs` when on and the batch fits its largest bucket."""
+        graphs = self.graphs
+        if graphs is not None and len(reqs) <= graphs.max_bs:
+            return graphs.run(
+                [r.pages for r in reqs],
+                [r.computed_len + 1 for r in reqs],
+                [r.output_ids[-1] for r in reqs],
+            )
         ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
         embeds = self.model.decoder.embed_tokens(ids)
         prefix = [r.computed_len for r in reqs]

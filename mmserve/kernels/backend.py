@@ -27,15 +27,24 @@ class AttentionBackend(ABC):
 
     Attributes:
         name: the backend's ``--attention-backend`` name.
+        captures_graphs: whether a padded decode batch planned by :meth:`plan_padded`
+            can be captured in a CUDA graph (its kernels read only fixed-address buffers).
     """
 
     name: ClassVar[str]
+    captures_graphs: ClassVar[bool] = False
     _meta: AttentionMetadata | None = None
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare for one batch (index tensors on this backend's device); every layer
         reuses the plan."""
+
+    def plan_padded(self, meta: AttentionMetadata) -> None:
+        """Plan a padded decode batch whose tensors are views of the fixed-address buffers
+        of :class:`~mmserve.kernels.metadata.PaddedDecodeBuffers` (one batch size per
+        bucket). Default: :meth:`plan`, which an eager forward needs (the CPU twin)."""
+        self.plan(meta)
 
     def forward(
         self,

@@ -7,6 +7,10 @@ wrappers once per batch and runs them once per layer:
 
 * a batch in which every request has exactly one new token goes through
   ``BatchDecodeWithPagedKVCacheWrapper``;
+* a padded decode batch of the CUDA-graph runner (:meth:`plan_padded`) goes through
+  one ``BatchDecodeWithPagedKVCacheWrapper`` per bucket built with ``use_cuda_graph=True``
+  over the runner's fixed page-table buffers: its ``plan`` copies the batch's page table
+  into them and its ``run`` is what the graph captures;
 * any other batch (prefill with or without a cached prefix) goes through
   ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``, whose mask is
   aligned to the *end* of each KV sequence, as the torch backend's is.
@@ -104,6 +108,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     """
 
     name = "flashinfer"
+    captures_graphs = True
 
     def __init__(
         self,
@@ -135,14 +140,23 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD"
         )
-        group = num_qo_heads // num_kv_heads
+        self._tensor_cores = num_qo_heads // num_kv_heads >= _TENSOR_CORE_DECODE_MIN_GROUP
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace,
-            kv_layout="NHD",
-            use_tensor_cores=group >= _TENSOR_CORE_DECODE_MIN_GROUP,
+            self._workspace, kv_layout="NHD", use_tensor_cores=self._tensor_cores
         )
+        self._graph_decode: dict[int, object] = {}  # bucket -> use_cuda_graph wrapper
         self._meta: AttentionMetadata | None = None
         self._wrapper = None
+
+    def _plan_args(self, meta: AttentionMetadata) -> tuple[tuple, dict]:
+        """The heads and types both wrappers' ``plan`` take after the page arrays."""
+        heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, meta.page_size)
+        types = {
+            "pos_encoding_mode": "NONE",  # RoPE is applied by the model before attention
+            "q_data_type": self.dtype,
+            "kv_data_type": self.dtype,
+        }
+        return heads, types
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Plan the decode or prefill wrapper for this batch; every layer reuses the plan.
@@ -151,20 +165,44 @@ class FlashInferAttentionBackend(AttentionBackend):
             meta: the batch's metadata, with index tensors on this backend's device.
         """
         self._meta = meta
-        # the arguments both wrappers' plan() take, in their order
         pages = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
-        heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, meta.page_size)
-        types = {
-            "pos_encoding_mode": "NONE",  # RoPE is applied by the model before attention
-            "q_data_type": self.dtype,
-            "kv_data_type": self.dtype,
-        }
+        heads, types = self._plan_args(meta)
         if meta.is_decode:
             self._decode.plan(*pages, *heads, **types)
             self._wrapper = self._decode
         else:
             self._prefill.plan(meta.qo_indptr, *pages, *heads, causal=True, **types)
             self._wrapper = self._prefill
+
+    def plan_padded(self, meta: AttentionMetadata) -> None:
+        """Plan a padded decode batch (see :meth:`AttentionBackend.plan_padded`) on the
+        bucket's CUDA-graph wrapper, built on first use over ``meta``'s buffers: FlashInfer
+        keeps the indptr / last-page-length views (``bucket + 1`` and ``bucket`` entries)
+        and the whole page-index buffer (``meta.kv_indices``'s base) as its fixed inputs.
+        The page table is passed as the host copies in ``meta.host_pages`` (no device
+        sync; FlashInfer copies them into its buffers) and the device page indices, which
+        already are its buffer."""
+        assert meta.is_decode and meta.host_pages is not None, "a PaddedDecodeBuffers batch"
+        bucket = meta.batch_size
+        wrapper = self._graph_decode.get(bucket)
+        if wrapper is None:
+            flashinfer = import_flashinfer()
+            base = meta.kv_indices._base if meta.kv_indices._base is not None else meta.kv_indices
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                kv_layout="NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self._tensor_cores,
+                paged_kv_indptr_buffer=meta.kv_indptr,
+                paged_kv_indices_buffer=base,
+                paged_kv_last_page_len_buffer=meta.kv_last_page_len,
+            )
+            self._graph_decode[bucket] = wrapper
+        self._meta = meta
+        indptr_host, last_host = meta.host_pages
+        heads, types = self._plan_args(meta)
+        wrapper.plan(indptr_host, meta.kv_indices, last_host, *heads, **types)
+        self._wrapper = wrapper
 
     def _check_pool(self, layer_id: int, pool: KVPool) -> None:
         """Raises ``ValueError`` if the pool's dtype is not the planned K/V dtype."""

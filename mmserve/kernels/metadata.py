@@ -34,6 +34,9 @@ class AttentionMetadata:
         seq_lens: Python list of each request's KV length after this step (tokens).
         extend_lens: Python list of each request's new tokens (tokens).
         is_decode: True when every request has exactly one new token.
+        host_pages: None, or CPU copies ``(kv_indptr, kv_last_page_len)`` of a padded
+            decode batch's fixed-address buffers (:class:`PaddedDecodeBuffers`), which
+            a planner reads instead of copying the device tensors back (a sync).
     """
 
     qo_indptr: torch.Tensor
@@ -46,6 +49,7 @@ class AttentionMetadata:
     seq_lens: list[int]
     extend_lens: list[int]
     is_decode: bool
+    host_pages: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -125,3 +129,144 @@ def build_metadata(
         extend_lens=list(extend_lens),
         is_decode=all(e == 1 for e in extend_lens),
     )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PaddedDecodeBuffers:
+    """Fixed-address inputs of a decode batch padded to ``bucket`` rows: what a captured
+    CUDA graph reads (token ids, positions, K/V slots, page table), refilled before each
+    replay; on the CPU the same buffers feed an eager forward (the CPU twin).
+
+    Row ``i < B`` is request ``i``'s one new token; padding rows ``B..bucket-1`` are
+    one-token sequences on ``scratch_page`` (token id 0, position 0), so the K/V they
+    write lands on a page no request or tree node owns. Filling is done in host buffers
+    (pinned on CUDA) and copied to the device without a sync: the caller must not refill
+    before the previous batch's copies ran (the engine syncs once per step, at sampling).
+
+    Args:
+        max_bs: largest bucket (rows).
+        max_pages: most pages one request may hold (``ceil(max context / P)``).
+        page_size: tokens per page ``P``.
+        scratch_page: the pool's page that padding rows write
+            (:attr:`~mmserve.cache.kv_pool.KVPool.scratch_page`).
+        device: where the static buffers live.
+
+    Attributes:
+        input_ids, positions, out_cache_loc: int64 ``[max_bs]`` (device).
+        kv_indptr: int32 ``[max_bs + 1]``; kv_indices: int32 ``[max_bs * max_pages]``;
+            kv_last_page_len: int32 ``[max_bs]``; qo_indptr: int32 ``[max_bs + 1]``
+            (``0..max_bs``); logit_rows: int64 ``[max_bs]`` (``0..max_bs-1``): device.
+    """
+
+    def __init__(
+        self,
+        max_bs: int,
+        max_pages: int,
+        page_size: int,
+        scratch_page: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.max_bs, self.max_pages, self.page_size = max_bs, max_pages, page_size
+        self.scratch_page = scratch_page
+        dev = self.device
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(max_bs, dtype=i64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=i64, device=dev)
+        self.out_cache_loc = torch.zeros(max_bs, dtype=i64, device=dev)
+        self.kv_indptr = torch.arange(max_bs + 1, dtype=i32, device=dev)
+        self.kv_indices = torch.full((max_bs * max_pages,), scratch_page, dtype=i32, device=dev)
+        self.kv_last_page_len = torch.ones(max_bs, dtype=i32, device=dev)
+        self.qo_indptr = torch.arange(max_bs + 1, dtype=i32, device=dev)
+        self.logit_rows = torch.arange(max_bs, dtype=i64, device=dev)
+        if dev.type == "cpu":  # no staging: the host buffers are the static ones
+            self._host = (self.input_ids, self.positions, self.out_cache_loc, self.kv_indptr,
+                          self.kv_indices, self.kv_last_page_len)  # fmt: skip
+        else:
+            pin = dev.type == "cuda"
+            self._host = tuple(
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                for t in (self.input_ids, self.positions, self.out_cache_loc, self.kv_indptr,
+                          self.kv_indices, self.kv_last_page_len)
+            )  # fmt: skip
+
+    def fill(
+        self,
+        page_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        token_ids: Sequence[int],
+        bucket: int,
+    ) -> AttentionMetadata:
+        """Write one decode batch, padded to ``bucket`` rows, into the static buffers.
+
+        Args:
+            page_tables: per request, its pages (a
+                :class:`~mmserve.cache.page_table.PageTable` or ints), covering ``seq_len``.
+            seq_lens: per request, its KV length after this step (the new token included).
+            token_ids: per request, the token whose K/V this step computes.
+            bucket: rows of the padded batch (``len(seq_lens) <= bucket <= max_bs``).
+
+        Returns:
+            The padded batch's :class:`AttentionMetadata`: views of the static buffers
+            (``bucket`` rows; ``seq_lens`` holds 1 for each padding row) with
+            :attr:`~AttentionMetadata.host_pages` set.
+
+        Raises:
+            ValueError: more requests than ``bucket``, a bucket over ``max_bs``, a request
+                over ``max_pages`` pages or a page table too short.
+        """
+        n = len(seq_lens)
+        if not (len(page_tables) == n == len(token_ids)) or not n <= bucket <= self.max_bs:
+            raise ValueError(f"{n} requests do not fit a bucket of {bucket} (max {self.max_bs})")
+        P = self.page_size
+        ids, pos, loc, indptr, indices, last = self._host
+        off = 0
+        for i, (pages, seq) in enumerate(zip(page_tables, seq_lens, strict=True)):
+            k = _ceil_div(seq, P)
+            if k > self.max_pages or len(pages) < k:
+                raise ValueError(
+                    f"{seq} tokens need {k} pages; have {len(pages)}, max {self.max_pages}"
+                )
+            used = pages.tensor(k) if hasattr(pages, "tensor") else torch.tensor(list(pages[:k]))
+            indices[off : off + k] = used
+            off += k
+            indptr[i + 1] = off
+        pad = bucket - n
+        indices[off : off + pad] = self.scratch_page
+        indptr[n + 1 : bucket + 1] = torch.arange(off + 1, off + pad + 1, dtype=torch.int32)
+        total = off + pad
+        seq = torch.tensor(list(seq_lens), dtype=torch.int64)
+        last[:n] = (seq - (seq - 1) // P * P).to(torch.int32)
+        last[n:bucket] = 1
+        pos[:n] = seq - 1
+        pos[n:bucket] = 0
+        tail = indices[indptr[1 : n + 1].to(torch.int64) - 1].to(torch.int64)  # last pages
+        loc[:n] = tail * P + (seq - 1) % P
+        loc[n:bucket] = self.scratch_page * P
+        ids[:n] = torch.tensor(list(token_ids), dtype=torch.int64)
+        ids[n:bucket] = 0
+        if self._host[0] is not self.input_ids:  # staged: one async copy per buffer
+            for dst, src, m in zip(
+                (self.input_ids, self.positions, self.out_cache_loc, self.kv_indptr,
+                 self.kv_indices, self.kv_last_page_len),
+                self._host,
+                (bucket, bucket, bucket, bucket + 1, total, bucket),
+                strict=True,
+            ):  # fmt: skip
+                dst[:m].copy_(src[:m], non_blocking=True)
+        return AttentionMetadata(
+            qo_indptr=self.qo_indptr[: bucket + 1],
+            kv_indptr=self.kv_indptr[: bucket + 1],
+            kv_indices=self.kv_indices[:total],
+            kv_last_page_len=self.kv_last_page_len[:bucket],
+            page_size=P,
+            out_cache_loc=self.out_cache_loc[:bucket],
+            positions=self.positions[:bucket],
+            seq_lens=[*seq_lens, *([1] * pad)],
+            extend_lens=[1] * bucket,
+            is_decode=True,
+            host_pages=(indptr[: bucket + 1], last[:bucket]),
+        )

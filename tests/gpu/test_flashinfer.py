@@ -21,29 +21,21 @@ import pytest
 import torch
 
 from mmserve.cache.kv_pool import KVPool
-from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import SamplingParams
-from mmserve.kernels.flashinfer_backend import (
-    FlashInferAttentionBackend,
-    flashinfer_import_problem,
-)
+from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend
 from mmserve.kernels.torch_backend import TorchAttentionBackend
 from tests.helpers import (
     BF16_LOGIT_RTOL,
+    CUDA_AVAILABLE,
+    FLASHINFER_PROBLEM,
     check_against_reference,
+    cuda_engine,
     greedy,
+    needs_cuda,
+    needs_flashinfer,
     random_batch,
     user,
-)
-
-_CUDA = torch.cuda.is_available()
-_FI_PROBLEM = flashinfer_import_problem() if _CUDA else "no CUDA GPU"
-needs_cuda = pytest.mark.skipif(
-    not _CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
-)
-needs_flashinfer = pytest.mark.skipif(
-    _FI_PROBLEM is not None, reason=f"flashinfer unavailable: {_FI_PROBLEM}"
 )
 
 
@@ -51,8 +43,8 @@ def test_gpu_environment_when_required() -> None:
     """With MMSERVE_REQUIRE_GPU=1 (scripts/gpu_check.sh), a missing GPU or flashinfer fails."""
     if os.environ.get("MMSERVE_REQUIRE_GPU") != "1":
         pytest.skip("MMSERVE_REQUIRE_GPU is not 1: GPU tests may skip")
-    assert _CUDA, "MMSERVE_REQUIRE_GPU=1 but torch.cuda.is_available() is False"
-    assert _FI_PROBLEM is None, f"MMSERVE_REQUIRE_GPU=1 but {_FI_PROBLEM}"
+    assert CUDA_AVAILABLE, "MMSERVE_REQUIRE_GPU=1 but torch.cuda.is_available() is False"
+    assert FLASHINFER_PROBLEM is None, f"MMSERVE_REQUIRE_GPU=1 but {FLASHINFER_PROBLEM}"
 
 
 # Output tolerance of one attention call against fp32 on the same rounded inputs:
@@ -100,13 +92,6 @@ def test_flashinfer_matches_torch_backend(dtype, page_size: int, mode: str, hq, 
 
 
 # ---- engine on CUDA ------------------------------------------------------------------------
-def cuda_engine(model_dir, **kw) -> Engine:  # noqa: ANN001
-    """An engine that loads the checkpoint itself, on CUDA (no pre-loaded CPU model)."""
-    return Engine(
-        EngineConfig(model_path=str(model_dir), device="cuda", max_total_tokens=8192, **kw)
-    )
-
-
 def workload(engine: Engine, photos: dict[str, bytes]):  # noqa: ANN201
     """Two questions on one photo (the second hits the cache), another photo, text only."""
     cat = engine.processor.prepare_image(photos["cat.png"])
