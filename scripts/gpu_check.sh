@@ -12,7 +12,7 @@
 # from the work tree (PYTHONPATH, no install). Without .gpu_bundle/ the environment
 # must already have flashinfer (e.g. `pip install -e ".[gpu,test]"`).
 #
-# Phases, each with its own timeout, 470 s in all (under 8 minutes; 620 s on a machine
+# Phases, each with its own timeout, 710 s in all (under 12 minutes; 860 s on a machine
 # with two GPUs, which adds the --tp 2 phase). FlashInfer
 # compiles its kernels on first use (JIT, into ~/.cache/flashinfer), which is most of
 # the pytest phase: on an H100/H200 the tests need the FA3 prefill module (10 files of
@@ -25,6 +25,9 @@
 #   pytest       340 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
 #                equality with transformers in fp32 on CUDA) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
+#   fp8 KV      240 s: tests/gpu/test_kv_fp8_gpu.py: FlashInfer's fp8-KV decode and prefill
+#                (its own JIT modules) and the torch backend on CUDA vs fp32 attention over
+#                the upcast pages; both engines with --kv-cache-dtype fp8_e4m3
 #   benchmark    70 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
 #   --tp 2      150 s, only with two GPUs (else a "skipped" row with the reason):
 #                tests/gpu/test_tp_gpu.py, tp 2 over NCCL against tp 1 (fp32 and bf16)
@@ -38,7 +41,7 @@
 # python3.12 that has torch), GPU_BUNDLE (.gpu_bundle), GPU_SITE (.gpu_site),
 # GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
 # `scripts/gpu_bundle.sh --check PYTHON`), INSTALL_TIMEOUT, ENV_TIMEOUT, PYTEST_TIMEOUT,
-# BENCH_TIMEOUT, TP_TIMEOUT (seconds).
+# BENCH_TIMEOUT, TP_TIMEOUT, KV_FP8_TIMEOUT (seconds).
 set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
@@ -61,6 +64,7 @@ ENV_TIMEOUT=${ENV_TIMEOUT:-30}
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-340}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-70}
 TP_TIMEOUT=${TP_TIMEOUT:-150}
+KV_FP8_TIMEOUT=${KV_FP8_TIMEOUT:-240}
 HAVE_BUNDLE=0
 compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
 
@@ -280,7 +284,12 @@ if [[ $ONLY != setup ]]; then
   # GPU or flashinfer a failure (a skipped GPU test is not a pass).
   phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
     "$PY" -m pytest -v -rs --durations=10 -p no:cacheprovider \
-    --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py tests/gpu tests/test_reference.py
+    --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py \
+    --ignore=tests/gpu/test_kv_fp8_gpu.py tests/gpu tests/test_reference.py
+
+  phase "pytest fp8 KV" "$KV_FP8_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
+    "$PY" -m pytest -v -rs --durations=5 -p no:cacheprovider \
+    --junitxml="$OUT_DIR/pytest_kv_fp8.xml" tests/gpu/test_kv_fp8_gpu.py
 
   # --tp 2 (NCCL, one rank per GPU) only where there are two GPUs; else a skip row
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)

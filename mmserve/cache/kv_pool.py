@@ -56,9 +56,9 @@ def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
     return y if scale == 1.0 else y * scale
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A byte view of an fp8 tensor (some CPU copy kernels, ``index_copy_``, have no fp8
-    version); any other tensor as is."""
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A byte view of an fp8 tensor (indexing kernels lack float8 on some devices: CPU
+    ``index_copy_``, CUDA ``index_put_`` on older torch); any other tensor as is."""
     return t.view(torch.uint8) if is_fp8(t.dtype) else t
 
 
@@ -192,8 +192,9 @@ class KVPool:
         k_flat, v_flat = self.flat_kv(layer_id)
         if self.quantized:
             k_scale, v_scale = self.scales(layer_id)
-            k_flat[loc] = quantize_kv(k, k_scale)
-            v_flat[loc] = quantize_kv(v, v_scale)
+            # through byte views: index_put has no float8 kernel on some devices
+            raw_bytes(k_flat)[loc] = raw_bytes(quantize_kv(k, k_scale))
+            raw_bytes(v_flat)[loc] = raw_bytes(quantize_kv(v, v_scale))
         else:
             k_flat[loc] = k.to(k_flat.dtype)
             v_flat[loc] = v.to(v_flat.dtype)
@@ -215,9 +216,9 @@ class KVPool:
             device and dtype.
         """
         idx = torch.tensor(pages, dtype=torch.long, device=self.k_buffers[0].device)
-        k = torch.stack([b.index_select(0, idx) for b in self.k_buffers], dim=1)
-        v = torch.stack([b.index_select(0, idx) for b in self.v_buffers], dim=1)
-        return torch.stack([k, v], dim=1)
+        k = torch.stack([raw_bytes(b).index_select(0, idx) for b in self.k_buffers], dim=1)
+        v = torch.stack([raw_bytes(b).index_select(0, idx) for b in self.v_buffers], dim=1)
+        return torch.stack([k, v], dim=1).view(self.dtype)
 
     def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
         """Load whole pages into the pool: the tiers' counterpart of :meth:`write_kv`
@@ -236,10 +237,10 @@ class KVPool:
             raise ValueError(f"pages of dtype {kv.dtype} for a {self.dtype} KV pool")
         dev = self.k_buffers[0].device
         idx = torch.tensor(pages, dtype=torch.long, device=dev)
-        kv = _raw(kv.to(dev, non_blocking=True))
+        kv = raw_bytes(kv.to(dev, non_blocking=True))
         for layer in range(self.num_layers):
-            _raw(self.k_buffers[layer]).index_copy_(0, idx, kv[:, 0, layer])
-            _raw(self.v_buffers[layer]).index_copy_(0, idx, kv[:, 1, layer])
+            raw_bytes(self.k_buffers[layer]).index_copy_(0, idx, kv[:, 0, layer])
+            raw_bytes(self.v_buffers[layer]).index_copy_(0, idx, kv[:, 1, layer])
 
 
 @dataclass

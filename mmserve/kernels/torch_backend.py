@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mmserve.cache.kv_pool import KVPool
+from mmserve.cache.kv_pool import KVPool, raw_bytes
 from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.metadata import AttentionMetadata
 
@@ -457,6 +457,6 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     ``index_select`` over 2-D rows is 5-10x faster on CPU than advanced indexing
     of the 3-D view, and gathering K/V is most of the decode step's attention time.
     """
-    rows = flat.view(flat.shape[0], -1)
-    out = torch.index_select(rows, 0, slots.reshape(-1))
+    rows = raw_bytes(flat.view(flat.shape[0], -1))  # fp8 pages are gathered as bytes
+    out = torch.index_select(rows, 0, slots.reshape(-1)).view(flat.dtype)
     return out.view(*slots.shape, *flat.shape[1:])
