@@ -15,7 +15,7 @@ try:  # the HTTP runner's client, from the bench (or test) extra
 except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
-from benchmarks import experiments, real_shapes, suites, workloads  # noqa: E402
+from benchmarks import experiments, kv_fp8, real_shapes, suites, workloads  # noqa: E402
 from benchmarks.in_process import model_dir as checkpoint  # noqa: E402
 
 
@@ -85,6 +85,11 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--repo",), dict(action="append", help="checkout(s) to run the server from")),
         (("--side",), dict(type=int, default=6000, help="image side (pixels)")),
         (("flags",), dict(nargs="*", help="extra `mmserve serve` flags (after --)")),
+    ]),
+    "kv-fp8": (kv_fp8.kv_fp8, "full", "small", "llava", [
+        (("--pool-size",), dict(default="tiny", help="model of the capacity and hit-rate parts")),
+        (("--over",), dict(type=int, default=8, help="working set / bf16 pool (photos)")),
+        (("--positions",), dict(type=int, default=2000, help="teacher-forced positions")),
     ]),
     "video-qa": (experiments.video_qa, "full", "small", "llava", [
         (("--num-frames",), dict(type=int, default=8)),
