@@ -57,17 +57,19 @@ def _ask(eng: Engine, img: Any, question: str) -> Any:
     return req, eng.generate([req])[0]
 
 
+def _budget_engine(model: Any, path: str, memory: int, kv: str) -> Engine:
+    """A bf16 engine whose pool is sized by ``--kv-cache-memory memory`` in ``kv``."""
+    cfg = EngineConfig(
+        model_path=path, dtype="bfloat16", kv_cache_dtype=kv, page_size=16, kv_cache_memory=memory
+    )
+    return Engine(cfg, model=model)
+
+
 def capacity(model: Any, path: str, memory: int, images: list[bytes]) -> dict[str, Any]:
     """Distinct photos whose image KV is in the pool after asking about each in turn."""
     out: dict[str, Any] = {}
     for name, kv in (("bf16", "auto"), ("fp8", "fp8_e4m3")):
-        eng = Engine(
-            EngineConfig(
-                model_path=path, dtype="bfloat16", kv_cache_dtype=kv, page_size=16,
-                kv_cache_memory=memory,
-            ),
-            model=model,
-        )  # fmt: skip
+        eng = _budget_engine(model, path, memory, kv)
         P, prompts = eng.pool.page_size, []
         t0 = time.perf_counter()
         for data in images:
@@ -98,13 +100,7 @@ def hit_rate(
     questions = [workloads.QUESTIONS[rnd.randrange(len(workloads.QUESTIONS))] for _ in order]
     out: dict[str, Any] = {"images": len(images), "requests": requests}
     for name, kv in (("bf16", "auto"), ("fp8", "fp8_e4m3")):
-        eng = Engine(
-            EngineConfig(
-                model_path=path, dtype="bfloat16", kv_cache_dtype=kv, page_size=16,
-                kv_cache_memory=memory,
-            ),
-            model=model,
-        )  # fmt: skip
+        eng = _budget_engine(model, path, memory, kv)
         prepared: dict[int, Any] = {}
         t0 = time.perf_counter()
         for i, q in zip(order, questions, strict=True):
@@ -152,9 +148,24 @@ def _teacher_forced(eng: Engine, prompts: list[tuple[Any, str]]) -> list[torch.T
     return out
 
 
+def _agreement(ref: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
+    """Top-1 agreement and KL(ref || other) (nats) of two ``[n, vocab]`` logit rows."""
+    live = torch.isfinite(ref[0])  # never-sampled ids are -inf in both
+    logp, logq = ref[:, live].log_softmax(-1), other[:, live].log_softmax(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    return {
+        "positions": ref.shape[0],
+        "top1_agreement": (ref.argmax(-1) == other.argmax(-1)).float().mean().item(),
+        "mean_kl": kl.mean().item(),
+        "max_kl": kl.max().item(),
+    }
+
+
 def quality(path: str, images: list[bytes], positions: int) -> dict[str, Any]:
-    """Top-1 agreement and mean KL of fp8 KV against KV in the model's dtype (bf16, fp32)."""
+    """Top-1 agreement and mean KL of fp8 KV against KV in the model's dtype (bf16, fp32),
+    and of the bf16 model against the fp32 one for scale."""
     out: dict[str, Any] = {}
+    refs: dict[str, torch.Tensor] = {}
     for dtype in ("bfloat16", "float32"):
         model = load_model(path, dtype=getattr(torch, dtype))
         runs = {}
@@ -179,18 +190,11 @@ def quality(path: str, images: list[bytes], positions: int) -> dict[str, Any]:
                 n += len(ids) - 1 - _image_end(ids)
                 prompts.append((img, question))
             runs[kv] = _teacher_forced(eng, prompts)
-        ref = torch.cat(runs["auto"])
-        fp8 = torch.cat(runs["fp8_e4m3"])
-        live = torch.isfinite(ref[0])  # never-sampled ids are -inf in both
-        logp, logq = ref[:, live].log_softmax(-1), fp8[:, live].log_softmax(-1)
-        kl = (logp.exp() * (logp - logq)).sum(-1)
         name = "bf16" if dtype == "bfloat16" else "fp32"
-        out[name] = {
-            "positions": ref.shape[0],
-            "top1_agreement": (ref.argmax(-1) == fp8.argmax(-1)).float().mean().item(),
-            "mean_kl": kl.mean().item(),
-            "max_kl": kl.max().item(),
-        }
+        refs[name] = torch.cat(runs["auto"])
+        out[f"fp8 KV vs {name} KV"] = _agreement(refs[name], torch.cat(runs["fp8_e4m3"]))
+    # the scale of plain bf16 noise: the bf16 model (and KV) against the fp32 one
+    out["bf16 vs fp32 (model and KV)"] = _agreement(refs["fp32"], refs["bf16"])
     return out
 
 
@@ -229,7 +233,7 @@ def kv_fp8(args: argparse.Namespace, model_dir: str) -> int:
         f"{hr['bf16']['cache_hit_rate']:.3f} ({hr['ratio']:.2f}x)\n\n"
         + report.table(
             q,
-            "fp8 KV vs|positions=positions|top-1 agreement=top1_agreement:.4f"
+            "logits|positions=positions|top-1 agreement=top1_agreement:.4f"
             "|mean KL (nats)=mean_kl:.2e|max KL=max_kl:.2e",
         )
     )

@@ -273,3 +273,22 @@ def test_cli_lists_the_choices() -> None:
     )
     assert proc.returncode == 2
     assert "--kv-cache-dtype" in proc.stderr and "fp8_e4m3" in proc.stderr
+
+
+# ---- the benchmark's tool ---------------------------------------------------------------
+def test_kv_fp8_benchmark_tiny(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    import json
+
+    from benchmarks.__main__ import main
+
+    argv = ["kv-fp8", "--model", str(model_dir), "--scale", "ci", "--over", "1"]
+    assert main([*argv, "--positions", "60", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "kv_fp8.json").read_text())
+    cap = out["capacity"]
+    assert cap["fp8"]["kv_bytes_per_token"] * 2 == cap["bf16"]["kv_bytes_per_token"]
+    assert cap["ratio"] >= 1.9 and cap["bf16"]["images_resident"] >= 10
+    hr = out["hit_rate"]
+    assert hr["images"] == cap["bf16"]["images_resident"]
+    assert hr["fp8"]["cache_hit_rate"] >= hr["bf16"]["cache_hit_rate"] > 0
+    for q in out["quality"].values():
+        assert q["positions"] >= 60 and 0.0 <= q["top1_agreement"] <= 1.0 and q["mean_kl"] >= 0
