@@ -214,7 +214,7 @@ class EngineConfig:
             )
         if self.kv_fp8() and self.tp > 1:
             raise ValueError(
-                "--kv-cache-dtype fp8_e4m3 is not supported with --tp > 1 yet; "
+                f"--kv-cache-dtype {self.kv_cache_dtype} is not supported with --tp > 1 yet; "
                 "use --kv-cache-dtype auto with --tp, or --tp 1 with fp8 KV"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
