@@ -70,11 +70,11 @@ def test_upcast_to_bf16_is_exact() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fp8_attention_equals_attention_over_upcast_pages(dtype, page_size: int) -> None:  # noqa: ANN001
-    hq, hkv, d = 6, 2, 64
-
     @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.data())
     def check(data) -> None:  # noqa: ANN001
+        hq, hkv = data.draw(st.sampled_from([(6, 2), (4, 4), (8, 1)]), label="heads")
+        d = data.draw(st.sampled_from([32, 64, 128]), label="head_dim")
         tables, prefix, extend = page_layout(data, page_size)
         n_pages = max(max(t) for t in tables) + 1
         k_scale = data.draw(st.sampled_from([1.0, 0.05, 3.0]), label="k_scale")
@@ -157,6 +157,18 @@ def test_engine_pool_and_stats_report_fp8(make_engine) -> None:  # noqa: ANN001
     want = str(auto.pool.dtype).removeprefix("torch.")
     assert auto.stats_snapshot()["kv_cache_dtype"] == want
     assert make_engine(kv_cache_dtype="fp8").pool.dtype == FP8  # vLLM's alias
+
+
+def test_cache_stats_route_reports_the_kv_dtype(make_engine) -> None:  # noqa: ANN001
+    from fastapi.testclient import TestClient
+
+    from api.app import ServerSettings, create_app
+
+    app = create_app(make_engine(kv_cache_dtype="fp8_e4m3"), ServerSettings())
+    with TestClient(app) as c:
+        stats = c.get("/v1/cache/stats").json()
+    assert stats["kv_cache_dtype"] == "fp8_e4m3" and stats["accounting"]["ok"]
+    assert stats["kv_bytes_per_token"] == 2 * 2 * 1 * 64  # tiny: 2 layers, 1 K/V head of 64
 
 
 # ---- the engine -------------------------------------------------------------------------
