@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from api.replicas.settings import ROUTERS, ReplicaSettings
 from api.settings import BATCH_ORDERS, ServerSettings
-from mmserve.config import ATTENTION_BACKENDS, DTYPES, POLICIES, EngineConfig
+from mmserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, POLICIES, EngineConfig
 from mmserve.vision.image import ImageLimits
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class LaunchSettings:
 _CHOICES = {
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "policy": POLICIES,
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
     "replica_router": ROUTERS,

@@ -18,6 +18,7 @@ except ImportError:
 from benchmarks import (  # noqa: E402
     experiments,
     graph_decode,
+    kv_fp8,
     real_shapes,
     suites,
     tracing_overhead,
@@ -96,6 +97,11 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--repo",), dict(action="append", help="checkout(s) to run the server from")),
         (("--side",), dict(type=int, default=6000, help="image side (pixels)")),
         (("flags",), dict(nargs="*", help="extra `mmserve serve` flags (after --)")),
+    ]),
+    "kv-fp8": (kv_fp8.kv_fp8, "full", "small", "llava", [
+        (("--pool-size",), dict(default="tiny", help="model of the capacity and hit-rate parts")),
+        (("--over",), dict(type=int, default=8, help="working set / bf16 pool (photos)")),
+        (("--positions",), dict(type=int, default=2000, help="teacher-forced positions")),
     ]),
     "video-qa": (experiments.video_qa, "full", "small", "llava", [
         (("--num-frames",), dict(type=int, default=8)),

@@ -27,6 +27,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
 #: (resolved by :func:`mmserve.kernels.select.resolve_attention_backend`).
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+#: Accepted values of ``EngineConfig.kv_cache_dtype`` / ``--kv-cache-dtype``: "auto" stores
+#: K/V in the model's dtype; "fp8_e4m3" (alias "fp8", as vLLM) in float8_e4m3fn with
+#: per-layer scales (:mod:`mmserve.cache.kv_pool`).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 
 
 @dataclass
@@ -42,6 +46,11 @@ class EngineConfig:
             CPUs: see :func:`auto_dtype`), "float32", "bfloat16" or "float16".
         attention_backend: "auto" (FlashInfer where it can run, else torch),
             "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
+        kv_cache_dtype: K/V pool storage (:data:`KV_CACHE_DTYPES`): "auto" (the model's
+            dtype) or "fp8_e4m3" (alias "fp8"): float8 e4m3 pages, one byte per element,
+            so the same ``kv_cache_memory`` holds twice the tokens of bf16; written with
+            per-layer K and V scales (the checkpoint's ``k_scale``/``v_scale``, else 1.0)
+            and read by FlashInfer or upcast by the torch backend.
         page_size: tokens per KV page.
         max_total_tokens: KV pool capacity in tokens (rounded down to whole pages); an
             explicit value overrides the memory-based sizing. None: sized from
@@ -127,6 +136,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     page_size: int = 1
     max_total_tokens: int | None = None
     kv_cache_memory: int | None = None
@@ -212,11 +222,25 @@ class EngineConfig:
             raise ValueError("cuda_graph_max_bs must be >= 0 (0: by GPU memory)")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.kv_fp8() and self.tp > 1:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} is not supported with --tp > 1 yet; "
+                "use --kv-cache-dtype auto with --tp, or --tp 1 with fp8 KV"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"choose one of {', '.join(ATTENTION_BACKENDS)}"
             )
+
+    def kv_fp8(self) -> bool:
+        """Whether the KV pool stores float8 e4m3 (``kv_cache_dtype`` fp8_e4m3 or fp8)."""
+        return self.kv_cache_dtype in ("fp8_e4m3", "fp8")
 
     def torch_dtype(self) -> torch.dtype:
         """The resolved model dtype: ``dtype``, with "auto" resolved by :func:`auto_dtype`.

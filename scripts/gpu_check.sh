@@ -12,7 +12,7 @@
 # from the work tree (PYTHONPATH, no install). Without .gpu_bundle/ the environment
 # must already have flashinfer (e.g. `pip install -e ".[gpu,test]"`).
 #
-# Phases, each with its own timeout, 480 s in all (8 minutes; 630 s on a machine
+# Phases, each with its own timeout, 600 s in all (10 minutes; 750 s on a machine
 # with two GPUs, which adds the --tp 2 phase). FlashInfer
 # compiles its kernels on first use (JIT, into ~/.cache/flashinfer), which is most of
 # the pytest phase: on an H100/H200 the tests need the FA3 prefill module (10 files of
@@ -29,6 +29,10 @@
 #                cos/sin-cache RoPE and SiLU-and-mul vs mmserve/kernels/ops.py's torch
 #                versions: tests/gpu/test_fused_ops.py) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
+#   quantized   120 s: tests/gpu/test_kv_fp8_gpu.py (FlashInfer's fp8-KV decode and prefill,
+#                their own JIT modules, and the torch backend on CUDA vs fp32 attention over
+#                the upcast pages; both engines with --kv-cache-dtype fp8_e4m3) and
+#                tests/gpu/test_quant*_gpu.py where present (quantized weights on CUDA)
 #   benchmark    40 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
 #   graph decode 70 s: benchmarks/graph_decode.py on the OneVision-0.5B-shaped checkpoint
 #                (built on first use, ~25 s): decode tokens/s at batch 1, 8, 32 for
@@ -48,7 +52,7 @@
 # python3.12 that has torch), GPU_BUNDLE (.gpu_bundle), GPU_SITE (.gpu_site),
 # GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
 # `scripts/gpu_bundle.sh --check PYTHON`), INSTALL_TIMEOUT, ENV_TIMEOUT, PYTEST_TIMEOUT,
-# BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT (seconds).
+# BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT, QUANT_TIMEOUT (seconds).
 set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
@@ -71,6 +75,7 @@ ENV_TIMEOUT=${ENV_TIMEOUT:-30}
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-310}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-40}
 GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-70}
+QUANT_TIMEOUT=${QUANT_TIMEOUT:-120}
 TP_TIMEOUT=${TP_TIMEOUT:-150}
 HAVE_BUNDLE=0
 compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
@@ -291,7 +296,16 @@ if [[ $ONLY != setup ]]; then
   # GPU or flashinfer a failure (a skipped GPU test is not a pass).
   phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
     "$PY" -m pytest -v -rs --durations=10 -p no:cacheprovider \
-    --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py tests/gpu tests/test_reference.py
+    --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py \
+    --ignore=tests/gpu/test_kv_fp8_gpu.py --ignore-glob='tests/gpu/test_quant*_gpu.py' \
+    tests/gpu tests/test_reference.py
+
+  # fp8 KV and quantized weights: their own phase, so their kernels' JIT cannot starve
+  # the phase above
+  phase "pytest quantized" "$QUANT_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
+    "$PY" -m pytest -v -rs --durations=5 -p no:cacheprovider \
+    --junitxml="$OUT_DIR/pytest_quantized.xml" tests/gpu/test_kv_fp8_gpu.py \
+    $(compgen -G 'tests/gpu/test_quant*_gpu.py')
 
   # --tp 2 (NCCL, one rank per GPU) only where there are two GPUs; else a skip row
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)

@@ -267,6 +267,32 @@ def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cp
     return pool, meta, rnd(hq), rnd(hkv), rnd(hkv)
 
 
+def page_layout(data, page_size: int):  # noqa: ANN001, ANN201
+    """Page tables for a batch: a shared prefix (some requests), contiguous or scattered
+    own pages, so runs of every length (viewed, gathered, shared) occur."""
+    from hypothesis import strategies as st
+
+    n_req = data.draw(st.integers(1, 5), label="requests")
+    shared_pages = data.draw(st.integers(0, 160 // page_size), label="shared pages")
+    free = list(range(shared_pages, shared_pages + 4000 // page_size))
+    if data.draw(st.booleans(), label="scatter"):
+        data.draw(st.randoms(use_true_random=False)).shuffle(free)
+    tables, prefix, extend = [], [], []
+    for _ in range(n_req):
+        share = data.draw(st.integers(0, shared_pages), label="shares") if shared_pages else 0
+        own = data.draw(st.integers(1, 120), label="own tokens")
+        seq = share * page_size + own
+        # new tokens never land in shared pages (those hold a cached prefix)
+        q_len = data.draw(
+            st.one_of(st.just(1), st.integers(1, min(own, 64)), st.just(own)), label="q_len"
+        )
+        n_pages = -(-seq // page_size)
+        tables.append(list(range(share)) + [free.pop() for _ in range(n_pages - share)])
+        prefix.append(seq - q_len)
+        extend.append(q_len)
+    return tables, prefix, extend
+
+
 # ---- engine workloads shared by cache, scheduling and tensor-parallel tests ---------------
 
 #: EngineConfig fields for "cache on and off" tests: page sizes 1 and 16, radix cache on/off

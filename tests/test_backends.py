@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from mmserve.cache.kv_pool import KVPool
+from mmserve.cache.kv_pool import KVPool, quantize_kv
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
 from mmserve.kernels import (
@@ -26,7 +26,7 @@ from mmserve.kernels import (
 )
 from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend
 from mmserve.kernels.torch_backend import TorchAttentionBackend
-from tests.helpers import BF16_LOGIT_RTOL, greedy, random_batch, user
+from tests.helpers import BF16_LOGIT_RTOL, greedy, page_layout, random_batch, user
 
 
 # ---- selection ------------------------------------------------------------------
@@ -150,16 +150,30 @@ def test_engine_loads_configured_dtype_and_stays_close_to_fp32(model_dir, photos
 
 
 # ---- FlashInfer backend plumbing with a stand-in module ------------------------------
-def _paged_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_len, causal):  # noqa: ANN001, ANN202
-    """Attention as FlashInfer documents it: NHD pages, end-aligned causal mask, fp32 math."""
+def _paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    last_len,
+    causal,
+    k_scale=None,
+    v_scale=None,
+):  # noqa: ANN001, ANN202, E501
+    """Attention as FlashInfer documents it: NHD pages, end-aligned causal mask, fp32 math;
+    fp8 pages are upcast and ``k_scale`` / ``v_scale`` (None: 1) multiply K and V."""
+    k_scale = 1.0 if k_scale is None else k_scale
+    v_scale = 1.0 if v_scale is None else v_scale
     P = k_cache.shape[1]
     out = torch.empty_like(q)
     qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
     for i in range(len(qo) - 1):
         pages = kv_indices[kvp[i] : kvp[i + 1]].long()
         kv_len = (len(pages) - 1) * P + int(last_len[i])
-        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:kv_len].float()
-        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:kv_len].float()
+        k = k_cache.float()[pages].reshape(-1, *k_cache.shape[2:])[:kv_len] * k_scale
+        v = v_cache.float()[pages].reshape(-1, *v_cache.shape[2:])[:kv_len] * v_scale
         qi = q[qo[i] : qo[i + 1]].float()
         group = qi.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -177,8 +191,10 @@ def _fake_flashinfer() -> types.ModuleType:
     calls: list[str] = []
 
     class _Wrapper:
-        def _check_run(self, q, paged_kv_cache):  # noqa: ANN001, ANN202
+        def _check_run(self, q, paged_kv_cache, k_scale):  # noqa: ANN001, ANN202
             k_cache, v_cache = paged_kv_cache  # the (k, v) tuple form
+            # scales are passed exactly when the pages are fp8
+            assert (k_scale is not None) == (k_cache.dtype == torch.float8_e4m3fn)
             assert k_cache.dim() == 4 and k_cache.shape[1] == self.page_size  # NHD
             assert k_cache.shape[2:] == (self.num_kv_heads, self.head_dim)
             assert q.dtype == self.q_dtype and k_cache.dtype == self.kv_dtype
@@ -223,9 +239,11 @@ def _fake_flashinfer() -> types.ModuleType:
             self.q_dtype, self.kv_dtype = q_data_type, kv_data_type or q_data_type
             calls.append("plan:prefill")
 
-        def run(self, q, paged_kv_cache):  # noqa: ANN001, ANN201
-            k_cache, v_cache = self._check_run(q, paged_kv_cache)
-            return _paged_attention(q, k_cache, v_cache, *self.arrays, causal=self.causal)
+        def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None):  # noqa: ANN001, ANN201
+            k_cache, v_cache = self._check_run(q, paged_kv_cache, k_scale)
+            return _paged_attention(
+                q, k_cache, v_cache, *self.arrays, self.causal, k_scale, v_scale
+            )
 
     class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         def __init__(  # noqa: ANN204
@@ -270,10 +288,10 @@ def _fake_flashinfer() -> types.ModuleType:
             self.q_dtype, self.kv_dtype = q_data_type, kv_data_type or q_data_type
             calls.append("plan:decode")
 
-        def run(self, q, paged_kv_cache):  # noqa: ANN001, ANN201
-            k_cache, v_cache = self._check_run(q, paged_kv_cache)
+        def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None):  # noqa: ANN001, ANN201
+            k_cache, v_cache = self._check_run(q, paged_kv_cache, k_scale)
             assert q.shape[0] == len(self.arrays[3])  # one query per request
-            return _paged_attention(q, k_cache, v_cache, *self.arrays, causal=False)
+            return _paged_attention(q, k_cache, v_cache, *self.arrays, False, k_scale, v_scale)
 
     mod = types.ModuleType("flashinfer")
     mod.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
@@ -282,19 +300,41 @@ def _fake_flashinfer() -> types.ModuleType:
     return mod
 
 
+def _fp8_copy(pool: KVPool, k_scales: list[float], v_scales: list[float]) -> KVPool:
+    """An fp8 pool holding ``pool``'s pages quantized with the given per-layer scales."""
+    out = KVPool(
+        pool.num_pages, pool.page_size, pool.num_layers, *pool.k_buffers[0].shape[2:],
+        dtype=torch.float8_e4m3fn, k_scales=k_scales, v_scales=v_scales,
+    )  # fmt: skip
+    for layer in range(pool.num_layers):
+        out.k_buffers[layer].copy_(quantize_kv(pool.k_buffers[layer], k_scales[layer]))
+        out.v_buffers[layer].copy_(quantize_kv(pool.v_buffers[layer], v_scales[layer]))
+    return out
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("mode", ["prefill", "partial", "decode"])
-def test_flashinfer_backend_plumbing_matches_torch(monkeypatch, page_size: int, mode: str) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_flashinfer_backend_plumbing_matches_torch(
+    monkeypatch, page_size: int, mode: str, kv
+) -> None:  # noqa: ANN001, E501
     fake = _fake_flashinfer()
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     dtype = torch.bfloat16
     pool_fi, meta, q, k, v = random_batch(page_size, mode, 8, 2, dtype)
-    pool_ref = KVPool(pool_fi.num_pages, page_size, 2, 2, 64, dtype=dtype)
+    if kv == "fp8":  # scales other than 1 so that a scale left out shows
+        pool_fi = _fp8_copy(pool_fi, [0.5, 2.0], [2.0, 0.25])
+    pool_ref = KVPool(
+        pool_fi.num_pages, page_size, 2, 2, 64, dtype=pool_fi.dtype,
+        k_scales=pool_fi.k_scales, v_scales=pool_fi.v_scales,
+    )  # fmt: skip
     for dst, src in zip(
         pool_ref.k_buffers + pool_ref.v_buffers, pool_fi.k_buffers + pool_fi.v_buffers, strict=True
     ):
         dst.copy_(src)
-    fi = FlashInferAttentionBackend(8, 2, 64, "cpu", dtype, workspace_bytes=1024)
+    fi = FlashInferAttentionBackend(
+        8, 2, 64, "cpu", dtype, workspace_bytes=1024, kv_dtype=pool_fi.dtype
+    )
     ref = TorchAttentionBackend()
     fi.plan(meta)
     ref.plan(meta)
@@ -303,8 +343,11 @@ def test_flashinfer_backend_plumbing_matches_torch(monkeypatch, page_size: int, 
         out_ref = ref.forward(q, k, v, layer, pool_ref)
         assert out_fi.dtype == dtype and out_fi.shape == q.shape
         torch.testing.assert_close(out_fi.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
-        assert torch.equal(pool_fi.k_buffers[layer], pool_ref.k_buffers[layer])
-        assert torch.equal(pool_fi.v_buffers[layer], pool_ref.v_buffers[layer])
+        for a, b in (
+            (pool_fi.k_buffers, pool_ref.k_buffers),
+            (pool_fi.v_buffers, pool_ref.v_buffers),
+        ):
+            assert torch.equal(a[layer].view(torch.uint8), b[layer].view(torch.uint8))
     kind = "Decode" if mode == "decode" else "Prefill"
     run = f"run:Batch{kind}WithPagedKVCacheWrapper"
     assert fake.calls == [f"plan:{kind.lower()}", run, run]
@@ -317,32 +360,6 @@ def test_flashinfer_backend_rejects_fp32(monkeypatch) -> None:  # noqa: ANN001
 
 
 # ---- the torch backend's view path (CPU: runs of the pool read in place) ----------------
-def _layout(data, page_size: int):  # noqa: ANN001, ANN202
-    """Page tables for a batch: a shared prefix (some requests), contiguous or scattered
-    own pages, so runs of every length (viewed, gathered, shared) occur."""
-    from hypothesis import strategies as st
-
-    n_req = data.draw(st.integers(1, 5), label="requests")
-    shared_pages = data.draw(st.integers(0, 160 // page_size), label="shared pages")
-    free = list(range(shared_pages, shared_pages + 4000 // page_size))
-    if data.draw(st.booleans(), label="scatter"):
-        data.draw(st.randoms(use_true_random=False)).shuffle(free)
-    tables, prefix, extend = [], [], []
-    for _ in range(n_req):
-        share = data.draw(st.integers(0, shared_pages), label="shares") if shared_pages else 0
-        own = data.draw(st.integers(1, 120), label="own tokens")
-        seq = share * page_size + own
-        # new tokens never land in shared pages (those hold a cached prefix)
-        q_len = data.draw(
-            st.one_of(st.just(1), st.integers(1, min(own, 64)), st.just(own)), label="q_len"
-        )
-        n_pages = -(-seq // page_size)
-        tables.append(list(range(share)) + [free.pop() for _ in range(n_pages - share)])
-        prefix.append(seq - q_len)
-        extend.append(q_len)
-    return tables, prefix, extend
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_view_path_equals_the_literal_path_and_documented_attention(dtype, page_size) -> None:  # noqa: ANN001
@@ -356,7 +373,7 @@ def test_view_path_equals_the_literal_path_and_documented_attention(dtype, page_
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.data())
     def check(data) -> None:  # noqa: ANN001
-        tables, prefix, extend = _layout(data, page_size)
+        tables, prefix, extend = page_layout(data, page_size)
         n_pages = max(max(t) for t in tables) + 1
         pool = KVPool(n_pages, page_size, 1, hkv, d, dtype=dtype)
         gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))

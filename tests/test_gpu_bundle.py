@@ -47,6 +47,7 @@ NOT_ON_THE_GPU_PATH = {
     ("mmserve/structured/spec.py", "xgrammar"): "only requests with structured output",
     ("mmserve/vision/video.py", "av"): "only requests with videos (the front end decodes them)",
     ("mmserve/testing/checkpoints.py", "sentencepiece"): "only --family llava-next",
+    ("tests/helpers.py", "hypothesis"): "only page_layout, which tests/gpu does not use",
 }
 
 

@@ -327,6 +327,32 @@ def test_evicted_pages_come_back_from_a_tier(
     eng.close()
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_fp8_pages_round_trip_through_a_tier(make_engine, imgs, tmp_path: Path, tier: str) -> None:  # noqa: ANN001
+    """fp8 KV pages go to a tier and come back as the same bytes: the same tokens as fp8
+    without tiers; they live in their own namespace, one byte per element on disk."""
+    fp8 = {"page_size": 16, "max_total_tokens": POOL, "kv_cache_dtype": "fp8_e4m3"}
+    base = _rounds(make_engine(**fp8), imgs)
+    kw = {"kv_host_bytes": 1 << 30} if tier == "host" else {"kv_disk_dir": str(tmp_path)}
+    eng = make_engine(**fp8, **kw)
+    res = _rounds(eng, imgs)
+    for k, (a, b) in enumerate(zip(res, base, strict=True)):
+        assert a.output_ids == b.output_ids, f"{tier} #{k}"
+    assert eng.cache_stats()[f"tier_{tier}_hit_tokens"] > 0
+    assert all(r.cached_tokens >= 576 // 16 * 16 for r in res[3:])
+    assert all(r.cached_tokens < 576 for r in base[3:])
+    if tier == "disk":
+        eng.close()
+        auto = make_engine(page_size=16, kv_disk_dir=str(tmp_path))
+        assert auto.tiers.disk.dir != eng.tiers.disk.dir  # bf16/fp32 pages never mix
+        files = list(Path(eng.tiers.disk.dir).glob("*.kv"))
+        shape = eng.pool.k_buffers[0].shape  # [pages, P, Hkv, D]
+        page = 2 * eng.pool.num_layers * shape[1] * shape[2] * shape[3]  # 1 byte each
+        assert files and all(f.stat().st_size == 64 + page for f in files)
+        auto.close()
+    eng.close()
+
+
 def test_restart_reuses_disk_pages(make_engine, imgs, tmp_path: Path) -> None:  # noqa: ANN001
     first = make_engine(kv_disk_dir=str(tmp_path))
     before = _rounds(first, imgs, rounds=1)

@@ -9,10 +9,11 @@ recomputing it, the way SGLang's HiCache (device -> host -> storage) does.
 ``i`` is ``XXH3_128(key(i-1) || int64 bytes of its P token ids)``, and the chain
 starts from a root key that hashes the *namespace*: the model fingerprint
 (:func:`model_fingerprint`: config plus sampled weights), the KV dtype, the page
-size and the KV layout. A key therefore names the KV of a whole prefix on one
-checkpoint; image pseudo-token ids are content hashes, so images are included.
-Two checkpoints, dtypes or page sizes never share a key, and the disk tier also
-puts each namespace in its own directory and writes it in every file header.
+size and the KV layout (with an fp8 pool's per-layer scales). A key therefore names
+the KV of a whole prefix on one checkpoint; image pseudo-token ids are content hashes,
+so images are included. Two checkpoints, KV dtypes (bf16 and fp8 pages never mix) or
+page sizes never share a key, and the disk tier also puts each namespace in its own
+directory and writes it in every file header.
 
 **Write policy: write-back on eviction.** When the tree evicts a node, its pages
 are copied to the host tier (synchronously, before the pool pages are reused)
@@ -42,7 +43,8 @@ the embedding cache nor in the request, the loader thread reads them with the pa
 
 **Disk format.** One file per page, ``DIR/<namespace hex>/<key hex>.kv``: a
 64-byte header (magic, format version, namespace, key, payload length, XXH3-64
-checksum of the payload) followed by the raw page ``[2, L, P, Hkv, D]`` bytes.
+checksum of the payload) followed by the raw page ``[2, L, P, Hkv, D]`` bytes (one
+byte per element for an fp8 pool).
 Features: ``<image key hex>.feat``, an 80-byte header (another magic, the same
 fields, then rows, columns and dtype) and the raw ``[tokens, hidden]`` bytes; a read
 also checks the shape against the prompt's run of the image. Pages and features share

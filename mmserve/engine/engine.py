@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.cache.kv_pool import KVPool
+from mmserve.cache.kv_pool import KVPool, kv_dtype_name
 from mmserve.cache.radix_cache import RadixCache
 from mmserve.config import EngineConfig
 from mmserve.engine.cuda_graph import graph_mode
@@ -37,6 +37,7 @@ from mmserve.engine.sampling import (
     token_logprob,
 )
 from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree
+from mmserve.model.kv_scales import read_kv_scales
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.structured.compile import new_state
 from mmserve.structured.decode import GuidedDecoding
@@ -98,7 +99,11 @@ class Engine:
         self.model = model
         shape = model.decoder.shape
         self.max_context = shape.max_position_embeddings
-        self.pool = KVPool.for_model(config, shape, model.decoder.embed_tokens.weight.dtype)
+        scales = None  # fp8 KV: the checkpoint's per-layer scales, if it has them
+        if config.kv_fp8() and config.model_path is not None:
+            scales = read_kv_scales(config.model_path, shape.num_layers)
+        dtype = model.decoder.embed_tokens.weight.dtype
+        self.pool = KVPool.for_model(config, shape, dtype, scales)
         self.embedding_cache = EmbeddingCache(config.vision_cache_bytes)
         # host/disk KV tiers behind the tree (None when off): see mmserve.cache.kv_tiers;
         # image features read from the disk tier go into the embedding cache
@@ -213,10 +218,13 @@ class Engine:
         return written
 
     def stats_snapshot(self) -> dict:
-        """:meth:`cache_stats` plus used pages, live requests and, when no request is
-        live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
+        """:meth:`cache_stats` plus used pages, the KV pool's dtype (``kv_cache_dtype``:
+        "fp8_e4m3" or the model dtype's name) and bytes per token, live requests and, when
+        no request is live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
         stats = dict(self.cache_stats())
         stats["used_pages"] = stats["pool_pages"] - stats["free_pages"]
+        stats["kv_cache_dtype"] = kv_dtype_name(self.pool.dtype)
+        stats["kv_bytes_per_token"] = self.pool.bytes_per_token()
         stats["live_requests"] = len(self.live_requests())
         stats["accounting"] = None
         if not self.live_requests() and not self.has_work():

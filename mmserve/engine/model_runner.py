@@ -87,6 +87,7 @@ class ModelRunner:
             shape.num_kv_heads,
             shape.head_dim,
             self.dtype,
+            kv_dtype=pool.dtype,
         )
         mask = torch.zeros(model.decoder.shape.vocab_size, dtype=torch.float32)
         mask[model.never_sample_ids] = float("-inf")

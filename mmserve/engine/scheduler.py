@@ -70,7 +70,8 @@ def make_kv_tiers(
         model_fingerprint(text, named),
         k.dtype,
         pool.page_size,
-        ("NHD", pool.num_layers, k.shape[2], k.shape[3]),
+        # fp8 pages mean something only with the scales they were written with
+        ("NHD", pool.num_layers, k.shape[2], k.shape[3], *pool.k_scales, *pool.v_scales),
     )
     return KVTiers(
         pool,

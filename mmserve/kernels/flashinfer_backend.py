@@ -19,7 +19,9 @@ API used (FlashInfer docs, "flashinfer.prefill" and "flashinfer.decode";
 ``flashinfer/prefill.py`` and ``flashinfer/decode.py`` in flashinfer-ai/flashinfer):
 ``Wrapper(float_workspace_buffer, kv_layout)``, ``plan(indptr..., num_qo_heads,
 num_kv_heads, head_dim, page_size, ..., q_data_type=, kv_data_type=)`` and
-``run(q, (k_cache, v_cache))``.
+``run(q, (k_cache, v_cache))``. An fp8 pool is planned with ``kv_data_type=
+torch.float8_e4m3fn`` and run with the layer's ``k_scale=`` and ``v_scale=`` (the
+kernels fold them into the softmax scale and the output).
 
 ``flashinfer`` is imported lazily (in :func:`import_flashinfer`) so that
 importing :mod:`mmserve` never requires it.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.cache.kv_pool import KVPool
+from mmserve.cache.kv_pool import KVPool, is_fp8
 from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.metadata import AttentionMetadata
 
@@ -98,8 +100,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         num_kv_heads: K/V heads ``Hkv``.
         head_dim: dimension per head ``D``.
         device: CUDA device of the model and the KV pool.
-        dtype: dtype of queries and of the KV pool (fp16 or bf16).
+        dtype: dtype of queries (fp16 or bf16).
         workspace_bytes: size of the float workspace buffer (bytes).
+        kv_dtype: dtype of the KV pool: ``dtype`` (None) or ``torch.float8_e4m3fn``.
 
     Raises:
         BackendUnavailableError: if ``flashinfer`` cannot be imported.
@@ -118,7 +121,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         device: torch.device | str,
         dtype: torch.dtype,
         workspace_bytes: int = WORKSPACE_BYTES,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if kv_dtype != dtype and not is_fp8(kv_dtype):
+            raise ValueError(f"FlashInfer reads a KV pool in {dtype} or fp8 e4m3, not {kv_dtype}")
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"FlashInfer attention needs float16 or bfloat16, got {dtype}; "
@@ -133,6 +140,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
         self.device = torch.device(device)
         # FlashInfer requires the workspace zeroed before its first use; one buffer
         # serves both wrappers because only one of them runs per batch.
@@ -154,7 +162,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         types = {
             "pos_encoding_mode": "NONE",  # RoPE is applied by the model before attention
             "q_data_type": self.dtype,
-            "kv_data_type": self.dtype,
+            "kv_data_type": self.kv_dtype,
         }
         return heads, types
 
@@ -208,13 +216,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Raises ``ValueError`` if the pool's dtype is not the planned K/V dtype."""
         assert self._wrapper is not None, "plan() before forward()"
         k_buf = pool.k_buffers[layer_id]
-        if k_buf.dtype != self.dtype:
-            raise ValueError(f"KV pool dtype {k_buf.dtype} differs from the planned {self.dtype}")
+        if k_buf.dtype != self.kv_dtype:
+            raise ValueError(
+                f"KV pool dtype {k_buf.dtype} differs from the planned {self.kv_dtype}"
+            )
 
     def _attend(
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layer_id: int, pool: KVPool
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend._attend`: the planned wrapper over the layer's pages."""
         k_buf, v_buf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
-        out = self._wrapper.run(q.to(self.dtype).contiguous(), (k_buf, v_buf))
+        scales = {}
+        if pool.quantized:
+            k_scale, v_scale = pool.scales(layer_id)
+            scales = {"k_scale": k_scale, "v_scale": v_scale}
+        out = self._wrapper.run(q.to(self.dtype).contiguous(), (k_buf, v_buf), **scales)
         return out.to(q.dtype)

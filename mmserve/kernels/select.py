@@ -98,6 +98,7 @@ def make_attention_backend(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """Build the attention backend ``name`` resolves to (see :func:`resolve_attention_backend`).
 
@@ -105,7 +106,9 @@ def make_attention_backend(
         name: "auto", "torch" or "flashinfer".
         device: the model's device.
         num_qo_heads, num_kv_heads, head_dim: the decoder's attention shape.
-        dtype: the model's (and KV pool's) dtype.
+        dtype: the model's dtype.
+        kv_dtype: the KV pool's dtype (None: ``dtype``; else ``torch.float8_e4m3fn``,
+            which both backends read).
 
     Returns:
         A :class:`TorchAttentionBackend` or a :class:`FlashInferAttentionBackend`.
@@ -115,5 +118,7 @@ def make_attention_backend(
         BackendUnavailableError: for "flashinfer" when it cannot run here.
     """
     if resolve_attention_backend(name, device, dtype) == "flashinfer":
-        return FlashInferAttentionBackend(num_qo_heads, num_kv_heads, head_dim, device, dtype)
+        return FlashInferAttentionBackend(
+            num_qo_heads, num_kv_heads, head_dim, device, dtype, kv_dtype=kv_dtype
+        )
     return TorchAttentionBackend()

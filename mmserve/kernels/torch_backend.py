@@ -17,16 +17,22 @@ FlashDecoding / FlashInfer's ``merge_state``: ``o = sum_i o_i exp(lse_i - m) /
 sum_i exp(lse_i - m)``, ``m = max_i lse_i``). Requests whose longest run is the same
 pool range (many questions about one image) attend to it in one call, their query
 rows stacked (cascade attention in spirit).
+
+An fp8 pool (``--kv-cache-dtype fp8_e4m3``) is read by both paths alike: the gathered
+or viewed K/V are upcast to the queries' dtype (exact), the layer's ``k_scale`` is
+folded into the softmax scale (``k_scale / sqrt(D)``) and ``v_scale`` multiplies the
+output (attention is linear in V), so no scaled copy of the pages is made.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from mmserve.cache.kv_pool import KVPool
+from mmserve.cache.kv_pool import KVPool, raw_bytes
 from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.metadata import AttentionMetadata
 
@@ -87,6 +93,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode_rows: torch.Tensor | None = None
         self._loop: list[int] = []
         self._qo: list[int] = []
+        self._scale: float | None = None  # softmax scale of this layer (None: 1/sqrt(D))
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Precompute per-request slot indices and masks shared by every layer."""
@@ -223,7 +230,17 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend(
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layer_id: int, pool: KVPool
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend._attend`."""
+        """See :meth:`AttentionBackend._attend`; an fp8 pool's scales are applied as the
+        module docstring says."""
+        k_scale, v_scale = pool.scales(layer_id)
+        self._scale = None if k_scale == 1.0 else k_scale / math.sqrt(q.shape[-1])
+        out = self._attend_upcast(q, k_all, v_all)
+        return out if v_scale == 1.0 else out * v_scale
+
+    def _attend_upcast(
+        self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention over the pool's slots, K/V upcast to ``q``'s dtype, unscaled V."""
         if self._decode_index is not None and not self._loop and not self._view_reqs:
             return self._decode_batched(q, k_all, v_all)
         out = torch.empty_like(q)
@@ -244,7 +261,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = self._masks[i]
             causal = mask is None and qi.shape[2] > 1
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=causal, enable_gqa=True
+                qi, ki, vi, attn_mask=mask, is_causal=causal, enable_gqa=True, scale=self._scale
             )
             out[qo[i] : qo[i + 1]] = oi[0].transpose(0, 1)
         return out
@@ -293,7 +310,8 @@ class TorchAttentionBackend(AttentionBackend):
             mask = None
             if c.mask is not None:  # [q_len, L] -> [q_len * G, L]
                 mask = self._float_mask(n_chunk, c.mask.repeat_interleave(g, dim=0), q.dtype)
-            o, lse = _FLASH(qc[None], kc[None].to(q.dtype), vc[None].to(q.dtype), attn_mask=mask)
+            kc, vc = kc[None].to(q.dtype), vc[None].to(q.dtype)
+            o, lse = _FLASH(qc[None], kc, vc, attn_mask=mask, scale=self._scale)
             if c.dead:
                 # rows that see no key of this chunk: it must weigh nothing in the merge
                 dead = c.mask.all(1).repeat_interleave(g)  # [q_len * G]
@@ -313,7 +331,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = self._masks_by_dtype.get((-1, q.dtype))
             if mask is None:
                 mask = self._float_mask(-1, ~self._rest_valid[:, None, None, :], q.dtype)
-            o, lse = _FLASH(qb, kb, vb, attn_mask=mask)
+            o, lse = _FLASH(qb, kb, vb, attn_mask=mask, scale=self._scale)
             dec_o.append(o)
             dec_lse.append(lse)
         if self._merge_plan is not None:
@@ -340,7 +358,7 @@ class TorchAttentionBackend(AttentionBackend):
         vb = _gather(v_flat, idx).permute(0, 2, 1, 3).to(q.dtype)
         qb = q[:, :, None, :]  # [B, Hq, 1, D]
         ob = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=self._decode_mask, enable_gqa=True
+            qb, kb, vb, attn_mask=self._decode_mask, enable_gqa=True, scale=self._scale
         )
         return ob[:, :, 0, :]
 
@@ -439,6 +457,6 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     ``index_select`` over 2-D rows is 5-10x faster on CPU than advanced indexing
     of the 3-D view, and gathering K/V is most of the decode step's attention time.
     """
-    rows = flat.view(flat.shape[0], -1)
-    out = torch.index_select(rows, 0, slots.reshape(-1))
+    rows = raw_bytes(flat.view(flat.shape[0], -1))  # fp8 pages are gathered as bytes
+    out = torch.index_select(rows, 0, slots.reshape(-1)).view(flat.dtype)
     return out.view(*slots.shape, *flat.shape[1:])
