@@ -20,6 +20,7 @@ import random
 import re
 import subprocess
 import sys
+import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -544,7 +545,7 @@ class FakeFlashInfer:
                 self.last.copy_(last)
                 self.indices[: len(indices)].copy_(indices)
 
-            def run(self, q, kv) -> torch.Tensor:  # noqa: ANN001
+            def run(self, q, kv, k_scale=None, v_scale=None) -> torch.Tensor:  # noqa: ANN001
                 k_buf, v_buf = kv
                 n = len(self.last)
                 pages = (self.indptr[1:] - self.indptr[:-1]).tolist()
@@ -560,7 +561,9 @@ class FakeFlashInfer:
                 ref = TorchAttentionBackend(views=False)
                 ref.plan(meta)
                 flat = lambda b: b.view(-1, *b.shape[2:])  # noqa: E731
-                return ref._attend(q, flat(k_buf), flat(v_buf), 0, None)
+                scales = (k_scale or 1.0, v_scale or 1.0)  # what FlashInfer's run takes
+                pool = types.SimpleNamespace(scales=lambda _layer: scales)
+                return ref._attend(q, flat(k_buf), flat(v_buf), 0, pool)
 
         self.BatchDecodeWithPagedKVCacheWrapper = Wrapper
         self.BatchPrefillWithPagedKVCacheWrapper = Wrapper  # built, never planned here
