@@ -326,6 +326,16 @@ def test_cache_router_policy() -> None:
         )
         ranked = await router.choose_replicas(cands, call)
         assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [[other]]
+        # a call for a replica that is gone gets no replica, and Ray Serve is told to back
+        # off before asking again (else its routing loop spins and starves every request)
+        gone = PendingRequest(
+            args=[ControlCall("health", target="gone")],
+            kwargs={},
+            metadata=RequestMetadata(request_id="g", internal_request_id="g"),
+        )
+        assert not gone.routing_context.should_backoff
+        assert await router.choose_replicas(cands, gone) == []
+        assert gone.routing_context.should_backoff
         # a dead replica's tree goes; the survivor takes its questions
         router.on_replica_actor_died(ReplicaID(first, dep))
         assert not router.snapshot()["replicas"][first]["alive"]
@@ -333,6 +343,74 @@ def test_cache_router_policy() -> None:
         assert await route(system + img1 + [4], "q8") == other
 
     asyncio.run(main())
+
+
+class HungCall:
+    """A Ray Serve response (or response generator) that never answers."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __await__(self):  # noqa: ANN204
+        return asyncio.get_running_loop().create_future().__await__()
+
+    def __aiter__(self) -> HungCall:
+        return self
+
+    async def __anext__(self) -> object:
+        await asyncio.get_running_loop().create_future()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class HungHandle:
+    """A deployment handle whose calls never answer (replicas dead or stuck)."""
+
+    deployment_name = "EngineReplica"
+
+    def __init__(self) -> None:
+        self.calls: list[HungCall] = []
+
+    def options(self, **_: object) -> HungHandle:
+        return self
+
+    def remote(self, _payload: object) -> HungCall:
+        self.calls.append(HungCall())
+        return self.calls[-1]
+
+
+def test_no_call_waits_on_a_dead_replica_beyond_its_bound() -> None:
+    """A control call for a replica the router no longer lists fails as ``ReplicaGone``
+    (without waiting out its 60 s timeout); one for a listed replica that does not answer
+    times out; a request no replica starts ends with an error result after
+    ``accept_seconds`` (not retried); every hung call is cancelled."""
+    from api.replicas import registry
+    from api.replicas.client import ReplicaClient, ReplicaGone
+    from mmserve.engine.messages import EngineRequest
+
+    class Listing:
+        def replica_ids(self) -> list[str]:
+            return ["alive"]
+
+    registry.register("dead-unit", "EngineReplica", Listing())
+    handle = HungHandle()
+    client = ReplicaClient(handle, "dead-unit", tokenizer=None, accept_seconds=0.5)
+
+    async def main() -> list:
+        with pytest.raises(ReplicaGone, match="dead"):
+            await client.call("health", "dead", timeout=60)
+        with pytest.raises(TimeoutError):
+            await client.call("health", "alive", timeout=0.5)
+        req = EngineRequest((1, 2, 3), (), SamplingParams(max_tokens=2))
+        return [u async for u in client.stream(req)]
+
+    updates = asyncio.run(asyncio.wait_for(main(), 30))
+    assert len(handle.calls) == 3 and all(c.cancelled for c in handle.calls)
+    (last,) = updates
+    assert last.result.finish_reason == "error"
+    assert last.result.error == "no replica started the request within 0.5 s"
+    assert client.retries == 0 and client.replica_failures == 0
 
 
 def test_cache_router_counts_the_shared_disk_tier() -> None:
@@ -626,6 +704,65 @@ class TestCacheRouter:
             assert r.status_code == 200, r.text
         routed = stats(ep)["router"]["replicas"][new]["routed"]
         assert sum(routed.values()) >= 1, routed
+
+    def test_replicas_killed_idle_and_between_requests_leave_the_endpoint_serving(
+        self, ep: str
+    ) -> None:
+        """Two deaths in a row (issue 31): an idle replica, then the one that just answered
+        a question, killed before the same question comes again (the cache router prefers
+        the dead replica's tree). Each time the next requests are answered (within the
+        client's bounded timeout), ``/health`` is 200 "degraded", and once Ray's
+        replacement joins it is "ok" and the router sends it work."""
+
+        def health() -> dict:
+            r = httpx.get(f"{ep}/health", timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def replaced(dead: set[str]) -> dict | None:
+            h = health()
+            return h if h["status"] == "ok" and not dead & set(h["replicas"]) else None
+
+        def answered(messages: list[dict]) -> dict:
+            """The answer, which must come within 30 s (no waiting on a dead replica)."""
+            body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{ep}/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def served(uid: str, before: dict) -> int:
+            return (
+                stats(ep)["replicas"][uid]["requests_finished"] - before[uid]["requests_finished"]
+            )
+
+        question = [user(image(data_url(png((10, 120, 90)))), "What is it?")]
+        wait_for(lambda: replaced(set()), 180, "both replicas healthy", every=1.0)
+        for death in ("idle", "between requests"):
+            before = stats(ep)["replicas"]
+            pids = {uid: r["pid"] for uid, r in before.items()}
+            if death == "idle":
+                for i in range(3):
+                    answered([user(f"Warm up {i}.")])
+                time.sleep(2.0)
+                victim = sorted(pids)[0]
+            else:
+                first = answered(question)
+                (victim,) = [u for u in pids if served(u, before) == 1]
+            os.kill(pids[victim], signal.SIGKILL)
+            h = health()  # at once: the dead replica is not waited on
+            assert h["status"] == "degraded" and h["healthy_replicas"] == 1, h
+            assert not isinstance(h["replicas"].get(victim), dict), h
+            again = answered(question)
+            if death != "idle":  # the same answer from the survivor
+                assert again["choices"] == first["choices"]
+            for i in range(3):
+                answered([user(f"After {i}.")])
+            h = wait_for(lambda v=victim: replaced({v}), 180, "the replacement to join", every=1.0)
+            (new,) = set(h["replicas"]) - set(pids)
+            assert stats(ep)["router"]["replicas"][new]["alive"]
+            for i in range(4):  # new images go to the replica with the smaller tree
+                answered([user(image(data_url(png((i * 60 + 7, 33, 150)))), "What is it?")])
+            assert sum(stats(ep)["router"]["replicas"][new]["routed"].values()) >= 1
 
 
 # ---- two replicas, round-robin ---------------------------------------------------------
