@@ -836,3 +836,163 @@ class TestRoundRobin:
                 assert r.json()["error"]["code"] == "queue_full"
         text = httpx.get(f"{ep}/metrics").text
         assert metric(text, name) - rejected == codes.count(503)
+
+
+# ---- encoders --------------------------------------------------------------------------
+
+
+def test_feature_store_keeps_its_byte_bound_least_recently_used_first() -> None:
+    from api.replicas.encoder import FeatureRef, FeatureStore
+
+    store = FeatureStore(max_bytes=300)
+    for k in range(3):
+        store.put(FeatureRef(bytes([k]), f"ref{k}", 100, True))
+    assert len(store) == 3 and store.nbytes == 300 and store.released == 0
+    assert store.get(bytes([0])).ref == "ref0"  # now the most recently used
+    store.put(FeatureRef(b"\x09", "ref9", 150, True))  # 450 > 300: 1 and 2 go, 0 stays
+    assert store.nbytes == 250 and store.released == 2
+    assert store.get(bytes([1])) is None and store.get(bytes([2])) is None
+    assert store.get(bytes([0])).ref == "ref0" and store.get(b"\x09").ref == "ref9"
+    with pytest.raises(ValueError, match="encoder cache bytes"):
+        FeatureStore(0)
+
+
+def test_encoder_router_sends_each_key_to_one_encoder_and_moves_only_a_dead_ones_keys() -> None:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from api.replicas.encoder import EncodeCall, KeyAffinityRouter
+    from api.replicas.protocol import ControlCall
+    from api.replicas.registry import find_router
+
+    dep = DeploymentID(name="VisionEncoder", app_name="enc-unit")
+
+    def pending(arg: object, rid: str) -> PendingRequest:
+        md = RequestMetadata(request_id=rid, internal_request_id=rid)
+        return PendingRequest(args=[arg], kwargs={}, metadata=md)
+
+    async def main() -> None:
+        router = KeyAffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        assert find_router("enc-unit", "VisionEncoder") is router
+        encs = [FakeReplica(u, dep) for u in ("e1", "e2", "e3")]
+
+        async def home(key: bytes, cands: list) -> str:
+            pr = pending(EncodeCall(key, "image", None), key.hex())
+            ranked = await router.choose_replicas(cands, pr)
+            assert pr.routing_context.should_backoff
+            assert sorted(r[0].replica_id.unique_id for r in ranked) == sorted(
+                c.replica_id.unique_id for c in cands
+            )
+            return ranked[0][0].replica_id.unique_id
+
+        keys = [bytes([k]) * 16 for k in range(40)]
+        homes = {k: await home(k, encs) for k in keys}
+        assert len(set(homes.values())) == 3  # keys spread over the encoders
+        assert homes == {k: await home(k, encs[::-1]) for k in keys}  # order does not matter
+        alive = [e for e in encs if e.replica_id.unique_id != "e2"]
+        moved = {k: await home(k, alive) for k in keys}
+        assert all(moved[k] == homes[k] for k in keys if homes[k] != "e2")
+        assert all(moved[k] != "e2" for k in keys)
+        gone = pending(ControlCall("stats", target="e2"), "c")
+        assert await router.choose_replicas(alive, gone) == []
+        assert gone.routing_context.should_backoff
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="class")
+def enc_ep(model_dir: Path, loaded):  # noqa: ANN001, ANN201
+    """Two replicas (pow2) sharing one encoder whose store holds three images' features."""
+    (feats,) = loaded.vision.encode([Image.open(io.BytesIO(png((1, 2, 3))))])
+    per_image = feats.numel() * feats.element_size()
+    args = (
+        *RAY_ARGS,
+        "--replica-router",
+        "pow2",
+        "--encoders",
+        "1",
+        "--cpus-per-encoder",
+        "0.5",
+        "--encoder-cache-bytes",
+        str(3 * per_image),
+    )
+    with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
+        yield both_replicas_up(url), per_image
+
+
+class TestEncoders:
+    """``--encoders 1``: the tower runs once per image for the whole deployment."""
+
+    def test_features_from_the_encoder_give_one_process_answers_once_per_image(
+        self, enc_ep: tuple[str, int], single: str
+    ) -> None:
+        ep, per_image = enc_ep
+        colors = [(200, 10, 10), (10, 200, 10), (10, 10, 200), (200, 200, 10)]
+        for c in colors:  # two questions per image: pow2 sends them to either replica
+            for q in ("What is it?", "Describe it."):
+                messages = [user(image(data_url(png(c))), q)]
+                a, b = chat(ep, messages), chat(single, messages)
+                assert a.status_code == b.status_code == 200, (a.text, b.text)
+                assert a.json()["choices"] == b.json()["choices"]
+        s = stats(ep)
+        ((uid, enc),) = s["encoders"].items()
+        assert enc["runs"] == len(colors) and s["tower_runs"] == len(colors)
+        assert s["vision_tower_images"] == 0  # no replica ran its own tower
+        got = sum(r["encoder_feature_images"] for r in s["replicas"].values())
+        assert got == enc["fetches"] >= len(colors)
+        # the store's bound: three images' features, the oldest released
+        assert enc["bytes"] == 3 * per_image <= enc["capacity_bytes"]
+        assert enc["entries"] == 3 and enc["released"] == 1
+        text = httpx.get(f"{ep}/metrics").text
+        assert metric(text, "mmserve_encoder_runs_total", {"encoder": uid}) == len(colors)
+        assert metric(text, "mmserve_encoder_features_bytes", {"encoder": uid}) == enc["bytes"]
+        # a dead encoder loses no request: Ray's replacement or the replica's own tower
+        os.kill(enc["pid"], signal.SIGKILL)
+        messages = [user(image(data_url(png((90, 60, 30)))), "What is it?")]
+        a, b = chat(ep, messages), chat(single, messages)
+        assert a.status_code == 200, a.text
+        assert a.json()["choices"] == b.json()["choices"]
+        after = stats(ep)
+        fallbacks = sum(r["encoder_fallbacks"] for r in after["replicas"].values())
+        if after["vision_tower_images"]:  # no encoder answered in time: the replica's tower
+            assert after["vision_tower_images"] == 1 and fallbacks >= 1
+        else:  # Ray's replacement encoder answered
+            assert fallbacks == 0 and not isinstance(after["encoders"].get(uid), dict)
+            assert sum(e["runs"] for e in after["encoders"].values() if isinstance(e, dict)) == 1
+
+
+def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa: ANN001
+    """Features handed to the engine by a feature source (what a replica gets from the
+    encoder deployment) give the tokens of the engine's own tower, with no tower run
+    here; an item the source does not have (None) runs the tower as before."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q?"}]}]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    red, blue = png((200, 10, 10)), png((10, 10, 200))
+
+    def run(eng, data: bytes):  # noqa: ANN001, ANN202
+        p = eng.processor
+        return eng.generate(
+            [p.make_request(messages=messages, images=[p.prepare_image(data)], params=params)]
+        )[0]
+
+    own = make_engine()
+    ref = [run(own, red), run(own, blue)]
+    assert own.stats_snapshot()["vision_tower_images"] == 2
+    eng = make_engine()
+    asked: list[bytes] = []
+
+    def source(items: list) -> list:
+        asked.extend(im.key for im in items)
+        # the red image's features from another process's tower; the blue one: not there
+        return [
+            own.model.vision.encode_pixels([im.pixels])[0] if im.key == asked[0] else None
+            for im in items
+        ]
+
+    eng.set_feature_source(source)
+    got = [run(eng, red), run(eng, blue)]
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert len(asked) == 2 and eng.remote_feature_images == 1
+    assert [r.vision_tower_runs for r in got] == [0, 1]
+    assert eng.stats_snapshot()["vision_tower_images"] == 1

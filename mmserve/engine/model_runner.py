@@ -17,6 +17,8 @@ are no image (the video newline) take the fixed embeddings the vision module def
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mmserve.cache.kv_pool import KVPool
@@ -83,6 +85,13 @@ class ModelRunner:
         mask[model.never_sample_ids] = float("-inf")
         self.logit_mask = mask.to(self.device)
         self.fixed_embeddings = model.vision.token_embeddings()
+        #: where features of items the embedding cache missed are asked for before the
+        #: tower runs (a shared encoder service): one ``[tokens, text_hidden]`` tensor or
+        #: None (not there: the tower runs here) per item; None = always the tower here
+        self.feature_source: Callable[[list[ImageInput]], list[torch.Tensor | None]] | None = None
+        #: items whose features :attr:`feature_source` gave (no tower run here)
+        self.remote_feature_images = 0
+        self._remote_keys: set[bytes] = set()
 
     def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
         """Features ``[num_image_tokens, hidden]`` for each distinct image (or frame): the
@@ -100,6 +109,20 @@ class ModelRunner:
                 out[im.key] = im.features
             else:
                 todo.append(im)
+        self._remote_keys = set()
+        if todo and self.feature_source is not None:
+            got = self.feature_source(todo)
+            rest = []
+            for im, f in zip(todo, got, strict=True):
+                if f is None:
+                    rest.append(im)
+                    continue
+                out[im.key] = f = f.to(device=self.device, dtype=self.dtype)
+                self._remote_keys.add(im.key)
+                if self.tiers is not None:
+                    self.tiers.save_features(im.key, f)
+            self.remote_feature_images += len(todo) - len(rest)
+            todo = rest
         if todo:
             vision = self.model.vision
             pixels = []
@@ -130,6 +153,7 @@ class ModelRunner:
     ) -> dict[bytes, torch.Tensor]:
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, ImageInput] = {}
+        runs: list[tuple[list[int], bytes]] = []  # (request's counts, key) if the tower runs
         for req, start, end in zip(reqs, starts, ends, strict=True):
             for span in req.spans:
                 if span.end <= start or span.start >= end:
@@ -144,11 +168,14 @@ class ModelRunner:
                 if f is None:
                     missing[key] = span.image
                     if span.image.features is None:  # else the request carries them
-                        counts[1] += 1  # a tower run
+                        runs.append((counts, key))
                 else:
                     found[key] = f
         if missing:
             found.update(self._encode(list(missing.values())))
+            for counts, key in runs:
+                if key not in self._remote_keys:
+                    counts[1] += 1  # a tower run
         return found
 
     @torch.inference_mode()
