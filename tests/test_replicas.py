@@ -902,8 +902,9 @@ def test_encoder_router_sends_each_key_to_one_encoder_and_moves_only_a_dead_ones
 
 
 @pytest.fixture(scope="class")
-def enc_ep(model_dir: Path, loaded):  # noqa: ANN001, ANN201
-    """Two replicas (pow2) sharing one encoder whose store holds three images' features."""
+def enc_ep(model_dir: Path, loaded, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """Two replicas (pow2) sharing one encoder whose store holds three images' features;
+    batch files under a data directory of their own."""
     (feats,) = loaded.vision.encode([Image.open(io.BytesIO(png((1, 2, 3))))])
     per_image = feats.numel() * feats.element_size()
     args = (
@@ -916,6 +917,8 @@ def enc_ep(model_dir: Path, loaded):  # noqa: ANN001, ANN201
         "0.5",
         "--encoder-cache-bytes",
         str(3 * per_image),
+        "--data-dir",
+        str(tmp_path_factory.mktemp("replica-batches")),
     )
     with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
         yield both_replicas_up(url), per_image
@@ -960,6 +963,72 @@ class TestEncoders:
         else:  # Ray's replacement encoder answered
             assert fallbacks == 0 and not isinstance(after["encoders"].get(uid), dict)
             assert sum(e["runs"] for e in after["encoders"].values() if isinstance(e, dict)) == 1
+
+    def test_files_and_batches_run_through_the_router_and_survive_a_replica_death(
+        self, enc_ep: tuple[str, int]
+    ) -> None:
+        """``/v1/files`` + ``/v1/batches`` with the openai client under replicas: a
+        replica killed while lines run on it costs no line (sent once more), and the
+        answers equal the endpoint's online ones."""
+        import openai
+
+        ep, _ = enc_ep
+        client = openai.OpenAI(base_url=f"{ep}/v1", api_key="none", max_retries=0, timeout=120)
+        bodies = {
+            f"img{k}-{q}": {
+                "model": MODEL,
+                "messages": [user(image(data_url(png((k * 70, 140, 20)))), q)],
+                "max_tokens": 4,
+                "temperature": 0,
+            }
+            for k in range(2)
+            for q in ("What is it?", "Where is it?")
+        }
+        for i in range(8):
+            bodies[f"long{i}"] = {
+                "model": MODEL,
+                "messages": [user(f"Line {i}: count slowly.")],
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        lines = [
+            json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
+            for c, b in bodies.items()
+        ]
+        before = stats(ep)
+        pids = {uid: r["pid"] for uid, r in before["replicas"].items()}
+        f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+        def busy() -> str | None:
+            live = {u: r.get("live_requests", 0) for u, r in stats(ep)["replicas"].items()}
+            live = {u: n for u, n in live.items() if u in pids and n}
+            return max(live, key=live.get) if live else None
+
+        victim = wait_for(busy, 120, "batch lines to run on a replica", every=0.2)
+        os.kill(pids[victim], signal.SIGKILL)
+
+        def finished():  # noqa: ANN202
+            b = client.batches.retrieve(batch.id)
+            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
+
+        batch = wait_for(finished, 300, "the batch to finish")
+        assert batch.status == "completed", batch
+        counts = batch.request_counts
+        assert counts.total == counts.completed == len(bodies) and counts.failed == 0
+        assert stats(ep)["retries"] > before["retries"]
+        out = [json.loads(t) for t in client.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in out) == sorted(bodies)
+        for r in out:
+            body = r["response"]["body"]
+            if r["custom_id"].startswith("long"):
+                assert body["usage"]["completion_tokens"] == 200
+            else:
+                online = chat(ep, bodies[r["custom_id"]]["messages"], max_tokens=4)
+                assert body["choices"][0]["message"] == online.json()["choices"][0]["message"]
 
 
 def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa: ANN001

@@ -66,9 +66,9 @@ class ReplicaEngineClient(EngineClient):
     """:class:`EngineClient` that also remembers each HTTP request's submissions, so that
     a request cancelled by Ray Serve (client gone) cancels them (see :class:`CancelGuard`)."""
 
-    def submit(self, reqs: Sequence[EngineRequest]) -> Submission:
-        """As :meth:`EngineClient.submit`."""
-        sub = super().submit(reqs)
+    def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
+        """As :meth:`EngineClient.submit` (``background``: batch-job lines)."""
+        sub = super().submit(reqs, background)
         subs = SUBMISSIONS.get()
         if subs is not None:
             subs.append(sub)
@@ -167,7 +167,9 @@ class ReplicaClient:
             SpanRef(s.start, s.length, s.image.key, s.image.mode, self._pixels(s.image))
             for s in req.spans
         ]
-        return ReplicaRequest(req.rid, list(req.input_ids), spans, req.params)
+        return ReplicaRequest(
+            req.rid, list(req.input_ids), spans, req.params, priority=req.priority
+        )
 
     async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
         """Run ``req`` on a replica; yields its updates, the last one with the result.

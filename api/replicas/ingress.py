@@ -23,7 +23,8 @@ every replica, per replica and in total:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
@@ -33,8 +34,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from ray import serve
 
-from api import routes_chat, routes_images, routes_page, routes_responses, routes_videos
+from api import (
+    routes_batches,
+    routes_chat,
+    routes_images,
+    routes_page,
+    routes_responses,
+    routes_videos,
+)
 from api.app import assemble_app, server_state
+from api.batch_store import FileStore
+from api.batches import BatchManager
 from api.errors import APIError
 from api.json_body import JSONBodyRoute, refuse_body
 from api.metrics import Metrics
@@ -196,22 +206,23 @@ class FleetCollector(Collector):
         if not self.encoders:
             return
         fams = {
-            "runs": CounterMetricFamily(
-                "mmserve_encoder_runs", "Images each encoder's tower encoded.", labels=["encoder"]
-            ),
-            "fetches": CounterMetricFamily(
-                "mmserve_encoder_fetches",
-                "Feature requests replicas sent to each encoder (hits and runs).",
-                labels=["encoder"],
-            ),
-            "queue": GaugeMetricFamily(
-                "mmserve_encoder_queue", "Images each encoder is encoding now.", labels=["encoder"]
-            ),
-            "bytes": GaugeMetricFamily(
-                "mmserve_encoder_features_bytes",
-                "Feature bytes each encoder keeps in the object store.",
-                labels=["encoder"],
-            ),
+            key: cls(name, help_, labels=["encoder"])
+            for key, cls, name, help_ in (
+                ("runs", CounterMetricFamily, "mmserve_encoder_runs", "Images encoded."),
+                (
+                    "fetches",
+                    CounterMetricFamily,
+                    "mmserve_encoder_fetches",
+                    "Feature requests from replicas (store hits and tower runs).",
+                ),
+                ("queue", GaugeMetricFamily, "mmserve_encoder_queue", "Images being encoded."),
+                (
+                    "bytes",
+                    GaugeMetricFamily,
+                    "mmserve_encoder_features_bytes",
+                    "Feature bytes kept in the object store.",
+                ),
+            )
         }
         for uid, e in sorted(self.encoders.items()):
             if isinstance(e, dict):
@@ -337,16 +348,29 @@ def create_ingress_app(
         freed = sum(r.get("freed_pages", 0) for r in got.values() if isinstance(r, dict))
         return {"flushed": True, "freed_pages": freed, "replicas": got}
 
-    # no batch jobs or cache routes of a single engine: the fleet routes above stand in
+    # the ingress owns --data-dir and the batch runner: lines go through the router like
+    # any request (a line in flight on a replica that dies is sent once more)
+    state.batches = BatchManager(
+        state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.batches.start()  # resumes unfinished batches
+        yield
+        await state.batches.stop()
+
+    # no cache routes of a single engine: the fleet routes above stand in
     routers = [
         fleet_routes,
         routes_chat.router,
         routes_responses.router,
+        routes_batches.router,
         routes_images.router,
         routes_videos.router,
         routes_page.router,
     ]
-    return assemble_app(state, routers, middleware=[CancelGuard])
+    return assemble_app(state, routers, lifespan=lifespan, middleware=[CancelGuard])
 
 
 def served_name(settings: ServerSettings, model_path: str | None) -> str:

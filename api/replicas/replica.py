@@ -140,7 +140,14 @@ class EngineReplica:
         grammar = None
         if rr.params.guided is not None:  # compiled once per spec on this replica too
             grammar = self.engine.processor.grammars.compile(rr.params.guided)
-        return EngineRequest(tuple(rr.input_ids), spans, rr.params, rid=rr.rid, grammar=grammar)
+        return EngineRequest(
+            tuple(rr.input_ids),
+            spans,
+            rr.params,
+            rid=rr.rid,
+            grammar=grammar,
+            priority=rr.priority,
+        )
 
     async def generate(self, rr: ReplicaRequest) -> AsyncIterator[Hello | TokenDelta]:
         """Run one request; yields :class:`Hello`, then the engine's
