@@ -737,7 +737,7 @@ class TestCacheRouter:
 
         question = [user(image(data_url(png((10, 120, 90)))), "What is it?")]
         wait_for(lambda: replaced(set()), 180, "both replicas healthy", every=1.0)
-        for death in ("idle", "between requests"):
+        for n, death in enumerate(("idle", "between requests")):
             before = stats(ep)["replicas"]
             pids = {uid: r["pid"] for uid, r in before.items()}
             if death == "idle":
@@ -760,8 +760,9 @@ class TestCacheRouter:
             h = wait_for(lambda v=victim: replaced({v}), 180, "the replacement to join", every=1.0)
             (new,) = set(h["replicas"]) - set(pids)
             assert stats(ep)["router"]["replicas"][new]["alive"]
-            for i in range(4):  # new images go to the replica with the smaller tree
-                answered([user(image(data_url(png((i * 60 + 7, 33, 150)))), "What is it?")])
+            for i in range(4):  # images no replica has seen go to the one with the smaller tree
+                color = (i * 60 + 7, 33 + 100 * n, 150)
+                answered([user(image(data_url(png(color))), "What is it?")])
             assert sum(stats(ep)["router"]["replicas"][new]["routed"].values()) >= 1
 
 
