@@ -6,9 +6,12 @@ round-robin, next to a single-process server. They check that answers equal the
 single-process server's (greedy), uploads work on both replicas, the cache router's
 hit rate on an interleaved workload is that of one replica while round-robin's is
 lower, the vision tower runs once per image, stats/metrics/health/flush cover every
-replica, a killed replica costs no hung request and comes back, and a burst gets 503
-with Retry-After. The unit tests (prefix tree, router policy, front end, flags) need
-no Ray instance.
+replica, a killed replica (mid-request, idle, between two requests) costs no hung
+request and comes back, and a burst gets 503 with Retry-After; then two replicas (pow2)
+sharing one encoder (``--encoders 1``): one-process answers with one tower run per
+image, the encoder store's bound, a killed encoder, and files + batches surviving a
+replica's death. The unit tests (prefix tree, routers, bounded calls, feature store,
+feature source, front end, flags) need no Ray instance.
 """
 
 from __future__ import annotations
