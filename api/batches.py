@@ -574,6 +574,10 @@ class BatchManager:
         except APIError as e:
             body = error_body(e.message, e.type, e.param, e.code)
             request_id, status = f"req_{uuid.uuid4().hex}", e.status
+        except Exception:  # noqa: BLE001 - recorded as failed, never silently lost
+            log.exception("batch %s: line %s failed", b["id"], line.custom_id)
+            body = error_body("internal error; see the server log", "server_error", None, None)
+            request_id, status = f"req_{uuid.uuid4().hex}", 500
         record = {
             "id": record_id,
             "custom_id": line.custom_id,

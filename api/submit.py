@@ -168,19 +168,24 @@ class Submission:
                 pass
 
         gather = asyncio.ensure_future(collect())
-        if http is None:
-            await gather
-        else:
-            gone = asyncio.ensure_future(_disconnected(http))
-            try:
-                await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
+        try:
+            if http is None:
+                await gather
+            else:
+                gone = asyncio.ensure_future(_disconnected(http))
+                try:
+                    await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gone.cancel()
+                if not gather.done():
+                    self.cancel()
+                    raise ClientDisconnected
+                gather.result()
+        finally:
+            # cancelled from outside (the HTTP request was): the collector must not
+            # outlive this call, waiting on its queue until garbage-collected mid-await
             if not gather.done():
                 gather.cancel()
-                self.cancel()
-                raise ClientDisconnected
-            gather.result()
         return [r for r in self.results if r is not None]
 
     async def answers(self, http: HTTPRequest | None = None) -> list[GenerateResult]:

@@ -38,12 +38,14 @@ REPLICA_SCALES = {
     "quick": dict(k=6, m=4, c=3, t=4, max_tokens=8, concurrency=4),
     "full": dict(k=12, m=6, c=6, t=6, max_tokens=16, concurrency=8),
 }
-#: The setups compared: (name, replicas, router).
+#: The setups compared: (name, replicas, router, encoders).
 SETUPS = (
-    ("1 replica", 1, "cache"),
-    ("2 replicas, cache", 2, "cache"),
-    ("2 replicas, pow2", 2, "pow2"),
-    ("2 replicas, round_robin", 2, "round_robin"),
+    ("1 replica", 1, "cache", 0),
+    ("2 replicas, cache", 2, "cache", 0),
+    ("2 replicas, pow2", 2, "pow2", 0),
+    ("2 replicas, round_robin", 2, "round_robin", 0),
+    ("2 replicas, pow2, 1 encoder", 2, "pow2", 1),
+    ("2 replicas, cache, 1 encoder", 2, "cache", 1),
 )
 REPLICAS_TABLE = (
     "setup|hit rate=hit_rate:.3f|hit / optimum=hit_rate_over_optimum:.3f"
@@ -82,7 +84,10 @@ def run_setup(
     out.update({k: delta(k) for k in ("prompt_tokens", "cached_tokens", "pixel_fetches")})
     out.update(retries=delta("retries"), hit_rate=hit, distinct_images=distinct)
     out["hit_rate_over_optimum"] = hit / optimum if optimum else None
-    out["vision_tower_runs"] = tower = delta("vision_tower_images")
+    # tower runs across the deployment (replicas and encoders) where the endpoint says
+    out["vision_tower_runs"] = tower = delta(
+        "tower_runs" if "tower_runs" in after else "vision_tower_images"
+    )
     out["tower_runs_per_image"] = tower / distinct
     keys = ("ok", "text", "prompt_tokens", "cached_tokens", "error")
     out["replies"] = [{k: getattr(r, k) for k in keys} for r in results]
@@ -121,8 +126,14 @@ def replicas(args: argparse.Namespace, model_dir: str) -> int:
         http_options = {"host": "127.0.0.1", "port": args.port}
         log = {"log_level": "WARNING"}
         serve.start(proxy_location="HeadOnly", http_options=http_options, logging_config=log)
-        for name, n, router in SETUPS:
-            rs = ReplicaSettings(replicas=n, replica_router=router, cpus_per_replica=0.5)
+        for name, n, router, encoders in SETUPS:
+            rs = ReplicaSettings(
+                replicas=n,
+                replica_router=router,
+                cpus_per_replica=0.5,
+                encoders=encoders,
+                cpus_per_encoder=0.5,
+            )
             app = build_application(EngineConfig(model_path=model_dir), ServerSettings(), rs)
             serve.run(app, name=APP_NAME, logging_config=log)
             deadline = time.time() + 300
@@ -132,7 +143,7 @@ def replicas(args: argparse.Namespace, model_dir: str) -> int:
                 time.sleep(0.5)
             r = run_setup(url, Path(model_dir).name, wl, clients, opt["optimal_hit_rate"], distinct)
             del r["replies"]
-            setups[name] = {**r, "replicas": n, "router_policy": router}
+            setups[name] = {**r, "replicas": n, "router_policy": router, "encoders": encoders}
             print(f"{name:<24} hit {r['hit_rate']:.3f}  errors {r['errors']}", flush=True)
             serve.delete(APP_NAME)
     finally:

@@ -6,9 +6,12 @@ round-robin, next to a single-process server. They check that answers equal the
 single-process server's (greedy), uploads work on both replicas, the cache router's
 hit rate on an interleaved workload is that of one replica while round-robin's is
 lower, the vision tower runs once per image, stats/metrics/health/flush cover every
-replica, a killed replica costs no hung request and comes back, and a burst gets 503
-with Retry-After. The unit tests (prefix tree, router policy, front end, flags) need
-no Ray instance.
+replica, a killed replica (mid-request, idle, between two requests) costs no hung
+request and comes back, and a burst gets 503 with Retry-After; then two replicas (pow2)
+sharing one encoder (``--encoders 1``): one-process answers with one tower run per
+image, the encoder store's bound, a killed encoder, and files + batches surviving a
+replica's death. The unit tests (prefix tree, routers, bounded calls, feature store,
+feature source, front end, flags) need no Ray instance.
 """
 
 from __future__ import annotations
@@ -327,6 +330,16 @@ def test_cache_router_policy() -> None:
         )
         ranked = await router.choose_replicas(cands, call)
         assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [[other]]
+        # a call for a replica that is gone gets no replica, and Ray Serve is told to back
+        # off before asking again (else its routing loop spins and starves every request)
+        gone = PendingRequest(
+            args=[ControlCall("health", target="gone")],
+            kwargs={},
+            metadata=RequestMetadata(request_id="g", internal_request_id="g"),
+        )
+        assert not gone.routing_context.should_backoff
+        assert await router.choose_replicas(cands, gone) == []
+        assert gone.routing_context.should_backoff
         # a dead replica's tree goes; the survivor takes its questions
         router.on_replica_actor_died(ReplicaID(first, dep))
         assert not router.snapshot()["replicas"][first]["alive"]
@@ -334,6 +347,74 @@ def test_cache_router_policy() -> None:
         assert await route(system + img1 + [4], "q8") == other
 
     asyncio.run(main())
+
+
+class HungCall:
+    """A Ray Serve response (or response generator) that never answers."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __await__(self):  # noqa: ANN204
+        return asyncio.get_running_loop().create_future().__await__()
+
+    def __aiter__(self) -> HungCall:
+        return self
+
+    async def __anext__(self) -> object:
+        await asyncio.get_running_loop().create_future()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class HungHandle:
+    """A deployment handle whose calls never answer (replicas dead or stuck)."""
+
+    deployment_name = "EngineReplica"
+
+    def __init__(self) -> None:
+        self.calls: list[HungCall] = []
+
+    def options(self, **_: object) -> HungHandle:
+        return self
+
+    def remote(self, _payload: object) -> HungCall:
+        self.calls.append(HungCall())
+        return self.calls[-1]
+
+
+def test_no_call_waits_on_a_dead_replica_beyond_its_bound() -> None:
+    """A control call for a replica the router no longer lists fails as ``ReplicaGone``
+    (without waiting out its 60 s timeout); one for a listed replica that does not answer
+    times out; a request no replica starts ends with an error result after
+    ``accept_seconds`` (not retried); every hung call is cancelled."""
+    from api.replicas import registry
+    from api.replicas.client import ReplicaClient, ReplicaGone
+    from mmserve.engine.messages import EngineRequest
+
+    class Listing:
+        def replica_ids(self) -> list[str]:
+            return ["alive"]
+
+    registry.register("dead-unit", "EngineReplica", Listing())
+    handle = HungHandle()
+    client = ReplicaClient(handle, "dead-unit", tokenizer=None, accept_seconds=0.5)
+
+    async def main() -> list:
+        with pytest.raises(ReplicaGone, match="dead"):
+            await client.call("health", "dead", timeout=60)
+        with pytest.raises(TimeoutError):
+            await client.call("health", "alive", timeout=0.5)
+        req = EngineRequest((1, 2, 3), (), SamplingParams(max_tokens=2))
+        return [u async for u in client.stream(req)]
+
+    updates = asyncio.run(asyncio.wait_for(main(), 30))
+    assert len(handle.calls) == 3 and all(c.cancelled for c in handle.calls)
+    (last,) = updates
+    assert last.result.finish_reason == "error"
+    assert last.result.error == "no replica started the request within 0.5 s"
+    assert client.retries == 0 and client.replica_failures == 0
 
 
 def test_cache_router_counts_the_shared_disk_tier() -> None:
@@ -630,6 +711,66 @@ class TestCacheRouter:
         routed = stats(ep)["router"]["replicas"][new]["routed"]
         assert sum(routed.values()) >= 1, routed
 
+    def test_replicas_killed_idle_and_between_requests_leave_the_endpoint_serving(
+        self, ep: str
+    ) -> None:
+        """Two deaths in a row (issue 31): an idle replica, then the one that just answered
+        a question, killed before the same question comes again (the cache router prefers
+        the dead replica's tree). Each time the next requests are answered (within the
+        client's bounded timeout), ``/health`` is 200 "degraded", and once Ray's
+        replacement joins it is "ok" and the router sends it work."""
+
+        def health() -> dict:
+            r = httpx.get(f"{ep}/health", timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def replaced(dead: set[str]) -> dict | None:
+            h = health()
+            return h if h["status"] == "ok" and not dead & set(h["replicas"]) else None
+
+        def answered(messages: list[dict]) -> dict:
+            """The answer, which must come within 30 s (no waiting on a dead replica)."""
+            body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{ep}/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def served(uid: str, before: dict) -> int:
+            return (
+                stats(ep)["replicas"][uid]["requests_finished"] - before[uid]["requests_finished"]
+            )
+
+        question = [user(image(data_url(png((10, 120, 90)))), "What is it?")]
+        wait_for(lambda: replaced(set()), 180, "both replicas healthy", every=1.0)
+        for n, death in enumerate(("idle", "between requests")):
+            before = stats(ep)["replicas"]
+            pids = {uid: r["pid"] for uid, r in before.items()}
+            if death == "idle":
+                for i in range(3):
+                    answered([user(f"Warm up {i}.")])
+                time.sleep(2.0)
+                victim = sorted(pids)[0]
+            else:
+                first = answered(question)
+                (victim,) = [u for u in pids if served(u, before) == 1]
+            os.kill(pids[victim], signal.SIGKILL)
+            h = health()  # at once: the dead replica is not waited on
+            assert h["status"] == "degraded" and h["healthy_replicas"] == 1, h
+            assert not isinstance(h["replicas"].get(victim), dict), h
+            again = answered(question)
+            if death != "idle":  # the same answer from the survivor
+                assert again["choices"] == first["choices"]
+            for i in range(3):
+                answered([user(f"After {i}.")])
+            h = wait_for(lambda v=victim: replaced({v}), 180, "the replacement to join", every=1.0)
+            (new,) = set(h["replicas"]) - set(pids)
+            assert stats(ep)["router"]["replicas"][new]["alive"]
+            for i in range(4):  # images no replica has seen go to the one with the smaller tree
+                color = (i * 60 + 7, 33 + 100 * n, 150)
+                answered([user(image(data_url(png(color))), "What is it?")])
+            assert sum(stats(ep)["router"]["replicas"][new]["routed"].values()) >= 1
+
 
 # ---- two replicas, round-robin ---------------------------------------------------------
 
@@ -702,3 +843,232 @@ class TestRoundRobin:
                 assert r.json()["error"]["code"] == "queue_full"
         text = httpx.get(f"{ep}/metrics").text
         assert metric(text, name) - rejected == codes.count(503)
+
+
+# ---- encoders --------------------------------------------------------------------------
+
+
+def test_feature_store_keeps_its_byte_bound_least_recently_used_first() -> None:
+    from api.replicas.encoder import FeatureRef, FeatureStore
+
+    store = FeatureStore(max_bytes=300)
+    for k in range(3):
+        store.put(FeatureRef(bytes([k]), f"ref{k}", 100, True))
+    assert len(store) == 3 and store.nbytes == 300 and store.released == 0
+    assert store.get(bytes([0])).ref == "ref0"  # now the most recently used
+    store.put(FeatureRef(b"\x09", "ref9", 150, True))  # 450 > 300: 1 and 2 go, 0 stays
+    assert store.nbytes == 250 and store.released == 2
+    assert store.get(bytes([1])) is None and store.get(bytes([2])) is None
+    assert store.get(bytes([0])).ref == "ref0" and store.get(b"\x09").ref == "ref9"
+    with pytest.raises(ValueError, match="encoder cache bytes"):
+        FeatureStore(0)
+
+
+def test_encoder_router_sends_each_key_to_one_encoder_and_moves_only_a_dead_ones_keys() -> None:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from api.replicas.encoder import EncodeCall, KeyAffinityRouter
+    from api.replicas.protocol import ControlCall
+    from api.replicas.registry import find_router
+
+    dep = DeploymentID(name="VisionEncoder", app_name="enc-unit")
+
+    def pending(arg: object, rid: str) -> PendingRequest:
+        md = RequestMetadata(request_id=rid, internal_request_id=rid)
+        return PendingRequest(args=[arg], kwargs={}, metadata=md)
+
+    async def main() -> None:
+        router = KeyAffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        assert find_router("enc-unit", "VisionEncoder") is router
+        encs = [FakeReplica(u, dep) for u in ("e1", "e2", "e3")]
+
+        async def home(key: bytes, cands: list) -> str:
+            pr = pending(EncodeCall(key, "image", None), key.hex())
+            ranked = await router.choose_replicas(cands, pr)
+            assert pr.routing_context.should_backoff
+            assert sorted(r[0].replica_id.unique_id for r in ranked) == sorted(
+                c.replica_id.unique_id for c in cands
+            )
+            return ranked[0][0].replica_id.unique_id
+
+        keys = [bytes([k]) * 16 for k in range(40)]
+        homes = {k: await home(k, encs) for k in keys}
+        assert len(set(homes.values())) == 3  # keys spread over the encoders
+        assert homes == {k: await home(k, encs[::-1]) for k in keys}  # order does not matter
+        alive = [e for e in encs if e.replica_id.unique_id != "e2"]
+        moved = {k: await home(k, alive) for k in keys}
+        assert all(moved[k] == homes[k] for k in keys if homes[k] != "e2")
+        assert all(moved[k] != "e2" for k in keys)
+        gone = pending(ControlCall("stats", target="e2"), "c")
+        assert await router.choose_replicas(alive, gone) == []
+        assert gone.routing_context.should_backoff
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="class")
+def enc_ep(model_dir: Path, loaded, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """Two replicas (pow2) sharing one encoder whose store holds three images' features;
+    batch files under a data directory of their own."""
+    (feats,) = loaded.vision.encode([Image.open(io.BytesIO(png((1, 2, 3))))])
+    per_image = feats.numel() * feats.element_size()
+    args = (
+        *RAY_ARGS,
+        "--replica-router",
+        "pow2",
+        "--encoders",
+        "1",
+        "--cpus-per-encoder",
+        "0.5",
+        "--encoder-cache-bytes",
+        str(3 * per_image),
+        "--data-dir",
+        str(tmp_path_factory.mktemp("replica-batches")),
+    )
+    with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
+        yield both_replicas_up(url), per_image
+
+
+class TestEncoders:
+    """``--encoders 1``: the tower runs once per image for the whole deployment."""
+
+    def test_features_from_the_encoder_give_one_process_answers_once_per_image(
+        self, enc_ep: tuple[str, int], single: str
+    ) -> None:
+        ep, per_image = enc_ep
+        colors = [(200, 10, 10), (10, 200, 10), (10, 10, 200), (200, 200, 10)]
+        for c in colors:  # two questions per image: pow2 sends them to either replica
+            for q in ("What is it?", "Describe it."):
+                messages = [user(image(data_url(png(c))), q)]
+                a, b = chat(ep, messages), chat(single, messages)
+                assert a.status_code == b.status_code == 200, (a.text, b.text)
+                assert a.json()["choices"] == b.json()["choices"]
+        s = stats(ep)
+        ((uid, enc),) = s["encoders"].items()
+        assert enc["runs"] == len(colors) and s["tower_runs"] == len(colors)
+        assert s["vision_tower_images"] == 0  # no replica ran its own tower
+        got = sum(r["encoder_feature_images"] for r in s["replicas"].values())
+        assert got == enc["fetches"] >= len(colors)
+        # the store's bound: three images' features, the oldest released
+        assert enc["bytes"] == 3 * per_image <= enc["capacity_bytes"]
+        assert enc["entries"] == 3 and enc["released"] == 1
+        text = httpx.get(f"{ep}/metrics").text
+        assert metric(text, "mmserve_encoder_runs_total", {"encoder": uid}) == len(colors)
+        assert metric(text, "mmserve_encoder_features_bytes", {"encoder": uid}) == enc["bytes"]
+        # a dead encoder loses no request: Ray's replacement or the replica's own tower
+        os.kill(enc["pid"], signal.SIGKILL)
+        messages = [user(image(data_url(png((90, 60, 30)))), "What is it?")]
+        a, b = chat(ep, messages), chat(single, messages)
+        assert a.status_code == 200, a.text
+        assert a.json()["choices"] == b.json()["choices"]
+        after = stats(ep)
+        fallbacks = sum(r["encoder_fallbacks"] for r in after["replicas"].values())
+        if after["vision_tower_images"]:  # no encoder answered in time: the replica's tower
+            assert after["vision_tower_images"] == 1 and fallbacks >= 1
+        else:  # Ray's replacement encoder answered
+            assert fallbacks == 0 and not isinstance(after["encoders"].get(uid), dict)
+            assert sum(e["runs"] for e in after["encoders"].values() if isinstance(e, dict)) == 1
+
+    def test_files_and_batches_run_through_the_router_and_survive_a_replica_death(
+        self, enc_ep: tuple[str, int]
+    ) -> None:
+        """``/v1/files`` + ``/v1/batches`` with the openai client under replicas: a
+        replica killed while lines run on it costs no line (sent once more), and the
+        answers equal the endpoint's online ones."""
+        import openai
+
+        ep, _ = enc_ep
+        client = openai.OpenAI(base_url=f"{ep}/v1", api_key="none", max_retries=0, timeout=120)
+        bodies = {
+            f"img{k}-{q}": {
+                "model": MODEL,
+                "messages": [user(image(data_url(png((k * 70, 140, 20)))), q)],
+                "max_tokens": 4,
+                "temperature": 0,
+            }
+            for k in range(2)
+            for q in ("What is it?", "Where is it?")
+        }
+        for i in range(8):
+            bodies[f"long{i}"] = {
+                "model": MODEL,
+                "messages": [user(f"Line {i}: count slowly.")],
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        lines = [
+            json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
+            for c, b in bodies.items()
+        ]
+        before = stats(ep)
+        pids = {uid: r["pid"] for uid, r in before["replicas"].items()}
+        f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+        def busy() -> str | None:
+            live = {u: r.get("live_requests", 0) for u, r in stats(ep)["replicas"].items()}
+            live = {u: n for u, n in live.items() if u in pids and n}
+            return max(live, key=live.get) if live else None
+
+        victim = wait_for(busy, 120, "batch lines to run on a replica", every=0.2)
+        os.kill(pids[victim], signal.SIGKILL)
+
+        def finished():  # noqa: ANN202
+            b = client.batches.retrieve(batch.id)
+            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
+
+        batch = wait_for(finished, 300, "the batch to finish")
+        assert batch.status == "completed", batch
+        counts = batch.request_counts
+        assert counts.total == counts.completed == len(bodies) and counts.failed == 0
+        assert stats(ep)["retries"] > before["retries"]
+        out = [json.loads(t) for t in client.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in out) == sorted(bodies)
+        for r in out:
+            body = r["response"]["body"]
+            if r["custom_id"].startswith("long"):
+                assert body["usage"]["completion_tokens"] == 200
+            else:
+                online = chat(ep, bodies[r["custom_id"]]["messages"], max_tokens=4)
+                assert body["choices"][0]["message"] == online.json()["choices"][0]["message"]
+
+
+def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa: ANN001
+    """Features handed to the engine by a feature source (what a replica gets from the
+    encoder deployment) give the tokens of the engine's own tower, with no tower run
+    here; an item the source does not have (None) runs the tower as before."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q?"}]}]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    red, blue = png((200, 10, 10)), png((10, 10, 200))
+
+    def run(eng, data: bytes):  # noqa: ANN001, ANN202
+        p = eng.processor
+        return eng.generate(
+            [p.make_request(messages=messages, images=[p.prepare_image(data)], params=params)]
+        )[0]
+
+    own = make_engine()
+    ref = [run(own, red), run(own, blue)]
+    assert own.stats_snapshot()["vision_tower_images"] == 2
+    eng = make_engine()
+    asked: list[bytes] = []
+
+    def source(items: list) -> list:
+        asked.extend(im.key for im in items)
+        # the red image's features from another process's tower; the blue one: not there
+        return [
+            own.model.vision.encode_pixels([im.pixels])[0] if im.key == asked[0] else None
+            for im in items
+        ]
+
+    eng.set_feature_source(source)
+    got = [run(eng, red), run(eng, blue)]
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert len(asked) == 2 and eng.remote_feature_images == 1
+    assert [r.vision_tower_runs for r in got] == [0, 1]
+    assert eng.stats_snapshot()["vision_tower_images"] == 1

@@ -12,7 +12,10 @@ When the replica dies mid-request (``RayActorError``: its process was killed, it
 node lost), a request is sent once more, to another replica, unless it is a
 streamed chat completion that has already sent text (then it ends with an error
 event, as an engine failure does); a second failure ends it with finish reason
-``error`` (HTTP 500 or an error event). Nothing waits for a dead replica.
+``error`` (HTTP 500 or an error event). Nothing waits for a dead replica: a request
+that no replica starts within ``accept_seconds`` ends with an error, and a control call
+for one replica fails as soon as the router stops listing it (``/health`` then counts
+that replica as not healthy instead of waiting out the call's timeout).
 """
 
 from __future__ import annotations
@@ -44,13 +47,28 @@ SUBMISSIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
+#: How often a control call for one replica checks that the replica is still running.
+WATCH_SECONDS = 0.25
+#: Seconds a request may wait for a replica to accept it (routing included: while no
+#: replica is running, Ray Serve holds requests until a replacement joins).
+ACCEPT_SECONDS = 30.0
+
+
+class ReplicaGone(RuntimeError):
+    """The replica a control call was for is no longer running."""
+
+
+class _NotStarted(Exception):
+    """No replica started a request within ``ReplicaClient.accept_seconds``."""
+
+
 class ReplicaEngineClient(EngineClient):
     """:class:`EngineClient` that also remembers each HTTP request's submissions, so that
     a request cancelled by Ray Serve (client gone) cancels them (see :class:`CancelGuard`)."""
 
-    def submit(self, reqs: Sequence[EngineRequest]) -> Submission:
-        """As :meth:`EngineClient.submit`."""
-        sub = super().submit(reqs)
+    def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
+        """As :meth:`EngineClient.submit` (``background``: batch-job lines)."""
+        sub = super().submit(reqs, background)
         subs = SUBMISSIONS.get()
         if subs is not None:
             subs.append(sub)
@@ -90,6 +108,8 @@ class ReplicaClient:
         tokenizer: the model's tokenizer (text is built here from token deltas).
         max_pixel_bytes: decoded pixel bytes whose object-store references are kept, so
             an image asked about again is not put again (LRU beyond it).
+        accept_seconds: how long a request may wait for a replica to start it (routing
+            included); beyond, it ends with an error instead of waiting on.
 
     Attributes:
         retries: requests sent again after their replica died.
@@ -103,8 +123,10 @@ class ReplicaClient:
         app_name: str,
         tokenizer: object,
         max_pixel_bytes: int = 1 << 30,
+        accept_seconds: float = ACCEPT_SECONDS,
     ) -> None:
         self.handle = handle
+        self.accept_seconds = accept_seconds
         self.tokenizer = tokenizer
         self.app_name = app_name
         self.deployment = handle.deployment_name
@@ -145,7 +167,9 @@ class ReplicaClient:
             SpanRef(s.start, s.length, s.image.key, s.image.mode, self._pixels(s.image), s.modality)
             for s in req.spans
         ]
-        return ReplicaRequest(req.rid, list(req.input_ids), spans, req.params)
+        return ReplicaRequest(
+            req.rid, list(req.input_ids), spans, req.params, priority=req.priority
+        )
 
     async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
         """Run ``req`` on a replica; yields its updates, the last one with the result.
@@ -172,8 +196,16 @@ class ReplicaClient:
                 self.handle.options(method_name="generate", stream=True).remote, payload
             )
             replica, delivered, done, error = None, False, False, None
+            replies = gen.__aiter__()
             try:
-                async for msg in gen:
+                while True:
+                    try:
+                        if replica is None:  # not started yet: bounded
+                            msg = await self._first(replies)
+                        else:
+                            msg = await replies.__anext__()
+                    except StopAsyncIteration:
+                        break
                     if isinstance(msg, Hello):
                         replica = msg.replica
                         continue
@@ -189,6 +221,10 @@ class ReplicaClient:
                     if done:
                         return
                 error = f"replica {replica} ended the request without a result"
+            except _NotStarted as e:
+                error = str(e)
+                log.warning("request %s: %s", req.rid, error)
+                attempt = 1  # the replicas are gone or full: another try would wait as long
             except RayActorError as e:
                 self.replica_failures += 1
                 error = f"replica {replica or '(not yet known)'} died ({type(e).__name__})"
@@ -208,6 +244,24 @@ class ReplicaClient:
             yield col.fail(error)
             return
 
+    async def _first(self, replies: AsyncIterator) -> object:
+        """The first reply (the replica's :class:`Hello`), if it comes within
+        ``accept_seconds``.
+
+        Raises:
+            _NotStarted: it did not.
+            StopAsyncIteration: the call ended without a reply.
+        """
+        nxt = asyncio.ensure_future(replies.__anext__())
+        try:
+            done, _ = await asyncio.wait({nxt}, timeout=self.accept_seconds)
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+        if not done:
+            raise _NotStarted(f"no replica started the request within {self.accept_seconds} s")
+        return nxt.result()
+
     def _finished(self, req: EngineRequest, result: GenerateResult, replica: str | None) -> None:
         """The replica's tree in the router gains the output tokens."""
         router = find_router(self.app_name, self.deployment)
@@ -218,17 +272,35 @@ class ReplicaClient:
     async def call(self, kind: str, target: str | None = None, timeout: float = 10.0) -> dict:
         """One replica's answer to a control call (``target`` None: any replica).
 
+        A call for a replica that leaves the router's set (it died) fails within
+        :data:`WATCH_SECONDS` of that, without waiting out ``timeout``.
+
         Raises:
             TimeoutError: no answer within ``timeout`` seconds (replica gone or stuck).
+            ReplicaGone: ``target`` is no longer among the running replicas.
         """
         resp = _detached(
             self.handle.options(method_name="control").remote, ControlCall(kind, target)
         )
+        task = asyncio.ensure_future(_await(resp))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            return await asyncio.wait_for(_await(resp), timeout)
-        except BaseException:
-            resp.cancel()
-            raise
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError(f"no answer to {kind!r} within {timeout} s")
+                done, _ = await asyncio.wait({task}, timeout=min(WATCH_SECONDS, left))
+                if done:
+                    return task.result()
+                router = find_router(self.app_name, self.deployment)
+                if target is not None and router is not None:
+                    if target not in router.replica_ids():
+                        raise ReplicaGone(f"replica {target} is gone")
+        finally:
+            if not task.done():
+                task.cancel()
+                resp.cancel()
 
     async def replica_ids(self) -> list[str]:
         """Unique ids of the running replicas, as the router knows them."""
@@ -283,4 +355,4 @@ async def _await(resp) -> dict:  # noqa: ANN001
     return await resp
 
 
-__all__ = ["STREAMED", "CancelGuard", "ReplicaClient", "ReplicaEngineClient"]
+__all__ = ["STREAMED", "CancelGuard", "ReplicaClient", "ReplicaEngineClient", "ReplicaGone"]

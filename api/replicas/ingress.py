@@ -23,7 +23,8 @@ every replica, per replica and in total:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
@@ -33,8 +34,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from ray import serve
 
-from api import routes_chat, routes_images, routes_page, routes_responses, routes_videos
+from api import (
+    routes_batches,
+    routes_chat,
+    routes_images,
+    routes_page,
+    routes_responses,
+    routes_videos,
+)
 from api.app import assemble_app, server_state
+from api.batch_store import FileStore
+from api.batches import BatchManager
 from api.errors import APIError
 from api.json_body import JSONBodyRoute, refuse_body
 from api.metrics import Metrics
@@ -100,6 +110,7 @@ class FleetCollector(Collector):
     def __init__(self) -> None:
         self.replicas: dict[str, dict | str] = {}
         self.router: dict | None = None
+        self.encoders: dict[str, dict | str] = {}
 
     def describe(self) -> list[Metric]:
         return []
@@ -154,6 +165,7 @@ class FleetCollector(Collector):
         yield hit
         yield live
         yield from counters.values()
+        yield from self._encoder_metrics()
         if self.router is None:
             return
         routed = CounterMetricFamily(
@@ -190,6 +202,34 @@ class FleetCollector(Collector):
         yield predicted
         yield tree
 
+    def _encoder_metrics(self) -> Iterator[Metric]:
+        if not self.encoders:
+            return
+        fams = {
+            key: cls(name, help_, labels=["encoder"])
+            for key, cls, name, help_ in (
+                ("runs", CounterMetricFamily, "mmserve_encoder_runs", "Images encoded."),
+                (
+                    "fetches",
+                    CounterMetricFamily,
+                    "mmserve_encoder_fetches",
+                    "Feature requests from replicas (store hits and tower runs).",
+                ),
+                ("queue", GaugeMetricFamily, "mmserve_encoder_queue", "Images being encoded."),
+                (
+                    "bytes",
+                    GaugeMetricFamily,
+                    "mmserve_encoder_features_bytes",
+                    "Feature bytes kept in the object store.",
+                ),
+            )
+        }
+        for uid, e in sorted(self.encoders.items()):
+            if isinstance(e, dict):
+                for key, fam in fams.items():
+                    fam.add_metric([uid], e.get(key, 0))
+        yield from fams.values()
+
 
 def create_ingress_app(
     front: FrontEnd,
@@ -197,8 +237,10 @@ def create_ingress_app(
     settings: ServerSettings,
     model_name: str,
     num_replicas: int,
+    encoders: ReplicaClient | None = None,
 ) -> FastAPI:
-    """The single-process app's routes, served by ``replicas`` (see the module docstring).
+    """The single-process app's routes, served by ``replicas`` (see the module docstring);
+    ``encoders`` (control calls only) reports the encoder deployment's figures.
 
     Raises:
         ValueError: for settings out of range.
@@ -247,6 +289,9 @@ def create_ingress_app(
         fine = {u: r for u, r in got.items() if isinstance(r, dict)}
         return aggregate(fine), got
 
+    async def encoder_snapshot() -> dict[str, dict | str]:
+        return await encoders.broadcast("stats") if encoders is not None else {}
+
     @fleet_routes.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
         """Prometheus text: totals under the single-process names, plus per replica and
@@ -254,6 +299,7 @@ def create_ingress_app(
         total, got = await snapshot()
         fleet.replicas = got
         fleet.router = replicas.router_snapshot()
+        fleet.encoders = await encoder_snapshot()
         return Response(metrics.render(total), media_type=CONTENT_TYPE_LATEST)
 
     @fleet_routes.get("/v1/cache/stats")
@@ -261,8 +307,15 @@ def create_ingress_app(
         """Totals over the replicas (the single-process keys), each replica's figures and
         the router's counters."""
         total, got = await snapshot()
+        enc = await encoder_snapshot()
+        runs = total.get("vision_tower_images", 0) + sum(
+            e.get("runs", 0) for e in enc.values() if isinstance(e, dict)
+        )
         return {
             **total,
+            "tower_runs": runs,
+            "tower_runs_per_image": runs / replicas.pixel_puts if replicas.pixel_puts else 0.0,
+            "encoders": enc,
             **metrics.summary(),
             "stored_images": len(store),
             "num_replicas": len(got),
@@ -295,16 +348,29 @@ def create_ingress_app(
         freed = sum(r.get("freed_pages", 0) for r in got.values() if isinstance(r, dict))
         return {"flushed": True, "freed_pages": freed, "replicas": got}
 
-    # no batch jobs or cache routes of a single engine: the fleet routes above stand in
+    # the ingress owns --data-dir and the batch runner: lines go through the router like
+    # any request (a line in flight on a replica that dies is sent once more)
+    state.batches = BatchManager(
+        state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.batches.start()  # resumes unfinished batches
+        yield
+        await state.batches.stop()
+
+    # no cache routes of a single engine: the fleet routes above stand in
     routers = [
         fleet_routes,
         routes_chat.router,
         routes_responses.router,
+        routes_batches.router,
         routes_images.router,
         routes_videos.router,
         routes_page.router,
     ]
-    return assemble_app(state, routers, middleware=[CancelGuard])
+    return assemble_app(state, routers, lifespan=lifespan, middleware=[CancelGuard])
 
 
 def served_name(settings: ServerSettings, model_path: str | None) -> str:
@@ -327,14 +393,16 @@ class Ingress:
         config: the replicas' engine settings (the front end applies their limits).
         settings: HTTP settings.
         num_replicas: replicas the deployment asks for.
+        encoders: handle of the encoder deployment (``--encoders``), or None.
     """
 
     def __init__(
         self,
-        replicas,
+        replicas,  # noqa: ANN001
         config: EngineConfig,
         settings: ServerSettings,
-        num_replicas: int,  # noqa: ANN001
+        num_replicas: int,
+        encoders=None,  # noqa: ANN001
     ) -> None:
         import torch
 
@@ -346,7 +414,8 @@ class Ingress:
         app_name = serve.get_replica_context().app_name
         self.replicas = ReplicaClient(replicas, app_name, front.model.tokenizer)
         name = served_name(settings, model_dir)
-        self._app = create_ingress_app(front, self.replicas, settings, name, num_replicas)
+        enc = ReplicaClient(encoders, app_name, None) if encoders is not None else None
+        self._app = create_ingress_app(front, self.replicas, settings, name, num_replicas, enc)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The app Ray Serve runs for this deployment."""

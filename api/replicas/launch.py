@@ -75,7 +75,8 @@ def build_application(
         config: engine settings of every replica (``model_path`` None: the bundled tiny
             model, built on each node that lacks it).
         server: HTTP settings of the ingress.
-        rs: replica count, resources and router.
+        rs: replica count, resources and router; encoders (``rs.encoders``), each
+            replica asking them for features before running its own tower.
         grace_seconds: how long a stopping replica lets running requests finish; with
             the disk KV tier on it then has ``FLUSH_SECONDS`` more to write its pages.
     """
@@ -117,8 +118,23 @@ def build_application(
         max_ongoing_requests=100_000,
         graceful_shutdown_timeout_s=grace_seconds,
     )
-    app = replicas.bind(config, threads, server.unhealthy_after_failed_steps)
-    return ingress.bind(app, config, server, rs.replicas)
+    encoders = None
+    if rs.encoders:
+        from api.replicas.encoder import KeyAffinityRouter, VisionEncoder
+
+        encoders = (
+            serve.deployment(VisionEncoder, name="VisionEncoder")
+            .options(
+                num_replicas=rs.encoders,
+                ray_actor_options=rs.encoder_options(config.device),
+                max_ongoing_requests=1024,
+                request_router_config=RequestRouterConfig(request_router_class=KeyAffinityRouter),
+                health_check_period_s=5.0,
+            )
+            .bind(config, max(1, int(rs.cpus_per_encoder)), rs.encoder_cache_bytes)
+        )
+    app = replicas.bind(config, threads, server.unhealthy_after_failed_steps, encoders)
+    return ingress.bind(app, config, server, rs.replicas, encoders)
 
 
 def serve_replicas(

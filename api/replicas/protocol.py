@@ -55,6 +55,8 @@ class ReplicaRequest:
         params: sampling parameters (a constrained request's grammar is compiled again
             on the replica from ``params.guided``).
         avoid: unique id of a replica not to use (it died serving this request).
+        priority: the engine request's scheduling class (batch-job lines run at
+            ``BACKGROUND`` on the replica too).
     """
 
     rid: str
@@ -62,6 +64,7 @@ class ReplicaRequest:
     spans: list[SpanRef]
     params: SamplingParams
     avoid: str | None = None
+    priority: int = 0
 
 
 #: Kinds of :class:`ControlCall`.

@@ -67,6 +67,11 @@ class RemoteImage(ImageInput):
         return self._pixels
 
     @property
+    def pixels_ref(self) -> object:
+        """The ``ObjectRef`` of the pixels (what an encoder fetches instead)."""
+        return self._ref
+
+    @property
     def fetched(self) -> bool:
         """Whether the pixels have been fetched."""
         return self._pixels is not None
@@ -89,15 +94,29 @@ class EngineReplica:
         threads: torch CPU threads.
         unhealthy_after: engine steps failing in a row after which the replica reports
             itself unhealthy (Ray Serve then replaces it).
+        encoders: handle of the encoder deployment (``--encoders``): features of images
+            that the caches miss are asked of it before the replica's own tower runs.
     """
 
-    def __init__(self, config: EngineConfig, threads: int = 1, unhealthy_after: int = 3) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        threads: int = 1,
+        unhealthy_after: int = 3,
+        encoders=None,  # noqa: ANN001
+    ) -> None:
         torch.set_num_threads(max(1, threads))
         if config.model_path is None:  # the bundled default model, as `mmserve serve` has
             from mmserve.testing import ensure_model
 
             config.model_path = str(ensure_model("tiny"))
         self.engine = Engine(config)
+        self.encoders = None
+        if encoders is not None:
+            from api.replicas.encoder import EncoderClient
+
+            self.encoders = EncoderClient(encoders)
+            self.engine.set_feature_source(self.encoders)
         self.aengine = AsyncEngine(self.engine)
         self.aengine.start()
         self.unhealthy_after = unhealthy_after
@@ -126,7 +145,14 @@ class EngineReplica:
         grammar = None
         if rr.params.guided is not None:  # compiled once per spec on this replica too
             grammar = self.engine.processor.grammars.compile(rr.params.guided)
-        return EngineRequest(tuple(rr.input_ids), spans, rr.params, rid=rr.rid, grammar=grammar)
+        return EngineRequest(
+            tuple(rr.input_ids),
+            spans,
+            rr.params,
+            rid=rr.rid,
+            grammar=grammar,
+            priority=rr.priority,
+        )
 
     async def generate(self, rr: ReplicaRequest) -> AsyncIterator[Hello | TokenDelta]:
         """Run one request; yields :class:`Hello`, then the engine's
@@ -164,6 +190,8 @@ class EngineReplica:
         stats["pixel_fetches"] = self.pixel_fetches
         stats["requests_received"] = self.requests_received
         stats["embedding_cache_entries"] = len(eng.embedding_cache)
+        stats["encoder_feature_images"] = eng.remote_feature_images
+        stats["encoder_fallbacks"] = self.encoders.fallbacks if self.encoders else 0
         stats["uptime_seconds"] = time.time() - self.started
         return stats
 

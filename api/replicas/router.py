@@ -74,6 +74,10 @@ class _Tracking:
 
     #: name in metrics and stats
     policy = ""
+    #: whether every answer of :meth:`choose_replicas` already ranks every candidate
+    #: (then Ray Serve backs off before asking again); Ray Serve's power-of-two router
+    #: widens its choice round by round and says itself when to back off
+    backoff_every_round = True
 
     def initialize_state(
         self,
@@ -114,15 +118,30 @@ class _Tracking:
         """Ranks of replicas to try for ``pending_request`` (best first).
 
         A control call goes to its target only (none while the target is not
-        running: Ray Serve retries until the caller gives up); a retry never goes
-        back to the replica it avoids unless that is the only one.
+        running: Ray Serve retries, backing off, until the caller gives up; the
+        ingress gives up as soon as the target leaves :meth:`replica_ids`); a retry
+        never goes back to the replica it avoids unless that is the only one.
+
+        Every answer lets Ray Serve back off before asking again: its routing loop
+        asks again at once, without yielding to its event loop, while
+        ``routing_context.should_backoff`` is false, so an empty answer (a control
+        call for a replica that just died) would spin on that loop, which also
+        routes every other request and receives the new replica set: the whole
+        endpoint would hang and a replacement replica would never join.
         """
+        ranked = await self._ranks(list(candidate_replicas), pending_request)
+        if pending_request is not None and (self.backoff_every_round or not ranked):
+            pending_request.routing_context.should_backoff = True
+        return ranked
+
+    async def _ranks(
+        self, cands: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
         payload = _payload(pending_request)
-        cands = list(candidate_replicas)
         if isinstance(payload, ControlCall):
             if payload.target is None:
-                return [self._by_load(cands)]
-            return [[r for r in cands if _uid(r) == payload.target]]
+                return [self._by_load(cands)] if cands else []
+            return [mine] if (mine := [r for r in cands if _uid(r) == payload.target]) else []
         if isinstance(payload, ReplicaRequest) and payload.avoid is not None:
             cands = [r for r in cands if _uid(r) != payload.avoid] or cands
         if not cands:
@@ -331,6 +350,7 @@ class PowerOfTwoRouter(_Tracking, PowerOfTwoChoicesRequestRouter):
     """Ray Serve's default power-of-two-choices, plus control calls and counters."""
 
     policy = "pow2"
+    backoff_every_round = False
 
     async def _choose(self, cands, payload, pending_request):  # noqa: ANN001, ANN202
         ranked = await PowerOfTwoChoicesRequestRouter.choose_replicas(

@@ -38,6 +38,16 @@ class ReplicaSettings:
         router_max_tree_tokens: cache router: tokens kept per replica in its approximate
             radix tree, least recently used trimmed first (None: --max-total-tokens, the
             size of a replica's KV pool).
+        encoders: vision encoder replicas (tower and projector only) shared by every
+            engine replica: an image is encoded once for the whole deployment, its
+            features kept in Ray's object store under the image key; 0: each replica
+            runs its own tower.
+        gpus_per_encoder: GPUs Ray reserves for each encoder (None: 1 with --device cuda,
+            else 0).
+        cpus_per_encoder: CPUs Ray reserves for each encoder; its torch threads are this
+            rounded down, at least 1.
+        encoder_cache_bytes: feature bytes each encoder keeps referenced in the object
+            store, least recently used released first.
     """
 
     replicas: int = 1
@@ -50,6 +60,10 @@ class ReplicaSettings:
     router_balance_abs_threshold: int = 16
     router_balance_rel_threshold: float = 1.5
     router_max_tree_tokens: int | None = None
+    encoders: int = 0
+    gpus_per_encoder: float | None = None
+    cpus_per_encoder: float = 1.0
+    encoder_cache_bytes: int = 1 << 30
 
     @property
     def uses_ray(self) -> bool:
@@ -70,6 +84,13 @@ class ReplicaSettings:
         would get the first only, would leave them without a device."""
         return {"num_cpus": self.cpus_per_replica * tp, "num_gpus": self.gpus(device) * tp}
 
+    def encoder_options(self, device: str) -> dict[str, float]:
+        """Ray actor resources of one encoder."""
+        gpus = self.gpus_per_encoder
+        if gpus is None:
+            gpus = 1.0 if device.startswith("cuda") else 0.0
+        return {"num_cpus": self.cpus_per_encoder, "num_gpus": gpus}
+
     def validate(self) -> None:
         """Raises ValueError for a setting out of range."""
         if self.replicas < 1:
@@ -89,3 +110,11 @@ class ReplicaSettings:
             )
         if self.router_max_tree_tokens is not None and self.router_max_tree_tokens < 1:
             raise ValueError("router_max_tree_tokens must be >= 1")
+        if self.encoders < 0:
+            raise ValueError(f"encoders must be >= 0, got {self.encoders}")
+        if self.encoders and not self.uses_ray:
+            raise ValueError("encoders need --replicas > 1 or --ray-address")
+        if self.cpus_per_encoder < 0 or (self.gpus_per_encoder or 0) < 0:
+            raise ValueError("cpus_per_encoder and gpus_per_encoder must be >= 0")
+        if self.encoder_cache_bytes < 1:
+            raise ValueError(f"encoder_cache_bytes must be >= 1, got {self.encoder_cache_bytes}")

@@ -137,6 +137,18 @@ class Engine:
         self.stats = EngineStats()
         self._stop_hits: list[str] = []  # tracked requests a stop string ended
 
+    def set_feature_source(self, source) -> None:  # noqa: ANN001
+        """Ask ``source`` for the features of items the embedding cache misses before the
+        vision tower runs here (:attr:`ModelRunner.feature_source`: called on the engine
+        thread with the items, returns one ``[tokens, text_hidden]`` tensor or None per
+        item; None for an item: the tower runs here). ``source`` None: always the tower."""
+        self.runner.feature_source = source
+
+    @property
+    def remote_feature_images(self) -> int:
+        """Items whose features the feature source gave (no tower run here)."""
+        return self.runner.remote_feature_images
+
     def fatal_error(self) -> str | None:
         """Why this engine can serve nothing any more (a tensor-parallel rank died or
         hung), else None."""

@@ -18,6 +18,7 @@ are no image (the video newline) take the fixed embeddings the vision module def
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -94,6 +95,13 @@ class ModelRunner:
         self.logit_mask = mask.to(self.device)
         self.fixed_embeddings = model.vision.token_embeddings()
         self.graphs: DecodeGraphRunner | None = None
+        #: where features of items the embedding cache missed are asked for before the
+        #: tower runs (a shared encoder service): one ``[tokens, text_hidden]`` tensor or
+        #: None (not there: the tower runs here) per item; None = always the tower here
+        self.feature_source: Callable[[list[ImageInput]], list[torch.Tensor | None]] | None = None
+        #: items whose features :attr:`feature_source` gave (no tower run here)
+        self.remote_feature_images = 0
+        self._remote_keys: set[bytes] = set()
 
     def enable_graphs(self, max_bs: int, capture: bool) -> DecodeGraphRunner:
         """Run decode batches of at most ``max_bs`` requests padded to a bucket, from CUDA
@@ -129,6 +137,20 @@ class ModelRunner:
                 out[im.key] = im.features
             else:
                 todo.append(im)
+        self._remote_keys = set()
+        if todo and self.feature_source is not None:
+            got = self.feature_source(todo)
+            rest = []
+            for im, f in zip(todo, got, strict=True):
+                if f is None:
+                    rest.append(im)
+                    continue
+                out[im.key] = f = f.to(device=self.device, dtype=self.dtype)
+                self._remote_keys.add(im.key)
+                if self.tiers is not None:
+                    self.tiers.save_features(im.key, f)
+            self.remote_feature_images += len(todo) - len(rest)
+            todo = rest
         if todo:
             vision = self.model.vision
             pixels = []
@@ -164,7 +186,8 @@ class ModelRunner:
     ) -> dict[bytes, torch.Tensor]:
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, ImageInput] = {}
-        encoding: set[str] = set()  # requests with a tower run in this call
+        # (request's counts, key, request id) of items the tower or the encoder service gives
+        runs: list[tuple[list[int], bytes, str]] = []
         for req, start, end in zip(reqs, starts, ends, strict=True):
             for span in req.spans:
                 if span.end <= start or span.start >= end:
@@ -179,15 +202,16 @@ class ModelRunner:
                 if f is None:
                     missing[key] = span.image
                     if span.image.features is None:  # else the request carries them
-                        counts[1] += 1  # a tower run
-                        encoding.add(req.rid)
+                        runs.append((counts, key, req.rid))
                 else:
                     found[key] = f
         if missing:
             t0 = time.perf_counter()
             found.update(self._encode(list(missing.values())))
             t1 = time.perf_counter()
-            for rid in encoding:
+            for counts, key, rid in runs:
+                if key not in self._remote_keys:
+                    counts[1] += 1  # a tower run
                 self.vision_times[rid] = (self.vision_times.get(rid, (t0,))[0], t1)
         return found
 
