@@ -131,3 +131,56 @@ def test_make_model_help_shows_each_default_once() -> None:
     assert "(default: None)" not in text
     assert "(default: tiny)" in text and "(default: 0)" in text  # --size, --seed
     assert "(default: llava, or the family of a real --size)" in text
+
+
+def test_help_is_grouped_by_subject_in_plain_text() -> None:
+    from api.cli import SUBJECTS
+
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    titles = [
+        line[:-1] for line in text.splitlines() if line and line[0] != " " and line[-1] == ":"
+    ]
+    assert titles == ["options"] + [title for title, _ in SUBJECTS]  # no "other" section
+    section = text[text.index("\nKV cache & tiers:") : text.index("\nscheduling:")]
+    assert "--kv-host-bytes" in section and "--max-running-requests" not in section
+    for markup in ("``", ":class:", ":func:", ":mod:", ":data:", ":meth:"):
+        assert markup not in text, markup
+
+
+def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:  # noqa: ANN001
+    import socket
+
+    from mmserve.engine import engine as engine_module
+
+    def no_engine(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_module, "Engine", no_engine)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--port" in err
+
+
+def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path) -> None:  # noqa: ANN001
+    from api.cli import startup_summary
+    from mmserve.engine.engine import Engine
+
+    config = EngineConfig(
+        dtype="float32", max_total_tokens=4096, page_size=4, kv_host_bytes=1 << 20
+    )
+    engine = Engine(config, model=loaded)
+    launch = LaunchSettings(port=8123)
+    model, pool, backend, tiers, url = startup_summary(engine, launch, ServerSettings())
+    params = sum(p.numel() for p in loaded.decoder.parameters()) + sum(
+        p.numel() for p in loaded.vision.parameters()
+    )
+    assert f"{loaded.family.name} family, {params / 1e6:,.1f} M parameters" in model
+    assert "dtype float32 (--dtype)" in model
+    assert "1,024 pages x 4 tokens = 4,096 tokens" in pool and "--max-total-tokens" in pool
+    assert "attention backend: torch; decode: eager (no CUDA device)" == backend
+    assert "host memory" in tiers and "disk" not in tiers
+    assert "http://127.0.0.1:8123/v1" in url

@@ -77,9 +77,12 @@ async function refreshStats() {
     const s = await (await call("/v1/cache/stats")).json();
     $("#stat-hit").textContent = `${(100 * s.cache_hit_rate).toFixed(1)}%`;
     $("#stat-tower").textContent = String(s.vision_tower_images);
+    // the pool's states are disjoint: used (held by requests) + evictable (cached) + free
     const used = s.used_pages / s.pool_pages;
-    $("#stat-kv").textContent = `${(100 * used).toFixed(1)}% of ${s.pool_pages * s.page_size} tokens`;
-    $("#stat-kv-bar").value = used;
+    const cached = s.evictable_pages / s.pool_pages;
+    $("#stat-kv").textContent =
+      `${(100 * used).toFixed(1)}% used, ${(100 * cached).toFixed(1)}% cached, of ${s.pool_pages * s.page_size} tokens`;
+    $("#stat-kv-bar").value = used + cached;
     showTiers(s);
     $("#stats").title = "";
   } catch (err) {

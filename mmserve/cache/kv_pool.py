@@ -56,6 +56,8 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
+        #: how :meth:`for_model` sized the pool (None when built directly)
+        self.plan: PoolPlan | None = None
         #: page id past the allocator's range, owned by no request (padding rows write it)
         self.scratch_page = num_pages
         shape = (num_pages + 1, page_size, num_kv_heads, head_dim)
@@ -67,7 +69,7 @@ class KVPool:
     def for_model(cls, config: EngineConfig, shape: object, dtype: torch.dtype) -> KVPool:
         """The pool of an engine: sized by :func:`plan_pool` for the decoder ``shape``
         (a :class:`~mmserve.model.llama.LlamaShape`) in ``dtype``, after the weights are
-        loaded; logs the dtype (and why, for ``--dtype auto``), tokens and bytes.
+        loaded; keeps the :class:`PoolPlan` as ``pool.plan`` (where the size came from).
 
         Raises:
             ValueError: as :func:`plan_pool`.
@@ -77,12 +79,12 @@ class KVPool:
         bpt = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
         plan = plan_pool(config, bpt, shape.max_position_embeddings)
         why = f"auto: {auto_dtype(config.device)[1]}" if config.dtype == "auto" else "--dtype"
-        log.info(
+        log.debug(  # mmserve serve's start-up summary prints these to the user
             "dtype %s (%s); KV pool %d tokens, %.1f MiB (%d bytes per token), sized by %s",
             str(dtype).removeprefix("torch."), why, plan.tokens, plan.bytes / 2**20, bpt,
             plan.reason,
         )  # fmt: skip
-        return cls(
+        pool = cls(
             plan.tokens // config.page_size,
             config.page_size,
             shape.num_layers,
@@ -91,6 +93,8 @@ class KVPool:
             dtype=dtype,
             device=config.device,
         )
+        pool.plan = plan  # for the start-up summary: where the size came from
+        return pool
 
     @property
     def size_tokens(self) -> int:

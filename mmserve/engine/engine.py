@@ -118,10 +118,11 @@ class Engine:
         max_bs, capture, why = graph_mode(config, self.runner.backend)
         if max_bs:  # after the pool: graphs capture over its buffers
             self.runner.enable_graphs(max_bs, capture)
-        log.info(
-            "decode: %s",
-            f"CUDA-graph buckets up to {max_bs}, {why}" if max_bs else f"eager ({why})",
+        #: how decode runs, for the start-up summary of ``mmserve serve``
+        self.decode_mode = (
+            f"CUDA-graph buckets up to {max_bs}, {why}" if max_bs else f"eager ({why})"
         )
+        log.debug("decode: %s", self.decode_mode)
         # front-end work (decode, hash, template, tokenize, limits) runs on callers'
         # threads through the processor; the engine itself accepts only its Requests
         self.processor = InputProcessor(model, config, self.pool.size_tokens, self.embedding_cache)
@@ -213,10 +214,11 @@ class Engine:
         return written
 
     def stats_snapshot(self) -> dict:
-        """:meth:`cache_stats` plus used pages, live requests and, when no request is
-        live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
+        """:meth:`cache_stats` plus used pages (held by requests: neither free nor
+        evictable, so ``used + evictable + free = pool``), live requests and, when no
+        request is live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
         stats = dict(self.cache_stats())
-        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"]
+        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"] - stats["evictable_pages"]
         stats["live_requests"] = len(self.live_requests())
         stats["accounting"] = None
         if not self.live_requests() and not self.has_work():
