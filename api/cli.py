@@ -118,11 +118,18 @@ _GROUPS = [
 #: ``--help`` sections by subject, in order: (title, flags). A flag not named here is
 #: listed under "other" (a test keeps that section empty).
 SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
-    ("model", ("model", "served_model_name", "device", "dtype", "tp", "tp_timeout_seconds")),
+    (
+        "model",
+        (
+            "model", "served_model_name", "device", "dtype", "quantization", "tp",
+            "tp_timeout_seconds",
+        ),
+    ),
     (
         "KV cache & tiers",
         (
-            "page_size", "max_total_tokens", "kv_cache_memory", "mem_fraction_static",
+            "page_size", "kv_cache_dtype", "max_total_tokens", "kv_cache_memory",
+            "mem_fraction_static",
             "disable_radix_cache", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes",
             "vision_cache_bytes",
         ),
@@ -360,7 +367,8 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
         if hasattr(m, "parameters")
         for p in m.parameters()
     )
-    dtype = str(pool.k_buffers[0].dtype).removeprefix("torch.")
+    dtype = str(model.decoder.embed_tokens.weight.dtype).removeprefix("torch.")
+    kv_dtype = str(pool.k_buffers[0].dtype).removeprefix("torch.")
     why = f"--dtype auto: {auto_dtype(cfg.device)[1]}" if cfg.dtype == "auto" else "--dtype"
     tp = f", tensor-parallel over {cfg.tp} ranks" if cfg.tp > 1 else ""
     name = server.served_model_name or Path(cfg.model_path or "mmserve").name
@@ -372,7 +380,7 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
     pool_bytes = sum(b.numel() * b.element_size() for b in (*pool.k_buffers, *pool.v_buffers))
     lines.append(
         f"KV pool: {pool.num_pages:,} pages x {pool.page_size} tokens = "
-        f"{pool.size_tokens:,} tokens, {pool_bytes / 2**20:,.1f} MiB"
+        f"{pool.size_tokens:,} tokens, {pool_bytes / 2**20:,.1f} MiB of {kv_dtype}"
         + (f" ({plan.bytes_per_token:,} bytes per token), sized by {plan.reason}" if plan else "")
     )
     lines.append(f"attention backend: {engine.runner.backend.name}; decode: {engine.decode_mode}")

@@ -180,7 +180,8 @@ def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path
     )
     assert f"{loaded.family.name} family, {params / 1e6:,.1f} M parameters" in model
     assert "dtype float32 (--dtype)" in model
-    assert "1,024 pages x 4 tokens = 4,096 tokens" in pool and "--max-total-tokens" in pool
+    assert "1,024 pages x 4 tokens = 4,096 tokens" in pool and "MiB of float32" in pool
+    assert "--max-total-tokens" in pool
     assert "attention backend: torch; decode: eager (no CUDA device)" == backend
     assert "host memory" in tiers and "disk" not in tiers
     assert "http://127.0.0.1:8123/v1" in url

@@ -69,7 +69,8 @@ class KVPool:
     def for_model(cls, config: EngineConfig, shape: object, dtype: torch.dtype) -> KVPool:
         """The pool of an engine: sized by :func:`plan_pool` for the decoder ``shape``
         (a :class:`~mmserve.model.llama.LlamaShape`) in ``dtype``, after the weights are
-        loaded; keeps the :class:`PoolPlan` as ``pool.plan`` (where the size came from).
+        loaded; logs the dtype (and why, for ``--dtype auto``), tokens and bytes, and keeps
+        the :class:`PoolPlan` as ``pool.plan`` (for ``mmserve serve``'s start-up summary).
 
         Raises:
             ValueError: as :func:`plan_pool`.
@@ -79,7 +80,7 @@ class KVPool:
         bpt = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
         plan = plan_pool(config, bpt, shape.max_position_embeddings)
         why = f"auto: {auto_dtype(config.device)[1]}" if config.dtype == "auto" else "--dtype"
-        log.debug(  # mmserve serve's start-up summary prints these to the user
+        log.info(
             "dtype %s (%s); KV pool %d tokens, %.1f MiB (%d bytes per token), sized by %s",
             str(dtype).removeprefix("torch."), why, plan.tokens, plan.bytes / 2**20, bpt,
             plan.reason,

@@ -122,7 +122,7 @@ class Engine:
         self.decode_mode = (
             f"CUDA-graph buckets up to {max_bs}, {why}" if max_bs else f"eager ({why})"
         )
-        log.debug("decode: %s", self.decode_mode)
+        log.info("decode: %s", self.decode_mode)
         # front-end work (decode, hash, template, tokenize, limits) runs on callers'
         # threads through the processor; the engine itself accepts only its Requests
         self.processor = InputProcessor(model, config, self.pool.size_tokens, self.embedding_cache)
@@ -214,10 +214,10 @@ class Engine:
         return written
 
     def stats_snapshot(self) -> dict:
-        """:meth:`cache_stats` plus used pages (held by requests: neither free nor
-        evictable, so ``used + evictable + free = pool``), live requests and, when no
-        request is live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
+        """:meth:`cache_stats` plus used pages, live requests and, when no request is
+        live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
         stats = dict(self.cache_stats())
+        # used: held by requests, so used + evictable + free = pool (disjoint states)
         stats["used_pages"] = stats["pool_pages"] - stats["free_pages"] - stats["evictable_pages"]
         stats["live_requests"] = len(self.live_requests())
         stats["accounting"] = None
