@@ -360,30 +360,26 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
 
     from mmserve.config import auto_dtype
 
-    cfg, model, pool = engine.config, engine.model, engine.pool
-    params = sum(
-        p.numel()
-        for m in (model.decoder, model.vision)
-        if hasattr(m, "parameters")
-        for p in m.parameters()
-    )
-    dtype = str(model.decoder.embed_tokens.weight.dtype).removeprefix("torch.")
-    kv_dtype = str(pool.k_buffers[0].dtype).removeprefix("torch.")
+    cfg, d = engine.config, engine.describe()
     why = f"--dtype auto: {auto_dtype(cfg.device)[1]}" if cfg.dtype == "auto" else "--dtype"
     tp = f", tensor-parallel over {cfg.tp} ranks" if cfg.tp > 1 else ""
     name = server.served_model_name or Path(cfg.model_path or "mmserve").name
     lines = [
-        f"model {name}: {model.family.name} family, {params / 1e6:,.1f} M parameters "
-        f"(decoder + vision), dtype {dtype} ({why}), on {cfg.device}{tp}; from {cfg.model_path}"
+        f"model {name}: {d['family']} family, {d['parameters'] / 1e6:,.1f} M parameters "
+        f"(decoder + vision), dtype {d['dtype']} ({why}), on {cfg.device}{tp}; "
+        f"from {cfg.model_path}"
     ]
-    plan = pool.plan
-    pool_bytes = sum(b.numel() * b.element_size() for b in (*pool.k_buffers, *pool.v_buffers))
-    lines.append(
-        f"KV pool: {pool.num_pages:,} pages x {pool.page_size} tokens = "
-        f"{pool.size_tokens:,} tokens, {pool_bytes / 2**20:,.1f} MiB of {kv_dtype}"
-        + (f" ({plan.bytes_per_token:,} bytes per token), sized by {plan.reason}" if plan else "")
+    sized = (
+        f" ({d['bytes_per_token']:,} bytes per token), sized by {d['pool_sized_by']}"
+        if d["pool_sized_by"]
+        else ""
     )
-    lines.append(f"attention backend: {engine.runner.backend.name}; decode: {engine.decode_mode}")
+    lines.append(
+        f"KV pool: {d['pool_pages']:,} pages x {d['page_size']} tokens = "
+        f"{d['pool_tokens']:,} tokens, {d['pool_bytes'] / 2**20:,.1f} MiB of {d['kv_dtype']}"
+        + sized
+    )
+    lines.append(f"attention backend: {d['attention_backend']}; decode: {d['decode']}")
     tiers = []
     if cfg.kv_host_bytes:
         tiers.append(f"host memory {cfg.kv_host_bytes / 2**30:.2f} GiB (--kv-host-bytes)")

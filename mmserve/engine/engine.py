@@ -133,6 +133,36 @@ class Engine:
         self.stats = EngineStats()
         self._stop_hits: list[str] = []  # tracked requests a stop string ended
 
+    def describe(self) -> dict:
+        """What this engine runs, for ``mmserve serve``'s start-up summary.
+
+        Returns:
+            ``family``; ``parameters`` (decoder + vision, on this rank); ``dtype`` (the
+            model's) and ``kv_dtype`` (torch dtype names); ``pool_pages``, ``page_size``,
+            ``pool_tokens``, ``pool_bytes`` (K and V buffers, bytes); ``bytes_per_token``
+            and ``pool_sized_by`` (None for a pool not sized by ``for_model``);
+            ``attention_backend``; ``decode`` (CUDA graphs or eager, and why).
+        """
+        model, pool = self.model, self.pool
+        modules = [m for m in (model.decoder, model.vision) if hasattr(m, "parameters")]
+        plan = pool.plan
+        return {
+            "family": model.family.name,
+            "parameters": sum(p.numel() for m in modules for p in m.parameters()),
+            "dtype": str(model.decoder.embed_tokens.weight.dtype).removeprefix("torch."),
+            "kv_dtype": str(pool.k_buffers[0].dtype).removeprefix("torch."),
+            "pool_pages": pool.num_pages,
+            "page_size": pool.page_size,
+            "pool_tokens": pool.size_tokens,
+            "pool_bytes": sum(
+                b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers
+            ),
+            "bytes_per_token": plan.bytes_per_token if plan else None,
+            "pool_sized_by": plan.reason if plan else None,
+            "attention_backend": self.runner.backend.name,
+            "decode": self.decode_mode,
+        }
+
     def fatal_error(self) -> str | None:
         """Why this engine can serve nothing any more (a tensor-parallel rank died or
         hung), else None."""
