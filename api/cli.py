@@ -344,10 +344,10 @@ def port_problem(host: str, port: int) -> str | None:
         try:
             sock.bind(addr)
         except OSError as e:
-            why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            why = "is in use" if e.errno == errno.EADDRINUSE else "cannot be bound"
             return (
-                f"port {port} on {host} {why}; stop what listens there or pick another "
-                "port with --port N"
+                f"port {port} on {host} {why} ({e.strerror}); stop what listens there or "
+                "pick another port with --port N"
             )
     return None
 

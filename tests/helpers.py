@@ -677,9 +677,7 @@ def output_shape_problems(code: str, stdout: str) -> list[str]:
     problems = []
     for shown in shown_outputs(code):
         keys = set(re.findall(r'"(\w+)"\s*:', shown))
-        strings = {
-            (k, v) for k, v in re.findall(r'"(\w+)"\s*:\s*"([^"…\\]*)"', shown)
-        }
+        strings = {(k, v) for k, v in re.findall(r'"(\w+)"\s*:\s*"([^"…\\]*)"', shown)}
         if any(keys <= k and strings <= s for k, s in printed):
             continue
         # name what the closest printed object lacks

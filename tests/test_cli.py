@@ -185,3 +185,21 @@ def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path
     assert "attention backend: torch; decode: eager (no CUDA device)" == backend
     assert "host memory" in tiers and "disk" not in tiers
     assert "http://127.0.0.1:8123/v1" in url
+
+
+def test_serve_logs_its_choices_by_default(model_dir, tmp_path) -> None:  # noqa: ANN001
+    from tests.live_server import live_server_process
+
+    log = tmp_path / "serve.log"
+    with live_server_process(model_dir, "--page-size", "4", log_path=log) as (url, _):
+        text = log.read_text()
+    port = url.rsplit(":", 1)[1]
+    startup = text[: text.index("Application startup complete")]
+    lines = [line for line in startup.splitlines() if line.startswith("INFO:")]
+    assert any("llava family" in x and "dtype float32 (--dtype)" in x for x in lines), text
+    assert any("pages x 4 tokens = 32,768 tokens" in x and "sized by" in x for x in lines)
+    assert any(
+        x.endswith("attention backend: torch; decode: eager (no CUDA device)") for x in lines
+    )
+    assert any("KV tiers: the pool only" in x for x in lines)
+    assert any(f"at http://127.0.0.1:{port}/v1" in x for x in lines)
