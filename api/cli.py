@@ -267,6 +267,19 @@ def replica_settings_from_args(args: argparse.Namespace) -> ReplicaSettings:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    try:
+        launch, config, server = settings_from_args(args)
+        replicas = replica_settings_from_args(args)
+    except ValueError as e:
+        print(f"mmserve serve: error: {e}", file=sys.stderr)
+        return 2
+    # before torch is imported and the model loads (minutes for a 7B), not as uvicorn's
+    # bare exit 3 after it
+    busy = port_problem(launch.host, launch.port)
+    if busy is not None:
+        print(f"mmserve serve: error: {busy}", file=sys.stderr)
+        return 2
+
     import uvicorn
 
     from api.app import create_app
@@ -275,17 +288,6 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
     from mmserve.testing.checkpoints import ensure_model
 
-    try:
-        launch, config, server = settings_from_args(args)
-        replicas = replica_settings_from_args(args)
-    except ValueError as e:
-        print(f"mmserve serve: error: {e}", file=sys.stderr)
-        return 2
-    # before the model loads (minutes for a 7B), not as uvicorn's bare exit 3 after it
-    busy = port_problem(launch.host, launch.port)
-    if busy is not None:
-        print(f"mmserve serve: error: {busy}", file=sys.stderr)
-        return 2
     if replicas.uses_ray:  # several engine replicas on Ray Serve (api/replicas/)
         from api.replicas.launch import serve_replicas
 

@@ -40,6 +40,9 @@ from mmserve.kernels.torch_backend import TorchAttentionBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples" / "images"
+#: ``mmserve serve`` flags for any free port (serve checks its port before the model loads,
+#: so an in-process ``main(["serve", ...])`` must not depend on what holds 8000)
+ANY_PORT = ("--port", "0")
 #: the model families with a tiny checkpoint (``families`` fixture in tests/conftest.py)
 TINY_FAMILIES = ("llava", "llava-next", "llava-onevision")
 

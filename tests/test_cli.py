@@ -10,7 +10,7 @@ from api.cli import LaunchSettings, build_parser, main, settings_from_args
 from api.settings import ServerSettings
 from mmserve.config import EngineConfig
 from mmserve.vision.image import ImageLimits
-from tests.helpers import serve_help_defaults
+from tests.helpers import ANY_PORT, serve_help_defaults
 
 
 def test_flags_parse_into_typed_settings() -> None:
@@ -79,7 +79,7 @@ def test_bad_setting_is_a_clear_error(capsys) -> None:  # noqa: ANN001
 
 
 def test_cli_serve_flashinfer_on_cpu_fails_fast(model_dir, capsys) -> None:  # noqa: ANN001
-    rc = main(["serve", "--model", str(model_dir), "--attention-backend", "flashinfer"])
+    rc = main(["serve", *ANY_PORT, "--model", str(model_dir), "--attention-backend", "flashinfer"])
     err = capsys.readouterr().err
     assert rc == 2 and "CUDA" in err and "--attention-backend torch" in err
 
@@ -113,7 +113,7 @@ def test_data_dir_flag_and_its_default(monkeypatch, tmp_path) -> None:  # noqa: 
 
 
 def test_cli_serve_kv_budget_too_small_is_refused_with_numbers(model_dir, capsys) -> None:  # noqa: ANN001
-    rc = main(["serve", "--model", str(model_dir), "--kv-cache-memory", "100000"])
+    rc = main(["serve", *ANY_PORT, "--model", str(model_dir), "--kv-cache-memory", "100000"])
     err = capsys.readouterr().err
     assert rc == 2 and "mmserve serve: error: the KV pool would hold" in err
     assert "bytes per token" in err and "Traceback" not in err
