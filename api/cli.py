@@ -129,9 +129,8 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
         "KV cache & tiers",
         (
             "page_size", "kv_cache_dtype", "max_total_tokens", "kv_cache_memory",
-            "mem_fraction_static",
-            "disable_radix_cache", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes",
-            "vision_cache_bytes",
+            "mem_fraction_static", "disable_radix_cache", "kv_host_bytes", "kv_disk_dir",
+            "kv_disk_bytes", "vision_cache_bytes",
         ),
     ),
     (
@@ -154,8 +153,8 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
             "max_request_image_pixels", "max_decoded_image_bytes",
             "decoded_image_wait_seconds", "max_image_bytes", "max_image_side",
             "max_image_pixels", "max_image_aspect_ratio", "max_image_resized_side",
-            "max_stored_images",
-            "max_stored_image_bytes", "image_store_dir", "allow_remote_images",
+            "max_stored_images", "max_stored_image_bytes", "image_store_dir",
+            "allow_remote_images",
             "allowed_local_media_path", "remote_image_timeout",
             "remote_image_max_redirects", "remote_image_allowed_networks",
             "max_video_bytes", "max_video_frames", "max_video_tokens", "max_video_side",
