@@ -152,7 +152,7 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
             "max_image_tokens_per_request", "max_images_per_request",
             "max_request_image_pixels", "max_decoded_image_bytes",
             "decoded_image_wait_seconds", "max_image_bytes", "max_image_side",
-            "max_image_pixels", "max_image_aspect_ratio", "max_image_resized_side",
+            "max_image_pixels", "max_image_resized_side",
             "max_stored_images", "max_stored_image_bytes", "image_store_dir",
             "allow_remote_images",
             "allowed_local_media_path", "remote_image_timeout",
