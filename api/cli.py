@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import errno
 import logging
+import logging.config
 import re
 import signal
 import sys
@@ -34,7 +36,7 @@ from mmserve.vision.image import ImageLimits
 if TYPE_CHECKING:
     from mmserve.engine.engine import Engine
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("api.cli")  # not __main__ under python -m api.cli
 
 
 @dataclass
@@ -105,7 +107,7 @@ def _flag(group: str, name: str) -> str:
     return name
 
 
-#: (group, dataclass, fields left out) in the order --help lists them.
+#: (group, dataclass, fields left out): the settings' owners.
 _GROUPS = [
     ("launch", LaunchSettings, ()),
     ("engine", EngineConfig, ("image_limits",)),
@@ -114,10 +116,99 @@ _GROUPS = [
     ("replicas", ReplicaSettings, ()),
 ]
 
+#: ``--help`` sections by subject, in order: (title, flags). A flag not named here is
+#: listed under "other" (a test keeps that section empty).
+SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "model",
+        (
+            "model", "served_model_name", "device", "dtype", "quantization", "tp",
+            "tp_timeout_seconds",
+        ),
+    ),
+    (
+        "KV cache & tiers",
+        (
+            "page_size", "kv_cache_dtype", "max_total_tokens", "kv_cache_memory",
+            "mem_fraction_static", "disable_radix_cache", "kv_host_bytes", "kv_disk_dir",
+            "kv_disk_bytes", "vision_cache_bytes",
+        ),
+    ),
+    (
+        "scheduling",
+        (
+            "max_running_requests", "max_prefill_tokens", "max_num_batched_tokens",
+            "background_prefill_tokens", "disable_mixed_steps", "policy",
+            "decode_reserve_ratio", "max_wait_seconds", "policy_seed", "dedup_min_tokens",
+            "disable_jump_forward", "max_queued_requests", "retry_after_seconds",
+        ),
+    ),
+    (
+        "GPU/performance",
+        ("attention_backend", "disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_twin"),
+    ),
+    (
+        "media limits (images/video)",
+        (
+            "max_image_tokens_per_request", "max_images_per_request",
+            "max_request_image_pixels", "max_decoded_image_bytes",
+            "decoded_image_wait_seconds", "max_image_bytes", "max_image_side",
+            "max_image_pixels", "max_image_resized_side",
+            "max_stored_images", "max_stored_image_bytes", "image_store_dir",
+            "allow_remote_images",
+            "allowed_local_media_path", "remote_image_timeout",
+            "remote_image_max_redirects", "remote_image_allowed_networks",
+            "max_video_bytes", "max_video_frames", "max_video_tokens", "max_video_side",
+            "max_stored_videos", "max_stored_video_bytes",
+        ),
+    ),
+    (
+        "API & security",
+        (
+            "host", "port", "api_key", "max_request_bytes", "max_json_depth",
+            "max_questions", "max_n", "default_max_tokens",
+        ),
+    ),
+    (
+        "batches (/v1/files, /v1/batches)",
+        (
+            "data_dir", "max_batch_file_bytes", "max_batch_lines", "max_stored_file_bytes",
+            "batch_max_in_flight", "batch_in_flight_with_online", "batch_order",
+        ),
+    ),
+    ("replicas (Ray Serve)", ()),  # every ReplicaSettings field
+    (
+        "observability & process",
+        (
+            "log_level", "otlp_traces_endpoint", "unhealthy_after_failed_steps",
+            "shutdown_grace_seconds", "fatal_exit_seconds",
+        ),
+    ),
+]  # fmt: skip
+
+
+def _subject(group: str, flag: str) -> str:
+    """The ``--help`` section of ``flag`` (a flag name with underscores)."""
+    if group == "replicas":
+        return "replicas (Ray Serve)"
+    for title, flags in SUBJECTS:
+        if flag in flags:
+            return title
+    return "other"
+
+
+def plain(text: str) -> str:
+    """``text`` without documentation markup, for ``--help``: ``x`` -> x,
+    :func:`a.b.c` -> c, :data:`~a.B` -> B."""
+    text = re.sub(r"\s*\(see :\w+:`[^`]*`\)|[:;,]\s*see :\w+:`[^`]*`", "", text)
+    text = re.sub(r":\w+:`~?([\w.]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    return text.replace("``", "")
+
 
 def _add_settings(p: argparse.ArgumentParser) -> None:
+    sections = {title: p.add_argument_group(title) for title, _ in SUBJECTS}
+    sections["other"] = p.add_argument_group("other")
     for group, cls, skip in _GROUPS:
-        g = p.add_argument_group(f"{cls.__name__} ({cls.__module__})")
         docs = _field_docs(cls)
         hints = typing.get_type_hints(cls)
         defaults = cls()
@@ -127,7 +218,7 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
             flag = _flag(group, f.name)
             default = getattr(defaults, f.name)
             kw: dict = {"dest": f"{group}.{f.name}", "default": default}
-            kw["help"] = docs.get(f.name, "") + " [default: %(default)s]"
+            kw["help"] = plain(docs.get(f.name, "")).replace("%", "%%") + " [default: %(default)s]"
             base = _base_type(hints[f.name])
             if base is bool:
                 kw["action"] = argparse.BooleanOptionalAction
@@ -136,7 +227,7 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
                 kw["metavar"] = {int: "N", float: "X"}.get(base, flag.split("_")[-1].upper())
                 if f.name in _CHOICES:
                     kw["choices"] = list(_CHOICES[f.name])
-            g.add_argument("--" + flag.replace("_", "-"), **kw)
+            sections[_subject(group, flag)].add_argument("--" + flag.replace("_", "-"), **kw)
 
 
 def settings_from_args(
@@ -176,6 +267,19 @@ def replica_settings_from_args(args: argparse.Namespace) -> ReplicaSettings:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    try:
+        launch, config, server = settings_from_args(args)
+        replicas = replica_settings_from_args(args)
+    except ValueError as e:
+        print(f"mmserve serve: error: {e}", file=sys.stderr)
+        return 2
+    # before torch is imported and the model loads (minutes for a 7B), not as uvicorn's
+    # bare exit 3 after it
+    busy = port_problem(launch.host, launch.port)
+    if busy is not None:
+        print(f"mmserve serve: error: {busy}", file=sys.stderr)
+        return 2
+
     import uvicorn
 
     from api.app import create_app
@@ -184,12 +288,6 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
     from mmserve.testing.checkpoints import ensure_model
 
-    try:
-        launch, config, server = settings_from_args(args)
-        replicas = replica_settings_from_args(args)
-    except ValueError as e:
-        print(f"mmserve serve: error: {e}", file=sys.stderr)
-        return 2
     if replicas.uses_ray:  # several engine replicas on Ray Serve (api/replicas/)
         from api.replicas.launch import serve_replicas
 
@@ -206,6 +304,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, server)
+    # the start-up lines print at --log-level from here on (uvicorn applies the same
+    # configuration again); configured this late so that a refused start changes nothing
+    logging.config.dictConfig(log_config(launch.log_level))
+    for line in startup_summary(engine, launch, server):
+        log.info("%s", line)
     uv = uvicorn.Config(
         app,
         host=launch.host,
@@ -223,6 +326,79 @@ def _serve(args: argparse.Namespace) -> int:
     _exit_on_fatal(engine, userver, launch.fatal_exit_seconds)
     userver.run()
     return 1 if engine.fatal_error() else 0
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (in use, not an address of this machine,
+    no permission), else None; the socket is closed again at once.
+
+    Bound like uvicorn binds (``SO_REUSEADDR``), so a port in TIME_WAIT is not refused.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot listen on --host {host} ({e.strerror})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            why = "is in use" if e.errno == errno.EADDRINUSE else "cannot be bound"
+            return (
+                f"port {port} on {host} {why} ({e.strerror}); stop what listens there or "
+                "pick another port with --port N"
+            )
+    return None
+
+
+def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettings) -> list[str]:
+    """The lines ``mmserve serve`` logs once the engine is built: the model (family,
+    parameters, dtype and why), the KV pool (pages, tokens, bytes, where the size came
+    from), the attention backend and decode mode, the KV tiers, and the URL."""
+    from pathlib import Path
+
+    from mmserve.config import auto_dtype
+
+    cfg, d = engine.config, engine.describe()
+    why = f"--dtype auto: {auto_dtype(cfg.device)[1]}" if cfg.dtype == "auto" else "--dtype"
+    tp = f", tensor-parallel over {cfg.tp} ranks" if cfg.tp > 1 else ""
+    name = server.served_model_name or Path(cfg.model_path or "mmserve").name
+    lines = [
+        f"model {name}: {d['family']} family, {d['parameters'] / 1e6:,.1f} M parameters "
+        f"(decoder + vision), dtype {d['dtype']} ({why}), on {cfg.device}{tp}; "
+        f"from {cfg.model_path}"
+    ]
+    sized = (
+        f" ({d['bytes_per_token']:,} bytes per token), sized by {d['pool_sized_by']}"
+        if d["pool_sized_by"]
+        else ""
+    )
+    lines.append(
+        f"KV pool: {d['pool_pages']:,} pages x {d['page_size']} tokens = "
+        f"{d['pool_tokens']:,} tokens, {d['pool_bytes'] / 2**20:,.1f} MiB of {d['kv_dtype']}"
+        + sized
+    )
+    lines.append(f"attention backend: {d['attention_backend']}; decode: {d['decode']}")
+    tiers = []
+    if cfg.kv_host_bytes:
+        tiers.append(f"host memory {cfg.kv_host_bytes / 2**30:.2f} GiB (--kv-host-bytes)")
+    if cfg.kv_disk_dir:
+        tiers.append(f"disk {cfg.kv_disk_dir}, at most {cfg.kv_disk_bytes / 2**30:.2f} GiB")
+    lines.append(
+        "KV tiers: pool, then " + ", then ".join(tiers)
+        if tiers
+        else "KV tiers: the pool only (evicted pages are dropped; --kv-host-bytes and "
+        "--kv-disk-dir add tiers)"
+    )
+    host = f"[{launch.host}]" if ":" in launch.host else launch.host
+    url = f"http://{host}:{launch.port}"
+    lines.append(
+        f"serving {name!r} at {url}/v1 (OpenAI API), web page {url}/, metrics {url}/metrics"
+    )
+    return lines
 
 
 def log_config(level: str) -> dict:
@@ -267,7 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve",
         help="run the HTTP server",
-        description="Run the OpenAI-compatible HTTP server (one engine, or --replicas N).",
+        usage="mmserve serve [--model DIR] [--device cuda] [--port N] [options]",
+        description="Run the OpenAI-compatible HTTP server (one engine, or --replicas N). "
+        "Every option below has a default; the sections group them by subject.",
     )
     _add_settings(s)
     s.set_defaults(func=_serve)

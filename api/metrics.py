@@ -167,18 +167,19 @@ class _EngineCollector(Collector):
         )
         pages = GaugeMetricFamily(
             "mmserve_kv_pages",
-            "KV pool pages: used (not free; includes evictable), evictable (tree pages no "
-            "request holds), free.",
+            "KV pool pages by state, disjoint and adding up to mmserve_kv_pool_pages: used "
+            "(held by a running or waiting request), evictable (cached in the radix tree, "
+            "held by no request), free.",
             labels=["state"],
         )
-        pages.add_metric(["used"], s["pool_pages"] - s["free_pages"])
+        pages.add_metric(["used"], s["pool_pages"] - s["free_pages"] - s["evictable_pages"])
         pages.add_metric(["evictable"], s["evictable_pages"])
         pages.add_metric(["free"], s["free_pages"])
         yield pages
         yield GaugeMetricFamily("mmserve_kv_pool_pages", "KV pool size.", value=s["pool_pages"])
         yield GaugeMetricFamily(
             "mmserve_kv_usage_ratio",
-            "Fraction of KV pages not free.",
+            "Fraction of KV pages not free (used + evictable).",
             value=1 - s["free_pages"] / s["pool_pages"] if s["pool_pages"] else 0.0,
         )
         yield GaugeMetricFamily("mmserve_radix_tree_nodes", "Radix tree nodes.", s["tree_nodes"])

@@ -41,6 +41,9 @@ from mmserve.kernels.torch_backend import TorchAttentionBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples" / "images"
+#: ``mmserve serve`` flags for any free port (serve checks its port before the model loads,
+#: so an in-process ``main(["serve", ...])`` must not depend on what holds 8000)
+ANY_PORT = ("--port", "0")
 #: the model families with a tiny checkpoint (``families`` fixture in tests/conftest.py)
 TINY_FAMILIES = ("llava", "llava-next", "llava-onevision")
 
@@ -567,3 +570,249 @@ class FakeFlashInfer:
 
         self.BatchDecodeWithPagedKVCacheWrapper = Wrapper
         self.BatchPrefillWithPagedKVCacheWrapper = Wrapper  # built, never planned here
+
+
+# ---- documented commands (tests/test_doc_examples.py) ------------------------------------
+
+#: the line that marks the fenced ```bash or ```python block right after it as run by
+#: tests/test_doc_examples.py against a live server (CONTRIBUTING.md)
+DOCTEST_MARKER = "<!-- doctest -->"
+#: the pages whose marked examples are run (a missing page is skipped)
+DOC_PAGES = (ROOT / "README.md", ROOT / "docs" / "api.md", ROOT / "docs" / "video.md")
+#: the sample files every marked block may assume stored (uploaded again before each
+#: block: a block may delete them), with the placeholder of their id in the docs
+DOC_UPLOADS = (
+    ("images", SAMPLES / "cat.png", "img-caf8…"),
+    ("videos", ROOT / "samples" / "video" / "pans.mp4", "vid-48ba…"),
+)
+#: the server address the docs use (the first command's ``mmserve serve --port 8000``)
+DOC_URL = "http://127.0.0.1:8000"
+
+
+@dataclass(frozen=True)
+class DocExample:
+    """One marked fenced block of a documentation page.
+
+    Attributes:
+        path: the page.
+        line: 1-based line of the opening fence.
+        lang: "bash" or "python".
+        code: the block's text, without the fences.
+    """
+
+    path: Path
+    line: int
+    lang: str
+    code: str
+
+    @property
+    def where(self) -> str:
+        """``README.md:123``: the page and the fence's line, for failure messages."""
+        return f"{self.path.name}:{self.line}"
+
+
+def doc_examples(paths: Sequence[Path] = DOC_PAGES) -> list[DocExample]:
+    """The blocks marked with :data:`DOCTEST_MARKER` in ``paths``, in page order;
+    pages that do not exist are skipped.
+
+    Raises:
+        ValueError: a marker not directly followed by a ```bash or ```python fence, or
+            a fence never closed (the message names the page and line).
+    """
+    found = []
+    for path in paths:
+        if not path.exists():
+            continue
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() != DOCTEST_MARKER:
+                continue
+            fence = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            lang = fence.removeprefix("```").split(" ")[0]
+            if not fence.startswith("```") or lang not in ("bash", "python"):
+                want = "```bash or ```python"
+                raise ValueError(f"{path.name}:{i + 1}: {DOCTEST_MARKER} must precede {want}")
+            try:
+                end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
+            except StopIteration:
+                raise ValueError(f"{path.name}:{i + 2}: the fence is never closed") from None
+            found.append(DocExample(path, i + 2, lang, "\n".join(lines[i + 2 : end]) + "\n"))
+    return found
+
+
+def upload_doc_samples(url: str) -> dict[str, str]:
+    """Store :data:`DOC_UPLOADS` on the server at ``url`` (idempotent: same bytes, same
+    id); returns ``{placeholder: id}``.
+
+    Raises:
+        AssertionError: an id does not start as its placeholder says (the docs'
+            ``img-caf8…`` must be the sample photo's id).
+    """
+    import urllib.request
+
+    ids = {}
+    for route, path, placeholder in DOC_UPLOADS:
+        body = json.dumps({"data": base64.b64encode(path.read_bytes()).decode()}).encode()
+        req = urllib.request.Request(
+            f"{url}/v1/{route}", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got = json.loads(r.read())["id"]
+        assert got.startswith(placeholder.removesuffix("…")), (placeholder, got)
+        ids[placeholder] = got
+    return ids
+
+
+def shown_outputs(code: str) -> list[str]:
+    """The JSON a bash block shows as a command's output: comments that start with
+    ``{`` (``# {"id":"img-…",…}``), whole-line or after a command."""
+    return [m.group(1) for m in re.finditer(r"#\s*(\{.*)$", code, re.M)]
+
+
+def _json_documents(text: str) -> list[object]:
+    """Every JSON object in ``text`` (curl prints one after another, NDJSON a line each)."""
+    decoder, docs, i = json.JSONDecoder(), [], 0
+    while (i := text.find("{", i)) != -1:
+        try:
+            doc, end = decoder.raw_decode(text, i)
+        except ValueError:
+            i += 1
+            continue
+        docs.append(doc)
+        i = end
+    return docs
+
+
+def _pairs(doc: object) -> tuple[set[str], set[tuple[str, str]]]:
+    """Every key in ``doc`` at any depth, and every ``(key, string value)`` pair."""
+    keys, strings = set(), set()
+    stack = [doc]
+    while stack:
+        d = stack.pop()
+        if isinstance(d, dict):
+            for k, v in d.items():
+                keys.add(k)
+                if isinstance(v, str):
+                    strings.add((k, v))
+                stack.append(v)
+        elif isinstance(d, list):
+            stack.extend(d)
+    return keys, strings
+
+
+def output_shape_problems(code: str, stdout: str) -> list[str]:
+    """How ``stdout`` of a bash block differs from the output its comments show: each
+    shown object must match one JSON object printed, which has every key the comment
+    names and the same value for each string the comment spells out (``…`` elides;
+    numbers are not compared: ids, sizes and timings vary)."""
+    printed = [_pairs(d) for d in _json_documents(stdout)]
+    problems = []
+    for shown in shown_outputs(code):
+        keys = set(re.findall(r'"(\w+)"\s*:', shown))
+        strings = {(k, v) for k, v in re.findall(r'"(\w+)"\s*:\s*"([^"…\\]*)"', shown)}
+        if any(keys <= k and strings <= s for k, s in printed):
+            continue
+        # name what the closest printed object lacks
+        lacks = min(
+            (
+                [*sorted(keys - k), *sorted(f"{a}={b!r}" for a, b in strings - s)]
+                for k, s in printed
+            ),
+            key=len,
+            default=["any JSON object"],
+        )
+        problems.append(f"the output lacks {', '.join(lacks)} of {shown[:80]}")
+    return problems
+
+
+def run_doc_examples(examples: Sequence[DocExample], url: str, timeout: float = 120) -> list[str]:
+    """Run ``examples`` against the server at ``url`` as a reader would paste them, from the
+    repository root, each within ``timeout`` seconds; returns one message per failure
+    (empty: all passed).
+
+    The docs' ``http://127.0.0.1:8000`` and sample ids (:data:`DOC_UPLOADS`) are replaced
+    by ``url`` and the real ids, and the samples are uploaded again before each block.
+    A bash block runs under ``set -eo pipefail`` with ``curl`` failing on an HTTP error
+    (``--fail-with-body``), and its output must have the shape its comments show
+    (:func:`output_shape_problems`). The Python blocks of a page run in order in one
+    interpreter (later blocks use the names earlier ones define, as a reader's session
+    does); each must not raise.
+    """
+    import os
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    failures = []
+    python: list[tuple[str, str]] = []
+    for ex in examples:
+        subs = {DOC_URL: url, **upload_doc_samples(url)}
+        code = ex.code
+        for old, new in subs.items():
+            code = code.replace(old, new)
+        if ex.lang == "python":
+            python.append((ex.where, code))
+            continue
+        script = 'set -eo pipefail\ncurl() { command curl --fail-with-body "$@"; }\n' + code
+        try:
+            r = subprocess.run(
+                ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                timeout=timeout,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            failures.append(f"{ex.where}: did not finish in {timeout} s")
+            continue
+        if r.returncode != 0:
+            failures.append(f"{ex.where}: exit {r.returncode}: {(r.stdout + r.stderr)[-600:]}")
+            continue
+        failures += [f"{ex.where}: {p}" for p in output_shape_problems(code, r.stdout)]
+    if python:
+        failures += _run_python_blocks(python, url, env, timeout)
+    return failures
+
+
+#: the interpreter that runs a page's Python blocks: each block after the samples are
+#: uploaded again, under an alarm; one JSON line per block
+_PY_RUNNER = """
+import json, signal, sys, traceback
+from tests.helpers import upload_doc_samples
+blocks, url, timeout = json.loads(sys.stdin.read())
+def alarm(*_):
+    raise TimeoutError(f"did not finish in {timeout} s")
+signal.signal(signal.SIGALRM, alarm)
+ns = {"__name__": "__main__"}
+for where, code in blocks:
+    try:
+        upload_doc_samples(url)
+        signal.alarm(int(timeout))
+        exec(compile(code, where, "exec"), ns)
+        signal.alarm(0)
+        print(json.dumps({"where": where, "error": None}), file=sys.__stderr__)
+    except BaseException:
+        signal.alarm(0)
+        error = traceback.format_exc(limit=-3)[-600:]
+        print(json.dumps({"where": where, "error": error}), file=sys.__stderr__)
+"""
+
+
+def _run_python_blocks(
+    blocks: list[tuple[str, str]], url: str, env: dict, timeout: float
+) -> list[str]:
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _PY_RUNNER], input=json.dumps([blocks, url, timeout]),
+            cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+            timeout=timeout * (len(blocks) + 1),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return [f"{blocks[0][0]}...: the Python blocks did not finish"]
+    results = {}
+    for line in r.stderr.splitlines():
+        if line.startswith('{"where"'):
+            rec = json.loads(line)
+            results[rec["where"]] = rec["error"]
+    failures = []
+    for where, _ in blocks:
+        if where not in results:
+            failures.append(f"{where}: never ran (exit {r.returncode}): {r.stderr[-600:]}")
+        elif results[where] is not None:
+            failures.append(f"{where}: {results[where]}")
+    return failures

@@ -36,12 +36,17 @@ def live_server(
 
 @contextmanager
 def live_server_process(
-    model_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    model_dir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    log_path: Path | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Like :func:`live_server`, yielding ``(url, process)``; the process is stopped after
     (benchmarks' :func:`~benchmarks.over_http.server`). float32 unless ``args`` name a
     ``--dtype``: tests compare servers with each other and with float32 references, and
-    ``--dtype auto`` is bfloat16 on CPUs that have it.
+    ``--dtype auto`` is bfloat16 on CPUs that have it. Its output and log go to
+    ``log_path`` when given.
 
     Raises:
         RuntimeError: the server exited or was not healthy in ``timeout`` s (with its log).
@@ -49,7 +54,8 @@ def live_server_process(
     if "--dtype" not in args:
         args = (*args, "--dtype", "float32")
     cmd = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), *args]
-    with server(cmd, {"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout) as got:
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    with server(cmd, env, log_path=log_path, timeout=timeout) as got:
         yield got
 
 

@@ -10,7 +10,7 @@ from api.cli import LaunchSettings, build_parser, main, settings_from_args
 from api.settings import ServerSettings
 from mmserve.config import EngineConfig
 from mmserve.vision.image import ImageLimits
-from tests.helpers import serve_help_defaults
+from tests.helpers import ANY_PORT, serve_help_defaults
 
 
 def test_flags_parse_into_typed_settings() -> None:
@@ -79,7 +79,7 @@ def test_bad_setting_is_a_clear_error(capsys) -> None:  # noqa: ANN001
 
 
 def test_cli_serve_flashinfer_on_cpu_fails_fast(model_dir, capsys) -> None:  # noqa: ANN001
-    rc = main(["serve", "--model", str(model_dir), "--attention-backend", "flashinfer"])
+    rc = main(["serve", *ANY_PORT, "--model", str(model_dir), "--attention-backend", "flashinfer"])
     err = capsys.readouterr().err
     assert rc == 2 and "CUDA" in err and "--attention-backend torch" in err
 
@@ -113,7 +113,7 @@ def test_data_dir_flag_and_its_default(monkeypatch, tmp_path) -> None:  # noqa: 
 
 
 def test_cli_serve_kv_budget_too_small_is_refused_with_numbers(model_dir, capsys) -> None:  # noqa: ANN001
-    rc = main(["serve", "--model", str(model_dir), "--kv-cache-memory", "100000"])
+    rc = main(["serve", *ANY_PORT, "--model", str(model_dir), "--kv-cache-memory", "100000"])
     err = capsys.readouterr().err
     assert rc == 2 and "mmserve serve: error: the KV pool would hold" in err
     assert "bytes per token" in err and "Traceback" not in err
@@ -131,3 +131,75 @@ def test_make_model_help_shows_each_default_once() -> None:
     assert "(default: None)" not in text
     assert "(default: tiny)" in text and "(default: 0)" in text  # --size, --seed
     assert "(default: llava, or the family of a real --size)" in text
+
+
+def test_help_is_grouped_by_subject_in_plain_text() -> None:
+    from api.cli import SUBJECTS
+
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    titles = [
+        line[:-1] for line in text.splitlines() if line and line[0] != " " and line[-1] == ":"
+    ]
+    assert titles == ["options"] + [title for title, _ in SUBJECTS]  # no "other" section
+    section = text[text.index("\nKV cache & tiers:") : text.index("\nscheduling:")]
+    assert "--kv-host-bytes" in section and "--max-running-requests" not in section
+    for markup in ("``", ":class:", ":func:", ":mod:", ":data:", ":meth:"):
+        assert markup not in text, markup
+
+
+def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:  # noqa: ANN001
+    import socket
+
+    from mmserve.engine import engine as engine_module
+
+    def no_engine(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_module, "Engine", no_engine)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--port" in err
+
+
+def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path) -> None:  # noqa: ANN001
+    from api.cli import startup_summary
+    from mmserve.engine.engine import Engine
+
+    config = EngineConfig(
+        dtype="float32", max_total_tokens=4096, page_size=4, kv_host_bytes=1 << 20
+    )
+    engine = Engine(config, model=loaded)
+    launch = LaunchSettings(port=8123)
+    model, pool, backend, tiers, url = startup_summary(engine, launch, ServerSettings())
+    params = sum(p.numel() for p in loaded.decoder.parameters()) + sum(
+        p.numel() for p in loaded.vision.parameters()
+    )
+    assert f"{loaded.family.name} family, {params / 1e6:,.1f} M parameters" in model
+    assert "dtype float32 (--dtype)" in model
+    assert "1,024 pages x 4 tokens = 4,096 tokens" in pool and "MiB of float32" in pool
+    assert "--max-total-tokens" in pool
+    assert "attention backend: torch; decode: eager (no CUDA device)" == backend
+    assert "host memory" in tiers and "disk" not in tiers
+    assert "http://127.0.0.1:8123/v1" in url
+
+
+def test_serve_logs_its_choices_by_default(model_dir, tmp_path) -> None:  # noqa: ANN001
+    from tests.live_server import live_server_process
+
+    log = tmp_path / "serve.log"
+    with live_server_process(model_dir, "--page-size", "4", log_path=log) as (url, _):
+        text = log.read_text()
+    port = url.rsplit(":", 1)[1]
+    startup = text[: text.index("Application startup complete")]
+    lines = [line for line in startup.splitlines() if line.startswith("INFO:")]
+    assert any("llava family" in x and "dtype float32 (--dtype)" in x for x in lines), text
+    assert any("pages x 4 tokens = 32,768 tokens" in x and "sized by" in x for x in lines)
+    assert any(
+        x.endswith("attention backend: torch; decode: eager (no CUDA device)") for x in lines
+    )
+    assert any("KV tiers: the pool only" in x for x in lines)
+    assert any(f"at http://127.0.0.1:{port}/v1" in x for x in lines)

@@ -71,8 +71,10 @@ def test_metrics_count_requests_tokens_cache_and_vision(client, photos) -> None:
     used = m[("mmserve_kv_pages", (("state", "used"),))]
     free = m[("mmserve_kv_pages", (("state", "free"),))]
     evictable = m[("mmserve_kv_pages", (("state", "evictable"),))]
-    assert used + free == m[("mmserve_kv_pool_pages", ())] == 4096
-    assert evictable == used > 576  # at rest every used page is an unlocked tree page
+    # disjoint states that add up to the pool; at rest no request holds a page, so
+    # every page not free is an unlocked (evictable) tree page
+    assert used + evictable + free == m[("mmserve_kv_pool_pages", ())] == 4096
+    assert used == 0 and evictable > 576
     assert m[("mmserve_radix_tree_nodes", ())] >= 2
 
     stats = client.get("/v1/cache/stats").json()
@@ -86,7 +88,7 @@ def test_metrics_count_requests_tokens_cache_and_vision(client, photos) -> None:
     assert stats["accounting"] == {
         "ok": True,
         "free": free,
-        "tree": used,
+        "tree": evictable,
         "running": 0,
         "total": 4096,
     }
@@ -114,6 +116,10 @@ def test_flush_drops_the_tree_only_when_idle(client, photos) -> None:  # noqa: A
         busy = client.post("/v1/cache/flush")
         assert busy.status_code == 409, busy.text
         assert busy.json()["error"]["code"] == "requests_running"
+        # a live request holds pages: "used" now, not counted again as evictable or free
+        live = client.get("/v1/cache/stats").json()
+        assert live["used_pages"] >= 1 and live["evictable_pages"] > 576
+        assert live["used_pages"] + live["evictable_pages"] + live["free_pages"] == 4096
     # leaving the stream early aborted the request; wait for the engine to see it
     for _ in range(200):
         stats = client.get("/v1/cache/stats").json()

@@ -89,7 +89,7 @@ def test_engine_pool_from_memory_logs_tokens_and_bytes(loaded, caplog) -> None: 
     shape = loaded.decoder.shape
     bpt = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch.float32)
     budget = (shape.max_position_embeddings + 100) * bpt
-    with caplog.at_level(logging.INFO, logger="mmserve.cache.kv_pool"):
+    with caplog.at_level(logging.DEBUG, logger="mmserve.cache.kv_pool"):
         engine = Engine(EngineConfig(kv_cache_memory=budget, dtype="float32"), model=loaded)
     assert engine.pool.size_tokens == budget // bpt
     assert isinstance(engine.pool, KVPool)

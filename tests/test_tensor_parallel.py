@@ -25,7 +25,7 @@ from mmserve.engine.engine import Engine
 from mmserve.engine.request import SamplingParams
 from mmserve.model.llama import LlamaShape
 from mmserve.structured.spec import GuidedSpec
-from tests.helpers import TINY_FAMILIES, greedy, tp_engine, user, workload
+from tests.helpers import ANY_PORT, TINY_FAMILIES, greedy, tp_engine, user, workload
 from tests.live_server import child_pids, cmdline, live_server_process, pid_alive, wait_gone
 
 TP_LOGIT_RTOL = 1e-4
@@ -94,7 +94,7 @@ def test_check_tp_refuses_what_cannot_be_split(monkeypatch) -> None:  # noqa: AN
 
 def test_serve_refuses_a_tp_that_does_not_divide_the_heads(model_dir, capsys) -> None:  # noqa: ANN001
     before = set(child_pids(os.getpid()))
-    assert main(["serve", "--model", str(model_dir), "--tp", "3"]) == 2
+    assert main(["serve", *ANY_PORT, "--model", str(model_dir), "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert "--tp 3 does not divide the model's 2 query heads; choose one of 1, 2" in err
     assert set(child_pids(os.getpid())) <= before  # refused before any rank started

@@ -313,3 +313,26 @@ def test_page_files_are_served_without_a_key_and_nothing_else_is(server: str) ->
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(server + path, timeout=10)
         assert e.value.code == 404
+
+
+def test_page_lists_images_and_videos_stored_before_it_opened(
+    browser: Browser, server: str
+) -> None:
+    import httpx
+
+    ids = {}
+    for kind, path, mime in [("image", PHOTO, "image/png"), ("video", VIDEO, "video/mp4")]:
+        files = {"file": (path.name, path.read_bytes(), mime)}
+        r = httpx.post(f"{server}/v1/{kind}s", files=files, timeout=60)
+        assert r.status_code == 200, r.text
+        ids[kind] = r.json()["id"]
+    with opened(browser, server, DESKTOP) as page:
+        for kind, item_id in ids.items():
+            item = page.locator(f'#media-list li[data-id="{item_id}"]')
+            expect(item).to_have_attribute("data-kind", kind, timeout=WAIT_MS)
+            expect(item.locator(".thumb.stored")).to_have_text(kind)
+            expect(item.locator(".name")).to_contain_text(f"stored {kind}")
+        expect(page.locator(f'li[data-id="{ids["image"]}"] .size')).to_contain_text("576 tokens")
+        page.click(f'li[data-id="{ids["video"]}"]')  # a listed item can be asked about
+        expect(page.locator("#video-options")).to_be_visible()
+        expect(page.locator("#ask")).to_be_enabled()

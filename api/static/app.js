@@ -77,9 +77,12 @@ async function refreshStats() {
     const s = await (await call("/v1/cache/stats")).json();
     $("#stat-hit").textContent = `${(100 * s.cache_hit_rate).toFixed(1)}%`;
     $("#stat-tower").textContent = String(s.vision_tower_images);
+    // the pool's states are disjoint: used (held by requests) + evictable (cached) + free
     const used = s.used_pages / s.pool_pages;
-    $("#stat-kv").textContent = `${(100 * used).toFixed(1)}% of ${s.pool_pages * s.page_size} tokens`;
-    $("#stat-kv-bar").value = used;
+    const cached = s.evictable_pages / s.pool_pages;
+    $("#stat-kv").textContent =
+      `${(100 * used).toFixed(1)}% used, ${(100 * cached).toFixed(1)}% cached, of ${s.pool_pages * s.page_size} tokens`;
+    $("#stat-kv-bar").value = used + cached;
     showTiers(s);
     $("#stats").title = "";
   } catch (err) {
@@ -139,16 +142,28 @@ async function upload(file) {
   const form = new FormData();
   form.append("file", file);
   const info = await (await call(`/v1/${kind}s`, { form })).json();
+  const src = URL.createObjectURL(file); // a blob: URL of this page, nothing is fetched
+  $("#media-list").prepend(mediaItem(kind, info, file.name, src));
+  select(info.id);
+}
+
+// One entry of the media list; `src` is a blob: URL of an upload of this page, or
+// null for an item stored before the page was opened (the server keeps no thumbnail).
+function mediaItem(kind, info, name, src) {
   const li = el("li", "media");
   li.dataset.id = info.id;
   li.dataset.kind = kind;
-  const thumb = document.createElement(kind === "video" ? "video" : "img");
-  thumb.src = URL.createObjectURL(file); // a blob: URL of this page, nothing is fetched
-  if (kind === "video") thumb.muted = true;
-  else thumb.alt = file.name;
-  li.append(thumb);
+  if (src) {
+    const thumb = document.createElement(kind === "video" ? "video" : "img");
+    thumb.src = src;
+    if (kind === "video") thumb.muted = true;
+    else thumb.alt = name;
+    li.append(thumb);
+  } else {
+    li.append(el("div", "thumb stored", kind));
+  }
   const text = el("div", "meta");
-  text.append(el("b", "name", file.name), el("code", "id", info.id));
+  text.append(el("b", "name", name), el("code", "id", info.id));
   const size = `${info.width}×${info.height}, ${(info.bytes / 1024).toFixed(0)} KiB`;
   text.append(
     el(
@@ -163,12 +178,28 @@ async function upload(file) {
   li.addEventListener("click", () => select(info.id));
   const old = $(`#media-list li[data-id="${info.id}"]`); // the same pixels: the same id
   if (old) {
-    URL.revokeObjectURL(old.firstChild.src);
+    if (old.firstChild.src) URL.revokeObjectURL(old.firstChild.src);
     old.remove();
   }
-  $("#media-list").prepend(li);
-  items.set(info.id, { kind, info, name: file.name });
-  select(info.id);
+  items.set(info.id, { kind, info, name });
+  return li;
+}
+
+// The images and videos the server already stores (GET /v1/images, /v1/videos: most
+// recently used first, bounded by --max-stored-images and --max-stored-videos).
+async function loadStored() {
+  try {
+    for (const kind of ["image", "video"]) {
+      const list = await (await call(`/v1/${kind}s`)).json();
+      for (const info of list.data) {
+        if (items.has(info.id)) continue;
+        const when = new Date(info.created_at * 1000).toLocaleString();
+        $("#media-list").append(mediaItem(kind, info, `stored ${kind}, ${when}`, null));
+      }
+    }
+  } catch (err) {
+    showError(err);
+  }
 }
 
 async function uploadAll(files) {
@@ -405,6 +436,7 @@ function init() {
   const useKey = () => {
     sessionStorage.setItem("mmserve-api-key", key.value.trim());
     loadModel();
+    loadStored();
     refreshStats();
   };
   key.addEventListener("change", useKey);
@@ -413,6 +445,7 @@ function init() {
     useKey();
   });
   loadModel();
+  loadStored();
   refreshStats();
   setInterval(() => document.hidden || refreshStats(), 2000);
 }

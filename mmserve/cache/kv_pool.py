@@ -113,6 +113,8 @@ class KVPool:
         for name, scales in (("k_scales", self.k_scales), ("v_scales", self.v_scales)):
             if len(scales) != num_layers or not all(0 < s < float("inf") for s in scales):
                 raise ValueError(f"{name} needs {num_layers} positive finite values: {scales}")
+        #: how :meth:`for_model` sized the pool (None when built directly)
+        self.plan: PoolPlan | None = None
         #: page id past the allocator's range, owned by no request (padding rows write it)
         self.scratch_page = num_pages
         shape = (num_pages + 1, page_size, num_kv_heads, head_dim)
@@ -131,7 +133,8 @@ class KVPool:
         """The pool of an engine: sized by :func:`plan_pool` for the decoder ``shape``
         (a :class:`~mmserve.model.llama.LlamaShape`) in :func:`kv_storage_dtype` of
         ``config`` and the model ``dtype``, after the weights are loaded; logs the dtypes
-        (and why, for ``--dtype auto``), tokens and bytes.
+        (and why, for ``--dtype auto``), tokens and bytes, and keeps the :class:`PoolPlan`
+        as ``pool.plan`` (for ``mmserve serve``'s start-up summary).
 
         Args:
             scales: the checkpoint's per-layer ``(k_scales, v_scales)`` for fp8 KV (None:
@@ -155,7 +158,7 @@ class KVPool:
             plan.reason,
         )  # fmt: skip
         k_scales, v_scales = scales if scales else (None, None)
-        return cls(
+        pool = cls(
             plan.tokens // config.page_size,
             config.page_size,
             shape.num_layers,
@@ -166,6 +169,8 @@ class KVPool:
             k_scales=k_scales,
             v_scales=v_scales,
         )
+        pool.plan = plan  # for the start-up summary: where the size came from
+        return pool
 
     def scales(self, layer_id: int) -> tuple[float, float]:
         """``(k_scale, v_scale)`` of layer ``layer_id`` (1.0, 1.0 unless fp8)."""

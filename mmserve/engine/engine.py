@@ -123,10 +123,11 @@ class Engine:
         max_bs, capture, why = graph_mode(config, self.runner.backend)
         if max_bs:  # after the pool: graphs capture over its buffers
             self.runner.enable_graphs(max_bs, capture)
-        log.info(
-            "decode: %s",
-            f"CUDA-graph buckets up to {max_bs}, {why}" if max_bs else f"eager ({why})",
+        #: how decode runs, for the start-up summary of ``mmserve serve``
+        self.decode_mode = (
+            f"CUDA-graph buckets up to {max_bs}, {why}" if max_bs else f"eager ({why})"
         )
+        log.info("decode: %s", self.decode_mode)
         # front-end work (decode, hash, template, tokenize, limits) runs on callers'
         # threads through the processor; the engine itself accepts only its Requests
         self.processor = InputProcessor(model, config, self.pool.size_tokens, self.embedding_cache)
@@ -148,6 +149,36 @@ class Engine:
     def remote_feature_images(self) -> int:
         """Items whose features the feature source gave (no tower run here)."""
         return self.runner.remote_feature_images
+
+    def describe(self) -> dict:
+        """What this engine runs, for ``mmserve serve``'s start-up summary.
+
+        Returns:
+            ``family``; ``parameters`` (decoder + vision, on this rank); ``dtype`` (the
+            model's) and ``kv_dtype`` (torch dtype names); ``pool_pages``, ``page_size``,
+            ``pool_tokens``, ``pool_bytes`` (K and V buffers, bytes); ``bytes_per_token``
+            and ``pool_sized_by`` (None for a pool not sized by ``for_model``);
+            ``attention_backend``; ``decode`` (CUDA graphs or eager, and why).
+        """
+        model, pool = self.model, self.pool
+        modules = [m for m in (model.decoder, model.vision) if hasattr(m, "parameters")]
+        plan = pool.plan
+        return {
+            "family": model.family.name,
+            "parameters": sum(p.numel() for m in modules for p in m.parameters()),
+            "dtype": str(model.decoder.embed_tokens.weight.dtype).removeprefix("torch."),
+            "kv_dtype": str(pool.k_buffers[0].dtype).removeprefix("torch."),
+            "pool_pages": pool.num_pages,
+            "page_size": pool.page_size,
+            "pool_tokens": pool.size_tokens,
+            "pool_bytes": sum(
+                b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers
+            ),
+            "bytes_per_token": plan.bytes_per_token if plan else None,
+            "pool_sized_by": plan.reason if plan else None,
+            "attention_backend": self.runner.backend.name,
+            "decode": self.decode_mode,
+        }
 
     def fatal_error(self) -> str | None:
         """Why this engine can serve nothing any more (a tensor-parallel rank died or
@@ -234,7 +265,8 @@ class Engine:
         "fp8_e4m3" or the model dtype's name) and bytes per token, live requests and, when
         no request is live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
         stats = dict(self.cache_stats())
-        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"]
+        # used: held by requests, so used + evictable + free = pool (disjoint states)
+        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"] - stats["evictable_pages"]
         stats["kv_cache_dtype"] = kv_dtype_name(self.pool.dtype)
         stats["kv_bytes_per_token"] = self.pool.bytes_per_token()
         stats["live_requests"] = len(self.live_requests())
