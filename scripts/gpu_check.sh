@@ -27,7 +27,7 @@
 #                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager:
 #                tests/gpu/test_cuda_graph_gpu.py; FlashInfer's fused RMSNorm (+ residual),
 #                cos/sin-cache RoPE and SiLU-and-mul vs mmserve/kernels/ops.py's torch
-#                versions: tests/gpu/test_fused_ops.py) and tests/test_reference.py,
+#                versions: tests/gpu/test_fused_ops_gpu.py) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
 #   quantized   120 s: tests/gpu/test_kv_fp8_gpu.py (FlashInfer's fp8-KV decode and prefill,
 #                their own JIT modules, and the torch backend on CUDA vs fp32 attention over

@@ -1,7 +1,7 @@
 """The fused ops' torch versions (the specification, :mod:`mmserve.kernels.ops`) against
 the unfused arithmetic the decoder ran before them (transformers' Llama arithmetic,
 written out below), over shapes and dtypes; and the fused projections against the
-checkpoint's separate ones. FlashInfer's versions against these: tests/gpu/test_fused_ops.py.
+checkpoint's separate ones. FlashInfer's versions against these: tests/gpu/test_fused_ops_gpu.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ fp16/bf16 tensors and an importable ``flashinfer``, FlashInfer's fused kernels r
 (``flashinfer.norm.rmsnorm`` / ``fused_add_rmsnorm``,
 ``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``,
 ``flashinfer.activation.silu_and_mul``); they keep intermediates in fp32, so they equal the
-torch ones within a rounding of the output dtype (``tests/gpu/test_fused_ops.py``).
+torch ones within a rounding of the output dtype (``tests/gpu/test_fused_ops_gpu.py``).
 
 In-place contract (FlashInfer's): :func:`fused_add_rms_norm` may overwrite both its
 inputs and :func:`apply_rope` always overwrites ``q`` and ``k``; callers pass tensors
