@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from api.replicas.settings import ROUTERS, ReplicaSettings
 from api.settings import BATCH_ORDERS, ServerSettings
-from mmserve.config import ATTENTION_BACKENDS, DTYPES, POLICIES, EngineConfig
+from mmserve.config import ATTENTION_BACKENDS, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
 from mmserve.vision.image import ImageLimits
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class LaunchSettings:
 _CHOICES = {
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
+    "quantization": QUANTIZATIONS,
     "policy": POLICIES,
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
     "replica_router": ROUTERS,

@@ -27,6 +27,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
 #: (resolved by :func:`mmserve.kernels.select.resolve_attention_backend`).
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+#: Accepted values of ``EngineConfig.quantization`` / ``--quantization``
+#: (:mod:`mmserve.model.quant`).
+QUANTIZATIONS = ("none", "int8", "fp8")
 
 
 @dataclass
@@ -42,6 +45,11 @@ class EngineConfig:
             CPUs: see :func:`auto_dtype`), "float32", "bfloat16" or "float16".
         attention_backend: "auto" (FlashInfer where it can run, else torch),
             "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
+        quantization: the decoder's linear weights quantized at load, per output channel:
+            "none", "int8" (weight-only; activations in ``dtype``) or "fp8" (e4m3 weights
+            and per-token activations, CUDA with compute capability >= 8.9 only); a
+            compressed-tensors checkpoint is served in its own method (see
+            :mod:`mmserve.model.quant`).
         page_size: tokens per KV page.
         max_total_tokens: KV pool capacity in tokens (rounded down to whole pages); an
             explicit value overrides the memory-based sizing. None: sized from
@@ -117,6 +125,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    quantization: str = "none"
     page_size: int = 1
     max_total_tokens: int | None = None
     kv_cache_memory: int | None = None
@@ -197,6 +206,11 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; "
+                f"choose one of {', '.join(QUANTIZATIONS)}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "

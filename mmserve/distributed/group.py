@@ -49,6 +49,7 @@ from mmserve.distributed.worker import (
 from mmserve.kernels.metadata import AttentionMetadata
 from mmserve.model.llama import LlamaShape
 from mmserve.model.loader import LoadedModel, assemble, load_vision, read_front_end, text_shape
+from mmserve.model.quant import QuantizationError, checkpoint_method, resolve_method
 
 log = logging.getLogger(__name__)
 
@@ -346,6 +347,12 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
     model_dir = Path(config.model_path)
     hf_config, processor, family = read_front_end(model_dir)
     shape = text_shape(hf_config)
+    stored = checkpoint_method(getattr(hf_config, "quantization_config", None))
+    if resolve_method(config.quantization, stored) != "none":
+        raise QuantizationError(
+            "--quantization (or a quantized checkpoint) with --tp > 1 is not supported yet: "
+            "use --tp 1"
+        )
     check_tp(shape, config.tp, config.device)
     dtype = config.torch_dtype()
     device = rank_device(config.device, 0)
