@@ -25,7 +25,16 @@ from mmserve.engine.scheduler import make_kv_tiers
 from mmserve.model import quant
 from mmserve.model.loader import load_model
 from mmserve.testing.checkpoints import make_checkpoint
-from tests.helpers import TINY_FAMILIES, check_against_reference, run_workload, user, workload
+from tests.helpers import (
+    TINY_FAMILIES,
+    assert_same_generation,
+    check_against_reference,
+    greedy,
+    run_workload,
+    tp_engine,
+    user,
+    workload,
+)
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
@@ -67,7 +76,7 @@ def test_quantized_linear_equals_its_dequantized_matmul(method: str, dtype) -> N
     @SETTINGS
     @given(
         st.integers(1, 12),
-        st.sampled_from([16, 64, 96, 256]),
+        st.sampled_from([16, 40, 64, 96, 256]),  # 40: not the CPU int8 kernel's multiple
         st.sampled_from([32, 128, 200]),
         st.booleans(),
         st.integers(0, 2**31),
@@ -258,3 +267,34 @@ def test_kv_tier_namespace_includes_the_quantization(families, int8_models, tmp_
         eng = Engine(cfg, model=model)
         keys.append(make_kv_tiers(cfg, eng.model, eng.pool).chain.root)
     assert keys[0] != keys[1]
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------
+@pytest.mark.parametrize("source", ["flag", "checkpoint"])
+def test_tp2_equals_tp1_quantized(families, int8_models, photos, tmp_path, source: str) -> None:  # noqa: ANN001
+    """Each rank holds its rows of the quantized column-parallel weights with their scales
+    and its columns of o_proj/down_proj with the whole rows' scales: tp 2 gives tp 1's
+    tokens, quantizing at load (OneVision: q/k/v biases, tied head) or from a
+    compressed-tensors checkpoint."""
+    if source == "flag":
+        model_dir = families["llava-onevision"].model_dir
+        one_model, kw = int8_models["llava-onevision"], {"quantization": "int8"}
+    else:
+        model_dir = make_checkpoint(tmp_path / "q", "tiny", quantization="int8")
+        one_model, kw = load_model(model_dir), {}
+    one = Engine(EngineConfig(model_path=str(model_dir)), model=one_model)
+    imgs = [one.processor.prepare_image(photos[n]) for n in ("cat.png", "coffee.png")]
+
+    def reqs(eng: Engine) -> list:
+        return [
+            eng.processor.make_request(messages=m, images=i, params=greedy(6))
+            for m, i in workload(imgs)[:4]
+        ]
+
+    ref = one.generate(reqs(one))
+    with tp_engine(model_dir, **kw) as two:
+        assert two.model.quantization == "int8"
+        res = two.generate(reqs(two))
+        two.check_accounting()
+    for a, b in zip(res, ref, strict=True):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "tp2 int8")

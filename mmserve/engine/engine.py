@@ -82,12 +82,12 @@ class Engine:
         if model is None:
             if config.model_path is None:  # the CLI supplies its bundled default model
                 raise ValueError("no model: set EngineConfig.model_path or pass a loaded model")
+            check_quantization(config.quantization, config.device)  # before the load
             if config.tp > 1:  # rank 0 of a tensor-parallel group; starts the other ranks
                 from mmserve.distributed.group import load_tp_model
 
                 model = load_tp_model(config)
             else:
-                check_quantization(config.quantization, config.device)  # before the load
                 model = load_model(
                     config.model_path,
                     device=config.device,

@@ -6,7 +6,8 @@ A quantized linear keeps ``weight`` ``[out, in]`` (int8, or float8_e4m3fn) and f
 and :meth:`QuantizedLinear.forward` computes ``x @ dequantized^T + bias`` through the
 fastest kernel that exists for the case (picked per call, by device, dtype and rows):
 
-* int8, CPU, bf16 activations, at most :data:`INT8PACK_MAX_ROWS` rows: torch's weight-only
+* int8, CPU, bf16 activations, at most :data:`INT8PACK_MAX_ROWS` rows (and input features
+  a multiple of :data:`INT8PACK_K_MULTIPLE`): torch's weight-only
   int8 matmul (``torch.ops.aten._weight_int8pack_mm``), measured here at 896 x 4864 on one
   thread: 0.40 ms against 1.64 for the bf16 matmul at 1 row, 0.99 vs 1.38 at 4, but 2.3 vs
   1.9 at 8 and 11 vs 4.5 at 64; with fp32 activations 3-40x slower than fp32 (never used);
@@ -39,6 +40,9 @@ STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 #: Rows up to which the CPU int8 kernel beats the bf16 matmul (measured; module docstring).
 INT8PACK_MAX_ROWS = 4
+#: The CPU int8 kernel needs input features in multiples of this (torch 2.13 crashes or
+#: returns garbage at 8, 40 or 100; 16, 48, 80, 896 and 4864 are exact).
+INT8PACK_K_MULTIPLE = 16
 
 
 class QuantizationError(ValueError):
@@ -85,10 +89,18 @@ def quantize_per_channel(w: torch.Tensor, method: str) -> tuple[torch.Tensor, to
     w = w.float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / QMAX[dtype], torch.ones_like(amax))
-    q = w / scale[:, None]
+    return quantize_with_scale(w, scale, method), scale
+
+
+def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, method: str) -> torch.Tensor:
+    """``w`` ``[out, k]`` quantized with given per-row ``scale`` ``[out]`` (as
+    :func:`quantize_per_channel` rounds): a column slice of a matrix whose scales come
+    from its whole rows (a tensor-parallel rank's ``o_proj`` / ``down_proj``)."""
+    dtype = STORAGE[method]
+    q = w.float() / scale[:, None]
     if dtype == torch.int8:
         q = q.round().clamp(-127, 127)
-    return q.to(dtype), scale
+    return q.to(dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -130,7 +142,8 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale.float().reshape(-1), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        b = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_parameter("bias", b)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
         # ``Module.to(dtype)`` casts every floating tensor: the 8-bit weight and the fp32
@@ -151,9 +164,15 @@ class QuantizedLinear(nn.Module):
             and x.device.type == "cpu"
             and x.dtype == torch.bfloat16
             and x.shape[0] <= INT8PACK_MAX_ROWS
+            and self.in_features % INT8PACK_K_MULTIPLE == 0
         ):
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), w, s.to(x.dtype))
-        if w.dtype == torch.float8_e4m3fn and _fp8_mm_ok(x):
+        if (
+            w.dtype == torch.float8_e4m3fn
+            and self.in_features % 16 == 0  # _scaled_mm's shape rule
+            and self.out_features % 16 == 0
+            and _fp8_mm_ok(x)
+        ):
             xs = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
             xq = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
             return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=s[None, :], out_dtype=x.dtype)
