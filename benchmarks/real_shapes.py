@@ -223,7 +223,8 @@ def teacher_tokens(model_dir: str, n: int) -> torch.Tensor:
 
 def quant_sweep(model_dir: str, dtype: str, args: argparse.Namespace) -> dict:
     """``--parts quant``: batch-1 and batch-``--batch`` decode and the first question
-    (tower + prefill) of mmserve unquantized and int8 against transformers (medians over
+    (tower + prefill; CPU time: the first and the cached second) of mmserve unquantized
+    and int8 against transformers (medians over
     ``--repeats``, the systems alternating), decoder weight bytes, and int8's top-1
     agreement and mean KL against the unquantized model over ``--quality-positions``
     teacher-forced positions (with the LM head quantized and without)."""
@@ -236,8 +237,10 @@ def quant_sweep(model_dir: str, dtype: str, args: argparse.Namespace) -> dict:
             res[k].append(med(v))
         for name, runner in runners.items():
             s.mm = runner
+            c0 = time.process_time()
             first, _, _ = s.mm_first_second(f"{q[0]} ({name} {rep})", q[1])
             res.setdefault(f"{name}_first", []).append(first)
+            res.setdefault(f"{name}_first_cpu", []).append(time.process_time() - c0)
             for b in (1, args.batch):
                 qs = [f"{q[i % 16]} ({name} {rep}.{i})" for i in range(b)]
                 wall, cpu, _ = s.mm_decode(qs, n + 1)
@@ -248,6 +251,9 @@ def quant_sweep(model_dir: str, dtype: str, args: argparse.Namespace) -> dict:
     out["ms"] = {k: med(v) * 1e3 for k, v in res.items()}
     out["weight_bytes"] = {k: decode_weight_bytes(r.model.decoder) for k, r in runners.items()}
     del s.hf
+    out["quality"] = {}
+    if not args.quality_positions:
+        return out
     ids = teacher_tokens(model_dir, args.quality_positions)
     base = runners["none"].model.decoder
     out["quality"] = {"int8": agreement(base, i8.model.decoder, ids)}
@@ -269,13 +275,13 @@ def quant_table(sw: dict) -> str:
             "vs_hf": f"{one / hf:.2f}",
             "bb": f"{ms[f'{name}_b{b}']:.1f} ({ms[f'{name}_b{b}_cpu']:.1f})",
             "tps": f"{b * one / ms[f'{name}_b{b}_cpu']:.2f}x",
-            "first": f"{ms[f'{name}_first'] / 1e3:.2f} s",
+            "first": f"{ms[f'{name}_first'] / 1e3:.1f} ({ms[f'{name}_first_cpu'] / 1e3:.1f}) s",
             "gb": f"{sw['weight_bytes'][name] / 1e9:.3f}",
         }
     rows["transformers"] = {"b1": f"{ms['hf']:.1f} ({hf:.1f})", "vs_hf": "1.00"}
     cols = f"{sw['dtype']}|batch-1 ms/token (CPU)=b1|CPU vs transformers=vs_hf"
     cols += f"|batch {b} ms/step (CPU)=bb|batch {b} tokens/s vs batch 1 (CPU)=tps"
-    cols += "|first question (wall)=first|decode weight GB=gb"
+    cols += "|first + second question (CPU)=first|decode weight GB=gb"
     lines = [report.table(rows, cols)]
     wb = sw["weight_bytes"]
     lines.append(f"decoder weight bytes int8 / {sw['dtype']}: {wb['int8'] / wb['none']:.3f}")

@@ -26,15 +26,19 @@ needs_fp8 = pytest.mark.skipif(
 SHAPES = [(1, 896, 1152), (8, 896, 9728), (32, 4864, 896), (100, 4096, 4096)]
 
 
+def _case(rows: int, inp: int, out: int, method: str) -> tuple:
+    """``(x, q, s, y)``: random bf16 activations, a quantized weight and the layer's output."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = torch.randn(out, inp, device="cuda", generator=g) / inp**0.5
+    q, s = quant.quantize_per_channel(w, method)
+    x = torch.randn(rows, inp, device="cuda", generator=g).to(torch.bfloat16)
+    return x, q, s, quant.QuantizedLinear(q, s, None)(x)
+
+
 @needs_fp8
 @pytest.mark.parametrize(("rows", "inp", "out"), SHAPES)
 def test_fp8_scaled_mm_equals_its_torch_twin(rows: int, inp: int, out: int) -> None:
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    w = torch.randn(out, inp, device="cuda", generator=g) / inp**0.5
-    q, s = quant.quantize_per_channel(w, "fp8")
-    lin = quant.QuantizedLinear(q, s, None)
-    x = torch.randn(rows, inp, device="cuda", generator=g).to(torch.bfloat16)
-    y = lin(x)
+    x, q, s, y = _case(rows, inp, out, "fp8")
     want = quant.fp8_w8a8_ref(x, q, s)
     assert y.dtype == torch.bfloat16
     # the same e4m3 operands; fp32 accumulation in another order, one bf16 rounding
@@ -45,10 +49,6 @@ def test_fp8_scaled_mm_equals_its_torch_twin(rows: int, inp: int, out: int) -> N
 @needs_cuda
 @pytest.mark.parametrize(("rows", "inp", "out"), SHAPES)
 def test_int8_on_cuda_equals_the_dequantized_weight(rows: int, inp: int, out: int) -> None:
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    w = torch.randn(out, inp, device="cuda", generator=g) / inp**0.5
-    q, s = quant.quantize_per_channel(w, "int8")
-    x = torch.randn(rows, inp, device="cuda", generator=g).to(torch.bfloat16)
-    y = quant.QuantizedLinear(q, s, None)(x)
+    x, q, s, y = _case(rows, inp, out, "int8")
     ref = x.float() @ quant.dequantize(q, s).T
     assert (y.float() - ref).abs().max() <= 2**-6 * ref.abs().max()
