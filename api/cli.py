@@ -62,8 +62,8 @@ class LaunchSettings:
 _CHOICES = {
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
-    "quantization": QUANTIZATIONS,
     "policy": POLICIES,
+    "quantization": QUANTIZATIONS,
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
     "replica_router": ROUTERS,
     "batch_order": BATCH_ORDERS,

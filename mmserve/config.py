@@ -22,14 +22,14 @@ def pool_tokens(config: EngineConfig) -> int:
     return config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
 
 
+#: Accepted values of ``EngineConfig.quantization`` / ``--quantization``
+#: (:mod:`mmserve.model.quant`).
+QUANTIZATIONS = ("none", "int8", "fp8")
 #: Accepted values of ``EngineConfig.dtype`` / ``--dtype``.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
 #: (resolved by :func:`mmserve.kernels.select.resolve_attention_backend`).
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
-#: Accepted values of ``EngineConfig.quantization`` / ``--quantization``
-#: (:mod:`mmserve.model.quant`).
-QUANTIZATIONS = ("none", "int8", "fp8")
 
 
 @dataclass
@@ -43,13 +43,13 @@ class EngineConfig:
         dtype: weights, activations and KV pool dtype: "auto" (bfloat16 on CUDA and on
             a CPU with native bf16 arithmetic, AVX512-BF16 or AMX-BF16; float32 on other
             CPUs: see :func:`auto_dtype`), "float32", "bfloat16" or "float16".
-        attention_backend: "auto" (FlashInfer where it can run, else torch),
-            "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
         quantization: the decoder's linear weights quantized at load, per output channel:
             "none", "int8" (weight-only; activations in ``dtype``) or "fp8" (e4m3 weights
             and per-token activations, CUDA with compute capability >= 8.9 only); a
             compressed-tensors checkpoint is served in its own method (see
             :mod:`mmserve.model.quant`).
+        attention_backend: "auto" (FlashInfer where it can run, else torch),
+            "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
         page_size: tokens per KV page.
         max_total_tokens: KV pool capacity in tokens (rounded down to whole pages); an
             explicit value overrides the memory-based sizing. None: sized from
@@ -124,8 +124,8 @@ class EngineConfig:
     model_path: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
-    attention_backend: str = "auto"
     quantization: str = "none"
+    attention_backend: str = "auto"
     page_size: int = 1
     max_total_tokens: int | None = None
     kv_cache_memory: int | None = None

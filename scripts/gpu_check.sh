@@ -27,8 +27,7 @@
 #                equality with transformers in fp32 on CUDA) and tests/test_reference.py,
 #                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
 #   fused ops    90 s: tests/gpu/test_fused_ops.py, FlashInfer's RMSNorm (+ residual), RoPE
-#                (cos/sin cache, in place) and SiLU-and-mul against the torch versions;
-#                tests/gpu/test_quant_gpu.py, fp8 _scaled_mm and int8 linears vs torch twins
+#                (cos/sin cache, in place) and SiLU-and-mul against the torch versions
 #   benchmark    70 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
 #   --tp 2      150 s, only with two GPUs (else a "skipped" row with the reason):
 #                tests/gpu/test_tp_gpu.py, tp 2 over NCCL against tp 1 (fp32 and bf16)
@@ -286,15 +285,12 @@ if [[ $ONLY != setup ]]; then
   phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
     "$PY" -m pytest -v -rs --durations=10 -p no:cacheprovider \
     --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py \
-    --ignore=tests/gpu/test_fused_ops.py --ignore=tests/gpu/test_quant_gpu.py tests/gpu \
-    tests/test_reference.py
+    --ignore=tests/gpu/test_fused_ops.py tests/gpu tests/test_reference.py
 
   # FlashInfer's norm, RoPE and SiLU-and-mul kernels (what the decoder runs on CUDA)
-  # against mmserve/kernels/ops.py's torch versions (JIT-compiles three small modules),
-  # and the fp8 (_scaled_mm) / int8 quantized linears against their torch twins
-  phase "pytest fused ops + quant" "$FUSED_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
-    "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_fused_ops.py \
-    tests/gpu/test_quant_gpu.py
+  # against mmserve/kernels/ops.py's torch versions; JIT-compiles three small modules
+  phase "pytest fused ops" "$FUSED_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
+    "$PY" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_fused_ops.py
 
   # --tp 2 (NCCL, one rank per GPU) only where there are two GPUs; else a skip row
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
