@@ -206,15 +206,15 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"unknown quantization {self.quantization!r}; "
-                f"choose one of {', '.join(QUANTIZATIONS)}"
-            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; "
+                f"choose one of {', '.join(QUANTIZATIONS)}"
             )
 
     def torch_dtype(self) -> torch.dtype:
