@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING
 
 from api.replicas.settings import ROUTERS, ReplicaSettings
 from api.settings import BATCH_ORDERS, ServerSettings
-from mmserve.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, POLICIES, EngineConfig
+from mmserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    POLICIES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from mmserve.vision.image import ImageLimits
 
 if TYPE_CHECKING:
@@ -67,6 +74,7 @@ _CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "policy": POLICIES,
+    "quantization": QUANTIZATIONS,
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
     "replica_router": ROUTERS,
     "batch_order": BATCH_ORDERS,

@@ -115,11 +115,13 @@ class MMServeRunner:
 
     @classmethod
     def load(cls, path: str, **engine_kwargs: Any) -> MMServeRunner:
-        """A runner on the checkpoint at ``path``, loaded in fp32 (or ``dtype``)."""
-        dtype = engine_kwargs.get("dtype")
-        return cls(
-            load_model(path, dtype=getattr(torch, dtype or "float32")), path, **engine_kwargs
+        """A runner on the checkpoint at ``path``, loaded in fp32 (or ``dtype``), quantized
+        as ``quantization`` says (default none)."""
+        dtype, quantization = engine_kwargs.get("dtype"), engine_kwargs.get("quantization")
+        model = load_model(
+            path, dtype=getattr(torch, dtype or "float32"), quantization=quantization or "none"
         )
+        return cls(model, path, **engine_kwargs)
 
     def engine(self, **kw: Any) -> Engine:
         """A fresh engine (empty pool, tree and embedding cache)."""

@@ -175,6 +175,124 @@ def decode_sweep(model_dir: str, dtype: str, args: argparse.Namespace, check: bo
     return out
 
 
+def _hidden(decoder: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Final-norm hidden states ``[T, hidden]`` of a teacher-forced token run (one
+    prefill, torch backend, a fresh pool): the layer loop of ``LlamaDecoder.forward``
+    without its last-row selection, so the head can run on every position in chunks."""
+    from mmserve.cache.kv_pool import KVPool
+    from mmserve.kernels.metadata import build_metadata
+    from mmserve.kernels.torch_backend import TorchAttentionBackend
+
+    s, n = decoder.shape, len(ids)
+    dtype = decoder.embed_tokens.weight.dtype
+    pool = KVPool(n, 1, s.num_layers, s.num_kv_heads, s.head_dim, dtype, "cpu")
+    backend = TorchAttentionBackend()
+    backend.plan(build_metadata([list(range(n))], [0], [n], 1, "cpu"))
+    positions, cache = torch.arange(n), decoder.rope_cache(torch.device("cpu"))
+    with torch.inference_mode():
+        x, residual = decoder.embed_tokens(ids), None
+        for layer in decoder.layers:
+            x, residual = layer(x, residual, positions, cache, backend, pool)
+        return decoder.norm(x, residual)[0]
+
+
+def agreement(base: torch.nn.Module, other: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """Top-1 agreement and mean KL(base || other) (nats) of next-token distributions over
+    every position of ``ids`` (teacher-forced: both read the same tokens)."""
+    hb, ho = _hidden(base, ids), _hidden(other, ids)
+    same, kl = 0, 0.0
+    with torch.inference_mode():
+        for i in range(0, len(ids), 250):
+            lb = base.lm_head(hb[i : i + 250]).float().log_softmax(-1)
+            lo = other.lm_head(ho[i : i + 250]).float().log_softmax(-1)
+            same += int((lb.argmax(-1) == lo.argmax(-1)).sum())
+            kl += float((lb.exp() * (lb - lo)).sum())
+    return {"positions": len(ids), "top1": same / len(ids), "kl": kl / len(ids)}
+
+
+def teacher_tokens(model_dir: str, n: int) -> torch.Tensor:
+    """``n`` token ids of the test corpus (repeated as needed) in the checkpoint's
+    tokenizer: the teacher-forced text of :func:`agreement`."""
+    from mmserve.model.loader import load_processor
+    from mmserve.testing.checkpoints import CORPUS_PATH
+
+    tok = load_processor(model_dir).tokenizer
+    ids = tok(CORPUS_PATH.read_text())["input_ids"]
+    return torch.tensor((ids * (n // max(1, len(ids)) + 1))[:n])
+
+
+def quant_sweep(model_dir: str, dtype: str, args: argparse.Namespace) -> dict:
+    """``--parts quant``: batch-1 and batch-``--batch`` decode and the first question
+    (tower + prefill; CPU time: the first and the cached second) of mmserve unquantized
+    and int8 against transformers (medians over
+    ``--repeats``, the systems alternating), decoder weight bytes, and int8's top-1
+    agreement and mean KL against the unquantized model over ``--quality-positions``
+    teacher-forced positions (with the LM head quantized and without)."""
+    s, n, q = Sides(model_dir, dtype), args.decode_tokens, workloads.QUESTIONS
+    i8 = MMServeRunner.load(model_dir, dtype=dtype, max_total_tokens=32768, quantization="int8")
+    runners = {"none": s.mm, "int8": i8}
+    res: dict = {k: [] for k in ("hf", "hf_cpu")}
+    for rep in range(args.repeats):
+        for k, v in zip(("hf", "hf_cpu"), s.hf_decode(1, n), strict=True):
+            res[k].append(med(v))
+        for name, runner in runners.items():
+            s.mm = runner
+            c0 = time.process_time()
+            first, _, _ = s.mm_first_second(f"{q[0]} ({name} {rep})", q[1])
+            res.setdefault(f"{name}_first", []).append(first)
+            res.setdefault(f"{name}_first_cpu", []).append(time.process_time() - c0)
+            for b in (1, args.batch):
+                qs = [f"{q[i % 16]} ({name} {rep}.{i})" for i in range(b)]
+                wall, cpu, _ = s.mm_decode(qs, n + 1)
+                res.setdefault(f"{name}_b{b}", []).append(med(wall))
+                res.setdefault(f"{name}_b{b}_cpu", []).append(med(cpu))
+    s.mm = runners["none"]
+    out: dict = {"dtype": dtype, "batch": args.batch}
+    out["ms"] = {k: med(v) * 1e3 for k, v in res.items()}
+    out["weight_bytes"] = {k: decode_weight_bytes(r.model.decoder) for k, r in runners.items()}
+    del s.hf
+    out["quality"] = {}
+    if not args.quality_positions:
+        return out
+    ids = teacher_tokens(model_dir, args.quality_positions)
+    base = runners["none"].model.decoder
+    out["quality"] = {"int8": agreement(base, i8.model.decoder, ids)}
+    head = i8.model.decoder.lm_head  # the same int8 decoder with the unquantized head
+    i8.model.decoder.lm_head = base.lm_head
+    out["quality"]["int8, head unquantized"] = agreement(base, i8.model.decoder, ids)
+    i8.model.decoder.lm_head = head
+    return out
+
+
+def quant_table(sw: dict) -> str:
+    """``--parts quant``: the int8 figures against unquantized mmserve and transformers."""
+    ms, rows, b = sw["ms"], {}, sw["batch"]
+    hf = ms["hf_cpu"]
+    for name in ("none", "int8"):
+        one = ms[f"{name}_b1_cpu"]
+        rows[f"mmserve {name}"] = {
+            "b1": f"{ms[f'{name}_b1']:.1f} ({one:.1f})",
+            "vs_hf": f"{one / hf:.2f}",
+            "bb": f"{ms[f'{name}_b{b}']:.1f} ({ms[f'{name}_b{b}_cpu']:.1f})",
+            "tps": f"{b * one / ms[f'{name}_b{b}_cpu']:.2f}x",
+            "first": f"{ms[f'{name}_first'] / 1e3:.1f} ({ms[f'{name}_first_cpu'] / 1e3:.1f}) s",
+            "gb": f"{sw['weight_bytes'][name] / 1e9:.3f}",
+        }
+    rows["transformers"] = {"b1": f"{ms['hf']:.1f} ({hf:.1f})", "vs_hf": "1.00"}
+    cols = f"{sw['dtype']}|batch-1 ms/token (CPU)=b1|CPU vs transformers=vs_hf"
+    cols += f"|batch {b} ms/step (CPU)=bb|batch {b} tokens/s vs batch 1 (CPU)=tps"
+    cols += "|first + second question (CPU)=first|decode weight GB=gb"
+    lines = [report.table(rows, cols)]
+    wb = sw["weight_bytes"]
+    lines.append(f"decoder weight bytes int8 / {sw['dtype']}: {wb['int8'] / wb['none']:.3f}")
+    for k, v in sw["quality"].items():
+        lines.append(
+            f"{k} vs unquantized over {v['positions']} teacher-forced positions: top-1 "
+            f"agreement {v['top1']:.4f}, mean KL {v['kl']:.5f} nats"
+        )
+    return "\n".join(lines)
+
+
 def compare_table(results: dict[str, dict]) -> str:
     """``--parts compare``: transformers and mmserve per dtype."""
     rows = {}
@@ -241,6 +359,13 @@ def real_shapes(args: argparse.Namespace, model_dir: str) -> int:
             sweeps.append(decode_sweep(model_dir, dtype, args, i == 0))
             print(f"decode {dtype}: {sweeps[-1]}", flush=True)
         tables.append(decode_table(sweeps))
+    quants = []
+    if "quant" in args.parts:
+        for dtype in dtypes:
+            quants.append(quant_sweep(model_dir, dtype, args))
+            print(f"quant {dtype}: {quants[-1]}", flush=True)
+            tables.append(quant_table(quants[-1]))
     table = "\n\n".join(tables)
     out = {"model": model_dir, "threads": torch.get_num_threads(), "results": results}
-    return report.emit(args.out, "real_shapes", {**out, "decode": sweeps, "table": table}, table)
+    out.update(decode=sweeps, quant=quants, table=table)
+    return report.emit(args.out, "real_shapes", out, table)

@@ -37,7 +37,12 @@ def _make_model(args: argparse.Namespace) -> int:
 
     try:
         path = make_checkpoint(
-            args.dir, size=args.size, seed=args.seed, family=args.family, dtype=args.dtype
+            args.dir,
+            size=args.size,
+            seed=args.seed,
+            family=args.family,
+            dtype=args.dtype,
+            quantization=args.quantization,
         )
     except ValueError as e:
         print(f"make-model: {e}", file=sys.stderr)
@@ -54,7 +59,8 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``make-model DIR [--size] [--seed] [--family] [--dtype]`` to a subcommand set."""
+    """Add ``make-model DIR [--size] [--seed] [--family] [--dtype] [--quantization]`` to a
+    subcommand set."""
     m = sub.add_parser(
         "make-model",
         help="write a seeded random LLaVA-1.5, LLaVA-NeXT or LLaVA-OneVision checkpoint",
@@ -85,6 +91,14 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
         choices=("float32", "bfloat16"),
         default=None,
         help="stored weight dtype (default: float32 for tiny/small, bfloat16 for real shapes)",
+    )
+    m.add_argument(
+        "--quantization",
+        choices=("none", "int8", "fp8"),
+        default="none",
+        help="store the decoder's projections quantized (compressed-tensors layout, as "
+        "llm-compressor writes it: int8 or fp8 e4m3 weights, per-channel scales); serving "
+        "it loads them as they are",
     )
     m.set_defaults(func=_make_model)
     return m

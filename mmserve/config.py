@@ -22,6 +22,9 @@ def pool_tokens(config: EngineConfig) -> int:
     return config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
 
 
+#: Accepted values of ``EngineConfig.quantization`` / ``--quantization``
+#: (:mod:`mmserve.model.quant`).
+QUANTIZATIONS = ("none", "int8", "fp8")
 #: Accepted values of ``EngineConfig.dtype`` / ``--dtype``.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
@@ -44,6 +47,11 @@ class EngineConfig:
         dtype: weights, activations and KV pool dtype: "auto" (bfloat16 on CUDA and on
             a CPU with native bf16 arithmetic, AVX512-BF16 or AMX-BF16; float32 on other
             CPUs: see :func:`auto_dtype`), "float32", "bfloat16" or "float16".
+        quantization: the decoder's linear weights quantized at load, per output channel:
+            "none", "int8" (weight-only; activations in ``dtype``) or "fp8" (e4m3 weights
+            and per-token activations, CUDA with compute capability >= 8.9 only); a
+            compressed-tensors checkpoint is served in its own method (see
+            :mod:`mmserve.model.quant`).
         attention_backend: "auto" (FlashInfer where it can run, else torch),
             "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
         kv_cache_dtype: K/V pool storage (:data:`KV_CACHE_DTYPES`): "auto" (the model's
@@ -135,6 +143,7 @@ class EngineConfig:
     model_path: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    quantization: str = "none"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     page_size: int = 1
@@ -236,6 +245,11 @@ class EngineConfig:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; "
+                f"choose one of {', '.join(QUANTIZATIONS)}"
             )
 
     def kv_fp8(self) -> bool:

@@ -49,6 +49,7 @@ from mmserve.distributed.worker import (
 from mmserve.kernels.metadata import AttentionMetadata
 from mmserve.model.llama import LlamaShape
 from mmserve.model.loader import LoadedModel, assemble, load_vision, read_front_end, text_shape
+from mmserve.model.quant import check_quantization, checkpoint_method, resolve_method
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class TPGroup:
             device=config.device,
             dtype=dtype,
             attention_backend=config.attention_backend,
+            quantization=config.quantization,
             num_pages=pool_tokens(config) // config.page_size,
             page_size=config.page_size,
             timeout_s=config.tp_timeout_seconds,
@@ -346,16 +348,21 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
     model_dir = Path(config.model_path)
     hf_config, processor, family = read_front_end(model_dir)
     shape = text_shape(hf_config)
+    stored = checkpoint_method(getattr(hf_config, "quantization_config", None))
+    method = resolve_method(config.quantization, stored)
+    check_quantization(method, config.device)  # before any rank starts
     check_tp(shape, config.tp, config.device)
     dtype = config.torch_dtype()
     device = rank_device(config.device, 0)
     group = TPGroup(config, model_dir, shape, dtype)
     try:
         decoder = TPDecoder(TPLayout(0, config.tp, shape), group)
-        decoder.load(model_dir, device, dtype)
+        decoder.load(model_dir, device, dtype, method)
         vision = load_vision(model_dir, family, dtype, device)
         group.join()
     except BaseException:
         group.close()
         raise
-    return assemble(model_dir, hf_config, processor, family, decoder, vision)
+    loaded = assemble(model_dir, hf_config, processor, family, decoder, vision)
+    loaded.quantization = method
+    return loaded

@@ -12,6 +12,7 @@ are (``load_state_dict(assign=True)``), so nothing full-size is allocated first.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -22,8 +23,22 @@ from torch import nn
 
 from mmserve.distributed.layout import TPLayout
 from mmserve.kernels import ops
+from mmserve.model import quant
 from mmserve.model.llama import DecoderLayer, LlamaDecoder, RMSNorm
+from mmserve.model.quant import QuantizedLinear
 from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
+
+
+class RowParallelQuantizedLinear(QuantizedLinear):
+    """:class:`RowParallelLinear` over a quantized column slice ``[out, in / N]``: its
+    scales are the whole rows' (every rank the same), so the partial products sum to the
+    unsplit layer's before the bias is added once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[T, in / N]`` -> ``[T, out]`` (same dtype), summed over ranks."""
+        y = self.matmul(x)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Linear):
@@ -36,6 +51,20 @@ class RowParallelLinear(nn.Linear):
         y = F.linear(x, self.weight)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def _scale_key(weight_key: str) -> str:
+    """compressed-tensors' scale beside ``<module>.weight``: ``<module>.weight_scale``."""
+    return weight_key.removesuffix("weight") + "weight_scale"
+
+
+def _take(sl, axis: str, span: tuple[int, int] | None) -> torch.Tensor:  # noqa: ANN001
+    """Rows, columns or all of a ``safe_open`` slice."""
+    if axis == "row":
+        return sl[span[0] : span[1]]
+    if axis == "col":
+        return sl[:, span[0] : span[1]]
+    return sl[:]
 
 
 def _slices(layout: TPLayout, name: str) -> tuple[str, tuple[int, int] | None]:
@@ -105,12 +134,19 @@ class ShardedDecoder(nn.Module):
         self._inv_freq_fp32 = ops.rope_inv_freq(full.head_dim, full.rope_theta)
         self._rope_cache = ops.cos_sin_cache(self._inv_freq_fp32, full.max_position_embeddings)
 
-    def load(self, model_dir: Path, device: str, dtype: torch.dtype) -> None:
+    def load(
+        self, model_dir: Path, device: str, dtype: torch.dtype, quantization: str = "none"
+    ) -> None:
         """Read this rank's slices from ``model_dir``'s safetensors and move them to
-        ``device`` / ``dtype``.
+        ``device`` / ``dtype``; with a ``quantization`` (or a compressed-tensors
+        checkpoint), the quantized linears as :func:`~mmserve.model.loader.load_model`
+        makes them, sharded: column-parallel ones (``qkv_proj``, ``gate_up_proj``, the LM
+        head) hold their rows' scales, row-parallel ones (``o_proj``, ``down_proj``) the
+        whole rows' scales (quantizing at load reads those two whole, for their scales).
 
         Raises:
             CheckpointError: when a tensor this rank needs is missing.
+            QuantizationError: as :func:`~mmserve.model.loader.load_model`.
         """
         files = weight_files(model_dir)
         where: dict[str, Path] = {}
@@ -123,13 +159,27 @@ class ShardedDecoder(nn.Module):
             dec.pop("lm_head.weight", None)
             if "embed_tokens.weight" in dec:
                 dec["lm_head.weight"] = dec["embed_tokens.weight"]
-        sources = {name: fused_sources(name) for name in self.state_dict()}
+        qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+        stored = quant.checkpoint_method(qc)
+        method = quant.resolve_method(quantization, stored)
+        targets = []
+        if method != "none":
+            for name in quant.target_modules(self.layout.full.num_layers, True):
+                keys = [dec.get(s, s) for s in fused_sources(f"{name}.weight")]
+                scaled = [_scale_key(k) in where for k in keys]
+                if stored == "none" or all(scaled):
+                    targets.append(name)
+                elif any(scaled):
+                    raise CheckpointError(f"decoder: {name} fuses {keys}, quantized only in part")
+        skip = {f"{t}.weight" for t in targets}
+        sources = {name: fused_sources(name) for name in self.state_dict() if name not in skip}
+        sources.update({f"{t}.weight": fused_sources(f"{t}.weight") for t in targets})
         missing = sorted(s for srcs in sources.values() for s in srcs if s not in dec)
         if missing:
             raise CheckpointError(f"decoder: weights missing from checkpoint: {missing[:8]}")
         parts: dict[str, torch.Tensor] = {}  # checkpoint-side name -> this rank's slice
         by_file: dict[Path, list[str]] = {}
-        for src in {s for srcs in sources.values() for s in srcs}:
+        for src in {s for name, srcs in sources.items() if name not in skip for s in srcs}:
             by_file.setdefault(where[dec[src]], []).append(src)
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as f:
@@ -146,12 +196,55 @@ class ShardedDecoder(nn.Module):
         state = {
             name: parts[srcs[0]] if len(srcs) == 1 else torch.cat([parts.pop(s) for s in srcs])
             for name, srcs in sources.items()
+            if name not in skip
         }
-        self.load_state_dict(state, strict=True, assign=True)
-        if self.layout.full.tie_word_embeddings and self.embed_tokens is not None:
+        for name in targets:  # their biases are in ``state``, put in place below
+            self._quantize(name, method, stored != "none", dec, where, device)
+        self.load_state_dict(state, strict=False, assign=True)
+        leftover = [n for n, p in self.state_dict().items() if p.is_meta]
+        if leftover:
+            raise CheckpointError(f"decoder: weights not loaded: {leftover[:8]}")
+        quantized_head = "lm_head" in targets
+        if (
+            self.layout.full.tie_word_embeddings
+            and self.embed_tokens is not None
+            and not quantized_head
+        ):
             lo, hi = self.layout.vocab_rows()  # the head is a view of the embedding's rows
             self.lm_head.weight = nn.Parameter(self.embed_tokens.weight[lo:hi])
         self.eval()
+
+    def _quantize(
+        self, name: str, method: str, stored: bool, dec: dict, where: dict, device: str
+    ) -> None:
+        """Put this rank's quantized slice of module ``name`` in place (see :meth:`load`)."""
+        qs, scales = [], []
+        for src in fused_sources(f"{name}.weight"):
+            key = dec[src]
+            axis, span = _slices(self.layout, src)
+            with safe_open(str(where[key]), framework="pt") as f:
+                sl = f.get_slice(key)
+                if stored:
+                    q = _take(sl, axis, span)
+                    sc = f.get_slice(_scale_key(key))[:].float().reshape(-1)
+                    sc = sc.expand(sl.get_shape()[0]) if sc.numel() == 1 else sc
+                    scales.append(sc[span[0] : span[1]] if axis == "row" else sc)
+                elif axis == "col":  # whole rows for the scales, this rank's columns kept
+                    w = sl[:].float()
+                    _, sc = quant.quantize_per_channel(w, method)
+                    q = quant.quantize_with_scale(w[:, span[0] : span[1]], sc, method)
+                    scales.append(sc)
+                else:
+                    q, sc = quant.quantize_per_channel(_take(sl, axis, span).float(), method)
+                    scales.append(sc)
+            qs.append(q)
+        old = self.get_submodule(name)
+        bias = None if old.bias is None else old.bias  # meta until load_state_dict fills it
+        cls = RowParallelQuantizedLinear if isinstance(old, RowParallelLinear) else QuantizedLinear
+        new = cls(torch.cat(qs).to(device), torch.cat(scales).to(device), None)
+        if bias is not None:
+            new.bias = nn.Parameter(torch.empty_like(bias, device="meta"), requires_grad=False)
+        quant.replace_module(self, name, new)
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's decoder weights (embedding included where held)."""

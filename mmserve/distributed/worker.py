@@ -48,6 +48,7 @@ class WorkerSpec:
     device: str
     dtype: torch.dtype
     attention_backend: str
+    quantization: str
     num_pages: int
     page_size: int
     timeout_s: float
@@ -161,7 +162,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection, p
             torch.cuda.set_device(device)
         layout = TPLayout(spec.rank, spec.world, spec.shape)
         decoder = ShardedDecoder(layout, with_embedding=False)
-        decoder.load(Path(spec.model_dir), device, spec.dtype)
+        decoder.load(Path(spec.model_dir), device, spec.dtype, spec.quantization)
         shape = decoder.shape
         pool = KVPool(
             spec.num_pages,

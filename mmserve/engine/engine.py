@@ -39,6 +39,7 @@ from mmserve.engine.sampling import (
 from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree
 from mmserve.model.kv_scales import read_kv_scales
 from mmserve.model.loader import LoadedModel, load_model
+from mmserve.model.quant import check_quantization
 from mmserve.structured.compile import new_state
 from mmserve.structured.decode import GuidedDecoding
 from mmserve.vision.embedding_cache import EmbeddingCache
@@ -86,16 +87,21 @@ class Engine:
         if model is None:
             if config.model_path is None:  # the CLI supplies its bundled default model
                 raise ValueError("no model: set EngineConfig.model_path or pass a loaded model")
+            check_quantization(config.quantization, config.device)  # before the load
             if config.tp > 1:  # rank 0 of a tensor-parallel group; starts the other ranks
                 from mmserve.distributed.group import load_tp_model
 
                 model = load_tp_model(config)
             else:
                 model = load_model(
-                    config.model_path, device=config.device, dtype=config.torch_dtype()
+                    config.model_path,
+                    device=config.device,
+                    dtype=config.torch_dtype(),
+                    quantization=config.quantization,
                 )
         elif config.tp > 1:
             raise ValueError("tp > 1 loads its own shards: pass no model")
+        check_quantization(model.quantization, config.device)  # a checkpoint's own method
         self.model = model
         shape = model.decoder.shape
         self.max_context = shape.max_position_embeddings

@@ -51,8 +51,9 @@ def make_kv_tiers(
 
     Args:
         config: ``kv_host_bytes``, ``kv_disk_dir``, ``kv_disk_bytes``, ``page_size``.
-        model: the loaded model (``config``, ``decoder``, ``vision``), fingerprinted so that
-            no two checkpoints share a page key or file.
+        model: the loaded model (``config``, ``decoder``, ``vision``, ``quantization``),
+            fingerprinted so that no two checkpoints (or quantizations of one) share a page
+            key or file.
         pool: the KV pool.
         feature_cache: the engine's embedding cache, which image features read from the
             disk tier go into (None: no feature files).
@@ -65,6 +66,8 @@ def make_kv_tiers(
         named += [("vision." + n, t) for n, t in vision.named_parameters()]
     cfg = model.config
     text = cfg.to_json_string() if hasattr(cfg, "to_json_string") else repr(cfg)
+    # int8 / fp8 weights give other KV than the checkpoint's own: another namespace
+    text += f"|quantization={getattr(model, 'quantization', 'none')}"
     k = pool.k_buffers[0]
     namespace = kv_namespace(
         model_fingerprint(text, named),

@@ -36,6 +36,7 @@ from transformers import (
 from transformers.initialization import no_init_weights
 from transformers.utils import is_protobuf_available
 
+from mmserve.model import quant
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
 from mmserve.model.families.base import IMAGE_MODE, VisionModule
 from mmserve.model.llama import LlamaDecoder, LlamaShape
@@ -81,6 +82,7 @@ class LoadedModel:
     never_sample_ids: list[int]
     family: ModelFamily
     video_token_id: int | None = None
+    quantization: str = "none"
 
     def image_tokens(self, width: int, height: int, mode: str = IMAGE_MODE) -> int:
         """Pseudo-tokens an image of ``width`` x ``height`` pixels becomes in ``mode``
@@ -101,7 +103,7 @@ class LoadedModel:
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }  # fmt: skip
 
 
@@ -140,8 +142,13 @@ class _LazyWeights:
         """Every tensor name of every shard."""
         return list(self._where)
 
-    def get(self, key: str, dtype: torch.dtype, device: str) -> torch.Tensor:
-        """Tensor ``key``, floating point ones cast to ``dtype``, on ``device``.
+    def has(self, key: str) -> bool:
+        """Whether some shard holds tensor ``key``."""
+        return key in self._where
+
+    def get(self, key: str, dtype: torch.dtype | None, device: str) -> torch.Tensor:
+        """Tensor ``key``, floating point ones cast to ``dtype`` (None, and always for
+        8-bit floats: as stored), on ``device``.
 
         Raises:
             CheckpointError: for an unknown dtype or a truncated file.
@@ -161,7 +168,8 @@ class _LazyWeights:
             f.seek(base + start)
             if f.readinto(memoryview(view.numpy())) != end - start:
                 raise CheckpointError(f"{path}: truncated at tensor {key}")
-        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        cast = dtype is not None and t.is_floating_point() and t.element_size() > 1
+        return t.to(device=device, dtype=dtype if cast else t.dtype)
 
 
 def _read_weights(model_dir: Path) -> _LazyWeights:
@@ -196,13 +204,16 @@ def _load_vision(vision: VisionModule, states: dict[str, dict], to: _Target) -> 
             _load_strict(target, state, attr.replace("_", " "), to)
 
 
-def _load_strict(module: torch.nn.Module, state: dict, what: str, to: _Target) -> None:
+def _load_strict(
+    module: torch.nn.Module, state: dict, what: str, to: _Target, skip: frozenset = frozenset()
+) -> None:
     """Put checkpoint tensor ``state[name]`` in place of each of ``module``'s parameters
     and persistent buffers (assigned, not copied: the module may live on the meta
     device). Names that two entries share become one parameter (tied embeddings). A fused
     parameter (``qkv_proj``, ``gate_up_proj``: :func:`~mmserve.model.weights.fused_sources`)
-    is its sources' tensors concatenated by rows."""
-    expected = set(module.state_dict())
+    is its sources' tensors concatenated by rows. Names in ``skip`` are left alone (the
+    quantized weights, which :func:`_quantize_decoder` puts in place)."""
+    expected = set(module.state_dict()) - skip
     # Accept CLIP weights with or without the ``vision_model.`` level.
     if expected and not any(k.startswith("vision_model.") for k in expected):
         state = {k.removeprefix("vision_model."): v for k, v in state.items()}
@@ -376,8 +387,66 @@ def load_processor(model_dir: str | Path) -> object:
     return _family_processor(model_dir, _load_config(model_dir))
 
 
+def _quantize_decoder(
+    decoder: LlamaDecoder, dec_w: dict, method: str, stored: bool, to: _Target
+) -> None:
+    """Put a :class:`~mmserve.model.quant.QuantizedLinear` in place of each of the
+    decoder's quantized linears (:func:`~mmserve.model.quant.target_modules`).
+
+    ``stored``: the checkpoint holds them quantized (compressed-tensors: ``<module>.weight``
+    8-bit and ``<module>.weight_scale`` ``[out, 1]`` or ``[1]``): a module is quantized when
+    all its sources have scales (the LM head and anything ``ignore`` lists do not), its
+    weights and scales read as stored and fused by rows. Otherwise the weights are read in
+    fp32 and quantized here (the LM head too: quality measured in benchmarks/README.md).
+
+    Raises:
+        CheckpointError: for a fused module whose sources are quantized only in part.
+    """
+    shape = decoder.shape
+    for name in quant.target_modules(shape.num_layers, quantize_head=True):
+        linear = decoder.get_submodule(name)
+        sources = fused_sources(f"{name}.weight")
+        keys = [dec_w[s] for s in sources]
+        if stored:
+            scale_keys = [k.removesuffix("weight") + "weight_scale" for k in keys]
+            have = [to.weights.has(k) for k in scale_keys]
+            if not any(have) and name == "lm_head" and shape.tie_word_embeddings:
+                linear.weight = decoder.embed_tokens.weight  # tied, as unquantized
+                continue
+            if not any(have):
+                linear.weight = torch.nn.Parameter(
+                    torch.cat([to.weights.get(k, to.dtype, to.device) for k in keys]),
+                    requires_grad=False,
+                )
+                continue
+            if not all(have):
+                raise CheckpointError(
+                    f"decoder: {name} fuses {', '.join(keys)}, quantized only in part"
+                )
+            qs, scales = [], []
+            for k, sk in zip(keys, scale_keys, strict=True):
+                q = to.weights.get(k, None, to.device)
+                if q.dtype != quant.STORAGE[method]:
+                    raise CheckpointError(
+                        f"decoder: {k} is {q.dtype}, expected {quant.STORAGE[method]} ({method})"
+                    )
+                sc = to.weights.get(sk, torch.float32, to.device).reshape(-1)
+                qs.append(q)
+                scales.append(sc.expand(q.shape[0]) if sc.numel() == 1 else sc)
+            q, sc = torch.cat(qs), torch.cat(scales)
+        else:
+            w = torch.cat([to.weights.get(k, torch.float32, to.device) for k in keys])
+            q, sc = quant.quantize_per_channel(w, method)
+            del w
+        bias = None if linear.bias is None else linear.bias.detach()
+        quant.replace_module(decoder, name, quant.QuantizedLinear(q, sc, bias))
+
+
 def load_model(
-    model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load a LLaVA-family checkpoint directory.
 
@@ -389,6 +458,11 @@ def load_model(
             safetensors weights, tokenizer and processor files).
         device: torch device for every module.
         dtype: parameter dtype (fp32 on CPU).
+        quantization: "none", "int8" or "fp8": the decoder's linear layers quantized at
+            load (:mod:`mmserve.model.quant`); a compressed-tensors checkpoint is served in
+            its own method whatever this says, unless it names another (refused). Whether
+            ``device`` can run the method is :func:`~mmserve.model.quant.check_quantization`'s
+            to say (the engine calls it); here fp8 on the CPU runs the upcast twin.
 
     Returns:
         A :class:`LoadedModel`.
@@ -400,10 +474,16 @@ def load_model(
             (naming the missing file), no weights are found, a shard listed in
             the index is missing, tensors are missing, or the tokenizer has more ids
             than the config's vocab_size (fewer is a padded vocabulary, as Qwen2's).
+        QuantizationError: for an unknown ``quantization``, a checkpoint quantization
+            method or layout that cannot be served, or one that conflicts with the flag.
     """
     model_dir = Path(model_dir)
     config, processor, family = read_front_end(model_dir)
     shape = text_shape(config)
+    stored = quant.checkpoint_method(getattr(config, "quantization_config", None))
+    if quantization not in quant.QUANTIZATIONS:
+        quant.check_quantization(quantization, device)  # raises, naming the choices
+    method = quant.resolve_method(quantization, stored)
     weights = _read_weights(model_dir)
     dec_w, vision_w = _split_weights(weights, family)
     if shape.tie_word_embeddings:  # transformers ignores a stored head and ties it
@@ -417,17 +497,26 @@ def load_model(
     # fp32 construction, freed tensor by tensor).
     with torch.device("meta"):
         decoder = LlamaDecoder(shape)
-    _load_strict(decoder, dec_w, "decoder", to)
+    targets = quant.target_modules(shape.num_layers, True) if method != "none" else []
+    _load_strict(decoder, dec_w, "decoder", to, frozenset(f"{t}.weight" for t in targets))
+    if stored != "none" and any(k.endswith("weight_scale") for s in vision_w.values() for k in s):
+        raise quant.QuantizationError(
+            f"{model_dir}: the checkpoint quantizes vision tower or projector weights; "
+            f"mmserve serves {quant.SUPPORTED_CHECKPOINTS} of the decoder's linear layers only"
+        )
     try:
         with no_init_weights():
             vision = family.build_vision()
     except ValueError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
     _load_vision(vision, vision_w, to)
-    decoder.to(device=device, dtype=dtype).eval()
+    if method != "none":
+        _quantize_decoder(decoder, dec_w, method, stored != "none", to)
+    decoder.to(device=device, dtype=dtype).eval()  # QuantizedLinear keeps its dtypes
     vision.to(device=device, dtype=dtype).eval()
-
-    return assemble(model_dir, config, processor, family, decoder, vision)
+    loaded = assemble(model_dir, config, processor, family, decoder, vision)
+    loaded.quantization = method
+    return loaded
 
 
 def load_vision(

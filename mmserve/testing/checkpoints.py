@@ -57,6 +57,7 @@ __all__ = [
     "default_model_dir",
     "ensure_model",
     "make_checkpoint",
+    "quantize_checkpoint",
     "train_sentencepiece",
     "write_checkpoint",
     "write_weights_streamed",
@@ -496,12 +497,74 @@ def write_checkpoint(
     return out
 
 
+#: Decoder projections a compressed-tensors checkpoint stores quantized (llm-compressor's
+#: default recipe: every Linear of the language model; the LM head, vision tower and
+#: projector ignored).
+_QUANTIZED_PROJ = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+
+
+def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
+    """Rewrite ``model_dir``'s decoder projections in the compressed-tensors layout
+    llm-compressor writes and vLLM loads: each ``<module>.weight`` as int8 or float8_e4m3fn
+    (symmetric, per output channel: :func:`mmserve.model.quant.quantize_per_channel`) with
+    its ``<module>.weight_scale`` ``[out, 1]`` in the checkpoint's dtype, and config.json's
+    ``quantization_config`` saying so (``ignore``: the LM head, vision tower, projector).
+
+    Args:
+        model_dir: an unquantized checkpoint (:func:`make_checkpoint`), rewritten in place.
+        method: "int8" or "fp8".
+
+    Raises:
+        ValueError: for another method or an already quantized checkpoint.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from mmserve.model.quant import quantize_per_channel
+    from mmserve.model.weights import weight_files
+
+    if method not in ("int8", "fp8"):
+        raise ValueError(f"unknown quantization {method!r}; expected int8 or fp8")
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise ValueError(f"{model_dir} is already quantized")
+    for path in weight_files(model_dir):
+        tensors = load_file(path)
+        out = {}
+        for key, t in tensors.items():
+            if "language_model" in key and key.endswith(_QUANTIZED_PROJ):
+                q, scale = quantize_per_channel(t, method)
+                out[key] = q
+                out[key.removesuffix("weight") + "weight_scale"] = scale[:, None].to(t.dtype)
+            else:
+                out[key] = t
+        save_file(out, path, metadata={"format": "pt"})
+    int8 = method == "int8"
+    weights = {"num_bits": 8, "type": "int" if int8 else "float", "symmetric": True}
+    weights.update(strategy="channel", dynamic=False)
+    act = None if int8 else {"num_bits": 8, "type": "float", "symmetric": True}
+    if act is not None:
+        act.update(strategy="token", dynamic=True)  # fp8 W8A8 with per-token scales
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized" if int8 else "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": act}
+        },
+        "ignore": ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"],
+    }
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return model_dir
+
+
 def make_checkpoint(
     out_dir: str | Path,
     size: str = "tiny",
     seed: int = 0,
     family: str | None = None,
     dtype: str | None = None,
+    quantization: str | None = None,
 ) -> Path:
     """Write ``family``'s seeded checkpoint of ``size`` (:func:`write_checkpoint` of
     :func:`checkpoint_spec`).
@@ -515,6 +578,8 @@ def make_checkpoint(
         seed: weight seed; the same seed and library versions give byte-identical files.
         family: one of :data:`FAMILY_NAMES`; None: "llava", or a real shape's family.
         dtype: "float32" or "bfloat16"; None: bfloat16 for the real shapes, else float32.
+        quantization: None, or "int8" / "fp8": the decoder's projections stored quantized
+            in the compressed-tensors layout (:func:`quantize_checkpoint`).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -525,7 +590,10 @@ def make_checkpoint(
     """
     if dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"unknown checkpoint dtype {dtype!r}; expected float32 or bfloat16")
-    return write_checkpoint(out_dir, checkpoint_spec(size, family), seed, dtype)
+    if quantization not in (None, "none", "int8", "fp8"):
+        raise ValueError(f"unknown quantization {quantization!r}; expected int8 or fp8")
+    path = write_checkpoint(out_dir, checkpoint_spec(size, family), seed, dtype)
+    return quantize_checkpoint(path, quantization) if quantization not in (None, "none") else path
 
 
 def count_parameters(model_dir: str | Path) -> int:
