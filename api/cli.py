@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``mmserve`` argument parser (also used by tests)."""
     from mmserve.cli import add_make_model_parser
 
-    p = argparse.ArgumentParser(prog="mmserve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="mmserve", description=plain(__doc__.splitlines()[0]))
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "serve",

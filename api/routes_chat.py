@@ -260,7 +260,7 @@ def check_message(m: ChatMessage, i: int) -> None:
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise APIError(
             400,
-            f"{at}.content: a {m.role!r} message needs content (a string or a list of "
+            f"{at}.content: {m.role!r} messages need content (a string or a list of "
             "content parts); only an assistant message with tool_calls may have none",
             param=f"{at}.content",
         )
