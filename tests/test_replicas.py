@@ -42,7 +42,14 @@ from mmserve.config import EngineConfig  # noqa: E402
 from mmserve.engine.request import SamplingParams  # noqa: E402
 from mmserve.vision.inputs import MODALITIES  # noqa: E402
 from tests.helpers import serve_help_defaults  # noqa: E402
-from tests.live_server import live_server, metric  # noqa: E402
+from tests.live_server import (  # noqa: E402
+    child_pids,
+    cmdline,
+    live_server,
+    live_server_process,
+    metric,
+    wait_gone,
+)
 from tests.videos import encode_mp4, rgb_frames  # noqa: E402
 
 MODEL = "tiny"
@@ -1037,6 +1044,52 @@ class TestEncoders:
                 online = chat(ep, bodies[r["custom_id"]]["messages"], max_tokens=4)
                 assert body["choices"][0]["message"] == online.json()["choices"][0]["message"]
 
+    def test_a_restarted_replica_gets_known_images_features_from_the_encoder(
+        self, enc_ep: tuple[str, int]
+    ) -> None:
+        """A replica killed and replaced by Ray: its first requests about images the
+        deployment has seen run no tower anywhere, their features come from the encoder's
+        store (issue 35's "replica killed mid-run and restarted" measurement)."""
+        ep, _ = enc_ep
+
+        def healthy() -> dict | None:
+            h = httpx.get(f"{ep}/health", timeout=30).json()
+            s = stats(ep)
+            ok = h.get("status") == "ok" and s["encoders"]
+            return s if ok and all(isinstance(e, dict) for e in s["encoders"].values()) else None
+
+        wait_for(healthy, 180, "both replicas and the encoder up", every=1.0)
+        known = [png((30, 170, k * 90)) for k in range(2)]
+        for data in known:  # encoded once, by the encoder
+            assert chat(ep, [user(image(data_url(data)), "What is it?")]).status_code == 200
+        before = stats(ep)
+        pids = {uid: r["pid"] for uid, r in before["replicas"].items()}
+        victim = sorted(pids)[0]
+        os.kill(pids[victim], signal.SIGKILL)
+
+        def replaced() -> dict | None:
+            s = healthy()
+            return s if s and victim not in s["replicas"] else None
+
+        s = wait_for(replaced, 180, "Ray to replace the replica", every=1.0)
+        (new,) = set(s["replicas"]) - set(pids)
+        (survivor,) = set(pids) - {victim}
+        runs = sum(e["runs"] for e in s["encoders"].values())
+        served = 0
+        for i in range(16):  # pow2 picks either replica: ask until the new one served two
+            messages = [user(image(data_url(known[i % 2])), f"Question {i}: what is it?")]
+            assert chat(ep, messages).status_code == 200
+            served = stats(ep)["replicas"][new]["requests_finished"]
+            if served >= 2:
+                break
+        after = stats(ep)
+        fresh, old = after["replicas"][new], after["replicas"][survivor]
+        assert fresh["requests_finished"] >= 1, "pow2 sent no request to the new replica"
+        assert fresh["vision_tower_images"] == 0 and fresh["encoder_feature_images"] >= 1
+        assert fresh["encoder_fallbacks"] == 0
+        assert old["vision_tower_images"] == before["replicas"][survivor]["vision_tower_images"]
+        assert sum(e["runs"] for e in after["encoders"].values()) == runs  # no tower ran
+
 
 def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa: ANN001
     """Features handed to the engine by a feature source (what a replica gets from the
@@ -1072,3 +1125,102 @@ def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa:
     assert len(asked) == 2 and eng.remote_feature_images == 1
     assert [r.vision_tower_runs for r in got] == [0, 1]
     assert eng.stats_snapshot()["vision_tower_images"] == 1
+
+
+# ---- the whole process killed mid-batch ------------------------------------------------
+
+
+def test_a_sigkill_of_the_whole_process_mid_batch_resumes_without_rerunning_lines(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``kill -9`` of ``mmserve serve --replicas 2`` itself (Ray's processes share the
+    driver's fate) while a batch runs; a restart on the same ``--data-dir`` resumes it:
+    the lines answered before the kill keep their records byte for byte, only the others
+    run on the new replicas (their engines count exactly those), each ``custom_id`` once,
+    with the endpoint's online answers."""
+    import openai
+
+    args = (*RAY_ARGS, "--data-dir", str(tmp_path), "--batch-max-in-flight", "2")
+    bodies = {
+        f"k{i}": {
+            "model": MODEL,
+            "messages": [user(f"Count to {i % 4} please.")],
+            "max_tokens": 24,
+            "ignore_eos": True,  # long enough lines that the kill comes mid-batch
+            "temperature": 0,
+        }
+        for i in range(40)
+    }
+    raw = "\n".join(
+        json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
+        for c, b in bodies.items()
+    )
+
+    def client(url: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def records(path: Path) -> dict[str, str]:
+        """custom_id -> the record's line, a torn last line (cut by the kill) left out."""
+        got = {}
+        for text in path.read_text().splitlines():
+            try:
+                got[json.loads(text)["custom_id"]] = text
+            except ValueError:
+                pass
+        return got
+
+    with live_server_process(model_dir, *args, timeout=START_TIMEOUT) as (url, proc):
+        c = client(url)
+        f = c.files.create(file=("in.jsonl", raw.encode()), purpose="batch")
+        batch = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_for(
+            lambda: c.batches.retrieve(batch.id).request_counts.completed >= 4,
+            120,
+            "four lines to finish",
+            every=0.05,
+        )
+        ray = {p: cmdline(p) for p in child_pids(proc.pid)}
+        proc.kill()
+        proc.wait()
+    # GCS and raylet die with the driver, the workers (ingress, replicas) with the raylet;
+    # Ray's dashboard and runtime-env agents linger (they try to report to the dead GCS)
+    vital = [p for p, cmd in ray.items() if "Agent" not in cmd]
+    left = wait_gone(vital, 60)
+    for p in wait_gone(list(ray), 0):  # nothing of ours outlives the test
+        os.kill(p, signal.SIGKILL)
+    assert not left, [ray[p] for p in left]
+    d = tmp_path / "batches" / batch.id
+    assert json.loads((d / "state.json").read_text())["batch"]["status"] == "in_progress"
+    before = records(d / "output.jsonl")
+    assert 4 <= len(before) < len(bodies)
+    with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
+        c = client(url)
+
+        def finished():  # noqa: ANN202
+            b = c.batches.retrieve(batch.id)
+            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
+
+        done = wait_for(finished, 300, "the resumed batch to finish")
+        assert done.status == "completed", done
+        counts = done.request_counts
+        assert counts.total == counts.completed == len(bodies) and counts.failed == 0
+        assert done.error_file_id is None
+        # the new replicas ran exactly the lines that had no answer on disk
+        assert stats(url)["requests_finished"] == len(bodies) - len(before)
+        out = [json.loads(t) for t in c.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in out) == sorted(bodies)  # each exactly once
+        after = {r["custom_id"]: r for r in out}
+        for cid, text in before.items():  # not rerun: the same record (id, request id, body)
+            assert after[cid] == json.loads(text)
+        answers = {}
+        for r in out:
+            prompt = bodies[r["custom_id"]]["messages"][0]["content"][0]["text"]
+            answers.setdefault(prompt, set()).add(
+                r["response"]["body"]["choices"][0]["message"]["content"]
+            )
+        for cid in ("k0", "k1", "k2", "k3"):  # one line per distinct prompt: greedy answers
+            online = chat(url, bodies[cid]["messages"], max_tokens=24, ignore_eos=True).json()
+            prompt = bodies[cid]["messages"][0]["content"][0]["text"]
+            assert answers[prompt] == {online["choices"][0]["message"]["content"]}
