@@ -9,9 +9,12 @@ lower, the vision tower runs once per image, stats/metrics/health/flush cover ev
 replica, a killed replica (mid-request, idle, between two requests) costs no hung
 request and comes back, and a burst gets 503 with Retry-After; then two replicas (pow2)
 sharing one encoder (``--encoders 1``): one-process answers with one tower run per
-image, the encoder store's bound, a killed encoder, and files + batches surviving a
-replica's death. The unit tests (prefix tree, routers, bounded calls, feature store,
-feature source, front end, flags) need no Ray instance.
+image, the encoder store's bound, a killed encoder, files + batches surviving a
+replica's death, and a replaced replica getting known images' features from the
+encoder (no tower run); last, a SIGKILL of the whole process mid-batch and a restart
+that resumes the batch without rerunning finished lines. The unit tests (prefix tree,
+routers, bounded calls, feature store, feature source, front end, flags) need no Ray
+instance.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from PIL import Image
 
@@ -131,6 +135,36 @@ def wait_for(cond, timeout: float, what: str, every: float = 0.5):  # noqa: ANN0
             return got
         assert time.time() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(every)
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def start_batch(client: openai.OpenAI, bodies: dict[str, dict]):  # noqa: ANN201
+    """Upload ``bodies`` (custom_id -> chat completion body) and create their batch."""
+    lines = (
+        json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
+        for c, b in bodies.items()
+    )
+    f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    return client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+
+def completed_batch(client: openai.OpenAI, batch_id: str, total: int):  # noqa: ANN201
+    """The batch once it ends, asserting it completed all ``total`` lines."""
+
+    def ended():  # noqa: ANN202
+        b = client.batches.retrieve(batch_id)
+        return b if b.status in ("completed", "failed", "cancelled", "expired") else None
+
+    b = wait_for(ended, 300, "the batch to finish")
+    assert b.status == "completed", b
+    counts = b.request_counts
+    assert counts.total == counts.completed == total and counts.failed == 0, counts
+    return b
 
 
 def run_workload(url: str) -> dict:
@@ -984,10 +1018,8 @@ class TestEncoders:
         """``/v1/files`` + ``/v1/batches`` with the openai client under replicas: a
         replica killed while lines run on it costs no line (sent once more), and the
         answers equal the endpoint's online ones."""
-        import openai
-
         ep, _ = enc_ep
-        client = openai.OpenAI(base_url=f"{ep}/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai_client(ep)
         bodies = {
             f"img{k}-{q}": {
                 "model": MODEL,
@@ -1006,16 +1038,9 @@ class TestEncoders:
                 "ignore_eos": True,
                 "temperature": 0,
             }
-        lines = [
-            json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
-            for c, b in bodies.items()
-        ]
         before = stats(ep)
         pids = {uid: r["pid"] for uid, r in before["replicas"].items()}
-        f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = start_batch(client, bodies)
 
         def busy() -> str | None:
             live = {u: r.get("live_requests", 0) for u, r in stats(ep)["replicas"].items()}
@@ -1025,14 +1050,7 @@ class TestEncoders:
         victim = wait_for(busy, 120, "batch lines to run on a replica", every=0.2)
         os.kill(pids[victim], signal.SIGKILL)
 
-        def finished():  # noqa: ANN202
-            b = client.batches.retrieve(batch.id)
-            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
-
-        batch = wait_for(finished, 300, "the batch to finish")
-        assert batch.status == "completed", batch
-        counts = batch.request_counts
-        assert counts.total == counts.completed == len(bodies) and counts.failed == 0
+        batch = completed_batch(client, batch.id, len(bodies))
         assert stats(ep)["retries"] > before["retries"]
         out = [json.loads(t) for t in client.files.content(batch.output_file_id).text.splitlines()]
         assert sorted(r["custom_id"] for r in out) == sorted(bodies)
@@ -1135,11 +1153,9 @@ def test_a_sigkill_of_the_whole_process_mid_batch_resumes_without_rerunning_line
 ) -> None:
     """``kill -9`` of ``mmserve serve --replicas 2`` itself (Ray's processes share the
     driver's fate) while a batch runs; a restart on the same ``--data-dir`` resumes it:
-    the lines answered before the kill keep their records byte for byte, only the others
+    the lines answered before the kill keep their records (not run again), only the others
     run on the new replicas (their engines count exactly those), each ``custom_id`` once,
     with the endpoint's online answers."""
-    import openai
-
     args = (*RAY_ARGS, "--data-dir", str(tmp_path), "--batch-max-in-flight", "2")
     bodies = {
         f"k{i}": {
@@ -1151,13 +1167,6 @@ def test_a_sigkill_of_the_whole_process_mid_batch_resumes_without_rerunning_line
         }
         for i in range(40)
     }
-    raw = "\n".join(
-        json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
-        for c, b in bodies.items()
-    )
-
-    def client(url: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
     def records(path: Path) -> dict[str, str]:
         """custom_id -> the record's line, a torn last line (cut by the kill) left out."""
@@ -1170,11 +1179,8 @@ def test_a_sigkill_of_the_whole_process_mid_batch_resumes_without_rerunning_line
         return got
 
     with live_server_process(model_dir, *args, timeout=START_TIMEOUT) as (url, proc):
-        c = client(url)
-        f = c.files.create(file=("in.jsonl", raw.encode()), purpose="batch")
-        batch = c.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        c = openai_client(url)
+        batch = start_batch(c, bodies)
         wait_for(
             lambda: c.batches.retrieve(batch.id).request_counts.completed >= 4,
             120,
@@ -1196,16 +1202,8 @@ def test_a_sigkill_of_the_whole_process_mid_batch_resumes_without_rerunning_line
     before = records(d / "output.jsonl")
     assert 4 <= len(before) < len(bodies)
     with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
-        c = client(url)
-
-        def finished():  # noqa: ANN202
-            b = c.batches.retrieve(batch.id)
-            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
-
-        done = wait_for(finished, 300, "the resumed batch to finish")
-        assert done.status == "completed", done
-        counts = done.request_counts
-        assert counts.total == counts.completed == len(bodies) and counts.failed == 0
+        c = openai_client(url)
+        done = completed_batch(c, batch.id, len(bodies))
         assert done.error_file_id is None
         # the new replicas ran exactly the lines that had no answer on disk
         assert stats(url)["requests_finished"] == len(bodies) - len(before)
