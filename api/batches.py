@@ -37,6 +37,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -285,11 +286,20 @@ class BatchManager:
     Args:
         st: the server's state (engine client, settings, media resolver).
         files: the file store the input and output files live in.
+        ready: awaited before a batch's lines run (after validation): the replica
+            ingress waits there until a replica is healthy, so a batch resumed at
+            start-up does not fail lines while the replicas are still loading.
     """
 
-    def __init__(self, st: ServerState, files: FileStore) -> None:
+    def __init__(
+        self,
+        st: ServerState,
+        files: FileStore,
+        ready: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.st = st
         self.files = files
+        self._ready = ready
         self.dir = files.dir.parent / "batches"
         self.batches: dict[str, dict] = {}
         self._reserved: dict[str, dict[str, str]] = {}
@@ -496,6 +506,8 @@ class BatchManager:
         todo = [ln for ln in lines if ln.custom_id not in done]
         if self.st.settings.batch_order == "cache":
             todo.sort(key=lambda ln: ln.key)
+        if todo and self._ready is not None:
+            await self._ready()
         try:
             ended = await self._execute(bid, todo, job)
         finally:

@@ -84,6 +84,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--probes",), dict(type=int, default=20, help="TTFT probes before and after")),
         (("--probe-period",), dict(type=float, default=0.3, help="seconds between probes")),
         (("--ttft-scale",), dict(type=int, default=3, help="photos x this in the TTFT batch")),
+        (("--replicas",), dict(type=int, default=1, help="replicas (Ray Serve)")),
     ]),
     "kv-tiers": (experiments.kv_tiers, "full", "tiny", "llava", [
         *_qa(16, 3),

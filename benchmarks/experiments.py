@@ -277,9 +277,19 @@ def _batch_workload(args: argparse.Namespace, images: int, seed: int) -> Workloa
 
 @contextmanager
 def _batch_server(model_dir: str, args: argparse.Namespace, *flags: str) -> Iterator[str]:
+    """``mmserve serve`` with a temporary ``--data-dir``; with ``args.replicas`` > 1, that
+    many replicas (cache router, half a core each) on a local Ray, once all are up."""
     with tempfile.TemporaryDirectory() as d:
         flags += ("--max-total-tokens", str(args.max_total_tokens), "--data-dir", d)
+        n = getattr(args, "replicas", 1)
+        if n > 1:
+            flags += ("--replicas", str(n), "--cpus-per-replica", "0.5")
         with http.mmserve_server(model_dir, flags, args.threads) as (url, _):
+            deadline = time.time() + 300
+            while http.get_json(f"{url}/health").get("healthy_replicas", 1) < n:
+                if time.time() > deadline:
+                    raise TimeoutError(f"{url} not healthy with {n} replicas in 300 s")
+                time.sleep(0.5)
             yield url
 
 
@@ -287,7 +297,11 @@ def _timed(url: str, wl: Workload, opt: float, batch: bool = True) -> dict:
     """``wl`` from cold caches through ``/v1/files`` + ``/v1/batches`` (or as a chat burst):
     requests answered, hit rate, tower runs and wall time."""
     http.flush(url)
-    towers = lambda: http.get_json(f"{url}/v1/cache/stats")["vision_tower_images"]  # noqa: E731
+
+    def towers() -> int:  # across the deployment under --replicas (replicas and encoders)
+        s = http.get_json(f"{url}/v1/cache/stats")
+        return s["tower_runs"] if "tower_runs" in s else s["vision_tower_images"]
+
     t0, tower = time.perf_counter(), towers()
     if batch:
         b = http.wait_batch(url, http.create_batch(url, wl))
@@ -335,7 +349,8 @@ def _probes(url: str, period: float, start: int, until: Any) -> list[float]:
 
 def batch_api(args: argparse.Namespace, model_dir: str) -> int:
     """A batch against the same requests as a chat burst, and interactive TTFT before,
-    during and after a ``--ttft-scale`` times larger batch; each part from cold caches."""
+    during and after a ``--ttft-scale`` times larger batch; each part from cold caches
+    (``--replicas N``: on N replicas behind one endpoint)."""
     wl = _batch_workload(args, args.images, args.seed)
     opt = MMServeRunner.load(model_dir).optimum(wl)
     long = _batch_workload(args, args.images * args.ttft_scale, args.seed + 1)
@@ -354,8 +369,11 @@ def batch_api(args: argparse.Namespace, model_dir: str) -> int:
     out["ttft"] = {"before_p50": statistics.median(before), "after_p50": statistics.median(after)}
     out["ttft"].update(idle_p50=idle, during_p50=busy, during_n=len(during), ratio=busy / idle)
     a, b = out["batch"], out["burst"]
+    out["replicas"] = args.replicas
+    where = f"{args.replicas} replicas (cache router), each with a " if args.replicas > 1 else ""
     md = (
-        f"{wl.description}, shuffled; KV pool {args.max_total_tokens} tokens; optimum {opt:.3f}\n\n"
+        f"{wl.description}, shuffled; {where}KV pool {args.max_total_tokens} tokens; "
+        f"optimum {opt:.3f}\n\n"
         + report.table({"/v1/batches": a, "chat burst": b}, BATCH_TABLE)
         + f"\nthroughput, batch / burst: {b['wall_s'] / a['wall_s']:.2f}\ninteractive TTFT p50: "
         f"{idle * 1e3:.1f} ms without the batch, {busy * 1e3:.1f} ms during a batch of "

@@ -4,9 +4,11 @@ and a SIGKILL in the middle of a batch."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.batches import prompt_key
+from api.batches import BatchManager, prompt_key
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from mmserve.engine.messages import BACKGROUND, INTERACTIVE
@@ -306,3 +308,50 @@ def test_batch_requests_reach_the_engine_at_background_priority(make_engine, tmp
         assert online.status_code == 200
         assert sorted(seen.values()) == [INTERACTIVE] + [BACKGROUND] * 3
     assert (tmp_path / "batches" / b["id"] / "state.json").is_file()  # under --data-dir
+
+
+def test_lines_wait_for_the_ready_hook(make_engine, tmp_path) -> None:  # noqa: ANN001
+    """A batch is validated at once but runs no line until ``ready`` returns (what the
+    replica ingress does until a replica is healthy, so a batch resumed at start-up
+    does not fail its lines while the replicas load); then it completes."""
+    engine = make_engine(max_total_tokens=8192)
+    seen: list[str] = []
+    add = engine.add_request
+
+    def spy(msg, on_update=None) -> None:  # noqa: ANN001
+        seen.append(msg.rid)
+        add(msg, on_update)
+
+    engine.add_request = spy
+    gate = threading.Event()
+
+    async def ready() -> None:
+        while not gate.is_set():
+            await asyncio.sleep(0.02)
+
+    app = create_app(engine, ServerSettings(served_model_name=MODEL, data_dir=str(tmp_path)))
+    st = app.state.mm
+    st.batches = BatchManager(st, st.batches.files, ready=ready)
+    with TestClient(app) as c:
+        lines = [_line(f"k{i}", _chat_body(f"Count to {i}.")) for i in range(3)]
+        f = c.post(
+            "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", "\n".join(lines))}
+        ).json()
+        body = {"input_file_id": f["id"], "endpoint": CHAT, "completion_window": "24h"}
+        bid = c.post("/v1/batches", json=body).json()["id"]
+
+        def status() -> dict:
+            return c.get(f"/v1/batches/{bid}").json()
+
+        deadline = time.time() + 60
+        while status()["status"] != "in_progress":  # validated before the hook
+            assert time.time() < deadline
+            time.sleep(0.02)
+        time.sleep(0.5)  # unhooked, three 4-token lines take a few ms here
+        assert seen == [] and status()["request_counts"]["completed"] == 0
+        gate.set()
+        while (b := status())["status"] != "completed":
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert b["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        assert len(seen) == 3

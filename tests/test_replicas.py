@@ -9,9 +9,12 @@ lower, the vision tower runs once per image, stats/metrics/health/flush cover ev
 replica, a killed replica (mid-request, idle, between two requests) costs no hung
 request and comes back, and a burst gets 503 with Retry-After; then two replicas (pow2)
 sharing one encoder (``--encoders 1``): one-process answers with one tower run per
-image, the encoder store's bound, a killed encoder, and files + batches surviving a
-replica's death. The unit tests (prefix tree, routers, bounded calls, feature store,
-feature source, front end, flags) need no Ray instance.
+image, the encoder store's bound, a killed encoder, files + batches surviving a
+replica's death, and a replaced replica getting known images' features from the
+encoder (no tower run); last, a SIGKILL of the whole process mid-batch and a restart
+that resumes the batch without rerunning finished lines. The unit tests (prefix tree,
+routers, bounded calls, feature store, feature source, front end, flags) need no Ray
+instance.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from PIL import Image
 
@@ -42,7 +46,14 @@ from mmserve.config import EngineConfig  # noqa: E402
 from mmserve.engine.request import SamplingParams  # noqa: E402
 from mmserve.vision.inputs import MODALITIES  # noqa: E402
 from tests.helpers import serve_help_defaults  # noqa: E402
-from tests.live_server import live_server, metric  # noqa: E402
+from tests.live_server import (  # noqa: E402
+    child_pids,
+    cmdline,
+    live_server,
+    live_server_process,
+    metric,
+    wait_gone,
+)
 from tests.videos import encode_mp4, rgb_frames  # noqa: E402
 
 MODEL = "tiny"
@@ -124,6 +135,36 @@ def wait_for(cond, timeout: float, what: str, every: float = 0.5):  # noqa: ANN0
             return got
         assert time.time() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(every)
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def start_batch(client: openai.OpenAI, bodies: dict[str, dict]):  # noqa: ANN201
+    """Upload ``bodies`` (custom_id -> chat completion body) and create their batch."""
+    lines = (
+        json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
+        for c, b in bodies.items()
+    )
+    f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    return client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+
+def completed_batch(client: openai.OpenAI, batch_id: str, total: int):  # noqa: ANN201
+    """The batch once it ends, asserting it completed all ``total`` lines."""
+
+    def ended():  # noqa: ANN202
+        b = client.batches.retrieve(batch_id)
+        return b if b.status in ("completed", "failed", "cancelled", "expired") else None
+
+    b = wait_for(ended, 300, "the batch to finish")
+    assert b.status == "completed", b
+    counts = b.request_counts
+    assert counts.total == counts.completed == total and counts.failed == 0, counts
+    return b
 
 
 def run_workload(url: str) -> dict:
@@ -977,10 +1018,8 @@ class TestEncoders:
         """``/v1/files`` + ``/v1/batches`` with the openai client under replicas: a
         replica killed while lines run on it costs no line (sent once more), and the
         answers equal the endpoint's online ones."""
-        import openai
-
         ep, _ = enc_ep
-        client = openai.OpenAI(base_url=f"{ep}/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai_client(ep)
         bodies = {
             f"img{k}-{q}": {
                 "model": MODEL,
@@ -999,16 +1038,9 @@ class TestEncoders:
                 "ignore_eos": True,
                 "temperature": 0,
             }
-        lines = [
-            json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
-            for c, b in bodies.items()
-        ]
         before = stats(ep)
         pids = {uid: r["pid"] for uid, r in before["replicas"].items()}
-        f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = start_batch(client, bodies)
 
         def busy() -> str | None:
             live = {u: r.get("live_requests", 0) for u, r in stats(ep)["replicas"].items()}
@@ -1018,14 +1050,7 @@ class TestEncoders:
         victim = wait_for(busy, 120, "batch lines to run on a replica", every=0.2)
         os.kill(pids[victim], signal.SIGKILL)
 
-        def finished():  # noqa: ANN202
-            b = client.batches.retrieve(batch.id)
-            return b if b.status in ("completed", "failed", "cancelled", "expired") else None
-
-        batch = wait_for(finished, 300, "the batch to finish")
-        assert batch.status == "completed", batch
-        counts = batch.request_counts
-        assert counts.total == counts.completed == len(bodies) and counts.failed == 0
+        batch = completed_batch(client, batch.id, len(bodies))
         assert stats(ep)["retries"] > before["retries"]
         out = [json.loads(t) for t in client.files.content(batch.output_file_id).text.splitlines()]
         assert sorted(r["custom_id"] for r in out) == sorted(bodies)
@@ -1036,6 +1061,52 @@ class TestEncoders:
             else:
                 online = chat(ep, bodies[r["custom_id"]]["messages"], max_tokens=4)
                 assert body["choices"][0]["message"] == online.json()["choices"][0]["message"]
+
+    def test_a_restarted_replica_gets_known_images_features_from_the_encoder(
+        self, enc_ep: tuple[str, int]
+    ) -> None:
+        """A replica killed and replaced by Ray: its first requests about images the
+        deployment has seen run no tower anywhere, their features come from the encoder's
+        store (issue 35's "replica killed mid-run and restarted" measurement)."""
+        ep, _ = enc_ep
+
+        def healthy() -> dict | None:
+            h = httpx.get(f"{ep}/health", timeout=30).json()
+            s = stats(ep)
+            ok = h.get("status") == "ok" and s["encoders"]
+            return s if ok and all(isinstance(e, dict) for e in s["encoders"].values()) else None
+
+        wait_for(healthy, 180, "both replicas and the encoder up", every=1.0)
+        known = [png((30, 170, k * 90)) for k in range(2)]
+        for data in known:  # encoded once, by the encoder
+            assert chat(ep, [user(image(data_url(data)), "What is it?")]).status_code == 200
+        before = stats(ep)
+        pids = {uid: r["pid"] for uid, r in before["replicas"].items()}
+        victim = sorted(pids)[0]
+        os.kill(pids[victim], signal.SIGKILL)
+
+        def replaced() -> dict | None:
+            s = healthy()
+            return s if s and victim not in s["replicas"] else None
+
+        s = wait_for(replaced, 180, "Ray to replace the replica", every=1.0)
+        (new,) = set(s["replicas"]) - set(pids)
+        (survivor,) = set(pids) - {victim}
+        runs = sum(e["runs"] for e in s["encoders"].values())
+        served = 0
+        for i in range(16):  # pow2 picks either replica: ask until the new one served two
+            messages = [user(image(data_url(known[i % 2])), f"Question {i}: what is it?")]
+            assert chat(ep, messages).status_code == 200
+            served = stats(ep)["replicas"][new]["requests_finished"]
+            if served >= 2:
+                break
+        after = stats(ep)
+        fresh, old = after["replicas"][new], after["replicas"][survivor]
+        assert fresh["requests_finished"] >= 1, "pow2 sent no request to the new replica"
+        assert fresh["vision_tower_images"] == 0 and fresh["encoder_feature_images"] >= 1
+        assert fresh["encoder_fallbacks"] == 0
+        assert old["vision_tower_images"] == before["replicas"][survivor]["vision_tower_images"]
+        assert sum(e["runs"] for e in after["encoders"].values()) == runs  # no tower ran
 
 
 def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa: ANN001
@@ -1072,3 +1143,82 @@ def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa:
     assert len(asked) == 2 and eng.remote_feature_images == 1
     assert [r.vision_tower_runs for r in got] == [0, 1]
     assert eng.stats_snapshot()["vision_tower_images"] == 1
+
+
+# ---- the whole process killed mid-batch ------------------------------------------------
+
+
+def test_a_sigkill_of_the_whole_process_mid_batch_resumes_without_rerunning_lines(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``kill -9`` of ``mmserve serve --replicas 2`` itself (Ray's processes share the
+    driver's fate) while a batch runs; a restart on the same ``--data-dir`` resumes it:
+    the lines answered before the kill keep their records (not run again), only the others
+    run on the new replicas (their engines count exactly those), each ``custom_id`` once,
+    with the endpoint's online answers."""
+    args = (*RAY_ARGS, "--data-dir", str(tmp_path), "--batch-max-in-flight", "2")
+    bodies = {
+        f"k{i}": {
+            "model": MODEL,
+            "messages": [user(f"Count to {i % 4} please.")],
+            "max_tokens": 24,
+            "ignore_eos": True,  # long enough lines that the kill comes mid-batch
+            "temperature": 0,
+        }
+        for i in range(40)
+    }
+
+    def records(path: Path) -> dict[str, str]:
+        """custom_id -> the record's line, a torn last line (cut by the kill) left out."""
+        got = {}
+        for text in path.read_text().splitlines():
+            try:
+                got[json.loads(text)["custom_id"]] = text
+            except ValueError:
+                pass
+        return got
+
+    with live_server_process(model_dir, *args, timeout=START_TIMEOUT) as (url, proc):
+        c = openai_client(url)
+        batch = start_batch(c, bodies)
+        wait_for(
+            lambda: c.batches.retrieve(batch.id).request_counts.completed >= 4,
+            120,
+            "four lines to finish",
+            every=0.05,
+        )
+        ray = {p: cmdline(p) for p in child_pids(proc.pid)}
+        proc.kill()
+        proc.wait()
+    # GCS and raylet die with the driver, the workers (ingress, replicas) with the raylet;
+    # Ray's dashboard and runtime-env agents linger (they try to report to the dead GCS)
+    vital = [p for p, cmd in ray.items() if "Agent" not in cmd]
+    left = wait_gone(vital, 60)
+    for p in wait_gone(list(ray), 0):  # nothing of ours outlives the test
+        os.kill(p, signal.SIGKILL)
+    assert not left, [ray[p] for p in left]
+    d = tmp_path / "batches" / batch.id
+    assert json.loads((d / "state.json").read_text())["batch"]["status"] == "in_progress"
+    before = records(d / "output.jsonl")
+    assert 4 <= len(before) < len(bodies)
+    with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
+        c = openai_client(url)
+        done = completed_batch(c, batch.id, len(bodies))
+        assert done.error_file_id is None
+        # the new replicas ran exactly the lines that had no answer on disk
+        assert stats(url)["requests_finished"] == len(bodies) - len(before)
+        out = [json.loads(t) for t in c.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in out) == sorted(bodies)  # each exactly once
+        after = {r["custom_id"]: r for r in out}
+        for cid, text in before.items():  # not rerun: the same record (id, request id, body)
+            assert after[cid] == json.loads(text)
+        answers = {}
+        for r in out:
+            prompt = bodies[r["custom_id"]]["messages"][0]["content"][0]["text"]
+            answers.setdefault(prompt, set()).add(
+                r["response"]["body"]["choices"][0]["message"]["content"]
+            )
+        for cid in ("k0", "k1", "k2", "k3"):  # one line per distinct prompt: greedy answers
+            online = chat(url, bodies[cid]["messages"], max_tokens=24, ignore_eos=True).json()
+            prompt = bodies[cid]["messages"][0]["content"][0]["text"]
+            assert answers[prompt] == {online["choices"][0]["message"]["content"]}

@@ -23,6 +23,8 @@ every replica, per replica and in total:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -54,6 +56,8 @@ from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from api.state import State
 from mmserve.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 #: ``cache_stats`` keys that are not summed over replicas.
 _NOT_SUMMED = {"page_size", "cache_hit_rate", "consecutive_failed_steps", "uptime_seconds"}
@@ -348,10 +352,28 @@ def create_ingress_app(
         freed = sum(r.get("freed_pages", 0) for r in got.values() if isinstance(r, dict))
         return {"flushed": True, "freed_pages": freed, "replicas": got}
 
+    async def a_replica_is_up() -> None:
+        """Return once a replica answers healthy (a batch has a day: no bound here). The
+        ingress starts in seconds, replicas load weights for longer than a request may
+        wait to be started (``ACCEPT_SECONDS``)."""
+        waited = False
+        while True:
+            got = await replicas.broadcast("health", timeout=5.0)
+            if any(isinstance(r, dict) and r.get("healthy") for r in got.values()):
+                if waited:
+                    log.info("a replica is up: batches run")
+                return
+            if not waited:
+                log.info("batches wait for a healthy replica")
+                waited = True
+            await asyncio.sleep(1.0)
+
     # the ingress owns --data-dir and the batch runner: lines go through the router like
     # any request (a line in flight on a replica that dies is sent once more)
     state.batches = BatchManager(
-        state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)
+        state,
+        FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes),
+        ready=a_replica_is_up,
     )
 
     @asynccontextmanager
