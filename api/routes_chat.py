@@ -10,6 +10,7 @@ from typing import NamedTuple
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 from api.errors import APIError, field_path
 from api.generation import log_end_user, make_requests, sampling_params, template_options
@@ -209,7 +210,7 @@ def _split_images(
                     400, f"{param}: media are only allowed in user messages", param=param
                 )
             if p.type == "video_url":  # frame fields on the video_url object or on the part
-                on_url = not isinstance(src, str) and bool(src.model_fields_set - {"url"})
+                on_url = not isinstance(src, str) and bool(_given(src, _FRAME_FIELDS))
                 on_part = sorted(_given(p, _FRAME_FIELDS))
                 if on_url and on_part:
                     where = f"{param}.{on_part[0]}"
@@ -282,8 +283,9 @@ _PART_FIELDS = {
 }
 
 
-def _given(part: ContentPart, names: frozenset[str]) -> set[str]:
-    """The fields among ``names`` that the client set to something other than null."""
+def _given(part: BaseModel, names: frozenset[str]) -> set[str]:
+    """The fields among ``names`` that the client set to something other than null (on
+    a content part or its ``video_url``)."""
     return {f for f in part.model_fields_set & names if getattr(part, f) is not None}
 
 

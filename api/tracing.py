@@ -40,7 +40,6 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from mmserve.engine.messages import EngineRequest
 from mmserve.engine.request import GenerateResult
-from mmserve.model.families.base import FRAME_MODE
 
 __all__ = ["RequestTracing", "TracingMiddleware", "otlp_tracing", "traces_url"]
 
@@ -145,7 +144,7 @@ class RequestTracing:
         def at(offset: float) -> int:
             return base + round((req.arrival + offset) * 1e9)
 
-        frames = sum(s.image.mode == FRAME_MODE for s in req.spans)
+        frames = sum(s.modality == "video" for s in req.spans)  # as usage counts them
         root = self.tracer.start_span(
             "mmserve.request",
             trace.set_span_in_context(parent),
@@ -158,7 +157,8 @@ class RequestTracing:
                 "mmserve.cached_tokens": result.cached_tokens,
                 "mmserve.images": len(req.spans) - frames,
                 "mmserve.video_frames": frames,
-                "mmserve.image_tokens": sum(s.length for s in req.spans),
+                "mmserve.image_tokens": result.image_tokens,
+                "mmserve.video_tokens": result.video_tokens,
             },
         )
         if result.finish_reason == "error":

@@ -266,8 +266,6 @@ class EngineConfig:
 
         if self.dtype == "auto":
             return getattr(torch, auto_dtype(self.device)[0])
-        if self.cuda_graph_max_bs < 0:
-            raise ValueError("cuda_graph_max_bs must be >= 0 (0: by GPU memory)")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         return getattr(torch, self.dtype)

@@ -329,6 +329,7 @@ with open(sys.argv[1], "w") as f:
 
   # CUDA graphs on/off, FlashInfer vs torch, at OneVision-0.5B shapes (checkpoint built once
   # into $MMSERVE_CACHE_DIR or ~/.cache/mmserve)
+  rm -f "$OUT_DIR"/graph_decode*.json  # no stale figures from an earlier run in this folder
   phase "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "$PY" -m benchmarks.graph_decode \
     --device cuda --size onevision-0.5b --family llava-onevision --batches 1,8,32 --tokens 32 \
     --images 2 --questions 2 --profile-tokens 16 --out "$OUT_DIR"
@@ -353,10 +354,11 @@ for line in (out / "phases.tsv").read_text().splitlines():
     s["phases"].append({"name": name, "status": status, "seconds": int(took), "limit_s": int(limit)})
 if (out / "versions.json").exists():
     s["versions"] = json.loads((out / "versions.json").read_text())
-if (out / "pytest.xml").exists():
-    suites = ET.parse(out / "pytest.xml").getroot()
-    suite = suites if suites.tag == "testsuite" else suites[0]
-    s["pytest"] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
+for key, name in (("pytest", "pytest.xml"), ("pytest_quantized", "pytest_quantized.xml")):
+    if (out / name).exists():
+        suites = ET.parse(out / name).getroot()
+        suite = suites if suites.tag == "testsuite" else suites[0]
+        s[key] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
 if (out / "benchmark.json").exists():
     s["benchmark"] = json.loads((out / "benchmark.json").read_text())
 if (out / "graph_decode.json").exists():

@@ -173,7 +173,7 @@ class Engine:
             "family": model.family.name,
             "parameters": sum(p.numel() for m in modules for p in m.parameters()),
             "dtype": str(model.decoder.embed_tokens.weight.dtype).removeprefix("torch."),
-            "kv_dtype": str(pool.k_buffers[0].dtype).removeprefix("torch."),
+            "kv_dtype": kv_dtype_name(pool.dtype),
             "pool_pages": pool.num_pages,
             "page_size": pool.page_size,
             "pool_tokens": pool.size_tokens,
@@ -421,9 +421,11 @@ class Engine:
         ]
         if parts[0] is None and parts[1] is None:
             return None
-        vocab = next(p for p in parts if p is not None).shape[-1]
+        done = next(p for p in parts if p is not None)
         filled = [
-            p if p is not None else torch.full((len(rs), vocab), float("nan"))
+            p
+            if p is not None
+            else torch.full((len(rs), done.shape[-1]), float("nan"), device=done.device)
             for p, rs in zip(parts, (decode, prefill_reqs), strict=True)
         ]
         return torch.cat(filled)

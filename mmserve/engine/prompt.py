@@ -27,7 +27,7 @@ otherwise it is a closed turn and the template must open a new assistant turn af
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
@@ -181,7 +181,7 @@ class PromptBuilder:
         """The rendering of ``messages`` up to the end of the last message's text."""
         joined = "".join(_texts_all(messages))
         # a character no text holds (masked special strings use another private-use one)
-        sentinel = next(c for c in map(chr, range(0xF8FF, 0xE000, -1)) if c not in joined)
+        sentinel = _unused_char(joined, reversed(range(0xE001, 0xF900)))
         last = dict(messages[-1])
         content = last.get("content")
         if content is None or isinstance(content, str):
@@ -239,7 +239,7 @@ class PromptBuilder:
             ``(rendered, typed, mark)``: ``mark + str(k) + mark`` stands for ``typed[k]``.
         """
         joined = "".join(_texts_all(messages))
-        mark = next(c for c in map(chr, range(0xE000, 0xF8FF)) if c not in joined)
+        mark = _unused_char(joined, range(0xE000, 0xF8FF))
         typed: list[str] = []
 
         def sub(match: re.Match) -> str:
@@ -417,3 +417,16 @@ def _texts(message: dict) -> list[str]:
 
 def _texts_all(messages: Sequence[dict]) -> list[str]:
     return [t for m in messages for t in _texts(m)]
+
+
+def _unused_char(text: str, codes: Iterable[int]) -> str:
+    """The first character of ``codes`` (private-use code points) that ``text`` lacks.
+
+    Raises:
+        PromptError: ``text`` holds every one of them (a crafted message).
+    """
+    present = set(text)
+    for c in map(chr, codes):
+        if c not in present:
+            return c
+    raise PromptError("the messages use every private-use character; remove some")

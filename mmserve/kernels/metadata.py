@@ -187,8 +187,9 @@ class PaddedDecodeBuffers:
                           self.kv_indices, self.kv_last_page_len)  # fmt: skip
         else:
             pin = dev.type == "cuda"
+            # zeros, not empty: fill() never writes kv_indptr[0], which must stay 0
             self._host = tuple(
-                torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
                 for t in (self.input_ids, self.positions, self.out_cache_loc, self.kv_indptr,
                           self.kv_indices, self.kv_last_page_len)
             )  # fmt: skip
@@ -223,6 +224,7 @@ class PaddedDecodeBuffers:
             raise ValueError(f"{n} requests do not fit a bucket of {bucket} (max {self.max_bs})")
         P = self.page_size
         ids, pos, loc, indptr, indices, last = self._host
+        indptr[0] = 0
         off = 0
         for i, (pages, seq) in enumerate(zip(page_tables, seq_lens, strict=True)):
             k = _ceil_div(seq, P)

@@ -124,7 +124,13 @@ def fp8_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 def _fp8_mm_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    # row-wise scaled _scaled_mm writes bf16 on every CUDA build; fp32/fp16 output only on
+    # some (sm90 + recent cuBLAS): other dtypes take the dequantized matmul
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    )
 
 
 class QuantizedLinear(nn.Module):
