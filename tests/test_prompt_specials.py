@@ -107,3 +107,19 @@ def test_api_counts_typed_specials_as_text(make_engine) -> None:  # noqa: ANN001
         plain = engine.model.tokenizer("</s>", add_special_tokens=False, split_special_tokens=True)
         a, b = sizes.values()
         assert a - b == len(plain["input_ids"])
+
+
+@pytest.mark.parametrize("continued", [False, True])
+def test_a_message_holding_every_private_use_character_is_a_400(make_engine, continued) -> None:  # noqa: ANN001
+    # the prompt builder marks typed specials (and a continued message's end) with a
+    # private-use character the messages lack; with none left the request is refused
+    text = "".join(map(chr, range(0xE000, 0xF900))) + "</s>"
+    messages = [{"role": "user", "content": text}]
+    extra = {}
+    if continued:
+        messages.append({"role": "assistant", "content": "The"})
+        extra = {"continue_final_message": True, "add_generation_prompt": False}
+    with TestClient(create_app(make_engine(), ServerSettings(served_model_name="m"))) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra})
+    assert r.status_code == 400, r.text
+    assert "private-use" in r.json()["error"]["message"]

@@ -266,3 +266,15 @@ def test_video_token_budget_is_kept_or_refused_by_name(families) -> None:  # noq
             r = chat(fields)
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == f"messages[0].content[0].video_url.{field}"
+
+
+def test_null_frame_fields_on_video_url_are_not_given(client, vid) -> None:  # noqa: ANN001
+    # {"fps": null} on the video_url sets nothing, so num_frames on the part is not "both"
+    part = {"type": "video_url", "video_url": {"url": vid, "fps": None}, "num_frames": 2}
+    body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    both = {"type": "video_url", "video_url": {"url": vid, "fps": 1}, "num_frames": 2}
+    body["messages"][0]["content"] = [both]
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"].endswith("num_frames"), r.text
