@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import difflib
 import errno
 import logging
 import logging.config
 import re
 import signal
 import sys
+import textwrap
 import threading
 import time
 import types
@@ -205,17 +207,35 @@ def _subject(group: str, flag: str) -> str:
     return "other"
 
 
-def plain(text: str) -> str:
+def plain(text: str, flags: dict[str, str] | None = None) -> str:
     """``text`` without documentation markup, for ``--help``: ``x`` -> x,
-    :func:`a.b.c` -> c, :data:`~a.B` -> B."""
+    :func:`a.b.c` -> c, :data:`~a.B` -> B; a bare cross-reference in parentheses or after
+    "see" (developer detail such as ``(:data:`POLICIES`)``) is dropped, and "None:"
+    (an unset setting) reads "unset:".
+
+    Args:
+        text: a docstring fragment.
+        flags: ``{field name: flag}``; ````field```` in ``text`` becomes its ``--flag``.
+    """
     text = re.sub(r"\s*\(see :\w+:`[^`]*`\)|[:;,]\s*see :\w+:`[^`]*`", "", text)
+    text = re.sub(r"\s*\(:\w+:`[^`]*`\)", "", text)
     text = re.sub(r":\w+:`~?([\w.]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    if flags:
+        text = re.sub(
+            r"``(\w+)``", lambda m: "--" + flags[m.group(1)] if m.group(1) in flags else m[0], text
+        )
+    text = re.sub(r"\bNone: ", "unset: ", text)
     return text.replace("``", "")
 
 
 def _add_settings(p: argparse.ArgumentParser) -> None:
     sections = {title: p.add_argument_group(title) for title, _ in SUBJECTS}
     sections["other"] = p.add_argument_group("other")
+    flags = {  # field name -> flag, for ``field`` in help texts
+        f.name: _flag(group, f.name).replace("_", "-")
+        for group, cls, _ in _GROUPS
+        for f in dataclasses.fields(cls)
+    }
     for group, cls, skip in _GROUPS:
         docs = _field_docs(cls)
         hints = typing.get_type_hints(cls)
@@ -224,18 +244,33 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
             if f.name in skip:
                 continue
             flag = _flag(group, f.name)
+            option = "--" + flag.replace("_", "-")
             default = getattr(defaults, f.name)
             kw: dict = {"dest": f"{group}.{f.name}", "default": default}
-            kw["help"] = plain(docs.get(f.name, "")).replace("%", "%%") + " [default: %(default)s]"
+            text = plain(docs.get(f.name, ""), flags).replace("%", "%%")
+            kw["help"] = text + " [default: %(default)s]"
             base = _base_type(hints[f.name])
-            if base is bool:
+            section = sections[_subject(group, flag)]
+            if base is bool and default is False:
+                # only --x in --help (no "--no-disable-..." double negative); --no-x
+                # still parses, hidden, so existing command lines keep working
+                kw["action"] = "store_true"
+                section.add_argument(
+                    "--no-" + option[2:],
+                    dest=kw["dest"],
+                    action="store_false",
+                    default=default,
+                    help=argparse.SUPPRESS,
+                )
+            elif base is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = base
                 kw["metavar"] = {int: "N", float: "X"}.get(base, flag.split("_")[-1].upper())
-                if f.name in _CHOICES:
+                if f.name in _CHOICES:  # listed in usage and help: {lpm,fcfs,...}
                     kw["choices"] = list(_CHOICES[f.name])
-            sections[_subject(group, flag)].add_argument("--" + flag.replace("_", "-"), **kw)
+                    kw["metavar"] = "{" + ",".join(kw["choices"]) + "}"
+            section.add_argument(option, **kw)
 
 
 def settings_from_args(
@@ -442,15 +477,44 @@ def _exit_on_fatal(engine: Engine, userver: object, delay: float) -> None:
     threading.Thread(target=watch, name="mmserve-fatal-watch", daemon=True).start()
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps help lines at spaces only, so ``--mem-fraction-static`` stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports unknown arguments with the chosen subcommand's usage (argparse leaves them
+    to the top-level parser, whose usage is only ``mmserve [-h] {serve,make-model}``),
+    suggesting the closest flag for a typo."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if not extra:
+            return parsed
+        sub = self._subparsers._group_actions[0].choices.get(getattr(parsed, "command", None))
+        parser = sub or self
+        msg = "unrecognized arguments: " + " ".join(extra)
+        shown = [a for a in parser._actions if a.help != argparse.SUPPRESS]
+        flags = [s for a in shown for s in a.option_strings]
+        typo = next((a.split("=", 1)[0] for a in extra if a.startswith("--")), None)
+        close = difflib.get_close_matches(typo, flags, n=1) if typo else []
+        parser.error(msg + (f" (did you mean {close[0]}?)" if close else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mmserve`` argument parser (also used by tests)."""
     from mmserve.cli import add_make_model_parser
 
-    p = argparse.ArgumentParser(prog="mmserve", description=plain(__doc__.splitlines()[0]))
+    p = _Parser(prog="mmserve", description=plain(__doc__.splitlines()[0]))
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "serve",
         help="run the HTTP server",
+        formatter_class=_HelpFormatter,
         usage="mmserve serve [--model DIR] [--device cuda] [--port N] [options]",
         description="Run the OpenAI-compatible HTTP server (one engine, or --replicas N). "
         "Every option below has a default; the sections group them by subject.",

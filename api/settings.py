@@ -56,7 +56,7 @@ class ServerSettings:
             ``timestamps`` over it is refused.
         max_video_tokens: most pseudo-tokens one video's sampled frames may take in a
             prompt (None: no budget); thinned to or refused as ``max_video_frames``; a
-            request's ``max_video_tokens`` may lower it, not raise it.
+            request's own max_video_tokens field may lower it, not raise it.
         max_video_side: largest video frame width or height (pixels).
         max_stored_videos: most videos the upload store keeps (LRU beyond it).
         max_stored_video_bytes: most encoded video bytes the upload store keeps (bytes).

@@ -41,8 +41,8 @@ class EngineConfig:
     """Settings of one :class:`~mmserve.engine.engine.Engine`.
 
     Attributes:
-        model_path: checkpoint directory; the Engine needs it unless given a loaded model
-            (``mmserve serve`` without ``--model`` fills in the bundled tiny model).
+        model_path: checkpoint directory (a Hugging Face LLaVA-family model); without
+            it, ``mmserve serve`` runs the bundled tiny model, for trying things out.
         device: torch device ("cpu" or "cuda").
         dtype: weights, activations and KV pool dtype: "auto" (bfloat16 on CUDA and on
             a CPU with native bf16 arithmetic, AVX512-BF16 or AMX-BF16; float32 on other
@@ -62,10 +62,12 @@ class EngineConfig:
         page_size: tokens per KV page.
         max_total_tokens: KV pool capacity in tokens (rounded down to whole pages); an
             explicit value overrides the memory-based sizing. None: sized from
-            ``kv_cache_memory`` or ``mem_fraction_static`` when one is set, else
-            :data:`DEFAULT_MAX_TOTAL_TOKENS` (see :func:`mmserve.cache.kv_pool.plan_pool`).
+            ``kv_cache_memory`` or ``mem_fraction_static`` when one is set, else 32768
+            tokens (:data:`DEFAULT_MAX_TOTAL_TOKENS`) (see
+            :func:`mmserve.cache.kv_pool.plan_pool`).
         kv_cache_memory: bytes for the K/V pool (vLLM's ``--kv-cache-memory``); the pool
-            holds ``kv_cache_memory // bytes per token`` tokens.
+            holds this many bytes divided by the bytes one token's K and V take over all
+            layers (whole tokens).
         mem_fraction_static: fraction of the device's total memory (RAM on CPU, GPU
             memory on CUDA) that weights plus K/V pool may take, as SGLang's flag: the pool
             gets what is free after loading the weights minus ``(1 - fraction) x total``.
@@ -81,8 +83,8 @@ class EngineConfig:
             on CUDA, 256 on the CPU (where a prefill token costs about as much as a
             decode step's share of a small batch, so 2048 would hold streams for
             seconds).
-        background_prefill_tokens: most prompt tokens background requests (batch jobs,
-            ``EngineRequest.priority`` > 0) prefill in one step (tokens); their prompts
+        background_prefill_tokens: most prompt tokens background requests (batch jobs)
+            prefill in one step (tokens; see :attr:`EngineRequest.priority`); their prompts
             go in chunks this size, so a step running them stays short and an
             interactive request that arrives meanwhile waits at most one short step.
         disable_mixed_steps: run each step as either a prefill batch or a decode batch
@@ -117,7 +119,7 @@ class EngineConfig:
             grammar allows only one continuation (jump-forward decoding off).
         kv_host_bytes: host-memory KV tier (bytes; 0 = off): pages the radix tree evicts
             are kept here, least recently used dropped first, and loaded back on a hit
-            (pinned memory on CUDA); see mmserve/cache/kv_tiers.py.
+            (pinned memory on CUDA; see :mod:`mmserve.cache.kv_tiers`).
         kv_disk_dir: disk KV tier directory (unset = off): evicted pages, and every
             cached page at shutdown, are written here, one checked file per page, in a
             subdirectory per model fingerprint, dtype and page size; servers sharing it

@@ -147,6 +147,38 @@ def test_help_is_grouped_by_subject_in_plain_text() -> None:
         assert markup not in text, markup
 
 
+def test_help_names_values_and_flags_not_code() -> None:
+    import re
+
+    from mmserve.config import DEFAULT_MAX_TOTAL_TOKENS
+
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    flat = " ".join(text.split())
+    # no module constant (POLICIES, DEFAULT_MAX_TOTAL_TOKENS...): only environment variables
+    caps = set(re.findall(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b", text))
+    assert caps == {"MMSERVE_API_KEY", "MMSERVE_CACHE_DIR", "XDG_CACHE_HOME"}, caps
+    assert f"else {DEFAULT_MAX_TOTAL_TOKENS} tokens" in flat  # the number, not its name
+    assert "sized from --kv-cache-memory or --mem-fraction-static" in flat
+    assert "EngineRequest" not in text and "Engine " not in text and "None:" not in text
+    assert "--policy {lpm,dfs-weight,fcfs,random}" in flat  # choices listed
+    # boolean flags off by default: only the positive form, no double negative
+    assert "--no-disable-" not in text and "--no-" not in text
+    assert "  --disable-radix-cache\n" in text  # one spelling, help on the next line
+    # ...but every spelling still parses
+    args = build_parser().parse_args(["serve", "--disable-radix-cache", "--no-disable-radix-cache"])
+    assert settings_from_args(args)[1].disable_radix_cache is False
+
+
+def test_serve_typo_gets_serve_usage_and_a_suggestion(capsys) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--prot", "8001"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith("usage: mmserve serve ") and "{serve,make-model}" not in err
+    assert "mmserve serve: error: unrecognized arguments: --prot 8001" in err
+    assert "(did you mean --port?)" in err
+
+
 def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:  # noqa: ANN001
     import socket
 
