@@ -224,6 +224,7 @@ def plain(text: str, flags: dict[str, str] | None = None) -> str:
         text = re.sub(
             r"``(\w+)``", lambda m: "--" + flags[m.group(1)] if m.group(1) in flags else m[0], text
         )
+    text = re.sub(r"(^|\. )None: ", r"\1Unset: ", text)  # a sentence's first word
     text = re.sub(r"\bNone: ", "unset: ", text)
     return text.replace("``", "")
 
