@@ -53,11 +53,6 @@ class RowParallelLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-def _scale_key(weight_key: str) -> str:
-    """compressed-tensors' scale beside ``<module>.weight``: ``<module>.weight_scale``."""
-    return weight_key.removesuffix("weight") + "weight_scale"
-
-
 def _take(sl, axis: str, span: tuple[int, int] | None) -> torch.Tensor:  # noqa: ANN001
     """Rows, columns or all of a ``safe_open`` slice."""
     if axis == "row":
@@ -166,7 +161,7 @@ class ShardedDecoder(nn.Module):
         if method != "none":
             for name in quant.target_modules(self.layout.full.num_layers, True):
                 keys = [dec.get(s, s) for s in fused_sources(f"{name}.weight")]
-                scaled = [_scale_key(k) in where for k in keys]
+                scaled = [quant.scale_key(k) in where for k in keys]
                 if stored == "none" or all(scaled):
                     targets.append(name)
                 elif any(scaled):
@@ -185,13 +180,7 @@ class ShardedDecoder(nn.Module):
             with safe_open(str(path), framework="pt") as f:
                 for src in names:
                     axis, span = _slices(self.layout, src)
-                    sl = f.get_slice(dec[src])
-                    if axis == "row":
-                        t = sl[span[0] : span[1]]
-                    elif axis == "col":
-                        t = sl[:, span[0] : span[1]]
-                    else:
-                        t = sl[:]
+                    t = _take(f.get_slice(dec[src]), axis, span)
                     parts[src] = t.to(device=device, dtype=dtype)
         state = {
             name: parts[srcs[0]] if len(srcs) == 1 else torch.cat([parts.pop(s) for s in srcs])
@@ -226,8 +215,9 @@ class ShardedDecoder(nn.Module):
                 sl = f.get_slice(key)
                 if stored:
                     q = _take(sl, axis, span)
-                    sc = f.get_slice(_scale_key(key))[:].float().reshape(-1)
-                    sc = sc.expand(sl.get_shape()[0]) if sc.numel() == 1 else sc
+                    sc = quant.row_scales(
+                        f.get_slice(quant.scale_key(key))[:].float(), sl.get_shape()[0]
+                    )
                     scales.append(sc[span[0] : span[1]] if axis == "row" else sc)
                 elif axis == "col":  # whole rows for the scales, this rank's columns kept
                     w = sl[:].float()
@@ -239,7 +229,7 @@ class ShardedDecoder(nn.Module):
                     scales.append(sc)
             qs.append(q)
         old = self.get_submodule(name)
-        bias = None if old.bias is None else old.bias  # meta until load_state_dict fills it
+        bias = old.bias  # meta until load_state_dict fills it
         cls = RowParallelQuantizedLinear if isinstance(old, RowParallelLinear) else QuantizedLinear
         new = cls(torch.cat(qs).to(device), torch.cat(scales).to(device), None)
         if bias is not None:

@@ -408,7 +408,7 @@ def _quantize_decoder(
         sources = fused_sources(f"{name}.weight")
         keys = [dec_w[s] for s in sources]
         if stored:
-            scale_keys = [k.removesuffix("weight") + "weight_scale" for k in keys]
+            scale_keys = [quant.scale_key(k) for k in keys]
             have = [to.weights.has(k) for k in scale_keys]
             if not any(have) and name == "lm_head" and shape.tie_word_embeddings:
                 linear.weight = decoder.embed_tokens.weight  # tied, as unquantized
@@ -430,9 +430,10 @@ def _quantize_decoder(
                     raise CheckpointError(
                         f"decoder: {k} is {q.dtype}, expected {quant.STORAGE[method]} ({method})"
                     )
-                sc = to.weights.get(sk, torch.float32, to.device).reshape(-1)
                 qs.append(q)
-                scales.append(sc.expand(q.shape[0]) if sc.numel() == 1 else sc)
+                scales.append(
+                    quant.row_scales(to.weights.get(sk, torch.float32, to.device), len(q))
+                )
             q, sc = torch.cat(qs), torch.cat(scales)
         else:
             w = torch.cat([to.weights.get(k, torch.float32, to.device) for k in keys])

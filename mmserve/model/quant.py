@@ -112,13 +112,24 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token fp8 activations: each row of ``x`` ``[T, in]`` divided by its
+    own scale ``max|x_row| / 448`` and cast to e4m3.
+
+    Returns:
+        ``(xq, xs)``: float8_e4m3fn ``[T, in]`` and fp32 ``[T, 1]`` scales.
+    """
+    qmax = QMAX[torch.float8_e4m3fn]
+    xs = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / qmax
+    return (x.float() / xs).clamp(-qmax, qmax).to(torch.float8_e4m3fn), xs
+
+
 def fp8_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What :meth:`QuantizedLinear.forward` computes on the fp8 matmul path, in torch: each
-    row of ``x`` ``[T, in]`` quantized to e4m3 with its own scale ``max|x_row| / 448``,
-    the product of the upcast operands in fp32, both scales applied, rounded to
-    ``x.dtype``. Returns ``[T, out]`` (no bias)."""
-    xs = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / QMAX[torch.float8_e4m3fn]
-    xq = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
+    """What :meth:`QuantizedLinear.forward` computes on the fp8 matmul path, in torch:
+    ``x`` ``[T, in]`` quantized per token (:func:`quantize_per_token`), the product of the
+    upcast operands in fp32, both scales applied, rounded to ``x.dtype``. Returns
+    ``[T, out]`` (no bias)."""
+    xq, xs = quantize_per_token(x)
     y = (xq.float() @ q.float().T) * xs * scale.float()[None, :]
     return y.to(x.dtype)
 
@@ -187,8 +198,7 @@ class QuantizedLinear(nn.Module):
             and self.out_features % 16 == 0
             and _fp8_mm_ok(x)
         ):
-            xs = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
-            xq = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
+            xq, xs = quantize_per_token(x)
             return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=s[None, :], out_dtype=x.dtype)
         return F.linear(x, w.to(x.dtype)) * s.to(x.dtype)
 
@@ -212,12 +222,16 @@ def target_modules(num_layers: int, quantize_head: bool) -> list[str]:
     return names + (["lm_head"] if quantize_head else [])
 
 
-def quantize_module(linear: nn.Linear, method: str) -> QuantizedLinear:
-    """A :class:`QuantizedLinear` of ``linear``'s weight (quantized from its values in
-    fp32), same bias, same device."""
-    q, s = quantize_per_channel(linear.weight.detach(), method)
-    bias = None if linear.bias is None else linear.bias.detach()
-    return QuantizedLinear(q, s, bias)
+def scale_key(weight_key: str) -> str:
+    """compressed-tensors' scale tensor beside ``<module>.weight``: ``<module>.weight_scale``."""
+    return weight_key.removesuffix("weight") + "weight_scale"
+
+
+def row_scales(stored: torch.Tensor, rows: int) -> torch.Tensor:
+    """A stored ``weight_scale`` (per channel ``[rows, 1]`` / ``[rows]``, or per tensor
+    ``[1]`` / ``[]``) as ``[rows]`` per-row scales (a per-tensor one broadcast)."""
+    sc = stored.reshape(-1)
+    return sc.expand(rows) if sc.numel() == 1 else sc
 
 
 def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -519,7 +519,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
     """
     from safetensors.torch import load_file, save_file
 
-    from mmserve.model.quant import quantize_per_channel
+    from mmserve.model.quant import quantize_per_channel, scale_key
     from mmserve.model.weights import weight_files
 
     if method not in ("int8", "fp8"):
@@ -535,7 +535,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
             if "language_model" in key and key.endswith(_QUANTIZED_PROJ):
                 q, scale = quantize_per_channel(t, method)
                 out[key] = q
-                out[key.removesuffix("weight") + "weight_scale"] = scale[:, None].to(t.dtype)
+                out[scale_key(key)] = scale[:, None].to(t.dtype)
             else:
                 out[key] = t
         save_file(out, path, metadata={"format": "pt"})
