@@ -101,7 +101,6 @@ class ModelRunner:
         self.feature_source: Callable[[list[ImageInput]], list[torch.Tensor | None]] | None = None
         #: items whose features :attr:`feature_source` gave (no tower run here)
         self.remote_feature_images = 0
-        self._remote_keys: set[bytes] = set()
 
     def enable_graphs(self, max_bs: int, capture: bool) -> DecodeGraphRunner:
         """Run decode batches of at most ``max_bs`` requests padded to a bucket, from CUDA
@@ -121,10 +120,11 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs
 
-    def _encode(self, images: list[ImageInput]) -> dict[bytes, torch.Tensor]:
+    def _encode(self, images: list[ImageInput]) -> tuple[dict[bytes, torch.Tensor], set[bytes]]:
         """Features ``[num_image_tokens, hidden]`` for each distinct image (or frame): the
-        ones its item carries, else tower-encoded once from its prepared pixels (the
-        family packs each in its mode).
+        ones its item carries, else :attr:`feature_source`'s, else tower-encoded once from
+        its prepared pixels (the family packs each in its mode); and the keys whose
+        features :attr:`feature_source` gave (no tower run here).
 
         Raises:
             ValueError: an item with neither features, pixels for its mode nor a decoded
@@ -137,7 +137,7 @@ class ModelRunner:
                 out[im.key] = im.features
             else:
                 todo.append(im)
-        self._remote_keys = set()
+        remote: set[bytes] = set()
         if todo and self.feature_source is not None:
             got = self.feature_source(todo)
             rest = []
@@ -146,7 +146,7 @@ class ModelRunner:
                     rest.append(im)
                     continue
                 out[im.key] = f = f.to(device=self.device, dtype=self.dtype)
-                self._remote_keys.add(im.key)
+                remote.add(im.key)
                 if self.tiers is not None:
                     self.tiers.save_features(im.key, f)
             self.remote_feature_images += len(todo) - len(rest)
@@ -169,7 +169,7 @@ class ModelRunner:
                     self.tiers.save_features(im.key, f)
         for key, f in out.items():
             self.cache.put(key, f)
-        return out
+        return out, remote
 
     def take_vision_counts(self) -> dict[str, list[int]]:
         """:attr:`vision_counts` so far, emptied."""
@@ -207,10 +207,11 @@ class ModelRunner:
                     found[key] = f
         if missing:
             t0 = time.perf_counter()
-            found.update(self._encode(list(missing.values())))
+            encoded, remote = self._encode(list(missing.values()))
+            found.update(encoded)
             t1 = time.perf_counter()
             for counts, key, rid in runs:
-                if key not in self._remote_keys:
+                if key not in remote:
                     counts[1] += 1  # a tower run
                 self.vision_times[rid] = (self.vision_times.get(rid, (t0,))[0], t1)
         return found
