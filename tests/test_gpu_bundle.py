@@ -45,7 +45,10 @@ GPU_CHECK_ROOTS = [
 NOT_ON_THE_GPU_PATH = {
     ("tests/cases.py", "av"): "only the cases_dir fixture, which tests/gpu does not use",
     ("mmserve/structured/spec.py", "xgrammar"): "only requests with structured output",
-    ("mmserve/vision/video.py", "av"): "only requests with videos (the front end decodes them)",
+    (
+        "mmserve/vision/video/decode.py",
+        "av",
+    ): "only requests with videos (the front end decodes them)",
     ("mmserve/testing/checkpoints.py", "sentencepiece"): "only --family llava-next",
     ("tests/helpers.py", "hypothesis"): "only page_layout, which tests/gpu does not use",
 }

@@ -326,7 +326,7 @@ def test_a_codec_nobody_decodes_is_a_video_error() -> None:
 def test_any_other_failure_inside_pyav_is_the_datas_fault(monkeypatch) -> None:  # noqa: ANN001
     """Whatever PyAV raises on hostile data, the caller gets a VideoError (a 400) naming the
     problem, or the frames listed as not decodable; never another exception (a 500)."""
-    from mmserve.vision import video as video_module
+    from mmserve.vision.video import decode as video_module
     from tests.videos import encode_video, marked_frames
 
     data = encode_video(marked_frames(3, 16, 16))

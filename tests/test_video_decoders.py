@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve.vision import video as video_module
 from mmserve.vision.video import (
     FrameSelection,
     Video,
@@ -25,6 +24,7 @@ from mmserve.vision.video import (
     display_matrix,
     rotation_matrix,
 )
+from mmserve.vision.video import decode as video_module
 from tests.videos import (
     corner_colours,
     encode_video,
