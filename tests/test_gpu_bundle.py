@@ -41,14 +41,14 @@ GPU_CHECK_ROOTS = [
     ROOT / "mmserve" / "kernels" / "flashinfer_backend.py",
     ROOT / "mmserve" / "kernels" / "select.py",
 ]
+_VIDEOS_ONLY = "only requests with videos (the front end decodes them)"
 #: Imports inside functions that the GPU check never calls: (file, package) -> why.
 NOT_ON_THE_GPU_PATH = {
     ("tests/cases.py", "av"): "only the cases_dir fixture, which tests/gpu does not use",
     ("mmserve/structured/spec.py", "xgrammar"): "only requests with structured output",
-    (
-        "mmserve/vision/video/decode.py",
-        "av",
-    ): "only requests with videos (the front end decodes them)",
+    ("mmserve/vision/video/decode.py", "av"): _VIDEOS_ONLY,
+    ("mmserve/vision/video/orientation.py", "av"): _VIDEOS_ONLY,
+    ("mmserve/vision/video/probe.py", "av"): _VIDEOS_ONLY,
     ("mmserve/testing/checkpoints.py", "sentencepiece"): "only --family llava-next",
     ("tests/helpers.py", "hypothesis"): "only page_layout, which tests/gpu does not use",
 }

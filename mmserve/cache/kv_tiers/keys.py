@@ -1,0 +1,103 @@
+"""Content keys of KV pages: the model fingerprint, the namespace and the page key chain.
+
+A page's key is a hash chain (xxHash XXH3-128): the key of page
+``i`` is ``XXH3_128(key(i-1) || int64 bytes of its P token ids)``, and the chain
+starts from a root key that hashes the *namespace*: the model fingerprint
+(:func:`model_fingerprint`: config plus sampled weights), the KV dtype, the page
+size and the KV layout (with an fp8 pool's per-layer scales). A key therefore names
+the KV of a whole prefix on one checkpoint; image pseudo-token ids are content hashes,
+so images are included. Two checkpoints, KV dtypes (bf16 and fp8 pages never mix) or
+page sizes never share a key, and the disk tier also puts each namespace in its own
+directory and writes it in every file header.
+
+The same keys name pages in the host tier, the disk tier's files
+(:mod:`mmserve.cache.kv_tiers.disk`) and the radix tree's nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+#: Bumped whenever the file layout or the key derivation changes.
+FORMAT_VERSION = 1
+
+
+def model_fingerprint(config_text: str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """Identity of a checkpoint: 16 bytes of XXH3-128 over its config and sampled weights.
+
+    Hashing every weight would read gigabytes at start; instead each tensor contributes its
+    name, shape, dtype and up to 1,024 evenly strided elements, which separates any two
+    checkpoints that differ in config, architecture or training.
+
+    Args:
+        config_text: the model config serialized as text (e.g. ``config.to_json_string()``).
+        named_tensors: ``(name, tensor)`` pairs (any device, any dtype).
+
+    Returns:
+        16-byte digest.
+    """
+    h = xxhash.xxh3_128()
+    h.update(config_text.encode())
+    for name, t in named_tensors:
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024]
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(sample.float().cpu().numpy().tobytes())
+    return h.digest()
+
+
+def kv_namespace(fingerprint: bytes, dtype: torch.dtype, page_size: int, layout: Sequence) -> bytes:
+    """Namespace of KV pages: model fingerprint, KV dtype, page size and layout (16 bytes).
+
+    Args:
+        fingerprint: :func:`model_fingerprint` of the checkpoint.
+        dtype: KV pool dtype.
+        page_size: tokens per page ``P``.
+        layout: anything else that changes a page's bytes, e.g.
+            ``("NHD", num_layers, num_kv_heads, head_dim)``.
+    """
+    text = f"v{FORMAT_VERSION}|{dtype}|P={page_size}|{tuple(layout)}".encode()
+    return xxhash.xxh3_128_digest(fingerprint + text)
+
+
+class PageKeyChain:
+    """Content keys of pages: ``key(i) = XXH3_128(key(i-1) || int64 token ids of page i)``.
+
+    Args:
+        namespace: :func:`kv_namespace` bytes; the chain's root key hashes it, so keys of
+            different checkpoints, dtypes or page sizes never collide.
+        page_size: tokens per page ``P``.
+    """
+
+    def __init__(self, namespace: bytes, page_size: int) -> None:
+        self.page_size = page_size
+        self.root = xxhash.xxh3_128_digest(b"root|" + namespace)
+
+    def chain(self, parent: bytes, tokens: Sequence[int]) -> list[bytes]:
+        """Keys of the full pages of ``tokens`` following the page keyed ``parent``.
+
+        Args:
+            parent: key of the page before ``tokens`` (:attr:`root` at the start).
+            tokens: token ids (text ids >= 0, image pseudo-ids negative int64); a trailing
+                partial page is ignored.
+
+        Returns:
+            ``len(tokens) // P`` keys of 16 bytes each.
+        """
+        P = self.page_size
+        n = len(tokens) // P
+        if n == 0:
+            return []
+        raw = np.asarray(tokens[: n * P], dtype=np.int64).tobytes()
+        step = 8 * P
+        out = []
+        h = parent
+        digest = xxhash.xxh3_128_digest
+        for i in range(0, n * step, step):
+            h = digest(h + raw[i : i + step])
+            out.append(h)
+        return out
