@@ -49,7 +49,7 @@ NOT_ON_THE_GPU_PATH = {
     ("mmserve/vision/video/decode.py", "av"): _VIDEOS_ONLY,
     ("mmserve/vision/video/orientation.py", "av"): _VIDEOS_ONLY,
     ("mmserve/vision/video/probe.py", "av"): _VIDEOS_ONLY,
-    ("mmserve/testing/checkpoints.py", "sentencepiece"): "only --family llava-next",
+    ("mmserve/testing/tokenizer.py", "sentencepiece"): "only --family llava-next",
     ("tests/helpers.py", "hypothesis"): "only page_layout, which tests/gpu does not use",
 }
 
