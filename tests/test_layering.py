@@ -188,3 +188,31 @@ def test_api_imports_the_checkpoint_writer_only_when_it_builds_the_default_model
                 f"{rel(path)}:{node.lineno} {n}" for n in names if n.startswith("mmserve.testing")
             ]
     assert not bad, bad
+
+
+#: Packages split by job: their modules in order, each importing only those before it (never
+#: one that builds on it, nor the package itself, whose __init__ re-exports them all).
+SPLIT_PACKAGES = {
+    "mmserve/cache/kv_tiers": ("keys", "disk", "tiers"),
+    "mmserve/vision/video": ("select", "orientation", "probe", "decode"),
+    "mmserve/testing": ("tokenizer", "weights", "checkpoints"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(SPLIT_PACKAGES))
+def test_split_packages_import_downward_and_stay_small(package: str) -> None:
+    order = SPLIT_PACKAGES[package]
+    dotted = package.replace("/", ".")
+    files = {p.stem for p in (ROOT / package).glob("*.py")} - {"__init__"}
+    assert files == set(order), f"{package}: modules {sorted(files)}; list them in order"
+    bad = []
+    for i, name in enumerate(order):
+        path = ROOT / package / f"{name}.py"
+        allowed = {f"{dotted}.{m}" for m in order[:i]}
+        for line, module in _imports(path):
+            if (module == dotted or module.startswith(dotted + ".")) and module not in allowed:
+                bad.append(f"{rel(path)}:{line} {module}")
+        lines = len(path.read_text().splitlines())
+        if lines > 600:
+            bad.append(f"{rel(path)}: {lines} lines (over 600)")
+    assert not bad, bad
