@@ -17,7 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.batches import BatchManager, prompt_key
+from api.batch.lines import prompt_key
+from api.batch.runner import BatchManager
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from mmserve.engine.messages import BACKGROUND, INTERACTIVE
