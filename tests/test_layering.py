@@ -221,3 +221,14 @@ def test_the_batch_runner_answers_through_the_handlers() -> None:
     names = {name for _, _, name in _api_imports("batch")}
     assert "api.endpoints" in names
     assert not names & {"api.openai_format", "api.generation", "api.structured"}
+
+
+def test_the_batch_runner_waits_on_signals_not_sleeps() -> None:
+    # room in the window, a free queue slot and a cancel are awaited signals, not polls
+    bad = [
+        f"{rel(p)}:{node.lineno}"
+        for p in sorted((ROOT / "api" / "batch").rglob("*.py"))
+        for node in ast.walk(parse(p))
+        if isinstance(node, ast.Attribute) and node.attr == "sleep"
+    ]
+    assert not bad, bad

@@ -155,10 +155,12 @@ class BatchJob:
         self.obj["errors"] = {"object": "list", "data": [batch_error(code, message, param)]}
 
     def validated(self, invalid: list[dict]) -> None:
-        """List the first invalid lines' errors (none: null) and start running."""
+        """List the first invalid lines' errors (none: null) and start running, unless
+        the batch was cancelled meanwhile."""
         data = [dict(r["error"]) for r in invalid[:MAX_LISTED_ERRORS]]
         self.obj["errors"] = {"object": "list", "data": data} if invalid else None
-        self.move("in_progress")
+        if self.status == "validating":
+            self.move("in_progress")
 
     def interrupted(self) -> str | None:
         """The status the running batch must end with now (``cancelled`` when asked to,

@@ -80,7 +80,7 @@ class BatchManager:
         self._io: ThreadPoolExecutor | None = None
         self._wake: asyncio.Future[None] | None = None  # set by _poke
         self._sync_timer: asyncio.TimerHandle | None = None
-        self._sync_task: asyncio.Task | None = None
+        self._syncs: set[asyncio.Task] = set()  # held: the loop keeps only weak references
         if self.dir.is_dir():
             for state in self.dir.glob("batch_*/state.json"):
                 try:
@@ -362,7 +362,9 @@ class BatchManager:
 
         def fire() -> None:
             self._sync_timer = None
-            self._sync_task = asyncio.ensure_future(self._sync(job, out))
+            task = asyncio.ensure_future(self._sync(job, out))
+            self._syncs.add(task)
+            task.add_done_callback(self._syncs.discard)
 
         self._sync_timer = asyncio.get_running_loop().call_later(delay, fire)
 
@@ -371,13 +373,12 @@ class BatchManager:
         await self._save(job)
 
     async def _stop_syncing(self) -> None:
-        """Disarm the sync timer and let a sync under way finish (before the close)."""
+        """Disarm the sync timer and let the syncs under way finish (before the close)."""
         if self._sync_timer is not None:
             self._sync_timer.cancel()
             self._sync_timer = None
-        task, self._sync_task = self._sync_task, None
-        if task is not None:
-            await asyncio.gather(asyncio.shield(task), return_exceptions=True)
+        if self._syncs:
+            await asyncio.gather(*map(asyncio.shield, self._syncs), return_exceptions=True)
 
     async def _finalize(self, job: BatchJob, status: str) -> None:
         """Publish the output and error files and end the batch with ``status``."""
@@ -386,6 +387,8 @@ class BatchManager:
             await self._save(job)
         for kind, fid in await self._on_io(self._publish, job):
             job.obj[f"{kind}_file_id"] = fid
+        if status == "completed" and job.status == "cancelling":  # cancelled while publishing
+            status = "cancelled"
         job.move(status)
         await self._save(job)
 
