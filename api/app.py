@@ -24,8 +24,8 @@ from api import (
     routes_videos,
 )
 from api.auth import APIKeyMiddleware
-from api.batch_store import FileStore
-from api.batches import BatchManager
+from api.batch.runner import BatchManager
+from api.batch.store import FileStore
 from api.body_limit import BodyLimitMiddleware
 from api.errors import APIError, install_error_handlers
 from api.image_store import ImageStore

@@ -1,4 +1,4 @@
-"""``/v1/files`` and ``/v1/batches`` in OpenAI's shapes (see :mod:`api.batches`)."""
+"""``/v1/files`` and ``/v1/batches`` in OpenAI's shapes (see :mod:`api.batch.runner`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from starlette.datastructures import UploadFile
 
-from api.batch_store import UPLOAD_PURPOSES
-from api.batches import BatchManager, check_lines
+from api.batch.lines import check_lines
+from api.batch.runner import BatchManager
+from api.batch.store import UPLOAD_PURPOSES
 from api.errors import APIError
 from api.json_body import JSONBodyRoute
 from api.schemas import STRICT, _refuse_unless_default
@@ -166,7 +167,7 @@ async def delete_file(file_id: str, st: State) -> dict:
 async def create_batch(body: BatchCreateRequest, st: State) -> dict:
     """Create a batch over an uploaded file (``endpoint`` ``/v1/chat/completions`` or
     ``/v1/responses``, ``completion_window`` ``24h``); it starts ``validating``."""
-    return _manager(st).create(body.input_file_id, body.endpoint, body.metadata)
+    return await _manager(st).create(body.input_file_id, body.endpoint, body.metadata)
 
 
 @router.get("/v1/batches")
@@ -186,4 +187,4 @@ async def get_batch(batch_id: str, st: State) -> dict:
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, st: State) -> dict:
     """Cancel a batch: ``cancelling`` at once, ``cancelled`` when its requests stop."""
-    return _manager(st).cancel(batch_id)
+    return await _manager(st).cancel(batch_id)

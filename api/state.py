@@ -32,7 +32,7 @@ class ServerState:
         settings: HTTP-level settings.
         model_name: the served model's name.
         videos: uploaded videos.
-        batches: the :class:`~api.batches.BatchManager` (files and batch jobs).
+        batches: the :class:`~api.batch.runner.BatchManager` (files and batch jobs).
     """
 
     engine: Engine

@@ -51,8 +51,9 @@ class EngineClient:
         self.retry_after = retry_after
         self.queued = 0
         #: online (not batch-job) requests submitted and not yet finished; batch jobs
-        #: (:mod:`api.batches`) shrink their in-flight window while it is above zero
+        #: (:mod:`api.batch.runner`) shrink their in-flight window while it is above zero
         self.online = 0
+        self._freed: list[asyncio.Future[None]] = []
 
     def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
         """Start ``reqs`` (all or none).
@@ -82,9 +83,27 @@ class EngineClient:
             self.tracing.submitted(reqs)
         return Submission(self, reqs, background)
 
+    def capacity_freed(self) -> asyncio.Future[None]:
+        """A future resolved the next time capacity frees: a queued request starts or
+        ends, or an online request ends. The batch runner awaits it (instead of polling)
+        for room in its window or in the queue; cancelling it is fine."""
+        fut = asyncio.get_running_loop().create_future()
+        self._freed = [f for f in self._freed if not f.done()]
+        self._freed.append(fut)
+        return fut
+
+    def _capacity_freed(self) -> None:
+        waiters, self._freed = self._freed, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
     def _set_queued(self, n: int) -> None:
+        freed = n < self.queued
         self.queued = n
         self.metrics.queue_length.set(n)
+        if freed:
+            self._capacity_freed()
 
     def failure(self, result: GenerateResult) -> APIError | None:
         """The 500 answered for a request whose batch failed (names the request id), or
@@ -133,6 +152,7 @@ class Submission:
         finally:
             if not self.background:
                 self.client.online -= 1
+                self.client._capacity_freed()
             if waiting:
                 self.client._set_queued(self.client.queued - 1)
             if self.results[index] is None:  # cancelled: the engine aborts it

@@ -17,7 +17,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.batches import BatchManager, prompt_key
+from api.batch.job import TERMINAL, BatchJob
+from api.batch.lines import prompt_key
+from api.batch.runner import BatchManager
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from mmserve.engine.messages import BACKGROUND, INTERACTIVE
@@ -355,3 +357,18 @@ def test_lines_wait_for_the_ready_hook(make_engine, tmp_path) -> None:  # noqa: 
             time.sleep(0.05)
         assert b["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
         assert len(seen) == 3
+
+
+def test_batch_status_moves_follow_the_table(tmp_path: Path) -> None:
+    job = BatchJob.new(tmp_path, CHAT, MODEL, "file-" + "0" * 24, None)
+    assert job.status == "validating" and not job.ended
+    with pytest.raises(ValueError):
+        job.move("completed")  # a batch is never completed before it ran
+    job.move("in_progress")
+    assert job.obj["in_progress_at"] >= job.obj["created_at"]
+    job.move("cancelling")
+    job.move("cancelled")
+    assert job.ended and job.obj["cancelled_at"] is not None
+    with pytest.raises(ValueError):
+        job.move("cancelling")  # an ended batch never changes
+    assert TERMINAL == {"completed", "failed", "expired", "cancelled"}

@@ -215,4 +215,47 @@ def test_split_packages_import_downward_and_stay_small(package: str) -> None:
         lines = len(path.read_text().splitlines())
         if lines > 600:
             bad.append(f"{rel(path)}: {lines} lines (over 600)")
+
+
+def _api_imports(sub: str) -> list[tuple[str, int, str]]:
+    """``(path, line, module)`` of every import in ``api/<sub>/``."""
+    paths = sorted((ROOT / "api" / sub).rglob("*.py"))
+    assert paths, sub
+    return [(rel(p), line, name) for p in paths for line, name in _imports(p)]
+
+
+@pytest.mark.parametrize("sub", ["batch", "endpoints"])
+def test_handlers_and_batches_never_import_the_routes(sub: str) -> None:
+    # a batch line runs through its endpoint's handler (api/endpoints/), as the route does;
+    # neither reaches back into a route module
+    bad = [
+        f"{path}:{line} {name}"
+        for path, line, name in _api_imports(sub)
+        if name.startswith("api.routes_")
+    ]
+    bad += [
+        f"{rel(p)}:{node.lineno} from api import {a.name}"
+        for p in sorted((ROOT / "api" / sub).rglob("*.py"))
+        for node in ast.walk(parse(p))
+        if isinstance(node, ast.ImportFrom) and node.module == "api"
+        for a in node.names
+        if a.name.startswith("routes_")
+    ]
+    assert not bad, bad
+
+
+def test_the_batch_runner_answers_through_the_handlers() -> None:
+    names = {name for _, _, name in _api_imports("batch")}
+    assert "api.endpoints" in names
+    assert not names & {"api.openai_format", "api.generation", "api.structured"}
+
+
+def test_the_batch_runner_waits_on_signals_not_sleeps() -> None:
+    # room in the window, a free queue slot and a cancel are awaited signals, not polls
+    bad = [
+        f"{rel(p)}:{node.lineno}"
+        for p in sorted((ROOT / "api" / "batch").rglob("*.py"))
+        for node in ast.walk(parse(p))
+        if isinstance(node, ast.Attribute) and node.attr == "sleep"
+    ]
     assert not bad, bad

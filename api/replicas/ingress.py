@@ -45,8 +45,8 @@ from api import (
     routes_videos,
 )
 from api.app import assemble_app, server_state
-from api.batch_store import FileStore
-from api.batches import BatchManager
+from api.batch.runner import BatchManager
+from api.batch.store import FileStore
 from api.errors import APIError
 from api.json_body import JSONBodyRoute, refuse_body
 from api.metrics import Metrics

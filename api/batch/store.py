@@ -1,4 +1,5 @@
-"""``/v1/files`` on disk: batch input files and batch output/error files.
+"""The batch API's store: ``/v1/files`` on disk (batch input files and batch output/error
+files) and the atomic writes the batch jobs' state uses.
 
 Layout under the data directory (``--data-dir``)::
 
@@ -28,10 +29,16 @@ UPLOAD_PURPOSES = ("batch",)
 
 def write_json_atomic(path: Path, obj: object) -> None:
     """Write ``obj`` as JSON to ``path`` so that a crash leaves the old or the new file,
-    never a torn one (temporary file, fsync, rename, fsync of the directory)."""
+    never a torn one (:func:`write_bytes_atomic`)."""
+    write_bytes_atomic(path, json.dumps(obj).encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old or the new file, never a
+    torn one (temporary file, fsync, rename, fsync of the directory)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
