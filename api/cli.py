@@ -5,7 +5,7 @@ default lives in one place (the dataclass) and ``--help`` shows it:
 :class:`LaunchSettings` (this process), :class:`~api.settings.ServerSettings`
 (HTTP), :class:`~mmserve.config.EngineConfig` and
 :class:`~mmserve.vision.image.ImageLimits` (the engine),
-:class:`~api.replicas.settings.ReplicaSettings` (``--replicas``, Ray Serve). ``serve``
+:class:`~mmserve.fleet.settings.ReplicaSettings` (``--replicas``, Ray Serve). ``serve``
 builds the engine and the app and hands the app object to uvicorn, or with several
 replicas deploys them on Ray Serve (:mod:`api.replicas.launch`).
 """
@@ -30,7 +30,6 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from api.replicas.settings import ROUTERS, ReplicaSettings
 from api.settings import BATCH_ORDERS, ServerSettings
 from mmserve.config import (
     ATTENTION_BACKENDS,
@@ -40,6 +39,7 @@ from mmserve.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from mmserve.fleet.settings import ROUTERS, ReplicaSettings
 from mmserve.vision.image import ImageLimits
 
 if TYPE_CHECKING:
@@ -332,7 +332,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
     from mmserve.testing.checkpoints import ensure_model
 
-    if replicas.uses_ray:  # several engine replicas on Ray Serve (api/replicas/)
+    if replicas.uses_ray:  # several engine replicas on Ray Serve (mmserve/fleet/)
         from api.replicas.launch import serve_replicas
 
         return serve_replicas(launch, config, server, replicas)

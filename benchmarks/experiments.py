@@ -108,10 +108,11 @@ def replicas(args: argparse.Namespace, model_dir: str) -> int:
     import ray
     from ray import serve
 
-    from api.replicas.launch import APP_NAME, build_application, init_ray_local
-    from api.replicas.settings import ReplicaSettings
+    from api.replicas.launch import APP_NAME, build_application
     from api.settings import ServerSettings
     from mmserve.config import EngineConfig
+    from mmserve.fleet.deploy import init_ray_local
+    from mmserve.fleet.settings import ReplicaSettings
 
     size = dict(REPLICA_SCALES[args.scale])
     clients = size.pop("concurrency")

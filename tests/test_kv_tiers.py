@@ -649,8 +649,8 @@ def test_stopping_replica_writes_pages_a_running_one_reads(
     import ray
     from ray import serve
 
-    from api.replicas.replica import EngineReplica
     from mmserve.config import EngineConfig
+    from mmserve.fleet.replica import EngineReplica
 
     ctx = types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id="r0"))
     monkeypatch.setattr(serve, "get_replica_context", lambda: ctx)

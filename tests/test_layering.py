@@ -259,3 +259,23 @@ def test_the_batch_runner_waits_on_signals_not_sleeps() -> None:
         if isinstance(node, ast.Attribute) and node.attr == "sleep"
     ]
     assert not bad, bad
+
+
+#: What stays in ``api/replicas/``: the ingress app, its launch (CLI glue) and the
+#: ingress's front end (the fleet itself is ``mmserve/fleet/``).
+INGRESS_MODULES = {"__init__.py", "ingress.py", "launch.py", "frontend.py"}
+
+
+def test_the_fleet_is_below_the_http_layer_and_api_replicas_is_only_the_ingress() -> None:
+    fleet = sorted((ROOT / "mmserve" / "fleet").rglob("*.py"))
+    assert fleet
+    bad = [
+        f"{rel(path)}:{line} {name}"
+        for path in fleet
+        for line, name in _imports(path)
+        if name.split(".")[0] in {"api", "fastapi", "starlette"}
+    ]
+    assert not bad, bad
+    here = {p.name for p in (ROOT / "api" / "replicas").rglob("*.py")}
+    assert "ingress.py" in here
+    assert here <= INGRESS_MODULES, sorted(here - INGRESS_MODULES)

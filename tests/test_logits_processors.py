@@ -439,8 +439,8 @@ def test_penalties_survive_retraction(make_engine) -> None:  # noqa: ANN001
 
 def test_front_end_checks_and_replicas_carry_the_fields(engine, model_dir) -> None:  # noqa: ANN001
     from api.replicas.frontend import FrontEnd, load_frontend_model
-    from api.replicas.protocol import ReplicaRequest
     from mmserve.config import EngineConfig
+    from mmserve.fleet.protocol import ReplicaRequest
 
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     vocab = engine.processor.vocab_size

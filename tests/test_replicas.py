@@ -38,12 +38,12 @@ pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[repl
 
 from api.cli import build_parser, replica_settings_from_args  # noqa: E402
 from api.replicas.frontend import FrontEnd, load_frontend_model  # noqa: E402
-from api.replicas.prefix_tree import PrefixTree  # noqa: E402
-from api.replicas.settings import ReplicaSettings  # noqa: E402
 from benchmarks import experiments as bench  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 from mmserve.config import EngineConfig  # noqa: E402
 from mmserve.engine.request import SamplingParams  # noqa: E402
+from mmserve.fleet.prefix_tree import PrefixTree  # noqa: E402
+from mmserve.fleet.settings import ReplicaSettings  # noqa: E402
 from mmserve.vision.inputs import MODALITIES  # noqa: E402
 from tests.helpers import serve_help_defaults  # noqa: E402
 from tests.live_server import (  # noqa: E402
@@ -315,9 +315,9 @@ def test_cache_router_policy() -> None:
     )
     from ray.serve.request_router import PendingRequest
 
-    from api.replicas.protocol import ControlCall, ReplicaRequest
-    from api.replicas.registry import find_router
-    from api.replicas.router import CacheAwareRouter
+    from mmserve.fleet.protocol import ControlCall, ReplicaRequest
+    from mmserve.fleet.registry import find_router
+    from mmserve.fleet.router import CacheAwareRouter
 
     dep = DeploymentID(name="EngineReplica", app_name="unit")
 
@@ -430,9 +430,9 @@ def test_no_call_waits_on_a_dead_replica_beyond_its_bound() -> None:
     (without waiting out its 60 s timeout); one for a listed replica that does not answer
     times out; a request no replica starts ends with an error result after
     ``accept_seconds`` (not retried); every hung call is cancelled."""
-    from api.replicas import registry
-    from api.replicas.client import ReplicaClient, ReplicaGone
     from mmserve.engine.messages import EngineRequest
+    from mmserve.fleet import registry
+    from mmserve.fleet.client import ReplicaClient, ReplicaGone
 
     class Listing:
         def replica_ids(self) -> list[str]:
@@ -469,8 +469,8 @@ def test_cache_router_counts_the_shared_disk_tier() -> None:
     )
     from ray.serve.request_router import PendingRequest
 
-    from api.replicas.protocol import ReplicaRequest
-    from api.replicas.router import CacheAwareRouter
+    from mmserve.fleet.protocol import ReplicaRequest
+    from mmserve.fleet.router import CacheAwareRouter
 
     def images(n: int, size: int = 60) -> list[list[int]]:
         return [[-(1000 * k + i + 1) for i in range(size)] for k in range(n)]
@@ -890,7 +890,7 @@ class TestRoundRobin:
 
 
 def test_feature_store_keeps_its_byte_bound_least_recently_used_first() -> None:
-    from api.replicas.encoder import FeatureRef, FeatureStore
+    from mmserve.fleet.encoder import FeatureRef, FeatureStore
 
     store = FeatureStore(max_bytes=300)
     for k in range(3):
@@ -909,9 +909,9 @@ def test_encoder_router_sends_each_key_to_one_encoder_and_moves_only_a_dead_ones
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from api.replicas.encoder import EncodeCall, KeyAffinityRouter
-    from api.replicas.protocol import ControlCall
-    from api.replicas.registry import find_router
+    from mmserve.fleet.encoder import EncodeCall, KeyAffinityRouter
+    from mmserve.fleet.protocol import ControlCall
+    from mmserve.fleet.registry import find_router
 
     dep = DeploymentID(name="VisionEncoder", app_name="enc-unit")
 

@@ -285,7 +285,7 @@ def test_workers_exit_when_rank_0_is_killed(model_dir: Path) -> None:
 
 
 def test_a_replica_reserves_every_rank_on_one_actor() -> None:
-    from api.replicas.settings import ReplicaSettings
+    from mmserve.fleet.settings import ReplicaSettings
 
     rs = ReplicaSettings(replicas=2, cpus_per_replica=2.0)
     assert rs.actor_options("cuda", 4) == {"num_cpus": 8.0, "num_gpus": 4.0}

@@ -3,7 +3,7 @@
 :func:`create_ingress_app` builds the same FastAPI app as :func:`api.app.create_app`
 (chat completions, uploads, videos, the web page; the same errors, limits and
 streaming) around a :class:`~api.replicas.frontend.FrontEnd` and a
-:class:`~api.replicas.client.ReplicaClient` instead of an engine. Four routes cover
+:class:`~mmserve.fleet.client.ReplicaClient` instead of an engine. Four routes cover
 every replica, per replica and in total:
 
 - ``GET /health``: 200 while at least one replica is healthy (``status`` "ok" when
@@ -18,14 +18,16 @@ every replica, per replica and in total:
 - ``POST /v1/cache/flush``: flushes every replica and empties the router's trees;
   409 if any replica has requests running (the others are flushed).
 
-:class:`Ingress` is the Ray Serve deployment class that serves this app.
+:class:`Ingress` is the Ray Serve deployment class that serves this app;
+:class:`CancelGuard` cancels the submissions of an HTTP request that Ray Serve cancels.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -50,14 +52,59 @@ from api.batch.store import FileStore
 from api.errors import APIError
 from api.json_body import JSONBodyRoute, refuse_body
 from api.metrics import Metrics
-from api.replicas.client import STREAMED, CancelGuard, ReplicaClient, ReplicaEngineClient
 from api.replicas.frontend import FrontEnd, load_frontend_model
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from api.state import State
+from api.submit import EngineClient, Submission
 from mmserve.config import EngineConfig
+from mmserve.engine.messages import EngineRequest
+from mmserve.fleet.client import STREAMED, ReplicaClient
 
 log = logging.getLogger(__name__)
+
+#: The submissions made while handling the current HTTP request (cancelled with it).
+SUBMISSIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "mmserve_submissions", default=None
+)
+
+
+class ReplicaEngineClient(EngineClient):
+    """:class:`EngineClient` that also remembers each HTTP request's submissions, so that
+    a request cancelled by Ray Serve (client gone) cancels them (see :class:`CancelGuard`)."""
+
+    def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
+        """As :meth:`EngineClient.submit` (``background``: batch-job lines)."""
+        sub = super().submit(reqs, background)
+        subs = SUBMISSIONS.get()
+        if subs is not None:
+            subs.append(sub)
+        return sub
+
+
+class CancelGuard:
+    """ASGI middleware: when Ray Serve cancels a request (its client disconnected), every
+    submission the request made is cancelled, so its engine requests are aborted."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        """Run the app with a fresh list of submissions for this request."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        subs: list[Submission] = []
+        token = SUBMISSIONS.set(subs)
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            for sub in subs:
+                sub.cancel()
+            raise
+        finally:
+            SUBMISSIONS.reset(token)
+
 
 #: ``cache_stats`` keys that are not summed over replicas.
 _NOT_SUMMED = {"page_size", "cache_hit_rate", "consecutive_failed_steps", "uptime_seconds"}

@@ -1,66 +1,28 @@
 """``mmserve serve --replicas N``: start (or join) Ray, deploy the application, serve until
 SIGTERM or Ctrl-C.
 
-Locally, Ray starts on loopback only (``127.0.0.1``, dashboard off) and Ray Serve's
-HTTP proxy listens on ``--host``/``--port``. With ``--ray-address`` the application
-is deployed on an existing cluster (``ray start --head`` on one machine, ``ray start
---address HEAD:6379`` on the others); its replicas go wherever Ray finds the
-resources asked for (``--gpus-per-replica``, ``--cpus-per-replica``).
+Ray Serve's HTTP proxy listens on ``--host``/``--port``; Ray itself starts on loopback
+or is joined with ``--ray-address`` (:mod:`mmserve.fleet.deploy`, which also builds the
+engine replica and encoder deployments the ingress is bound to here).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from api.replicas.settings import ReplicaSettings
 from api.settings import ServerSettings
-from mmserve.config import DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
+from mmserve.config import EngineConfig
+from mmserve.fleet.deploy import bind_fleet, init_ray_local, loopback_only
+from mmserve.fleet.settings import ReplicaSettings
 
 log = logging.getLogger(__name__)
 
 #: Ray Serve application name of ``mmserve serve --replicas``.
 APP_NAME = "mmserve"
-#: Extra in-flight calls a replica accepts beyond the engine's queue (control calls).
-_CONTROL_SLACK = 16
-#: With ``--kv-disk-dir``, the cache router's tree for the shared disk tier holds this
-#: many replicas' trees' worth of tokens (sequences routed to any replica).
-DISK_TREE_POOLS = 8
-
-
-def loopback_only() -> None:
-    """Make a Ray instance started by this process use and listen on 127.0.0.1 only.
-
-    On Linux Ray replaces a loopback ``node_ip_address`` by the machine's routable
-    address and its servers listen on every interface; with Ray's
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (single-machine mode) the node address is
-    127.0.0.1 and GCS, raylet and workers listen there. Set in the environment, so
-    the processes Ray starts inherit it.
-    """
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None:  # ray imported already: its constant was read at import
-        constants.ENABLE_RAY_CLUSTER = False
-
-
-def init_ray_local(num_cpus: int | None = None) -> None:
-    """Start a local Ray instance on loopback, dashboard off (what ``--replicas`` does
-    without ``--ray-address``; tests and the benchmark use it too)."""
-    loopback_only()
-    import ray
-
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=num_cpus,
-        _node_ip_address="127.0.0.1",
-        configure_logging=False,
-    )
 
 
 def build_application(
@@ -72,45 +34,26 @@ def build_application(
     """The Ray Serve application: the ingress bound to ``rs.replicas`` engine replicas.
 
     Args:
-        config: engine settings of every replica (``model_path`` None: the bundled tiny
-            model, built on each node that lacks it).
-        server: HTTP settings of the ingress.
-        rs: replica count, resources and router; encoders (``rs.encoders``), each
-            replica asking them for features before running its own tower.
-        grace_seconds: how long a stopping replica lets running requests finish; with
-            the disk KV tier on it then has ``FLUSH_SECONDS`` more to write its pages.
+        config: engine settings of every replica.
+        server: HTTP settings of the ingress (its queue bound and health threshold also
+            size the replicas).
+        rs: replica count, resources, router and encoders.
+        grace_seconds: how long a stopping ingress or replica lets running requests
+            finish (the replicas' deployments: :func:`~mmserve.fleet.deploy.bind_fleet`).
+
+    Raises:
+        ValueError: for replica settings out of range.
     """
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
     from api.replicas.ingress import Ingress
-    from api.replicas.replica import FLUSH_SECONDS, EngineReplica
-    from api.replicas.router import ROUTER_CLASSES
 
-    rs.validate()
-    tree_tokens = rs.router_max_tree_tokens or config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
-    router = RequestRouterConfig(
-        request_router_class=ROUTER_CLASSES[rs.replica_router],
-        request_router_kwargs={
-            "cache_threshold": rs.router_cache_threshold,
-            "balance_abs_threshold": rs.router_balance_abs_threshold,
-            "balance_rel_threshold": rs.router_balance_rel_threshold,
-            "max_tree_tokens": tree_tokens,
-            # the shared disk tier holds far more than a pool: DISK_TREE_POOLS pools' worth
-            "disk_tree_tokens": DISK_TREE_POOLS * tree_tokens if config.kv_disk_dir else 0,
-        },
-    )
-    threads = max(1, int(rs.cpus_per_replica))
-    replicas = serve.deployment(EngineReplica, name="EngineReplica").options(
-        num_replicas=rs.replicas,
-        ray_actor_options=rs.actor_options(config.device, config.tp),
-        max_ongoing_requests=(
-            server.max_queued_requests + config.max_running_requests + _CONTROL_SLACK
-        ),
-        request_router_config=router,
-        health_check_period_s=5.0,
-        health_check_timeout_s=60.0,
-        graceful_shutdown_timeout_s=grace_seconds + (FLUSH_SECONDS if config.kv_disk_dir else 0),
+    replicas, encoders = bind_fleet(
+        config,
+        rs,
+        server.max_queued_requests,
+        server.unhealthy_after_failed_steps,
+        grace_seconds,
     )
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1,
@@ -118,23 +61,7 @@ def build_application(
         max_ongoing_requests=100_000,
         graceful_shutdown_timeout_s=grace_seconds,
     )
-    encoders = None
-    if rs.encoders:
-        from api.replicas.encoder import KeyAffinityRouter, VisionEncoder
-
-        encoders = (
-            serve.deployment(VisionEncoder, name="VisionEncoder")
-            .options(
-                num_replicas=rs.encoders,
-                ray_actor_options=rs.encoder_options(config.device),
-                max_ongoing_requests=1024,
-                request_router_config=RequestRouterConfig(request_router_class=KeyAffinityRouter),
-                health_check_period_s=5.0,
-            )
-            .bind(config, max(1, int(rs.cpus_per_encoder)), rs.encoder_cache_bytes)
-        )
-    app = replicas.bind(config, threads, server.unhealthy_after_failed_steps, encoders)
-    return ingress.bind(app, config, server, rs.replicas, encoders)
+    return ingress.bind(replicas, config, server, rs.replicas, encoders)
 
 
 def serve_replicas(

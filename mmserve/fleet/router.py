@@ -7,7 +7,7 @@ which replicas to try (:meth:`choose_replicas`, best rank first).
 
 - :class:`CacheAwareRouter` (``cache``): the SGLang paper's data-parallel routing, as
   in sglang-router. Per replica it keeps an approximate radix tree
-  (:class:`~api.replicas.prefix_tree.PrefixTree`) of the token sequences sent to it:
+  (:class:`~mmserve.fleet.prefix_tree.PrefixTree`) of the token sequences sent to it:
   text ids and image pseudo-ids, which are content hashes every replica derives
   the same way, so a question about an image matches the replica that already
   encoded it and holds its KV. A request goes to the replica with the longest match
@@ -25,10 +25,10 @@ which replicas to try (:meth:`choose_replicas`, best rank first).
 - :class:`PowerOfTwoRouter` (``pow2``): Ray Serve's default power-of-two-choices.
 - :class:`RoundRobinRouter` (``round_robin``): each replica in turn.
 
-Every router also answers :class:`~api.replicas.protocol.ControlCall` s (stats, flush,
+Every router also answers :class:`~mmserve.fleet.protocol.ControlCall` s (stats, flush,
 health for one named replica), honours a retry's ``avoid``, counts requests per
 replica and reason, and drops a replica's tree when it dies or is removed. The
-ingress reads them through :func:`api.replicas.registry.find_router` (same process;
+ingress reads them through :func:`mmserve.fleet.registry.find_router` (same process;
 Ray Serve pickles this module by value, so nothing here may hold a lock or other
 unpicklable object at module level).
 """
@@ -43,9 +43,9 @@ from collections.abc import Sequence
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from api.replicas import registry
-from api.replicas.prefix_tree import PrefixTree
-from api.replicas.protocol import ControlCall, ReplicaRequest
+from mmserve.fleet import registry
+from mmserve.fleet.prefix_tree import PrefixTree
+from mmserve.fleet.protocol import ControlCall, ReplicaRequest
 from mmserve.lru import LRU
 
 #: Routing reasons counted per replica.

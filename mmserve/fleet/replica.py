@@ -1,6 +1,6 @@
 """One engine replica: a Ray Serve deployment around an :class:`~mmserve.engine.engine.Engine`.
 
-A replica receives tokenized requests (:class:`~api.replicas.protocol.ReplicaRequest`)
+A replica receives tokenized requests (:class:`~mmserve.fleet.protocol.ReplicaRequest`)
 and never runs the front end. Each image arrives as its key and an ``ObjectRef`` to
 its pixels, put once by the ingress: :class:`RemoteImage` fetches the pixels only
 when the vision tower must run (the embedding cache missed and the prefix match did
@@ -25,12 +25,12 @@ import ray
 import torch
 from ray import serve
 
-from api.replicas.protocol import ControlCall, Hello, ReplicaRequest
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.engine import Engine
 from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.request import ImageInput, ImageSpan
+from mmserve.fleet.protocol import ControlCall, Hello, ReplicaRequest
 
 #: Seconds a stopping replica may spend writing its KV pages to the disk tier (on top of
 #: the grace period its requests get; see ``build_application``).
@@ -113,7 +113,7 @@ class EngineReplica:
         self.engine = Engine(config)
         self.encoders = None
         if encoders is not None:
-            from api.replicas.encoder import EncoderClient
+            from mmserve.fleet.encoder import EncoderClient
 
             self.encoders = EncoderClient(encoders)
             self.engine.set_feature_source(self.encoders)

@@ -1,6 +1,6 @@
 """An approximate radix tree of the token sequences recently sent to one replica.
 
-The cache router (:mod:`api.replicas.router`) keeps one per replica: what the
+The cache router (:mod:`mmserve.fleet.router`) keeps one per replica: what the
 replica's own radix cache probably holds, without asking it. Token ids are text
 ids and image pseudo-ids (content hashes, the same on every replica), so a
 question about an image matches the replica that saw that image. Matching is

@@ -1,10 +1,10 @@
-"""The ingress's side of the replicas: what :class:`~api.submit.EngineClient` streams from.
+"""The ingress's side of the replicas: what the HTTP layer's engine client streams from.
 
 :class:`ReplicaClient` has the one method of :class:`~mmserve.engine.async_engine.AsyncEngine`
 that submissions use, :meth:`ReplicaClient.stream`, so the single-process routes,
 queue limit (503 with ``Retry-After``), metrics and disconnect handling work
 unchanged: each engine request built by the front end becomes a
-:class:`~api.replicas.protocol.ReplicaRequest` (images as object-store references,
+:class:`~mmserve.fleet.protocol.ReplicaRequest` (images as object-store references,
 put once per image) sent through the Ray Serve handle, and the replica's replies
 become :class:`~mmserve.engine.async_engine.StreamUpdate` s.
 
@@ -23,17 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import ray
 from ray.exceptions import RayActorError
 
-from api.replicas.protocol import ControlCall, Hello, ReplicaRequest, SpanRef
-from api.replicas.registry import find_router
-from api.submit import EngineClient, Submission
 from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.output import OutputCollector, StreamUpdate
 from mmserve.engine.request import GenerateResult, ImageInput
+from mmserve.fleet.protocol import ControlCall, Hello, ReplicaRequest, SpanRef
+from mmserve.fleet.registry import find_router
 from mmserve.lru import LRU
 
 log = logging.getLogger(__name__)
@@ -41,10 +40,6 @@ log = logging.getLogger(__name__)
 #: Set by the chat route for a streamed completion: its text reaches the client as it
 #: comes, so it is not retried once any has been sent.
 STREAMED: contextvars.ContextVar[bool] = contextvars.ContextVar("mmserve_streamed", default=False)
-#: The submissions made while handling the current HTTP request (cancelled with it).
-SUBMISSIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "mmserve_submissions", default=None
-)
 
 
 #: How often a control call for one replica checks that the replica is still running.
@@ -60,43 +55,6 @@ class ReplicaGone(RuntimeError):
 
 class _NotStarted(Exception):
     """No replica started a request within ``ReplicaClient.accept_seconds``."""
-
-
-class ReplicaEngineClient(EngineClient):
-    """:class:`EngineClient` that also remembers each HTTP request's submissions, so that
-    a request cancelled by Ray Serve (client gone) cancels them (see :class:`CancelGuard`)."""
-
-    def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
-        """As :meth:`EngineClient.submit` (``background``: batch-job lines)."""
-        sub = super().submit(reqs, background)
-        subs = SUBMISSIONS.get()
-        if subs is not None:
-            subs.append(sub)
-        return sub
-
-
-class CancelGuard:
-    """ASGI middleware: when Ray Serve cancels a request (its client disconnected), every
-    submission the request made is cancelled, so its engine requests are aborted."""
-
-    def __init__(self, app) -> None:  # noqa: ANN001
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        """Run the app with a fresh list of submissions for this request."""
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        subs: list[Submission] = []
-        token = SUBMISSIONS.set(subs)
-        try:
-            await self.app(scope, receive, send)
-        except asyncio.CancelledError:
-            for sub in subs:
-                sub.cancel()
-            raise
-        finally:
-            SUBMISSIONS.reset(token)
 
 
 class ReplicaClient:
@@ -355,4 +313,4 @@ async def _await(resp) -> dict:  # noqa: ANN001
     return await resp
 
 
-__all__ = ["STREAMED", "CancelGuard", "ReplicaClient", "ReplicaEngineClient", "ReplicaGone"]
+__all__ = ["STREAMED", "ReplicaClient", "ReplicaGone"]

@@ -7,7 +7,7 @@ router reads its ``input_ids``; the replica rebuilds an engine
 :class:`~mmserve.engine.request.Request` from it. A :class:`ControlCall` asks one
 replica (``target``) for its stats, a flush or its health.
 
-Replies of :meth:`~api.replicas.replica.EngineReplica.generate` are
+Replies of :meth:`~mmserve.fleet.replica.EngineReplica.generate` are
 :class:`Hello` (which replica serves the request), then the engine's own
 :class:`~mmserve.engine.messages.TokenDelta` messages (new token ids and logprobs,
 the last with the finish reason); the ingress builds text and results from them

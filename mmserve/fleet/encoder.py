@@ -36,9 +36,9 @@ import ray
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from api.replicas import registry
-from api.replicas.protocol import ControlCall
 from mmserve.config import EngineConfig
+from mmserve.fleet import registry
+from mmserve.fleet.protocol import ControlCall
 from mmserve.lru import LRU
 
 log = logging.getLogger(__name__)
