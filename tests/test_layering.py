@@ -112,12 +112,19 @@ def _receiver(node: ast.Attribute) -> str:
     return v.attr if isinstance(v, ast.Attribute) else v.id if isinstance(v, ast.Name) else ""
 
 
+#: The scheduler package: the orchestrator and its rooms (admission, KV manager, extends).
+SCHEDULER_ROOMS = tuple(
+    rel(p) for p in sorted((ROOT / "mmserve" / "engine" / "scheduler").glob("*.py"))
+)
+
+
 def test_only_the_scheduler_changes_its_queues_tree_and_pages() -> None:
-    allowed = {
-        "mmserve/engine/scheduler/core.py",  # the owner of every queue transition
+    allowed = set(SCHEDULER_ROOMS) | {  # the owner of every queue transition
         "mmserve/cache/radix_cache.py",  # the tree frees its own evicted pages
+        "mmserve/cache/no_prefix_cache.py",  # the no-op cache frees what it is given
         "mmserve/cache/page_allocator.py",
     }
+    assert all((ROOT / name).exists() for name in allowed), allowed
     bad = []
     for path in CORE + API:
         if rel(path) in allowed:
@@ -188,3 +195,24 @@ def test_api_imports_the_checkpoint_writer_only_when_it_builds_the_default_model
                 f"{rel(path)}:{node.lineno} {n}" for n in names if n.startswith("mmserve.testing")
             ]
     assert not bad, bad
+
+
+#: Attributes that switch the radix cache off: the config's flag and the tree's own.
+CACHE_SWITCHES = {"disable_radix_cache", "disable"}
+
+
+def test_only_the_cache_and_the_scheduler_read_the_cache_switch() -> None:
+    # the switch picks the no-op prefix cache once (make_tree); everywhere else the
+    # cache's interface stands in for an `if disable` branch
+    allowed = set(SCHEDULER_ROOMS)
+    bad, seen = [], []
+    for path in CORE + API:
+        name = rel(path)
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Attribute) and node.attr in CACHE_SWITCHES:
+                if name.startswith("mmserve/cache/") or name in allowed:
+                    seen.append(name)
+                else:
+                    bad.append(f"{name}:{node.lineno} .{node.attr}")
+    assert not bad, bad
+    assert "mmserve/engine/scheduler/kv_manager.py" in seen  # where the cache is picked

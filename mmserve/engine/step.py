@@ -1,0 +1,238 @@
+"""The pieces of one engine step (:meth:`Engine.step`): schedule, forward, sample,
+update.
+
+- :func:`schedule_step`: the decode requests and prefill chunks of a step.
+- :func:`run_mixed`: their logits, a failed part contained to its own requests.
+- :func:`logit_rows`: the scheduler records the computed K/V; the rows of the requests
+  that sample a token now are picked.
+- :func:`sample_rows` / :func:`sample_row`: tokens and logprobs for the whole batch at
+  once (one host-device sync), or row by row when that raises.
+- :func:`token_delta` and :class:`EngineStats`: what the update hands out and counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.engine.messages import TokenDelta
+from mmserve.engine.model_runner import ModelRunner
+from mmserve.engine.request import Request, TokenLogprob
+from mmserve.engine.sampling import batch_logprobs, sample_batch, sample_token, token_logprob
+from mmserve.engine.scheduler import Scheduler
+from mmserve.vision.inputs import media_tokens
+
+log = logging.getLogger(__name__)
+
+#: ``(request, tokens to compute)`` of a step's prefill part
+Chunks = list[tuple[Request, int]]
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters since start; token counts are of finished (or aborted) requests."""
+
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_image_tokens: int = 0
+    prompt_video_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0
+    failed_steps: int = 0
+    consecutive_failed_steps: int = 0
+    requests_failed: int = 0
+
+    def count_finish(self, req: Request) -> None:
+        """Count a finished (or aborted) request's tokens."""
+        self.requests_finished += 1
+        self.completion_tokens += len(req.output_ids)
+        self.prompt_tokens += req.prompt_len
+        image, video = media_tokens(req.input_ids, req.spans)
+        self.prompt_image_tokens += image
+        self.prompt_video_tokens += video
+        self.cached_tokens += req.cached_len
+
+    def count_step(self, decode: list[Request], chunks: Chunks, failed_before: int) -> None:
+        """Count a step that gave logits (``failed_before``: ``failed_steps`` before it)."""
+        if self.failed_steps == failed_before:
+            self.consecutive_failed_steps = 0
+        if chunks:
+            self.prefill_steps += 1
+        if decode:
+            self.decode_steps += 1
+        if decode and chunks:
+            self.mixed_steps += 1
+
+
+def schedule_step(sched: Scheduler, config: EngineConfig) -> tuple[list[Request], Chunks]:
+    """The running requests that decode this step and the prefill chunks beside them.
+
+    A mixed step (the default) carries every running request's next token plus prefill
+    chunks in what is left of ``config.mixed_step_tokens()``; with
+    ``config.disable_mixed_steps`` a step is a prefill batch when anything can be
+    admitted, else a decode batch.
+    """
+    if config.disable_mixed_steps:
+        chunks = sched.schedule_prefill()
+        decode: list[Request] = []
+        if not chunks and sched.running:
+            sched.prepare_decode()
+            decode = list(sched.running)
+        return decode, chunks
+    decode = []
+    if sched.running:
+        sched.prepare_decode()
+        decode = list(sched.running)
+    budget = config.max_prefill_tokens
+    if decode:  # streams wait for this step: one bounded chunk's time at most
+        budget = min(budget, max(1, config.mixed_step_tokens() - len(decode)))
+    return decode, sched.schedule_prefill(budget)
+
+
+def record_vision(runner: ModelRunner, chunks: Chunks) -> None:
+    """Add the vision-tower counts and times of the step just run to its prefill
+    requests (chunked prefill: first tower start, last tower end)."""
+    found = runner.take_vision_counts()
+    times = runner.take_vision_times()
+    for req, _ in chunks:
+        needing, runs = found.get(req.rid, (0, 0))
+        req.images_needing_vision += needing
+        req.vision_tower_runs += runs
+        if req.rid in times:
+            start, end = times[req.rid]
+            req.vision_time = (req.vision_time[0] if req.vision_time else start, end)
+
+
+def run_mixed(
+    runner: ModelRunner,
+    decode: list[Request],
+    chunks: Chunks,
+    run_batch: Callable[[list[Request], Callable[[], torch.Tensor]], torch.Tensor | None],
+) -> torch.Tensor | None:
+    """Logits ``[len(decode) + len(chunks), vocab]`` of one step, or None if all failed.
+
+    ``run_batch(reqs, run)`` returns ``run()``'s logits, or None after failing ``reqs``.
+    A mixed batch that raises is run again as its decode part and its prefill part
+    (each one's new K/V is written again), so that a fault fails only the part that
+    raises it, as it would with separate steps; a failed part's rows are NaN and its
+    requests already ended with finish reason "error".
+    """
+    prefill_reqs = [r for r, _ in chunks]
+    extends = [n for _, n in chunks]
+    if not chunks:
+        return run_batch(decode, lambda: runner.decode(decode))
+    if not decode:
+        return run_batch(prefill_reqs, lambda: runner.prefill(prefill_reqs, extends))
+    reqs = decode + prefill_reqs
+    try:
+        return runner.prefill(reqs, [1] * len(decode) + extends)
+    except Exception:  # noqa: BLE001 - retried as two batches below
+        log.warning("mixed step failed; running its decode and prefill parts apart")
+    parts = [
+        run_batch(decode, lambda: runner.decode(decode)),
+        run_batch(prefill_reqs, lambda: runner.prefill(prefill_reqs, extends)),
+    ]
+    if parts[0] is None and parts[1] is None:
+        return None
+    done = next(p for p in parts if p is not None)
+    filled = [
+        p
+        if p is not None
+        else torch.full((len(rs), done.shape[-1]), float("nan"), device=done.device)
+        for p, rs in zip(parts, (decode, prefill_reqs), strict=True)
+    ]
+    return torch.cat(filled)
+
+
+def logit_rows(
+    sched: Scheduler, decode: list[Request], chunks: Chunks, logits: torch.Tensor
+) -> tuple[list[Request], torch.Tensor | None]:
+    """Record the step's computed K/V in the scheduler and pick the logit rows of the
+    requests that sample a token now.
+
+    Args:
+        sched: the scheduler (:meth:`Scheduler.on_decoded`, :meth:`Scheduler.on_prefilled`).
+        decode: the step's decode requests (rows ``[0, len(decode))`` of ``logits``).
+        chunks: its prefill chunks (the rows after them, one per chunk).
+        logits: ``[len(decode) + len(chunks), vocab]``.
+
+    Returns:
+        ``(batch, rows)``: the requests that sample (live decode ones, then those whose
+        whole prompt is in), and their rows ``[len(batch), vocab]`` (None when empty).
+        A request that ended with its failed part of the step is left out.
+    """
+    batch: list[Request] = []
+    rows = []
+    live_decode = [i for i, r in enumerate(decode) if not r.finished]
+    if live_decode:
+        sched.on_decoded([decode[i] for i in live_decode])
+        batch += [decode[i] for i in live_decode]
+        rows.append(logits[live_decode])
+    for i, (req, n) in enumerate(chunks):
+        if req.finished:  # its part of the batch failed
+            continue
+        if sched.on_prefilled(req, n):  # the whole prompt is in: sample a token
+            batch.append(req)
+            rows.append(logits[len(decode) + i : len(decode) + i + 1])
+    if not batch:
+        return batch, None
+    return batch, torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def sample_rows(
+    batch: list[Request], rows: torch.Tensor
+) -> tuple[list[int], list[TokenLogprob | None]] | tuple[None, None]:
+    """Tokens and logprobs of every row at once (one host-device sync), or
+    ``(None, None)`` when that raises: then :func:`sample_row` samples row by row, so that
+    only a bad row fails.
+
+    Args:
+        batch: the requests (``params``, ``generator``), one per row.
+        rows: processed logits ``[len(batch), vocab]``.
+    """
+    try:
+        tokens = sample_batch(rows, [r.params for r in batch], [r.generator for r in batch])
+        return tokens, batch_logprobs(rows, tokens, [r.params.logprobs for r in batch])
+    except Exception:  # noqa: BLE001 - row by row instead, failing only the bad row
+        return None, None
+
+
+def sample_row(req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+    """``req``'s token and its logprob (None unless asked) from its logits ``row``
+    (``[vocab]``); the row-by-row fallback of :func:`sample_rows`.
+
+    Raises:
+        Exception: whatever sampling raises for this row.
+    """
+    tok = sample_token(row, req.params, req.generator)
+    lp = None
+    if req.params.logprobs is not None:
+        lp = token_logprob(row, tok, req.params.logprobs)
+    return tok, lp
+
+
+def token_delta(req: Request, start: int) -> TokenDelta:
+    """``req``'s output from token ``start`` on, with its progress so far, as the
+    :class:`TokenDelta` its ``on_update`` gets (the last one carries the finish reason)."""
+    return TokenDelta(
+        rid=req.rid,
+        token_ids=tuple(req.output_ids[start:]),
+        logprobs=tuple(req.logprobs[start:]) if req.logprobs is not None else None,
+        time=time.perf_counter(),
+        cached_tokens=req.cached_len,
+        images_needing_vision=req.images_needing_vision,
+        vision_tower_runs=req.vision_tower_runs,
+        admitted=req.admitted_at,
+        vision_time=req.vision_time,
+        finish_reason=req.finish_reason,
+        error=req.error,
+        logits=tuple(req.logits[start:]) if req.logits is not None else None,
+    )
