@@ -27,16 +27,21 @@ from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.output import OutputCollector
 from mmserve.engine.processor import InputProcessor, RequestError
 from mmserve.engine.request import GenerateResult, Request, TokenLogprob
-from mmserve.engine.sampling import LogitsProcessors, make_generator, token_logprob
+from mmserve.engine.sampling import (
+    LogitsProcessors,
+    batch_logprobs,
+    make_generator,
+    sample_batch,
+    sample_token,
+    token_logprob,
+)
 from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree, needs_extend
+from mmserve.engine.stats import EngineStats, cache_figures
 from mmserve.engine.step import (
     Chunks,
-    EngineStats,
     logit_rows,
     record_vision,
     run_mixed,
-    sample_row,
-    sample_rows,
     schedule_step,
     token_delta,
 )
@@ -309,7 +314,7 @@ class Engine:
         failed), with the vision counts and the step counters recorded."""
         failed_before = self.stats.failed_steps
         logits = run_mixed(self.runner, decode, chunks, self._run_batch)
-        record_vision(self.runner, chunks)  # applied here: the engine writes requests
+        record_vision(self.runner, chunks)  # the step writes requests, the runner only counts
         if logits is not None:
             self.stats.count_step(decode, chunks, failed_before)
         return logits
@@ -326,16 +331,30 @@ class Engine:
         return rows
 
     def _sample_and_update(self, batch: list[Request], rows: torch.Tensor) -> None:
-        """Sample each request's token from its row of ``rows`` and append it; a row whose
-        sampling or bookkeeping raises fails only its request."""
+        """Sample each request's token from its row of ``rows`` (``[len(batch), vocab]``)
+        and append it: the whole batch at once (one host-device sync), row by row when
+        that raises; a row whose sampling or bookkeeping raises fails only its request."""
         now = time.perf_counter()
-        tokens, lps = sample_rows(batch, rows)
+        try:
+            tokens = sample_batch(rows, [r.params for r in batch], [r.generator for r in batch])
+            lps = batch_logprobs(rows, tokens, [r.params.logprobs for r in batch])
+        except Exception:  # noqa: BLE001 - row by row below, failing only the bad row
+            tokens = lps = None
         for i, req in enumerate(batch):
             try:
-                tok, lp = sample_row(req, rows[i]) if tokens is None else (tokens[i], lps[i])
+                tok, lp = self._sample_row(req, rows[i]) if tokens is None else (tokens[i], lps[i])
                 self._append_token(req, rows[i], tok, lp, now)
             except Exception:  # noqa: BLE001 - sampling or its bookkeeping failed for this one
                 self._fail([req], "while sampling its next token")
+
+    @staticmethod
+    def _sample_row(req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """``req``'s token and its logprob (None unless asked) from its ``row`` alone."""
+        tok = sample_token(row, req.params, req.generator)
+        lp = None
+        if req.params.logprobs is not None:
+            lp = token_logprob(row, tok, req.params.logprobs)
+        return tok, lp
 
     def _run_batch(self, reqs: list[Request], run) -> torch.Tensor | None:  # noqa: ANN001
         """``run()``'s logits, or None after failing ``reqs`` for its exception."""
@@ -480,33 +499,6 @@ class Engine:
             self.abort(self._stop_hits.pop())
 
     def cache_stats(self) -> dict[str, float]:
-        """Pool, tree and hit-rate figures for metrics and ``/v1/cache/stats``."""
-        s = self.stats
-        P = self.pool.page_size
-        return {
-            "page_size": P,
-            "pool_pages": self.pool.num_pages,
-            "free_pages": self.pool.allocator.num_free,
-            "tree_pages": self.tree.num_pages(),
-            "evictable_pages": self.tree.evictable_size() // P,
-            "tree_nodes": self.tree.node_count(),
-            # a request awaiting its jump-forward extend is running too
-            "running_requests": len(self.scheduler.running) + len(self.scheduler.extending),
-            "waiting_requests": len(self.scheduler.waiting),
-            "prompt_tokens": s.prompt_tokens,
-            "prompt_image_tokens": s.prompt_image_tokens,
-            "prompt_video_tokens": s.prompt_video_tokens,
-            "cached_tokens": s.cached_tokens,
-            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
-            "completion_tokens": s.completion_tokens,
-            "requests_finished": s.requests_finished,
-            "vision_tower_images": self.runner.vision_tower_images,
-            "vision_cache_hits": self.embedding_cache.hits,
-            "vision_cache_misses": self.embedding_cache.misses,
-            "tree_seconds": self.scheduler.tree_seconds,
-            "retractions": self.scheduler.retractions,
-            "failed_steps": s.failed_steps,
-            "consecutive_failed_steps": s.consecutive_failed_steps,
-            "requests_failed": s.requests_failed,
-            **(self.tiers.stats() if self.tiers is not None else {}),
-        }
+        """Pool, tree and hit-rate figures for metrics and ``/v1/cache/stats``
+        (:func:`~mmserve.engine.stats.cache_figures`)."""
+        return cache_figures(self)

@@ -1,13 +1,12 @@
 """The pieces of one engine step (:meth:`Engine.step`): schedule, forward, sample,
-update.
+update. Sampling itself stays in :mod:`mmserve.engine.engine` (a batch at once, row by
+row when that raises).
 
 - :func:`schedule_step`: the decode requests and prefill chunks of a step.
 - :func:`run_mixed`: their logits, a failed part contained to its own requests.
 - :func:`logit_rows`: the scheduler records the computed K/V; the rows of the requests
   that sample a token now are picked.
-- :func:`sample_rows` / :func:`sample_row`: tokens and logprobs for the whole batch at
-  once (one host-device sync), or row by row when that raises.
-- :func:`token_delta` and :class:`EngineStats`: what the update hands out and counts.
+- :func:`token_delta`: what the update hands out.
 """
 
 from __future__ import annotations
@@ -15,61 +14,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.messages import TokenDelta
 from mmserve.engine.model_runner import ModelRunner
-from mmserve.engine.request import Request, TokenLogprob
-from mmserve.engine.sampling import batch_logprobs, sample_batch, sample_token, token_logprob
+from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler
-from mmserve.vision.inputs import media_tokens
 
 log = logging.getLogger(__name__)
 
 #: ``(request, tokens to compute)`` of a step's prefill part
 Chunks = list[tuple[Request, int]]
-
-
-@dataclass
-class EngineStats:
-    """Cumulative counters since start; token counts are of finished (or aborted) requests."""
-
-    requests_finished: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prompt_image_tokens: int = 0
-    prompt_video_tokens: int = 0
-    completion_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0
-    failed_steps: int = 0
-    consecutive_failed_steps: int = 0
-    requests_failed: int = 0
-
-    def count_finish(self, req: Request) -> None:
-        """Count a finished (or aborted) request's tokens."""
-        self.requests_finished += 1
-        self.completion_tokens += len(req.output_ids)
-        self.prompt_tokens += req.prompt_len
-        image, video = media_tokens(req.input_ids, req.spans)
-        self.prompt_image_tokens += image
-        self.prompt_video_tokens += video
-        self.cached_tokens += req.cached_len
-
-    def count_step(self, decode: list[Request], chunks: Chunks, failed_before: int) -> None:
-        """Count a step that gave logits (``failed_before``: ``failed_steps`` before it)."""
-        if self.failed_steps == failed_before:
-            self.consecutive_failed_steps = 0
-        if chunks:
-            self.prefill_steps += 1
-        if decode:
-            self.decode_steps += 1
-        if decode and chunks:
-            self.mixed_steps += 1
 
 
 def schedule_step(sched: Scheduler, config: EngineConfig) -> tuple[list[Request], Chunks]:
@@ -185,38 +142,6 @@ def logit_rows(
     if not batch:
         return batch, None
     return batch, torch.cat(rows) if len(rows) > 1 else rows[0]
-
-
-def sample_rows(
-    batch: list[Request], rows: torch.Tensor
-) -> tuple[list[int], list[TokenLogprob | None]] | tuple[None, None]:
-    """Tokens and logprobs of every row at once (one host-device sync), or
-    ``(None, None)`` when that raises: then :func:`sample_row` samples row by row, so that
-    only a bad row fails.
-
-    Args:
-        batch: the requests (``params``, ``generator``), one per row.
-        rows: processed logits ``[len(batch), vocab]``.
-    """
-    try:
-        tokens = sample_batch(rows, [r.params for r in batch], [r.generator for r in batch])
-        return tokens, batch_logprobs(rows, tokens, [r.params.logprobs for r in batch])
-    except Exception:  # noqa: BLE001 - row by row instead, failing only the bad row
-        return None, None
-
-
-def sample_row(req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
-    """``req``'s token and its logprob (None unless asked) from its logits ``row``
-    (``[vocab]``); the row-by-row fallback of :func:`sample_rows`.
-
-    Raises:
-        Exception: whatever sampling raises for this row.
-    """
-    tok = sample_token(row, req.params, req.generator)
-    lp = None
-    if req.params.logprobs is not None:
-        lp = token_logprob(row, tok, req.params.logprobs)
-    return tok, lp
 
 
 def token_delta(req: Request, start: int) -> TokenDelta:
