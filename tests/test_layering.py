@@ -112,12 +112,19 @@ def _receiver(node: ast.Attribute) -> str:
     return v.attr if isinstance(v, ast.Attribute) else v.id if isinstance(v, ast.Name) else ""
 
 
+#: The scheduler package: the orchestrator and its rooms (admission, KV manager, extends).
+SCHEDULER_ROOMS = tuple(
+    rel(p) for p in sorted((ROOT / "mmserve" / "engine" / "scheduler").glob("*.py"))
+)
+
+
 def test_only_the_scheduler_changes_its_queues_tree_and_pages() -> None:
-    allowed = {
-        "mmserve/engine/scheduler.py",  # the owner of every queue transition
+    allowed = set(SCHEDULER_ROOMS) | {  # the owner of every queue transition
         "mmserve/cache/radix_cache.py",  # the tree frees its own evicted pages
+        "mmserve/cache/no_prefix_cache.py",  # the no-op cache frees what it is given
         "mmserve/cache/page_allocator.py",
     }
+    assert all((ROOT / name).exists() for name in allowed), allowed
     bad = []
     for path in CORE + API:
         if rel(path) in allowed:
@@ -215,6 +222,7 @@ def test_split_packages_import_downward_and_stay_small(package: str) -> None:
         lines = len(path.read_text().splitlines())
         if lines > 600:
             bad.append(f"{rel(path)}: {lines} lines (over 600)")
+    assert not bad, bad
 
 
 def _api_imports(sub: str) -> list[tuple[str, int, str]]:
@@ -279,3 +287,24 @@ def test_the_fleet_is_below_the_http_layer_and_api_replicas_is_only_the_ingress(
     here = {p.name for p in (ROOT / "api" / "replicas").rglob("*.py")}
     assert "ingress.py" in here
     assert here <= INGRESS_MODULES, sorted(here - INGRESS_MODULES)
+
+
+#: Attributes that switch the radix cache off: the config's flag and the tree's own.
+CACHE_SWITCHES = {"disable_radix_cache", "disable"}
+
+
+def test_only_the_cache_and_the_scheduler_read_the_cache_switch() -> None:
+    # the switch picks the no-op prefix cache once (make_tree); everywhere else the
+    # cache's interface stands in for an `if disable` branch
+    allowed = set(SCHEDULER_ROOMS)
+    bad, seen = [], []
+    for path in CORE + API:
+        name = rel(path)
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Attribute) and node.attr in CACHE_SWITCHES:
+                if name.startswith("mmserve/cache/") or name in allowed:
+                    seen.append(name)
+                else:
+                    bad.append(f"{name}:{node.lineno} .{node.attr}")
+    assert not bad, bad
+    assert "mmserve/engine/scheduler/kv_manager.py" in seen  # where the cache is picked

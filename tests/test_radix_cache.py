@@ -11,8 +11,9 @@ from hypothesis.stateful import (
     rule,
 )
 
+from mmserve.cache.no_prefix_cache import NoPrefixCache
 from mmserve.cache.page_allocator import PageAllocator
-from mmserve.cache.radix_cache import MatchResult, RadixCache
+from mmserve.cache.radix_cache import InsertResult, MatchResult, RadixCache
 
 
 def toks(s: str) -> list[int]:
@@ -548,3 +549,50 @@ RadixMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_radix_state_machine = RadixMachine.TestCase
+
+
+def test_insert_prefix_returns_the_node_a_match_would_find():
+    c, rec = make(2)
+    first = c.insert_prefix([1, 2, 3, 4], [10, 11])
+    assert (first.cached, first.length, first.pages) == (0, 4, [10, 11])
+    done = c.insert_prefix([1, 2, 3, 4, 5, 6], [20, 21, 22])  # 20, 21 duplicate 10, 11
+    assert (done.cached, done.length, done.pages) == (4, 6, [10, 11, 22])
+    m = c.match_prefix([1, 2, 3, 4, 5, 6])
+    assert m.last_node is done.last_node and m.pages == done.pages
+    mid = c.insert_prefix([1, 2], [30])  # ends inside an edge: split there
+    assert (mid.cached, mid.length, mid.pages) == (2, 2, [10])
+    assert mid.last_node is c.match_prefix([1, 2]).last_node
+    assert c.insert_prefix([], []) == InsertResult(0, 0, [], c.root)
+    assert rec.calls == [] and c.reuses_prefixes
+    off, rec = make(2, disable=True)
+    assert off.insert_prefix([1, 2], [5]) == InsertResult(0, 0, [], off.root)
+    assert rec.calls == [] and not off.reuses_prefixes  # the caller keeps its pages
+    with pytest.raises(ValueError):
+        c.insert_prefix([1, 2, 3], [5])
+
+
+def test_no_prefix_cache_has_the_interface_and_holds_nothing():
+    public = {n for n in dir(RadixCache) if not n.startswith("_")}
+    assert not public - set(dir(NoPrefixCache))
+    rec = Recorder()
+    c = NoPrefixCache(2, rec)
+    assert not c.reuses_prefixes
+    r = c.match_prefix([1, 2, 3, 4])
+    assert (r.length, r.pages, r.last_node) == (0, [], c.root)
+    assert c.insert_prefix([1, 2, 3, 4], [5, 6]) == InsertResult(0, 0, [], c.root)
+    assert rec.calls == []  # the caller keeps (and frees) its pages
+    assert c.insert([1, 2, 3, 4], [5, 6]) == 0 and rec.calls == [[5, 6]]  # as disable=True
+    c.inc_lock_ref(r.last_node)
+    c.dec_lock_ref(r.last_node)
+    assert c.evict(10) == 0
+    sizes = (c.evictable_size(), c.protected_size(), c.total_size(), c.num_pages())
+    assert sizes == (0, 0, 0, 0) and c.node_count() == 0
+    assert list(c.iter_pages()) == [] and c.page_keys(c.root) == []
+    assert c.last_page_key(c.root) == c.root_key
+    c.reset()
+    with pytest.raises(ValueError):
+        c.insert([1, 2, 3], [5])
+    with pytest.raises(ValueError):
+        c.insert_prefix([1, 2], [5, 6])
+    with pytest.raises(ValueError):
+        NoPrefixCache(0, rec)

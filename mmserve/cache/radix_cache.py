@@ -97,6 +97,40 @@ class MatchResult:
     last_node: TreeNode
 
 
+@dataclass
+class InsertResult:
+    """Result of :meth:`RadixCache.insert_prefix`: where the inserted key ends in the tree.
+
+    Attributes:
+        cached: leading tokens of the key the tree held before the call (a multiple of
+            ``page_size``); the caller's pages for them duplicate the tree's: it frees them.
+        length: tokens of the key the tree holds after the call (the whole key; 0 when the
+            cache stores nothing, and the caller keeps every page).
+        pages: the tree's ``length // page_size`` page ids for those tokens, in order.
+        last_node: the node ending exactly at ``length`` (the root when it is 0); pass it to
+            :meth:`RadixCache.inc_lock_ref` / :meth:`RadixCache.dec_lock_ref`.
+    """
+
+    cached: int
+    length: int
+    pages: list[int]
+    last_node: TreeNode
+
+
+def check_insert(key: Sequence[int], pages: Sequence[int], page_size: int) -> None:
+    """Check the arguments of an insert: whole pages, one page id per page.
+
+    Raises:
+        ValueError: if ``len(key)`` is not a multiple of ``page_size`` or
+            ``len(pages) != len(key) // page_size``.
+    """
+    n = len(key)
+    if n % page_size:
+        raise ValueError(f"key length {n} is not a multiple of page_size {page_size}")
+    if len(pages) != n // page_size:
+        raise ValueError(f"got {len(pages)} pages for {n} tokens (page_size {page_size})")
+
+
 def _as_list(seq: Sequence[int]) -> list[int]:
     """``seq`` as a list of Python ints (slices of lists and tuples never compare equal)."""
     if type(seq) is list:
@@ -293,21 +327,37 @@ class RadixCache:
             ValueError: if ``len(key)`` is not a multiple of ``page_size`` or
                 ``len(pages) != len(key) // page_size``.
         """
+        done = self.insert_prefix(key, pages)
+        if self.disable and len(pages):
+            self._free_pages(list(pages))
+        return done.cached
+
+    def insert_prefix(self, key: Sequence[int], pages: Sequence[int]) -> InsertResult:
+        """:meth:`insert`, returning where ``key`` ends in the tree, so that no
+        :meth:`match_prefix` has to find it again.
+
+        Args:
+            key: token ids, length a multiple of ``page_size``.
+            pages: ``len(key) // page_size`` page ids holding the KV of ``key``, in order.
+
+        Returns:
+            :class:`InsertResult`: the tree takes ownership of
+            ``pages[cached // page_size : length // page_size]``; its ``pages`` replace the
+            caller's for the first ``length`` tokens. Disabled cache: ``(0, 0, [], root)``,
+            and the caller keeps every page.
+
+        Raises:
+            ValueError: as :meth:`insert`.
+        """
+        check_insert(key, pages, self.page_size)
         P = self.page_size
         n = len(key)
-        if n % P:
-            raise ValueError(f"key length {n} is not a multiple of page_size {P}")
-        if len(pages) != n // P:
-            raise ValueError(f"got {len(pages)} pages for {n} tokens (page_size {P})")
-        if self.disable:
-            if n:
-                self._free_pages(list(pages))
-            return 0
-        if n == 0:
-            return 0
+        if self.disable or n == 0:
+            return InsertResult(0, 0, [], self.root)
         key = _as_list(key)
         now = self._now()
         node = self.root
+        held: list[int] = []
         i = 0
         while i < n:
             edge_key = key[i] if P == 1 else tuple(key[i : i + P])
@@ -318,14 +368,20 @@ class RadixCache:
                 self._evictable += n - i
                 self._node_count += 1
                 self._push(leaf)
-                return i
+                return InsertResult(i, n, held + leaf.pages, leaf)
             m = self._common_len(key, i, n, child.key)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
+            held += child.pages
             node = child
             i += m
-        return n
+        return InsertResult(n, n, held, node)
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether what :meth:`insert` keeps can be matched later (False when disabled)."""
+        return not self.disable
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors (excluding the root) against eviction: +1 ``lock_ref``.

@@ -14,12 +14,11 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from mmserve.cache.kv_pool import KVPool, kv_dtype_name
-from mmserve.cache.radix_cache import RadixCache
+from mmserve.cache.no_prefix_cache import PrefixCache
 from mmserve.config import EngineConfig
 from mmserve.engine.cuda_graph import graph_mode
 from mmserve.engine.detokenizer import first_stop
@@ -36,36 +35,26 @@ from mmserve.engine.sampling import (
     sample_token,
     token_logprob,
 )
-from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree
+from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree, needs_extend
+from mmserve.engine.stats import EngineStats, cache_figures
+from mmserve.engine.step import (
+    Chunks,
+    logit_rows,
+    record_vision,
+    run_mixed,
+    schedule_step,
+    token_delta,
+)
 from mmserve.model.kv_scales import read_kv_scales
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.model.quant import check_quantization
 from mmserve.structured.compile import new_state
 from mmserve.structured.decode import GuidedDecoding
 from mmserve.vision.embedding_cache import EmbeddingCache
-from mmserve.vision.inputs import media_tokens
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "RequestError", "first_stop"]
-
-
-@dataclass
-class EngineStats:
-    """Cumulative counters since start; token counts are of finished (or aborted) requests."""
-
-    requests_finished: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prompt_image_tokens: int = 0
-    prompt_video_tokens: int = 0
-    completion_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0
-    failed_steps: int = 0
-    consecutive_failed_steps: int = 0
-    requests_failed: int = 0
 
 
 class Engine:
@@ -114,7 +103,7 @@ class Engine:
         # host/disk KV tiers behind the tree (None when off): see mmserve.cache.kv_tiers;
         # image features read from the disk tier go into the embedding cache
         self.tiers = make_kv_tiers(config, model, self.pool, self.embedding_cache)
-        self.tree: RadixCache = make_tree(config, self.pool, self.tiers)
+        self.tree: PrefixCache = make_tree(config, self.pool, self.tiers)
         self.scheduler = Scheduler(config, self.pool, self.tree, self.tiers)
         self.runner = ModelRunner(
             model,
@@ -298,12 +287,8 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[Request]:
-        """Run one batch: a mixed step by default, else a prefill or a decode batch.
-
-        A mixed step carries every running request's next token plus prefill chunks
-        of waiting (or chunk-prefilling) requests in what is left of
-        ``config.mixed_step_tokens()``. With ``config.disable_mixed_steps`` a step
-        is a prefill batch when anything can be admitted, else a decode batch.
+        """Run one batch: a mixed step by default, else a prefill or a decode batch
+        (:func:`~mmserve.engine.step.schedule_step`): schedule, forward, sample, update.
 
         An exception while running the batch fails only that batch's requests
         (finish reason "error", pages freed, traceback logged); the engine keeps
@@ -313,122 +298,63 @@ class Engine:
             Requests that got a token this step (finished ones included).
         """
         self._abort_stopped()
-        sched = self.scheduler
-        if self.config.disable_mixed_steps:
-            chunks = sched.schedule_prefill()
-            decode: list[Request] = []
-            if not chunks and sched.running:
-                sched.prepare_decode()
-                decode = list(sched.running)
-        else:
-            decode = []
-            if sched.running:
-                sched.prepare_decode()
-                decode = list(sched.running)
-            budget = self.config.max_prefill_tokens
-            if decode:  # streams wait for this step: one bounded chunk's time at most
-                budget = min(budget, max(1, self.config.mixed_step_tokens() - len(decode)))
-            chunks = sched.schedule_prefill(budget)
+        decode, chunks = schedule_step(self.scheduler, self.config)
         if not chunks and not decode:
             return []
-        failed_before = self.stats.failed_steps
-        logits = self._run_mixed(decode, chunks)
-        found = self.runner.take_vision_counts()  # applied here: the engine writes requests
-        times = self.runner.take_vision_times()
-        for req, _ in chunks:
-            needing, runs = found.get(req.rid, (0, 0))
-            req.images_needing_vision += needing
-            req.vision_tower_runs += runs
-            if req.rid in times:  # chunked prefill: first tower start, last tower end
-                start, end = times[req.rid]
-                req.vision_time = (req.vision_time[0] if req.vision_time else start, end)
+        logits = self._forward(decode, chunks)
         if logits is None:
             return []
-        if self.stats.failed_steps == failed_before:
-            self.stats.consecutive_failed_steps = 0
-        if chunks:
-            self.stats.prefill_steps += 1
-        if decode:
-            self.stats.decode_steps += 1
-        if decode and chunks:
-            self.stats.mixed_steps += 1
-        batch, rows = [], []
-        live_decode = [i for i, r in enumerate(decode) if not r.finished]
-        if live_decode:
-            sched.on_decoded([decode[i] for i in live_decode])
-            batch += [decode[i] for i in live_decode]
-            rows.append(logits[live_decode])
-        for i, (req, n) in enumerate(chunks):
-            if req.finished:  # its part of the batch failed
-                continue
-            if sched.on_prefilled(req, n):  # the whole prompt is in: sample a token
-                batch.append(req)
-                rows.append(logits[len(decode) + i : len(decode) + i + 1])
-        if not batch:
-            return []
-        rows = torch.cat(rows) if len(rows) > 1 else rows[0]
-        # logit_bias and penalties, then the grammar masks, then min_tokens (which
-        # yields to a grammar that allows only end of sequence): see engine.sampling
+        batch, rows = logit_rows(self.scheduler, decode, chunks, logits)
+        if batch:
+            self._sample_and_update(batch, self._processed(batch, rows))
+        return batch
+
+    def _forward(self, decode: list[Request], chunks: Chunks) -> torch.Tensor | None:
+        """The step's logits ``[len(decode) + len(chunks), vocab]`` (None if it all
+        failed), with the vision counts and the step counters recorded."""
+        failed_before = self.stats.failed_steps
+        logits = run_mixed(self.runner, decode, chunks, self._run_batch)
+        record_vision(self.runner, chunks)  # the step writes requests, the runner only counts
+        if logits is not None:
+            self.stats.count_step(decode, chunks, failed_before)
+        return logits
+
+    def _processed(self, batch: list[Request], rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` ``[len(batch), vocab]`` after logit_bias and penalties, then the
+        grammar masks, then min_tokens (which yields to a grammar that allows only end of
+        sequence): see :mod:`mmserve.engine.sampling`."""
         rows = self.processors.apply(batch, rows)
         rows = self.guided.apply_masks(batch, rows)
         rows = self.processors.apply_min_tokens(batch, rows)
         if not isinstance(rows, torch.Tensor):
             rows = torch.stack(list(rows))
+        return rows
+
+    def _sample_and_update(self, batch: list[Request], rows: torch.Tensor) -> None:
+        """Sample each request's token from its row of ``rows`` (``[len(batch), vocab]``)
+        and append it: the whole batch at once (one host-device sync), row by row when
+        that raises; a row whose sampling or bookkeeping raises fails only its request."""
         now = time.perf_counter()
-        try:  # the whole batch at once: one host-device sync
+        try:
             tokens = sample_batch(rows, [r.params for r in batch], [r.generator for r in batch])
             lps = batch_logprobs(rows, tokens, [r.params.logprobs for r in batch])
         except Exception:  # noqa: BLE001 - row by row below, failing only the bad row
             tokens = lps = None
         for i, req in enumerate(batch):
             try:
-                if tokens is None:
-                    tok = sample_token(rows[i], req.params, req.generator)
-                    lp = None
-                    if req.params.logprobs is not None:
-                        lp = token_logprob(rows[i], tok, req.params.logprobs)
-                else:
-                    tok, lp = tokens[i], lps[i]
+                tok, lp = self._sample_row(req, rows[i]) if tokens is None else (tokens[i], lps[i])
                 self._append_token(req, rows[i], tok, lp, now)
             except Exception:  # noqa: BLE001 - sampling or its bookkeeping failed for this one
                 self._fail([req], "while sampling its next token")
-        return batch
 
-    def _run_mixed(
-        self, decode: list[Request], chunks: list[tuple[Request, int]]
-    ) -> torch.Tensor | None:
-        """Logits ``[len(decode) + len(chunks), vocab]`` of one step, or None if all failed.
-
-        A mixed batch that raises is run again as its decode part and its prefill part
-        (each one's new K/V is written again), so that a fault fails only the part that
-        raises it, as it would with separate steps; a failed part's rows are NaN and its
-        requests already ended with finish reason "error".
-        """
-        prefill_reqs = [r for r, _ in chunks]
-        extends = [n for _, n in chunks]
-        if not chunks:
-            return self._run_batch(decode, lambda: self.runner.decode(decode))
-        if not decode:
-            return self._run_batch(prefill_reqs, lambda: self.runner.prefill(prefill_reqs, extends))
-        reqs = decode + prefill_reqs
-        try:
-            return self.runner.prefill(reqs, [1] * len(decode) + extends)
-        except Exception:  # noqa: BLE001 - retried as two batches below
-            log.warning("mixed step failed; running its decode and prefill parts apart")
-        parts = [
-            self._run_batch(decode, lambda: self.runner.decode(decode)),
-            self._run_batch(prefill_reqs, lambda: self.runner.prefill(prefill_reqs, extends)),
-        ]
-        if parts[0] is None and parts[1] is None:
-            return None
-        done = next(p for p in parts if p is not None)
-        filled = [
-            p
-            if p is not None
-            else torch.full((len(rs), done.shape[-1]), float("nan"), device=done.device)
-            for p, rs in zip(parts, (decode, prefill_reqs), strict=True)
-        ]
-        return torch.cat(filled)
+    @staticmethod
+    def _sample_row(req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """``req``'s token and its logprob (None unless asked) from its ``row`` alone."""
+        tok = sample_token(row, req.params, req.generator)
+        lp = None
+        if req.params.logprobs is not None:
+            lp = token_logprob(row, tok, req.params.logprobs)
+        return tok, lp
 
     def _run_batch(self, reqs: list[Request], run) -> torch.Tensor | None:  # noqa: ANN001
         """``run()``'s logits, or None after failing ``reqs`` for its exception."""
@@ -500,7 +426,7 @@ class Engine:
             self.scheduler.finish(req)
             self._finish(req, reason)
             return
-        if req.seq_len > req.computed_len + 1:  # jumped: K/V of several new tokens
+        if needs_extend(req):  # jumped: K/V of several new tokens
             self.scheduler.extend(req)
         self._emit(req)
 
@@ -511,33 +437,12 @@ class Engine:
             return
         start = req.emitted
         req.emitted = len(req.output_ids)
-        req.on_update(
-            TokenDelta(
-                rid=req.rid,
-                token_ids=tuple(req.output_ids[start:]),
-                logprobs=tuple(req.logprobs[start:]) if req.logprobs is not None else None,
-                time=time.perf_counter(),
-                cached_tokens=req.cached_len,
-                images_needing_vision=req.images_needing_vision,
-                vision_tower_runs=req.vision_tower_runs,
-                admitted=req.admitted_at,
-                vision_time=req.vision_time,
-                finish_reason=req.finish_reason,
-                error=req.error,
-                logits=tuple(req.logits[start:]) if req.logits is not None else None,
-            )
-        )
+        req.on_update(token_delta(req, start))
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
-        self.stats.requests_finished += 1
-        self.stats.completion_tokens += len(req.output_ids)
-        self.stats.prompt_tokens += req.prompt_len
-        image, video = media_tokens(req.input_ids, req.spans)
-        self.stats.prompt_image_tokens += image
-        self.stats.prompt_video_tokens += video
-        self.stats.cached_tokens += req.cached_len
+        self.stats.count_finish(req)
         self._emit(req)
 
     # ---- offline API ------------------------------------------------------
@@ -594,34 +499,6 @@ class Engine:
             self.abort(self._stop_hits.pop())
 
     def cache_stats(self) -> dict[str, float]:
-        """Pool, tree and hit-rate figures for metrics and ``/v1/cache/stats``."""
-        s = self.stats
-        P = self.pool.page_size
-        tree_pages = self.tree.num_pages() if not self.tree.disable else 0
-        return {
-            "page_size": P,
-            "pool_pages": self.pool.num_pages,
-            "free_pages": self.pool.allocator.num_free,
-            "tree_pages": tree_pages,
-            "evictable_pages": self.tree.evictable_size() // P if not self.tree.disable else 0,
-            "tree_nodes": self.tree.node_count() if not self.tree.disable else 0,
-            # a request awaiting its jump-forward extend is running too
-            "running_requests": len(self.scheduler.running) + len(self.scheduler.extending),
-            "waiting_requests": len(self.scheduler.waiting),
-            "prompt_tokens": s.prompt_tokens,
-            "prompt_image_tokens": s.prompt_image_tokens,
-            "prompt_video_tokens": s.prompt_video_tokens,
-            "cached_tokens": s.cached_tokens,
-            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
-            "completion_tokens": s.completion_tokens,
-            "requests_finished": s.requests_finished,
-            "vision_tower_images": self.runner.vision_tower_images,
-            "vision_cache_hits": self.embedding_cache.hits,
-            "vision_cache_misses": self.embedding_cache.misses,
-            "tree_seconds": self.scheduler.tree_seconds,
-            "retractions": self.scheduler.retractions,
-            "failed_steps": s.failed_steps,
-            "consecutive_failed_steps": s.consecutive_failed_steps,
-            "requests_failed": s.requests_failed,
-            **(self.tiers.stats() if self.tiers is not None else {}),
-        }
+        """Pool, tree and hit-rate figures for metrics and ``/v1/cache/stats``
+        (:func:`~mmserve.engine.stats.cache_figures`)."""
+        return cache_figures(self)

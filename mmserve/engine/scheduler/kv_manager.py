@@ -1,0 +1,306 @@
+"""The KV manager: the page life cycle of requests over the pool, the prefix cache and
+the tiers.
+
+A request's pages are allocated at admission (its cached prefix from the tree, the rest
+from the pool, evicting tree leaves for the shortfall), grown by one per decode token,
+handed to the tree as they fill (full pages only, locked for the request) and released
+at the end (its computed KV stays in the tree, the rest goes back to the pool). With KV
+tiers (:mod:`mmserve.cache.kv_tiers`), pages past the device match come from host memory
+or disk. Only the scheduler calls this room; it changes no queue.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mmserve.cache.kv_pool import KVPool
+from mmserve.cache.kv_tiers import KVTiers, kv_namespace, model_fingerprint
+from mmserve.cache.no_prefix_cache import NoPrefixCache, PrefixCache
+from mmserve.cache.radix_cache import InsertResult, MatchResult, RadixCache, TreeNode
+from mmserve.config import EngineConfig
+from mmserve.engine.request import Request
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (pages for ``a`` tokens at ``b`` per page)."""
+    return -(-a // b)
+
+
+def make_kv_tiers(
+    config: EngineConfig, model: object, pool: KVPool, feature_cache: object | None = None
+) -> KVTiers | None:
+    """The host/disk KV tiers ``config`` asks for, or None (both off, or no radix cache).
+
+    Args:
+        config: ``kv_host_bytes``, ``kv_disk_dir``, ``kv_disk_bytes``, ``page_size``.
+        model: the loaded model (``config``, ``decoder``, ``vision``, ``quantization``),
+            fingerprinted so that no two checkpoints (or quantizations of one) share a page
+            key or file.
+        pool: the KV pool.
+        feature_cache: the engine's embedding cache, which image features read from the
+            disk tier go into (None: no feature files).
+    """
+    if config.disable_radix_cache or (not config.kv_host_bytes and config.kv_disk_dir is None):
+        return None
+    named = list(model.decoder.named_parameters())
+    vision = getattr(model, "vision", None)
+    if hasattr(vision, "named_parameters"):
+        named += [("vision." + n, t) for n, t in vision.named_parameters()]
+    cfg = model.config
+    text = cfg.to_json_string() if hasattr(cfg, "to_json_string") else repr(cfg)
+    # int8 / fp8 weights give other KV than the checkpoint's own: another namespace
+    text += f"|quantization={getattr(model, 'quantization', 'none')}"
+    k = pool.k_buffers[0]
+    namespace = kv_namespace(
+        model_fingerprint(text, named),
+        k.dtype,
+        pool.page_size,
+        # fp8 pages mean something only with the scales they were written with
+        ("NHD", pool.num_layers, k.shape[2], k.shape[3], *pool.k_scales, *pool.v_scales),
+    )
+    return KVTiers(
+        pool,
+        namespace,
+        host_bytes=config.kv_host_bytes,
+        disk_dir=config.kv_disk_dir,
+        disk_bytes=config.kv_disk_bytes,
+        feature_dim=model.decoder.shape.hidden_size,
+        feature_cache=feature_cache,
+    )
+
+
+def make_tree(config: EngineConfig, pool: KVPool, tiers: KVTiers | None) -> PrefixCache:
+    """The prefix cache over ``pool``: a :class:`NoPrefixCache` when
+    ``config.disable_radix_cache``, else the radix cache, with the tiers' page keys and
+    eviction hook if any."""
+    if config.disable_radix_cache:
+        return NoPrefixCache(config.page_size, pool.allocator.free)
+    if tiers is None:
+        return RadixCache(config.page_size, pool.allocator.free)
+    return RadixCache(
+        config.page_size,
+        pool.allocator.free,
+        page_hasher=tiers.chain.chain,
+        root_key=tiers.chain.root,
+        on_evict=tiers.on_evict,
+    )
+
+
+class KVManager:
+    """Allocates, evicts, caches and releases the KV pages of requests.
+
+    Args:
+        pool: the KV pool whose allocator both the tree and requests draw from.
+        tree: the prefix cache over that pool (:func:`make_tree`).
+        tiers: host/disk KV tiers behind the tree (None: off); the tree must have been
+            built with their page keys.
+
+    Attributes:
+        tree_seconds: wall time spent inside prefix-cache calls (seconds).
+    """
+
+    def __init__(self, pool: KVPool, tree: PrefixCache, tiers: KVTiers | None = None) -> None:
+        self.pool = pool
+        self.alloc = pool.allocator
+        self.tree = tree
+        self.tiers = tiers if tree.reuses_prefixes else None
+        self.page_size = pool.page_size
+        self.tree_seconds = 0.0
+
+    # ---- matching and locks ----------------------------------------------------
+    def match(self, req: Request) -> MatchResult:
+        """The tree's longest cached prefix of ``req``'s tokens, one token short of all
+        of them (its logits give the next output token)."""
+        t0 = time.perf_counter()
+        ids = req.all_ids()
+        m = self.tree.match_prefix(ids[: len(ids) - 1])
+        self.tree_seconds += time.perf_counter() - t0
+        return m
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin ``node`` (and its ancestors) against eviction."""
+        self.tree.inc_lock_ref(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock` of ``node``."""
+        self.tree.dec_lock_ref(node)
+
+    # ---- pages ---------------------------------------------------------------------
+    def available(self, reserved: int) -> int:
+        """Pages a new claim may take: free plus evictable tree pages, minus ``reserved``
+        (pages promised to admitted requests' future decode steps)."""
+        return self.alloc.num_free + self.tree.evictable_size() // self.page_size - reserved
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` new pages, evicting tree leaves (LRU) for the shortfall.
+
+        Raises:
+            RuntimeError: if the pool cannot give them (the caller's accounting said it
+                could: a bug).
+        """
+        if n <= 0:
+            return []
+        short = n - self.alloc.num_free
+        if short > 0:
+            t0 = time.perf_counter()
+            self.tree.evict(short * self.page_size)
+            self.tree_seconds += time.perf_counter() - t0
+        pages = self.alloc.alloc(n)
+        if pages is None:
+            raise RuntimeError(f"KV pool exhausted: needed {n} pages (accounting bug)")
+        return pages
+
+    def grow(self, req: Request, n: int) -> None:
+        """Append ``n`` new pages to ``req``'s, taken from its decode reservation first."""
+        req.pages.extend(self.allocate(n))
+        req.reserved_pages = max(0, req.reserved_pages - n)
+
+    def assign(self, req: Request, m: MatchResult, reserve: int) -> None:
+        """Give ``req`` (being admitted) the pages of its locked match ``m`` plus new ones
+        for the rest of its tokens, and a reservation of ``reserve`` decode pages."""
+        new = ceil_div(req.seq_len, self.page_size) - len(m.pages)
+        req.pages.reset(list(m.pages) + self.allocate(new))
+        req.reserved_pages = reserve
+        req.tree_len = req.computed_len = req.admit_len = m.length
+        req.last_node = m.last_node
+
+    # ---- the tree hand-over ----------------------------------------------------------
+    def _insert(self, req: Request, kv_len: int) -> InsertResult:
+        """Insert ``req``'s first ``kv_len`` tokens (full pages only) and free ``req``'s
+        pages that duplicate the tree's."""
+        P = self.page_size
+        n = (kv_len // P) * P
+        t0 = time.perf_counter()
+        done = self.tree.insert_prefix(req.all_ids()[:n], req.pages[: n // P])
+        self.tree_seconds += time.perf_counter() - t0
+        # our pages for [tree_len, cached) duplicate KV the tree already holds
+        dup = req.pages[req.tree_len // P : done.cached // P]
+        if dup:
+            self.alloc.free(dup)
+        return done
+
+    def cache_prefix(self, req: Request) -> None:
+        """Hand ``req``'s computed full pages to the tree and lock them for ``req``."""
+        done = self._insert(req, req.computed_len)
+        if done.length <= req.tree_len:
+            return
+        req.pages[: done.length // self.page_size] = done.pages
+        self.tree.inc_lock_ref(done.last_node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = done.last_node
+        req.tree_len = done.length
+
+    def release(self, req: Request) -> None:
+        """``req`` ends or waits again: its computed KV goes to the tree, its other pages
+        to the pool, its lock and reservation are dropped."""
+        keep = 0
+        if req.last_node is not None:
+            keep = self._insert(req, req.computed_len).length // self.page_size
+            self.tree.dec_lock_ref(req.last_node)
+        rest = req.pages[keep:]
+        if rest:
+            self.alloc.free(rest)
+        req.pages.reset()
+        req.reserved_pages = 0
+        req.last_node = None
+
+    def flush(self) -> int:
+        """Drop every tree page (no request may hold a lock); returns pages freed."""
+        before = self.alloc.num_free
+        self.tree.reset()
+        return self.alloc.num_free - before
+
+    # ---- tiers -----------------------------------------------------------------------
+    def poll_tiers(self) -> None:
+        """Take in the tiers' finished disk loads (no-op without tiers)."""
+        if self.tiers is not None:
+            self.tiers.poll()
+
+    def is_loading(self, req: Request) -> bool:
+        """Whether ``req``'s pages or features are being read from disk."""
+        return self.tiers is not None and self.tiers.is_loading(req.rid)
+
+    def forget(self, req: Request) -> None:
+        """Drop the tiers' state for ``req`` (a load in flight, staged pages)."""
+        if self.tiers is not None:
+            self.tiers.forget(req.rid)
+
+    def wait_for_loads(self) -> None:
+        """Sleep briefly when only disk loads are pending (instead of spinning)."""
+        if self.tiers is not None and self.tiers.pending():
+            self.tiers.wait(0.02)
+
+    def load_from_tiers(self, req: Request, m: MatchResult) -> MatchResult | None:
+        """Extend ``req``'s locked device match ``m`` with pages from the tiers.
+
+        Host (and already staged disk) pages are copied into new pool pages, inserted into
+        the tree and locked in place of ``m`` (whose lock is dropped); disk pages, and the
+        features of images that reach past the cached pages when the disk has them, start
+        a load instead, on the first attempt since the request's last admission.
+
+        Returns:
+            The new match (locked), ``m`` itself when nothing was loaded (or no tiers), or
+            None when a disk load started (``m`` stays locked; the caller unlocks it).
+        """
+        if self.tiers is None:
+            return m
+        P = self.page_size
+        ids = req.all_ids()
+        limit = len(ids) - 1  # one token is always computed
+        t0 = time.perf_counter()
+        parent = self.tree.last_page_key(m.last_node)
+        tm = self.tiers.lookup(parent, ids[m.length : limit])
+        # images with positions past the cached pages need features: the tower, unless the
+        # disk holds them (a restart, or features the embedding cache dropped)
+        covered = m.length + len(tm.keys) * P
+        feats = self.tiers.features_to_load(
+            (s.image.key, s.length)
+            for s in req.spans
+            if s.end > covered and s.image.features is None
+        )
+        self.tree_seconds += time.perf_counter() - t0
+        if (tm.disk_pages or feats) and self.tiers.start_load(req.rid, tm.keys, feats):
+            return None
+        pages = self.tiers.take(tm.keys)
+        if not pages:
+            return m
+        new = self.allocate(len(pages))  # fits: counted in the admission check
+        self.pool.write_pages(new, torch.stack(pages))
+        end = m.length + len(pages) * P
+        t0 = time.perf_counter()
+        done = self.tree.insert_prefix(ids[:end], list(m.pages) + new)
+        # the match was locked, so the tree held exactly m.length tokens of this prefix
+        dup = new[: max(0, done.cached - m.length) // P]
+        if dup:
+            self.alloc.free(dup)
+        self.tree_seconds += time.perf_counter() - t0
+        self.tree.inc_lock_ref(done.last_node)
+        self.tree.dec_lock_ref(m.last_node)
+        return MatchResult(done.length, done.pages, done.last_node)
+
+    def flush_tiers(self, timeout: float = 60.0) -> int:
+        """Write every tree page (and the host tier) to the disk tier and wait for it
+        (shutdown; seconds: at most ``timeout``). Returns pages queued."""
+        if self.tiers is None:
+            return 0
+        return self.tiers.flush_tree(self.tree.iter_pages(), timeout)
+
+    def accounting(self, active: list[Request]) -> dict[str, int]:
+        """``{"free", "tree", "running", "total"}`` in pages, where running counts the
+        pages of ``active`` requests not in the tree.
+
+        Raises:
+            AssertionError: if free + tree + running != pool size.
+        """
+        P = self.page_size
+        running = sum(len(r.pages) - r.tree_len // P for r in active)
+        out = {
+            "free": self.alloc.num_free,
+            "tree": self.tree.num_pages(),
+            "running": running,
+            "total": self.pool.num_pages,
+        }
+        assert out["free"] + out["tree"] + out["running"] == out["total"], out
+        return out

@@ -1,0 +1,88 @@
+"""The engine's counters and the figures built from them (metrics,
+``/v1/cache/stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mmserve.engine.request import Request
+from mmserve.vision.inputs import media_tokens
+
+if TYPE_CHECKING:
+    from mmserve.engine.engine import Engine
+    from mmserve.engine.step import Chunks
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters since start; token counts are of finished (or aborted) requests."""
+
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_image_tokens: int = 0
+    prompt_video_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0
+    failed_steps: int = 0
+    consecutive_failed_steps: int = 0
+    requests_failed: int = 0
+
+    def count_finish(self, req: Request) -> None:
+        """Count a finished (or aborted) request's tokens."""
+        self.requests_finished += 1
+        self.completion_tokens += len(req.output_ids)
+        self.prompt_tokens += req.prompt_len
+        image, video = media_tokens(req.input_ids, req.spans)
+        self.prompt_image_tokens += image
+        self.prompt_video_tokens += video
+        self.cached_tokens += req.cached_len
+
+    def count_step(self, decode: list[Request], chunks: Chunks, failed_before: int) -> None:
+        """Count a step that gave logits (``failed_before``: ``failed_steps`` before it)."""
+        if self.failed_steps == failed_before:
+            self.consecutive_failed_steps = 0
+        if chunks:
+            self.prefill_steps += 1
+        if decode:
+            self.decode_steps += 1
+        if decode and chunks:
+            self.mixed_steps += 1
+
+
+def cache_figures(engine: Engine) -> dict[str, float]:
+    """Pool, tree and hit-rate figures of ``engine`` for metrics and ``/v1/cache/stats``:
+    pages (``page_size`` tokens each), token counts, requests, seconds in the tree, and
+    the KV tiers' own figures when they are on."""
+    s = engine.stats
+    P = engine.pool.page_size
+    return {
+        "page_size": P,
+        "pool_pages": engine.pool.num_pages,
+        "free_pages": engine.pool.allocator.num_free,
+        "tree_pages": engine.tree.num_pages(),
+        "evictable_pages": engine.tree.evictable_size() // P,
+        "tree_nodes": engine.tree.node_count(),
+        # a request awaiting its jump-forward extend is running too
+        "running_requests": len(engine.scheduler.running) + len(engine.scheduler.extending),
+        "waiting_requests": len(engine.scheduler.waiting),
+        "prompt_tokens": s.prompt_tokens,
+        "prompt_image_tokens": s.prompt_image_tokens,
+        "prompt_video_tokens": s.prompt_video_tokens,
+        "cached_tokens": s.cached_tokens,
+        "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+        "completion_tokens": s.completion_tokens,
+        "requests_finished": s.requests_finished,
+        "vision_tower_images": engine.runner.vision_tower_images,
+        "vision_cache_hits": engine.embedding_cache.hits,
+        "vision_cache_misses": engine.embedding_cache.misses,
+        "tree_seconds": engine.scheduler.tree_seconds,
+        "retractions": engine.scheduler.retractions,
+        "failed_steps": s.failed_steps,
+        "consecutive_failed_steps": s.consecutive_failed_steps,
+        "requests_failed": s.requests_failed,
+        **(engine.tiers.stats() if engine.tiers is not None else {}),
+    }
