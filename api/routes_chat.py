@@ -21,10 +21,10 @@ from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.state import ServerState, State
 from api.structured import ToolCalling, tool_calling
 from api.video_media import VideoPart, fewer_frames, frame_parts, resolve_video, selection
-from mmserve.engine.messages import EngineRequest
-from mmserve.engine.prompt import NEW_TURN, ChatTemplateOptions
-from mmserve.engine.request import ImageInput, SamplingParams
+from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions
 from mmserve.model.families.base import FRAME_MODE
+from mmserve.types import EngineRequest, SamplingParams
+from mmserve.vision.inputs import ImageInput
 
 router = APIRouter(route_class=JSONBodyRoute)
 

@@ -30,9 +30,8 @@ from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState, State
 from api.structured import refuse_tool_fields
 from api.submit import Submission
-from mmserve.engine.messages import EngineRequest
-from mmserve.engine.request import GenerateResult
 from mmserve.structured.spec import GrammarError, GuidedSpec, check_spec
+from mmserve.types import EngineRequest, GenerateResult
 
 router = APIRouter(route_class=JSONBodyRoute)
 

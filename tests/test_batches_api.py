@@ -20,7 +20,7 @@ from api.app import create_app
 from api.batches import BatchManager, prompt_key
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
-from mmserve.engine.messages import BACKGROUND, INTERACTIVE
+from mmserve.types import BACKGROUND, INTERACTIVE
 from tests.live_server import live_server, live_server_process
 
 MODEL = "tiny"

@@ -199,7 +199,7 @@ def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> Non
 
 def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path) -> None:  # noqa: ANN001
     from api.cli import startup_summary
-    from mmserve.engine.engine import Engine
+    from mmserve.frontend.frontend import Engine
 
     config = EngineConfig(
         dtype="float32", max_total_tokens=4096, page_size=4, kv_host_bytes=1 << 20

@@ -37,13 +37,13 @@ from PIL import Image
 pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
 
 from api.cli import build_parser, replica_settings_from_args  # noqa: E402
-from api.replicas.frontend import FrontEnd, load_frontend_model  # noqa: E402
 from api.replicas.prefix_tree import PrefixTree  # noqa: E402
 from api.replicas.settings import ReplicaSettings  # noqa: E402
 from benchmarks import experiments as bench  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 from mmserve.config import EngineConfig  # noqa: E402
-from mmserve.engine.request import SamplingParams  # noqa: E402
+from mmserve.frontend.frontend import FrontEnd, load_frontend_model  # noqa: E402
+from mmserve.types import SamplingParams  # noqa: E402
 from mmserve.vision.inputs import MODALITIES  # noqa: E402
 from tests.helpers import serve_help_defaults  # noqa: E402
 from tests.live_server import (  # noqa: E402
@@ -432,7 +432,7 @@ def test_no_call_waits_on_a_dead_replica_beyond_its_bound() -> None:
     ``accept_seconds`` (not retried); every hung call is cancelled."""
     from api.replicas import registry
     from api.replicas.client import ReplicaClient, ReplicaGone
-    from mmserve.engine.messages import EngineRequest
+    from mmserve.types import EngineRequest
 
     class Listing:
         def replica_ids(self) -> list[str]:

@@ -6,7 +6,7 @@ application of two deployments:
 
 - the **ingress** (:mod:`api.replicas.ingress`): the same FastAPI routes as the
   single-process server. It runs the front end once per request (decode, hash,
-  template, tokenize, limits; :class:`~api.replicas.frontend.FrontEnd`), puts each
+  template, tokenize, limits; :class:`~mmserve.frontend.frontend.FrontEnd`), puts each
   image's pixels in Ray's object store once, and sends the tokenized request to a
   replica (:class:`~api.replicas.client.ReplicaClient`);
 - N **engine replicas** (:mod:`api.replicas.replica`), one engine each, which fetch

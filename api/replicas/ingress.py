@@ -2,7 +2,7 @@
 
 :func:`create_ingress_app` builds the same FastAPI app as :func:`api.app.create_app`
 (chat completions, uploads, videos, the web page; the same errors, limits and
-streaming) around a :class:`~api.replicas.frontend.FrontEnd` and a
+streaming) around a :class:`~mmserve.frontend.frontend.FrontEnd` and a
 :class:`~api.replicas.client.ReplicaClient` instead of an engine. Four routes cover
 every replica, per replica and in total:
 
@@ -51,11 +51,11 @@ from api.errors import APIError
 from api.json_body import JSONBodyRoute, refuse_body
 from api.metrics import Metrics
 from api.replicas.client import STREAMED, CancelGuard, ReplicaClient, ReplicaEngineClient
-from api.replicas.frontend import FrontEnd, load_frontend_model
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from api.state import State
 from mmserve.config import EngineConfig
+from mmserve.frontend.frontend import FrontEnd, load_frontend_model
 
 log = logging.getLogger(__name__)
 
