@@ -6,7 +6,7 @@
 (:class:`Engine`: the :class:`~mmserve.engine.engine.EngineCore` plus a front end
 sharing its embedding cache, grammar cache and pool size); the replica ingress builds
 it from the checkpoint's config, tokenizer and image processor only
-(:meth:`FrontEnd.load`): the decoder and vision weights stay on the replicas, so the
+(:func:`load_frontend_model`): the decoder and vision weights stay on the replicas, so the
 ingress needs no GPU and little memory. Its requests are identical to an engine's
 (``tests/test_replicas.py`` checks token ids and spans).
 """
@@ -88,15 +88,6 @@ class FrontEnd:
             kv_capacity = kv_capacity_tokens(config)
         self.processor = InputProcessor(model, config, kv_capacity, embedding_cache, grammars)
 
-    @classmethod
-    def load(cls, config: EngineConfig, model_dir: str | Path) -> FrontEnd:
-        """The weightless front end of the checkpoint in ``model_dir`` (the ingress's).
-
-        Raises:
-            CheckpointError: as :func:`load_frontend_model`.
-        """
-        return cls(config, load_frontend_model(model_dir))
-
     def collector(self, msg: EngineRequest) -> OutputCollector:
         """A collector for ``msg``'s deltas (text, stop strings, result)."""
         return OutputCollector(
@@ -118,14 +109,8 @@ class Engine(EngineCore):
     tokenize, limits, run on callers' threads) and the offline API (:meth:`track`,
     :meth:`generate`).
 
-    Args:
-        config: engine settings; ``config.model_path`` names the checkpoint (required
-            unless ``model`` is given).
-        model: an already loaded model (skips loading; for tests).
-
-    Raises:
-        ValueError: for invalid settings or neither a model path nor a model;
-            CheckpointError for a bad checkpoint.
+    Arguments and errors as :class:`~mmserve.engine.engine.EngineCore` (a checkpoint path
+    or a loaded model).
     """
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None) -> None:

@@ -2,8 +2,8 @@
 (:class:`ImageInput`, :class:`Frame`) and where its features go (:class:`ImageSpan`).
 
 They live below the engine because the model families take them
-(``ModelFamily.preprocess``, ``VisionModule.encode_pixels``);
-:mod:`mmserve.engine.request` re-exports both.
+(``ModelFamily.preprocess``, ``VisionModule.encode_pixels``); the front end, the
+engine and :mod:`mmserve.types` import them from here.
 """
 
 from __future__ import annotations
