@@ -99,7 +99,7 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens or 0,
     )
-    try:  # without max_tokens, make_requests picks one of at least min_tokens
+    try:  # without max_tokens, the processor picks one of at least min_tokens
         replace(params, max_tokens=params.max_tokens or max(1, params.min_tokens)).validate()
     except ParamError as e:
         raise APIError(400, str(e), param=e.param) from None
