@@ -381,9 +381,11 @@ class InputProcessor:
                 leaves.
         """
         params = params or SamplingParams()
-        unset = default_max_tokens is not None and not params.max_tokens
+        default = None if params.max_tokens else default_max_tokens  # None: given (or required)
         try:  # not given: checked as one token, min_tokens once the prompt's length is known
-            checked = dataclasses.replace(params, max_tokens=1, min_tokens=0) if unset else params
+            checked = params
+            if default is not None:
+                checked = dataclasses.replace(params, max_tokens=1, min_tokens=0)
             checked.validate(vocab_size=self.vocab_size)
         except ParamError as e:
             raise RequestError(str(e), param=e.param) from None
@@ -425,8 +427,8 @@ class InputProcessor:
                 grammar = self.grammars.compile(params.guided)
             except GrammarError as e:
                 raise RequestError(str(e), param=e.param) from None
-        if unset:
-            params = self.default_max_tokens(params, len(ids), default_max_tokens)
+        if default is not None:
+            params = self.default_max_tokens(params, len(ids), default)
         context: tuple[int, ...] = ()
         if messages is not None and template.continue_final_message:
             context = text_tail(ids)
