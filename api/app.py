@@ -1,6 +1,6 @@
 """FastAPI app: image and video uploads, OpenAI-compatible chat completions, metrics.
 
-:func:`create_app` builds the app around an :class:`~mmserve.engine.engine.Engine`;
+:func:`create_app` builds the app around an :class:`~mmserve.frontend.frontend.Engine`;
 ``mmserve serve`` (:mod:`api.cli`) runs it with uvicorn. Routes live in
 ``api/routes_*.py``.
 """
@@ -36,8 +36,8 @@ from api.settings import ServerSettings
 from api.state import ServerState
 from api.submit import EngineClient
 from api.video_store import VideoStore
-from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.engine import Engine
+from mmserve.frontend.async_engine import AsyncEngine
+from mmserve.frontend.frontend import Engine
 
 if TYPE_CHECKING:  # api.tracing imports opentelemetry: only when tracing is on
     from api.tracing import RequestTracing

@@ -43,7 +43,7 @@ from mmserve.fleet.settings import ROUTERS, ReplicaSettings
 from mmserve.vision.image import ImageLimits
 
 if TYPE_CHECKING:
-    from mmserve.engine.engine import Engine
+    from mmserve.frontend.frontend import Engine
 
 log = logging.getLogger("api.cli")  # not __main__ under python -m api.cli
 
@@ -328,7 +328,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from api.app import create_app
     from mmserve.distributed.group import TPGroupError
-    from mmserve.engine.engine import Engine
+    from mmserve.frontend.frontend import Engine
     from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
     from mmserve.testing.checkpoints import ensure_model
 

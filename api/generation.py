@@ -19,11 +19,11 @@ from api.schemas import (
     SamplingFields,
 )
 from api.structured import guided_spec
-from mmserve.engine.messages import EngineRequest
-from mmserve.engine.processor import InputProcessor, RequestError
-from mmserve.engine.prompt import NEW_TURN, ChatTemplateOptions, PromptError
-from mmserve.engine.request import ImageInput, ParamError, SamplingParams
+from mmserve.frontend.processor import InputProcessor, RequestError
+from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions, PromptError
+from mmserve.types import EngineRequest, ParamError, SamplingParams
 from mmserve.vision.budget import DecodeBusyError
+from mmserve.vision.inputs import ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens or 0,
     )
-    try:  # without max_tokens, make_requests picks one of at least min_tokens
+    try:  # without max_tokens, the processor picks one of at least min_tokens
         replace(params, max_tokens=params.max_tokens or max(1, params.min_tokens)).validate()
     except ParamError as e:
         raise APIError(400, str(e), param=e.param) from None
@@ -163,34 +163,24 @@ async def make_requests(
     ``template`` says how the chat template ends the prompt.
     ``details`` is each image's ``detail`` (empty: all "auto").
 
-    ``params.max_tokens == 0`` means "not given": up to ``default_max_tokens`` (or
-    ``params.min_tokens`` if more), capped at what the context and the KV pool leave
-    after the prompt.
+    ``params.max_tokens == 0`` means "not given": the processor picks it where it
+    tokenizes the prompt (:meth:`~mmserve.frontend.processor.InputProcessor.default_max_tokens`:
+    up to ``default_max_tokens``, capped at what the context and the KV pool leave).
 
     Raises:
         APIError: 400 for a prompt the engine refuses (too long, bad placeholders, ...),
             or ``min_tokens`` beyond the room the prompt leaves.
     """
-    if not params.max_tokens:
-        # the prompt alone must leave room for one token; the error then names the prompt
-        one = replace(params, max_tokens=1, min_tokens=0)
-        first = await _make(processor, messages, images, one, videos, template, details)
-        room = processor.output_room(first.prompt_len)
-        if params.min_tokens > room:
-            raise APIError(
-                400,
-                f"min_tokens ({params.min_tokens}) is more than the {room} tokens the "
-                f"context and the KV pool leave after the {first.prompt_len}-token prompt",
-                param="min_tokens",
-            )
-        want = max(default_max_tokens, params.min_tokens)
-        params = replace(params, max_tokens=max(1, min(want, room)))
     reqs = []
     for i in range(n):
         p = params
         if params.seed is not None and i:
             p = replace(params, seed=(params.seed + i) % (1 << 64))
-        reqs.append(await _make(processor, messages, images, p, videos, template, details))
+        reqs.append(
+            await _make(
+                processor, messages, images, p, videos, template, details, default_max_tokens
+            )
+        )
     return reqs
 
 
@@ -202,6 +192,7 @@ async def _make(
     videos: Sequence[Sequence[ImageInput]] = (),
     template: ChatTemplateOptions = NEW_TURN,
     details: Sequence[str] = (),
+    default_max_tokens: int | None = None,
 ) -> EngineRequest:
     try:  # front-end work on a worker thread, off the event loop and the engine thread
         return await run_in_threadpool(
@@ -212,6 +203,7 @@ async def _make(
             videos=[list(v) for v in videos],
             template=template,
             details=list(details),
+            default_max_tokens=default_max_tokens,
         )
     except RequestError as e:
         raise APIError(400, str(e), param=e.param or "messages") from None

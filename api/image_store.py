@@ -30,8 +30,8 @@ from pathlib import Path
 import xxhash
 
 from api.uploads import UploadStore
-from mmserve.engine.request import ImageInput
 from mmserve.vision.image import ImageError
+from mmserve.vision.inputs import ImageInput
 
 log = logging.getLogger(__name__)
 

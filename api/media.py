@@ -9,7 +9,7 @@ upload instead.
 
 Each image is decoded, hashed and preprocessed in one go and its decoded pixels
 dropped before the next image of the request is read
-(:meth:`~mmserve.engine.processor.InputProcessor.prepare_image`); an image beyond the
+(:meth:`~mmserve.frontend.processor.InputProcessor.prepare_image`); an image beyond the
 request's pixel budget is a 400 naming it, and a server whose decoded-image budget
 stays full answers 503 with ``Retry-After`` (:func:`busy_error`).
 """
@@ -29,10 +29,10 @@ from api.ids import IMAGE, id_like
 from api.image_store import ImageStore
 from api.remote_fetch import RemoteFetcher, RemoteFetchError, Resolver
 from api.settings import ServerSettings
-from mmserve.engine.processor import InputProcessor
-from mmserve.engine.request import ImageInput
+from mmserve.frontend.processor import InputProcessor
 from mmserve.vision.budget import DecodeBusyError, PixelBudgetError, RequestPixels
 from mmserve.vision.image import ImageError, ImageLimits
+from mmserve.vision.inputs import ImageInput
 
 log = logging.getLogger(__name__)
 

@@ -8,15 +8,15 @@ from collections.abc import AsyncIterator, Sequence
 from api.errors import error_body
 from api.structured import ToolCalling, tool_call
 from api.submit import Submission
-from mmserve.engine.request import GenerateResult, TokenLogprob
-from mmserve.engine.token_bytes import TokenBytes, token_bytes, token_string
+from mmserve.frontend.token_bytes import TokenBytes, token_bytes, token_string
+from mmserve.types import GenerateResult, TokenLogprob
 
 #: Logprob reported for a token the model gives no probability (OpenAI's convention).
 MIN_LOGPROB = -9999.0
 
 
 class TokenText:
-    """Formats logprobs: each token's text and its raw bytes (:mod:`mmserve.engine.token_bytes`).
+    """Formats logprobs: each token's text and its raw bytes (:mod:`mmserve.frontend.token_bytes`).
 
     ``bytes`` is what the token adds to the answer's text, so the ``bytes`` of a
     choice's ``logprobs.content`` join to exactly the UTF-8 of its content (unless a

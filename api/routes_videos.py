@@ -28,8 +28,8 @@ from api.state import ServerState, State
 from api.uploads import read_upload, upload_body
 from api.video_media import VideoPart, expand_video, fewer_frames, frame_parts, selection
 from api.video_store import StoredVideo
-from mmserve.engine.request import Request as EngineRequest
 from mmserve.model.families.base import FRAME_MODE
+from mmserve.types import EngineRequest
 from mmserve.vision.inputs import Frame
 from mmserve.vision.video import FrameFailure, VideoError
 

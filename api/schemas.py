@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from mmserve.engine.request import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
+from mmserve.types import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 #: The model config of every request body: unknown fields are refused.
 STRICT = ConfigDict(extra="forbid", strict=True)  # "16" is not 16, true is not 1
@@ -326,7 +326,7 @@ MAX_USER_CHARS = 256
 
 class ChatTemplateFields(BaseModel):
     """vLLM's chat-template fields: how the prompt ends (see
-    :class:`mmserve.engine.prompt.ChatTemplateOptions`)."""
+    :class:`mmserve.frontend.prompt.ChatTemplateOptions`)."""
 
     model_config = STRICT
     add_generation_prompt: bool = Field(

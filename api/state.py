@@ -14,8 +14,8 @@ from api.metrics import Metrics
 from api.settings import ServerSettings
 from api.submit import EngineClient
 from api.video_store import VideoStore
-from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.engine import Engine
+from mmserve.frontend.async_engine import AsyncEngine
+from mmserve.frontend.frontend import Engine
 
 
 @dataclass

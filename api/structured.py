@@ -6,7 +6,7 @@ constraint) and vLLM's extension fields ``guided_regex``, ``guided_choice`` and
 ``guided_grammar`` (EBNF, root rule ``root``). At most one may be given. The spec is
 checked on the request's thread (keywords xgrammar would not enforce, malformed
 schemas, regexes and grammars get a 400 naming the field); compiling against the
-vocabulary happens in the front end (:class:`~mmserve.engine.processor.InputProcessor`).
+vocabulary happens in the front end (:class:`~mmserve.frontend.processor.InputProcessor`).
 
 Tool calling (:func:`tool_calling`) rides on the same machinery: ``tool_choice``
 ``"required"`` or a named function becomes a JSON-schema spec built from the tools'

@@ -17,9 +17,8 @@ from fastapi import Request as HTTPRequest
 
 from api.errors import APIError, ClientDisconnected
 from api.metrics import Metrics
-from mmserve.engine.async_engine import AsyncEngine, StreamUpdate
-from mmserve.engine.messages import BACKGROUND, EngineRequest
-from mmserve.engine.request import GenerateResult
+from mmserve.frontend.async_engine import AsyncEngine, StreamUpdate
+from mmserve.types import BACKGROUND, EngineRequest, GenerateResult
 
 if TYPE_CHECKING:  # api.tracing imports opentelemetry: only when tracing is on
     from api.tracing import RequestTracing
@@ -60,7 +59,7 @@ class EngineClient:
 
         One call is always admitted into an empty queue, so a large ``n`` or many
         questions cannot be refused forever. ``background`` marks batch-job work: it runs
-        at the engine's :data:`~mmserve.engine.messages.BACKGROUND` priority (admitted
+        at the engine's :data:`~mmserve.types.BACKGROUND` priority (admitted
         after waiting interactive requests) and is not counted in :attr:`online`.
 
         Raises:

@@ -8,8 +8,8 @@ client's W3C ``traceparent`` when it sends one) with ``fastapi.*`` operation spa
 the route's dependencies, endpoint and serialization. The serving spans are added
 under it, built after the fact on the event loop (never on the engine thread) from
 timestamps the engine already reports in its
-:class:`~mmserve.engine.messages.TokenDelta` messages and the
-:class:`~mmserve.engine.request.GenerateResult` (the same arrival, time to first token
+:class:`~mmserve.types.TokenDelta` messages and the
+:class:`~mmserve.types.GenerateResult` (the same arrival, time to first token
 and latency the Prometheus histograms observe)::
 
     POST /v1/chat/completions          server span: http.route, http.response.status_code
@@ -38,8 +38,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, Status, StatusCode
 
-from mmserve.engine.messages import EngineRequest
-from mmserve.engine.request import GenerateResult
+from mmserve.types import EngineRequest, GenerateResult
 
 __all__ = ["RequestTracing", "TracingMiddleware", "otlp_tracing", "traces_url"]
 

@@ -3,7 +3,7 @@ stored video turned into its sampled frames, prepared for their prompt, with the
 that name the field at fault. Used by the chat, responses and video routes.
 
 The decoding, hashing and preparing is the front end's
-(:meth:`~mmserve.engine.processor.InputProcessor.sample_frames`); this module maps
+(:meth:`~mmserve.frontend.processor.InputProcessor.sample_frames`); this module maps
 requests onto it and its errors onto HTTP.
 """
 

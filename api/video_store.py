@@ -3,7 +3,7 @@
 A video is kept as its encoded bytes plus what a probe found (frame count, fps,
 duration, size); its id is xxh3-128 of the bytes (``vid-...``), so uploading
 the same file twice changes nothing. Frames are decoded per request by the front
-end (:meth:`~mmserve.engine.processor.InputProcessor.sample_frames`, called from
+end (:meth:`~mmserve.frontend.processor.InputProcessor.sample_frames`, called from
 :mod:`api.video_media`), each an image keyed by its pixels like an uploaded photo.
 """
 

@@ -17,7 +17,7 @@ import torch
 from benchmarks.in_process import MMServeRunner, spread
 from benchmarks.workloads import Workload, optimal_hit_rate
 from mmserve.config import EngineConfig
-from mmserve.engine.request import SamplingParams
+from mmserve.types import SamplingParams
 
 #: Unit costs that do not depend on the workload (same model, same threads).
 SHARED_COSTS = ("prefill_s_per_token", "prefill_cpu_s_per_token", "tower_s_per_image")

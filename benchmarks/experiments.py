@@ -28,7 +28,7 @@ from benchmarks import report, workloads
 from benchmarks.in_process import CACHE_OFF, MMServeRunner, one_request
 from benchmarks.in_process import model_dir as checkpoint
 from benchmarks.workloads import Prompt, Workload, ask
-from mmserve.engine.request import SamplingParams
+from mmserve.types import SamplingParams
 
 # ---- replicas --------------------------------------------------------------------------
 

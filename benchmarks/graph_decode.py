@@ -42,9 +42,9 @@ from benchmarks.in_process import model_dir as checkpoint
 from benchmarks.report import emit, loadavg, write_json
 from mmserve.config import EngineConfig
 from mmserve.engine import engine as engine_module
-from mmserve.engine.engine import Engine
-from mmserve.engine.request import SamplingParams
+from mmserve.frontend.frontend import Engine
 from mmserve.model.loader import load_model
+from mmserve.types import SamplingParams
 
 #: Engine configurations per device: name -> EngineConfig fields.
 CONFIGS = {

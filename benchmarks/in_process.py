@@ -17,10 +17,10 @@ import torch
 from benchmarks.report import md_table, percentiles
 from benchmarks.workloads import Workload, optimal_hit_rate
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
-from mmserve.engine.messages import EngineRequest
-from mmserve.engine.request import GenerateResult, ImageInput, SamplingParams
+from mmserve.frontend.frontend import Engine
 from mmserve.model.loader import LoadedModel, load_model
+from mmserve.types import EngineRequest, GenerateResult, SamplingParams
+from mmserve.vision.inputs import ImageInput
 
 #: ``EngineConfig`` fields of "cache off": no KV and no image features reused.
 CACHE_OFF = {"disable_radix_cache": True, "vision_cache_bytes": 0}

@@ -27,9 +27,9 @@ from benchmarks import report, workloads
 from benchmarks.in_process import model_dir as checkpoint
 from mmserve.cache.kv_pool import kv_bytes_per_token
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
-from mmserve.engine.request import SamplingParams
+from mmserve.frontend.frontend import Engine
 from mmserve.model.loader import load_model
+from mmserve.types import SamplingParams
 
 #: Assistant text of the quality prompts (teacher-forced; its content does not matter).
 ANSWER = (

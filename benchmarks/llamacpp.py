@@ -180,7 +180,7 @@ def agreement(
     """
     from PIL import Image
 
-    from mmserve.engine.request import SamplingParams
+    from mmserve.types import SamplingParams
 
     bias = [[i, False] for i in never]
     gen = {"n_predict": max_tokens, "temperature": 0.0, "logit_bias": bias}

@@ -38,7 +38,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 
 @dataclass
 class EngineConfig:
-    """Settings of one :class:`~mmserve.engine.engine.Engine`.
+    """Settings of one :class:`~mmserve.frontend.frontend.Engine`.
 
     Attributes:
         model_path: checkpoint directory (a Hugging Face LLaVA-family model); without

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 from mmserve.model.loader import load_model
 from mmserve.testing.checkpoints import make_checkpoint
 from tests.cases import write_cases

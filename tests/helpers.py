@@ -33,11 +33,11 @@ from PIL import Image
 
 from mmserve.cache.kv_pool import KVPool
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
-from mmserve.engine.request import SamplingParams
+from mmserve.frontend.frontend import Engine
 from mmserve.kernels.flashinfer_backend import flashinfer_import_problem
 from mmserve.kernels.metadata import AttentionMetadata, build_metadata
 from mmserve.kernels.torch_backend import TorchAttentionBackend
+from mmserve.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples" / "images"

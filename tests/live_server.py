@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
 from benchmarks.over_http import free_port, server
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 from tests.helpers import MODEL
 
 __all__ = ["free_port", "live_server", "live_server_process"]

@@ -18,7 +18,7 @@ import torch
 
 from mmserve.cache.kv_pool import KVPool, quantize_kv
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 from mmserve.kernels import (
     BackendUnavailableError,
     make_attention_backend,

@@ -22,7 +22,7 @@ from api.batch.lines import prompt_key
 from api.batch.runner import BatchManager
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
-from mmserve.engine.messages import BACKGROUND, INTERACTIVE
+from mmserve.types import BACKGROUND, INTERACTIVE
 from tests.live_server import live_server, live_server_process
 
 MODEL = "tiny"

@@ -185,7 +185,7 @@ def stop_oracle(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, str]:
 
 
 def test_earliest_stop_wins_whatever_the_list_order(client, make_engine) -> None:  # noqa: ANN001
-    from mmserve.engine.request import SamplingParams
+    from mmserve.types import SamplingParams
 
     tok = client.engine.model.tokenizer
     ref = complete(client, max_tokens=16)["choices"][0]
@@ -224,7 +224,7 @@ def test_first_stop_is_the_earliest_occurrence() -> None:
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from mmserve.engine.engine import first_stop
+    from mmserve.frontend.detokenizer import first_stop
 
     @given(
         st.text("ab ", max_size=12), st.lists(st.text("ab ", min_size=1, max_size=4), max_size=4)

@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from mmserve.engine.detokenizer import TextStream
-from mmserve.engine.prompt import ChatTemplateOptions, PromptBuilder, PromptError
+from mmserve.frontend.detokenizer import TextStream
+from mmserve.frontend.prompt import ChatTemplateOptions, PromptBuilder, PromptError
 from tests.helpers import (
     MODEL,
     TINY_FAMILIES,

@@ -12,7 +12,7 @@ from PIL import Image
 from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
 
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 from mmserve.model.families import FAMILIES, FAMILY_NAMES, family_for, family_named
 from mmserve.model.families.llava import LlavaFamily
 from mmserve.model.families.llava_onevision import LlavaOnevisionFamily

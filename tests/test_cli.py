@@ -182,7 +182,7 @@ def test_serve_typo_gets_serve_usage_and_a_suggestion(capsys) -> None:  # noqa: 
 def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:  # noqa: ANN001
     import socket
 
-    from mmserve.engine import engine as engine_module
+    from mmserve.frontend import frontend as engine_module
 
     def no_engine(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("the model was loaded")
@@ -199,7 +199,7 @@ def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> Non
 
 def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path) -> None:  # noqa: ANN001
     from api.cli import startup_summary
-    from mmserve.engine.engine import Engine
+    from mmserve.frontend.frontend import Engine
 
     config = EngineConfig(
         dtype="float32", max_total_tokens=4096, page_size=4, kv_host_bytes=1 << 20

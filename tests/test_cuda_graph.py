@@ -22,11 +22,11 @@ from mmserve.engine.cuda_graph import (
     default_max_bs,
     graph_mode,
 )
-from mmserve.engine.request import SamplingParams
 from mmserve.kernels import flashinfer_backend as fb
 from mmserve.kernels.metadata import PaddedDecodeBuffers, build_metadata
 from mmserve.kernels.torch_backend import TorchAttentionBackend
 from mmserve.structured.spec import GuidedSpec
+from mmserve.types import SamplingParams
 from tests.helpers import (
     QUESTIONS,
     FakeFlashInfer,

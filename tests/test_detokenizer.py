@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from mmserve.engine.detokenizer import IncrementalDetokenizer, TextStream, first_stop
+from mmserve.frontend.detokenizer import IncrementalDetokenizer, TextStream, first_stop
 from tests.helpers import TINY_FAMILIES
 
 

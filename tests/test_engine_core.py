@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmserve.engine.request import SamplingParams
 from mmserve.engine.sampling import (
     batch_logprobs,
     make_generator,
@@ -18,6 +17,7 @@ from mmserve.engine.sampling import (
     sample_token,
     token_logprob,
 )
+from mmserve.types import SamplingParams
 from tests.helpers import greedy, user
 
 

@@ -246,7 +246,7 @@ def test_make_request_refuses_past_the_pixel_budget(make_engine) -> None:  # noq
     eng = make_engine(max_request_image_pixels=2000)
     img = eng.processor.prepare_image(png_bytes(noise((40, 30), 50)))
     eng.processor.make_request(messages=user(None, "a"), images=[img], params=greedy(2))
-    from mmserve.engine.processor import RequestError
+    from mmserve.frontend.processor import RequestError
 
     with pytest.raises(RequestError, match="max-request-image-pixels") as e:
         eng.processor.make_request(

@@ -23,7 +23,7 @@ from mmserve.cache.kv_pool import (
     quantize_kv,
 )
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 from mmserve.kernels.metadata import build_metadata
 from mmserve.kernels.torch_backend import TorchAttentionBackend
 from mmserve.model.kv_scales import read_kv_scales

@@ -308,3 +308,81 @@ def test_only_the_cache_and_the_scheduler_read_the_cache_switch() -> None:
                     bad.append(f"{name}:{node.lineno} .{node.attr}")
     assert not bad, bad
     assert "mmserve/engine/scheduler/kv_manager.py" in seen  # where the cache is picked
+
+
+#: Packages that never import the front end: the engine and everything below it.
+NO_FRONTEND = ("engine", *BELOW_ENGINE)
+
+
+def test_the_engine_and_below_never_import_the_front_end() -> None:
+    assert not _imports_of(NO_FRONTEND, "mmserve.frontend")
+
+
+def test_the_public_types_import_neither_engine_nor_front_end() -> None:
+    path = ROOT / "mmserve" / "types.py"
+    bad = [
+        f"{rel(path)}:{line} {name}"
+        for line, name in _imports(path)
+        for banned in ("mmserve.engine", "mmserve.frontend")
+        if name == banned or name.startswith(banned + ".")
+    ]
+    assert not bad, bad
+
+
+def test_the_public_types_load_without_torch() -> None:
+    # schemas and the ingress read the limits and types; torch stays an annotation
+    done = run_python("import sys, mmserve.types; assert 'torch' not in sys.modules", timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_http_layer_imports_no_engine_module() -> None:
+    # api/ goes through mmserve.frontend and mmserve.types (TYPE_CHECKING blocks too)
+    bad = [
+        f"{rel(path)}:{line} {name}"
+        for path in API
+        for line, name in _imports(path)
+        if name == "mmserve.engine" or name.startswith("mmserve.engine.")
+    ]
+    assert not bad, bad
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Modules ``path`` imports when it loads (``TYPE_CHECKING`` blocks left out; function
+    bodies included)."""
+    tree = parse(path)
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_no_import_cycle_among_the_types_the_request_and_sampling() -> None:
+    # the old circle: messages -> request -> (sampling, messages) -> request
+    modules = {
+        "mmserve.types": ROOT / "mmserve" / "types.py",
+        "mmserve.engine.request": ROOT / "mmserve" / "engine" / "request.py",
+        "mmserve.engine.sampling": ROOT / "mmserve" / "engine" / "sampling.py",
+    }
+    edges = {m: _runtime_imports(p) & set(modules) for m, p in modules.items()}
+    assert edges["mmserve.types"] == set(), edges  # the types depend on neither
+    seen: list[str] = []
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        if m in path:
+            seen.append(" -> ".join((*path, m)))
+            return
+        for n in sorted(edges[m]):
+            visit(n, (*path, m))
+
+    for m in modules:
+        visit(m, ())
+    assert not seen, seen

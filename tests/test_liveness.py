@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.request import SamplingParams
+from mmserve.frontend.async_engine import AsyncEngine
+from mmserve.types import SamplingParams
 from tests.helpers import user
 
 WORDS = "red green blue cat dog sky tree house water light dark small big".split()

@@ -129,7 +129,7 @@ def test_typed_video_placeholder_is_refused(make_ov_engine) -> None:  # noqa: AN
 
 
 def test_modes_have_distinct_keys(ov_loaded, shapes) -> None:  # noqa: ANN001
-    from mmserve.engine.request import ImageInput
+    from mmserve.vision.inputs import ImageInput
 
     fam = ov_loaded.family
     img = ImageInput(b"k" * 16, Image.open(io.BytesIO(shapes["wide"])))
@@ -151,8 +151,8 @@ def clip12() -> bytes:
 
 def decoded_frames(eng, data: bytes, indices: list[int]) -> list:  # noqa: ANN001
     """The frames the server decodes, hashed as it hashes them."""
-    from mmserve.engine.request import ImageInput
     from mmserve.vision.hashing import image_key
+    from mmserve.vision.inputs import ImageInput
     from mmserve.vision.video import Video, VideoLimits
 
     return [
@@ -333,7 +333,7 @@ def test_padded_vocabulary_loads_and_equals_reference(ov, tmp_path) -> None:  # 
     from transformers import LlavaOnevisionForConditionalGeneration
 
     from mmserve.config import EngineConfig
-    from mmserve.engine.engine import Engine
+    from mmserve.frontend.frontend import Engine
     from mmserve.model.loader import load_model
 
     padded = tmp_path / "padded"

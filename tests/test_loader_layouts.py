@@ -19,7 +19,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 from transformers.utils import is_protobuf_available
 
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 from mmserve.model.loader import CheckpointError, load_model
 from mmserve.testing.checkpoints import checkpoint_spec, train_sentencepiece
 from tests.helpers import check_against_reference, greedy, user

@@ -20,11 +20,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmserve.engine.engine import first_stop
-from mmserve.engine.processor import RequestError
-from mmserve.engine.request import ParamError, Request, SamplingParams
+from mmserve.engine.request import Request
 from mmserve.engine.sampling import LogitsProcessors
+from mmserve.frontend.detokenizer import first_stop
+from mmserve.frontend.processor import RequestError
 from mmserve.structured.spec import GuidedSpec
+from mmserve.types import ParamError, SamplingParams
 from tests.helpers import assert_same_generation, user
 
 V = 40  # vocabulary of the unit tests
@@ -438,9 +439,9 @@ def test_penalties_survive_retraction(make_engine) -> None:  # noqa: ANN001
 
 
 def test_front_end_checks_and_replicas_carry_the_fields(engine, model_dir) -> None:  # noqa: ANN001
-    from api.replicas.frontend import FrontEnd, load_frontend_model
     from mmserve.config import EngineConfig
     from mmserve.fleet.protocol import ReplicaRequest
+    from mmserve.frontend.frontend import FrontEnd, load_frontend_model
 
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     vocab = engine.processor.vocab_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.engine.request import SamplingParams
+from mmserve.types import SamplingParams
 from tests.helpers import user
 
 

@@ -84,7 +84,7 @@ def test_config_rejects_bad_budgets(kw: dict) -> None:
 
 
 def test_engine_pool_from_memory_logs_tokens_and_bytes(loaded, caplog) -> None:  # noqa: ANN001
-    from mmserve.engine.engine import Engine
+    from mmserve.frontend.frontend import Engine
 
     shape = loaded.decoder.shape
     bpt = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch.float32)

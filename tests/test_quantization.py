@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
 from mmserve.engine.scheduler import make_kv_tiers
+from mmserve.frontend.frontend import Engine
 from mmserve.model import quant
 from mmserve.model.loader import load_model
 from mmserve.testing.checkpoints import make_checkpoint

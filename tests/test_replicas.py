@@ -37,13 +37,13 @@ from PIL import Image
 pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
 
 from api.cli import build_parser, replica_settings_from_args  # noqa: E402
-from api.replicas.frontend import FrontEnd, load_frontend_model  # noqa: E402
 from benchmarks import experiments as bench  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 from mmserve.config import EngineConfig  # noqa: E402
-from mmserve.engine.request import SamplingParams  # noqa: E402
 from mmserve.fleet.prefix_tree import PrefixTree  # noqa: E402
 from mmserve.fleet.settings import ReplicaSettings  # noqa: E402
+from mmserve.frontend.frontend import FrontEnd, load_frontend_model  # noqa: E402
+from mmserve.types import SamplingParams  # noqa: E402
 from mmserve.vision.inputs import MODALITIES  # noqa: E402
 from tests.helpers import serve_help_defaults  # noqa: E402
 from tests.live_server import (  # noqa: E402
@@ -430,9 +430,9 @@ def test_no_call_waits_on_a_dead_replica_beyond_its_bound() -> None:
     (without waiting out its 60 s timeout); one for a listed replica that does not answer
     times out; a request no replica starts ends with an error result after
     ``accept_seconds`` (not retried); every hung call is cancelled."""
-    from mmserve.engine.messages import EngineRequest
     from mmserve.fleet import registry
     from mmserve.fleet.client import ReplicaClient, ReplicaGone
+    from mmserve.types import EngineRequest
 
     class Listing:
         def replica_ids(self) -> list[str]:

@@ -282,9 +282,9 @@ def test_replica_ingress_uses_the_same_parser(model_dir) -> None:  # noqa: ANN00
     pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
     from fastapi.routing import APIRoute
 
-    from api.replicas.frontend import FrontEnd, load_frontend_model
     from api.replicas.ingress import create_ingress_app
     from mmserve.config import EngineConfig
+    from mmserve.frontend.frontend import FrontEnd, load_frontend_model
 
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     app = create_ingress_app(front, object(), ServerSettings(), MODEL, 1)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve.engine.request import SamplingParams
+from mmserve.types import SamplingParams
 from tests.helpers import user
 
 

@@ -11,9 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.cache.radix_cache import RadixCache
-from mmserve.engine.messages import BACKGROUND, INTERACTIVE
 from mmserve.engine.policy import order_waiting
-from mmserve.engine.request import SamplingParams
+from mmserve.types import BACKGROUND, INTERACTIVE, SamplingParams
 from tests.helpers import QUESTIONS, assert_same_generation, greedy, run_workload, user, workload
 
 

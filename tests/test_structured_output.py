@@ -14,7 +14,6 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from mmserve.engine.request import SamplingParams
 from mmserve.structured.compile import GrammarCache
 from mmserve.structured.spec import (
     ENFORCED_KEYWORDS,
@@ -23,6 +22,7 @@ from mmserve.structured.spec import (
     GuidedSpec,
     check_spec,
 )
+from mmserve.types import SamplingParams
 from tests.helpers import user
 
 ROOT = Path(__file__).resolve().parents[1]

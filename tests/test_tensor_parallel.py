@@ -21,10 +21,10 @@ import torch
 from api.cli import main
 from mmserve.config import EngineConfig
 from mmserve.distributed.layout import TPLayout, check_tp
-from mmserve.engine.engine import Engine
-from mmserve.engine.request import SamplingParams
+from mmserve.frontend.frontend import Engine
 from mmserve.model.llama import LlamaShape
 from mmserve.structured.spec import GuidedSpec
+from mmserve.types import SamplingParams
 from tests.helpers import ANY_PORT, TINY_FAMILIES, greedy, tp_engine, user, workload
 from tests.live_server import child_pids, cmdline, live_server_process, pid_alive, wait_gone
 

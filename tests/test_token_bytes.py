@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import decoders
 from transformers import AutoTokenizer
 
-from mmserve.engine.token_bytes import TokenBytes, token_bytes, token_string
+from mmserve.frontend.token_bytes import TokenBytes, token_bytes, token_string
 from tests.helpers import TINY_FAMILIES
 
 #: Text heavy on characters that byte-fallback and byte-level tokens split.

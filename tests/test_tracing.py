@@ -192,7 +192,7 @@ from fastapi.testclient import TestClient
 from api.app import ServerSettings, create_app
 from api.cli import main
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 app = create_app(Engine(EngineConfig(model_path={str(model_dir)!r})), ServerSettings())
 with TestClient(app) as c:
     body = {{"messages": [{{"role": "user", "content": "Hi"}}], "max_tokens": 2}}

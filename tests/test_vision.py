@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.engine.engine import RequestError
+from mmserve.frontend.processor import RequestError
 from mmserve.vision.hashing import image_key, processor_fingerprint, pseudo_token_ids
 from mmserve.vision.image import ImageError, ImageLimits, decode_image
 from tests.helpers import assert_same_generation, check_against_reference, greedy, png_bytes, user

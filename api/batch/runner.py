@@ -43,7 +43,7 @@ from api.errors import APIError, error_body
 from api.ids import BATCH
 from api.state import ServerState
 from api.submit import Submission
-from mmserve.engine.messages import EngineRequest
+from mmserve.types import EngineRequest
 
 log = logging.getLogger(__name__)
 

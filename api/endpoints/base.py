@@ -21,8 +21,7 @@ from pydantic import BaseModel
 from api.errors import APIError
 from api.state import ServerState
 from api.submit import Submission
-from mmserve.engine.messages import EngineRequest
-from mmserve.engine.request import GenerateResult
+from mmserve.types import EngineRequest, GenerateResult
 
 #: Headers of a server-sent-event answer (no proxy buffering, no caching).
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -29,7 +29,7 @@ from api.state import ServerState
 from api.structured import ToolCalling, tool_calling
 from api.submit import Submission
 from api.video_media import VideoPart, selection
-from mmserve.engine.request import GenerateResult, SamplingParams
+from mmserve.types import GenerateResult, SamplingParams
 
 
 @dataclass

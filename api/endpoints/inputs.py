@@ -12,10 +12,10 @@ from api.generation import make_requests
 from api.media import check_image_count
 from api.state import ServerState
 from api.video_media import VideoPart, fewer_frames, frame_parts, resolve_video
-from mmserve.engine.messages import EngineRequest
-from mmserve.engine.prompt import NEW_TURN, ChatTemplateOptions
-from mmserve.engine.request import ImageInput, SamplingParams
+from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions
 from mmserve.model.families.base import FRAME_MODE
+from mmserve.types import EngineRequest, SamplingParams
+from mmserve.vision.inputs import ImageInput
 
 
 class MediaRef(NamedTuple):

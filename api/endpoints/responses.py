@@ -29,8 +29,8 @@ from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState
 from api.structured import refuse_tool_fields
 from api.submit import Submission
-from mmserve.engine.request import GenerateResult
 from mmserve.structured.spec import GrammarError, GuidedSpec, check_spec
+from mmserve.types import GenerateResult
 
 
 @dataclass

@@ -5,7 +5,7 @@
   metrics and flush;
 - :mod:`api.replicas.launch`: the CLI glue that starts (or joins) Ray, binds the
   ingress to the fleet's deployments and serves until SIGTERM or Ctrl-C;
-- :mod:`api.replicas.frontend`: the ingress's front end without weights.
+- :mod:`mmserve.frontend.frontend`: the ingress's front end without weights.
 
 Only the ingress imports Ray at import time (the CLI imports ``launch`` only for
 ``--replicas``/``--ray-address``), so the single-process server never loads it.

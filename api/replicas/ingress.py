@@ -2,7 +2,7 @@
 
 :func:`create_ingress_app` builds the same FastAPI app as :func:`api.app.create_app`
 (chat completions, uploads, videos, the web page; the same errors, limits and
-streaming) around a :class:`~api.replicas.frontend.FrontEnd` and a
+streaming) around a :class:`~mmserve.frontend.frontend.FrontEnd` and a
 :class:`~mmserve.fleet.client.ReplicaClient` instead of an engine. Four routes cover
 every replica, per replica and in total:
 
@@ -52,14 +52,14 @@ from api.batch.store import FileStore
 from api.errors import APIError
 from api.json_body import JSONBodyRoute, refuse_body
 from api.metrics import Metrics
-from api.replicas.frontend import FrontEnd, load_frontend_model
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from api.state import State
 from api.submit import EngineClient, Submission
 from mmserve.config import EngineConfig
-from mmserve.engine.messages import EngineRequest
 from mmserve.fleet.client import STREAMED, ReplicaClient
+from mmserve.frontend.frontend import FrontEnd, load_frontend_model
+from mmserve.types import EngineRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Tensor parallelism: rank 0 runs the engine, ranks 1..N-1 run decoder shards.
 
-Rank 0 is the ordinary :class:`~mmserve.engine.engine.Engine` process (scheduler,
+Rank 0 is the ordinary :class:`~mmserve.frontend.frontend.Engine` process (scheduler,
 radix tree, vision tower, embedding cache, sampling, front end). It starts the other
 ranks with ``torch.multiprocessing`` (spawn) on this machine and joins them in a
 ``torch.distributed`` group over a ``TCPStore`` on 127.0.0.1 (gloo on CPU, NCCL on

@@ -1,10 +1,12 @@
-"""The engine: continuous batching over a shared paged KV pool and radix cache.
+"""The engine core: continuous batching over a shared paged KV pool and radix cache.
 
-Each :meth:`Engine.step` decodes one token for every running request and, in
+Each :meth:`EngineCore.step` decodes one token for every running request and, in
 the rest of the step's token budget, prefills chunks of waiting requests (a
 mixed step, as vLLM's chunked prefill), so a long prompt never stalls the
-running streams for longer than one chunk. The engine is single-threaded;
-:mod:`mmserve.engine.async_engine` drives it from a background thread for the HTTP server.
+running streams for longer than one chunk. The engine is single-threaded and takes
+:class:`~mmserve.types.EngineRequest` messages in, hands :class:`~mmserve.types.TokenDelta`
+messages out; it never imports the front end (:mod:`mmserve.frontend`: processor, text,
+the offline ``Engine`` and the thread that drives it for the HTTP server).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -21,12 +23,8 @@ from mmserve.cache.kv_pool import KVPool, kv_dtype_name
 from mmserve.cache.no_prefix_cache import PrefixCache
 from mmserve.config import EngineConfig
 from mmserve.engine.cuda_graph import graph_mode
-from mmserve.engine.detokenizer import first_stop
-from mmserve.engine.messages import EngineRequest, TokenDelta
 from mmserve.engine.model_runner import ModelRunner
-from mmserve.engine.output import OutputCollector
-from mmserve.engine.processor import InputProcessor, RequestError
-from mmserve.engine.request import GenerateResult, Request, TokenLogprob
+from mmserve.engine.request import Request
 from mmserve.engine.sampling import (
     LogitsProcessors,
     batch_logprobs,
@@ -48,17 +46,20 @@ from mmserve.engine.step import (
 from mmserve.model.kv_scales import read_kv_scales
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.model.quant import check_quantization
-from mmserve.structured.compile import new_state
+from mmserve.structured.compile import GrammarCache, new_state
 from mmserve.structured.decode import GuidedDecoding
+from mmserve.types import EngineRequest, TokenDelta, TokenLogprob
 from mmserve.vision.embedding_cache import EmbeddingCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineStats", "RequestError", "first_stop"]
+__all__ = ["EngineCore", "EngineStats"]
 
 
-class Engine:
-    """Offline and step-wise generation with LLaVA on a paged KV pool.
+class EngineCore:
+    """Step-wise generation with LLaVA on a paged KV pool: request messages in, token
+    deltas out (the front end's :class:`~mmserve.frontend.frontend.Engine` adds the
+    input processor and text).
 
     Args:
         config: engine settings; ``config.model_path`` names the checkpoint (required
@@ -123,15 +124,15 @@ class Engine:
             f"CUDA-graph buckets up to {max_bs}, {why}" if max_bs else f"eager ({why})"
         )
         log.info("decode: %s", self.decode_mode)
-        # front-end work (decode, hash, template, tokenize, limits) runs on callers'
-        # threads through the processor; the engine itself accepts only its Requests
-        self.processor = InputProcessor(model, config, self.pool.size_tokens, self.embedding_cache)
+        #: compiled structured-output grammars, shared with the front end's processor
+        #: (which compiles them on callers' threads); the engine makes each matcher
+        self.grammars = GrammarCache(model)
         self.guided = GuidedDecoding(
-            model, self.processor.grammars, jump_forward=not config.disable_jump_forward
+            model, self.grammars, jump_forward=not config.disable_jump_forward
         )
         self.processors = LogitsProcessors(shape.vocab_size, model.eos_token_ids, config.device)
         self.stats = EngineStats()
-        self._stop_hits: list[str] = []  # tracked requests a stop string ended
+        self._stop_hits: list[str] = []  # requests the front end saw hit a stop string
 
     def set_feature_source(self, source) -> None:  # noqa: ANN001
         """Ask ``source`` for the features of items the embedding cache misses before the
@@ -183,7 +184,8 @@ class Engine:
     def add_request(
         self, msg: EngineRequest, on_update: Callable[[TokenDelta], None] | None = None
     ) -> None:
-        """Queue a request message built by :class:`InputProcessor`; its progress goes to
+        """Queue a request message built by the front end's
+        :class:`~mmserve.frontend.processor.InputProcessor`; its progress goes to
         ``on_update`` as :class:`TokenDelta` messages (on this thread)."""
         req = self.request_state(msg)
         req.on_update = on_update
@@ -390,7 +392,7 @@ class Engine:
     ) -> None:
         """Append ``req``'s sampled token ``tok`` (from ``logits``, fp32 ``[vocab]``),
         advance its grammar, end it on EOS, grammar end or ``max_tokens``, and emit the
-        delta. Text and stop strings are the front end's (:mod:`mmserve.engine.output`).
+        delta. Text and stop strings are the front end's (:mod:`mmserve.frontend.output`).
 
         The engine is the only writer of ``output_ids``/``logprobs``/``logits``: a
         grammar's jump-forward comes back as an :class:`~mmserve.structured.decode.Advance`
@@ -445,53 +447,9 @@ class Engine:
         self.stats.count_finish(req)
         self._emit(req)
 
-    # ---- offline API ------------------------------------------------------
-    def collector(self, msg: EngineRequest) -> OutputCollector:
-        """A front-end collector for ``msg``'s deltas (text, stop strings, result)."""
-        return OutputCollector(
-            msg.rid,
-            self.model.tokenizer,
-            msg.params,
-            msg.prompt_len,
-            msg.arrival,
-            msg.text_context,
-            msg.media_tokens,
-        )
-
-    def track(self, msg: EngineRequest) -> OutputCollector:
-        """Queue ``msg`` and collect its deltas on this thread (offline use, benchmarks):
-        returns its collector; a stop string found there aborts the request at the next
-        step."""
-        col = self.collector(msg)
-
-        def on_update(delta: TokenDelta) -> None:
-            col.add(delta)
-            if col.stop_hit:
-                col.stop_hit = False
-                self._stop_hits.append(msg.rid)
-
-        self.add_request(msg, on_update)
-        return col
-
-    def generate(self, requests: Sequence[EngineRequest]) -> list[GenerateResult]:
-        """Run ``requests`` to completion together (continuous batching), collecting
-        their deltas on this thread (:meth:`track`).
-
-        Returns:
-            One :class:`GenerateResult` per request, in input order.
-
-        Raises:
-            RuntimeError: if the engine runs out of work with a request unfinished
-                (a scheduler bug; never a silent unfinished result).
-        """
-        collectors = [self.track(msg) for msg in requests]
-        while not all(c.finished for c in collectors):
-            if not self.has_work():
-                stuck = [m.rid for m, c in zip(requests, collectors, strict=True) if not c.finished]
-                raise RuntimeError(f"engine idle with unfinished requests {stuck}")
-            self.step()
-        self._abort_stopped()
-        return [c.result for c in collectors]
+    def stop_at_next_step(self, rid: str) -> None:
+        """End request ``rid`` at the next step (its text hit a stop string; KV kept)."""
+        self._stop_hits.append(rid)
 
     def _abort_stopped(self) -> None:
         """End the requests whose tracked text hit a stop string (KV kept)."""

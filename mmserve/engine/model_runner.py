@@ -25,11 +25,12 @@ import torch
 from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.kv_tiers import KVTiers
 from mmserve.engine.cuda_graph import DecodeGraphRunner
-from mmserve.engine.request import ImageInput, Request
+from mmserve.engine.request import Request
 from mmserve.kernels.metadata import build_metadata
 from mmserve.kernels.select import make_attention_backend
 from mmserve.model.loader import LoadedModel
 from mmserve.vision.embedding_cache import EmbeddingCache
+from mmserve.vision.inputs import ImageInput
 
 
 class ModelRunner:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mmserve.engine.request import SamplingParams, TokenLogprob
+from mmserve.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from mmserve.engine.request import Request

@@ -10,7 +10,7 @@ from mmserve.engine.request import Request
 from mmserve.vision.inputs import media_tokens
 
 if TYPE_CHECKING:
-    from mmserve.engine.engine import Engine
+    from mmserve.engine.engine import EngineCore
     from mmserve.engine.step import Chunks
 
 
@@ -53,7 +53,7 @@ class EngineStats:
             self.mixed_steps += 1
 
 
-def cache_figures(engine: Engine) -> dict[str, float]:
+def cache_figures(engine: EngineCore) -> dict[str, float]:
     """Pool, tree and hit-rate figures of ``engine`` for metrics and ``/v1/cache/stats``:
     pages (``page_size`` tokens each), token counts, requests, seconds in the tree, and
     the KV tiers' own figures when they are on."""

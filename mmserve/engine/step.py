@@ -1,4 +1,4 @@
-"""The pieces of one engine step (:meth:`Engine.step`): schedule, forward, sample,
+"""The pieces of one engine step (:meth:`EngineCore.step`): schedule, forward, sample,
 update. Sampling itself stays in :mod:`mmserve.engine.engine` (a batch at once, row by
 row when that raises).
 
@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.engine.messages import TokenDelta
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler
+from mmserve.types import TokenDelta
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """The ingress's side of the replicas: what the HTTP layer's engine client streams from.
 
-:class:`ReplicaClient` has the one method of :class:`~mmserve.engine.async_engine.AsyncEngine`
+:class:`ReplicaClient` has the one method of :class:`~mmserve.frontend.async_engine.AsyncEngine`
 that submissions use, :meth:`ReplicaClient.stream`, so the single-process routes,
 queue limit (503 with ``Retry-After``), metrics and disconnect handling work
 unchanged: each engine request built by the front end becomes a
 :class:`~mmserve.fleet.protocol.ReplicaRequest` (images as object-store references,
 put once per image) sent through the Ray Serve handle, and the replica's replies
-become :class:`~mmserve.engine.async_engine.StreamUpdate` s.
+become :class:`~mmserve.frontend.async_engine.StreamUpdate` s.
 
 When the replica dies mid-request (``RayActorError``: its process was killed, its
 node lost), a request is sent once more, to another replica, unless it is a
@@ -28,12 +28,12 @@ from collections.abc import AsyncIterator
 import ray
 from ray.exceptions import RayActorError
 
-from mmserve.engine.messages import EngineRequest, TokenDelta
-from mmserve.engine.output import OutputCollector, StreamUpdate
-from mmserve.engine.request import GenerateResult, ImageInput
 from mmserve.fleet.protocol import ControlCall, Hello, ReplicaRequest, SpanRef
 from mmserve.fleet.registry import find_router
+from mmserve.frontend.output import OutputCollector, StreamUpdate
 from mmserve.lru import LRU
+from mmserve.types import EngineRequest, GenerateResult, TokenDelta
+from mmserve.vision.inputs import ImageInput
 
 log = logging.getLogger(__name__)
 

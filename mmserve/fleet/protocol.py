@@ -9,7 +9,7 @@ replica (``target``) for its stats, a flush or its health.
 
 Replies of :meth:`~mmserve.fleet.replica.EngineReplica.generate` are
 :class:`Hello` (which replica serves the request), then the engine's own
-:class:`~mmserve.engine.messages.TokenDelta` messages (new token ids and logprobs,
+:class:`~mmserve.types.TokenDelta` messages (new token ids and logprobs,
 the last with the finish reason); the ingress builds text and results from them
 exactly as a single-process server does.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mmserve.engine.request import SamplingParams
+from mmserve.types import SamplingParams
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""One engine replica: a Ray Serve deployment around an :class:`~mmserve.engine.engine.Engine`.
+"""One engine replica: a Ray Serve deployment around an :class:`~mmserve.frontend.frontend.Engine`.
 
 A replica receives tokenized requests (:class:`~mmserve.fleet.protocol.ReplicaRequest`)
 and never runs the front end. Each image arrives as its key and an ``ObjectRef`` to
@@ -26,11 +26,11 @@ import torch
 from ray import serve
 
 from mmserve.config import EngineConfig
-from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.engine import Engine
-from mmserve.engine.messages import EngineRequest, TokenDelta
-from mmserve.engine.request import ImageInput, ImageSpan
 from mmserve.fleet.protocol import ControlCall, Hello, ReplicaRequest
+from mmserve.frontend.async_engine import AsyncEngine
+from mmserve.frontend.frontend import Engine
+from mmserve.types import EngineRequest, TokenDelta
+from mmserve.vision.inputs import ImageInput, ImageSpan
 
 #: Seconds a stopping replica may spend writing its KV pages to the disk tier (on top of
 #: the grace period its requests get; see ``build_application``).
@@ -156,7 +156,7 @@ class EngineReplica:
 
     async def generate(self, rr: ReplicaRequest) -> AsyncIterator[Hello | TokenDelta]:
         """Run one request; yields :class:`Hello`, then the engine's
-        :class:`~mmserve.engine.messages.TokenDelta` messages (text is the ingress's).
+        :class:`~mmserve.types.TokenDelta` messages (text is the ingress's).
 
         Cancelling the call (the client went away, or a stop string ended the answer at
         the ingress) aborts the request in the engine.

@@ -2,7 +2,7 @@
 
 A request may carry a :class:`GuidedSpec` (a JSON schema, any JSON object, a regular
 expression, a list of choices or an EBNF grammar). The front end
-(:class:`~mmserve.engine.processor.InputProcessor`) checks it, compiles it once per
+(:class:`~mmserve.frontend.processor.InputProcessor`) checks it, compiles it once per
 distinct spec into xgrammar's token-level automaton (a bounded LRU,
 :class:`GrammarCache`, on the caller's thread) and gives the request its own
 ``GrammarMatcher``. On the engine thread, :class:`GuidedDecoding` fills every

@@ -2,8 +2,8 @@
 (:class:`ImageInput`, :class:`Frame`) and where its features go (:class:`ImageSpan`).
 
 They live below the engine because the model families take them
-(``ModelFamily.preprocess``, ``VisionModule.encode_pixels``);
-:mod:`mmserve.engine.request` re-exports both.
+(``ModelFamily.preprocess``, ``VisionModule.encode_pixels``); the front end, the
+engine and :mod:`mmserve.types` import them from here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class ImageInput:
     """An image (or video frame) of a prompt: its content key and what the engine needs to
     get its features.
 
-    The front end (:class:`~mmserve.engine.processor.InputProcessor`) decodes, hashes and
+    The front end (:class:`~mmserve.frontend.processor.InputProcessor`) decodes, hashes and
     preprocesses an image on a request thread and then drops the decoded image, so an
     item that reaches the engine holds ``pixels`` (the tower must run) or ``features``
     (the embedding cache held them when the request was made; the request keeps a
@@ -100,7 +100,7 @@ class ImageSpan:
 class Frame:
     """A frame sampled from a video: its index in the video, its time (seconds) and its
     hashed image (its tower input prepared, or its decoded image, see
-    :meth:`~mmserve.engine.processor.InputProcessor.sample_frames`)."""
+    :meth:`~mmserve.frontend.processor.InputProcessor.sample_frames`)."""
 
     index: int
     timestamp: float

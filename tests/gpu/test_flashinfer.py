@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from mmserve.cache.kv_pool import KVPool
-from mmserve.engine.engine import Engine
-from mmserve.engine.request import SamplingParams
+from mmserve.frontend.frontend import Engine
 from mmserve.kernels.flashinfer_backend import FlashInferAttentionBackend
 from mmserve.kernels.torch_backend import TorchAttentionBackend
+from mmserve.types import SamplingParams
 from tests.helpers import (
     BF16_LOGIT_RTOL,
     CUDA_AVAILABLE,

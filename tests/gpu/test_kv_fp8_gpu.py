@@ -13,7 +13,7 @@ import torch
 
 from mmserve.cache.kv_pool import KVPool, dequantize_kv, quantize_kv
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 from mmserve.kernels.flashinfer_backend import (
     FlashInferAttentionBackend,
     flashinfer_import_problem,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.engine.engine import Engine
+from mmserve.frontend.frontend import Engine
 from tests.helpers import BF16_LOGIT_RTOL, greedy, tp_engine
 
 pytestmark = pytest.mark.skipif(

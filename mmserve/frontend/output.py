@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from mmserve.engine.detokenizer import TextStream
-from mmserve.engine.messages import TokenDelta
-from mmserve.engine.request import GenerateResult, SamplingParams, TokenLogprob
+from mmserve.frontend.detokenizer import TextStream
+from mmserve.types import GenerateResult, SamplingParams, TokenDelta, TokenLogprob
 
 
 @dataclass
@@ -53,7 +52,7 @@ class OutputCollector:
         arrival: ``time.perf_counter()`` when the request arrived (seconds); time to
             first token and latency are measured on this side's clock when deltas arrive.
         text_context: prompt ids the text is decoded after
-            (:attr:`~mmserve.engine.messages.EngineRequest.text_context`).
+            (:attr:`~mmserve.types.EngineRequest.text_context`).
         media_tokens: ``(image, video)`` tokens of the prompt (reported in the result).
 
     Attributes:

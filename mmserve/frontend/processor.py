@@ -3,7 +3,7 @@
 Image decoding, hashing and preprocessing (the checkpoint's transformers image
 processor), the chat template, tokenization and every limit check happen here, on
 the caller's thread (HTTP workers), never on the engine thread. The engine only
-accepts the :class:`~mmserve.engine.messages.EngineRequest` messages this builds:
+accepts the :class:`~mmserve.types.EngineRequest` messages this builds:
 token ids, image spans whose items carry their content key and either the tower's
 input (``pixels``) or, where the embedding cache already held them, a reference to
 their features; and the sampling parameters.
@@ -26,24 +26,17 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from mmserve.config import EngineConfig
-from mmserve.engine.messages import EngineRequest
-from mmserve.engine.prompt import NEW_TURN, ChatTemplateOptions, PromptBuilder, PromptError
-from mmserve.engine.request import (
-    ImageInput,
-    ImageSpan,
-    ParamError,
-    SamplingParams,
-    new_rid,
-)
+from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions, PromptBuilder, PromptError
 from mmserve.model.families.base import FRAME_MODE
 from mmserve.model.loader import LoadedModel
 from mmserve.structured.compile import GrammarCache
 from mmserve.structured.spec import GrammarError
+from mmserve.types import EngineRequest, ParamError, SamplingParams, new_rid
 from mmserve.vision.budget import DecodeBudget, RequestPixels, decoded_bytes
 from mmserve.vision.embedding_cache import EmbeddingCache
 from mmserve.vision.hashing import image_key, processor_fingerprint
 from mmserve.vision.image import ImageError, decode_image
-from mmserve.vision.inputs import Frame
+from mmserve.vision.inputs import Frame, ImageInput, ImageSpan
 from mmserve.vision.video import (
     FrameCost,
     FrameFailure,
@@ -80,6 +73,7 @@ class InputProcessor:
         kv_capacity_tokens: tokens the KV pool holds; a request must fit in it.
         embedding_cache: the engine's cache of image features, only peeked at (None: a
             front end without an engine, which always prepares pixels).
+        grammars: the engine's compiled-grammar cache, filled here (None: a new one).
 
     Attributes:
         decode_budget: decoded image bytes all callers hold at once
@@ -92,6 +86,7 @@ class InputProcessor:
         config: EngineConfig,
         kv_capacity_tokens: int,
         embedding_cache: EmbeddingCache | None = None,
+        grammars: GrammarCache | None = None,
     ) -> None:
         self.model = model
         self.embedding_cache = embedding_cache
@@ -105,7 +100,7 @@ class InputProcessor:
         self.fingerprint = processor_fingerprint(model.processor.image_processor)
         self.shortest_edge = shortest_edge(model.processor.image_processor)
         #: compiled structured-output grammars (built here, off the engine thread)
-        self.grammars = GrammarCache(model)
+        self.grammars = grammars if grammars is not None else GrammarCache(model)
         #: ids a client may name (``logit_bias``): the tokenizer's, padding rows excluded
         self.vocab_size = len(model.tokenizer)
 
@@ -357,9 +352,15 @@ class InputProcessor:
         videos: Sequence[Sequence[ImageInput]] = (),
         template: ChatTemplateOptions = NEW_TURN,
         details: Sequence[str] = (),
+        default_max_tokens: int | None = None,
     ) -> EngineRequest:
         """Build a validated, tokenized request message from chat ``messages`` or a raw
         ``prompt``.
+
+        With ``default_max_tokens`` set, ``params.max_tokens == 0`` means "not given": the
+        request gets :meth:`default_max_tokens` of the tokenized prompt (checked first
+        as if one output token were asked for, so a prompt too long is blamed on the
+        prompt). Without it, ``max_tokens`` must be given (>= 1).
 
         ``images`` fill the image placeholders and ``videos`` (each its frames, decoded
         and hashed like images) the video placeholders of a model with a video path.
@@ -375,11 +376,17 @@ class InputProcessor:
         Raises:
             RequestError: bad sampling parameters, placeholder/image mismatch, a
                 prompt plus ``max_tokens`` beyond the context or the KV pool, or a
-                structured-output spec that is refused or does not compile.
+                structured-output spec that is refused or does not compile, or
+                (``max_tokens`` not given) ``min_tokens`` beyond the room the prompt
+                leaves.
         """
         params = params or SamplingParams()
-        try:
-            params.validate(vocab_size=self.vocab_size)
+        default = None if params.max_tokens else default_max_tokens  # None: given (or required)
+        try:  # not given: checked as one token, min_tokens once the prompt's length is known
+            checked = params
+            if default is not None:
+                checked = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+            checked.validate(vocab_size=self.vocab_size)
         except ParamError as e:
             raise RequestError(str(e), param=e.param) from None
         try:
@@ -404,7 +411,7 @@ class InputProcessor:
                 "smaller images",
                 param="messages",
             )
-        self.check_length(len(ids), params.max_tokens, counts)
+        self.check_length(len(ids), checked.max_tokens, counts)
         total = sum(s.image.width * s.image.height for s in spans)
         if total > self.config.max_request_image_pixels:
             raise RequestError(
@@ -420,6 +427,8 @@ class InputProcessor:
                 grammar = self.grammars.compile(params.guided)
             except GrammarError as e:
                 raise RequestError(str(e), param=e.param) from None
+        if default is not None:
+            params = self.default_max_tokens(params, len(ids), default)
         context: tuple[int, ...] = ()
         if messages is not None and template.continue_final_message:
             context = text_tail(ids)
@@ -472,6 +481,31 @@ class InputProcessor:
         """Pseudo-tokens ``image`` becomes for the served model, alone in its prompt and
         sent with ``detail``."""
         return self.model.image_tokens(image.width, image.height, self.image_mode(1, detail))
+
+    def default_max_tokens(
+        self, params: SamplingParams, prompt_len: int, default: int
+    ) -> SamplingParams:
+        """``params`` with the ``max_tokens`` a client left out: up to ``default`` (or
+        ``params.min_tokens`` if more), capped at what the context and the KV pool leave
+        after a prompt of ``prompt_len`` tokens (at least 1).
+
+        Raises:
+            RequestError: ``param`` "min_tokens", when ``min_tokens`` is beyond that room.
+        """
+        room = self.output_room(prompt_len)
+        if params.min_tokens > room:
+            raise RequestError(
+                f"min_tokens ({params.min_tokens}) is more than the {room} tokens the "
+                f"context and the KV pool leave after the {prompt_len}-token prompt",
+                param="min_tokens",
+            )
+        want = max(default, params.min_tokens)
+        chosen = dataclasses.replace(params, max_tokens=max(1, min(want, room)))
+        try:  # the chosen value with the client's min_tokens
+            chosen.validate(vocab_size=self.vocab_size)
+        except ParamError as e:
+            raise RequestError(str(e), param=e.param) from None
+        return chosen
 
     def output_room(self, prompt_len: int) -> int:
         """Most output tokens a prompt of ``prompt_len`` tokens leaves room for."""

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
-from mmserve.engine.request import ImageInput, ImageSpan
 from mmserve.model.families.base import FRAME_MODE
 from mmserve.model.loader import LoadedModel
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID, PseudoIdCache
+from mmserve.vision.inputs import ImageInput, ImageSpan
 
 
 class PromptError(ValueError):

@@ -1,11 +1,12 @@
-"""Drives an :class:`~mmserve.engine.engine.Engine` from a background thread for asyncio callers.
+"""Drives an :class:`~mmserve.frontend.frontend.Engine` from a background thread for
+asyncio callers.
 
 Requests from many HTTP handlers land in one inbox; the engine thread drains it
 before every step, so their tokens share batches. The engine thread hands each
-request's :class:`~mmserve.engine.messages.TokenDelta` to the caller's
+request's :class:`~mmserve.types.TokenDelta` to the caller's
 ``asyncio.Queue`` through ``loop.call_soon_threadsafe``; text, stop strings and
 results are built there, on the event loop, by an
-:class:`~mmserve.engine.output.OutputCollector`, never on the engine thread.
+:class:`~mmserve.frontend.output.OutputCollector`, never on the engine thread.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from mmserve.engine.engine import Engine
-from mmserve.engine.messages import EngineRequest, TokenDelta
-from mmserve.engine.output import StreamUpdate
-from mmserve.engine.request import GenerateResult
+from mmserve.frontend.frontend import Engine
+from mmserve.frontend.output import StreamUpdate
+from mmserve.types import EngineRequest, GenerateResult, TokenDelta
 
 log = logging.getLogger(__name__)
 
