@@ -1,7 +1,7 @@
 """Token sampling: logits processors, then greedy, temperature, top-k and top-p with
 per-request seeds.
 
-Order of operations on one step's fp32 logits ``[batch, vocab]`` (``Engine.step``):
+Order of operations on one step's fp32 logits ``[batch, vocab]`` (``EngineCore.step``):
 
 1. the model runner's mask (image placeholder, padding at ``-inf``);
 2. :meth:`LogitsProcessors.apply`: ``logit_bias`` added, then ``repetition_penalty``,
