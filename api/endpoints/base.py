@@ -4,7 +4,7 @@ an HTTP route (:meth:`Endpoint.serve`) and for a batch line (:meth:`Endpoint.run
 A handler is the one place that knows its endpoint's body: the 4xx checks beyond the
 schema (:meth:`Endpoint.check`, with the batch's own wording where a batch line differs
 from a route), the engine requests it becomes (:meth:`Endpoint.prepare`) and the OpenAI
-object, stream or usage it answers with (:meth:`Endpoint.respond`,
+object, stream or usage it answers with (:meth:`Endpoint.answer`,
 :meth:`Endpoint.stream`).
 """
 
@@ -74,7 +74,7 @@ class Endpoint(Generic[Body, C]):
     """One POST endpoint: check, prepare, answer; shared by its route and batch lines.
 
     Subclasses set :attr:`path` and :attr:`body_type` and implement :meth:`prepare`,
-    :meth:`respond`, :meth:`stream` and :meth:`recorded_usage` (and extend :meth:`check`).
+    :meth:`answer`, :meth:`stream` and :meth:`recorded_usage` (and extend :meth:`check`).
     """
 
     path: ClassVar[str]
@@ -113,7 +113,7 @@ class Endpoint(Generic[Body, C]):
         """
         raise NotImplementedError
 
-    def respond(
+    def answer(
         self, st: ServerState, body: Body, call: C, results: Sequence[GenerateResult]
     ) -> Answer:
         """The non-streamed answer of ``call`` from its finished ``results``."""
@@ -144,7 +144,7 @@ class Endpoint(Generic[Body, C]):
             events = self.stream(st, body, call, sub)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         results = await sub.answers(http)
-        return self.respond(st, body, call, results).body
+        return self.answer(st, body, call, results).body
 
     async def run_line(self, st: ServerState, body: Body, submit: Submit) -> Answer:
         """A batch line (checked with :meth:`check` ``batch=True`` when its file was
@@ -160,4 +160,4 @@ class Endpoint(Generic[Body, C]):
             results = await sub.answers()
         finally:
             sub.cancel()
-        return self.respond(st, body, call, results)
+        return self.answer(st, body, call, results)

@@ -95,7 +95,7 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         return ChatCall(reqs, cid, int(time.time()), params, tools, tokens)
 
-    def respond(
+    def answer(
         self,
         st: ServerState,
         body: ChatCompletionRequest,

@@ -70,7 +70,7 @@ class ResponsesEndpoint(Endpoint[ResponsesRequest, ResponseCall]):
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         return ResponseCall(reqs, rid, time.time(), msg_id)
 
-    def respond(
+    def answer(
         self,
         st: ServerState,
         body: ResponsesRequest,
