@@ -8,10 +8,20 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from enum import Enum
+from typing import Final, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+
+
+class _Missing(Enum):
+    """An absent key's value: an enum member, so ``is _MISSING`` narrows the type."""
+
+    MISSING = 0
+
+
+_MISSING: Final = _Missing.MISSING
 
 
 class LRU(Generic[K, V]):
@@ -51,7 +61,9 @@ class LRU(Generic[K, V]):
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: K, default: V | None = None, *, touch: bool = True, count: bool = True):  # noqa: ANN201
+    def get(
+        self, key: K, default: V | None = None, *, touch: bool = True, count: bool = True
+    ) -> V | None:
         """The value of ``key``, or ``default``.
 
         Args:
@@ -101,7 +113,7 @@ class LRU(Generic[K, V]):
             self._data.move_to_end(key)
             return True
 
-    def pop(self, key: K, default: V | None = None):  # noqa: ANN201
+    def pop(self, key: K, default: V | None = None) -> V | None:
         """Remove ``key``; its value, or ``default`` when it was not held."""
         with self._lock:
             value = self._data.pop(key, _MISSING)
@@ -155,6 +167,3 @@ class LRU(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._data)
-
-
-_MISSING = object()

@@ -128,6 +128,97 @@ def cases_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_cases(tmp_path_factory.mktemp("cases"))
 
 
+#: Tests left out of the inner loop (``python -m pytest -q -m "not slow"``; CI runs them):
+#: a module (``"test_fuzz"``), a test or a test class (``"test_cli::test_serve_..."``,
+#: ``"test_replicas::TestEncoders"``; every parametrization) -> why it is slow. Marked
+#: here, in one place, by :func:`pytest_collection_modifyitems`; ``tests/test_habits.py``
+#: checks that every entry names a test that exists.
+SLOW_TESTS: dict[str, str] = {
+    # servers in subprocesses, killed and restarted
+    "test_batches_api::test_sigkill_mid_batch_resumes_without_running_a_line_twice": (
+        "a server subprocess killed and restarted mid-batch"
+    ),
+    "test_chat_prompts::test_serve_shows_the_end_user_line": "a server subprocess",
+    "test_cli::test_serve_logs_its_choices_by_default": "a server subprocess",
+    "test_concurrency": "32 clients against a live server",
+    "test_fuzz": "hypothesis inputs against a live server",
+    "test_graceful_shutdown": "a server subprocess stopped by SIGTERM mid-stream",
+    "test_kv_tiers::test_server_restart_answers_from_disk": "two server subprocesses in turn",
+    "test_server_e2e": "the sample client against a server subprocess",
+    "test_tracing::test_off_by_default_imports_no_opentelemetry_sdk": (
+        "a fresh interpreter imports the whole server"
+    ),
+    # every documented example against a live server (~3 min each)
+    "test_doc_examples::test_documented_examples_run_against_a_live_server": (
+        "runs every documented example against a live server"
+    ),
+    "test_doc_examples::test_a_broken_copy_of_the_api_reference_fails": (
+        "runs the API reference's examples again, on a broken copy"
+    ),
+    # Ray Serve replicas (the router, prefix tree and flags stay in the inner loop)
+    "test_replicas::TestRoundRobin": "a Ray Serve fleet",
+    "test_replicas::TestCacheRouter": "a Ray Serve fleet",
+    "test_replicas::TestEncoders": "a Ray Serve fleet with encoders",
+    (
+        "test_replicas::test_a_sigkill_of_the_whole_process_mid_batch_"
+        "resumes_without_rerunning_lines"
+    ): "a Ray Serve server killed and restarted mid-batch",
+    # tensor-parallel process groups (the layout and one tp=2 equality stay)
+    "test_tensor_parallel::test_server_tp2_answers_then_a_dead_rank_ends_it_cleanly": (
+        "a tp=2 server subprocess"
+    ),
+    "test_tensor_parallel::test_tp2_equals_tp1_per_family": "a tp=2 group per family",
+    "test_tensor_parallel::test_tp2_cache_on_equals_cache_off": "two tp=2 groups",
+    "test_tensor_parallel::test_workers_exit_when_rank_0_is_killed": "a tp=2 group killed",
+    "test_tensor_parallel::test_a_hung_worker_times_out_and_is_killed": "waits out a timeout",
+    # long runs of the engine or the tokenizer
+    "test_engine_core::test_per_step_work_does_not_grow_with_the_answer": (
+        "1,600-token answers, one per page size"
+    ),
+    "test_kv_tiers::test_fp8_pages_round_trip_through_a_tier": (
+        "fp8 pages of 576-token images through each tier (~1 min per tier on the CPU)"
+    ),
+    "test_detokenizer::test_stop_strings_match_one_shot_cut": "hypothesis over the tokenizers",
+    "test_detokenizer::test_incremental_text_equals_one_shot_decode": (
+        "hypothesis over the tokenizers"
+    ),
+    # benchmarks and installs
+    "test_benchmarks::test_tracing_benchmark_tiny": "server subprocesses with and without tracing",
+    "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",
+    "test_kv_fp8::test_kv_fp8_benchmark_tiny": "a benchmark run",
+    "test_checkpoint::test_make_model_choices_come_from_the_registry_when_used": (
+        "command-line subprocesses writing checkpoints"
+    ),
+    "test_gpu_bundle::test_gpu_check_installs_the_bundle_offline": (
+        "pip installs the bundle into a fresh virtual environment"
+    ),
+    # a browser
+    "test_web_page": "drives Chromium against a live server",
+}
+
+
+@pytest.fixture(scope="session")
+def slow_tests() -> dict[str, str]:
+    """:data:`SLOW_TESTS` (for the test that checks its entries)."""
+    return SLOW_TESTS
+
+
+def _slow_keys(item: pytest.Item) -> list[str]:
+    """The :data:`SLOW_TESTS` keys that would cover ``item``: its module, then each of
+    its classes and its function (parametrization dropped)."""
+    module = item.path.stem
+    parts = item.nodeid.split("::")[1:]
+    parts[-1] = parts[-1].split("[")[0]
+    return [module] + [f"{module}::{'::'.join(parts[: i + 1])}" for i in range(len(parts))]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of :data:`SLOW_TESTS` ``slow``."""
+    for item in items:
+        if any(key in SLOW_TESTS for key in _slow_keys(item)):
+            item.add_marker(pytest.mark.slow)
+
+
 class SkipGuard:
     """Plugin for ``MMSERVE_FAIL_ON_SKIP=1`` (set by ``.ci/run``): any test or module skipped
     outside ``tests/gpu`` fails the run, and the summary lists them."""

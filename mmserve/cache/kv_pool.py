@@ -33,6 +33,7 @@ from mmserve.cache.page_allocator import PageAllocator
 
 if TYPE_CHECKING:
     from mmserve.config import EngineConfig
+    from mmserve.model.llama import LlamaShape
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class KVPool:
     def for_model(
         cls,
         config: EngineConfig,
-        shape: object,
+        shape: LlamaShape,
         dtype: torch.dtype,
         scales: tuple[list[float], list[float]] | None = None,
     ) -> KVPool:
@@ -355,6 +356,7 @@ def plan_pool(
                 )
         else:
             frac = config.mem_fraction_static
+            assert frac is not None  # the branch above: one of the two is set
             budget = int(available - total * (1.0 - frac))
             reason = (
                 f"--mem-fraction-static {frac}: {_gib(available)} available of "

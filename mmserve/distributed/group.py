@@ -27,7 +27,9 @@ import os
 import socket
 import threading
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,7 @@ from mmserve.distributed.worker import (
     step_tensors,
     worker_main,
 )
+from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.metadata import AttentionMetadata
 from mmserve.model.llama import LlamaShape
 from mmserve.model.loader import LoadedModel, assemble, load_vision, read_front_end, text_shape
@@ -98,7 +101,7 @@ class TPGroup:
         if not os.environ.get("GLOO_SOCKET_IFNAME") and (lo := _loopback_ifname()):
             os.environ["GLOO_SOCKET_IFNAME"] = lo  # loopback only; workers inherit it
         timeout = datetime.timedelta(seconds=config.tp_timeout_seconds)
-        self._store = dist.TCPStore(
+        self._store: dist.TCPStore | None = dist.TCPStore(
             "127.0.0.1", 0, self.world, is_master=True, timeout=timeout, wait_for_workers=False
         )
         self._spec = WorkerSpec(
@@ -117,7 +120,7 @@ class TPGroup:
             threads=torch.get_num_threads(),
         )
         ctx = mp.get_context("spawn")
-        self._procs: list[mp.Process] = []
+        self._procs: list[BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         for rank in range(1, self.world):
             ours, theirs = ctx.Pipe()
@@ -138,7 +141,7 @@ class TPGroup:
     @property
     def pids(self) -> list[int]:
         """Process ids of the worker ranks 1..N-1."""
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs if p.pid is not None]  # all started: all have one
 
     def join(self) -> None:
         """Wait for every worker to load its shard, then form the process group.
@@ -157,7 +160,10 @@ class TPGroup:
             sentinels = {self._procs[r - 1].sentinel: r for r in pending}
             ready = multiprocessing.connection.wait([*pending.values(), *sentinels], left)
             for obj in ready:
-                rank = sentinels.get(obj) or next(r for r, c in pending.items() if c is obj)
+                if isinstance(obj, int) and obj in sentinels:  # a worker's process ended
+                    rank = sentinels[obj]
+                else:
+                    rank = next(r for r, c in pending.items() if c is obj)
                 conn = pending[rank]
                 msg = conn.recv() if conn.poll() else None
                 if msg is None or msg[0] != "loaded":
@@ -165,6 +171,7 @@ class TPGroup:
                     raise TPGroupError(f"tensor-parallel rank {rank} failed to start: {why}")
                 self.worker_bytes[rank - 1] = msg[1]
                 del pending[rank]
+        assert self._store is not None, "join() after close()"
         init_group(self._spec, self._store)
         self._watcher = threading.Thread(target=self._watch, name="mmserve-tp-watch", daemon=True)
         self._watcher.start()
@@ -248,7 +255,7 @@ class PlanCapture:
     """Wraps rank 0's attention backend to keep the metadata of the planned batch,
     which :class:`TPDecoder` sends to the other ranks."""
 
-    def __init__(self, inner: object) -> None:
+    def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.name = inner.name
         self.meta: AttentionMetadata | None = None
@@ -258,7 +265,9 @@ class PlanCapture:
         self.meta = meta
         self.inner.plan(meta)
 
-    def forward(self, q, k, v, layer_id, pool):  # noqa: ANN001, ANN201
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool
+    ) -> torch.Tensor:
         """``inner.forward``: see :class:`~mmserve.kernels.backend.AttentionBackend`."""
         return self.inner.forward(q, k, v, layer_id, pool)
 
@@ -275,8 +284,9 @@ class TPDecoder(ShardedDecoder):
         super().__init__(layout, with_embedding=True)
         self.group = group
 
-    def bind(self, runner: object) -> None:
-        """Wrap ``runner.backend`` in a :class:`PlanCapture`."""
+    def bind(self, runner: Any) -> None:
+        """Wrap ``runner.backend`` in a :class:`PlanCapture` (``runner``: the engine's
+        ``ModelRunner``, typed ``Any``: this package sits below the engine)."""
         if not isinstance(runner.backend, PlanCapture):
             runner.backend = PlanCapture(runner.backend)
 
@@ -294,7 +304,7 @@ class TPDecoder(ShardedDecoder):
         self,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        backend: PlanCapture,
+        backend: AttentionBackend,
         pool: KVPool,
         logit_rows: torch.Tensor,
     ) -> torch.Tensor:
@@ -307,9 +317,9 @@ class TPDecoder(ShardedDecoder):
             TPGroupError: when the group is down, or this step fails on any rank (a
                 collective raised or timed out); the group is down afterwards.
         """
-        meta = backend.meta
-        if meta is None or not isinstance(backend, PlanCapture):
+        if not isinstance(backend, PlanCapture) or backend.meta is None:
             raise RuntimeError("TPDecoder.bind(runner) was not called")
+        meta = backend.meta
         ints = torch.cat([t.to(torch.int64) for t in step_tensors(meta, logit_rows)])
         head = StepHeader(
             tokens=embeds.shape[0],
@@ -323,11 +333,13 @@ class TPDecoder(ShardedDecoder):
             dist.broadcast(embeds.contiguous(), src=0)
             dist.broadcast(ints, src=0)
             local = super().forward(embeds, positions, backend, pool, logit_rows)
-            return gather_logits(local, self.layout)
+            logits = gather_logits(local, self.layout)
         except Exception as exc:
             # the ranks are out of step now: nothing can run on this group again
             self.group.fail(f"step failed on rank 0: {type(exc).__name__}: {exc}")
             raise TPGroupError(self.group.failure) from exc
+        assert logits is not None  # rank 0 gathers every rank's slice
+        return logits
 
 
 def load_tp_model(config: EngineConfig) -> LoadedModel:
@@ -345,6 +357,7 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
         CheckpointError: as :func:`~mmserve.model.loader.load_model`.
         TPGroupError: when a worker fails to start.
     """
+    assert config.model_path is not None, "a tensor-parallel model needs a model_path"
     model_dir = Path(config.model_path)
     hf_config, processor, family = read_front_end(model_dir)
     shape = text_shape(hf_config)

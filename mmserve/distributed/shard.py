@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from torch import nn
 from mmserve.distributed.layout import TPLayout
 from mmserve.kernels import ops
 from mmserve.model import quant
-from mmserve.model.llama import DecoderLayer, LlamaDecoder, RMSNorm
+from mmserve.model.llama import DecoderLayer, DecoderStack, RMSNorm
 from mmserve.model.quant import QuantizedLinear
 from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
 
@@ -53,12 +54,12 @@ class RowParallelLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-def _take(sl, axis: str, span: tuple[int, int] | None) -> torch.Tensor:  # noqa: ANN001
-    """Rows, columns or all of a ``safe_open`` slice."""
-    if axis == "row":
-        return sl[span[0] : span[1]]
-    if axis == "col":
-        return sl[:, span[0] : span[1]]
+def _take(sl: Any, axis: str, span: tuple[int, int] | None) -> torch.Tensor:
+    """Rows, columns or all of a ``safe_open`` slice (or a tensor)."""
+    if axis in ("row", "col"):
+        assert span is not None  # _slices gives "row" and "col" their span
+        lo, hi = span
+        return sl[lo:hi] if axis == "row" else sl[:, lo:hi]
     return sl[:]
 
 
@@ -84,7 +85,7 @@ def _slices(layout: TPLayout, name: str) -> tuple[str, tuple[int, int] | None]:
     return "all", None  # norms, o_proj / down_proj biases, the embedding
 
 
-class ShardedDecoder(nn.Module):
+class ShardedDecoder(DecoderStack):
     """Rank ``layout.rank``'s part of :class:`~mmserve.model.llama.LlamaDecoder`.
 
     Args:
@@ -98,11 +99,10 @@ class ShardedDecoder(nn.Module):
         lm_head: this rank's vocabulary rows ``[vocab_rows, hidden]``.
     """
 
-    rope_cache = LlamaDecoder.rope_cache  # the same RoPE table, from the same fp32 frequencies
-    # The same layer loop, final norm and head, on this rank's heads: every rank calls it
-    # with the same batch, and it returns fp32 logits ``[B, vocab_rows]`` of this rank's
-    # vocabulary rows (:func:`~mmserve.distributed.worker.gather_logits` joins them).
-    forward = LlamaDecoder.forward
+    # DecoderStack's RoPE table (the same fp32 frequencies) and its layer loop, final norm
+    # and head, on this rank's heads: every rank calls forward with the same batch, and
+    # it returns fp32 logits ``[B, vocab_rows]`` of this rank's vocabulary rows
+    # (:func:`~mmserve.distributed.worker.gather_logits` joins them).
 
     def __init__(self, layout: TPLayout, with_embedding: bool) -> None:
         super().__init__()
@@ -218,18 +218,18 @@ class ShardedDecoder(nn.Module):
                     sc = quant.row_scales(
                         f.get_slice(quant.scale_key(key))[:].float(), sl.get_shape()[0]
                     )
-                    scales.append(sc[span[0] : span[1]] if axis == "row" else sc)
+                    scales.append(_take(sc, axis, span) if axis == "row" else sc)
                 elif axis == "col":  # whole rows for the scales, this rank's columns kept
                     w = sl[:].float()
                     _, sc = quant.quantize_per_channel(w, method)
-                    q = quant.quantize_with_scale(w[:, span[0] : span[1]], sc, method)
+                    q = quant.quantize_with_scale(_take(w, axis, span), sc, method)
                     scales.append(sc)
                 else:
                     q, sc = quant.quantize_per_channel(_take(sl, axis, span).float(), method)
                     scales.append(sc)
             qs.append(q)
         old = self.get_submodule(name)
-        bias = old.bias  # meta until load_state_dict fills it
+        bias = cast("torch.Tensor | None", old.bias)  # meta until load_state_dict fills it
         cls = RowParallelQuantizedLinear if isinstance(old, RowParallelLinear) else QuantizedLinear
         new = cls(torch.cat(qs).to(device), torch.cat(scales).to(device), None)
         if bias is not None:

@@ -29,6 +29,9 @@ importing :mod:`mmserve` never requires it.
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import torch
 
 from mmserve.cache.kv_pool import KVPool, is_fp8
@@ -71,7 +74,7 @@ def flashinfer_import_problem() -> str | None:
     return None
 
 
-def import_flashinfer():  # noqa: ANN201
+def import_flashinfer() -> ModuleType:
     """Import and return the ``flashinfer`` module.
 
     Raises:
@@ -152,9 +155,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", use_tensor_cores=self._tensor_cores
         )
-        self._graph_decode: dict[int, object] = {}  # bucket -> use_cuda_graph wrapper
+        # flashinfer has no type information: its wrappers are Any
+        self._graph_decode: dict[int, Any] = {}  # bucket -> use_cuda_graph wrapper
         self._meta: AttentionMetadata | None = None
-        self._wrapper = None
+        self._wrapper: Any = None  # the wrapper planned for this batch
 
     def _plan_args(self, meta: AttentionMetadata) -> tuple[tuple, dict]:
         """The heads and types both wrappers' ``plan`` take after the page arrays."""

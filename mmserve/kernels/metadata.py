@@ -182,6 +182,7 @@ class PaddedDecodeBuffers:
         self.kv_last_page_len = torch.ones(max_bs, dtype=i32, device=dev)
         self.qo_indptr = torch.arange(max_bs + 1, dtype=i32, device=dev)
         self.logit_rows = torch.arange(max_bs, dtype=i64, device=dev)
+        self._host: tuple[torch.Tensor, ...]
         if dev.type == "cpu":  # no staging: the host buffers are the static ones
             self._host = (self.input_ids, self.positions, self.out_cache_loc, self.kv_indptr,
                           self.kv_indices, self.kv_last_page_len)  # fmt: skip
@@ -240,13 +241,13 @@ class PaddedDecodeBuffers:
         indices[off : off + pad] = self.scratch_page
         indptr[n + 1 : bucket + 1] = torch.arange(off + 1, off + pad + 1, dtype=torch.int32)
         total = off + pad
-        seq = torch.tensor(list(seq_lens), dtype=torch.int64)
-        last[:n] = (seq - (seq - 1) // P * P).to(torch.int32)
+        seqs = torch.tensor(list(seq_lens), dtype=torch.int64)
+        last[:n] = (seqs - (seqs - 1) // P * P).to(torch.int32)
         last[n:bucket] = 1
-        pos[:n] = seq - 1
+        pos[:n] = seqs - 1
         pos[n:bucket] = 0
         tail = indices[indptr[1 : n + 1].to(torch.int64) - 1].to(torch.int64)  # last pages
-        loc[:n] = tail * P + (seq - 1) % P
+        loc[:n] = tail * P + (seqs - 1) % P
         loc[n:bucket] = self.scratch_page * P
         ids[:n] = torch.tensor(list(token_ids), dtype=torch.int64)
         ids[n:bucket] = 0

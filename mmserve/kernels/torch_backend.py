@@ -202,7 +202,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._all_decode = len(dec_view) == meta.batch_size and len(dec_view) == len(
             self._view_reqs
         )
-        self._rest_index = self._rest_valid = None
+        # decode rows' leftover slots, padded to [R, width]: int64 index, bool valid
+        self._rest_index: torch.Tensor | None = None
+        self._rest_valid: torch.Tensor | None = None
         if decode_rest:
             width = max(len(idx) for _, idx in decode_rest)
             index = torch.zeros(len(decode_rest), width, dtype=torch.int64)
@@ -242,7 +244,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Attention over the pool's slots, K/V upcast to ``q``'s dtype, unscaled V."""
         if self._decode_index is not None and not self._loop and not self._view_reqs:
-            return self._decode_batched(q, k_all, v_all)
+            return self._decode_batched(q, k_all, v_all, self._decode_index)
         out = torch.empty_like(q)
         if self._view_reqs:
             whole = self._attend_views(q, k_all, v_all, out)
@@ -250,7 +252,7 @@ class TorchAttentionBackend(AttentionBackend):
                 return whole
         if self._decode_index is not None:
             rows = self._decode_rows
-            out[rows] = self._decode_batched(q[rows], k_all, v_all)
+            out[rows] = self._decode_batched(q[rows], k_all, v_all, self._decode_index)
         qo = self._qo
         for i in self._loop:
             slots = self._slots[i]
@@ -280,7 +282,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor | None:
         """The view path: fill ``out``'s rows of the view-path requests; for a batch of
         decode rows only, return the whole ``[T, Hq, D]`` output instead."""
-        meta, qo = self._meta, self._qo
+        meta, qo, flash = self._meta, self._qo, _FLASH
+        assert meta is not None and flash is not None  # planned, on the view path
         hq, hkv, d = q.shape[1], k_flat.shape[1], q.shape[2]
         g = hq // hkv
         # each request's queries as [Hkv, q_len * G, D]: G heads become G query rows
@@ -300,6 +303,7 @@ class TorchAttentionBackend(AttentionBackend):
                 kc = k_flat[c.start : c.start + c.length].transpose(0, 1)  # [Hkv, L, D] view
                 vc = v_flat[c.start : c.start + c.length].transpose(0, 1)
             else:
+                assert c.slots is not None  # a chunk without a start is gathered
                 kc = _gather(k_flat, c.slots).transpose(0, 1)
                 vc = _gather(v_flat, c.slots).transpose(0, 1)
             qc = (
@@ -311,9 +315,10 @@ class TorchAttentionBackend(AttentionBackend):
             if c.mask is not None:  # [q_len, L] -> [q_len * G, L]
                 mask = self._float_mask(n_chunk, c.mask.repeat_interleave(g, dim=0), q.dtype)
             kc, vc = kc[None].to(q.dtype), vc[None].to(q.dtype)
-            o, lse = _FLASH(qc[None], kc, vc, attn_mask=mask, scale=self._scale)
+            o, lse = flash(qc[None], kc, vc, attn_mask=mask, scale=self._scale)
             if c.dead:
                 # rows that see no key of this chunk: it must weigh nothing in the merge
+                assert c.mask is not None  # a dead row is a masked one
                 dead = c.mask.all(1).repeat_interleave(g)  # [q_len * G]
                 lse = lse.masked_fill(dead, float("-inf"))
                 o = o.masked_fill(dead[:, None], 0.0)
@@ -324,14 +329,15 @@ class TorchAttentionBackend(AttentionBackend):
                 ext_o.append(o[0])
                 ext_lse.append(lse[0])
                 ext_rows.append(c.rows[0])
-        if self._rest_index is not None:  # decode rows' gathered leftovers, one call
-            kb = _gather(k_flat, self._rest_index).permute(0, 2, 1, 3).to(q.dtype)
-            vb = _gather(v_flat, self._rest_index).permute(0, 2, 1, 3).to(q.dtype)
+        rest_index, rest_valid = self._rest_index, self._rest_valid  # set together
+        if rest_index is not None and rest_valid is not None:  # decode rows' leftovers
+            kb = _gather(k_flat, rest_index).permute(0, 2, 1, 3).to(q.dtype)
+            vb = _gather(v_flat, rest_index).permute(0, 2, 1, 3).to(q.dtype)
             qb = torch.stack([queries[r] for r in self._rest_rows])  # [B, Hkv, G, D]
             mask = self._masks_by_dtype.get((-1, q.dtype))
             if mask is None:
-                mask = self._float_mask(-1, ~self._rest_valid[:, None, None, :], q.dtype)
-            o, lse = _FLASH(qb, kb, vb, attn_mask=mask, scale=self._scale)
+                mask = self._float_mask(-1, ~rest_valid[:, None, None, :], q.dtype)
+            o, lse = flash(qb, kb, vb, attn_mask=mask, scale=self._scale)
             dec_o.append(o)
             dec_lse.append(lse)
         if self._merge_plan is not None:
@@ -344,16 +350,18 @@ class TorchAttentionBackend(AttentionBackend):
             by_row = _merge(ext_o, ext_lse, ext_rows, len(self._view_reqs))
             for r, i in enumerate(self._view_reqs):
                 if not decode[r]:
+                    part = by_row[r]
+                    assert part is not None  # an extend row has parts (only decode rows: None)
                     q_len = meta.extend_lens[i]
-                    o = by_row[r].view(hkv, q_len, g, d).transpose(0, 1)
+                    o = part.view(hkv, q_len, g, d).transpose(0, 1)
                     out[qo[i] : qo[i + 1]] = o.reshape(q_len, hq, d)
         return None
 
     def _decode_batched(
-        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, idx: torch.Tensor
     ) -> torch.Tensor:
-        # One padded gather for the whole decode batch instead of B small calls.
-        idx = self._decode_index
+        # One padded gather for the whole decode batch instead of B small calls
+        # (idx: the planned _decode_index).
         kb = _gather(k_flat, idx).permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
         vb = _gather(v_flat, idx).permute(0, 2, 1, 3).to(q.dtype)
         qb = q[:, :, None, :]  # [B, Hq, 1, D]
@@ -436,7 +444,7 @@ def _merge(
     by_row: list[list[int]] = [[] for _ in range(n)]
     for j, r in enumerate(rows):
         by_row[r].append(j)
-    merged = []
+    merged: list[torch.Tensor | None] = []
     for parts in by_row:
         if not parts:  # a row merged elsewhere (decode)
             merged.append(None)

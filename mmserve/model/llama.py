@@ -139,28 +139,24 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaDecoder(nn.Module):
-    """Llama decoder with LM head; parameter names match transformers' ``LlamaModel``
-    (and ``Qwen2Model``, which differs only in its q/k/v biases).
+class DecoderStack(nn.Module):
+    """The layer loop, final norm and LM head: what :class:`LlamaDecoder` and a
+    tensor-parallel rank's :class:`~mmserve.distributed.shard.ShardedDecoder` share.
 
-    Args:
-        shape: hyperparameters (see :class:`LlamaShape`).
+    Subclasses build the modules and the fp32 RoPE table declared here.
+
+    Attributes:
+        shape: the decoder's shape (a shard's: its local heads and MLP width).
+        embed_tokens: the token embedding (None on a tensor-parallel worker rank, which
+            gets the embedded batch from rank 0).
     """
 
-    def __init__(self, shape: LlamaShape) -> None:
-        super().__init__()
-        self.shape = shape
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        if shape.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # one tensor, as transformers ties
-        # on the CPU even when the module is built on the meta device (the loader does)
-        self._inv_freq_fp32 = ops.rope_inv_freq(shape.head_dim, shape.rope_theta)
-        # Plain attributes, so ``.to(dtype=bfloat16)`` cannot round them: bf16 inverse
-        # frequencies put RoPE angles off by ~pos * 2**-9 rad. transformers keeps them fp32.
-        self._rope_cache = ops.cos_sin_cache(self._inv_freq_fp32, shape.max_position_embeddings)
+    shape: LlamaShape
+    embed_tokens: nn.Embedding | None
+    layers: nn.ModuleList
+    norm: RMSNorm
+    lm_head: nn.Module  # nn.Linear, or a QuantizedLinear once quantized
+    _rope_cache: torch.Tensor
 
     def rope_cache(self, device: torch.device) -> torch.Tensor:
         """fp32 cos/sin table ``[max_position_embeddings, head_dim]``
@@ -198,5 +194,32 @@ class LlamaDecoder(nn.Module):
         x, residual = embeds, None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, cache, backend, pool)
+        assert residual is not None  # a decoder has at least one layer
         x, _ = self.norm(x[logit_rows], residual[logit_rows])
         return self.lm_head(x).float()
+
+
+class LlamaDecoder(DecoderStack):
+    """Llama decoder with LM head; parameter names match transformers' ``LlamaModel``
+    (and ``Qwen2Model``, which differs only in its q/k/v biases).
+
+    Args:
+        shape: hyperparameters (see :class:`LlamaShape`).
+    """
+
+    embed_tokens: nn.Embedding  # always held here
+
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor, as transformers ties
+        # on the CPU even when the module is built on the meta device (the loader does)
+        self._inv_freq_fp32 = ops.rope_inv_freq(shape.head_dim, shape.rope_theta)
+        # Plain attributes, so ``.to(dtype=bfloat16)`` cannot round them: bf16 inverse
+        # frequencies put RoPE angles off by ~pos * 2**-9 rad. transformers keeps them fp32.
+        self._rope_cache = ops.cos_sin_cache(self._inv_freq_fp32, shape.max_position_embeddings)

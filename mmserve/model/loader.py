@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import (
@@ -39,7 +40,7 @@ from transformers.utils import is_protobuf_available
 from mmserve.model import quant
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
 from mmserve.model.families.base import IMAGE_MODE, VisionModule
-from mmserve.model.llama import LlamaDecoder, LlamaShape
+from mmserve.model.llama import DecoderStack, LlamaDecoder, LlamaShape
 from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
 from mmserve.model.weights import short_error as _short
 
@@ -58,9 +59,12 @@ class LoadedModel:
 
     Attributes:
         config: the transformers config (``LlavaConfig``, ``LlavaNextConfig``, ...).
-        decoder: our paged-KV Llama decoder with LM head.
+        decoder: our paged-KV Llama decoder with LM head (a
+            :class:`~mmserve.model.llama.LlamaDecoder`, or rank 0's ``TPDecoder`` under
+            tensor parallelism).
         vision: the family's vision module (tower, projector, packing).
-        processor: transformers' processor (tokenizer + image processor).
+        processor: transformers' processor (tokenizer + image processor; ``Any``:
+            transformers' processors set their attributes per class).
         image_token_id: id of the ``<image>`` placeholder in the tokenizer.
         video_token_id: id of the ``<video>`` placeholder when the family has a video
             path (:meth:`ModelFamily.video_frame_tokens`), else None.
@@ -73,9 +77,9 @@ class LoadedModel:
     """
 
     config: PretrainedConfig
-    decoder: LlamaDecoder
+    decoder: DecoderStack
     vision: VisionModule
-    processor: object
+    processor: Any
     image_token_id: int
     num_image_tokens: int | None
     eos_token_ids: list[int]
@@ -94,7 +98,7 @@ class LoadedModel:
         return self.family.num_image_tokens(width, height)
 
     @property
-    def tokenizer(self):  # noqa: ANN201
+    def tokenizer(self) -> Any:
         """The checkpoint's tokenizer."""
         return self.processor.tokenizer
 
@@ -154,7 +158,7 @@ class _LazyWeights:
             CheckpointError: for an unknown dtype or a truncated file.
         """
         path, base, info = self._where[key]
-        stored = _ST_DTYPES.get(info.get("dtype"))
+        stored = _ST_DTYPES.get(info.get("dtype", ""))
         if stored is None:
             raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
         start, end = info["data_offsets"]
@@ -166,7 +170,7 @@ class _LazyWeights:
             )
         with open(path, "rb") as f:
             f.seek(base + start)
-            if f.readinto(memoryview(view.numpy())) != end - start:
+            if f.readinto(view.numpy().data) != end - start:
                 raise CheckpointError(f"{path}: truncated at tensor {key}")
         cast = dtype is not None and t.is_floating_point() and t.element_size() > 1
         return t.to(device=device, dtype=dtype if cast else t.dtype)
@@ -232,8 +236,8 @@ def _load_strict(
             if attr in owner._parameters:
                 t = torch.nn.Parameter(t, requires_grad=False)
             loaded[keys] = t
-        if attr in owner._parameters:
-            owner._parameters[attr] = loaded[keys]
+        if attr in owner._parameters:  # made a Parameter above
+            owner._parameters[attr] = cast(torch.nn.Parameter, loaded[keys])
         else:
             owner._buffers[attr] = loaded[keys]
 
@@ -316,7 +320,7 @@ def _processor_failure(model_dir: Path, exc: BaseException) -> str:
     processor Auto classes separately, then name the missing file(s)."""
     try:
         AutoTokenizer.from_pretrained(model_dir)
-    except Exception as tok_exc:
+    except Exception as tok_exc:  # noqa: BLE001 - transformers raises many kinds; reported
         has_json = (model_dir / "tokenizer.json").is_file()
         has_model = (model_dir / "tokenizer.model").is_file()
         if not has_json and not has_model:
@@ -329,7 +333,7 @@ def _processor_failure(model_dir: Path, exc: BaseException) -> str:
         return f"the tokenizer does not load: {_short(tok_exc)}"
     try:
         AutoImageProcessor.from_pretrained(model_dir)
-    except Exception as img_exc:
+    except Exception as img_exc:  # noqa: BLE001 - transformers raises many kinds; reported
         nested = False
         proc_cfg = model_dir / "processor_config.json"
         if proc_cfg.is_file():
@@ -346,7 +350,7 @@ def _processor_failure(model_dir: Path, exc: BaseException) -> str:
     return _short(exc)
 
 
-def _load_processor(model_dir: Path) -> object:
+def _load_processor(model_dir: Path) -> Any:
     """``AutoProcessor`` on ``model_dir``; it must hold a tokenizer and an image processor."""
     try:
         processor = AutoProcessor.from_pretrained(model_dir)
@@ -363,17 +367,24 @@ def _load_processor(model_dir: Path) -> object:
     return processor
 
 
-def _family_processor(model_dir: Path, config: PretrainedConfig) -> object:
+def _family_class(config: PretrainedConfig) -> type[ModelFamily]:
+    """The family serving ``config`` (:func:`_load_config` refuses any other)."""
+    family = family_for(config.model_type)
+    assert family is not None, config.model_type
+    return family
+
+
+def _family_processor(model_dir: Path, config: PretrainedConfig) -> Any:
     """The family's own processor loading, else ``AutoProcessor`` (:func:`_load_processor`)."""
     try:
-        processor = family_for(config.model_type).load_processor(model_dir)
+        processor = _family_class(config).load_processor(model_dir)
     except Exception as exc:  # transformers raises many kinds
         why = _processor_failure(model_dir, exc)
         raise CheckpointError(f"{model_dir}: cannot load the tokenizer/processor: {why}") from exc
     return processor if processor is not None else _load_processor(model_dir)
 
 
-def load_processor(model_dir: str | Path) -> object:
+def load_processor(model_dir: str | Path) -> Any:
     """The processor (tokenizer + image processor) of a LLaVA-family checkpoint directory,
     as :func:`load_model` loads it: the family's own loading where it has one (OneVision,
     without torchvision), else transformers' ``AutoProcessor``.
@@ -404,7 +415,7 @@ def _quantize_decoder(
     """
     shape = decoder.shape
     for name in quant.target_modules(shape.num_layers, quantize_head=True):
-        linear = decoder.get_submodule(name)
+        linear = cast(torch.nn.Linear, decoder.get_submodule(name))
         sources = fused_sources(f"{name}.weight")
         keys = [dec_w[s] for s in sources]
         if stored:
@@ -540,7 +551,7 @@ def load_vision(
     return vision.to(device=device, dtype=dtype).eval()
 
 
-def read_front_end(model_dir: Path) -> tuple[PretrainedConfig, object, ModelFamily]:
+def read_front_end(model_dir: Path) -> tuple[PretrainedConfig, Any, ModelFamily]:
     """The config, processor and family of ``model_dir``, without reading weights.
 
     Raises:
@@ -551,16 +562,16 @@ def read_front_end(model_dir: Path) -> tuple[PretrainedConfig, object, ModelFami
         raise CheckpointError(f"model directory {model_dir} does not exist")
     config = _load_config(model_dir)
     processor = _family_processor(model_dir, config)
-    return config, processor, family_for(config.model_type)(config, processor)
+    return config, processor, _family_class(config)(config, processor)
 
 
 def assemble(
     model_dir: Path,
     config: PretrainedConfig,
-    processor: object,
+    processor: Any,
     family: ModelFamily,
-    decoder: LlamaDecoder,
-    vision: VisionModule | None,
+    decoder: DecoderStack,
+    vision: VisionModule,
 ) -> LoadedModel:
     """A :class:`LoadedModel` with its special token ids (image, video, EOS, never sampled).
 

@@ -154,6 +154,8 @@ class QuantizedLinear(nn.Module):
         bias: ``[out]`` in the compute dtype, or None.
     """
 
+    bias: torch.Tensor | None  # registered in __init__ (a parameter, or None)
+
     def __init__(
         self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
@@ -179,7 +181,8 @@ class QuantizedLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ dequantized^T`` (no bias): ``x`` ``[T, in]`` -> ``[T, out]``, ``x.dtype``."""
-        w, s = self.weight, self.weight_scale
+        w: torch.Tensor = self.weight
+        s: torch.Tensor = self.weight_scale
         if (
             w.dtype == torch.int8
             and x.device.type == "cpu"

@@ -82,6 +82,7 @@ class GrammarCache:
     def vocab_bytes(self) -> list[bytes]:
         """Each token id's bytes as decoded text holds them (``b""`` for special ids)."""
         self._get_compilers()
+        assert self._vocab is not None  # set with the compilers
         return self._vocab
 
     def compile(self, spec: GuidedSpec) -> Any:

@@ -36,6 +36,13 @@ class ConstrainedRequest(Protocol):
         """Its sampling parameters (``max_tokens`` is read)."""
 
 
+def _matcher(req: ConstrainedRequest) -> Any:
+    """The xgrammar matcher of a constrained request (one with a grammar)."""
+    grammar = req.grammar
+    assert grammar is not None, "not a constrained request"
+    return grammar.matcher
+
+
 @dataclass
 class GuidedStats:
     """Counters of constrained decoding since start.
@@ -109,7 +116,7 @@ class GuidedDecoding:
 
     def apply_masks(
         self, reqs: Sequence[ConstrainedRequest], rows: torch.Tensor | Sequence[torch.Tensor]
-    ) -> torch.Tensor | list[torch.Tensor]:
+    ) -> torch.Tensor | Sequence[torch.Tensor]:
         """Set every disallowed token of each constrained request's row to ``-inf``.
 
         Args:
@@ -130,7 +137,7 @@ class GuidedDecoding:
         vocab = out[0].shape[-1]
         bitmask = xgr.allocate_token_bitmask(len(idx), vocab)
         for k, i in enumerate(idx):
-            reqs[i].grammar.matcher.fill_next_token_bitmask(bitmask, k)
+            _matcher(reqs[i]).fill_next_token_bitmask(bitmask, k)
         allowed = self._unpack(bitmask.to(out[0].device), vocab)
         self._utf8_second_byte(allowed, [reqs[i] for i in idx])
         dead = ~allowed.any(dim=1)
@@ -198,7 +205,7 @@ class GuidedDecoding:
             grammar has ended (a stop token accepted, a dead end, or, with jump-forward,
             nothing but a stop token left), else None.
         """
-        m = req.grammar.matcher
+        m = _matcher(req)
         if tok in self.stop_ids and self._only_stop(m):
             return Advance(tok, keep=False, reason="stop")
         if not m.accept_token(tok) or m.is_terminated():
@@ -228,7 +235,7 @@ class GuidedDecoding:
         with the answer)."""
         out = [*req.output_ids[-JUMP_CONTEXT:], sampled]
         tok = self.model.tokenizer
-        m = req.grammar.matcher
+        m = _matcher(req)
 
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)

@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import threading
 import time
+from typing import Literal
 
 from PIL import Image
 
@@ -161,7 +162,7 @@ class DecodeBudget:
             trim_heap()
 
 
-_libc: ctypes.CDLL | None | bool = None
+_libc: ctypes.CDLL | Literal[False] | None = None  # None: not looked up yet
 
 
 def trim_heap() -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,16 +43,17 @@ class FramePrep:
     width: int
     resample: int = 3
     rescale_factor: float = 1 / 255
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
     do_resize: bool = True
     do_rescale: bool = True
     do_normalize: bool = True
     do_convert_rgb: bool = True
 
     @classmethod
-    def from_processor(cls, video_processor: object) -> FramePrep:
-        """The settings of a transformers video processor instance (only read, never called).
+    def from_processor(cls, video_processor: Any) -> FramePrep:
+        """The settings of a transformers video processor instance (only read, never called;
+        ``Any``: each processor class sets its own attributes).
 
         Raises:
             ValueError: if its ``size`` is not an explicit height and width.

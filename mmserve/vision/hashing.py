@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import xxhash
 from PIL import Image
@@ -33,11 +34,12 @@ _MODE_DOMAIN = b"mmserve-mode-key-v1\x00"
 VIDEO_NEWLINE_ID = -1
 
 
-def processor_fingerprint(image_processor: object) -> bytes:
+def processor_fingerprint(image_processor: Any) -> bytes:
     """8-byte fingerprint of an image processor: its class and its settings.
 
     Args:
-        image_processor: a transformers image processor.
+        image_processor: a transformers image processor (or any object: one without
+            ``to_json_string`` is fingerprinted by its attributes).
 
     Returns:
         xxh3-64 digest (8 bytes) of the class's qualified name and its JSON config.
@@ -45,7 +47,7 @@ def processor_fingerprint(image_processor: object) -> bytes:
     cls = type(image_processor)
     try:
         settings = image_processor.to_json_string()
-    except Exception:  # a processor without JSON export still has a stable repr of its dict
+    except Exception:  # noqa: BLE001 - without JSON export: the stable repr of its dict
         settings = json.dumps(vars(image_processor), sort_keys=True, default=str)
     h = xxhash.xxh3_64()
     h.update(f"{cls.__module__}.{cls.__qualname__}\x00".encode())

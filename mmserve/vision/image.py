@@ -84,7 +84,7 @@ def decode_image(
         raise ImageError(f"image refused before decoding: {clean_decoder_message(e)}") from None
     except UnidentifiedImageError:
         raise ImageError("data is not a decodable image (unknown or corrupt format)") from None
-    except Exception as e:  # Pillow raises many types for corrupt headers
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for corrupt headers
         raise ImageError(f"cannot read image header: {clean_decoder_message(e)}") from None
     w, h = im.size
     check_size(w, h, limits, shortest_edge)
@@ -97,7 +97,7 @@ def decode_image(
         # in place: without an orientation tag the default returns a copy (a 6000x6000
         # image is 108 MB more at the peak)
         ImageOps.exif_transpose(im, in_place=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for corrupt data
         raise ImageError(f"image is truncated or corrupt: {clean_decoder_message(e)}") from None
     return to_8bit(im)
 

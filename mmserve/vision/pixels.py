@@ -3,6 +3,7 @@ to the engine instead of a decoded image)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,3 +31,18 @@ class Pixels:
     def nbytes(self) -> int:
         """Bytes held by ``values``."""
         return self.values.numel() * self.values.element_size()
+
+
+def stack_image_sizes(items: Sequence[Pixels]) -> torch.Tensor:
+    """``[N, 2]`` int64 ``(height, width)`` of any-resolution items, for transformers'
+    packing.
+
+    Raises:
+        ValueError: for an item without ``image_size``.
+    """
+    sizes = []
+    for it in items:
+        if it.image_size is None:
+            raise ValueError(f"a {it.mode!r} item without image_size cannot be packed")
+        sizes.append(it.image_size)
+    return torch.stack(sizes)

@@ -12,6 +12,8 @@ from torch import nn
 from transformers import AutoModel
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from mmserve.vision.inputs import ImageInput
     from mmserve.vision.pixels import Pixels
 
@@ -32,7 +34,7 @@ FRAME_MODE = "frame"
 DETAILS = ("auto", "low", "high")
 
 
-def check_vision_config(config: object) -> None:
+def check_vision_config(config: PretrainedConfig) -> None:
     """Refuse vision settings no family here implements.
 
     Raises:
@@ -59,7 +61,8 @@ class VisionModule(nn.Module):
     Args:
         config: the checkpoint's LLaVA-family config (checked by :func:`check_vision_config`).
         projector: the family's transformers projector class, built as ``projector(config)``.
-        image_processor: the checkpoint's image processor.
+        image_processor: the checkpoint's image processor (``Any``: transformers'
+            processors set their attributes per class).
 
     Raises:
         ValueError: for a multi-layer ``vision_feature_layer`` or an unknown
@@ -67,7 +70,10 @@ class VisionModule(nn.Module):
     """
 
     def __init__(
-        self, config: object, projector: Callable[[object], nn.Module], image_processor: object
+        self,
+        config: PretrainedConfig,
+        projector: Callable[[Any], nn.Module],
+        image_processor: Any,
     ) -> None:
         super().__init__()
         check_vision_config(config)
@@ -136,9 +142,15 @@ class VisionModule(nn.Module):
             One ``[tokens, text_hidden]`` tensor per item, in order.
 
         Raises:
-            ValueError: for a mode this family does not have.
+            ValueError: for a mode this family does not have, or an item whose image was
+                dropped.
         """
-        return self.encode_pixels([self.preprocess([it.image], it.mode)[0] for it in items])
+        pixels = []
+        for it in items:
+            if it.image is None:
+                raise ValueError("encode_items needs the decoded image of every item")
+            pixels.append(self.preprocess([it.image], it.mode)[0])
+        return self.encode_pixels(pixels)
 
     def token_embeddings(self) -> dict[int, torch.Tensor]:
         """Embeddings ``[text_hidden]`` of the reserved negative token ids this module
@@ -152,7 +164,8 @@ class ModelFamily:
 
     Args:
         config: the checkpoint's transformers config (``LlavaConfig``, ...).
-        processor: its transformers processor (tokenizer + image processor).
+        processor: its transformers processor (tokenizer + image processor; ``Any``:
+            transformers' processors set their attributes per class).
 
     Attributes:
         model_type: ``config.json``'s ``model_type`` this family serves.
@@ -168,12 +181,12 @@ class ModelFamily:
         "multi_modal_projector.": "multi_modal_projector",
     }
 
-    def __init__(self, config: object, processor: object) -> None:
+    def __init__(self, config: PretrainedConfig, processor: Any) -> None:
         self.config = config
         self.processor = processor
 
     @classmethod
-    def load_processor(cls, model_dir: Path) -> object | None:
+    def load_processor(cls, model_dir: Path) -> Any | None:
         """The family's processor read from ``model_dir``, or None to use transformers'
         ``AutoProcessor`` (the default). It needs ``.tokenizer`` and ``.image_processor``.
 

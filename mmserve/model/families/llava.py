@@ -8,7 +8,7 @@ dropped for the "default" strategy, a two-layer GELU MLP into the decoder.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from PIL import Image
@@ -17,6 +17,9 @@ from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 from mmserve.model.families.base import IMAGE_MODE, ModelFamily, VisionModule
 from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths, special_token_ids
 from mmserve.vision.pixels import Pixels
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class LlavaVision(VisionModule):
@@ -27,7 +30,7 @@ class LlavaVision(VisionModule):
             ``vision_feature_select_strategy``.
     """
 
-    def __init__(self, config: object, image_processor: object) -> None:
+    def __init__(self, config: PretrainedConfig, image_processor: Any) -> None:
         super().__init__(config, LlavaMultiModalProjector, image_processor)
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
@@ -47,7 +50,7 @@ class LlavaVision(VisionModule):
 
 
 def preprocess_llava(
-    image_processor: object, images: Sequence[Image.Image], mode: str
+    image_processor: Any, images: Sequence[Image.Image], mode: str
 ) -> list[Pixels]:
     """The checkpoint's image processor on ``images``: fp32 ``[1, 3, H, W]`` per image.
 

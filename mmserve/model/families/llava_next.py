@@ -38,9 +38,11 @@ from mmserve.model.families.llava import (
 )
 from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths
 from mmserve.vision.hashing import mode_key
-from mmserve.vision.pixels import Pixels
+from mmserve.vision.pixels import Pixels, stack_image_sizes
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from mmserve.vision.inputs import ImageInput
 
 
@@ -55,7 +57,7 @@ class LlavaNextVision(VisionModule):
         ValueError: for a multi-layer ``vision_feature_layer`` or an unknown strategy.
     """
 
-    def __init__(self, config: object, image_processor: object) -> None:
+    def __init__(self, config: PretrainedConfig, image_processor: Any) -> None:
         super().__init__(config, LlavaNextMultiModalProjector, image_processor)
         self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
 
@@ -79,21 +81,25 @@ class LlavaNextVision(VisionModule):
         for it in items:
             if it.mode not in (IMAGE_MODE, BASE_MODE):
                 raise ValueError(f"LLaVA-NeXT has no {it.mode!r} mode")
-        sizes = torch.stack([it.image_size for it in items])
+        sizes = stack_image_sizes(items)
         counts = [it.values.shape[0] for it in items]
         pixels = torch.cat([it.values for it in items])
         feats = torch.split(self.project(pixels), counts)
         # transformers' packing (unpad + newline per row + base image first) reads only
         # self.config, so it runs on this module as it would on LlavaNextModel
         packed, _ = LlavaNextModel.pack_image_features(
-            self, feats, sizes, cfg.vision_feature_select_strategy, image_newline=self.image_newline
+            self,  # type: ignore[arg-type]  # duck-typed self: only .config is read
+            feats,
+            sizes,
+            cfg.vision_feature_select_strategy,
+            image_newline=self.image_newline,
         )
         return list(packed)
 
 
 def preprocess_anyres(
-    image_processor: object,
-    config: object,
+    image_processor: Any,
+    config: PretrainedConfig,
     images: Sequence[Image.Image],
     mode: str,
     base_only: bool = False,
@@ -187,7 +193,9 @@ class LlavaNextFamily(ModelFamily):
         tokenizer = llama_tokenizer("bpe" if real else "sentencepiece", real, max_length)
         tile, pinpoints = NEXT_TILES[size]
         base = llava_test_config(widths, tokenizer, tile)
-        shared = ("vision_config", "text_config", "image_token_index", "projector_hidden_act")
+        shared: tuple[str, ...] = (
+            "vision_config", "text_config", "image_token_index", "projector_hidden_act"
+        )  # fmt: skip
         shared += ("vision_feature_select_strategy", "vision_feature_layer", "tie_word_embeddings")
         config = dict(
             model_type=cls.model_type,

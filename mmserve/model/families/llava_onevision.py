@@ -62,9 +62,11 @@ from mmserve.model.families.llava_next import preprocess_anyres
 from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths, special_token_ids
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerprint
-from mmserve.vision.pixels import Pixels
+from mmserve.vision.pixels import Pixels, stack_image_sizes
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from mmserve.vision.inputs import ImageInput
 
 #: ``LlavaOnevisionProcessor.__init__`` arguments read from ``processor_config.json``.
@@ -144,7 +146,9 @@ class LlavaOnevisionVision(VisionModule):
             video frames not resized to the tower's input size.
     """
 
-    def __init__(self, config: object, image_processor: object, frame_prep: FramePrep) -> None:
+    def __init__(
+        self, config: PretrainedConfig, image_processor: Any, frame_prep: FramePrep
+    ) -> None:
         tile = config.vision_config.image_size
         if (frame_prep.height, frame_prep.width) != (tile, tile) or not frame_prep.do_resize:
             raise ValueError(
@@ -159,7 +163,7 @@ class LlavaOnevisionVision(VisionModule):
         # transformers' packing reads only self.config, so it runs on this module as it
         # would on LlavaOnevisionModel
         packed, _ = LlavaOnevisionModel.pack_image_features(
-            self,
+            self,  # type: ignore[arg-type]  # duck-typed self: only .config is read
             feats,
             sizes,
             image_newline=self.image_newline,
@@ -184,17 +188,18 @@ class LlavaOnevisionVision(VisionModule):
     def _anyres(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
         counts = [it.values.shape[0] for it in items]
         pixels = torch.cat([it.values for it in items])
-        sizes = torch.stack([it.image_size for it in items])
+        sizes = stack_image_sizes(items)
         return self._pack(torch.split(self.project(pixels), counts), sizes)
 
     def _base(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
         feats = self.project(torch.cat([it.values for it in items]))
-        sizes = torch.stack([it.image_size for it in items])
+        sizes = stack_image_sizes(items)
         return self._pack([f[None] for f in feats], sizes)
 
     def _frames(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
         feats = self.project(torch.cat([it.values for it in items]))
-        return list(LlavaOnevisionModel.apply_pooling(self, feats))
+        # duck-typed self, as in _pack: apply_pooling reads only self.config
+        return list(LlavaOnevisionModel.apply_pooling(self, feats))  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def encode_pixels(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
@@ -211,13 +216,13 @@ class LlavaOnevisionVision(VisionModule):
         for i, it in enumerate(items):
             by_mode.setdefault(it.mode, []).append(i)
         run = {IMAGE_MODE: self._anyres, BASE_MODE: self._base, FRAME_MODE: self._frames}
-        out: list[torch.Tensor | None] = [None] * len(items)
+        out: dict[int, torch.Tensor] = {}
         for mode, idx in by_mode.items():
             if mode not in run:
                 raise ValueError(f"LLaVA-OneVision has no {mode!r} mode")
             for i, f in zip(idx, run[mode]([items[i] for i in idx]), strict=True):
                 out[i] = f
-        return out
+        return [out[i] for i in range(len(items))]
 
     def token_embeddings(self) -> dict[int, torch.Tensor]:
         """The video newline: ``image_newline`` (``[text_hidden]``), after a video's frames."""
@@ -225,8 +230,8 @@ class LlavaOnevisionVision(VisionModule):
 
 
 def preprocess_onevision(
-    image_processor: object,
-    config: object,
+    image_processor: Any,
+    config: PretrainedConfig,
     frame_prep: FramePrep,
     images: Sequence[Image.Image],
     mode: str,
@@ -273,7 +278,7 @@ class LlavaOnevisionFamily(ModelFamily):
         "image_newline": "image_newline",
     }
 
-    def __init__(self, config: object, processor: object) -> None:
+    def __init__(self, config: PretrainedConfig, processor: Any) -> None:
         super().__init__(config, processor)
         settings = processor.video_settings
         self.frame_prep = FramePrep.from_processor(settings)

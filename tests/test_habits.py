@@ -1,0 +1,74 @@
+"""The inner-loop subset: the ``slow`` marker is registered, and ``tests/conftest.py``'s
+table of slow tests names only tests that exist (so it cannot rot when tests are renamed,
+moved or deleted), and marks exactly those."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+def _test_modules() -> dict[str, Path]:
+    """Test module basename -> path, ``tests/`` and ``tests/gpu/``."""
+    paths = [*(ROOT / "tests").glob("test_*.py"), *(ROOT / "tests" / "gpu").glob("test_*.py")]
+    return {p.stem: p for p in paths}
+
+
+def _test_names(path: Path) -> set[str]:
+    """``name``, ``Class`` and ``Class::name`` of every test function and class in ``path``."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith(
+            "test"
+        ):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            names.add(node.name)
+            names |= {
+                f"{node.name}::{f.name}"
+                for f in node.body
+                if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                and f.name.startswith("test")
+            }
+    return names
+
+
+def test_the_slow_marker_is_registered(pytestconfig: pytest.Config) -> None:
+    markers = pytestconfig.getini("markers")
+    assert any(line.startswith("slow:") for line in markers), markers
+
+
+def test_the_slow_table_names_only_tests_that_exist(slow_tests: dict[str, str]) -> None:
+    modules = _test_modules()
+    assert len(modules) > 50 and "test_habits" in modules
+    gone = []
+    for key, reason in slow_tests.items():
+        module, _, name = key.partition("::")
+        assert reason.strip(), f"{key}: no reason given"
+        if module not in modules or (name and name not in _test_names(modules[module])):
+            gone.append(key)
+    assert not gone, f"SLOW_TESTS names tests that do not exist: {gone}"
+    # at least a module, a function and a class are in the table: each kind of key is checked
+    assert any("::" not in k for k in slow_tests)
+    assert any(k.count("::") == 1 and "::Test" in k for k in slow_tests)
+    assert any(k.count("::") == 1 and "::test" in k for k in slow_tests)
+
+
+def test_slow_marks_exactly_the_tabled_tests(
+    request: pytest.FixtureRequest, slow_tests: dict[str, str]
+) -> None:
+    # the items of this session (the whole suite, or the files asked for): an item is slow
+    # when its module, or its class or function ("Class::" / "name" prefix), is tabled
+    for item in request.session.items:
+        module = item.path.stem
+        test = item.nodeid.split("[")[0].split("::", 1)[1] + "::"  # "Class::name::", "name::"
+        tabled = False
+        for key in slow_tests:
+            key_module, _, name = key.partition("::")
+            tabled |= key_module == module and (not name or test.startswith(name + "::"))
+        assert (item.get_closest_marker("slow") is not None) == tabled, item.nodeid
+    assert request.node.get_closest_marker("slow") is None
