@@ -106,7 +106,7 @@ def _loads(text: str, raw: bytes) -> tuple[object, bool]:
         flagged.append(True)
         return _Bad(f"{name} is not a JSON number")
 
-    def marking(parse):  # noqa: ANN001, ANN202
+    def marking(parse):
         def hook(literal: str) -> object:
             value = parse(literal)
             if type(value) is _Bad:
@@ -299,7 +299,7 @@ class _ParsedRequest(Request):
     async def body(self) -> bytes:
         return self._raw_body
 
-    async def json(self) -> Any:  # noqa: ANN401 - the parsed object
+    async def json(self) -> Any:
         return self._parsed
 
 

@@ -410,7 +410,7 @@ class RemoteFetcher:
             raise RemoteFetchError(
                 "could not fetch the image URL: the connection failed", detail=repr(e)
             ) from None
-        except Exception as e:  # noqa: BLE001 - whatever broke, the client gets a 400
+        except Exception as e:
             log.warning("remote image fetch broke", exc_info=True)
             raise RemoteFetchError(
                 "could not fetch the image URL: the connection failed", detail=repr(e)

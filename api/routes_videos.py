@@ -156,7 +156,7 @@ async def video_qa(
 
 async def _events(
     st: ServerState,
-    sub,  # noqa: ANN001 - api.submit.Submission
+    sub,
     frames: list[Frame],
     questions: list[str],
     jobs: list[tuple[int | None, int]],
@@ -243,7 +243,7 @@ def _check_clip_count(st: ServerState, n: int, part: VideoPart) -> None:
         )
 
 
-async def _clip_too_long(st, frames, system, question, params, err, part) -> APIError:  # noqa: ANN001
+async def _clip_too_long(st, frames, system, question, params, err, part) -> APIError:
     """The 400 for a clip that does not fit the context: how many frames would, naming
     the frame field that decided their number."""
     field = part.param(len(frames))
@@ -277,7 +277,7 @@ async def _clip_too_long(st, frames, system, question, params, err, part) -> API
     )
 
 
-def _one_token(params):  # noqa: ANN001, ANN202
+def _one_token(params):
     from dataclasses import replace
 
     return replace(params, max_tokens=1)

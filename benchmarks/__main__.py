@@ -15,7 +15,7 @@ try:  # the HTTP runner's client, from the bench (or test) extra
 except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
-from benchmarks import (  # noqa: E402
+from benchmarks import (
     experiments,
     graph_decode,
     kv_fp8,
@@ -24,7 +24,7 @@ from benchmarks import (  # noqa: E402
     tracing_overhead,
     workloads,
 )
-from benchmarks.in_process import model_dir as checkpoint  # noqa: E402
+from benchmarks.in_process import model_dir as checkpoint
 
 
 def _qa(images: int, questions: int) -> list[tuple[tuple[str, ...], dict]]:

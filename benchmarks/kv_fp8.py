@@ -124,7 +124,7 @@ def _teacher_forced(eng: Engine, prompts: list[tuple[Any, str]]) -> list[torch.T
     runner, got = eng.runner, []
     run = runner._run
 
-    def all_rows(pages, prefix, extend, embeds, rows):  # noqa: ANN001, ANN202
+    def all_rows(pages, prefix, extend, embeds, rows):
         full = run(pages, prefix, extend, embeds, list(range(sum(extend))))
         got.append(full)
         return full[rows] if rows is not None else full

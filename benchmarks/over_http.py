@@ -344,7 +344,7 @@ def server(
     Raises:
         RuntimeError: the process exited or was not healthy in ``timeout`` s (with its log).
     """
-    log: IO[bytes] = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
+    log: IO[bytes] = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()
     env = {**os.environ, **env}
     deadline = time.time() + timeout
     for attempt in range(3):  # another process may take the free port before the server binds it

@@ -25,7 +25,7 @@ QUESTIONS = [
 ]
 
 
-def post(url: str, body: dict):  # noqa: ANN201
+def post(url: str, body: dict):
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )

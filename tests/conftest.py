@@ -50,7 +50,7 @@ class TinyFamily:
         return make_checkpoint(self.root / f"{self.family}-tiny", "tiny", family=self.family)
 
     @cached_property
-    def loaded(self):  # noqa: ANN201
+    def loaded(self):
         return load_model(self.model_dir)
 
     def make_engine(self, **kw) -> Engine:
@@ -58,7 +58,7 @@ class TinyFamily:
         return Engine(EngineConfig(model_path=str(self.model_dir), **kw), model=self.loaded)
 
     @cached_property
-    def ref(self):  # noqa: ANN201
+    def ref(self):
         import transformers
 
         model_class = getattr(transformers, self.REFERENCE_CLASSES[self.family])
@@ -84,19 +84,19 @@ def model_dir(families: dict[str, TinyFamily]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def loaded(families: dict[str, TinyFamily]):  # noqa: ANN201
+def loaded(families: dict[str, TinyFamily]):
     """Our tiny LLaVA-1.5 model loaded once; engines share it (weights are read-only)."""
     return families["llava"].loaded
 
 
 @pytest.fixture(scope="session")
-def make_engine(families: dict[str, TinyFamily]):  # noqa: ANN201
+def make_engine(families: dict[str, TinyFamily]):
     """Factory: ``make_engine(**EngineConfig fields)`` -> a fresh Engine on the tiny LLaVA-1.5."""
     return families["llava"].make_engine
 
 
 @pytest.fixture(scope="session")
-def ref_model(families: dict[str, TinyFamily]):  # noqa: ANN201
+def ref_model(families: dict[str, TinyFamily]):
     """transformers' LlavaForConditionalGeneration and processor on the tiny LLaVA-1.5."""
     return families["llava"].ref
 

@@ -143,8 +143,8 @@ def assert_same_generation(
 # ---- the transformers reference --------------------------------------------------------
 
 
-def reference_generate(  # noqa: ANN201
-    ref_model,  # noqa: ANN001
+def reference_generate(
+    ref_model,
     text: str,
     images: list[Image.Image],
     never: list[int],
@@ -198,9 +198,9 @@ def reference_generate(  # noqa: ANN201
     return out.sequences[0, n:].tolist(), logits, n
 
 
-def check_against_reference(  # noqa: PLR0913
+def check_against_reference(
     engine: Engine,
-    ref_model,  # noqa: ANN001
+    ref_model,
     messages: list[dict],
     images: list,
     what: str,
@@ -233,7 +233,7 @@ def check_against_reference(  # noqa: PLR0913
 # ---- attention kernels --------------------------------------------------------------
 
 
-def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cpu", seed=0):  # noqa: ANN001, ANN201
+def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cpu", seed=0):
     """A pool filled with random K/V plus a batch of 4 requests over shuffled pages.
 
     ``mode``: "prefill" (no cached prefix), "partial" (a cached prefix that ends
@@ -271,7 +271,7 @@ def random_batch(page_size: int, mode: str, hq: int, hkv: int, dtype, device="cp
     return pool, meta, rnd(hq), rnd(hkv), rnd(hkv)
 
 
-def page_layout(data, page_size: int):  # noqa: ANN001, ANN201
+def page_layout(data, page_size: int):
     """Page tables for a batch: a shared prefix (some requests), contiguous or scattered
     own pages, so runs of every length (viewed, gathered, shared) occur."""
     from hypothesis import strategies as st
@@ -327,7 +327,7 @@ def workload(imgs: list) -> list[tuple[list[dict], list]]:
     return out
 
 
-def run_workload(make_engine, cases: list, max_tokens: int = 6, **cfg):  # noqa: ANN001, ANN201
+def run_workload(make_engine, cases: list, max_tokens: int = 6, **cfg):
     """Generate ``cases`` greedily in one batch on ``make_engine(**cfg)``, check the pool
     accounting after, and return ``(engine, results)``."""
     eng = make_engine(**cfg)
@@ -376,31 +376,31 @@ class ChatDefaults:
             **kw,
         }
 
-    def complete(self, client, text: str | list | None = None, **kw) -> dict:  # noqa: ANN001
+    def complete(self, client, text: str | list | None = None, **kw) -> dict:
         """POST :meth:`body`; assert a 200 and return the JSON body."""
         r = client.post("/v1/chat/completions", json=self.body(text, **kw))
         assert r.status_code == 200, r.text
         return r.json()
 
-    def stream(self, client, text: str | list | None = None, **kw) -> list[dict]:  # noqa: ANN001
+    def stream(self, client, text: str | list | None = None, **kw) -> list[dict]:
         """:meth:`body` streamed: the parsed chunks (:func:`stream_chunks`)."""
         return stream_chunks(client, self.body(text, **kw))
 
 
-def chat(client, content, **kw):  # noqa: ANN001, ANN201
+def chat(client, content, **kw):
     """POST one user message (``content``: a string or parts) to ``/v1/chat/completions``:
     greedy, 3 tokens unless ``kw`` says otherwise. Returns the response."""
     return client.post("/v1/chat/completions", json=ChatDefaults().body(content, **kw))
 
 
-def chat_json(client, content, **kw) -> dict:  # noqa: ANN001
+def chat_json(client, content, **kw) -> dict:
     """:func:`chat` that must be answered with 200; returns the JSON body."""
     r = chat(client, content, **kw)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def stream_chunks(client, body: dict) -> list[dict]:  # noqa: ANN001
+def stream_chunks(client, body: dict) -> list[dict]:
     """POST ``body`` with ``"stream": true`` to ``/v1/chat/completions``; assert a 200 event
     stream that ends with ``data: [DONE]``, and return the chunks before it, parsed."""
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -421,17 +421,17 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
-def upload(client, data: bytes, name: str = "x.png"):  # noqa: ANN001, ANN201
+def upload(client, data: bytes, name: str = "x.png"):
     """POST ``data`` to ``/v1/images`` as a multipart file; returns the response."""
     return client.post("/v1/images", files={"file": (name, data, "application/octet-stream")})
 
 
-def upload_video(client, data: bytes, name: str = "v.mp4"):  # noqa: ANN001, ANN201
+def upload_video(client, data: bytes, name: str = "v.mp4"):
     """POST ``data`` to ``/v1/videos`` as a multipart file; returns the response."""
     return client.post("/v1/videos", files={"file": (name, data, "video/mp4")})
 
 
-def video_qa(client, vid: str, **body) -> list[dict]:  # noqa: ANN001, ANN003
+def video_qa(client, vid: str, **body) -> list[dict]:
     """POST ``body`` (greedy unless it says otherwise) to ``/v1/videos/{vid}/qa``; assert
     a 200 whose NDJSON events start with ``frames`` and end with ``summary``; return them."""
     r = client.post(f"/v1/videos/{vid}/qa", json={"temperature": 0.0, **body})
@@ -441,7 +441,7 @@ def video_qa(client, vid: str, **body) -> list[dict]:  # noqa: ANN001, ANN003
     return events
 
 
-def assert_healthy(client) -> None:  # noqa: ANN001
+def assert_healthy(client) -> None:
     """A normal request is answered and the pool accounting holds at rest."""
     r = chat(client, "Say hello.")
     assert r.status_code == 200, r.text
@@ -453,7 +453,7 @@ def assert_healthy(client) -> None:  # noqa: ANN001
     assert acc["free"] + acc["tree"] == acc["total"] == stats["pool_pages"]
 
 
-def assert_error(r, status: int, words: str, code: str | None = None) -> dict:  # noqa: ANN001
+def assert_error(r, status: int, words: str, code: str | None = None) -> dict:
     """Assert ``r`` is an OpenAI-shaped error with ``status`` whose message contains
     ``words`` (and whose code is ``code`` when given); returns the error object."""
     assert r.status_code == status, r.text
@@ -528,7 +528,7 @@ class FakeFlashInfer:
         fake = self
 
         class Wrapper:
-            def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, **kw) -> None:  # noqa: ANN001
+            def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, **kw) -> None:
                 self.graph = use_cuda_graph
                 self.indptr = kw.get("paged_kv_indptr_buffer")
                 self.indices = kw.get("paged_kv_indices_buffer")
@@ -536,7 +536,7 @@ class FakeFlashInfer:
                 if use_cuda_graph:
                     assert len(self.indptr) == len(self.last) + 1, "indptr must be [B + 1]"
 
-            def plan(self, indptr, indices, last, hq, hkv, d, page_size, **kw) -> None:  # noqa: ANN001
+            def plan(self, indptr, indices, last, hq, hkv, d, page_size, **kw) -> None:
                 fake.plans.append((self, indptr.device.type, last.device.type))
                 self.page_size = page_size
                 if not self.graph:
@@ -548,7 +548,7 @@ class FakeFlashInfer:
                 self.last.copy_(last)
                 self.indices[: len(indices)].copy_(indices)
 
-            def run(self, q, kv, k_scale=None, v_scale=None) -> torch.Tensor:  # noqa: ANN001
+            def run(self, q, kv, k_scale=None, v_scale=None) -> torch.Tensor:
                 k_buf, v_buf = kv
                 n = len(self.last)
                 pages = (self.indptr[1:] - self.indptr[:-1]).tolist()

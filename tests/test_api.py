@@ -14,7 +14,7 @@ MODEL = "llava-tiny"
 
 
 @pytest.fixture(scope="module")
-def client(make_engine):  # noqa: ANN001, ANN201
+def client(make_engine):
     engine = make_engine(max_total_tokens=8192)
     app = create_app(engine, ServerSettings(served_model_name=MODEL))
     with TestClient(app) as c:
@@ -36,7 +36,7 @@ def ask(image_id: str, q: str) -> list[dict]:
     return [{"type": "image_url", "image_url": {"url": image_id}}, {"type": "text", "text": q}]
 
 
-def test_upload_same_pixels_same_id(client, photos) -> None:  # noqa: ANN001
+def test_upload_same_pixels_same_id(client, photos) -> None:
     a = upload(client, photos["cat.png"], "cat.png").json()
     b = upload(client, photos["cat.png"], "renamed.png").json()
     assert a["id"] == b["id"] and a["id"].startswith("img-")
@@ -44,7 +44,7 @@ def test_upload_same_pixels_same_id(client, photos) -> None:  # noqa: ANN001
     assert client.get(f"/v1/images/{a['id']}").json()["id"] == a["id"]
 
 
-def test_three_questions_reuse_the_image(client, photos) -> None:  # noqa: ANN001
+def test_three_questions_reuse_the_image(client, photos) -> None:
     assert client.post("/v1/cache/flush").status_code == 200  # whatever other tests cached
     image_id = upload(client, photos["coffee.png"]).json()["id"]
     proc = client.engine.processor
@@ -66,7 +66,7 @@ def test_three_questions_reuse_the_image(client, photos) -> None:  # noqa: ANN00
     assert min(shared_prefix(asked[0], a) for a in asked[1:]) > 576  # the image was reused
 
 
-def test_data_url_equals_upload(client, photos) -> None:  # noqa: ANN001
+def test_data_url_equals_upload(client, photos) -> None:
     image_id = upload(client, photos["rocket.jpg"]).json()["id"]
     url = "data:image/jpeg;base64," + base64.b64encode(photos["rocket.jpg"]).decode()
     a = chat(client, ask(image_id, "What is this?")).json()
@@ -76,7 +76,7 @@ def test_data_url_equals_upload(client, photos) -> None:  # noqa: ANN001
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == b["usage"]["prompt_tokens"] - 1
 
 
-def test_streaming_sse(client, photos) -> None:  # noqa: ANN001
+def test_streaming_sse(client, photos) -> None:
     image_id = upload(client, photos["cat.png"]).json()["id"]
     plain = chat(client, ask(image_id, "Stream?")).json()["choices"][0]["message"]["content"]
     body = {
@@ -108,7 +108,7 @@ def test_streaming_sse(client, photos) -> None:  # noqa: ANN001
         ("what is <image> this", {}, 400, "placeholder"),
     ],
 )
-def test_bad_requests_get_clear_errors(client, content, kw, status, words) -> None:  # noqa: ANN001
+def test_bad_requests_get_clear_errors(client, content, kw, status, words) -> None:
     r = chat(client, content, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -116,7 +116,7 @@ def test_bad_requests_get_clear_errors(client, content, kw, status, words) -> No
     assert_healthy(client)
 
 
-def test_malformed_json(client) -> None:  # noqa: ANN001
+def test_malformed_json(client) -> None:
     r = client.post(
         "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
@@ -127,27 +127,27 @@ def test_malformed_json(client) -> None:  # noqa: ANN001
 @pytest.mark.parametrize(
     "name", ["empty.png", "truncated.png", "not-an-image.jpg", "bomb-header-50000.png"]
 )
-def test_bad_uploads(client, cases_dir, name) -> None:  # noqa: ANN001
+def test_bad_uploads(client, cases_dir, name) -> None:
     r = upload(client, (cases_dir / name).read_bytes(), name)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_image"
     assert_healthy(client)
 
 
-def test_unknown_image_get_is_404(client) -> None:  # noqa: ANN001
+def test_unknown_image_get_is_404(client) -> None:
     r = client.get("/v1/images/img-" + "1" * 32)
     assert r.status_code == 404 and "no image" in r.json()["error"]["message"]
 
 
-def test_models_and_health(client) -> None:  # noqa: ANN001
+def test_models_and_health(client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
 
 
-def test_engine_failure_answers_500_not_a_hang(make_engine) -> None:  # noqa: ANN001
+def test_engine_failure_answers_500_not_a_hang(make_engine) -> None:
     engine = make_engine(max_total_tokens=4096)
 
-    def boom(*args):  # noqa: ANN002, ANN202
+    def boom(*args):
         raise RuntimeError("injected /secret/path")
 
     engine.runner.prefill = boom

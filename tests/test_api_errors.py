@@ -34,7 +34,7 @@ MAX_IMAGE_BYTES = 1_000_000
 
 
 @pytest.fixture(scope="module")
-def client(make_engine):  # noqa: ANN001, ANN201
+def client(make_engine):
     engine = make_engine(
         max_total_tokens=8192,
         max_images_per_request=2,
@@ -85,7 +85,7 @@ def noise_png(width: int, height: int, seed: int = 0) -> bytes:
         ("bomb-header-50000.png", "refused before decoding"),
     ],
 )
-def test_broken_case_files_are_refused(client, cases_dir, name, words) -> None:  # noqa: ANN001
+def test_broken_case_files_are_refused(client, cases_dir, name, words) -> None:
     r = upload(client, (cases_dir / name).read_bytes(), name)
     err = assert_error(r, 400, words, "invalid_image")
     assert err["param"] == "file"
@@ -98,7 +98,7 @@ def decodes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     load = ImageFile.ImageFile.load
 
-    def counted(im: ImageFile.ImageFile):  # noqa: ANN202
+    def counted(im: ImageFile.ImageFile):
         seen.append(im.size)
         return load(im)
 
@@ -118,14 +118,14 @@ def decodes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         (png_header(3_000, 2), "aspect ratio"),
     ],
 )
-def test_bomb_headers_refused_before_decoding(client, decodes, data, words) -> None:  # noqa: ANN001
+def test_bomb_headers_refused_before_decoding(client, decodes, data, words) -> None:
     r = upload(client, data)
     assert decodes == []  # refused from the header: no pixel was decoded
     assert_error(r, 400, words, "invalid_image")
     assert_healthy(client)
 
 
-def test_degenerate_aspect_case_file_is_refused_before_decoding(client, decodes, cases_dir) -> None:  # noqa: ANN001
+def test_degenerate_aspect_case_file_is_refused_before_decoding(client, decodes, cases_dir) -> None:
     r = upload(client, (cases_dir / "one-pixel-high.png").read_bytes())
     assert decodes == []
     assert_error(r, 400, "900x1", "invalid_image")
@@ -136,7 +136,7 @@ def test_degenerate_aspect_case_file_is_refused_before_decoding(client, decodes,
     assert_healthy(client)
 
 
-def test_image_over_the_byte_limit(client) -> None:  # noqa: ANN001
+def test_image_over_the_byte_limit(client) -> None:
     big = noise_png(620, 620)
     assert MAX_IMAGE_BYTES < len(big) < 2 * MAX_IMAGE_BYTES
     assert_error(upload(client, big), 400, f"limit is {MAX_IMAGE_BYTES} bytes", "invalid_image")
@@ -147,12 +147,12 @@ def test_image_over_the_byte_limit(client) -> None:  # noqa: ANN001
     assert_healthy(client)
 
 
-def test_request_body_over_the_limit_is_413(client) -> None:  # noqa: ANN001
+def test_request_body_over_the_limit_is_413(client) -> None:
     huge = b"\0" * (4 * MAX_IMAGE_BYTES + 1)
     r = client.post("/v1/images", content=huge, headers={"content-type": "application/json"})
     assert_error(r, 413, "request body is over", "too_large")
 
-    def chunks():  # noqa: ANN202 - no Content-Length: counted while reading
+    def chunks():
         for _ in range(5):
             yield b"\0" * MAX_IMAGE_BYTES
 
@@ -171,7 +171,7 @@ def test_request_body_over_the_limit_is_413(client) -> None:  # noqa: ANN001
         ({"content": b"raw", "headers": {"content-type": "image/png"}}, 415, "multipart"),
     ],
 )
-def test_malformed_uploads(client, kwargs, status, words) -> None:  # noqa: ANN001
+def test_malformed_uploads(client, kwargs, status, words) -> None:
     assert_error(client.post("/v1/images", **kwargs), status, words)
     assert_healthy(client)
 
@@ -179,7 +179,7 @@ def test_malformed_uploads(client, kwargs, status, words) -> None:  # noqa: ANN0
 # ---- bad chat requests ----------------------------------------------------------------
 
 
-def test_too_many_images_refused_before_decoding(client, photos) -> None:  # noqa: ANN001
+def test_too_many_images_refused_before_decoding(client, photos) -> None:
     bad = "data:image/png;base64,@@@"  # would be a base64 error if it were decoded
     r = chat(client, [image_part(bad)] * 3 + [{"type": "text", "text": "hi"}])
     assert_error(r, 400, "3 images in one request; the limit is 2", "too_many_images")
@@ -233,14 +233,14 @@ def test_too_many_images_refused_before_decoding(client, photos) -> None:  # noq
         ),
     ],
 )
-def test_bad_chat_requests(client, content, kw, status, words, param) -> None:  # noqa: ANN001
+def test_bad_chat_requests(client, content, kw, status, words, param) -> None:
     err = assert_error(chat(client, content, **kw), status, words)
     if param is not None:
         assert err["param"].startswith(param), err
     assert_healthy(client)
 
 
-def test_image_outside_a_user_message(client, photos) -> None:  # noqa: ANN001
+def test_image_outside_a_user_message(client, photos) -> None:
     image_id = upload(client, photos["cat.png"]).json()["id"]
     msgs = [{"role": "system", "content": [image_part(image_id)]}]
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs})
@@ -248,7 +248,7 @@ def test_image_outside_a_user_message(client, photos) -> None:  # noqa: ANN001
     assert_healthy(client)
 
 
-def test_malformed_json_and_wrong_types(client) -> None:  # noqa: ANN001
+def test_malformed_json_and_wrong_types(client) -> None:
     for body in (b"{not json", b"[1, 2", b"\xff\xfe", b"null", b"[]", b'"text"'):
         r = client.post(
             "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
@@ -260,7 +260,7 @@ def test_malformed_json_and_wrong_types(client) -> None:  # noqa: ANN001
     assert_healthy(client)
 
 
-def test_unknown_image_routes_are_404(client) -> None:  # noqa: ANN001
+def test_unknown_image_routes_are_404(client) -> None:
     missing = "img-" + "1" * 32
     assert_error(client.get(f"/v1/images/{missing}"), 404, "no image", "image_not_found")
     assert_error(client.delete(f"/v1/images/{missing}"), 404, "no image", "image_not_found")
@@ -285,7 +285,7 @@ def test_unknown_image_routes_are_404(client) -> None:  # noqa: ANN001
         ("one-by-one.png", "RGB"),
     ],
 )
-def test_odd_modes_and_sizes_are_answered(client, cases_dir, name, mode) -> None:  # noqa: ANN001
+def test_odd_modes_and_sizes_are_answered(client, cases_dir, name, mode) -> None:
     info = upload(client, (cases_dir / name).read_bytes(), name).json()
     assert info["mode"] == mode, info
     r = chat(client, [image_part(info["id"]), {"type": "text", "text": "Describe."}])
@@ -296,7 +296,7 @@ def test_odd_modes_and_sizes_are_answered(client, cases_dir, name, mode) -> None
     assert_healthy(client)
 
 
-def test_animated_gif_is_its_first_frame(client, cases_dir) -> None:  # noqa: ANN001
+def test_animated_gif_is_its_first_frame(client, cases_dir) -> None:
     data = (cases_dir / "animated.gif").read_bytes()
     frames = Image.open(io.BytesIO(data))
     first = frames.copy()
@@ -307,7 +307,7 @@ def test_animated_gif_is_its_first_frame(client, cases_dir) -> None:  # noqa: AN
     assert a["id"] != upload(client, png_bytes(second)).json()["id"]
 
 
-def test_exif_orientation_is_applied_before_hashing(client, cases_dir) -> None:  # noqa: ANN001
+def test_exif_orientation_is_applied_before_hashing(client, cases_dir) -> None:
     data = (cases_dir / "exif-orientation-6.jpg").read_bytes()
     info = upload(client, data).json()
     assert (info["width"], info["height"]) == (16, 24)  # stored 24x16, rotated by EXIF
@@ -317,7 +317,7 @@ def test_exif_orientation_is_applied_before_hashing(client, cases_dir) -> None: 
     assert upload(client, png_bytes(unrotated)).json()["id"] != info["id"]
 
 
-def test_very_wide_panorama_is_answered(client) -> None:  # noqa: ANN001
+def test_very_wide_panorama_is_answered(client) -> None:
     pano = Image.new("RGB", (4000, 300))
     pano.paste((200, 120, 40), (0, 0, 2000, 300))
     data = png_bytes(pano)
@@ -356,7 +356,7 @@ def test_very_wide_panorama_is_answered(client) -> None:  # noqa: ANN001
         ),
     ],
 )
-def test_malformed_parts_name_the_deepest_field(client, part, param, words) -> None:  # noqa: ANN001
+def test_malformed_parts_name_the_deepest_field(client, part, param, words) -> None:
     err = assert_error(chat(client, [{"type": "text", "text": "a"}, part]), 400, words)
     assert err["param"] == param
     assert err["message"].startswith(param + ": ")
@@ -389,14 +389,14 @@ def test_malformed_parts_name_the_deepest_field(client, part, param, words) -> N
         ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "at least 1"),
     ],
 )
-def test_validation_errors_name_the_field(client, body, param, words) -> None:  # noqa: ANN001
+def test_validation_errors_name_the_field(client, body, param, words) -> None:
     r = client.post("/v1/chat/completions", json={"max_tokens": 2, **body})
     err = assert_error(r, 400, words)  # strict types: "3" is not 3, true is not 1
     assert err["param"] == param
     assert_healthy(client)
 
 
-def test_a_prompt_that_fills_the_context_is_not_blamed_on_max_tokens(make_engine) -> None:  # noqa: ANN001
+def test_a_prompt_that_fills_the_context_is_not_blamed_on_max_tokens(make_engine) -> None:
     engine = make_engine(max_total_tokens=700)
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
         long_text = "word " * 800

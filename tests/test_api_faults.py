@@ -19,7 +19,7 @@ HEX32 = "0123456789abcdef" * 2
 
 
 @pytest.fixture(scope="module")
-def client(make_engine, shapes, tmp_path_factory):  # noqa: ANN001, ANN201
+def client(make_engine, shapes, tmp_path_factory):
     engine = make_engine(max_total_tokens=4096)
     settings = ServerSettings(
         served_model_name=MODEL, data_dir=str(tmp_path_factory.mktemp("faults-data"))
@@ -29,7 +29,7 @@ def client(make_engine, shapes, tmp_path_factory):  # noqa: ANN001, ANN201
         yield c
 
 
-def _chat_image(client, url: str, as_object: bool = True):  # noqa: ANN001, ANN202
+def _chat_image(client, url: str, as_object: bool = True):
     part = image_part(url) if as_object else {"type": "image_url", "image_url": url}
     return chat(client, [part, {"type": "text", "text": "Hi"}], max_tokens=1)
 
@@ -47,7 +47,7 @@ def _chat_image(client, url: str, as_object: bool = True):  # noqa: ANN001, ANN2
         ("file-" + HEX32[:24], "that is a file id, not an image id"),
     ],
 )
-def test_malformed_image_id_in_chat_says_so_naming_the_url_field(client, url, words) -> None:  # noqa: ANN001
+def test_malformed_image_id_in_chat_says_so_naming_the_url_field(client, url, words) -> None:
     err = assert_error(_chat_image(client, url), 400, words, "invalid_image_id")
     assert err["param"] == "messages[0].content[0].image_url.url"
     assert err["message"].startswith("messages[0].content[0].image_url.url: unknown image id")
@@ -58,7 +58,7 @@ def test_malformed_image_id_in_chat_says_so_naming_the_url_field(client, url, wo
     assert err["param"] == "messages[0].content[0].image_url"
 
 
-def test_unknown_and_other_urls_keep_their_own_errors(client) -> None:  # noqa: ANN001
+def test_unknown_and_other_urls_keep_their_own_errors(client) -> None:
     err = assert_error(_chat_image(client, "img-" + HEX32), 400, "unknown image id")
     assert err["code"] == "image_not_found" and "malformed" not in err["message"]
     err = assert_error(_chat_image(client, "ftp://host/cat.png"), 400, "unsupported image url")
@@ -68,7 +68,7 @@ def test_unknown_and_other_urls_keep_their_own_errors(client) -> None:  # noqa: 
     assert _chat_image(client, f"mmserve://images/{client.image_id}").status_code == 200
 
 
-def test_long_malformed_id_is_not_echoed_whole(client) -> None:  # noqa: ANN001
+def test_long_malformed_id_is_not_echoed_whole(client) -> None:
     err = assert_error(_chat_image(client, "img-" + "x" * 5000), 400, "malformed")
     assert len(err["message"]) < 400 and "x" * 81 not in err["message"]
 
@@ -82,14 +82,14 @@ def test_long_malformed_id_is_not_echoed_whole(client) -> None:  # noqa: ANN001
         ("vid-" + HEX32, "unknown video id", "video_not_found"),
     ],
 )
-def test_video_ids_in_chat(client, url, words, code) -> None:  # noqa: ANN001
+def test_video_ids_in_chat(client, url, words, code) -> None:
     msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}]
     r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
     err = assert_error(r, 400, words, code)
     assert err["param"] == "messages[0].content[0].video_url"
 
 
-def test_malformed_image_id_in_responses_input(client) -> None:  # noqa: ANN001
+def test_malformed_image_id_in_responses_input(client) -> None:
     body = {
         "input": [
             {
@@ -127,7 +127,7 @@ def test_ids_in_paths_are_404s_that_say_malformed_or_unknown(
     method,
     path,
     param,
-    code,  # noqa: ANN001
+    code,
 ) -> None:
     err = assert_error(getattr(client, method)(path), 404, f"no {param[:-3]} with id", code)
     assert err["param"] == param and err["type"] == "not_found_error"
@@ -136,12 +136,12 @@ def test_ids_in_paths_are_404s_that_say_malformed_or_unknown(
     )
 
 
-def test_ask_about_a_malformed_image_id_is_a_404(client) -> None:  # noqa: ANN001
+def test_ask_about_a_malformed_image_id_is_a_404(client) -> None:
     r = client.post("/v1/images/img-deadbeef/ask", json={"questions": ["hi"]})
     assert_error(r, 404, "malformed", "invalid_image_id")
 
 
-def test_batch_input_file_id_malformed_400_unknown_404(client) -> None:  # noqa: ANN001
+def test_batch_input_file_id_malformed_400_unknown_404(client) -> None:
     body = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
     r = client.post("/v1/batches", json={**body, "input_file_id": "file-nope"})
     err = assert_error(r, 400, "malformed", "invalid_file_id")
@@ -169,7 +169,7 @@ def _multipart(name: str, data: bytes, extra: dict[str, str] | None = None) -> t
     return f"multipart/form-data; boundary={b}", body
 
 
-async def _cut_short(app, path: str, ctype: str, body: bytes) -> list[dict]:  # noqa: ANN001
+async def _cut_short(app, path: str, ctype: str, body: bytes) -> list[dict]:
     """POST ``body`` to ``app`` announcing its full length, send a third of it, then
     disconnect (as uvicorn reports a client that closed early). Returns what was sent."""
     sent: list[dict] = []
@@ -203,7 +203,7 @@ async def _cut_short(app, path: str, ctype: str, body: bytes) -> list[dict]:  # 
     return sent
 
 
-def test_client_gone_mid_body_leaves_one_log_line_and_no_state(client, photos, caplog) -> None:  # noqa: ANN001
+def test_client_gone_mid_body_leaves_one_log_line_and_no_state(client, photos, caplog) -> None:
     big = max(photos.values(), key=len)  # a body big enough to cut in three
     chat_body = {"model": MODEL, "messages": user(None, "Describe " + "it " * 300), "max_tokens": 2}
     cases = [
@@ -251,8 +251,8 @@ def test_client_gone_mid_body_leaves_one_log_line_and_no_state(client, photos, c
 
 
 # ---- 3. stop bounds ----------------------------------------------------------------------
-def test_stop_is_bounded_in_count_and_length(client) -> None:  # noqa: ANN001
-    def ask(stop) -> object:  # noqa: ANN001
+def test_stop_is_bounded_in_count_and_length(client) -> None:
+    def ask(stop) -> object:
         return chat(client, [{"type": "text", "text": "Hi"}], max_tokens=2, stop=stop)
 
     assert ask(["a", "b", "c", "d"][:MAX_STOP]).status_code == 200
@@ -285,13 +285,13 @@ def test_stop_is_bounded_in_count_and_length(client) -> None:  # noqa: ANN001
         ("tools", [{"type": "function", "name": "f", "parameters": {}}]),
     ],
 )
-def test_responses_refuses_tool_fields_without_tools(client, field, value) -> None:  # noqa: ANN001
+def test_responses_refuses_tool_fields_without_tools(client, field, value) -> None:
     body = {"input": "Hi", "max_output_tokens": 1, field: value}
     err = assert_error(client.post("/v1/responses", json=body), 400, field)
     assert err["param"] == field
 
 
-def test_responses_accepts_tool_fields_that_ask_for_nothing(client) -> None:  # noqa: ANN001
+def test_responses_accepts_tool_fields_that_ask_for_nothing(client) -> None:
     for extra in ({"tool_choice": "none"}, {"parallel_tool_calls": True}, {"tools": []}):
         r = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 1, **extra})
         assert r.status_code == 200, (extra, r.text)
@@ -299,7 +299,7 @@ def test_responses_accepts_tool_fields_that_ask_for_nothing(client) -> None:  # 
         assert out["object"] == "response" and out["usage"]["output_tokens"] == 1
 
 
-def test_chat_refuses_tool_fields_without_tools_the_same_way(client) -> None:  # noqa: ANN001
+def test_chat_refuses_tool_fields_without_tools_the_same_way(client) -> None:
     for field, value in (("parallel_tool_calls", False), ("tool_choice", "auto")):
         r = chat(client, [{"type": "text", "text": "Hi"}], max_tokens=1, **{field: value})
         err = assert_error(r, 400, f"{field} needs tools")
@@ -327,12 +327,12 @@ def test_chat_refuses_tool_fields_without_tools_the_same_way(client) -> None:  #
 )
 def test_a_value_no_union_branch_takes_names_every_branch(
     client, path: str, body: dict, param: str, words: str
-) -> None:  # noqa: ANN001
+) -> None:
     err = assert_error(client.post(path, json=body), 400, words)
     assert err["param"] == param
 
 
-def test_a_wrong_charset_is_named(client) -> None:  # noqa: ANN001
+def test_a_wrong_charset_is_named(client) -> None:
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
     r = client.post(
         "/v1/chat/completions",
@@ -342,7 +342,7 @@ def test_a_wrong_charset_is_named(client) -> None:  # noqa: ANN001
     assert_error(r, 400, "charset=latin-1")
 
 
-def test_a_file_upload_without_purpose_says_field_required(client) -> None:  # noqa: ANN001
+def test_a_file_upload_without_purpose_says_field_required(client) -> None:
     r = client.post("/v1/files", files={"file": ("b.jsonl", b"{}\n")})
     err = assert_error(r, 400, "purpose: field required")
     assert err["param"] == "purpose"

@@ -55,7 +55,7 @@ def cuda_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
-def test_flashinfer_import_failure_says_pip_install(monkeypatch, cuda_visible) -> None:  # noqa: ANN001
+def test_flashinfer_import_failure_says_pip_install(monkeypatch, cuda_visible) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
     with pytest.raises(BackendUnavailableError) as ei:
         make_attention_backend("flashinfer", "cuda", 2, 1, 64, torch.bfloat16)
@@ -65,13 +65,13 @@ def test_flashinfer_import_failure_says_pip_install(monkeypatch, cuda_visible) -
     assert "CUDA" not in msg.split("cannot be imported")[0]  # CUDA itself is fine here
 
 
-def test_flashinfer_constructor_import_failure_is_clear(monkeypatch) -> None:  # noqa: ANN001
+def test_flashinfer_constructor_import_failure_is_clear(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     with pytest.raises(BackendUnavailableError, match="pip install"):
         FlashInferAttentionBackend(2, 1, 64, "cpu", torch.bfloat16)
 
 
-def test_flashinfer_fp32_says_dtype(monkeypatch, cuda_visible) -> None:  # noqa: ANN001
+def test_flashinfer_fp32_says_dtype(monkeypatch, cuda_visible) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
     with pytest.raises(BackendUnavailableError, match="bfloat16"):
         resolve_attention_backend("flashinfer", "cuda", torch.float32)
@@ -79,7 +79,7 @@ def test_flashinfer_fp32_says_dtype(monkeypatch, cuda_visible) -> None:  # noqa:
     assert resolve_attention_backend("auto", "cuda", torch.float32) == "torch"
 
 
-def test_auto_picks_flashinfer_only_when_everything_is_there(monkeypatch, cuda_visible) -> None:  # noqa: ANN001
+def test_auto_picks_flashinfer_only_when_everything_is_there(monkeypatch, cuda_visible) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     assert resolve_attention_backend("auto", "cuda", torch.bfloat16) == "torch"
     monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
@@ -118,14 +118,14 @@ def test_config_dtype_resolution(device: str, dtype: str, want: torch.dtype) -> 
     assert cfg.torch_dtype() == want
 
 
-def test_engine_rejects_flashinfer_on_cpu(model_dir) -> None:  # noqa: ANN001
+def test_engine_rejects_flashinfer_on_cpu(model_dir) -> None:
     with pytest.raises(BackendUnavailableError, match="CUDA"):
         Engine(EngineConfig(model_path=str(model_dir), attention_backend="flashinfer"))
 
 
 # ---- dtype wiring on CPU --------------------------------------------------------------
-def test_engine_loads_configured_dtype_and_stays_close_to_fp32(model_dir, photos) -> None:  # noqa: ANN001
-    def run(dtype: str):  # noqa: ANN202
+def test_engine_loads_configured_dtype_and_stays_close_to_fp32(model_dir, photos) -> None:
+    def run(dtype: str):
         eng = Engine(EngineConfig(model_path=str(model_dir), dtype=dtype, max_total_tokens=4096))
         img = eng.processor.prepare_image(photos["cat.png"])
         req = eng.processor.make_request(
@@ -161,7 +161,7 @@ def _paged_attention(
     causal,
     k_scale=None,
     v_scale=None,
-):  # noqa: ANN001, ANN202, E501
+):
     """Attention as FlashInfer documents it: NHD pages, end-aligned causal mask, fp32 math;
     fp8 pages are upcast and ``k_scale`` / ``v_scale`` (None: 1) multiply K and V."""
     k_scale = 1.0 if k_scale is None else k_scale
@@ -191,7 +191,7 @@ def _fake_flashinfer() -> types.ModuleType:
     calls: list[str] = []
 
     class _Wrapper:
-        def _check_run(self, q, paged_kv_cache, k_scale):  # noqa: ANN001, ANN202
+        def _check_run(self, q, paged_kv_cache, k_scale):
             k_cache, v_cache = paged_kv_cache  # the (k, v) tuple form
             # scales are passed exactly when the pages are fp8
             assert (k_scale is not None) == (k_cache.dtype == torch.float8_e4m3fn)
@@ -203,32 +203,32 @@ def _fake_flashinfer() -> types.ModuleType:
             return k_cache, v_cache
 
     class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
-        def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False):  # noqa: ANN001
+        def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False):
             assert float_workspace_buffer.dtype == torch.uint8 and kv_layout == "NHD"
 
-        def plan(  # noqa: PLR0913 - FlashInfer's signature, keyword names included
+        def plan(
             self,
-            qo_indptr,  # noqa: ANN001
-            paged_kv_indptr,  # noqa: ANN001
-            paged_kv_indices,  # noqa: ANN001
-            paged_kv_last_page_len,  # noqa: ANN001
-            num_qo_heads,  # noqa: ANN001
-            num_kv_heads,  # noqa: ANN001
-            head_dim_qk,  # noqa: ANN001
-            page_size,  # noqa: ANN001
-            head_dim_vo=None,  # noqa: ANN001
-            custom_mask=None,  # noqa: ANN001
-            packed_custom_mask=None,  # noqa: ANN001
-            causal=False,  # noqa: ANN001
-            pos_encoding_mode="NONE",  # noqa: ANN001
-            use_fp16_qk_reduction=False,  # noqa: ANN001
-            sm_scale=None,  # noqa: ANN001
-            window_left=-1,  # noqa: ANN001
-            logits_soft_cap=None,  # noqa: ANN001
-            rope_scale=None,  # noqa: ANN001
-            rope_theta=None,  # noqa: ANN001
-            q_data_type="float16",  # noqa: ANN001
-            kv_data_type=None,  # noqa: ANN001
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            page_size,
+            head_dim_vo=None,
+            custom_mask=None,
+            packed_custom_mask=None,
+            causal=False,
+            pos_encoding_mode="NONE",
+            use_fp16_qk_reduction=False,
+            sm_scale=None,
+            window_left=-1,
+            logits_soft_cap=None,
+            rope_scale=None,
+            rope_theta=None,
+            q_data_type="float16",
+            kv_data_type=None,
         ) -> None:
             for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len):
                 assert t.dtype == torch.int32
@@ -239,39 +239,39 @@ def _fake_flashinfer() -> types.ModuleType:
             self.q_dtype, self.kv_dtype = q_data_type, kv_data_type or q_data_type
             calls.append("plan:prefill")
 
-        def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None):  # noqa: ANN001, ANN201
+        def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None):
             k_cache, v_cache = self._check_run(q, paged_kv_cache, k_scale)
             return _paged_attention(
                 q, k_cache, v_cache, *self.arrays, self.causal, k_scale, v_scale
             )
 
     class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
-        def __init__(  # noqa: ANN204
+        def __init__(
             self,
-            float_workspace_buffer,  # noqa: ANN001
-            kv_layout="NHD",  # noqa: ANN001
-            use_cuda_graph=False,  # noqa: ANN001
-            use_tensor_cores=False,  # noqa: ANN001
+            float_workspace_buffer,
+            kv_layout="NHD",
+            use_cuda_graph=False,
+            use_tensor_cores=False,
         ):
             assert float_workspace_buffer.dtype == torch.uint8 and kv_layout == "NHD"
 
         def plan(
             self,
-            indptr,  # noqa: ANN001
-            indices,  # noqa: ANN001
-            last_page_len,  # noqa: ANN001
-            num_qo_heads,  # noqa: ANN001
-            num_kv_heads,  # noqa: ANN001
-            head_dim,  # noqa: ANN001
-            page_size,  # noqa: ANN001
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
             *,
-            pos_encoding_mode="NONE",  # noqa: ANN001
-            window_left=-1,  # noqa: ANN001
-            logits_soft_cap=None,  # noqa: ANN001
-            q_data_type="float16",  # noqa: ANN001
-            kv_data_type=None,  # noqa: ANN001
-            data_type=None,  # noqa: ANN001
-            sm_scale=None,  # noqa: ANN001
+            pos_encoding_mode="NONE",
+            window_left=-1,
+            logits_soft_cap=None,
+            q_data_type="float16",
+            kv_data_type=None,
+            data_type=None,
+            sm_scale=None,
         ) -> None:
             for t in (indptr, indices, last_page_len):
                 assert t.dtype == torch.int32
@@ -288,7 +288,7 @@ def _fake_flashinfer() -> types.ModuleType:
             self.q_dtype, self.kv_dtype = q_data_type, kv_data_type or q_data_type
             calls.append("plan:decode")
 
-        def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None):  # noqa: ANN001, ANN201
+        def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None):
             k_cache, v_cache = self._check_run(q, paged_kv_cache, k_scale)
             assert q.shape[0] == len(self.arrays[3])  # one query per request
             return _paged_attention(q, k_cache, v_cache, *self.arrays, False, k_scale, v_scale)
@@ -317,7 +317,7 @@ def _fp8_copy(pool: KVPool, k_scales: list[float], v_scales: list[float]) -> KVP
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_flashinfer_backend_plumbing_matches_torch(
     monkeypatch, page_size: int, mode: str, kv
-) -> None:  # noqa: ANN001, E501
+) -> None:
     fake = _fake_flashinfer()
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     dtype = torch.bfloat16
@@ -353,7 +353,7 @@ def test_flashinfer_backend_plumbing_matches_torch(
     assert fake.calls == [f"plan:{kind.lower()}", run, run]
 
 
-def test_flashinfer_backend_rejects_fp32(monkeypatch) -> None:  # noqa: ANN001
+def test_flashinfer_backend_rejects_fp32(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         FlashInferAttentionBackend(2, 1, 64, "cpu", torch.float32)
@@ -362,7 +362,7 @@ def test_flashinfer_backend_rejects_fp32(monkeypatch) -> None:  # noqa: ANN001
 # ---- the torch backend's view path (CPU: runs of the pool read in place) ----------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_view_path_equals_the_literal_path_and_documented_attention(dtype, page_size) -> None:  # noqa: ANN001
+def test_view_path_equals_the_literal_path_and_documented_attention(dtype, page_size) -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -372,7 +372,7 @@ def test_view_path_equals_the_literal_path_and_documented_attention(dtype, page_
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.data())
-    def check(data) -> None:  # noqa: ANN001
+    def check(data) -> None:
         tables, prefix, extend = page_layout(data, page_size)
         n_pages = max(max(t) for t in tables) + 1
         pool = KVPool(n_pages, page_size, 1, hkv, d, dtype=dtype)

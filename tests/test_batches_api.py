@@ -35,7 +35,7 @@ def _client(url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def client(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def client(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("batches")
     args = ["--served-model-name", MODEL, "--max-total-tokens", "8192", "--data-dir", str(d)]
     with live_server(model_dir, *args, *LIMITS) as url:
@@ -60,14 +60,14 @@ def _image(photos: dict[str, bytes], name: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _run(client: openai.OpenAI, lines: list[str], endpoint: str = CHAT, timeout: float = 120):  # noqa: ANN202
+def _run(client: openai.OpenAI, lines: list[str], endpoint: str = CHAT, timeout: float = 120):
     f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
     assert batch.status == "validating" and batch.input_file_id == f.id
     return _wait(client, batch.id, timeout)
 
 
-def _wait(client: openai.OpenAI, batch_id: str, timeout: float = 120):  # noqa: ANN202
+def _wait(client: openai.OpenAI, batch_id: str, timeout: float = 120):
     deadline = time.time() + timeout
     while True:
         batch = client.batches.retrieve(batch_id)
@@ -83,7 +83,7 @@ def _records(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(t) for t in client.files.content(file_id).text.splitlines() if t]
 
 
-def test_batch_answers_equal_online_answers(client, photos) -> None:  # noqa: ANN001
+def test_batch_answers_equal_online_answers(client, photos) -> None:
     questions = ["What is this?", "What colour is it?"]
     bodies = {
         f"{name}-{k}": _chat_body([_image(photos, name), {"type": "text", "text": q}])
@@ -130,7 +130,7 @@ def test_responses_batch(client: openai.OpenAI) -> None:
     )
 
 
-def test_malformed_lines_go_to_the_error_file_and_the_rest_run(client) -> None:  # noqa: ANN001
+def test_malformed_lines_go_to_the_error_file_and_the_rest_run(client) -> None:
     good = _chat_body("Hello.", 2)
     lines = [
         _line("ok-1", good),
@@ -171,7 +171,7 @@ def test_malformed_lines_go_to_the_error_file_and_the_rest_run(client) -> None: 
     assert {e.line for e in batch.errors.data} == set(lines_of)
 
 
-def test_limits_and_bad_requests_are_400s(client) -> None:  # noqa: ANN001
+def test_limits_and_bad_requests_are_400s(client) -> None:
     line = _line("x", _chat_body("Hi.", 1))
     with pytest.raises(openai.BadRequestError) as exc:
         client.files.create(file=("big.jsonl", b"x" * 4000001), purpose="batch")
@@ -206,7 +206,7 @@ def test_limits_and_bad_requests_are_400s(client) -> None:  # noqa: ANN001
         client.files.retrieve(f.id)
 
 
-def test_cancel_stops_a_batch_and_keeps_finished_lines(client) -> None:  # noqa: ANN001
+def test_cancel_stops_a_batch_and_keeps_finished_lines(client) -> None:
     lines = [_line(f"c{i}", _chat_body(f"Tell me story number {i}.", 24)) for i in range(40)]
     f = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
@@ -280,12 +280,12 @@ def test_cache_order_is_depth_first_over_prompts() -> None:
         assert [q for i, q, _ in ordered if i == img] == [0, 1, 2, 3]
 
 
-def test_batch_requests_reach_the_engine_at_background_priority(make_engine, tmp_path) -> None:  # noqa: ANN001
+def test_batch_requests_reach_the_engine_at_background_priority(make_engine, tmp_path) -> None:
     engine = make_engine(max_total_tokens=8192)
     seen: dict[str, int] = {}
     add = engine.add_request
 
-    def spy(msg, on_update=None) -> None:  # noqa: ANN001
+    def spy(msg, on_update=None) -> None:
         seen[msg.rid] = msg.priority
         add(msg, on_update)
 
@@ -312,7 +312,7 @@ def test_batch_requests_reach_the_engine_at_background_priority(make_engine, tmp
     assert (tmp_path / "batches" / b["id"] / "state.json").is_file()  # under --data-dir
 
 
-def test_lines_wait_for_the_ready_hook(make_engine, tmp_path) -> None:  # noqa: ANN001
+def test_lines_wait_for_the_ready_hook(make_engine, tmp_path) -> None:
     """A batch is validated at once but runs no line until ``ready`` returns (what the
     replica ingress does until a replica is healthy, so a batch resumed at start-up
     does not fail its lines while the replicas load); then it completes."""
@@ -320,7 +320,7 @@ def test_lines_wait_for_the_ready_hook(make_engine, tmp_path) -> None:  # noqa: 
     seen: list[str] = []
     add = engine.add_request
 
-    def spy(msg, on_update=None) -> None:  # noqa: ANN001
+    def spy(msg, on_update=None) -> None:
         seen.append(msg.rid)
         add(msg, on_update)
 

@@ -196,7 +196,7 @@ def test_cost_bound_totals_and_shared_costs() -> None:
     assert b["own_tower_s_per_image"] == 0.9 and b["bound_s"] == pytest.approx(0.5 + 1.0 + 1.0)
 
 
-def test_closed_loop_equals_lock_step_and_arrivals(loaded, model_dir: Path) -> None:  # noqa: ANN001
+def test_closed_loop_equals_lock_step_and_arrivals(loaded, model_dir: Path) -> None:
     mm = MMServeRunner(loaded, str(model_dir))
     wl = workloads.multi_turn(3, 3, 2)
     closed = mm.run(wl, "closed")
@@ -210,7 +210,7 @@ def test_closed_loop_equals_lock_step_and_arrivals(loaded, model_dir: Path) -> N
     assert closed.cached_tokens > 0 and closed.summary()["cache_hit_rate"] > 0.5
 
 
-def test_cache_on_off_counts_reuse(model_dir: Path, capsys) -> None:  # noqa: ANN001
+def test_cache_on_off_counts_reuse(model_dir: Path, capsys) -> None:
     k, m = 2, 3
     got = cache_on_off(str(model_dir), workloads.many_questions(k, m, 2))
     on, off = got["on"], got["off"]
@@ -289,7 +289,7 @@ def test_kv_tiers_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert t["disk_feature_loads"] == 2 and t["disk_hit_tokens"] >= 2 * 560
 
 
-def test_video_budget_benchmark_tiny(families, tmp_path: Path) -> None:  # noqa: ANN001
+def test_video_budget_benchmark_tiny(families, tmp_path: Path) -> None:
     ov = families["llava-onevision"]
     per = ov.loaded.family.video_frame_tokens()
     cap = 12 * per + 1  # room for 12 frames
@@ -323,7 +323,7 @@ def test_decode_weight_bytes_counts_a_tied_head_once() -> None:
     assert decode_weight_bytes(dec) == 160 + 32  # tied: one tensor, read once
 
 
-def test_real_shapes_tiny(families, tmp_path: Path) -> None:  # noqa: ANN001
+def test_real_shapes_tiny(families, tmp_path: Path) -> None:
     from mmserve.config import auto_dtype
     from mmserve.model.loader import load_model
 

@@ -8,7 +8,7 @@ from tests.helpers import QUESTIONS, assert_same_generation, greedy, run_workloa
 
 
 @pytest.fixture(scope="module")
-def imgs(make_engine, photos):  # noqa: ANN001, ANN201
+def imgs(make_engine, photos):
     eng = make_engine()
     return [eng.processor.prepare_image(b) for b in photos.values()]
 
@@ -22,7 +22,7 @@ def imgs(make_engine, photos):  # noqa: ANN001, ANN201
         {"page_size": 1, "policy": "fcfs"},
     ],
 )
-def test_cache_and_page_size_do_not_change_outputs(make_engine, imgs, cfg) -> None:  # noqa: ANN001
+def test_cache_and_page_size_do_not_change_outputs(make_engine, imgs, cfg) -> None:
     cases = workload(imgs)
     _, base = run_workload(make_engine, cases, page_size=1)
     _, other = run_workload(make_engine, cases, **cfg)

@@ -11,7 +11,7 @@ from tests.live_server import app_client
 
 
 @pytest.fixture(scope="module")
-def client(make_engine):  # noqa: ANN001, ANN201
+def client(make_engine):
     engine = make_engine(max_total_tokens=8192)
     with app_client(engine) as c:
         c.engine = engine
@@ -30,7 +30,7 @@ def streamed_text(chunks: list[dict], index: int = 0) -> str:
     )
 
 
-def test_logprobs_non_streamed(client) -> None:  # noqa: ANN001
+def test_logprobs_non_streamed(client) -> None:
     out = complete(client, logprobs=True, top_logprobs=3)
     choice = out["choices"][0]
     content = choice["logprobs"]["content"]
@@ -54,7 +54,7 @@ def test_logprobs_non_streamed(client) -> None:  # noqa: ANN001
     assert all(e["top_logprobs"] == [] for e in plain)
 
 
-def test_logprobs_streamed_equal_non_streamed(client) -> None:  # noqa: ANN001
+def test_logprobs_streamed_equal_non_streamed(client) -> None:
     ref = complete(client, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
     chunks = stream(client, logprobs=True, top_logprobs=2)
     got = [
@@ -66,7 +66,7 @@ def test_logprobs_streamed_equal_non_streamed(client) -> None:  # noqa: ANN001
     assert got == ref
 
 
-def test_n_choices_and_seeds(client) -> None:  # noqa: ANN001
+def test_n_choices_and_seeds(client) -> None:
     out = complete(client, n=3, temperature=1.0, seed=11)
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]
     singles = [
@@ -81,7 +81,7 @@ def test_n_choices_and_seeds(client) -> None:  # noqa: ANN001
     assert a == b
 
 
-def test_n_choices_streamed(client) -> None:  # noqa: ANN001
+def test_n_choices_streamed(client) -> None:
     ref = complete(client, n=2, temperature=1.0, seed=5)
     chunks = stream(client, n=2, temperature=1.0, seed=5, stream_options={"include_usage": True})
     for i in range(2):
@@ -95,7 +95,7 @@ def test_n_choices_streamed(client) -> None:  # noqa: ANN001
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
 
 
-def test_stream_chunk_shape(client) -> None:  # noqa: ANN001
+def test_stream_chunk_shape(client) -> None:
     plain = complete(client)  # caches the prompt: the stream below reuses all but its last token
     chunks = stream(client, stream_options={"include_usage": True})
     ids = {c["id"] for c in chunks}
@@ -113,7 +113,7 @@ def test_stream_chunk_shape(client) -> None:  # noqa: ANN001
     assert streamed_text(no_usage) == plain["choices"][0]["message"]["content"]
 
 
-def test_stop_string_never_leaks_into_the_stream(client) -> None:  # noqa: ANN001
+def test_stop_string_never_leaks_into_the_stream(client) -> None:
     full = complete(client, max_tokens=12)["choices"][0]["message"]["content"]
     assert len(full) > 6
     stop = full[3:6]
@@ -124,7 +124,7 @@ def test_stop_string_never_leaks_into_the_stream(client) -> None:  # noqa: ANN00
     assert not any(stop in (c["choices"][0]["delta"].get("content") or "") for c in chunks[1:])
 
 
-def test_optional_model_developer_role_and_default_length(client) -> None:  # noqa: ANN001
+def test_optional_model_developer_role_and_default_length(client) -> None:
     msgs = [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
@@ -138,7 +138,7 @@ def test_optional_model_developer_role_and_default_length(client) -> None:  # no
     assert r.json()["model"] == MODEL
 
 
-def test_default_max_tokens_is_capped_by_what_is_left(make_engine) -> None:  # noqa: ANN001
+def test_default_max_tokens_is_capped_by_what_is_left(make_engine) -> None:
     engine = make_engine(max_total_tokens=1024)  # the pool, not the context, binds here
     with app_client(engine) as c:
         long = "word " * 470  # about 940 tokens
@@ -164,7 +164,7 @@ def test_default_max_tokens_is_capped_by_what_is_left(make_engine) -> None:  # n
         assert "KV pool holds 1024 tokens" in r.json()["error"]["message"]
 
 
-def test_models_routes(client) -> None:  # noqa: ANN001
+def test_models_routes(client) -> None:
     data = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == [MODEL]
     assert data[0]["max_model_len"] == client.engine.max_context
@@ -172,7 +172,7 @@ def test_models_routes(client) -> None:  # noqa: ANN001
     assert client.get("/v1/models/gpt-4").json()["error"]["code"] == "model_not_found"
 
 
-def stop_oracle(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, str]:  # noqa: ANN001
+def stop_oracle(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, str]:
     """Brute force: decode growing prefixes; at the first that holds any stop, cut at the
     earliest occurrence of any of them."""
     text = ""
@@ -184,7 +184,7 @@ def stop_oracle(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, str]:
     return text, "length"
 
 
-def test_earliest_stop_wins_whatever_the_list_order(client, make_engine) -> None:  # noqa: ANN001
+def test_earliest_stop_wins_whatever_the_list_order(client, make_engine) -> None:
     from mmserve.types import SamplingParams
 
     tok = client.engine.model.tokenizer

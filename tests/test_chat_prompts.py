@@ -34,7 +34,7 @@ CHAT = [
 ]
 
 
-def _ref_ids(tok, text: str) -> list[int]:  # noqa: ANN001
+def _ref_ids(tok, text: str) -> list[int]:
     """transformers' ids of a rendered prompt (with what the tokenizer adds: BOS)."""
     return tok(text, add_special_tokens=True)["input_ids"]
 
@@ -48,7 +48,7 @@ def _ref_ids(tok, text: str) -> list[int]:  # noqa: ANN001
     [PREFILL, "", "Two words ", [{"type": "text", "text": "A"}, {"type": "text", "text": "B c"}]],
     ids=["text", "empty", "trailing-space", "parts"],
 )
-def test_continued_message_ids_equal_transformers(families, family: str, last) -> None:  # noqa: ANN001
+def test_continued_message_ids_equal_transformers(families, family: str, last) -> None:
     prompts = families[family].make_engine().processor.prompts
     tok = families[family].ref[1].tokenizer
     msgs = [*CHAT[:2], {"role": "assistant", "content": last}]
@@ -62,7 +62,7 @@ def test_continued_message_ids_equal_transformers(families, family: str, last) -
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_a_typed_end_of_sequence_in_the_prefill_stays_text(families, family: str) -> None:  # noqa: ANN001
+def test_a_typed_end_of_sequence_in_the_prefill_stays_text(families, family: str) -> None:
     prompts = families[family].make_engine().processor.prompts
     tok = prompts.tokenizer
     msgs = [CHAT[1], {"role": "assistant", "content": f"a{tok.eos_token}b"}]
@@ -75,7 +75,7 @@ def test_a_typed_end_of_sequence_in_the_prefill_stays_text(families, family: str
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_trailing_assistant_without_the_flag_gets_a_new_assistant_turn(families, family) -> None:  # noqa: ANN001
+def test_trailing_assistant_without_the_flag_gets_a_new_assistant_turn(families, family) -> None:
     prompts = families[family].make_engine().processor.prompts
     tok = families[family].ref[1].tokenizer
     ours, _ = prompts.from_messages(CHAT, [])
@@ -95,7 +95,7 @@ def test_trailing_assistant_without_the_flag_gets_a_new_assistant_turn(families,
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_end_of_sequence_only_between_turns(families, family: str) -> None:  # noqa: ANN001
+def test_end_of_sequence_only_between_turns(families, family: str) -> None:
     prompts = families[family].make_engine().processor.prompts
     tok = prompts.tokenizer
     render = tok.apply_chat_template
@@ -123,7 +123,7 @@ def test_end_of_sequence_only_between_turns(families, family: str) -> None:  # n
 
 
 def test_a_template_that_opens_no_turn_after_an_assistant_message_is_refused(
-    families,  # noqa: ANN001
+    families,
 ) -> None:
     prompts = PromptBuilder(families["llava"].loaded)
     prompts.tokenizer = copy.deepcopy(prompts.tokenizer)  # the shared model's stays as is
@@ -148,7 +148,7 @@ def test_a_template_that_opens_no_turn_after_an_assistant_message_is_refused(
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_continued_generation_equals_transformers(families, photos, family: str) -> None:  # noqa: ANN001
+def test_continued_generation_equals_transformers(families, photos, family: str) -> None:
     fam = families[family]
     eng = fam.make_engine()
     img = eng.processor.prepare_image(photos["cat.png"])
@@ -172,7 +172,7 @@ def test_continued_generation_equals_transformers(families, photos, family: str)
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 @pytest.mark.parametrize("text", ["The city is Paris", "Le café, 日本 ok", "a  b\n c"])
-def test_continued_text_is_what_the_output_adds(families, family: str, text: str) -> None:  # noqa: ANN001
+def test_continued_text_is_what_the_output_adds(families, family: str, text: str) -> None:
     tok = families[family].loaded.tokenizer
     ids = tok(text, add_special_tokens=False)["input_ids"]
     for cut in range(1, len(ids)):
@@ -193,14 +193,14 @@ def test_continued_text_is_what_the_output_adds(families, family: str, text: str
 
 
 @pytest.fixture(scope="module")
-def client(families):  # noqa: ANN001, ANN201
+def client(families):
     engine = families["llava"].make_engine(max_total_tokens=4096)
     with app_client(engine) as c:
         c.engine = engine
         yield c
 
 
-def _post(client, messages: list, route: str = "/v1/chat/completions", **kw):  # noqa: ANN001, ANN201
+def _post(client, messages: list, route: str = "/v1/chat/completions", **kw):
     if route == "/v1/responses":
         body = {"model": MODEL, "input": messages, "max_output_tokens": 4, "temperature": 0}
     else:
@@ -208,7 +208,7 @@ def _post(client, messages: list, route: str = "/v1/chat/completions", **kw):  #
     return client.post(route, json={**body, **kw})
 
 
-def test_continued_answer_over_http_and_cached_prefix(client) -> None:  # noqa: ANN001
+def test_continued_answer_over_http_and_cached_prefix(client) -> None:
     proc = client.engine.processor
     req = proc.make_request(messages=CHAT, params=greedy(4), template=CONTINUE)
     (want,) = client.engine.generate([req])
@@ -251,7 +251,7 @@ def test_continued_answer_over_http_and_cached_prefix(client) -> None:  # noqa: 
     ],
     ids=["default-generation-prompt", "both-true", "no-final-assistant"],
 )
-def test_continue_final_message_refusals(client, route, messages, flags, words) -> None:  # noqa: ANN001
+def test_continue_final_message_refusals(client, route, messages, flags, words) -> None:
     err = assert_error(_post(client, messages, route, **flags), 400, words)
     assert err["param"] == "continue_final_message"
 
@@ -299,7 +299,7 @@ ROLE_RULES = [
 @pytest.mark.parametrize(
     "message, status, param", ROLE_RULES, ids=[repr(r[0])[:60] for r in ROLE_RULES]
 )
-def test_message_rules_per_role(client, photos, message, status, param) -> None:  # noqa: ANN001
+def test_message_rules_per_role(client, photos, message, status, param) -> None:
     if "IMG" in repr(message):
         image_id = client.post("/v1/images", files={"file": ("a.png", photos["cat.png"])})
         url = image_id.json()["id"]
@@ -316,7 +316,7 @@ def test_message_rules_per_role(client, photos, message, status, param) -> None:
         assert err["param"] == param and err["message"].startswith(param + ": "), err
 
 
-def test_user_and_safety_identifier_are_accepted_and_logged(client, caplog) -> None:  # noqa: ANN001
+def test_user_and_safety_identifier_are_accepted_and_logged(client, caplog) -> None:
     msgs = [{"role": "user", "content": "Hi"}]
     with caplog.at_level(logging.INFO, logger="api.generation"):
         r = _post(client, msgs, user="alice\nforged", safety_identifier="h-1")

@@ -35,12 +35,12 @@ def tiny_dir(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(ref_model) -> LlavaForConditionalGeneration:  # noqa: ANN001
+def model(ref_model) -> LlavaForConditionalGeneration:
     return ref_model[0]
 
 
 @pytest.fixture(scope="module")
-def processor(ref_model):  # noqa: ANN001, ANN201
+def processor(ref_model):
     return ref_model[1]
 
 

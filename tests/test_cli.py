@@ -73,12 +73,12 @@ def test_every_setting_is_a_flag_and_help_shows_its_default() -> None:
     assert len(flags) == len(set(flags)) > 60  # no two settings share a flag
 
 
-def test_bad_setting_is_a_clear_error(capsys) -> None:  # noqa: ANN001
+def test_bad_setting_is_a_clear_error(capsys) -> None:
     assert main(["serve", "--page-size", "0"]) == 2
     assert "page_size must be >= 1" in capsys.readouterr().err
 
 
-def test_cli_serve_flashinfer_on_cpu_fails_fast(model_dir, capsys) -> None:  # noqa: ANN001
+def test_cli_serve_flashinfer_on_cpu_fails_fast(model_dir, capsys) -> None:
     rc = main(["serve", *ANY_PORT, "--model", str(model_dir), "--attention-backend", "flashinfer"])
     err = capsys.readouterr().err
     assert rc == 2 and "CUDA" in err and "--attention-backend torch" in err
@@ -93,7 +93,7 @@ def test_no_settings_travel_through_the_environment() -> None:
     assert not (root / "mmserve" / "server_flags.py").exists()
 
 
-def test_data_dir_flag_and_its_default(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+def test_data_dir_flag_and_its_default(monkeypatch, tmp_path) -> None:
     _, _, server = settings_from_args(
         build_parser().parse_args(["serve", "--data-dir", str(tmp_path / "d")])
     )
@@ -112,7 +112,7 @@ def test_data_dir_flag_and_its_default(monkeypatch, tmp_path) -> None:  # noqa: 
         build_parser().parse_args(["serve", "--batch-dir", str(tmp_path)])
 
 
-def test_cli_serve_kv_budget_too_small_is_refused_with_numbers(model_dir, capsys) -> None:  # noqa: ANN001
+def test_cli_serve_kv_budget_too_small_is_refused_with_numbers(model_dir, capsys) -> None:
     rc = main(["serve", *ANY_PORT, "--model", str(model_dir), "--kv-cache-memory", "100000"])
     err = capsys.readouterr().err
     assert rc == 2 and "mmserve serve: error: the KV pool would hold" in err
@@ -169,7 +169,7 @@ def test_help_names_values_and_flags_not_code() -> None:
     assert settings_from_args(args)[1].disable_radix_cache is False
 
 
-def test_serve_typo_gets_serve_usage_and_a_suggestion(capsys) -> None:  # noqa: ANN001
+def test_serve_typo_gets_serve_usage_and_a_suggestion(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--prot", "8001"])
     err = capsys.readouterr().err
@@ -179,12 +179,12 @@ def test_serve_typo_gets_serve_usage_and_a_suggestion(capsys) -> None:  # noqa: 
     assert "(did you mean --port?)" in err
 
 
-def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:  # noqa: ANN001
+def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:
     import socket
 
     from mmserve.frontend import frontend as engine_module
 
-    def no_engine(*a, **k):  # noqa: ANN002, ANN003, ANN202
+    def no_engine(*a, **k):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(engine_module, "Engine", no_engine)
@@ -197,7 +197,7 @@ def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> Non
     assert f"port {port} on 127.0.0.1 is in use" in err and "--port" in err
 
 
-def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path) -> None:  # noqa: ANN001
+def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path) -> None:
     from api.cli import startup_summary
     from mmserve.frontend.frontend import Engine
 
@@ -219,7 +219,7 @@ def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path
     assert "http://127.0.0.1:8123/v1" in url
 
 
-def test_serve_logs_its_choices_by_default(model_dir, tmp_path) -> None:  # noqa: ANN001
+def test_serve_logs_its_choices_by_default(model_dir, tmp_path) -> None:
     from tests.live_server import live_server_process
 
     log = tmp_path / "serve.log"

@@ -33,7 +33,7 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path):  # noqa: ANN201
+def server(model_dir: Path):
     with live_server(model_dir, "--served-model-name", MODEL) as url:
         yield url
 

@@ -41,12 +41,12 @@ TWIN = {"cuda_graph_twin": True}
 
 
 @pytest.fixture(scope="module")
-def imgs(make_engine, photos):  # noqa: ANN001, ANN201
+def imgs(make_engine, photos):
     eng = make_engine()
     return [eng.processor.prepare_image(b) for b in photos.values()]
 
 
-def same(results, base, what: str) -> None:  # noqa: ANN001
+def same(results, base, what: str) -> None:
     assert len(results) == len(base)
     for k, (a, b) in enumerate(zip(results, base, strict=True)):
         assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, f"{what} #{k}")
@@ -102,7 +102,7 @@ def test_padded_buffers_layout() -> None:
         bufs.fill([[1]] * 3, [1] * 3, [0] * 3, bucket=2)
 
 
-def test_padding_rows_write_only_the_scratch_page(make_engine, imgs) -> None:  # noqa: ANN001
+def test_padding_rows_write_only_the_scratch_page(make_engine, imgs) -> None:
     eng = make_engine(page_size=4, **TWIN)
     pool, graphs = eng.pool, eng.runner.graphs
     assert graphs is not None and graphs.graphs == {}  # nothing captured on the CPU
@@ -144,7 +144,7 @@ def test_padding_rows_write_only_the_scratch_page(make_engine, imgs) -> None:  #
     st.integers(0, 3),
     st.randoms(use_true_random=False),
 )
-def test_padded_rows_equal_build_metadata(page_size, seqs, extra, rnd) -> None:  # noqa: ANN001
+def test_padded_rows_equal_build_metadata(page_size, seqs, extra, rnd) -> None:
     # the real rows of a padded batch are build_metadata's decode batch, row for row
     max_pages = -(-40 // page_size)
     pages = list(range(len(seqs) * max_pages))
@@ -172,7 +172,7 @@ def test_padded_rows_equal_build_metadata(page_size, seqs, extra, rnd) -> None: 
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_tokens_equal_eager_across_buckets(make_engine, imgs, page_size) -> None:  # noqa: ANN001
+def test_tokens_equal_eager_across_buckets(make_engine, imgs, page_size) -> None:
     # 11 requests of different lengths: the batch shrinks through buckets 16, 8, 4, 2, 1
     cases = workload(imgs) + [
         (user(None, QUESTIONS[k % 3] + f" {k}"), [imgs[k % 4]]) for k in range(3)
@@ -193,7 +193,7 @@ def test_tokens_equal_eager_across_buckets(make_engine, imgs, page_size) -> None
     assert [len(r.output_ids) for r in results[1]] == [3 + 2 * k for k in range(len(cases))]
 
 
-def test_retraction_with_the_twin(make_engine, imgs) -> None:  # noqa: ANN001
+def test_retraction_with_the_twin(make_engine, imgs) -> None:
     cases = [(user(None, QUESTIONS[k % 3] + f" {k}"), [imgs[k % 4]]) for k in range(12)]
     _, base = run_workload(make_engine, cases, max_tokens=24, disable_radix_cache=True)
     tight = {"page_size": 4, "max_total_tokens": 4 * 330, "decode_reserve_ratio": 0.0}
@@ -202,7 +202,7 @@ def test_retraction_with_the_twin(make_engine, imgs) -> None:  # noqa: ANN001
     same(res, base, "retracted twin")
 
 
-def test_seeded_sampling_and_n_copies_with_the_twin(make_engine, imgs) -> None:  # noqa: ANN001
+def test_seeded_sampling_and_n_copies_with_the_twin(make_engine, imgs) -> None:
     # n = 3 choices as the API makes them: one prompt, seeds seed, seed + 1, seed + 2
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
     outs = []
@@ -223,7 +223,7 @@ def test_seeded_sampling_and_n_copies_with_the_twin(make_engine, imgs) -> None: 
     assert len({tuple(o) for o in outs[1][:3]}) > 1  # the copies' seeds differ
 
 
-def test_structured_output_with_the_twin(make_engine, imgs) -> None:  # noqa: ANN001
+def test_structured_output_with_the_twin(make_engine, imgs) -> None:
     schema = {
         "type": "object",
         "properties": {"color": {"type": "string"}, "count": {"type": "integer"}},
@@ -247,7 +247,7 @@ def test_structured_output_with_the_twin(make_engine, imgs) -> None:  # noqa: AN
 
 
 @pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
-def test_other_families_with_the_twin(families, photos, family: str) -> None:  # noqa: ANN001
+def test_other_families_with_the_twin(families, photos, family: str) -> None:
     # LLaVA-1.5 is covered above; NeXT and OneVision (tiles, newline ids) take the same path
     fam = families[family]
     outs = []
@@ -267,7 +267,7 @@ def test_other_families_with_the_twin(families, photos, family: str) -> None:  #
     same(outs[1], outs[0], f"{family} twin")
 
 
-def test_flashinfer_graph_wrappers_on_a_stand_in(make_engine, imgs, monkeypatch) -> None:  # noqa: ANN001
+def test_flashinfer_graph_wrappers_on_a_stand_in(make_engine, imgs, monkeypatch) -> None:
     # FlashInferAttentionBackend.plan_padded against FlashInfer's CUDA-graph contract
     # (tests/helpers.py FakeFlashInfer): one wrapper per bucket over the runner's fixed
     # buffers, planned from host copies, run from those buffers only

@@ -36,13 +36,13 @@ def _image(photos: dict[str, bytes], size: tuple[int, int]) -> Image.Image:
     return Image.open(io.BytesIO(photos["astronaut.png"])).convert("RGB").resize(size)
 
 
-def _processor_count(processor, images: list[Image.Image], text: str) -> int:  # noqa: ANN001
+def _processor_count(processor, images: list[Image.Image], text: str) -> int:
     """Image tokens transformers' processor puts in ``text`` for ``images`` (one prompt)."""
     ids = processor(images=[images], text=text)["input_ids"][0]
     return list(ids).count(processor.image_token_id)
 
 
-def _next_low_features(ref_model, im: Image.Image) -> torch.Tensor:  # noqa: ANN001
+def _next_low_features(ref_model, im: Image.Image) -> torch.Tensor:
     """transformers' LLaVA-NeXT on the base tile alone: its tower, projector and
     ``pack_image_features`` (which packs a one-tile image as its features and a newline)
     on the first tile its image processor makes. ``[tokens, hidden]``."""
@@ -64,7 +64,7 @@ def _next_low_features(ref_model, im: Image.Image) -> torch.Tensor:  # noqa: ANN
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_counts_per_detail_equal_transformers(families, photos, family) -> None:  # noqa: ANN001
+def test_counts_per_detail_equal_transformers(families, photos, family) -> None:
     """high and auto: the processor's count for the image alone; low: LLaVA-1.5 the same,
     OneVision the processor's count for an image of a multi-image prompt (its base view),
     NeXT the length transformers' packing gives the base tile alone."""
@@ -96,7 +96,7 @@ def test_counts_per_detail_equal_transformers(families, photos, family) -> None:
         )
 
 
-def test_next_low_features_equal_transformers(families, photos) -> None:  # noqa: ANN001
+def test_next_low_features_equal_transformers(families, photos) -> None:
     """Our LLaVA-NeXT base view (the image processor asked for one tile) gives the same
     features as transformers' modules on the base tile of its full any-resolution output."""
     tf = families["llava-next"]
@@ -108,7 +108,7 @@ def test_next_low_features_equal_transformers(families, photos) -> None:  # noqa
         torch.testing.assert_close(ours.float(), ref.float(), rtol=1e-4, atol=1e-4)
 
 
-def _reference_low(tf, engine, msgs, im, n):  # noqa: ANN001, ANN202
+def _reference_low(tf, engine, msgs, im, n):
     """transformers' greedy generation on the low view of ``im`` (``n`` image tokens)."""
     model, processor = tf.ref
     text = engine.processor.prompts.render_chat(msgs).replace("<image>", "<image>" * n)
@@ -139,7 +139,7 @@ def _reference_low(tf, engine, msgs, im, n):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
-def test_low_view_greedy_equals_transformers(families, photos, family) -> None:  # noqa: ANN001
+def test_low_view_greedy_equals_transformers(families, photos, family) -> None:
     tf = families[family]
     engine = tf.make_engine()
     pil = _image(photos, (1024, 768))
@@ -160,7 +160,7 @@ def test_low_view_greedy_equals_transformers(families, photos, family) -> None: 
 
 
 @pytest.fixture(scope="module", params=["llava-next", "llava-onevision"])
-def api(request, families):  # noqa: ANN001, ANN201
+def api(request, families):
     engine = families[request.param].make_engine()
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
         c.engine = engine
@@ -180,7 +180,7 @@ def _part(url: str, detail: str | None) -> dict:
     return {"type": "image_url", "image_url": image_url}
 
 
-def test_upload_reports_tokens_per_detail(api, photos) -> None:  # noqa: ANN001
+def test_upload_reports_tokens_per_detail(api, photos) -> None:
     _, info = _image_id(api, photos)
     by = info["num_image_tokens_by_detail"]
     assert set(by) == {"auto", "low", "high"}
@@ -189,7 +189,7 @@ def test_upload_reports_tokens_per_detail(api, photos) -> None:  # noqa: ANN001
     assert by["low"] == loaded.image_tokens(1024, 768, BASE_MODE)
 
 
-def test_low_and_high_never_share_image_kv(api, photos) -> None:  # noqa: ANN001
+def test_low_and_high_never_share_image_kv(api, photos) -> None:
     """The image sits at the same position in every request, so a view sharing another's
     KV would show as cached tokens past that position."""
     image_id, info = _image_id(api, photos)
@@ -224,7 +224,7 @@ def _png(photos: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def test_responses_and_ask_take_detail(api, photos) -> None:  # noqa: ANN001
+def test_responses_and_ask_take_detail(api, photos) -> None:
     image_id, info = _image_id(api, photos)
     by = info["num_image_tokens_by_detail"]
     client = openai.OpenAI(
@@ -261,7 +261,7 @@ def test_responses_and_ask_take_detail(api, photos) -> None:  # noqa: ANN001
         ({"image_url": {"url": "IMG", "detail": "LOW"}}, "messages[0].content[0].image_url.detail"),
     ],
 )
-def test_an_unknown_detail_is_a_400_naming_it(api, photos, body_part, param) -> None:  # noqa: ANN001
+def test_an_unknown_detail_is_a_400_naming_it(api, photos, body_part, param) -> None:
     image_id, _ = _image_id(api, photos)
     part = {"type": "image_url", **body_part}
     part["image_url"]["url"] = image_id

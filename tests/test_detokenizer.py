@@ -11,17 +11,17 @@ from mmserve.frontend.detokenizer import IncrementalDetokenizer, TextStream, fir
 from tests.helpers import TINY_FAMILIES
 
 
-def special_ids(tok) -> set[int]:  # noqa: ANN001
+def special_ids(tok) -> set[int]:
     return set(tok.all_special_ids)
 
 
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
-def tok(request, families):  # noqa: ANN001, ANN201
+def tok(request, families):
     """Each family's tiny tokenizer (SentencePiece, SentencePiece + byte fallback, BPE)."""
     return AutoTokenizer.from_pretrained(families[request.param].model_dir)
 
 
-def _ids(tok) -> st.SearchStrategy[list[int]]:  # noqa: ANN001
+def _ids(tok) -> st.SearchStrategy[list[int]]:
     """Random ids, heavy on byte-fallback and special tokens and on multi-byte text."""
     vocab = tok.get_vocab()
     byte_ids = sorted(i for t, i in vocab.items() if t.startswith("<0x") and len(t) == 6)
@@ -36,7 +36,7 @@ def _ids(tok) -> st.SearchStrategy[list[int]]:  # noqa: ANN001
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_incremental_text_equals_one_shot_decode(tok, data) -> None:  # noqa: ANN001
+def test_incremental_text_equals_one_shot_decode(tok, data) -> None:
     ids = data.draw(_ids(tok), label="ids")
     step = data.draw(st.integers(1, 4), label="ids per push")
     dt = IncrementalDetokenizer(tok)
@@ -51,7 +51,7 @@ def test_incremental_text_equals_one_shot_decode(tok, data) -> None:  # noqa: AN
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_stop_strings_match_one_shot_cut(tok, data) -> None:  # noqa: ANN001
+def test_stop_strings_match_one_shot_cut(tok, data) -> None:
     ids = data.draw(_ids(tok), label="ids")
     full = tok.decode(ids, skip_special_tokens=True)
     # stops taken from the text itself, so they often straddle token boundaries
@@ -91,7 +91,7 @@ def test_stop_strings_match_one_shot_cut(tok, data) -> None:  # noqa: ANN001
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_streamed_text_never_shows_part_of_a_stop(tok, data) -> None:  # noqa: ANN001
+def test_streamed_text_never_shows_part_of_a_stop(tok, data) -> None:
     ids = data.draw(_ids(tok), label="ids")
     full = tok.decode(ids, skip_special_tokens=True)
     if len(full) < 2:
@@ -110,7 +110,7 @@ def test_streamed_text_never_shows_part_of_a_stop(tok, data) -> None:  # noqa: A
     assert stop not in shown
 
 
-def test_min_tokens_delays_stop_strings(tok) -> None:  # noqa: ANN001
+def test_min_tokens_delays_stop_strings(tok) -> None:
     ids = tok.encode("hello world hello world", add_special_tokens=False)
     stream = TextStream(tok, ["hello"], min_tokens=len(ids))
     text = "".join(stream.push([i]) for i in ids) + stream.finish()
@@ -120,13 +120,13 @@ def test_min_tokens_delays_stop_strings(tok) -> None:  # noqa: ANN001
     assert stream.stopped and stream.text == ""
 
 
-def test_push_cost_does_not_grow_with_the_answer(tok, monkeypatch) -> None:  # noqa: ANN001
+def test_push_cost_does_not_grow_with_the_answer(tok, monkeypatch) -> None:
     """A counting test: ids decoded per push stay bounded however long the answer is."""
     dt = IncrementalDetokenizer(tok)
     decoded: list[int] = []
     real = dt._decode
 
-    def counting(ids):  # noqa: ANN001, ANN202
+    def counting(ids):
         decoded.append(len(ids))
         return real(ids)
 

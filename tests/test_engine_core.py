@@ -21,7 +21,7 @@ from mmserve.types import SamplingParams
 from tests.helpers import greedy, user
 
 
-def _long_and_short(make_engine, photos, **cfg):  # noqa: ANN001, ANN201
+def _long_and_short(make_engine, photos, **cfg):
     """Short requests decode while longer ones (an image, a long text) arrive and prefill
     in chunks; returns the engine and each request's output ids."""
     eng = make_engine(**cfg)
@@ -50,7 +50,7 @@ def _long_and_short(make_engine, photos, **cfg):  # noqa: ANN001, ANN201
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_mixed_steps_equal_separate_steps(make_engine, photos, page_size) -> None:  # noqa: ANN001
+def test_mixed_steps_equal_separate_steps(make_engine, photos, page_size) -> None:
     cfg = {"page_size": page_size, "max_num_batched_tokens": 128, "max_total_tokens": 8192}
     mixed, out_mixed = _long_and_short(make_engine, photos, **cfg)
     apart, out_apart = _long_and_short(make_engine, photos, disable_mixed_steps=True, **cfg)
@@ -61,12 +61,12 @@ def test_mixed_steps_equal_separate_steps(make_engine, photos, page_size) -> Non
     assert apart.stats.mixed_steps == 0
 
 
-def test_a_chunk_never_exceeds_the_step_budget_while_streams_decode(make_engine, photos) -> None:  # noqa: ANN001
+def test_a_chunk_never_exceeds_the_step_budget_while_streams_decode(make_engine, photos) -> None:
     eng = make_engine(max_num_batched_tokens=64, max_prefill_tokens=300)
     seen = []  # (tokens in the forward, whether requests were decoding)
     real = eng.runner.prefill
 
-    def spy(reqs, extends):  # noqa: ANN001, ANN202
+    def spy(reqs, extends):
         seen.append((sum(extends), bool(eng.scheduler.running)))
         return real(reqs, extends)
 
@@ -101,7 +101,7 @@ def test_a_chunk_never_exceeds_the_step_budget_while_streams_decode(make_engine,
         max_size=6,
     ),
 )
-def test_batched_sampling_equals_row_by_row(seed: int, rows) -> None:  # noqa: ANN001
+def test_batched_sampling_equals_row_by_row(seed: int, rows) -> None:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(rows), 97, generator=g) * 3
     logits[:, :5] = float("-inf")  # never-sampled ids
@@ -123,10 +123,10 @@ def test_batched_sampling_equals_row_by_row(seed: int, rows) -> None:  # noqa: A
         assert [t for t, _ in lps[i].top] == [t for t, _ in ref.top]
 
 
-def _calls_in_one_step(eng) -> int:  # noqa: ANN001
+def _calls_in_one_step(eng) -> int:
     calls = 0
 
-    def prof(frame, event, arg) -> None:  # noqa: ANN001
+    def prof(frame, event, arg) -> None:
         nonlocal calls
         if event in ("call", "c_call"):
             calls += 1
@@ -140,7 +140,7 @@ def _calls_in_one_step(eng) -> int:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_per_step_work_does_not_grow_with_the_answer(make_engine, page_size) -> None:  # noqa: ANN001
+def test_per_step_work_does_not_grow_with_the_answer(make_engine, page_size) -> None:
     """A counting test: Python calls made by one decode step (engine, sampling, the
     delta, the front end's collector) at 40 output tokens and at 1,500."""
     eng = make_engine(page_size=page_size, max_total_tokens=4096)

@@ -53,7 +53,7 @@ API_CASES = {
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_text_only(families, family: str) -> None:  # noqa: ANN001
+def test_text_only(families, family: str) -> None:
     fam = families[family]
     msgs = [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -65,7 +65,7 @@ def test_text_only(families, family: str) -> None:  # noqa: ANN001
 @pytest.mark.parametrize(
     ("family", "shape"), [(f, s) for f, names in ANY_RES.items() for s in names]
 )
-def test_one_image_in_each_aspect_ratio(families, shapes, family: str, shape: str) -> None:  # noqa: ANN001
+def test_one_image_in_each_aspect_ratio(families, shapes, family: str, shape: str) -> None:
     fam = families[family]
     eng = fam.make_engine()
     img = eng.processor.prepare_image(shapes[shape])
@@ -73,7 +73,7 @@ def test_one_image_in_each_aspect_ratio(families, shapes, family: str, shape: st
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_two_images_of_different_sizes(families, shapes, photos, family: str) -> None:  # noqa: ANN001
+def test_two_images_of_different_sizes(families, shapes, photos, family: str) -> None:
     fam = families[family]
     eng = fam.make_engine()
     imgs = [eng.processor.prepare_image(d) for d in (shapes["wide"], photos["cat.png"])]
@@ -82,7 +82,7 @@ def test_two_images_of_different_sizes(families, shapes, photos, family: str) ->
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_multi_turn_chat_with_an_image(families, photos, family: str) -> None:  # noqa: ANN001
+def test_multi_turn_chat_with_an_image(families, photos, family: str) -> None:
     fam = families[family]
     eng = fam.make_engine()
     img = eng.processor.prepare_image(photos["coffee.png"])
@@ -96,7 +96,7 @@ def test_multi_turn_chat_with_an_image(families, photos, family: str) -> None:  
 @pytest.mark.parametrize("family", sorted(ANY_RES))
 def test_different_images_and_questions_give_different_answers(
     families, shapes, family: str
-) -> None:  # noqa: ANN001
+) -> None:
     eng = families[family].make_engine()
     answers = set()
     for name in ANY_RES[family]:
@@ -111,7 +111,7 @@ def test_different_images_and_questions_give_different_answers(
 
 
 @pytest.mark.parametrize("family", sorted(ANY_RES))
-def test_token_counts_equal_the_processors(families, family: str) -> None:  # noqa: ANN001
+def test_token_counts_equal_the_processors(families, family: str) -> None:
     fam = families[family]
     loaded, (_, processor) = fam.loaded, fam.ref
     tile = loaded.config.vision_config.image_size
@@ -127,7 +127,7 @@ def test_token_counts_equal_the_processors(families, family: str) -> None:  # no
 
 
 @pytest.mark.parametrize("family", sorted(ANY_RES))
-def test_aspect_ratios_choose_different_grids(families, shapes, family: str) -> None:  # noqa: ANN001
+def test_aspect_ratios_choose_different_grids(families, shapes, family: str) -> None:
     loaded = families[family].loaded
     counts = {
         k: loaded.image_tokens(*Image.open(io.BytesIO(shapes[k])).size) for k in ANY_RES[family]
@@ -139,7 +139,7 @@ def test_aspect_ratios_choose_different_grids(families, shapes, family: str) -> 
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_rebuild_is_byte_identical(families, tmp_path, family: str) -> None:  # noqa: ANN001
+def test_rebuild_is_byte_identical(families, tmp_path, family: str) -> None:
     built = families[family].model_dir
     again = make_checkpoint(tmp_path / "again", "tiny", family=family)
     names = sorted(p.name for p in built.iterdir())
@@ -155,7 +155,7 @@ def test_rebuild_is_byte_identical(families, tmp_path, family: str) -> None:  # 
 
 @pytest.mark.parametrize("cfg", CACHE_CONFIGS)
 @pytest.mark.parametrize("family", sorted(API_CASES))
-def test_api_equals_reference_cache_on_and_off(families, shapes, family: str, cfg) -> None:  # noqa: ANN001
+def test_api_equals_reference_cache_on_and_off(families, shapes, family: str, cfg) -> None:
     fam = families[family]
     eng = fam.make_engine(**cfg)
     tok = eng.model.tokenizer
@@ -177,7 +177,7 @@ def test_api_equals_reference_cache_on_and_off(families, shapes, family: str, cf
 
 
 @pytest.mark.parametrize("family", sorted(UPLOADED))
-def test_uploaded_image_second_question_caches_its_whole_run(families, shapes, family) -> None:  # noqa: ANN001
+def test_uploaded_image_second_question_caches_its_whole_run(families, shapes, family) -> None:
     eng = families[family].make_engine(page_size=16)
     data = shapes[UPLOADED[family]]
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:

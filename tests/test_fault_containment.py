@@ -27,18 +27,18 @@ def body(text: str, **kw) -> dict:
     }
 
 
-def poisoned_app(engine):  # noqa: ANN001, ANN201
+def poisoned_app(engine):
     """An app whose prefill raises for any batch holding a request about ``POISON``."""
     make, prefill = engine.processor.make_request, engine.runner.prefill
     poison_ids = set()
 
-    def mark(**kw):  # noqa: ANN003, ANN202
+    def mark(**kw):
         req = make(**kw)
         if any(POISON in str(m.get("content")) for m in kw.get("messages") or []):
             poison_ids.add(req.rid)
         return req
 
-    def failing_prefill(reqs, extends):  # noqa: ANN001, ANN202
+    def failing_prefill(reqs, extends):
         if any(r.rid in poison_ids for r in reqs):
             raise RuntimeError("injected fault")
         return prefill(reqs, extends)
@@ -79,7 +79,7 @@ def normal_requests(c: TestClient) -> Iterator[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(make_engine) -> list[str]:  # noqa: ANN001
+def baseline(make_engine) -> list[str]:
     with TestClient(create_app(make_engine(), ServerSettings(served_model_name="m"))) as c:
         return [
             c.post("/v1/chat/completions", json=body(t)).json()["choices"][0]["message"]["content"]
@@ -87,7 +87,7 @@ def baseline(make_engine) -> list[str]:  # noqa: ANN001
         ]
 
 
-def test_a_failing_batch_fails_only_its_requests(make_engine, baseline) -> None:  # noqa: ANN001
+def test_a_failing_batch_fails_only_its_requests(make_engine, baseline) -> None:
     engine = make_engine()
     with TestClient(poisoned_app(engine)) as c:
         with normal_requests(c) as got:
@@ -111,7 +111,7 @@ def test_a_failing_batch_fails_only_its_requests(make_engine, baseline) -> None:
         assert engine.stats.requests_failed == 2
 
 
-def test_three_failed_steps_in_a_row_turn_health_503(make_engine) -> None:  # noqa: ANN001
+def test_three_failed_steps_in_a_row_turn_health_503(make_engine) -> None:
     engine = make_engine()
     with TestClient(poisoned_app(engine)) as c:
         for k in range(3):
@@ -129,19 +129,19 @@ def test_three_failed_steps_in_a_row_turn_health_503(make_engine) -> None:  # no
 
 def test_a_failure_while_sampling_fails_only_that_request(
     make_engine, baseline, monkeypatch
-) -> None:  # noqa: ANN001
+) -> None:
     import mmserve.engine.engine as engine_module
 
     real = engine_module.sample_token
 
-    def flaky(logits, params, generator):  # noqa: ANN001, ANN202
+    def flaky(logits, params, generator):
         if params.seed == 666:
             raise FloatingPointError("injected sampling fault")
         return real(logits, params, generator)
 
     real_batch = engine_module.sample_batch
 
-    def flaky_batch(rows, params, generators):  # noqa: ANN001, ANN202
+    def flaky_batch(rows, params, generators):
         # the batched path fails for the whole batch; the engine then samples row by
         # row, where only the poisoned request fails
         if any(p.seed == 666 for p in params):

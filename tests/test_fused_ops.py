@@ -24,13 +24,13 @@ def old_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(x.dtype)
 
 
-def old_rope(q, k, positions, inv_freq, dtype):  # noqa: ANN001, ANN201
+def old_rope(q, k, positions, inv_freq, dtype):
     """Per-step tables from fp32 frequencies, then ``x * cos + rotate_half(x) * sin``."""
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
-    def rot(x):  # noqa: ANN001, ANN202
+    def rot(x):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -42,7 +42,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rms_norm_and_fused_add_equal_the_unfused_arithmetic_bit_for_bit(dtype) -> None:  # noqa: ANN001
+def test_rms_norm_and_fused_add_equal_the_unfused_arithmetic_bit_for_bit(dtype) -> None:
     @SETTINGS
     @given(
         st.integers(1, 40),
@@ -67,7 +67,7 @@ def test_rms_norm_and_fused_add_equal_the_unfused_arithmetic_bit_for_bit(dtype) 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rope_from_the_cache_equals_per_step_tables_bit_for_bit(dtype) -> None:  # noqa: ANN001
+def test_rope_from_the_cache_equals_per_step_tables_bit_for_bit(dtype) -> None:
     @SETTINGS
     @given(
         st.integers(1, 24),
@@ -98,7 +98,7 @@ def test_rope_from_the_cache_equals_per_step_tables_bit_for_bit(dtype) -> None: 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_silu_and_mul_equals_silu_gate_times_up_bit_for_bit(dtype) -> None:  # noqa: ANN001
+def test_silu_and_mul_equals_silu_gate_times_up_bit_for_bit(dtype) -> None:
     @SETTINGS
     @given(st.integers(1, 40), st.sampled_from([1, 8, 256, 4864]), st.integers(0, 2**31))
     def check(t: int, i: int, seed: int) -> None:
@@ -112,7 +112,7 @@ def test_silu_and_mul_equals_silu_gate_times_up_bit_for_bit(dtype) -> None:  # n
     check()
 
 
-def test_fused_projections_equal_the_separate_ones(families) -> None:  # noqa: ANN001
+def test_fused_projections_equal_the_separate_ones(families) -> None:
     """qkv_proj / gate_up_proj of the loaded model give q, k, v / gate, up as the
     checkpoint's separate matrices do (fp32: one matmul vs three, within 1e-5)."""
     from safetensors.torch import load_file
@@ -139,7 +139,7 @@ def test_fused_projections_equal_the_separate_ones(families) -> None:  # noqa: A
     torch.testing.assert_close(mlp.gate_up_proj(x), gate_up, rtol=1e-5, atol=1e-5)
 
 
-def test_rope_cache_is_built_once_per_model(families) -> None:  # noqa: ANN001
+def test_rope_cache_is_built_once_per_model(families) -> None:
     """The table is made when the model is built, not per forward: the same tensor every
     step, covering the model's whole context."""
     dec = families["llava"].loaded.decoder

@@ -25,7 +25,7 @@ MAX_EXAMPLES = 15
 
 
 @pytest.fixture
-def fuzz_server(make_engine):  # noqa: ANN001, ANN201
+def fuzz_server(make_engine):
     """A uvicorn server on 127.0.0.1 for one test; yields its base URL, stops it after."""
     engine = make_engine(max_total_tokens=2048)  # bounds the cost of a long generated prompt
     app = create_app(engine, ServerSettings(served_model_name=MODEL, max_stored_images=8))
@@ -43,7 +43,7 @@ def fuzz_server(make_engine):  # noqa: ANN001, ANN201
     thread.join(timeout=20)
 
 
-def call_case(case, url: str) -> None:  # noqa: ANN001
+def call_case(case, url: str) -> None:
     """Send one generated request (with cheap lengths) and check the answer is not a 5xx."""
     if isinstance(case.body, dict):
         for key in ("max_tokens", "max_completion_tokens"):
@@ -59,7 +59,7 @@ def call_case(case, url: str) -> None:  # noqa: ANN001
         assert set(err) == {"message", "type", "param", "code"} and err["message"], what
 
 
-def test_no_input_gets_a_server_error_and_the_server_stays_healthy(fuzz_server) -> None:  # noqa: ANN001
+def test_no_input_gets_a_server_error_and_the_server_stays_healthy(fuzz_server) -> None:
     url = fuzz_server
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     seen = []
@@ -75,7 +75,7 @@ def test_no_input_gets_a_server_error_and_the_server_stays_healthy(fuzz_server) 
             database=None,
         )
         @given(case=op.as_strategy())
-        def run(case) -> None:  # noqa: ANN001
+        def run(case) -> None:
             call_case(case, url)
 
         run()

@@ -90,12 +90,12 @@ def test_every_deep_mode_is_covered_and_8_bit_modes_are_untouched() -> None:
 
 
 @pytest.fixture(scope="module")
-def eng(make_engine):  # noqa: ANN001, ANN201
+def eng(make_engine):
     return make_engine(disable_radix_cache=True)
 
 
 @pytest.fixture(scope="module")
-def gray8(photos) -> Image.Image:  # noqa: ANN001
+def gray8(photos) -> Image.Image:
     return Image.open(io.BytesIO(photos["cat.png"])).convert("L")
 
 
@@ -109,7 +109,7 @@ def deep_versions(gray8: Image.Image) -> dict[str, Image.Image]:
     }
 
 
-def test_16_bit_and_8_bit_versions_have_one_key(eng, gray8) -> None:  # noqa: ANN001
+def test_16_bit_and_8_bit_versions_have_one_key(eng, gray8) -> None:
     want = eng.processor.prepare_image(png_bytes(gray8)).key
     seen = 0
     for mode, im in deep_versions(gray8).items():
@@ -121,7 +121,7 @@ def test_16_bit_and_8_bit_versions_have_one_key(eng, gray8) -> None:  # noqa: AN
     assert seen >= 5  # PNG: I;16, I;16B; TIFF: I;16, I;16B, I;16L, I
 
 
-def test_16_bit_and_8_bit_versions_get_the_same_answer(eng, gray8) -> None:  # noqa: ANN001
+def test_16_bit_and_8_bit_versions_get_the_same_answer(eng, gray8) -> None:
     msgs = user(None, "What is this?")
     answers = []
     for data in (png_bytes(gray8), png_bytes(deep_versions(gray8)["I;16"])):
@@ -135,7 +135,7 @@ def test_16_bit_and_8_bit_versions_get_the_same_answer(eng, gray8) -> None:  # n
         assert np.array_equal(a.numpy(), b.numpy())
 
 
-def test_depth_map_is_not_answered_like_a_white_image(eng) -> None:  # noqa: ANN001
+def test_depth_map_is_not_answered_like_a_white_image(eng) -> None:
     # a depth-map-like gradient over the whole 16-bit range, near to far
     w, h = 256, 192
     y, x = np.mgrid[0:h, 0:w]
@@ -150,7 +150,7 @@ def test_depth_map_is_not_answered_like_a_white_image(eng) -> None:  # noqa: ANN
     assert img.image.mode == "L" and (np.asarray(img.image) == 255).mean() < 0.05
     msgs = user(None, "What is this?")
 
-    def answer(data: bytes):  # noqa: ANN202
+    def answer(data: bytes):
         x = eng.processor.prepare_image(data)
         return eng.generate(
             [eng.processor.make_request(messages=msgs, images=[x], params=greedy(4))]

@@ -32,14 +32,14 @@ def noise(size: tuple[int, int], seed: int) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine()
 
 
 # ---- per-image preprocessing equals the batched call --------------------------------------
 
 
-def test_llava_per_image_pixels_equal_batched(loaded) -> None:  # noqa: ANN001
+def test_llava_per_image_pixels_equal_batched(loaded) -> None:
     ims = [noise((50, 40), 1), noise((31, 77), 2)]
     batched = loaded.processor.image_processor(images=ims, return_tensors="pt")["pixel_values"]
     for k, im in enumerate(ims):
@@ -50,7 +50,7 @@ def test_llava_per_image_pixels_equal_batched(loaded) -> None:  # noqa: ANN001
         loaded.family.preprocess(ims, FRAME_MODE)
 
 
-def test_next_per_image_tiles_equal_batched(families) -> None:  # noqa: ANN001
+def test_next_per_image_tiles_equal_batched(families) -> None:
     next_loaded = families["llava-next"].loaded
     from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
@@ -66,7 +66,7 @@ def test_next_per_image_tiles_equal_batched(families) -> None:  # noqa: ANN001
         assert torch.equal(px.image_size, out["image_sizes"][k])
 
 
-def test_onevision_base_and_frames_equal_batched(families) -> None:  # noqa: ANN001
+def test_onevision_base_and_frames_equal_batched(families) -> None:
     ov_loaded = families["llava-onevision"].loaded
     fam = ov_loaded.family
     ims = [noise((90, 30), 5), noise((33, 64), 6), noise((64, 64), 7)]
@@ -84,13 +84,13 @@ def test_onevision_base_and_frames_equal_batched(families) -> None:  # noqa: ANN
 # ---- the engine thread never preprocesses ------------------------------------------------
 
 
-def test_engine_thread_never_runs_the_image_processor(make_engine, monkeypatch) -> None:  # noqa: ANN001
+def test_engine_thread_never_runs_the_image_processor(make_engine, monkeypatch) -> None:
     eng = make_engine()
     ip = eng.model.processor.image_processor
     threads: list[str] = []
     real = type(ip).__call__
 
-    def spy(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def spy(self, *a, **kw):
         threads.append(threading.current_thread().name)
         return real(self, *a, **kw)
 
@@ -107,7 +107,7 @@ def test_engine_thread_never_runs_the_image_processor(make_engine, monkeypatch) 
     assert stats["running_requests"] == 0
 
 
-def test_request_items_carry_pixels_or_cached_features(engine) -> None:  # noqa: ANN001
+def test_request_items_carry_pixels_or_cached_features(engine) -> None:
     im = noise((40, 30), 20)
     data = png_bytes(im)
     p = engine.processor
@@ -131,7 +131,7 @@ def test_request_items_carry_pixels_or_cached_features(engine) -> None:  # noqa:
     assert got.output_ids == want.output_ids and got.vision_tower_runs == 0
 
 
-def test_evicted_between_prepare_and_request_decodes_again(engine) -> None:  # noqa: ANN001
+def test_evicted_between_prepare_and_request_decodes_again(engine) -> None:
     data = png_bytes(noise((40, 30), 21))
     p = engine.processor
     cold = p.make_request(
@@ -193,12 +193,12 @@ def test_decode_budget_waits_for_room_then_refuses() -> None:
         quick.acquire(1001)  # could never fit: a 400, not a 503
 
 
-def app_client(make_engine, **cfg):  # noqa: ANN001, ANN003, ANN201
+def app_client(make_engine, **cfg):
     eng = make_engine(**cfg)
     return eng, TestClient(create_app(eng, ServerSettings(served_model_name=MODEL)))
 
 
-def test_request_pixel_budget_is_a_400_naming_the_image(make_engine) -> None:  # noqa: ANN001
+def test_request_pixel_budget_is_a_400_naming_the_image(make_engine) -> None:
     eng, client = app_client(make_engine, max_request_image_pixels=2500)
     with client as c:
         one = image_part(data_url(png_bytes(noise((40, 30), 30))))
@@ -219,7 +219,7 @@ def test_request_pixel_budget_is_a_400_naming_the_image(make_engine) -> None:  #
         assert eng.processor.decode_budget.in_use == 0
 
 
-def test_server_decode_budget_is_a_503_with_retry_after(make_engine) -> None:  # noqa: ANN001
+def test_server_decode_budget_is_a_503_with_retry_after(make_engine) -> None:
     size = decoded_bytes(40, 30, "RGB")
     eng, client = app_client(
         make_engine, max_decoded_image_bytes=2 * size, decoded_image_wait_seconds=0
@@ -242,7 +242,7 @@ def test_server_decode_budget_is_a_503_with_retry_after(make_engine) -> None:  #
         assert budget.in_use == 0 and budget.peak <= 2 * size
 
 
-def test_make_request_refuses_past_the_pixel_budget(make_engine) -> None:  # noqa: ANN001
+def test_make_request_refuses_past_the_pixel_budget(make_engine) -> None:
     eng = make_engine(max_request_image_pixels=2000)
     img = eng.processor.prepare_image(png_bytes(noise((40, 30), 50)))
     eng.processor.make_request(messages=user(None, "a"), images=[img], params=greedy(2))
@@ -258,7 +258,7 @@ def test_make_request_refuses_past_the_pixel_budget(make_engine) -> None:  # noq
 # ---- no decoded-image cache ---------------------------------------------------------------
 
 
-def test_stores_hold_no_decoded_images_and_metrics_count_them(make_engine) -> None:  # noqa: ANN001
+def test_stores_hold_no_decoded_images_and_metrics_count_them(make_engine) -> None:
     eng, client = app_client(make_engine)
     with client as c:
         data = png_bytes(noise((40, 30), 60))

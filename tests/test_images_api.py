@@ -20,14 +20,14 @@ def solid(color: tuple[int, int, int], size: tuple[int, int] = (40, 30)) -> Imag
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine(max_total_tokens=8192)
 
 
 # ---- the store itself -------------------------------------------------------------------
 
 
-def test_same_pixels_any_container_is_one_entry(engine) -> None:  # noqa: ANN001
+def test_same_pixels_any_container_is_one_entry(engine) -> None:
     store = ImageStore(engine.processor.prepare_image, max_images=8)
     im = solid((10, 20, 30))
     a = store.put(png_bytes(im))
@@ -40,7 +40,7 @@ def test_same_pixels_any_container_is_one_entry(engine) -> None:  # noqa: ANN001
     assert store.put(png_bytes(solid((10, 20, 31)))).id != a.id
 
 
-def test_lru_bound_by_count(engine) -> None:  # noqa: ANN001
+def test_lru_bound_by_count(engine) -> None:
     store = ImageStore(engine.processor.prepare_image, max_images=3)
     ids = [store.put(png_bytes(solid((i, 0, 0)))).id for i in range(3)]
     assert store.get(ids[0]) is not None  # now most recently used
@@ -50,7 +50,7 @@ def test_lru_bound_by_count(engine) -> None:  # noqa: ANN001
     assert [e.image.id for e in store.list()] == [new, ids[0], ids[2]]
 
 
-def test_lru_bound_by_bytes(engine) -> None:  # noqa: ANN001
+def test_lru_bound_by_bytes(engine) -> None:
     files = [png_bytes(solid((0, i, 0))) for i in range(5)]
     cap = len(files[3]) + len(files[4])
     assert cap + min(len(f) for f in files[:3]) > cap  # a third file never fits
@@ -60,7 +60,7 @@ def test_lru_bound_by_bytes(engine) -> None:  # noqa: ANN001
     assert [e.image.id for e in store.list()] == [ids[4], ids[3]]
 
 
-def test_delete(engine) -> None:  # noqa: ANN001
+def test_delete(engine) -> None:
     store = ImageStore(engine.processor.prepare_image)
     data = png_bytes(solid((1, 2, 3)))
     image_id = store.put(data).id
@@ -69,7 +69,7 @@ def test_delete(engine) -> None:  # noqa: ANN001
     assert store.put(data).id == image_id  # the bytes memo does not resurrect a stale entry
 
 
-def test_persistence_survives_a_restart(engine, tmp_path) -> None:  # noqa: ANN001
+def test_persistence_survives_a_restart(engine, tmp_path) -> None:
     a, b, c = (png_bytes(solid((0, 0, i))) for i in (1, 2, 3))
     store = ImageStore(engine.processor.prepare_image, max_images=2, directory=tmp_path)
     ida = store.put(a).id
@@ -93,20 +93,20 @@ def test_persistence_survives_a_restart(engine, tmp_path) -> None:  # noqa: ANN0
 
 
 @pytest.fixture()
-def client(engine, tmp_path):  # noqa: ANN001, ANN201
+def client(engine, tmp_path):
     settings = ServerSettings(served_model_name=MODEL, image_store_dir=str(tmp_path / "store"))
     with TestClient(create_app(engine, settings)) as c:
         c.settings = settings
         yield c
 
 
-def upload(client, data: bytes):  # noqa: ANN001, ANN201
+def upload(client, data: bytes):
     r = client.post("/v1/images", files={"file": ("x.png", data, "application/octet-stream")})
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def test_upload_list_get_delete(client, photos) -> None:  # noqa: ANN001
+def test_upload_list_get_delete(client, photos) -> None:
     cat = upload(client, photos["cat.png"])
     assert cat["object"] == "image" and cat["bytes"] == len(photos["cat.png"])
     again = client.post(
@@ -133,7 +133,7 @@ def test_upload_list_get_delete(client, photos) -> None:  # noqa: ANN001
     assert r.status_code == 400 and "unknown image id" in r.json()["error"]["message"]
 
 
-def test_uploads_survive_an_app_restart(engine, tmp_path, photos) -> None:  # noqa: ANN001
+def test_uploads_survive_an_app_restart(engine, tmp_path, photos) -> None:
     settings = ServerSettings(served_model_name=MODEL, image_store_dir=str(tmp_path))
     with TestClient(create_app(engine, settings)) as c:
         cat = upload(c, photos["cat.png"])
@@ -142,7 +142,7 @@ def test_uploads_survive_an_app_restart(engine, tmp_path, photos) -> None:  # no
         assert [d["id"] for d in c.get("/v1/images").json()["data"]] == [cat["id"]]
 
 
-def test_ask_answers_every_question_with_one_image_prefill(client, photos) -> None:  # noqa: ANN001
+def test_ask_answers_every_question_with_one_image_prefill(client, photos) -> None:
     image_id = upload(client, photos["coffee.png"])["id"]
     questions = ["What is this?", "What colour is it?", "Is it hot?", "Who made it?"]
     before = client.get("/v1/cache/stats").json()
@@ -179,7 +179,7 @@ def test_ask_answers_every_question_with_one_image_prefill(client, photos) -> No
         assert one["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"]
 
 
-def test_ask_limits(client, photos) -> None:  # noqa: ANN001
+def test_ask_limits(client, photos) -> None:
     image_id = upload(client, photos["cat.png"])["id"]
     url = f"/v1/images/{image_id}/ask"
     r = client.post(url, json={"questions": []})
@@ -196,7 +196,7 @@ def test_ask_limits(client, photos) -> None:  # noqa: ANN001
     assert r.status_code == 200 and r.json()["answers"][0]["usage"]["completion_tokens"] == 2
 
 
-def test_data_urls_never_evict_uploads(engine, photos) -> None:  # noqa: ANN001
+def test_data_urls_never_evict_uploads(engine, photos) -> None:
     settings = ServerSettings(served_model_name=MODEL, max_stored_images=1)
     with TestClient(create_app(engine, settings)) as c:
         kept = upload(c, photos["cat.png"])
@@ -216,7 +216,7 @@ def test_data_urls_never_evict_uploads(engine, photos) -> None:  # noqa: ANN001
         assert c.get(f"/v1/images/{kept['id']}").status_code == 200
 
 
-def test_deleted_id_is_unknown_in_chat_even_after_a_data_url(engine, photos) -> None:  # noqa: ANN001
+def test_deleted_id_is_unknown_in_chat_even_after_a_data_url(engine, photos) -> None:
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
         data = photos["cat.png"]
         url = "data:image/png;base64," + base64.b64encode(data).decode()

@@ -41,7 +41,7 @@ GIB = 1 << 30
     magnitude=st.floats(-12, 10),
     seed=st.integers(0, 2**16),
 )
-def test_quantize_round_trip_is_within_half_an_fp8_step(scale, magnitude, seed) -> None:  # noqa: ANN001
+def test_quantize_round_trip_is_within_half_an_fp8_step(scale, magnitude, seed) -> None:
     """Round to nearest with 3 mantissa bits: relative error <= 2**-4 in the normal range,
     absolute <= 2**-10 x scale among subnormals; beyond +-448 x scale: clamped, finite."""
     gen = torch.Generator().manual_seed(seed)
@@ -69,10 +69,10 @@ def test_upcast_to_bf16_is_exact() -> None:
 # ---- attention over fp8 pages = attention over the upcast pages ----------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_fp8_attention_equals_attention_over_upcast_pages(dtype, page_size: int) -> None:  # noqa: ANN001
+def test_fp8_attention_equals_attention_over_upcast_pages(dtype, page_size: int) -> None:
     @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.data())
-    def check(data) -> None:  # noqa: ANN001
+    def check(data) -> None:
         hq, hkv = data.draw(st.sampled_from([(6, 2), (4, 4), (8, 1)]), label="heads")
         d = data.draw(st.sampled_from([32, 64, 128]), label="head_dim")
         tables, prefix, extend = page_layout(data, page_size)
@@ -144,7 +144,7 @@ def test_fp8_pool_holds_twice_the_tokens_of_bf16_in_the_same_memory() -> None:
         assert b * fp8 <= GIB and a * bf16 <= GIB
 
 
-def test_engine_pool_and_stats_report_fp8(make_engine) -> None:  # noqa: ANN001
+def test_engine_pool_and_stats_report_fp8(make_engine) -> None:
     auto = make_engine(page_size=16, kv_cache_memory=8 << 20)
     fp8 = make_engine(page_size=16, kv_cache_memory=8 << 20, kv_cache_dtype="fp8_e4m3")
     assert fp8.pool.k_buffers[0].dtype == FP8 and fp8.pool.quantized
@@ -159,7 +159,7 @@ def test_engine_pool_and_stats_report_fp8(make_engine) -> None:  # noqa: ANN001
     assert make_engine(kv_cache_dtype="fp8").pool.dtype == FP8  # vLLM's alias
 
 
-def test_cache_stats_route_reports_the_kv_dtype(make_engine) -> None:  # noqa: ANN001
+def test_cache_stats_route_reports_the_kv_dtype(make_engine) -> None:
     from fastapi.testclient import TestClient
 
     from api.app import ServerSettings, create_app
@@ -183,7 +183,7 @@ def _questions(eng: Engine, imgs: list) -> list:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_fp8_engine_cache_on_equals_off(make_engine, photos, page_size: int) -> None:  # noqa: ANN001
+def test_fp8_engine_cache_on_equals_off(make_engine, photos, page_size: int) -> None:
     kw = {"page_size": page_size, "kv_cache_dtype": "fp8_e4m3"}
     on = make_engine(**kw)
     imgs = [on.processor.prepare_image(b) for b in list(photos.values())[:2]]
@@ -219,13 +219,13 @@ def _prefix(model_dir: Path) -> str:
 
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118
+            for key in f.keys():
                 if ".layers.0.self_attn.k_proj.weight" in key and "vision" not in key:
                     return key.split("layers.0.")[0]
     raise AssertionError("no decoder layer 0")
 
 
-def test_checkpoint_scales_are_read_and_used(model_dir, loaded, tmp_path: Path) -> None:  # noqa: ANN001
+def test_checkpoint_scales_are_read_and_used(model_dir, loaded, tmp_path: Path) -> None:
     pre = _prefix(model_dir)
     n = loaded.decoder.shape.num_layers
     tensors = {f"{pre}layers.{i}.self_attn.k_scale": torch.tensor(0.5 + i) for i in range(n)}
@@ -245,7 +245,7 @@ def test_checkpoint_scales_are_read_and_used(model_dir, loaded, tmp_path: Path) 
 
 def test_one_kv_scale_serves_k_and_v_and_bad_scales_are_refused(
     model_dir, loaded, tmp_path: Path
-) -> None:  # noqa: ANN001
+) -> None:
     pre = _prefix(model_dir)
     n = loaded.decoder.shape.num_layers
     one = {f"{pre}layers.{i}.self_attn.kv_scale": torch.tensor(2.0) for i in range(n)}
@@ -271,7 +271,7 @@ def test_refusals_name_the_flag() -> None:
         KVPool(2, 1, 2, 1, 8, dtype=FP8, k_scales=[1.0, math.inf])
 
 
-def test_torch_without_fp8_is_refused_at_start(make_engine, monkeypatch) -> None:  # noqa: ANN001
+def test_torch_without_fp8_is_refused_at_start(make_engine, monkeypatch) -> None:
     monkeypatch.setattr(kv_pool, "FP8_KV_DTYPE", None)
     with pytest.raises(
         ValueError, match=r"--kv-cache-dtype fp8_e4m3 needs .*--kv-cache-dtype auto"
@@ -288,7 +288,7 @@ def test_cli_lists_the_choices() -> None:
 
 
 # ---- the benchmark's tool ---------------------------------------------------------------
-def test_kv_fp8_benchmark_tiny(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+def test_kv_fp8_benchmark_tiny(model_dir, tmp_path: Path) -> None:
     import json
 
     from benchmarks.__main__ import main

@@ -180,7 +180,7 @@ DAMAGES = ["truncate", "flip", "foreign", "empty", "version"]
 @pytest.mark.parametrize(
     ("kind", "damage"), [("kv", d) for d in DAMAGES] + [("feat", d) for d in [*DAMAGES, "shape"]]
 )
-def test_bad_files_are_misses_and_deleted(tmp_path: Path, kind: str, damage: str, caplog) -> None:  # noqa: ANN001
+def test_bad_files_are_misses_and_deleted(tmp_path: Path, kind: str, damage: str, caplog) -> None:
     """Pages and features go through one checked reader: a damaged, foreign or (features)
     wrongly shaped file is a miss, counted and deleted; a rewrite reads back whole."""
     tier = _tier(tmp_path)
@@ -225,7 +225,7 @@ def test_feature_files_keep_their_dtype(tmp_path: Path) -> None:
     tier.close()
 
 
-def test_unwritable_directory_turns_the_tier_off(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+def test_unwritable_directory_turns_the_tier_off(tmp_path: Path, caplog) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with caplog.at_level(logging.WARNING):
@@ -235,7 +235,7 @@ def test_unwritable_directory_turns_the_tier_off(tmp_path: Path, caplog) -> None
     assert sum("KV disk tier off" in r.message for r in caplog.records) == 1
 
 
-def test_write_error_turns_writing_off_once(tmp_path: Path, caplog, monkeypatch) -> None:  # noqa: ANN001
+def test_write_error_turns_writing_off_once(tmp_path: Path, caplog, monkeypatch) -> None:
     import errno
 
     tier = _tier(tmp_path)
@@ -278,12 +278,12 @@ def test_concurrent_writers_leave_whole_files(tmp_path: Path) -> None:
 
 # ---- the engine with tiers ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def imgs(make_engine, photos):  # noqa: ANN001, ANN201
+def imgs(make_engine, photos):
     eng = make_engine()
     return [eng.processor.prepare_image(b) for b in list(photos.values())[:3]]
 
 
-def _rounds(eng, imgs, rounds: int = 2):  # noqa: ANN001, ANN202
+def _rounds(eng, imgs, rounds: int = 2):
     """Each image asked about in turn, ``rounds`` times: a pool holding about two images
     evicts each one before its next question."""
     out = []
@@ -304,7 +304,7 @@ POOL = 1400  # tokens: two 576-token images and their prompts, not three
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_evicted_pages_come_back_from_a_tier(
     make_engine, imgs, tmp_path: Path, page_size: int, tier: str
-) -> None:  # noqa: ANN001
+) -> None:
     base = _rounds(make_engine(page_size=page_size, max_total_tokens=POOL), imgs)
     kw = {"kv_host_bytes": 1 << 30} if tier == "host" else {"kv_disk_dir": str(tmp_path)}
     eng = make_engine(page_size=page_size, max_total_tokens=POOL, **kw)
@@ -328,7 +328,7 @@ def test_evicted_pages_come_back_from_a_tier(
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_fp8_pages_round_trip_through_a_tier(make_engine, imgs, tmp_path: Path, tier: str) -> None:  # noqa: ANN001
+def test_fp8_pages_round_trip_through_a_tier(make_engine, imgs, tmp_path: Path, tier: str) -> None:
     """fp8 KV pages go to a tier and come back as the same bytes: the same tokens as fp8
     without tiers; they live in their own namespace, one byte per element on disk."""
     fp8 = {"page_size": 16, "max_total_tokens": POOL, "kv_cache_dtype": "fp8_e4m3"}
@@ -353,7 +353,7 @@ def test_fp8_pages_round_trip_through_a_tier(make_engine, imgs, tmp_path: Path, 
     eng.close()
 
 
-def test_restart_reuses_disk_pages(make_engine, imgs, tmp_path: Path) -> None:  # noqa: ANN001
+def test_restart_reuses_disk_pages(make_engine, imgs, tmp_path: Path) -> None:
     first = make_engine(kv_disk_dir=str(tmp_path))
     before = _rounds(first, imgs, rounds=1)
     assert first.cache_stats()["tier_disk_pages"] == 0  # nothing evicted: nothing written yet
@@ -378,7 +378,7 @@ def test_restart_reuses_disk_pages(make_engine, imgs, tmp_path: Path) -> None:  
 
 def test_another_checkpoint_never_reads_the_pages(
     make_engine, families, imgs, tmp_path: Path
-) -> None:  # noqa: ANN001
+) -> None:
     eng = make_engine(kv_disk_dir=str(tmp_path))
     _rounds(eng, imgs[:1], rounds=1)
     eng.close()
@@ -388,7 +388,7 @@ def test_another_checkpoint_never_reads_the_pages(
     nxt.close()
 
 
-def test_corrupted_disk_pages_are_recomputed(make_engine, imgs, tmp_path: Path) -> None:  # noqa: ANN001
+def test_corrupted_disk_pages_are_recomputed(make_engine, imgs, tmp_path: Path) -> None:
     first = make_engine(kv_disk_dir=str(tmp_path))
     before = _rounds(first, imgs[:1], rounds=1)
     first.close()
@@ -408,7 +408,7 @@ def test_corrupted_disk_pages_are_recomputed(make_engine, imgs, tmp_path: Path) 
 
 def test_disk_loads_do_not_block_other_requests(
     make_engine, imgs, tmp_path: Path, monkeypatch
-) -> None:  # noqa: ANN001
+) -> None:
     first = make_engine(kv_disk_dir=str(tmp_path))
     before = _rounds(first, imgs[:1], rounds=1)
     first.close()
@@ -442,7 +442,7 @@ def test_disk_loads_do_not_block_other_requests(
     eng.close()
 
 
-def test_flush_clears_memory_tiers(make_engine, imgs) -> None:  # noqa: ANN001
+def test_flush_clears_memory_tiers(make_engine, imgs) -> None:
     eng = make_engine(max_total_tokens=POOL, kv_host_bytes=1 << 30)
     _rounds(eng, imgs, rounds=1)
     assert eng.cache_stats()["tier_host_pages"] > 0
@@ -477,7 +477,7 @@ def _ask(url: str, image: str, question: str = "What is this?") -> dict:
         return json.loads(r.read())
 
 
-def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Path) -> None:  # noqa: ANN001
+def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Path) -> None:
     """SIGTERM writes the KV pages and the image's features; the restarted server answers
     the same question from disk pages, and another question about the image with its
     features from disk (the positions after the last whole page): no tower run."""
@@ -513,11 +513,11 @@ def test_server_restart_answers_from_disk(model_dir: Path, photos, tmp_path: Pat
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_every_family_equal_after_loading_from_disk(
     families, photos, tmp_path: Path, family: str, page_size: int
-) -> None:  # noqa: ANN001
+) -> None:
     make = families[family].make_engine
     photo = photos["cat.png"]
 
-    def ask(eng):  # noqa: ANN001, ANN202
+    def ask(eng):
         img = eng.processor.prepare_image(photo)
         req = eng.processor.make_request(
             messages=user(None, "What is this?"), images=[img], params=greedy(5)
@@ -569,7 +569,7 @@ def test_features_load_from_disk_into_the_feature_cache(tmp_path: Path) -> None:
     tiers.close()
 
 
-def _ask_each(eng, imgs, question: str):  # noqa: ANN001, ANN202
+def _ask_each(eng, imgs, question: str):
     out = []
     for img in imgs:
         req = eng.processor.make_request(
@@ -579,14 +579,14 @@ def _ask_each(eng, imgs, question: str):  # noqa: ANN001, ANN202
     return out
 
 
-def _image_tokens_cached(req, res) -> tuple[int, int]:  # noqa: ANN001
+def _image_tokens_cached(req, res) -> tuple[int, int]:
     """(image tokens inside the cached prefix, image tokens) of one request."""
     total = sum(s.length for s in req.spans)
     cached = sum(max(0, min(s.end, res.cached_tokens) - s.start) for s in req.spans)
     return cached, total
 
 
-def test_restart_at_page_16_runs_no_tower(make_engine, imgs, tmp_path: Path) -> None:  # noqa: ANN001
+def test_restart_at_page_16_runs_no_tower(make_engine, imgs, tmp_path: Path) -> None:
     """After a restart, another question about a seen image: its whole pages come from
     disk and its last partial page is recomputed from features read from disk, so the
     tower never runs; tokens equal a fresh engine's."""
@@ -626,7 +626,7 @@ def test_restart_at_page_16_runs_no_tower(make_engine, imgs, tmp_path: Path) -> 
 
 
 # ---- replicas on one machine -------------------------------------------------------------
-def _wait_for(cond, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
+def _wait_for(cond, what: str, timeout: float = 30.0) -> None:
     """Poll ``cond`` (bounded): the disk tier finds other processes' files on a rescan."""
     import time
 
@@ -638,7 +638,7 @@ def _wait_for(cond, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
 
 def test_stopping_replica_writes_pages_a_running_one_reads(
     model_dir: Path, make_engine, imgs, tmp_path: Path, monkeypatch
-) -> None:  # noqa: ANN001
+) -> None:
     """A replica Ray Serve stops (its ``__del__``) writes its tree to the shared disk
     tier; another replica, running all along on the same directory, then answers about
     the same image from disk: no tower run, the same tokens."""

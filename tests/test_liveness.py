@@ -20,12 +20,12 @@ WORDS = "red green blue cat dog sky tree house water light dark small big".split
 
 
 @pytest.fixture(scope="module")
-def imgs(make_engine, photos):  # noqa: ANN001, ANN201
+def imgs(make_engine, photos):
     eng = make_engine()
     return [eng.processor.prepare_image(b) for b in list(photos.values())[:2]]
 
 
-def _case(data, imgs):  # noqa: ANN001, ANN202
+def _case(data, imgs):
     n_words = data.draw(st.integers(1, 160), label="words")
     text = " ".join(WORDS[(i * 7 + n_words) % len(WORDS)] for i in range(n_words))
     n_img = data.draw(st.integers(0, 2), label="images")
@@ -39,7 +39,7 @@ def _case(data, imgs):  # noqa: ANN001, ANN202
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
-def test_lone_requests_and_bursts_always_finish(make_engine, imgs, data) -> None:  # noqa: ANN001
+def test_lone_requests_and_bursts_always_finish(make_engine, imgs, data) -> None:
     page_size = data.draw(st.sampled_from([1, 4, 16]), label="page_size")
     cfg = {
         "page_size": page_size,
@@ -72,7 +72,7 @@ def test_lone_requests_and_bursts_always_finish(make_engine, imgs, data) -> None
     assert not eng.live_requests()
 
 
-def test_generate_finishes_a_prompt_longer_than_the_budget(make_engine, imgs) -> None:  # noqa: ANN001
+def test_generate_finishes_a_prompt_longer_than_the_budget(make_engine, imgs) -> None:
     eng = make_engine(max_prefill_tokens=200)
     req = eng.processor.make_request(
         messages=user(None, "What is it?"), images=imgs[:1], params=SamplingParams(max_tokens=4)
@@ -84,7 +84,7 @@ def test_generate_finishes_a_prompt_longer_than_the_budget(make_engine, imgs) ->
     assert eng.stats.prefill_steps >= 3
 
 
-def test_async_engine_finishes_a_lone_chunked_request(make_engine, imgs) -> None:  # noqa: ANN001
+def test_async_engine_finishes_a_lone_chunked_request(make_engine, imgs) -> None:
     eng = make_engine(max_prefill_tokens=200)
     aeng = AsyncEngine(eng)
     aeng.start()

@@ -12,11 +12,11 @@ from tests.helpers import MODEL, ROOT, assert_error, chat, chat_json, data_url, 
 
 
 @pytest.fixture(scope="module")
-def make_next_engine(families):  # noqa: ANN001, ANN201
+def make_next_engine(families):
     return families["llava-next"].make_engine
 
 
-def test_two_images_of_different_sizes_never_share_image_kv(make_next_engine, shapes) -> None:  # noqa: ANN001
+def test_two_images_of_different_sizes_never_share_image_kv(make_next_engine, shapes) -> None:
     eng = make_next_engine()
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         a = chat_json(c, [image_part(data_url(shapes["wide"]))], max_tokens=8)
@@ -28,7 +28,7 @@ def test_two_images_of_different_sizes_never_share_image_kv(make_next_engine, sh
         assert a["usage"]["prompt_tokens"] != b["usage"]["prompt_tokens"]
 
 
-def test_too_many_image_tokens_is_a_400_before_any_tower_run(make_next_engine, shapes) -> None:  # noqa: ANN001
+def test_too_many_image_tokens_is_a_400_before_any_tower_run(make_next_engine, shapes) -> None:
     eng = make_next_engine(max_image_tokens_per_request=300)
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         parts = [image_part(data_url(shapes[k])) for k in ("wide", "tall")]
@@ -43,7 +43,7 @@ def test_too_many_image_tokens_is_a_400_before_any_tower_run(make_next_engine, s
         assert chat_json(c, "hello", max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
-def test_video_per_frame_qa_on_next(make_next_engine) -> None:  # noqa: ANN001
+def test_video_per_frame_qa_on_next(make_next_engine) -> None:
     eng = make_next_engine()
     video = (ROOT / "samples" / "video" / "pans.mp4").read_bytes()
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:

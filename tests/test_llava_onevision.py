@@ -32,25 +32,25 @@ MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def ov(families):  # noqa: ANN001, ANN201
+def ov(families):
     """The tiny OneVision checkpoint (``TinyFamily``: model_dir, loaded, ref, make_engine)."""
     return families["llava-onevision"]
 
 
 @pytest.fixture(scope="module")
-def ov_loaded(ov):  # noqa: ANN001, ANN201
+def ov_loaded(ov):
     return ov.loaded
 
 
 @pytest.fixture(scope="module")
-def make_ov_engine(ov):  # noqa: ANN001, ANN201
+def make_ov_engine(ov):
     return ov.make_engine
 
 
 # --- the family and the decoder ---------------------------------------------------------
 
 
-def test_base_tile_and_video_token_counts_equal_the_processors(ov) -> None:  # noqa: ANN001
+def test_base_tile_and_video_token_counts_equal_the_processors(ov) -> None:
     ov_loaded, (_, processor) = ov.loaded, ov.ref
     image_id = processor.image_token_id
     sizes = [(w, h) for w in (1, 30, 97, 98, 99, 200, 333, 640) for h in (1, 57, 98, 250, 481)]
@@ -67,7 +67,7 @@ def test_base_tile_and_video_token_counts_equal_the_processors(ov) -> None:  # n
         assert frames * per + 1 == want["num_video_tokens"][0]
 
 
-def test_decoder_is_qwen2_shaped(ov_loaded) -> None:  # noqa: ANN001
+def test_decoder_is_qwen2_shaped(ov_loaded) -> None:
     shape = ov_loaded.decoder.shape
     assert (shape.qkv_bias, shape.o_bias, shape.tie_word_embeddings) == (True, False, True)
     assert shape.rope_theta == 1e6
@@ -85,13 +85,13 @@ def test_decoder_is_qwen2_shaped(ov_loaded) -> None:  # noqa: ANN001
     assert "<|im_start|>" in tok.all_special_tokens
 
 
-def test_nothing_assumes_384_px(ov_loaded) -> None:  # noqa: ANN001
+def test_nothing_assumes_384_px(ov_loaded) -> None:
     vc = ov_loaded.config.vision_config
     assert (vc.image_size, vc.patch_size) == (98, 14)  # 7 x 7 patches, pooled to 4 x 4
     assert ov_loaded.family.video_frame_tokens() == 16
 
 
-def test_two_images_take_base_tiles(make_ov_engine, shapes, photos) -> None:  # noqa: ANN001
+def test_two_images_take_base_tiles(make_ov_engine, shapes, photos) -> None:
     eng = make_ov_engine()
     imgs = [
         eng.processor.prepare_image(shapes["wide"]),
@@ -105,7 +105,7 @@ def test_two_images_take_base_tiles(make_ov_engine, shapes, photos) -> None:  # 
 # --- through the API --------------------------------------------------------------------
 
 
-def test_an_image_alone_and_among_others_share_no_image_kv(make_ov_engine, shapes) -> None:  # noqa: ANN001
+def test_an_image_alone_and_among_others_share_no_image_kv(make_ov_engine, shapes) -> None:
     eng = make_ov_engine()
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         url, other = (image_part(data_url(shapes[k])) for k in ("square", "tall"))
@@ -116,7 +116,7 @@ def test_an_image_alone_and_among_others_share_no_image_kv(make_ov_engine, shape
         assert b["usage"]["prompt_tokens_details"]["cached_tokens"] <= prefix
 
 
-def test_typed_video_placeholder_is_refused(make_ov_engine) -> None:  # noqa: ANN001
+def test_typed_video_placeholder_is_refused(make_ov_engine) -> None:
     eng = make_ov_engine()
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         r = c.post(
@@ -128,7 +128,7 @@ def test_typed_video_placeholder_is_refused(make_ov_engine) -> None:  # noqa: AN
         assert typed["usage"]["completion_tokens"] == 2
 
 
-def test_modes_have_distinct_keys(ov_loaded, shapes) -> None:  # noqa: ANN001
+def test_modes_have_distinct_keys(ov_loaded, shapes) -> None:
     from mmserve.vision.inputs import ImageInput
 
     fam = ov_loaded.family
@@ -149,7 +149,7 @@ def clip12() -> bytes:
     return encode_mp4(rgb_frames(12, seed=11), fps=10)
 
 
-def decoded_frames(eng, data: bytes, indices: list[int]) -> list:  # noqa: ANN001
+def decoded_frames(eng, data: bytes, indices: list[int]) -> list:
     """The frames the server decodes, hashed as it hashes them."""
     from mmserve.vision.hashing import image_key
     from mmserve.vision.inputs import ImageInput
@@ -161,7 +161,7 @@ def decoded_frames(eng, data: bytes, indices: list[int]) -> list:  # noqa: ANN00
     ]
 
 
-def test_frame_preparation_follows_the_processors(ov, photos) -> None:  # noqa: ANN001
+def test_frame_preparation_follows_the_processors(ov, photos) -> None:
     _, processor = ov.ref
     prep = FramePrep.from_processor(processor.video_settings)
     assert (prep.height, prep.width, prep.resample) == (98, 98, 3)
@@ -180,7 +180,7 @@ def test_frame_preparation_follows_the_processors(ov, photos) -> None:  # noqa: 
         prepare_frames([], prep)
 
 
-def test_video_of_8_frames_equals_reference(make_ov_engine, ov, clip12) -> None:  # noqa: ANN001
+def test_video_of_8_frames_equals_reference(make_ov_engine, ov, clip12) -> None:
     eng = make_ov_engine()
     frames = decoded_frames(eng, clip12, list(range(8)))
     msgs = [
@@ -194,7 +194,7 @@ def test_video_of_8_frames_equals_reference(make_ov_engine, ov, clip12) -> None:
     check_against_reference(eng, ov.ref, msgs, [], "8-frame video", videos=[frames])
 
 
-def qa(c: TestClient, vid: str, **body) -> list[dict]:  # noqa: ANN003
+def qa(c: TestClient, vid: str, **body) -> list[dict]:
     import json
 
     r = c.post(f"/v1/videos/{vid}/qa", json={"temperature": 0, "max_tokens": MAX_NEW, **body})
@@ -206,7 +206,7 @@ VIDEO_Q = "What happens in this clip?"
 
 
 @pytest.fixture(scope="module")
-def video_reference(make_ov_engine, ov, clip12) -> tuple[str, int]:  # noqa: ANN001
+def video_reference(make_ov_engine, ov, clip12) -> tuple[str, int]:
     """transformers' answer (text, prompt length) for 8 uniform frames of ``clip12``."""
     from mmserve.vision.video import FrameSelection, Video, VideoLimits
 
@@ -224,7 +224,7 @@ def video_reference(make_ov_engine, ov, clip12) -> tuple[str, int]:  # noqa: ANN
 @pytest.mark.parametrize("cfg", CACHE_CONFIGS)
 def test_api_video_clip_and_video_url_equal_reference_cache_on_and_off(
     make_ov_engine, video_reference, clip12, cfg
-) -> None:  # noqa: ANN001
+) -> None:
     want, ref_len = video_reference
     eng = make_ov_engine(**cfg)
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
@@ -244,7 +244,7 @@ def test_api_video_clip_and_video_url_equal_reference_cache_on_and_off(
             assert out["choices"][0]["message"]["content"] == want
 
 
-def test_overlapping_clips_share_their_first_frames(make_ov_engine, clip12) -> None:  # noqa: ANN001
+def test_overlapping_clips_share_their_first_frames(make_ov_engine, clip12) -> None:
     eng = make_ov_engine(page_size=16)
     per = eng.model.family.video_frame_tokens()
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
@@ -262,7 +262,7 @@ def test_overlapping_clips_share_their_first_frames(make_ov_engine, clip12) -> N
         assert answer["cached_tokens"] == (start + 4 * per) // 16 * 16 > 3 * per
 
 
-def test_static_video_runs_the_tower_once(make_ov_engine) -> None:  # noqa: ANN001
+def test_static_video_runs_the_tower_once(make_ov_engine) -> None:
     from tests.videos import encode_mp4, rgb_frames
 
     pytest.importorskip("av")
@@ -276,7 +276,7 @@ def test_static_video_runs_the_tower_once(make_ov_engine) -> None:  # noqa: ANN0
         assert answer["prompt_tokens"] > 12 * eng.model.family.video_frame_tokens()
 
 
-def test_per_frame_mode_stays_one_image_per_prompt(make_ov_engine, clip12) -> None:  # noqa: ANN001
+def test_per_frame_mode_stays_one_image_per_prompt(make_ov_engine, clip12) -> None:
     eng = make_ov_engine()
     with TestClient(create_app(eng, ServerSettings(served_model_name=MODEL))) as c:
         vid = c.post("/v1/videos", files={"file": ("v.mp4", clip12)}).json()["id"]
@@ -289,7 +289,7 @@ def test_per_frame_mode_stays_one_image_per_prompt(make_ov_engine, clip12) -> No
         assert want.spans[0].image.mode == IMAGE_MODE  # the image path: its grid
 
 
-def test_loader_reads_a_onevision_dir_without_torchvision(ov, tmp_path) -> None:  # noqa: ANN001
+def test_loader_reads_a_onevision_dir_without_torchvision(ov, tmp_path) -> None:
     import json
     import shutil
 
@@ -323,7 +323,7 @@ def test_loader_reads_a_onevision_dir_without_torchvision(ov, tmp_path) -> None:
         load_processor(legacy)
 
 
-def test_padded_vocabulary_loads_and_equals_reference(ov, tmp_path) -> None:  # noqa: ANN001
+def test_padded_vocabulary_loads_and_equals_reference(ov, tmp_path) -> None:
     """Qwen2 checkpoints pad the embedding matrix past the tokenizer (151,646 tokens in
     152,000 rows): such a directory loads and still equals transformers."""
     import json

@@ -78,7 +78,7 @@ def in_memory_name(k: str) -> str:
 
 
 @pytest.mark.parametrize("rename", [release_name, in_memory_name])
-def test_both_name_layouts_load_the_same_weights(copy_dir: Path, loaded, rename) -> None:  # noqa: ANN001
+def test_both_name_layouts_load_the_same_weights(copy_dir: Path, loaded, rename) -> None:
     w = load_file(str(copy_dir / "model.safetensors"))
     renamed = {rename(k): t for k, t in w.items()}
     assert renamed.keys() != w.keys()

@@ -48,7 +48,7 @@ def plain_engine(saved: dict[str, Path]) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def plain_ref(saved: dict[str, Path]):  # noqa: ANN201
+def plain_ref(saved: dict[str, Path]):
     """transformers' model and processor read back from the re-saved directory."""
     model = LlavaForConditionalGeneration.from_pretrained(saved["plain"]).eval()
     return model, AutoProcessor.from_pretrained(saved["plain"])
@@ -64,7 +64,7 @@ def prompts(plain_engine: Engine, photos: dict[str, bytes]) -> dict[str, tuple[l
     }
 
 
-def run(engine: Engine, messages: list, images: list):  # noqa: ANN201
+def run(engine: Engine, messages: list, images: list):
     req = engine.processor.make_request(messages=messages, images=images, params=greedy(MAX_NEW))
     (res,) = engine.generate([req])
     return res

@@ -91,7 +91,7 @@ def random_logits(seed: int, b: int) -> torch.Tensor:
     as_tensor=st.booleans(),
     seed=st.integers(0, 2**31),
 )
-def test_processors_equal_the_definitions(batch, steps, as_tensor, seed) -> None:  # noqa: ANN001
+def test_processors_equal_the_definitions(batch, steps, as_tensor, seed) -> None:
     proc = LogitsProcessors(V, STOP, "cpu")
     reqs = [Request(list(prompt), [], p) for p, prompt in batch]
     for k, r in enumerate(reqs):
@@ -100,14 +100,14 @@ def test_processors_equal_the_definitions(batch, steps, as_tensor, seed) -> None
     only_stop = torch.full((V,), float("-inf"))
     only_stop[STOP] = 0.0
 
-    def grammar(rows, s: int):  # noqa: ANN001, ANN202
+    def grammar(rows, s: int):
         """Every other step, a constrained row's grammar allows only end of sequence."""
         for k, r in enumerate(reqs):
             if r.grammar is not None and s % 2:
                 rows[k] = rows[k] + only_stop
         return rows
 
-    def process(rs, rows, s: int):  # noqa: ANN001, ANN202
+    def process(rs, rows, s: int):
         rows = proc.apply(rs, rows)
         rows = rows if rs is not reqs else grammar(rows, s)
         return proc.apply_min_tokens(rs, rows)
@@ -222,11 +222,11 @@ def test_first_stop_after_a_floor(text: str, stops: list[str], floor: int) -> No
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine(max_total_tokens=4096)
 
 
-def generate(engine, text: str = "The end.", images=(), **kw):  # noqa: ANN001, ANN201
+def generate(engine, text: str = "The end.", images=(), **kw):
     kw.setdefault("max_tokens", 10)
     kw.setdefault("temperature", 0.0)
     msgs = user(*([None] * len(images)), text)
@@ -239,7 +239,7 @@ def generate(engine, text: str = "The end.", images=(), **kw):  # noqa: ANN001, 
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_bias_against_all_but_one_id_forces_it(engine, temperature: float) -> None:  # noqa: ANN001
+def test_bias_against_all_but_one_id_forces_it(engine, temperature: float) -> None:
     keep = 1234
     bias = {i: -100.0 for i in range(engine.processor.vocab_size) if i != keep}
     plain = generate(engine, temperature=temperature, seed=1)
@@ -248,7 +248,7 @@ def test_bias_against_all_but_one_id_forces_it(engine, temperature: float) -> No
     assert res.output_ids == [keep] * 10 and res.finish_reason == "length"
 
 
-def test_positive_bias_wins_under_greedy_and_logprobs_include_it(engine) -> None:  # noqa: ANN001
+def test_positive_bias_wins_under_greedy_and_logprobs_include_it(engine) -> None:
     res = generate(engine, logit_bias={77: 100.0}, logprobs=2, return_logits=True)
     assert res.output_ids == [77] * 10
     for lp, row in zip(res.logprobs, res.logits, strict=True):
@@ -256,7 +256,7 @@ def test_positive_bias_wins_under_greedy_and_logprobs_include_it(engine) -> None
         assert lp.logprob == pytest.approx(float(torch.log_softmax(row, -1)[77]), abs=1e-6)
 
 
-def test_frequency_penalty_changes_repeated_tokens(engine) -> None:  # noqa: ANN001
+def test_frequency_penalty_changes_repeated_tokens(engine) -> None:
     plain = generate(engine, max_tokens=16)
     repeats = max(Counter(plain.output_ids).values())
     assert repeats >= 3  # the prompt makes the tiny model repeat itself
@@ -265,7 +265,7 @@ def test_frequency_penalty_changes_repeated_tokens(engine) -> None:  # noqa: ANN
     assert max(Counter(res.output_ids).values()) < repeats
 
 
-def test_min_tokens_holds_back_an_early_eos(engine) -> None:  # noqa: ANN001
+def test_min_tokens_holds_back_an_early_eos(engine) -> None:
     eos = engine.model.eos_token_ids[0]
     res = generate(engine, logit_bias={eos: 100.0})
     assert res.output_ids == [eos] and res.finish_reason == "stop"
@@ -281,7 +281,7 @@ def test_min_tokens_holds_back_an_early_eos(engine) -> None:  # noqa: ANN001
     assert res.output_ids == [eos] * 10
 
 
-def test_min_tokens_defers_stop_strings(engine) -> None:  # noqa: ANN001
+def test_min_tokens_defers_stop_strings(engine) -> None:
     plain = generate(engine, max_tokens=12)
     tok = engine.model.tokenizer
     stop = tok.decode(plain.output_ids[:1], skip_special_tokens=True).strip()
@@ -313,7 +313,7 @@ class FrequencyPresence:
         return scores
 
 
-def hf_generate(ref_model, engine, messages, images, p: SamplingParams):  # noqa: ANN001, ANN201
+def hf_generate(ref_model, engine, messages, images, p: SamplingParams):
     """Greedy ids and processed scores of transformers' ``generate`` with ``p``'s processors."""
     from transformers import LogitsProcessorList
 
@@ -361,7 +361,7 @@ CASES = {
 @pytest.mark.parametrize("with_image", [False, True])
 def test_greedy_equals_transformers_with_the_same_processors(
     engine, ref_model, photos, case: str, with_image: bool
-) -> None:  # noqa: ANN001
+) -> None:
     images = [engine.processor.prepare_image(photos["cat.png"])] if with_image else []
     msgs = user(*([None] * len(images)), "The end.")
     p = SamplingParams(max_tokens=14, temperature=0.0, return_logits=True, **CASES[case])
@@ -371,7 +371,7 @@ def test_greedy_equals_transformers_with_the_same_processors(
     assert_same_generation(res.output_ids, ids, res.logits, scores, case)
 
 
-def test_batched_equals_alone(engine, photos) -> None:  # noqa: ANN001
+def test_batched_equals_alone(engine, photos) -> None:
     cat = engine.processor.prepare_image(photos["cat.png"])
     eos = engine.model.eos_token_ids[0]
     cases = [
@@ -382,7 +382,7 @@ def test_batched_equals_alone(engine, photos) -> None:  # noqa: ANN001
         ("Hi", [cat], dict(temperature=1.2, seed=2, top_k=20)),
     ]
 
-    def make(text, images, kw):  # noqa: ANN001, ANN202
+    def make(text, images, kw):
         kw = {"max_tokens": 9, "temperature": 0.0, **kw}
         msgs = user(*([None] * len(images)), text)
         return engine.processor.make_request(
@@ -396,7 +396,7 @@ def test_batched_equals_alone(engine, photos) -> None:  # noqa: ANN001
     assert engine.check_accounting()["running"] == 0
 
 
-def test_grammar_and_processors(engine) -> None:  # noqa: ANN001
+def test_grammar_and_processors(engine) -> None:
     choices = ["cat", "dog"]
     tok = engine.model.tokenizer
     plain = generate(engine, guided=GuidedSpec("choice", json.dumps(choices)), max_tokens=8)
@@ -420,11 +420,11 @@ def test_grammar_and_processors(engine) -> None:  # noqa: ANN001
     assert res.text in choices and res.finish_reason == "stop"
 
 
-def test_penalties_survive_retraction(make_engine) -> None:  # noqa: ANN001
+def test_penalties_survive_retraction(make_engine) -> None:
     """A retracted request resumes with the same output: its counts are kept."""
     kw = dict(max_tokens=40, temperature=0.0, frequency_penalty=0.7, repetition_penalty=1.2)
 
-    def run(eng):  # noqa: ANN001, ANN202
+    def run(eng):
         reqs = [
             eng.processor.make_request(messages=user(t), params=SamplingParams(**kw))
             for t in ("The end.", "Tell me a story.", "Count to five.", "Hi") * 2
@@ -438,7 +438,7 @@ def test_penalties_survive_retraction(make_engine) -> None:  # noqa: ANN001
     assert small == ref
 
 
-def test_front_end_checks_and_replicas_carry_the_fields(engine, model_dir) -> None:  # noqa: ANN001
+def test_front_end_checks_and_replicas_carry_the_fields(engine, model_dir) -> None:
     from mmserve.config import EngineConfig
     from mmserve.fleet.protocol import ReplicaRequest
     from mmserve.frontend.frontend import FrontEnd, load_frontend_model

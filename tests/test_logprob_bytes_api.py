@@ -19,7 +19,7 @@ REPLACEMENT = list("\ufffd".encode())
 
 
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
-def client(request, families):  # noqa: ANN001, ANN201
+def client(request, families):
     """A server on each family's tiny checkpoint (llava: byte-level BPE; next:
     SentencePiece with byte fallback; onevision: Qwen2-style byte-level BPE)."""
     family = families[request.param]
@@ -43,13 +43,13 @@ def body(**kw) -> dict:
     }
 
 
-def plain(client, **kw) -> dict:  # noqa: ANN001
+def plain(client, **kw) -> dict:
     r = client.post("/v1/chat/completions", json=body(**kw))
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
 
-def streamed(client, **kw) -> tuple[str, list[dict], str]:  # noqa: ANN001
+def streamed(client, **kw) -> tuple[str, list[dict], str]:
     """(content, logprob entries, finish reason) of a streamed answer."""
     choices = [c["choices"][0] for c in stream_chunks(client, body(**kw))]
     text = "".join(c["delta"].get("content") or "" for c in choices)
@@ -90,7 +90,7 @@ def check_token_fields(entry: dict) -> None:
             assert e["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def test_forced_cjk_and_emoji_bytes_join_to_the_content(client) -> None:  # noqa: ANN001
+def test_forced_cjk_and_emoji_bytes_join_to_the_content(client) -> None:
     for kw in ({"guided_regex": TEXT}, {"guided_choice": [TEXT]}):
         choice = plain(client, **kw)
         content = choice["message"]["content"]
@@ -108,7 +108,7 @@ def test_forced_cjk_and_emoji_bytes_join_to_the_content(client) -> None:  # noqa
         assert_same_entries(s_entries, entries)
 
 
-def test_biased_byte_tokens_keep_their_own_bytes(client) -> None:  # noqa: ANN001
+def test_biased_byte_tokens_keep_their_own_bytes(client) -> None:
     # logit_bias alone (no grammar) makes the model emit the pieces of TEXT in any order:
     # partial characters, often invalid UTF-8; each entry still has its own bytes
     ids = set(client.tok.encode(TEXT, add_special_tokens=False)) - set(client.tok.all_special_ids)
@@ -129,7 +129,7 @@ def test_biased_byte_tokens_keep_their_own_bytes(client) -> None:  # noqa: ANN00
     assert_same_entries(s_entries, entries)
 
 
-def test_sampled_end_of_sequence_adds_no_bytes(client) -> None:  # noqa: ANN001
+def test_sampled_end_of_sequence_adds_no_bytes(client) -> None:
     # the model's own end-of-sequence token (biased up after two tokens) is listed with
     # its text as the token and no bytes: it is not part of the content
     bias = {str(i): 100 for i in client.eos}
@@ -142,7 +142,7 @@ def test_sampled_end_of_sequence_adds_no_bytes(client) -> None:  # noqa: ANN001
     assert_same_entries(streamed(client, logit_bias=bias, min_tokens=2)[1], entries)
 
 
-def test_named_tool_call_bytes_join_to_the_arguments(client) -> None:  # noqa: ANN001
+def test_named_tool_call_bytes_join_to_the_arguments(client) -> None:
     tool = {
         "type": "function",
         "function": {

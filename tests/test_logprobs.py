@@ -9,7 +9,7 @@ from mmserve.types import SamplingParams
 from tests.helpers import user
 
 
-def test_greedy_logprobs_match_the_logits(make_engine) -> None:  # noqa: ANN001
+def test_greedy_logprobs_match_the_logits(make_engine) -> None:
     engine = make_engine(max_total_tokens=2048)
     params = SamplingParams(max_tokens=5, temperature=0.0, return_logits=True, logprobs=3)
     req = engine.processor.make_request(messages=user("Count to five."), params=params)
@@ -26,7 +26,7 @@ def test_greedy_logprobs_match_the_logits(make_engine) -> None:  # noqa: ANN001
         assert sum(torch.tensor([v for _, v in lp.top]).exp().tolist()) <= 1.0 + 1e-5
 
 
-def test_sampled_logprobs_are_of_the_unscaled_distribution(make_engine) -> None:  # noqa: ANN001
+def test_sampled_logprobs_are_of_the_unscaled_distribution(make_engine) -> None:
     engine = make_engine(max_total_tokens=2048)
     params = SamplingParams(max_tokens=3, temperature=1.5, seed=7, return_logits=True, logprobs=0)
     (res,) = engine.generate([engine.processor.make_request(messages=user("Hi"), params=params)])
@@ -35,7 +35,7 @@ def test_sampled_logprobs_are_of_the_unscaled_distribution(make_engine) -> None:
         assert lp.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[tok]), abs=1e-5)
 
 
-def test_logprobs_off_by_default_and_bounded(make_engine) -> None:  # noqa: ANN001
+def test_logprobs_off_by_default_and_bounded(make_engine) -> None:
     engine = make_engine(max_total_tokens=2048)
     (res,) = engine.generate([engine.processor.make_request(messages=user("Hi"))])
     assert res.logprobs is None
@@ -45,7 +45,7 @@ def test_logprobs_off_by_default_and_bounded(make_engine) -> None:  # noqa: ANN0
         SamplingParams(logprobs=-1).validate()
 
 
-def test_any_integer_seed_is_accepted(make_engine) -> None:  # noqa: ANN001
+def test_any_integer_seed_is_accepted(make_engine) -> None:
     engine = make_engine(max_total_tokens=2048)
     outs = []
     for seed in (-1, 2**64 - 1, 2**70 - 1):

@@ -25,7 +25,7 @@ OPS = st.lists(
     max_bytes=st.one_of(st.none(), st.integers(0, 20)),
     keep_newest=st.booleans(),
 )
-def test_matches_a_list_model(ops, max_items, max_bytes, keep_newest) -> None:  # noqa: ANN001
+def test_matches_a_list_model(ops, max_items, max_bytes, keep_newest) -> None:
     lru: LRU[int, int] = LRU(max_items, max_bytes, size=lambda v: v, keep_newest=keep_newest)
     model: list[tuple[int, int]] = []  # least recently used first
     hits = misses = 0

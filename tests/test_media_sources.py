@@ -15,12 +15,12 @@ from api.settings import API_KEY_ENV
 from tests.helpers import MODEL, SAMPLES, chat, image_part
 
 
-def ask(client, url: str):  # noqa: ANN001, ANN201
+def ask(client, url: str):
     return chat(client, [image_part(url), {"type": "text", "text": "?"}], max_tokens=2)
 
 
 @pytest.fixture(scope="module")
-def http_server():  # noqa: ANN201
+def http_server():
     """Serves tests/../samples/images on 127.0.0.1."""
     root = SAMPLES
 
@@ -28,7 +28,7 @@ def http_server():  # noqa: ANN201
         def __init__(self, *a, **kw) -> None:
             super().__init__(*a, directory=str(root), **kw)
 
-        def log_message(self, *args) -> None:  # noqa: ANN002
+        def log_message(self, *args) -> None:
             pass
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
@@ -37,7 +37,7 @@ def http_server():  # noqa: ANN201
     srv.shutdown()
 
 
-def test_remote_urls_only_when_allowed(make_engine, http_server, photos) -> None:  # noqa: ANN001
+def test_remote_urls_only_when_allowed(make_engine, http_server, photos) -> None:
     engine = make_engine(max_total_tokens=4096)
     url = f"{http_server}/cat.png"
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
@@ -59,7 +59,7 @@ def test_remote_urls_only_when_allowed(make_engine, http_server, photos) -> None
         assert r.status_code == 400 and "could not fetch" in r.json()["error"]["message"]
 
 
-def test_local_files_only_inside_the_allowed_directory(make_engine, tmp_path, photos) -> None:  # noqa: ANN001
+def test_local_files_only_inside_the_allowed_directory(make_engine, tmp_path, photos) -> None:
     engine = make_engine(max_total_tokens=4096)
     media = tmp_path / "media"
     media.mkdir()
@@ -77,7 +77,7 @@ def test_local_files_only_inside_the_allowed_directory(make_engine, tmp_path, ph
             assert r.status_code == 400 and "not a file inside" in r.json()["error"]["message"]
 
 
-def test_api_key_from_the_environment(make_engine, monkeypatch) -> None:  # noqa: ANN001
+def test_api_key_from_the_environment(make_engine, monkeypatch) -> None:
     monkeypatch.setenv(API_KEY_ENV, "env-key")
     engine = make_engine(max_total_tokens=2048)
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:

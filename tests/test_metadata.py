@@ -37,12 +37,12 @@ def test_page_size_one_and_decode_flag() -> None:
     "tables, prefix, extend",
     [([[1, 2]], [0], [0]), ([[1]], [3], [2]), ([[1], [2]], [0], [1])],
 )
-def test_bad_inputs_raise(tables, prefix, extend) -> None:  # noqa: ANN001
+def test_bad_inputs_raise(tables, prefix, extend) -> None:
     with pytest.raises(ValueError):
         build_metadata(tables, prefix, extend, page_size=2)
 
 
-def dense_attention(q, k, v, prefix: int) -> torch.Tensor:  # noqa: ANN001
+def dense_attention(q, k, v, prefix: int) -> torch.Tensor:
     """Brute force: q [t, Hq, D] attends causally to k, v [prefix + t, Hkv, D]."""
     t, hq, _ = q.shape
     rep = hq // k.shape[1]

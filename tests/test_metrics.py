@@ -15,14 +15,14 @@ MODEL = "llava-tiny"
 
 
 @pytest.fixture()
-def client(make_engine):  # noqa: ANN001, ANN201
+def client(make_engine):
     engine = make_engine(max_total_tokens=4096)
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
         c.engine = engine
         yield c
 
 
-def scrape(client) -> dict[tuple[str, tuple], float]:  # noqa: ANN001
+def scrape(client) -> dict[tuple[str, tuple], float]:
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {
@@ -32,7 +32,7 @@ def scrape(client) -> dict[tuple[str, tuple], float]:  # noqa: ANN001
     }
 
 
-def ask_image(client, image_id: str, q: str, **kw) -> dict:  # noqa: ANN001
+def ask_image(client, image_id: str, q: str, **kw) -> dict:
     content = [{"type": "image_url", "image_url": {"url": image_id}}, {"type": "text", "text": q}]
     body = {"model": MODEL, "max_tokens": 3, "temperature": 0, **kw}
     body["messages"] = [{"role": "user", "content": content}]
@@ -41,7 +41,7 @@ def ask_image(client, image_id: str, q: str, **kw) -> dict:  # noqa: ANN001
     return r.json()
 
 
-def test_metrics_count_requests_tokens_cache_and_vision(client, photos) -> None:  # noqa: ANN001
+def test_metrics_count_requests_tokens_cache_and_vision(client, photos) -> None:
     image_id = client.post(
         "/v1/images", files={"file": ("c.png", photos["cat.png"], "image/png")}
     ).json()["id"]
@@ -96,7 +96,7 @@ def test_metrics_count_requests_tokens_cache_and_vision(client, photos) -> None:
     json.dumps(stats)  # plain JSON
 
 
-def test_flush_drops_the_tree_only_when_idle(client, photos) -> None:  # noqa: ANN001
+def test_flush_drops_the_tree_only_when_idle(client, photos) -> None:
     image_id = client.post(
         "/v1/images", files={"file": ("r.jpg", photos["rocket.jpg"], "image/jpeg")}
     ).json()["id"]

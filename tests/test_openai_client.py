@@ -17,7 +17,7 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path):  # noqa: ANN201
+def server(model_dir: Path):
     args = ["--served-model-name", MODEL, "--max-total-tokens", "8192", "--api-key", KEY]
     with live_server(model_dir, *args) as url:
         yield url
@@ -40,7 +40,7 @@ def image_message(image_url: str, question: str) -> list[dict]:
     ]
 
 
-def test_chat_with_an_image_then_cached_second_question(client, photos) -> None:  # noqa: ANN001
+def test_chat_with_an_image_then_cached_second_question(client, photos) -> None:
     url = "data:image/png;base64," + base64.b64encode(photos["cat.png"]).decode()
     first = client.chat.completions.create(
         model=MODEL, messages=image_message(url, "What is this?"), max_tokens=5, temperature=0
@@ -57,7 +57,7 @@ def test_chat_with_an_image_then_cached_second_question(client, photos) -> None:
     assert 576 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens - 1
 
 
-def test_streamed_chat_with_an_uploaded_image(client, photos) -> None:  # noqa: ANN001
+def test_streamed_chat_with_an_uploaded_image(client, photos) -> None:
     info = client.post(
         "/images",
         body={"data": base64.b64encode(photos["rocket.jpg"]).decode()},
@@ -85,7 +85,7 @@ def test_streamed_chat_with_an_uploaded_image(client, photos) -> None:  # noqa: 
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
-def test_logprobs_n_and_models_through_the_client(client) -> None:  # noqa: ANN001
+def test_logprobs_n_and_models_through_the_client(client) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     out = client.chat.completions.create(
         model=MODEL,
@@ -134,7 +134,7 @@ def test_api_key_is_required_except_for_health(server: str) -> None:
         assert b"mmserve_cache_hit_rate" in r.read()
 
 
-def test_assistant_prefill_and_message_rules_through_the_client(client) -> None:  # noqa: ANN001
+def test_assistant_prefill_and_message_rules_through_the_client(client) -> None:
     ask = {"role": "user", "content": "Where is the tower?"}
     prefill = {"role": "assistant", "content": "The city is"}
     flags = {"continue_final_message": True, "add_generation_prompt": False}

@@ -83,7 +83,7 @@ def test_config_rejects_bad_budgets(kw: dict) -> None:
         EngineConfig(**kw).validate()
 
 
-def test_engine_pool_from_memory_logs_tokens_and_bytes(loaded, caplog) -> None:  # noqa: ANN001
+def test_engine_pool_from_memory_logs_tokens_and_bytes(loaded, caplog) -> None:
     from mmserve.frontend.frontend import Engine
 
     shape = loaded.decoder.shape

@@ -69,7 +69,7 @@ def test_quantization_error_is_half_a_step_per_channel(method: str) -> None:
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_quantized_linear_equals_its_dequantized_matmul(method: str, dtype) -> None:  # noqa: ANN001
+def test_quantized_linear_equals_its_dequantized_matmul(method: str, dtype) -> None:
     """Every kernel choice (int8: the CPU int8 kernel at <= 4 bf16 rows, the dequantized
     matmul above; fp8: the upcast matmul) against ``x @ (q * s)^T + b`` in fp32."""
 
@@ -125,7 +125,7 @@ def test_module_to_dtype_keeps_the_stored_weight_and_scales() -> None:
 
 
 # ---- whole models against transformers on the dequantized weights ------------------------
-def _dequantized_reference(ref, method: str, head: bool):  # noqa: ANN001, ANN202
+def _dequantized_reference(ref, method: str, head: bool):
     """A copy of transformers' ``(model, processor)`` whose decoder projections (and LM
     head when ``head``: untied from the embedding, as ours) are ``dequantize(quantize(w))``."""
     model, processor = ref
@@ -141,7 +141,7 @@ def _dequantized_reference(ref, method: str, head: bool):  # noqa: ANN001, ANN20
 
 
 @pytest.fixture(scope="module")
-def int8_models(families):  # noqa: ANN001, ANN201
+def int8_models(families):
     """family -> our model loaded with ``quantization="int8"`` (fp32 activations)."""
     return {f: load_model(families[f].model_dir, quantization="int8") for f in TINY_FAMILIES}
 
@@ -149,7 +149,7 @@ def int8_models(families):  # noqa: ANN001, ANN201
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_int8_greedy_equals_transformers_on_dequantized_weights(
     families, int8_models, photos, family: str
-) -> None:  # noqa: ANN001
+) -> None:
     fam = families[family]
     model = int8_models[family]
     assert model.quantization == "int8"
@@ -166,7 +166,7 @@ def test_int8_greedy_equals_transformers_on_dequantized_weights(
 @pytest.mark.parametrize(("family", "method"), [("llava", "int8"), ("llava-onevision", "fp8")])
 def test_compressed_tensors_checkpoint_loads_and_serves(
     families, photos, tmp_path, family: str, method: str
-) -> None:  # noqa: ANN001
+) -> None:
     """``make-model --quantization`` writes the layout; loading it serves the stored 8-bit
     weights (the LM head, which the recipe ignores, unquantized). fp8 runs the upcast twin
     on the CPU, where the engine refuses it: the decoder is checked directly."""
@@ -195,7 +195,7 @@ def test_compressed_tensors_checkpoint_loads_and_serves(
         torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
 
 
-def _dense_logits(decoder, ids: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+def _dense_logits(decoder, ids: torch.Tensor) -> torch.Tensor:
     """Last-position logits of ``ids`` through our decoder (torch backend, a fresh pool)."""
     from mmserve.cache.kv_pool import KVPool
     from mmserve.kernels.metadata import build_metadata
@@ -211,7 +211,7 @@ def _dense_logits(decoder, ids: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
 
 
 # ---- refusals ------------------------------------------------------------------------------
-def test_refusals_name_the_flag_and_the_alternative(families, tmp_path) -> None:  # noqa: ANN001
+def test_refusals_name_the_flag_and_the_alternative(families, tmp_path) -> None:
     with pytest.raises(quant.QuantizationError, match=r"--quantization fp8.*--quantization int8"):
         quant.check_quantization("fp8", "cpu")
     with pytest.raises(ValueError, match="unknown quantization 'int4'.*none, int8, fp8"):
@@ -242,7 +242,7 @@ def test_refusals_name_the_flag_and_the_alternative(families, tmp_path) -> None:
 
 
 # ---- cache on = off, and the tiers' namespace ------------------------------------------------
-def test_cache_on_equals_off_with_int8(families, int8_models, photos) -> None:  # noqa: ANN001
+def test_cache_on_equals_off_with_int8(families, int8_models, photos) -> None:
     fam = families["llava-onevision"]
     model = int8_models["llava-onevision"]
 
@@ -259,7 +259,7 @@ def test_cache_on_equals_off_with_int8(families, int8_models, photos) -> None:  
     assert outs[0] == outs[1]
 
 
-def test_kv_tier_namespace_includes_the_quantization(families, int8_models, tmp_path) -> None:  # noqa: ANN001
+def test_kv_tier_namespace_includes_the_quantization(families, int8_models, tmp_path) -> None:
     fam = families["llava"]
     keys = []
     for model in (fam.loaded, int8_models["llava"]):
@@ -271,7 +271,7 @@ def test_kv_tier_namespace_includes_the_quantization(families, int8_models, tmp_
 
 # ---- tensor parallelism ----------------------------------------------------------------------
 @pytest.mark.parametrize("source", ["flag", "checkpoint"])
-def test_tp2_equals_tp1_quantized(families, int8_models, photos, tmp_path, source: str) -> None:  # noqa: ANN001
+def test_tp2_equals_tp1_quantized(families, int8_models, photos, tmp_path, source: str) -> None:
     """Each rank holds its rows of the quantized column-parallel weights with their scales
     and its columns of o_proj/down_proj with the whole rows' scales: tp 2 gives tp 1's
     tokens, quantizing at load (OneVision: q/k/v biases, tied head) or from a

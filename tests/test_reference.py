@@ -19,7 +19,7 @@ MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def imgs(make_engine, photos):  # noqa: ANN001, ANN201
+def imgs(make_engine, photos):
     eng = make_engine()
     return [
         eng.processor.prepare_image(photos[n]) for n in ("cat.png", "coffee.png", "astronaut.png")
@@ -27,7 +27,7 @@ def imgs(make_engine, photos):  # noqa: ANN001, ANN201
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_one_image_positions(make_engine, ref_model, imgs, where: str) -> None:  # noqa: ANN001
+def test_one_image_positions(make_engine, ref_model, imgs, where: str) -> None:
     parts = {
         "first": (None, "What animal is this?"),
         "middle": ("Look at this photo:", None, "What animal is this?"),
@@ -36,7 +36,7 @@ def test_one_image_positions(make_engine, ref_model, imgs, where: str) -> None: 
     check_against_reference(make_engine(), ref_model, user(*parts), imgs[:1], f"image {where}")
 
 
-def test_batch_of_different_lengths(make_engine, ref_model, imgs) -> None:  # noqa: ANN001
+def test_batch_of_different_lengths(make_engine, ref_model, imgs) -> None:
     eng = make_engine()
     cases = [
         (user("Hi."), []),

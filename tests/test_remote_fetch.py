@@ -46,10 +46,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = SECRET
     timeout = 10  # a stuck client never holds a server thread for long
 
-    def log_message(self, *args) -> None:  # noqa: ANN002
+    def log_message(self, *args) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         srv = self.server
         path = urllib.parse.unquote(self.path)
         srv.seen.append((path, self.headers.get("Host")))
@@ -121,13 +121,13 @@ class _Server(http.server.ThreadingHTTPServer):
         self.cut: list[int | None] = []
         self.tls = tls
 
-    def get_request(self):  # noqa: ANN201
+    def get_request(self):
         conn, addr = super().get_request()
         if self.tls is not None:
             conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         return conn, addr
 
-    def handle_error(self, request, client_address) -> None:  # noqa: ANN001
+    def handle_error(self, request, client_address) -> None:
         pass  # failed TLS handshakes are expected in the certificate test
 
 
@@ -138,7 +138,7 @@ def _start(tls: ssl.SSLContext | None = None) -> _Server:
 
 
 @pytest.fixture(scope="module")
-def server():  # noqa: ANN201
+def server():
     srv = _start()
     yield srv
     srv.shutdown()
@@ -146,7 +146,7 @@ def server():  # noqa: ANN201
 
 
 @pytest.fixture()
-def srv(server):  # noqa: ANN001, ANN201
+def srv(server):
     server.seen.clear()
     server.cut.clear()
     return server
@@ -156,7 +156,7 @@ def base(srv: _Server) -> str:
     return f"http://127.0.0.1:{srv.server_address[1]}"
 
 
-def fetcher(**kw) -> RemoteFetcher:  # noqa: ANN003
+def fetcher(**kw) -> RemoteFetcher:
     kw.setdefault("max_bytes", 10_000 if "big" in kw else 1 << 20)
     kw.pop("big", None)
     kw.setdefault("timeout", 5.0)
@@ -213,7 +213,7 @@ LOOPBACK_FORMS = [
 
 
 @pytest.mark.parametrize("host", LOOPBACK_FORMS)
-def test_every_form_of_a_loopback_address_is_refused(srv, host) -> None:  # noqa: ANN001
+def test_every_form_of_a_loopback_address_is_refused(srv, host) -> None:
     port = srv.server_address[1]
     err = refused(fetcher(), f"http://{host}:{port}/cat.png")
     assert "address" in err.message
@@ -253,7 +253,7 @@ def test_every_form_of_a_loopback_address_is_refused(srv, host) -> None:  # noqa
         "https://10.0.0.1/a.png",
     ],
 )
-def test_private_and_special_addresses_are_refused(url) -> None:  # noqa: ANN001
+def test_private_and_special_addresses_are_refused(url) -> None:
     err = refused(fetcher(resolver=never_resolve), url)
     assert "address" in err.message
 
@@ -280,7 +280,7 @@ def test_urls_that_are_not_plain_http_are_refused(url: str, words: str) -> None:
 # ---- what the allow-list lets through, and what it still stops ------------------------
 
 
-def test_allowed_network_lets_the_loopback_server_through(srv) -> None:  # noqa: ANN001
+def test_allowed_network_lets_the_loopback_server_through(srv) -> None:
     port = srv.server_address[1]
     assert fetcher(allowed_networks=LOOPBACK).fetch(f"{base(srv)}/cat.png") == CAT
     # IPv4 embedded in IPv6 is judged as that IPv4 address, for the allow-list too
@@ -307,7 +307,7 @@ def test_allowed_network_lets_the_loopback_server_through(srv) -> None:  # noqa:
         "gopher://127.0.0.1:6379/_x",
     ],
 )
-def test_each_redirect_is_checked_again(srv, target) -> None:  # noqa: ANN001
+def test_each_redirect_is_checked_again(srv, target) -> None:
     """The first hop is allowed (127.0.0.1 only); where it redirects is not."""
     target = target.format(port=srv.server_address[1])
     err = refused(fetcher(allowed_networks=LOOPBACK), f"{base(srv)}/to/{target}")
@@ -316,7 +316,7 @@ def test_each_redirect_is_checked_again(srv, target) -> None:  # noqa: ANN001
     assert [p for p, _ in srv.seen] == [f"/to/{target}"]
 
 
-def test_redirects_are_bounded(srv) -> None:  # noqa: ANN001
+def test_redirects_are_bounded(srv) -> None:
     f = fetcher(allowed_networks=LOOPBACK, max_redirects=2)
     err = failed(f, f"{base(srv)}/loop/0")
     assert "more than 2" in err.message
@@ -330,14 +330,14 @@ def test_redirects_are_bounded(srv) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("path", ["/big", "/big-chunked"])
-def test_body_over_the_limit(srv, path) -> None:  # noqa: ANN001
+def test_body_over_the_limit(srv, path) -> None:
     f = fetcher(allowed_networks=LOOPBACK, max_bytes=srv.big)
     err = failed(f, base(srv) + path)
     assert err.too_large and f"over {srv.big} bytes" in err.message
 
 
 @pytest.mark.parametrize("path", ["/slow-body", "/slow-headers"])
-def test_a_slow_server_is_cut_at_the_deadline(srv, path) -> None:  # noqa: ANN001
+def test_a_slow_server_is_cut_at_the_deadline(srv, path) -> None:
     """The server sends a byte every 20 ms (10 s in all); each read is quick, so only a
     deadline over the whole fetch stops it."""
     err = failed(fetcher(allowed_networks=LOOPBACK, timeout=0.5), base(srv) + path)
@@ -349,7 +349,7 @@ def test_a_slow_server_is_cut_at_the_deadline(srv, path) -> None:  # noqa: ANN00
     assert srv.cut and srv.cut[0] is not None  # it never got to send everything
 
 
-def test_failures_say_nothing_about_the_inside(srv) -> None:  # noqa: ANN001
+def test_failures_say_nothing_about_the_inside(srv) -> None:
     f = fetcher(allowed_networks=LOOPBACK)
     err = failed(f, f"{base(srv)}/missing.png")
     assert_says_nothing_inside(err)
@@ -365,7 +365,7 @@ def test_failures_say_nothing_about_the_inside(srv) -> None:  # noqa: ANN001
 # ---- names: every address checked, the checked one used -----------------------------
 
 
-def test_a_name_with_any_private_address_is_refused(srv) -> None:  # noqa: ANN001
+def test_a_name_with_any_private_address_is_refused(srv) -> None:
     calls = []
 
     def resolver(host: str, port: int) -> list:
@@ -383,7 +383,7 @@ def test_a_name_with_any_private_address_is_refused(srv) -> None:  # noqa: ANN00
         refused(fetcher(resolver=one_bad), "http://mixed.example/a.png")
 
 
-def test_the_connection_goes_to_the_checked_address(srv, monkeypatch) -> None:  # noqa: ANN001
+def test_the_connection_goes_to_the_checked_address(srv, monkeypatch) -> None:
     """One lookup per hop; the socket dials the checked address (a second lookup would
     get a private one and fail), and the request names the original host."""
     port = srv.server_address[1]
@@ -396,7 +396,7 @@ def test_the_connection_goes_to_the_checked_address(srv, monkeypatch) -> None:  
 
     real = socket.getaddrinfo
 
-    def numeric_only(host, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def numeric_only(host, *a, **kw):
         if literal_address(str(host)) is None:
             raise AssertionError(f"second lookup of {host!r}")
         return real(host, *a, **kw)
@@ -414,7 +414,7 @@ def test_the_connection_goes_to_the_checked_address(srv, monkeypatch) -> None:  
     assert calls[1:] == ["images.example"]
 
 
-def test_https_checks_the_certificate_against_the_host_name(tmp_path) -> None:  # noqa: ANN001
+def test_https_checks_the_certificate_against_the_host_name(tmp_path) -> None:
     """SNI and the certificate check use the URL's host name, not the dialled address."""
     x509 = pytest.importorskip("cryptography.x509")
     from cryptography.hazmat.primitives import hashes, serialization
@@ -477,12 +477,12 @@ def test_https_checks_the_certificate_against_the_host_name(tmp_path) -> None:  
 @pytest.mark.parametrize(
     "addr", ["8.8.8.8", "93.184.215.14", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"]
 )
-def test_public_addresses_are_allowed(addr) -> None:  # noqa: ANN001
+def test_public_addresses_are_allowed(addr) -> None:
     assert address_allowed(ipaddress.ip_address(addr))
 
 
 @given(st.integers(0, 2**32 - 1))
-def test_ipv4_inside_ipv6_is_judged_as_the_ipv4(n) -> None:  # noqa: ANN001
+def test_ipv4_inside_ipv6_is_judged_as_the_ipv4(n) -> None:
     v4 = ipaddress.IPv4Address(n)
     want = address_allowed(v4)
     for v6 in (
@@ -512,7 +512,7 @@ NON_PUBLIC = """
     st.sampled_from(NON_PUBLIC),
     st.integers(0, 2**128 - 1),
 )
-def test_non_public_ranges_are_refused(net, n) -> None:  # noqa: ANN001
+def test_non_public_ranges_are_refused(net, n) -> None:
     net = ipaddress.ip_network(net)
     ip = net[n % net.num_addresses]
     assert not address_allowed(ip)
@@ -552,11 +552,11 @@ def test_allowed_networks_setting_and_flags() -> None:
 # ---- through the chat route -------------------------------------------------------------
 
 
-def _ask(client, url: str):  # noqa: ANN001, ANN202
+def _ask(client, url: str):
     return chat(client, [{"type": "text", "text": "?"}, image_part(url)], max_tokens=2)
 
 
-def test_chat_route_answers_400_naming_the_field(make_engine, srv) -> None:  # noqa: ANN001
+def test_chat_route_answers_400_naming_the_field(make_engine, srv) -> None:
     engine = make_engine(max_total_tokens=4096)
     port = srv.server_address[1]
     param = "messages[0].content[1].image_url.url"

@@ -36,17 +36,17 @@ from PIL import Image
 
 pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
 
-from api.cli import build_parser, replica_settings_from_args  # noqa: E402
-from benchmarks import experiments as bench  # noqa: E402
-from benchmarks import workloads  # noqa: E402
-from mmserve.config import EngineConfig  # noqa: E402
-from mmserve.fleet.prefix_tree import PrefixTree  # noqa: E402
-from mmserve.fleet.settings import ReplicaSettings  # noqa: E402
-from mmserve.frontend.frontend import FrontEnd, load_frontend_model  # noqa: E402
-from mmserve.types import SamplingParams  # noqa: E402
-from mmserve.vision.inputs import MODALITIES  # noqa: E402
-from tests.helpers import serve_help_defaults  # noqa: E402
-from tests.live_server import (  # noqa: E402
+from api.cli import build_parser, replica_settings_from_args
+from benchmarks import experiments as bench
+from benchmarks import workloads
+from mmserve.config import EngineConfig
+from mmserve.fleet.prefix_tree import PrefixTree
+from mmserve.fleet.settings import ReplicaSettings
+from mmserve.frontend.frontend import FrontEnd, load_frontend_model
+from mmserve.types import SamplingParams
+from mmserve.vision.inputs import MODALITIES
+from tests.helpers import serve_help_defaults
+from tests.live_server import (
     child_pids,
     cmdline,
     live_server,
@@ -54,7 +54,7 @@ from tests.live_server import (  # noqa: E402
     metric,
     wait_gone,
 )
-from tests.videos import encode_mp4, rgb_frames  # noqa: E402
+from tests.videos import encode_mp4, rgb_frames
 
 MODEL = "tiny"
 RAY_ARGS = ("--replicas", "2", "--cpus-per-replica", "0.5", "--served-model-name", MODEL)
@@ -127,7 +127,7 @@ def flush(url: str) -> None:
     raise AssertionError(f"flush refused: {r.text}")
 
 
-def wait_for(cond, timeout: float, what: str, every: float = 0.5):  # noqa: ANN001, ANN201
+def wait_for(cond, timeout: float, what: str, every: float = 0.5):
     deadline = time.time() + timeout
     while True:
         got = cond()
@@ -141,7 +141,7 @@ def openai_client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def start_batch(client: openai.OpenAI, bodies: dict[str, dict]):  # noqa: ANN201
+def start_batch(client: openai.OpenAI, bodies: dict[str, dict]):
     """Upload ``bodies`` (custom_id -> chat completion body) and create their batch."""
     lines = (
         json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b})
@@ -153,10 +153,10 @@ def start_batch(client: openai.OpenAI, bodies: dict[str, dict]):  # noqa: ANN201
     )
 
 
-def completed_batch(client: openai.OpenAI, batch_id: str, total: int):  # noqa: ANN201
+def completed_batch(client: openai.OpenAI, batch_id: str, total: int):
     """The batch once it ends, asserting it completed all ``total`` lines."""
 
-    def ended():  # noqa: ANN202
+    def ended():
         b = client.batches.retrieve(batch_id)
         return b if b.status in ("completed", "failed", "cancelled", "expired") else None
 
@@ -196,7 +196,7 @@ class FakeReplica:
 
 
 @pytest.fixture(scope="module")
-def single(model_dir: Path):  # noqa: ANN201
+def single(model_dir: Path):
     """The single-process server (no Ray): the reference."""
     with live_server(model_dir, "--served-model-name", MODEL) as url:
         yield url
@@ -270,7 +270,7 @@ def test_replica_flags_parse_with_defaults_from_the_dataclass() -> None:
         assert shown.get(flag) == str(getattr(ReplicaSettings(), f.name)), (flag, shown.get(flag))
 
 
-def test_front_end_without_weights_builds_the_engines_requests(make_engine, model_dir) -> None:  # noqa: ANN001
+def test_front_end_without_weights_builds_the_engines_requests(make_engine, model_dir) -> None:
     eng = make_engine()
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     assert front.model.vision is None and front.max_context == eng.max_context
@@ -396,7 +396,7 @@ class HungCall:
     def __init__(self) -> None:
         self.cancelled = False
 
-    def __await__(self):  # noqa: ANN204
+    def __await__(self):
         return asyncio.get_running_loop().create_future().__await__()
 
     def __aiter__(self) -> HungCall:
@@ -507,14 +507,14 @@ def test_cache_router_counts_the_shared_disk_tier() -> None:
 
 
 @pytest.fixture(scope="class")
-def cache_ep(model_dir: Path):  # noqa: ANN201
+def cache_ep(model_dir: Path):
     """``mmserve serve --replicas 2`` with the cache router (for one test class)."""
     with live_server(model_dir, *RAY_ARGS, timeout=START_TIMEOUT) as url:
         yield both_replicas_up(url)
 
 
 @pytest.fixture(scope="class")
-def rr_ep(model_dir: Path):  # noqa: ANN201
+def rr_ep(model_dir: Path):
     """Two replicas with ``--replica-router round_robin`` and a queue limit of 4."""
     args = (*RAY_ARGS, "--replica-router", "round_robin", "--max-queued-requests", "4")
     with live_server(model_dir, *args, timeout=START_TIMEOUT) as url:
@@ -950,7 +950,7 @@ def test_encoder_router_sends_each_key_to_one_encoder_and_moves_only_a_dead_ones
 
 
 @pytest.fixture(scope="class")
-def enc_ep(model_dir: Path, loaded, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+def enc_ep(model_dir: Path, loaded, tmp_path_factory: pytest.TempPathFactory):
     """Two replicas (pow2) sharing one encoder whose store holds three images' features;
     batch files under a data directory of their own."""
     (feats,) = loaded.vision.encode([Image.open(io.BytesIO(png((1, 2, 3))))])
@@ -1109,7 +1109,7 @@ class TestEncoders:
         assert sum(e["runs"] for e in after["encoders"].values()) == runs  # no tower ran
 
 
-def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa: ANN001
+def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:
     """Features handed to the engine by a feature source (what a replica gets from the
     encoder deployment) give the tokens of the engine's own tower, with no tower run
     here; an item the source does not have (None) runs the tower as before."""
@@ -1117,7 +1117,7 @@ def test_a_feature_source_stands_in_for_the_tower(make_engine) -> None:  # noqa:
     params = SamplingParams(max_tokens=6, temperature=0.0)
     red, blue = png((200, 10, 10)), png((10, 10, 200))
 
-    def run(eng, data: bytes):  # noqa: ANN001, ANN202
+    def run(eng, data: bytes):
         p = eng.processor
         return eng.generate(
             [p.make_request(messages=messages, images=[p.prepare_image(data)], params=params)]

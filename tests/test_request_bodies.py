@@ -97,18 +97,18 @@ UPLOADS = {"/v1/images", "/v1/videos"}
 
 
 @pytest.fixture(scope="module")
-def client(make_engine):  # noqa: ANN001, ANN201
+def client(make_engine):
     engine = make_engine(max_total_tokens=4096)
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL))) as c:
         yield c
 
 
-def post(client, route: str, body: bytes, ctype: str | None):  # noqa: ANN001, ANN201
+def post(client, route: str, body: bytes, ctype: str | None):
     headers = {"content-type": ctype} if ctype else {}
     return client.post(route, content=body, headers=headers)
 
 
-def assert_400(r, words: str = "") -> dict:  # noqa: ANN001
+def assert_400(r, words: str = "") -> dict:
     assert r.status_code == 400, r.text[:500]
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"], err
@@ -119,7 +119,7 @@ def assert_400(r, words: str = "") -> dict:  # noqa: ANN001
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("kind", list(BAD_BODIES))
-def test_bad_bodies_are_400_on_every_post_route(client, route, kind) -> None:  # noqa: ANN001
+def test_bad_bodies_are_400_on_every_post_route(client, route, kind) -> None:
     body, ctype, words = BAD_BODIES[kind]
     if route == "/v1/cache/flush":
         if not body.strip():  # it takes no body: an empty one is right
@@ -135,7 +135,7 @@ def test_bad_bodies_are_400_on_every_post_route(client, route, kind) -> None:  #
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("kind", list(OTHER_TYPES))
-def test_other_content_types(client, route, kind) -> None:  # noqa: ANN001
+def test_other_content_types(client, route, kind) -> None:
     body, ctype = OTHER_TYPES[kind]
     r = post(client, route, body, ctype)
     if route in UPLOADS:
@@ -147,7 +147,7 @@ def test_other_content_types(client, route, kind) -> None:  # noqa: ANN001
         assert_400(r, "Content-Type: application/json")
 
 
-def test_the_server_is_fine_afterwards(client, photos) -> None:  # noqa: ANN001
+def test_the_server_is_fine_afterwards(client, photos) -> None:
     for kind in ("arrays 100,000 deep", "objects 100,000 deep", "duplicate key"):
         body, ctype, _ = BAD_BODIES[kind]
         assert_400(post(client, "/v1/chat/completions", body, ctype))
@@ -168,7 +168,7 @@ def test_the_server_is_fine_afterwards(client, photos) -> None:  # noqa: ANN001
     assert client.post("/v1/cache/flush", content=b"  ").status_code == 200
 
 
-def test_depth_bound_is_a_setting(make_engine) -> None:  # noqa: ANN001
+def test_depth_bound_is_a_setting(make_engine) -> None:
     engine = make_engine(max_total_tokens=4096)
     settings_ = ServerSettings(served_model_name=MODEL, max_json_depth=4)
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -197,7 +197,7 @@ _json = st.recursive(
 
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.text(), _json, max_size=5))
-def test_valid_objects_parse_as_the_standard_library_does(obj) -> None:  # noqa: ANN001
+def test_valid_objects_parse_as_the_standard_library_does(obj) -> None:
     raw = json.dumps(obj, ensure_ascii=False).encode()
     assert parse_json_object(raw, max_depth=10_000) == json.loads(raw)
 
@@ -228,7 +228,7 @@ _tricky_text = st.text(alphabet='[]{}"\\ab,:')
     ),
     st.integers(1, 8),
 )
-def test_depth_limit_matches_the_real_depth(obj, limit) -> None:  # noqa: ANN001
+def test_depth_limit_matches_the_real_depth(obj, limit) -> None:
     """Brackets, quotes and backslashes inside strings never count as nesting."""
     raw = json.dumps(obj).encode()
     if _true_depth(obj) <= limit:
@@ -241,7 +241,7 @@ def test_depth_limit_matches_the_real_depth(obj, limit) -> None:  # noqa: ANN001
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 3000), st.sampled_from([(b"[", b"]"), (b'{"k":', b"}")]))
-def test_depth_is_counted_exactly(n, pair) -> None:  # noqa: ANN001
+def test_depth_is_counted_exactly(n, pair) -> None:
     raw = b'{"k":' + _deep(n, *pair) + b"}"  # n + 1 levels
     limit = 200
     if n + 1 <= limit:
@@ -253,7 +253,7 @@ def test_depth_is_counted_exactly(n, pair) -> None:  # noqa: ANN001
 
 
 @given(st.integers(-(10**MAX_INT_DIGITS) + 1, 10**MAX_INT_DIGITS - 1))
-def test_integers_up_to_the_digit_bound_are_kept(n) -> None:  # noqa: ANN001
+def test_integers_up_to_the_digit_bound_are_kept(n) -> None:
     assert parse_json_object(json.dumps({"n": n}).encode()) == {"n": n}
 
 
@@ -271,14 +271,14 @@ def test_integers_up_to_the_digit_bound_are_kept(n) -> None:  # noqa: ANN001
         (None, False),
     ],
 )
-def test_json_media_types(ctype, ok) -> None:  # noqa: ANN001
+def test_json_media_types(ctype, ok) -> None:
     assert json_media_type(ctype) is ok
 
 
 # ---- the replica ingress uses the same parser -------------------------------------------
 
 
-def test_replica_ingress_uses_the_same_parser(model_dir) -> None:  # noqa: ANN001
+def test_replica_ingress_uses_the_same_parser(model_dir) -> None:
     pytest.importorskip("ray.serve", reason='needs Ray Serve: pip install -e ".[replicas]"')
     from fastapi.routing import APIRoute
 
@@ -289,7 +289,7 @@ def test_replica_ingress_uses_the_same_parser(model_dir) -> None:  # noqa: ANN00
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     app = create_ingress_app(front, object(), ServerSettings(), MODEL, 1)  # type: ignore[arg-type]
 
-    def routes(items):  # noqa: ANN001, ANN202 - included routers nest their routes
+    def routes(items):
         for r in items:
             sub = getattr(r, "original_router", None)
             yield from routes(sub.routes) if sub is not None else [r]

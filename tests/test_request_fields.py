@@ -60,7 +60,7 @@ def named(name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def app(make_engine):  # noqa: ANN001, ANN201
+def app(make_engine):
     engine = make_engine(max_total_tokens=16384)
     with TestClient(create_app(engine, ServerSettings(served_model_name=MODEL, max_n=8))) as c:
         c.engine = engine
@@ -83,7 +83,7 @@ def image_id(app: TestClient) -> str:
     return r.json()["id"]
 
 
-def assert_valid_calls(calls, n_min: int = 1, n_max: int = 99) -> None:  # noqa: ANN001
+def assert_valid_calls(calls, n_min: int = 1, n_max: int = 99) -> None:
     """Every call has the OpenAI shape and arguments valid under its tool's schema."""
     assert n_min <= len(calls) <= n_max
     for call in calls:
@@ -160,7 +160,7 @@ UNKNOWN = [
 @pytest.mark.parametrize(
     "route, body, path", UNKNOWN, ids=[f"{r} {'.'.join(map(str, p))}" for r, _, p in UNKNOWN]
 )
-def test_unknown_field_is_a_400_naming_its_path(app, image_id, route, body, path) -> None:  # noqa: ANN001
+def test_unknown_field_is_a_400_naming_its_path(app, image_id, route, body, path) -> None:
     route = route.replace("IMG", image_id)
     body = json.loads(json.dumps(body).replace('"IMG"', json.dumps(image_id)))
     want = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
@@ -173,7 +173,7 @@ def test_unknown_field_is_a_400_naming_its_path(app, image_id, route, body, path
     assert "unknown" in err["message"] and "refused" in err["message"]
 
 
-def test_multipart_upload_with_another_field_is_refused(app) -> None:  # noqa: ANN001
+def test_multipart_upload_with_another_field_is_refused(app) -> None:
     from PIL import Image
 
     data = png_bytes(Image.new("RGB", (4, 4)))
@@ -227,7 +227,7 @@ def _image_chat(image_id: str, path: list, value: object) -> dict:
 
 
 @pytest.mark.parametrize("path, value", UNSUPPORTED, ids=[repr(u) for u in UNSUPPORTED])
-def test_known_field_not_acted_on_is_refused(app, image_id, path, value) -> None:  # noqa: ANN001
+def test_known_field_not_acted_on_is_refused(app, image_id, path, value) -> None:
     r = app.post("/v1/chat/completions", json=_image_chat(image_id, path, value))
     want = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
     err = assert_error(r, 400, want)
@@ -237,13 +237,13 @@ def test_known_field_not_acted_on_is_refused(app, image_id, path, value) -> None
 
 
 @pytest.mark.parametrize("path, value", DEFAULTS, ids=[repr(d) for d in DEFAULTS])
-def test_known_field_at_its_default_is_accepted(app, image_id, path, value) -> None:  # noqa: ANN001
+def test_known_field_at_its_default_is_accepted(app, image_id, path, value) -> None:
     r = app.post("/v1/chat/completions", json=_image_chat(image_id, path, value))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]
 
 
-def test_frame_fields_on_both_part_and_video_url_are_refused(app) -> None:  # noqa: ANN001
+def test_frame_fields_on_both_part_and_video_url_are_refused(app) -> None:
     part = {"type": "video_url", "video_url": {"url": "vid-0", "num_frames": 2}, "fps": 1.0}
     body = {**CHAT, "messages": [{"role": "user", "content": [part]}]}
     err = assert_error(app.post("/v1/chat/completions", json=body), 400, "one place")
@@ -251,7 +251,7 @@ def test_frame_fields_on_both_part_and_video_url_are_refused(app) -> None:  # no
 
 
 # ---- tool calling ---------------------------------------------------------------------
-def test_required_picks_among_the_tools_with_valid_arguments(client, app) -> None:  # noqa: ANN001
+def test_required_picks_among_the_tools_with_valid_arguments(client, app) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=150,
         temperature=1.0, seed=5, n=4,
@@ -274,7 +274,7 @@ def test_required_picks_among_the_tools_with_valid_arguments(client, app) -> Non
     assert_healthy(app)
 
 
-def test_named_function_plain_and_streamed_agree(client, app, image_id) -> None:  # noqa: ANN001
+def test_named_function_plain_and_streamed_agree(client, app, image_id) -> None:
     msgs = [{"role": "user", "content": [image_part(image_id), {"type": "text", "text": "Sum?"}]}]
     kw = dict(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=named("calc"), max_tokens=150)
     plain = client.chat.completions.create(temperature=0, **kw)
@@ -297,7 +297,7 @@ def test_named_function_plain_and_streamed_agree(client, app, image_id) -> None:
     assert_healthy(app)
 
 
-def test_required_streamed_with_n(client) -> None:  # noqa: ANN001
+def test_required_streamed_with_n(client) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=1000,
         temperature=1.0, seed=9, n=3, stream=True, stream_options={"include_usage": True},
@@ -327,7 +327,7 @@ def test_required_streamed_with_n(client) -> None:  # noqa: ANN001
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
-def test_tool_choice_none_answers_in_text(client) -> None:  # noqa: ANN001
+def test_tool_choice_none_answers_in_text(client) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0
     )
@@ -337,7 +337,7 @@ def test_tool_choice_none_answers_in_text(client) -> None:  # noqa: ANN001
     assert out.choices[0].finish_reason == plain.choices[0].finish_reason
 
 
-def _streamed_calls(chunks: list) -> tuple[dict[int, dict], str, str]:  # noqa: ANN001
+def _streamed_calls(chunks: list) -> tuple[dict[int, dict], str, str]:
     """``(calls by index, content, last finish reason)`` of one streamed choice."""
     calls: dict[int, dict] = {}
     for c in chunks:
@@ -355,7 +355,7 @@ def _streamed_calls(chunks: list) -> tuple[dict[int, dict], str, str]:  # noqa: 
 @pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
 def test_a_call_cut_by_max_tokens_is_a_tool_call_with_partial_arguments(
     client, tool_choice, max_tokens
-) -> None:  # noqa: ANN001
+) -> None:
     """OpenAI's answer to a cut tool call: ``tool_calls`` holding the arguments generated
     so far, finish reason "length", never the call's JSON as content; streamed the same."""
     required = tool_choice == "required"
@@ -423,7 +423,7 @@ def test_cut_calls_split_as_the_grammar_writes_them() -> None:
 
 
 @pytest.mark.parametrize("choice", [None, "auto"])
-def test_auto_tool_choice_is_refused_with_what_to_do(client, choice) -> None:  # noqa: ANN001
+def test_auto_tool_choice_is_refused_with_what_to_do(client, choice) -> None:
     kw = {} if choice is None else {"tool_choice": choice}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=2, **kw)
@@ -431,7 +431,7 @@ def test_auto_tool_choice_is_refused_with_what_to_do(client, choice) -> None:  #
     assert "required" in e.value.message and "parser" in e.value.message
 
 
-def _tool(name: str = "f", parameters: object = None, **fn) -> dict:  # noqa: ANN003
+def _tool(name: str = "f", parameters: object = None, **fn) -> dict:
     function = {"name": name, **fn}
     if parameters is not None:
         function["parameters"] = parameters
@@ -478,13 +478,13 @@ BAD_TOOLS = [
 
 
 @pytest.mark.parametrize("extra, param, words", BAD_TOOLS, ids=[b[1] for b in BAD_TOOLS])
-def test_bad_tools_are_a_400_naming_the_field(app, extra, param, words) -> None:  # noqa: ANN001
+def test_bad_tools_are_a_400_naming_the_field(app, extra, param, words) -> None:
     r = app.post("/v1/chat/completions", json={**CHAT, **extra})
     err = assert_error(r, 400, words)
     assert err["param"] == param or (err["param"] or "").startswith(param), err
 
 
-def test_tool_messages_are_refused(app) -> None:  # noqa: ANN001
+def test_tool_messages_are_refused(app) -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     msgs = [
         {"role": "user", "content": "x"},
@@ -515,7 +515,7 @@ def test_tool_messages_are_refused(app) -> None:  # noqa: ANN001
         max_size=4,
     )
 )
-def test_parse_reads_back_every_call(calls) -> None:  # noqa: ANN001
+def test_parse_reads_back_every_call(calls) -> None:
     required = ToolCalling(GuidedSpec("json_object"), None, True)
     text = json.dumps([{"name": n, "arguments": a} for n, a in calls])
     got = required.parse(text)
@@ -538,7 +538,7 @@ def test_parse_reads_back_every_call(calls) -> None:  # noqa: ANN001
     assert one.parse("[1]") is None
 
 
-def test_json_upload_still_works(app) -> None:  # noqa: ANN001
+def test_json_upload_still_works(app) -> None:
     from PIL import Image
 
     raw = png_bytes(Image.new("RGB", (5, 4), "red"))

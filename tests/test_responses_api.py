@@ -15,7 +15,7 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def client(model_dir: Path):  # noqa: ANN201
+def client(model_dir: Path):
     args = ["--served-model-name", MODEL, "--max-total-tokens", "8192"]
     with live_server(model_dir, *args) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -65,7 +65,7 @@ def test_text_input_equals_the_chat_completion(client: openai.OpenAI) -> None:
         assert resp.status == "completed"
 
 
-def test_image_input_data_url_and_upload_id_hit_the_cache(client, photos) -> None:  # noqa: ANN001
+def test_image_input_data_url_and_upload_id_hit_the_cache(client, photos) -> None:
     url = "data:image/png;base64," + base64.b64encode(photos["cat.png"]).decode()
     first = client.responses.create(
         model=MODEL, input=_image_input(url, "What is this?"), max_output_tokens=4, temperature=0
@@ -140,7 +140,7 @@ def test_text_format_json_schema_is_enforced(client: openai.OpenAI) -> None:
         ({"background": True}, "background"),
     ],
 )
-def test_unsupported_fields_are_refused_by_name(client, extra, field) -> None:  # noqa: ANN001
+def test_unsupported_fields_are_refused_by_name(client, extra, field) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **extra)
     err = exc.value.body
@@ -181,7 +181,7 @@ def test_bad_input_is_a_400_naming_the_part(client: openai.OpenAI) -> None:
         ({"type": "input_audio", "data": "x"}, "input[0].content[0].type", "'input_image'"),
     ],
 )
-def test_a_bad_part_is_blamed_on_its_own_field(client, part, param, words) -> None:  # noqa: ANN001
+def test_a_bad_part_is_blamed_on_its_own_field(client, part, param, words) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(
             model="llava-tiny", input=[{"role": "user", "content": [part]}], max_output_tokens=2

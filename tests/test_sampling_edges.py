@@ -19,7 +19,7 @@ from tests.helpers import user
         {"temperature": 2.0, "top_k": 1},
     ],
 )
-def test_degenerate_sampling_is_greedy(make_engine, kw) -> None:  # noqa: ANN001
+def test_degenerate_sampling_is_greedy(make_engine, kw) -> None:
     engine = make_engine(max_total_tokens=2048)
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     (ref,) = engine.generate([engine.processor.make_request(messages=user("Hi"), params=greedy)])

@@ -15,12 +15,12 @@ KEEP = 1234  # the one id the "all but one" bias leaves
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine(max_total_tokens=8192)
 
 
 @pytest.fixture(scope="module")
-def client(engine, tmp_path_factory):  # noqa: ANN001, ANN201
+def client(engine, tmp_path_factory):
     store = str(tmp_path_factory.mktemp("store"))
     with app_client(engine, default_max_tokens=8, image_store_dir=store) as c:
         yield c
@@ -30,15 +30,15 @@ ENDING = ChatDefaults("The end.", max_tokens=10)
 body, complete, stream = ENDING.body, ENDING.complete, ENDING.stream
 
 
-def all_but(engine, keep: int) -> dict[str, float]:  # noqa: ANN001
+def all_but(engine, keep: int) -> dict[str, float]:
     return {str(i): -100 for i in range(engine.processor.vocab_size) if i != keep}
 
 
-def forced_text(engine, tok: int, n: int) -> str:  # noqa: ANN001
+def forced_text(engine, tok: int, n: int) -> str:
     return engine.model.tokenizer.decode([tok] * n, skip_special_tokens=True)
 
 
-def test_logit_bias_forces_tokens_on_chat(client, engine) -> None:  # noqa: ANN001
+def test_logit_bias_forces_tokens_on_chat(client, engine) -> None:
     want = forced_text(engine, KEEP, 10)
     plain = complete(client)["choices"][0]["message"]["content"]
     assert plain != want
@@ -71,7 +71,7 @@ SETS = {
 
 
 @pytest.mark.parametrize("name", sorted(SETS))
-def test_streamed_equals_plain(client, name: str) -> None:  # noqa: ANN001
+def test_streamed_equals_plain(client, name: str) -> None:
     kw = {"logprobs": True, "top_logprobs": 2, "max_tokens": 12, **SETS[name]}
     plain = complete(client, **kw)["choices"][0]
     chunks = stream(client, **kw)
@@ -89,7 +89,7 @@ def test_streamed_equals_plain(client, name: str) -> None:  # noqa: ANN001
         assert plain["logprobs"]["content"][-1]["token"] == "</s>"
 
 
-def test_n_choices_equal_requests_alone(client) -> None:  # noqa: ANN001
+def test_n_choices_equal_requests_alone(client) -> None:
     kw = {"temperature": 1.0, "seed": 5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
     both = complete(client, n=2, **kw)["choices"]
     for i in range(2):
@@ -97,7 +97,7 @@ def test_n_choices_equal_requests_alone(client) -> None:  # noqa: ANN001
         assert both[i]["message"]["content"] == alone["message"]["content"]
 
 
-def test_ask_applies_the_fields_batched_as_alone(client, engine, photos) -> None:  # noqa: ANN001
+def test_ask_applies_the_fields_batched_as_alone(client, engine, photos) -> None:
     r = client.post("/v1/images", files={"file": ("c.png", photos["cat.png"])})
     image_id = r.json()["id"]
     questions = ["What is this?", "The end.", "Is it a cat?"]
@@ -123,7 +123,7 @@ def test_ask_applies_the_fields_batched_as_alone(client, engine, photos) -> None
     assert [a["answer"] for a in r.json()["answers"]] == [forced_text(engine, KEEP, 5)] * 3
 
 
-def test_video_qa_applies_the_fields(client, engine) -> None:  # noqa: ANN001
+def test_video_qa_applies_the_fields(client, engine) -> None:
     pytest.importorskip("decord")
     from tests.videos import encode_mp4, rgb_frames
 
@@ -140,7 +140,7 @@ def test_video_qa_applies_the_fields(client, engine) -> None:  # noqa: ANN001
     assert_error(r, 400, "min_tokens")
 
 
-def test_min_tokens_raises_the_default_max_tokens(client, engine) -> None:  # noqa: ANN001
+def test_min_tokens_raises_the_default_max_tokens(client, engine) -> None:
     eos = str(engine.model.eos_token_ids[0])
     kw = {"max_tokens": None, "logit_bias": {eos: 100}}
     out = complete(client, **kw)
@@ -188,7 +188,7 @@ BAD = [
 
 
 @pytest.mark.parametrize(("extra", "field"), BAD, ids=[str(b[0]) for b in BAD])
-def test_bad_values_are_400s_naming_the_field(client, photos, extra: dict, field: str) -> None:  # noqa: ANN001
+def test_bad_values_are_400s_naming_the_field(client, photos, extra: dict, field: str) -> None:
     for stream_ in (False, True):
         r = client.post("/v1/chat/completions", json=body(stream=stream_, **extra))
         err = assert_error(r, 400, field)
@@ -198,7 +198,7 @@ def test_bad_values_are_400s_naming_the_field(client, photos, extra: dict, field
     assert assert_error(r, 400, field)["param"].startswith(field)
 
 
-def test_server_stays_healthy_after_every_bad_value(client) -> None:  # noqa: ANN001
+def test_server_stays_healthy_after_every_bad_value(client) -> None:
     for extra, field in BAD:
         for stream_ in (False, True):
             r = client.post("/v1/chat/completions", json=body(stream=stream_, **extra))

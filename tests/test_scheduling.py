@@ -17,37 +17,37 @@ from tests.helpers import QUESTIONS, assert_same_generation, greedy, run_workloa
 
 
 @pytest.fixture(scope="module")
-def imgs(make_engine, photos):  # noqa: ANN001, ANN201
+def imgs(make_engine, photos):
     eng = make_engine()
     return [eng.processor.prepare_image(b) for b in photos.values()]
 
 
 @pytest.fixture(scope="module")
-def baseline(make_engine, imgs):  # noqa: ANN001, ANN201
+def baseline(make_engine, imgs):
     _, res = run_workload(make_engine, workload(imgs), disable_radix_cache=True)
     return res
 
 
-def same(results, base, what: str) -> None:  # noqa: ANN001
+def same(results, base, what: str) -> None:
     for k, (a, b) in enumerate(zip(results, base, strict=True)):
         assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, f"{what} #{k}")
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs", "random"])
-def test_every_policy_gives_the_same_outputs(make_engine, imgs, baseline, policy) -> None:  # noqa: ANN001
+def test_every_policy_gives_the_same_outputs(make_engine, imgs, baseline, policy) -> None:
     eng, res = run_workload(make_engine, workload(imgs), policy=policy)
     same(res, baseline, policy)
     assert sum(r.cached_tokens for r in res) > 0
 
 
-def test_chunked_prefill_same_outputs(make_engine, imgs, baseline) -> None:  # noqa: ANN001
+def test_chunked_prefill_same_outputs(make_engine, imgs, baseline) -> None:
     eng, res = run_workload(make_engine, workload(imgs), max_prefill_tokens=100, page_size=4)
     same(res, baseline, "chunked")
     # a 576-token image needs several 100-token chunks, so more prefill steps than requests
     assert eng.stats.prefill_steps > len(res)
 
 
-def test_chunks_avoid_splitting_an_image_when_they_can(make_engine, imgs) -> None:  # noqa: ANN001
+def test_chunks_avoid_splitting_an_image_when_they_can(make_engine, imgs) -> None:
     eng = make_engine()
     msg = eng.processor.make_request(messages=user("Look:", None, "What?"), images=[imgs[0]])
     req = eng.request_state(msg)
@@ -59,7 +59,7 @@ def test_chunks_avoid_splitting_an_image_when_they_can(make_engine, imgs) -> Non
     assert eng.scheduler._chunk(req, span.start, 100) == 100
 
 
-def test_retraction_resumes_with_identical_output(make_engine, imgs) -> None:  # noqa: ANN001
+def test_retraction_resumes_with_identical_output(make_engine, imgs) -> None:
     cases = [(user(None, QUESTIONS[k % 3] + f" {k}"), [imgs[k % 4]]) for k in range(12)]
     _, base = run_workload(make_engine, cases, max_tokens=24, disable_radix_cache=True)
     # reserve nothing for decode and leave little room: decode must run out and retract
@@ -78,7 +78,7 @@ def test_retraction_resumes_with_identical_output(make_engine, imgs) -> None:  #
     assert acc["running"] == 0
 
 
-def test_retraction_keeps_seeded_sampling(make_engine, imgs) -> None:  # noqa: ANN001
+def test_retraction_keeps_seeded_sampling(make_engine, imgs) -> None:
     def params(k: int) -> SamplingParams:
         return SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=k, ignore_eos=True)
 
@@ -99,7 +99,7 @@ def test_retraction_keeps_seeded_sampling(make_engine, imgs) -> None:  # noqa: A
     assert outs[0] == outs[1]
 
 
-def _item(arrival: float, length: int, node=None, priority: int = 0):  # noqa: ANN001, ANN202
+def _item(arrival: float, length: int, node=None, priority: int = 0):
     return (
         SimpleNamespace(arrival=arrival, priority=priority),
         SimpleNamespace(length=length, last_node=node),
@@ -153,12 +153,12 @@ def test_random_policy_is_a_seeded_permutation() -> None:
     assert [i[0].arrival for i in one] != [float(k) for k in range(8)]
 
 
-def test_unknown_policy_is_refused(make_engine) -> None:  # noqa: ANN001
+def test_unknown_policy_is_refused(make_engine) -> None:
     with pytest.raises(ValueError, match="unknown policy 'sjf'"):
         make_engine(policy="sjf")
 
 
-def test_running_limit_queues_without_changing_outputs(make_engine, imgs, baseline) -> None:  # noqa: ANN001
+def test_running_limit_queues_without_changing_outputs(make_engine, imgs, baseline) -> None:
     eng, res = run_workload(make_engine, workload(imgs), max_running_requests=2)
     same(res, baseline, "max_running_requests=2")
     # at most two decode together: (6 - 1) decode steps per pair of requests
@@ -183,7 +183,7 @@ def test_interactive_requests_go_before_background_ones() -> None:
     assert [it[0].arrival for it in got] == [0.0, 3.0, 2.0, 1.0]
 
 
-def _tree_items(draw_items: list[tuple[int, int, int]]):  # noqa: ANN202
+def _tree_items(draw_items: list[tuple[int, int, int]]):
     """Waiting items over a small radix tree: ``(path, priority, arrival)`` each."""
     tree = RadixCache(1, lambda pages: None)
     paths = [[1, 2, 3], [1, 2, 4], [1, 5], [7, 8], []]
@@ -208,7 +208,7 @@ def _tree_items(draw_items: list[tuple[int, int, int]]):  # noqa: ANN202
     st.integers(1, 60),
     st.booleans(),
 )
-def test_order_waiting_priority_classes_property(raw, policy, max_wait, cache_on) -> None:  # noqa: ANN001
+def test_order_waiting_priority_classes_property(raw, policy, max_wait, cache_on) -> None:
     items = _tree_items(raw)
     now = 50.0
     got = order_waiting(items, policy, now, float(max_wait), random.Random(1), cache_on)
@@ -230,11 +230,11 @@ def test_order_waiting_priority_classes_property(raw, policy, max_wait, cache_on
             assert mine == want
 
 
-def test_interactive_request_is_admitted_before_waiting_background_ones(make_engine, imgs) -> None:  # noqa: ANN001
+def test_interactive_request_is_admitted_before_waiting_background_ones(make_engine, imgs) -> None:
     eng = make_engine(max_running_requests=2)
     proc = eng.processor
 
-    def msg(k: int, priority: int):  # noqa: ANN202
+    def msg(k: int, priority: int):
         m = proc.make_request(
             messages=user(None, QUESTIONS[k % 3] + f" {k}"), images=[imgs[k % 4]], params=greedy(6)
         )
@@ -266,7 +266,7 @@ def test_interactive_request_is_admitted_before_waiting_background_ones(make_eng
     eng.scheduler.check_accounting()
 
 
-def test_decode_retracts_background_before_interactive(make_engine, imgs) -> None:  # noqa: ANN001
+def test_decode_retracts_background_before_interactive(make_engine, imgs) -> None:
     # the retraction setting of test_retraction_resumes_with_identical_output, with the
     # oldest half interactive: retraction takes background requests while any is active
     cases = [(user(None, QUESTIONS[k % 3] + f" {k}"), [imgs[k % 4]]) for k in range(12)]
@@ -279,7 +279,7 @@ def test_decode_retracts_background_before_interactive(make_engine, imgs) -> Non
     retracted = []
     orig = eng.scheduler.retract
 
-    def spy(req) -> None:  # noqa: ANN001
+    def spy(req) -> None:
         retracted.append((req.priority, {r.priority for r in eng.scheduler.active()}))
         orig(req)
 
@@ -293,7 +293,7 @@ def test_decode_retracts_background_before_interactive(make_engine, imgs) -> Non
     eng.scheduler.check_accounting()
 
 
-def test_background_prompts_prefill_in_small_chunks(make_engine, imgs) -> None:  # noqa: ANN001
+def test_background_prompts_prefill_in_small_chunks(make_engine, imgs) -> None:
     cases = [(user(None, QUESTIONS[k] + f" {k}"), [imgs[k]]) for k in range(3)]
     _, base = run_workload(make_engine, cases, max_tokens=6)
     eng = make_engine(background_prefill_tokens=100)
@@ -305,7 +305,7 @@ def test_background_prompts_prefill_in_small_chunks(make_engine, imgs) -> None: 
     chunks: dict[str, list[int]] = {}
     orig = eng.scheduler.schedule_prefill
 
-    def spy(budget=None):  # noqa: ANN001, ANN202
+    def spy(budget=None):
         batch = orig(budget)
         background = sum(n for r, n in batch if r.priority == BACKGROUND)
         assert background <= 100  # the step's background share, all requests together

@@ -24,7 +24,7 @@ from tests.live_server import live_server
 
 
 @pytest.fixture(scope="module")
-def server_url(model_dir: Path):  # noqa: ANN201
+def server_url(model_dir: Path):
     with live_server(model_dir) as url:
         yield url
 

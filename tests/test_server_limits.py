@@ -20,7 +20,7 @@ LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path):  # noqa: ANN201
+def server(model_dir: Path):
     args = [
         "--served-model-name",
         MODEL,

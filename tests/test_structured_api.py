@@ -49,19 +49,19 @@ def json_schema(schema: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine(max_total_tokens=32768)
 
 
 @pytest.fixture(scope="module")
-def client(engine):  # noqa: ANN001, ANN201
+def client(engine):
     settings = ServerSettings(served_model_name=MODEL, max_video_frames=16, max_n=8)
     with TestClient(create_app(engine, settings)) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def image_ids(client, photos) -> list[str]:  # noqa: ANN001
+def image_ids(client, photos) -> list[str]:
     ids = []
     for name in ("cat.png", "rocket.jpg", "astronaut.png"):
         r = client.post("/v1/images", files={"file": (name, photos[name])})
@@ -70,7 +70,7 @@ def image_ids(client, photos) -> list[str]:  # noqa: ANN001
     return ids
 
 
-def chat(image_id: str | None, question: str, **kw) -> dict:  # noqa: ANN003
+def chat(image_id: str | None, question: str, **kw) -> dict:
     content: list[dict] = [{"type": "text", "text": question}]
     if image_id is not None:
         content.insert(0, {"type": "image_url", "image_url": {"url": image_id}})
@@ -89,14 +89,14 @@ def post(client: TestClient, body: dict) -> dict:
     return r.json()
 
 
-def assert_healthy(client: TestClient, engine) -> None:  # noqa: ANN001
+def assert_healthy(client: TestClient, engine) -> None:
     assert client.get("/health").status_code == 200
     stats = client.get("/v1/cache/stats").json()
     assert stats["running_requests"] == stats["waiting_requests"] == 0
     engine.check_accounting()
 
 
-def test_json_schema_with_n_seed_logprobs_and_stop(client, image_ids) -> None:  # noqa: ANN001
+def test_json_schema_with_n_seed_logprobs_and_stop(client, image_ids) -> None:
     body = chat(
         image_ids[0],
         "Describe it.",
@@ -132,7 +132,7 @@ def test_json_schema_with_n_seed_logprobs_and_stop(client, image_ids) -> None:  
     assert "main_colour" not in cut["choices"][0]["message"]["content"]
 
 
-def test_streamed_constrained_text_equals_the_non_streamed(client, image_ids) -> None:  # noqa: ANN001
+def test_streamed_constrained_text_equals_the_non_streamed(client, image_ids) -> None:
     body = chat(image_ids[1], "Where is the box?", response_format=json_schema(BOX))
     whole = post(client, body)["choices"][0]["message"]["content"]
     with client.stream(
@@ -159,7 +159,7 @@ def test_streamed_constrained_text_equals_the_non_streamed(client, image_ids) ->
     assert bytes(b for lp in streamed_lps for b in lp["bytes"]) == text.encode()
 
 
-def test_json_object_regex_choice_and_grammar(client, image_ids) -> None:  # noqa: ANN001
+def test_json_object_regex_choice_and_grammar(client, image_ids) -> None:
     obj = post(
         client,
         chat(image_ids[2], "JSON please.", response_format={"type": "json_object"}, max_tokens=60),
@@ -185,7 +185,7 @@ def test_json_object_regex_choice_and_grammar(client, image_ids) -> None:  # noq
     assert out["choices"][0]["finish_reason"] == "length"  # "text" is no constraint
 
 
-def test_ask_and_video_qa_with_response_format(client, engine, image_ids) -> None:  # noqa: ANN001
+def test_ask_and_video_qa_with_response_format(client, engine, image_ids) -> None:
     r = client.post(
         f"/v1/images/{image_ids[0]}/ask",
         json={
@@ -250,7 +250,7 @@ BAD = [
 
 
 @pytest.mark.parametrize(("fields", "named"), BAD)
-def test_refusals_name_the_problem(client, engine, image_ids, fields: dict, named: str) -> None:  # noqa: ANN001
+def test_refusals_name_the_problem(client, engine, image_ids, fields: dict, named: str) -> None:
     r = client.post("/v1/chat/completions", json=chat(image_ids[0], "Hi", **fields))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -259,7 +259,7 @@ def test_refusals_name_the_problem(client, engine, image_ids, fields: dict, name
     assert_healthy(client, engine)
 
 
-def test_refusals_on_ask_and_qa(client, engine, image_ids) -> None:  # noqa: ANN001
+def test_refusals_on_ask_and_qa(client, engine, image_ids) -> None:
     bad = {"response_format": json_schema({"type": "integer", "not": {"const": 1}})}
     r = client.post(f"/v1/images/{image_ids[0]}/ask", json={"questions": ["a"], **bad})
     assert r.status_code == 400 and "'not'" in r.json()["error"]["message"]
@@ -270,7 +270,7 @@ def test_refusals_on_ask_and_qa(client, engine, image_ids) -> None:  # noqa: ANN
     assert_healthy(client, engine)
 
 
-def test_32_concurrent_clients_mixing_constrained_and_free(client, engine, image_ids) -> None:  # noqa: ANN001
+def test_32_concurrent_clients_mixing_constrained_and_free(client, engine, image_ids) -> None:
     questions = ["What is it?", "Describe it.", "Where?", "Colours?"]
     jobs = []
     for c in range(32):

@@ -292,16 +292,16 @@ LONG_KEYS = SCHEMAS[7]
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine(max_total_tokens=16384)
 
 
 @pytest.fixture(scope="module")
-def images(engine, photos):  # noqa: ANN001, ANN201
+def images(engine, photos):
     return [engine.processor.prepare_image(photos[name]) for name in IMAGES]
 
 
-def ask(engine, image, spec: GuidedSpec, question: str = "Describe the photo as JSON.", **kw):  # noqa: ANN001, ANN201
+def ask(engine, image, spec: GuidedSpec, question: str = "Describe the photo as JSON.", **kw):
     kw.setdefault("max_tokens", 400)
     params = SamplingParams(guided=spec, **kw)
     return engine.processor.make_request(
@@ -313,7 +313,7 @@ def validate(text: str, schema: dict) -> None:
     jsonschema.validate(json.loads(text), schema, format_checker=FORMATS)
 
 
-def test_twenty_schemas_validate_greedy_and_sampled(engine, images) -> None:  # noqa: ANN001
+def test_twenty_schemas_validate_greedy_and_sampled(engine, images) -> None:
     reqs, which = [], []
     for si, schema in enumerate(SCHEMAS):
         for ii, image in enumerate(images):
@@ -337,7 +337,7 @@ GRAMMAR = """root ::= "The answer is " answer "."
 answer ::= "yes" | "no" | [0-9] [0-9]?"""
 
 
-def test_regex_choice_and_grammar_outputs_match(engine, images) -> None:  # noqa: ANN001
+def test_regex_choice_and_grammar_outputs_match(engine, images) -> None:
     cases = [(GuidedSpec("regex", rx), lambda t, rx=rx: re.fullmatch(rx, t)) for rx in REGEXES]
     cases += [(GuidedSpec.choice(c), lambda t, c=c: t in c) for c in CHOICES]
     grammar_re = r"The answer is (yes|no|[0-9][0-9]?)\."
@@ -356,7 +356,7 @@ def test_regex_choice_and_grammar_outputs_match(engine, images) -> None:  # noqa
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_cache_on_and_off_give_the_same_constrained_outputs(
     make_engine, photos, page_size: int
-) -> None:  # noqa: ANN001
+) -> None:
     outs = {}
     for off in (False, True):
         eng = make_engine(max_total_tokens=16384, disable_radix_cache=off, page_size=page_size)
@@ -371,7 +371,7 @@ def test_cache_on_and_off_give_the_same_constrained_outputs(
     assert outs[False] == outs[True]
 
 
-def test_jump_forward_saves_decode_steps_on_long_keys(make_engine, photos) -> None:  # noqa: ANN001
+def test_jump_forward_saves_decode_steps_on_long_keys(make_engine, photos) -> None:
     steps, texts = {}, {}
     for disabled in (True, False):
         eng = make_engine(max_total_tokens=16384, disable_jump_forward=disabled)
@@ -387,7 +387,7 @@ def test_jump_forward_saves_decode_steps_on_long_keys(make_engine, photos) -> No
     assert steps[False] <= 0.7 * steps[True], steps
 
 
-def test_jumped_tokens_logprobs_and_retokenized_boundary(engine, images) -> None:  # noqa: ANN001
+def test_jumped_tokens_logprobs_and_retokenized_boundary(engine, images) -> None:
     spec = GuidedSpec.json_schema(LONG_KEYS)
     req = ask(engine, images[1], spec, temperature=0.0, logprobs=3)
     (r,) = engine.generate([req])
@@ -400,7 +400,7 @@ def test_jumped_tokens_logprobs_and_retokenized_boundary(engine, images) -> None
         assert all(v > float("-inf") for _, v in lp.top)  # after the mask: allowed tokens only
 
 
-def test_retokenized_boundary_gives_the_tokenizers_own_tokens(engine, images) -> None:  # noqa: ANN001
+def test_retokenized_boundary_gives_the_tokenizers_own_tokens(engine, images) -> None:
     # A one-element choice: the model samples some prefix of it as the first token, the
     # rest is one jump; re-tokenizing at the boundary must give exactly the tokenizer's
     # tokens of the whole string (the end-of-sequence token it forces after them is not
@@ -419,7 +419,7 @@ def test_retokenized_boundary_gives_the_tokenizers_own_tokens(engine, images) ->
     assert engine.guided.stats.retokenized > before  # some first token was not the tokenizer's
 
 
-def test_max_tokens_stop_strings_and_ignore_eos_with_jumps(engine, images) -> None:  # noqa: ANN001
+def test_max_tokens_stop_strings_and_ignore_eos_with_jumps(engine, images) -> None:
     spec = GuidedSpec.json_schema(LONG_KEYS)
     short = ask(engine, images[0], spec, max_tokens=5)
     stopped = ask(engine, images[0], spec, stop=["dominant"])
@@ -432,8 +432,8 @@ def test_max_tokens_stop_strings_and_ignore_eos_with_jumps(engine, images) -> No
     validate(no_eos.text, LONG_KEYS)
 
 
-def test_retraction_while_jumping_keeps_outputs(make_engine, photos) -> None:  # noqa: ANN001
-    def run(**kw):  # noqa: ANN003, ANN202
+def test_retraction_while_jumping_keeps_outputs(make_engine, photos) -> None:
+    def run(**kw):
         eng = make_engine(**kw)
         image = eng.processor.prepare_image(photos["rocket.jpg"])
         reqs = [
@@ -450,7 +450,7 @@ def test_retraction_while_jumping_keeps_outputs(make_engine, photos) -> None:  #
     assert out == roomy
 
 
-def test_mask_unpacking_matches_xgrammar(engine) -> None:  # noqa: ANN001
+def test_mask_unpacking_matches_xgrammar(engine) -> None:
     spec = GuidedSpec.json_schema(SCHEMAS[4])
     state = engine.processor.grammars.state(spec)
     vocab = engine.model.decoder.shape.vocab_size
@@ -464,7 +464,7 @@ def test_mask_unpacking_matches_xgrammar(engine) -> None:  # noqa: ANN001
     assert 0 < int(got.sum()) < vocab
 
 
-def test_special_and_control_tokens_are_never_allowed(engine) -> None:  # noqa: ANN001
+def test_special_and_control_tokens_are_never_allowed(engine) -> None:
     tok = engine.model.tokenizer
     vocab = engine.model.decoder.shape.vocab_size
     specials = set(tok.all_special_ids) - set(engine.model.eos_token_ids)
@@ -482,7 +482,7 @@ def test_special_and_control_tokens_are_never_allowed(engine) -> None:  # noqa: 
         assert bool(allowed & set(control)) == (spec.kind == "regex")  # JSON: escaped only
 
 
-def test_no_utf8_surrogates_after_a_lone_lead_byte(engine, images) -> None:  # noqa: ANN001
+def test_no_utf8_surrogates_after_a_lone_lead_byte(engine, images) -> None:
     # xgrammar accepts 0xed 0xa0-0xbf (a UTF-8-encoded surrogate: three U+FFFD once
     # decoded, over maxLength); the engine's second-byte rule forbids it
     vocab = engine.processor.grammars.vocab_bytes()
@@ -501,7 +501,7 @@ def test_no_utf8_surrogates_after_a_lone_lead_byte(engine, images) -> None:  # n
     assert engine.guided._unpack(bitmask, rows.shape[1])[0, ids[b"\xae"]]  # xgrammar allows it
 
 
-def test_grammar_cache_compiles_once_per_spec_and_is_bounded(loaded) -> None:  # noqa: ANN001
+def test_grammar_cache_compiles_once_per_spec_and_is_bounded(loaded) -> None:
     cache = GrammarCache(loaded, capacity=3)
     specs = [GuidedSpec.json_schema(s) for s in SCHEMAS[:5]]
     for _ in range(3):
@@ -596,7 +596,7 @@ def test_xgrammar_pins_and_install_lines() -> None:
 
 
 @pytest.mark.parametrize("jump", [True, False])
-def test_forced_text_that_ends_inside_a_utf8_character(make_engine, photos, jump) -> None:  # noqa: ANN001
+def test_forced_text_that_ends_inside_a_utf8_character(make_engine, photos, jump) -> None:
     # found by the API fuzzer: xgrammar raises UnicodeDecodeError when the forced bytes
     # stop mid-character (after the first byte token of "é"); no jump there, no error
     eng = make_engine(disable_jump_forward=not jump)
@@ -615,7 +615,7 @@ def test_forced_text_that_ends_inside_a_utf8_character(make_engine, photos, jump
 
 
 @pytest.mark.parametrize("jump", [True, False])
-def test_forced_end_of_sequence_is_not_an_answer_token(make_engine, photos, jump) -> None:  # noqa: ANN001
+def test_forced_end_of_sequence_is_not_an_answer_token(make_engine, photos, jump) -> None:
     # Where the grammar allows nothing but end-of-sequence, that token is the grammar's,
     # not the model's: appended by jump-forward before, sampled under the mask token by
     # token; either way it must not be an output token (nor a logprob, nor counted).

@@ -36,7 +36,7 @@ def _shape(h: int = 8, hkv: int = 2, inter: int = 64, vocab: int = 101) -> Llama
     return LlamaShape(vocab, 32, inter, 2, h, hkv, 4, 1e-6, 1e4, 128)
 
 
-def _assert_equal_runs(ours, ref, what: str, same_cache: bool = True) -> None:  # noqa: ANN001
+def _assert_equal_runs(ours, ref, what: str, same_cache: bool = True) -> None:
     for k, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert a.output_ids == b.output_ids, f"{what} #{k}: {a.output_ids} != {b.output_ids}"
         assert a.finish_reason == b.finish_reason
@@ -49,7 +49,7 @@ def _assert_equal_runs(ours, ref, what: str, same_cache: bool = True) -> None:  
             assert diff <= tol, f"{what} #{k} step {step}: logits differ by {diff} > {tol}"
 
 
-def _requests(eng, imgs, guided: bool = True) -> list:  # noqa: ANN001
+def _requests(eng, imgs, guided: bool = True) -> list:
     """Images shared across requests (cache hits), history, text only, sampled
     requests with seeds (as ``n`` > 1 makes them) and one structured-output request."""
     reqs = [
@@ -69,14 +69,14 @@ def _requests(eng, imgs, guided: bool = True) -> list:  # noqa: ANN001
     return reqs
 
 
-def _layer_bytes(decoder) -> int:  # noqa: ANN001
+def _layer_bytes(decoder) -> int:
     return sum(p.numel() * p.element_size() for p in decoder.layers.parameters())
 
 
 # ---- start-up refusals ------------------------------------------------------------
 
 
-def test_check_tp_refuses_what_cannot_be_split(monkeypatch) -> None:  # noqa: ANN001
+def test_check_tp_refuses_what_cannot_be_split(monkeypatch) -> None:
     check_tp(_shape(), 8)  # 8 query heads, K/V heads 2 replicated 4 times
     check_tp(_shape(), 2)
     with pytest.raises(ValueError, match="does not divide the model's 8 query heads"):
@@ -92,7 +92,7 @@ def test_check_tp_refuses_what_cannot_be_split(monkeypatch) -> None:  # noqa: AN
         EngineConfig(tp=0).validate()
 
 
-def test_serve_refuses_a_tp_that_does_not_divide_the_heads(model_dir, capsys) -> None:  # noqa: ANN001
+def test_serve_refuses_a_tp_that_does_not_divide_the_heads(model_dir, capsys) -> None:
     before = set(child_pids(os.getpid()))
     assert main(["serve", *ANY_PORT, "--model", str(model_dir), "--tp", "3"]) == 2
     err = capsys.readouterr().err
@@ -124,7 +124,7 @@ def test_layout_slices_tile_every_weight(world: int) -> None:
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_tp2_equals_tp1_per_family(family: str, families, photos) -> None:  # noqa: ANN001
+def test_tp2_equals_tp1_per_family(family: str, families, photos) -> None:
     model_dir = families[family].model_dir
     one = families[family].make_engine()
     imgs = [one.processor.prepare_image(b) for b in list(photos.values())[:3]]
@@ -151,7 +151,7 @@ def test_tp2_splits_kv_heads_of_the_small_checkpoint(small_model_dir: Path) -> N
     # the tiny checkpoints have one K/V head (replicated); the small one has two (split)
     prompts = ["Once upon a time", "The capital of France is", "List three colours:"]
 
-    def run(eng):  # noqa: ANN001, ANN202
+    def run(eng):
         mk = eng.processor.make_request
         return eng.generate([mk(prompt=p, params=greedy(8)) for p in prompts])
 
@@ -163,7 +163,7 @@ def test_tp2_splits_kv_heads_of_the_small_checkpoint(small_model_dir: Path) -> N
     _assert_equal_runs(res, ref, "small tp2 vs tp1")
 
 
-def test_tp2_cache_on_equals_cache_off(model_dir, make_engine, photos) -> None:  # noqa: ANN001
+def test_tp2_cache_on_equals_cache_off(model_dir, make_engine, photos) -> None:
     imgs = [make_engine().processor.prepare_image(b) for b in list(photos.values())[:3]]
     runs = []
     for cfg in ({"page_size": 1}, {"disable_radix_cache": True, "page_size": 16}):
@@ -178,7 +178,7 @@ def test_tp2_cache_on_equals_cache_off(model_dir, make_engine, photos) -> None: 
 # ---- faults -------------------------------------------------------------------------
 
 
-def test_worker_killed_mid_request_fails_it_and_leaves_no_process(model_dir) -> None:  # noqa: ANN001
+def test_worker_killed_mid_request_fails_it_and_leaves_no_process(model_dir) -> None:
     with tp_engine(model_dir, tp_timeout_seconds=30) as eng:
         pids = eng.model.decoder.group.pids
         cols = [
@@ -204,7 +204,7 @@ def test_worker_killed_mid_request_fails_it_and_leaves_no_process(model_dir) -> 
     assert wait_gone(pids, 10) == []
 
 
-def _open_stream_until_text(url: str, body: dict):  # noqa: ANN202
+def _open_stream_until_text(url: str, body: dict):
     """POST a streaming chat completion; return the response once a chunk with text
     arrived (the request is generating)."""
     req = urllib.request.Request(
@@ -265,7 +265,7 @@ def test_server_tp2_answers_then_a_dead_rank_ends_it_cleanly(model_dir: Path) ->
     assert wait_gone(everyone, 10) == []
 
 
-def test_a_hung_worker_times_out_and_is_killed(model_dir) -> None:  # noqa: ANN001
+def test_a_hung_worker_times_out_and_is_killed(model_dir) -> None:
     with tp_engine(model_dir, tp_timeout_seconds=3) as eng:
         pid = eng.model.decoder.group.pids[0]
         os.kill(pid, signal.SIGSTOP)  # alive but never answers

@@ -22,13 +22,13 @@ SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[Heal
 
 
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
-def tok(request, families):  # noqa: ANN001, ANN201
+def tok(request, families):
     """Each family's tiny tokenizer: llava (byte-level BPE), next (SentencePiece with byte
     fallback), onevision (Qwen2-style byte-level BPE)."""
     return AutoTokenizer.from_pretrained(families[request.param].model_dir)
 
 
-def sentencepiece_variants(next_model_dir):  # noqa: ANN001, ANN201
+def sentencepiece_variants(next_model_dir):
     """The SentencePiece tokenizer with the other decoders real Llama-family checkpoints
     carry: no Strip (Gemma-like: the first word keeps its space), and a Metaspace decoder
     (older Llama conversions)."""
@@ -44,7 +44,7 @@ def sentencepiece_variants(next_model_dir):  # noqa: ANN001, ANN201
     return [no_strip, metaspace]
 
 
-def lossy_text(tok, table: TokenBytes, ids: list[int]) -> str:  # noqa: ANN001
+def lossy_text(tok, table: TokenBytes, ids: list[int]) -> str:
     """The text the tokenizer's decoder makes of the raw bytes (the reference model):
     byte-level BPE replaces invalid UTF-8 as Python's ``errors="replace"`` does; the
     SentencePiece ByteFallback decoder turns a run of byte tokens that is not valid UTF-8
@@ -75,7 +75,7 @@ def _run_text(run: bytes) -> str:
 
 @SETTINGS
 @given(text=st.text(ALPHABET, max_size=40), specials=st.booleans())
-def test_bytes_of_encoded_text_join_to_its_decoding(tok, text: str, specials: bool) -> None:  # noqa: ANN001
+def test_bytes_of_encoded_text_join_to_its_decoding(tok, text: str, specials: bool) -> None:
     table = token_bytes(tok)
     ids = tok.encode(text, add_special_tokens=specials)
     parts = table.text_bytes(ids)
@@ -86,7 +86,7 @@ def test_bytes_of_encoded_text_join_to_its_decoding(tok, text: str, specials: bo
 
 @SETTINGS
 @given(data=st.data())
-def test_bytes_of_any_ids_give_the_decoders_text(tok, data) -> None:  # noqa: ANN001
+def test_bytes_of_any_ids_give_the_decoders_text(tok, data) -> None:
     # any id sequence, invalid UTF-8 included: the decoder's text is the raw bytes with
     # its own replacement rule, so no byte was lost or invented
     table = token_bytes(tok)
@@ -100,7 +100,7 @@ def test_bytes_of_any_ids_give_the_decoders_text(tok, data) -> None:  # noqa: AN
     assert lossy_text(tok, table, ids) == tok.decode(ids, skip_special_tokens=True)
 
 
-def test_other_sentencepiece_decoders(families) -> None:  # noqa: ANN001
+def test_other_sentencepiece_decoders(families) -> None:
     for tok in sentencepiece_variants(families["llava-next"].model_dir):
         table = TokenBytes(tok)
         for text in ["北京 hello 😀 world", " two  spaces", "é", "a\nb"]:
@@ -109,7 +109,7 @@ def test_other_sentencepiece_decoders(families) -> None:  # noqa: ANN001
             assert b"".join(table.text_bytes(ids)) == want, (tok.backend_tokenizer.decoder, text)
 
 
-def test_known_tokens(families) -> None:  # noqa: ANN001
+def test_known_tokens(families) -> None:
     sp = AutoTokenizer.from_pretrained(families["llava-next"].model_dir)
     table = token_bytes(sp)
     assert token_bytes(sp) is table  # built once per tokenizer
@@ -142,7 +142,7 @@ class WithoutRustDecoder:
     """``tok`` seen as a tokenizer without a ``tokenizers`` backend (a Python one): only
     token strings, ``decode`` and the added tokens."""
 
-    def __init__(self, tok) -> None:  # noqa: ANN001
+    def __init__(self, tok) -> None:
         self._tok = tok
         self.added_tokens_decoder = tok.added_tokens_decoder
 
@@ -156,7 +156,7 @@ class WithoutRustDecoder:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def test_token_strings_alone_give_the_same_table(tok) -> None:  # noqa: ANN001
+def test_token_strings_alone_give_the_same_table(tok) -> None:
     # without a Rust decoder to read, the kind (byte-level or SentencePiece) is judged
     # from the token strings; the table must come out the same
     fast, slow = token_bytes(tok), TokenBytes(WithoutRustDecoder(tok))

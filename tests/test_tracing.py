@@ -24,7 +24,7 @@ CHAT = ChatDefaults(max_tokens=4)
 
 
 @pytest.fixture()
-def traced(make_engine):  # noqa: ANN001, ANN201
+def traced(make_engine):
     """``(client, exporter)``: an app whose spans go to ``exporter``."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -57,7 +57,7 @@ def engine_spans(spans: tuple, request: ReadableSpan) -> dict[str, ReadableSpan]
     return {s.name: s for s in kids}
 
 
-def test_chat_spans_names_parents_attributes_and_times(traced, photos) -> None:  # noqa: ANN001
+def test_chat_spans_names_parents_attributes_and_times(traced, photos) -> None:
     client, exporter = traced
     image_id = upload(client, photos["cat.png"]).json()["id"]
     content = [image_part(image_id), {"type": "text", "text": "What is it?"}]
@@ -114,7 +114,7 @@ def test_chat_spans_names_parents_attributes_and_times(traced, photos) -> None: 
     assert outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576
 
 
-def test_traceparent_is_honoured(traced) -> None:  # noqa: ANN001
+def test_traceparent_is_honoured(traced) -> None:
     client, exporter = traced
     trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     headers = {"traceparent": f"00-{trace_id}-{span_id}-01"}
@@ -134,7 +134,7 @@ def test_traceparent_is_honoured(traced) -> None:  # noqa: ANN001
     assert newest.parent is None and newest.context.trace_id != int(trace_id, 16)
 
 
-def test_n_choices_streaming_and_errors(traced) -> None:  # noqa: ANN001
+def test_n_choices_streaming_and_errors(traced) -> None:
     client, exporter = traced
     chunks = CHAT.stream(client, n=2, stream_options={"include_usage": True})
     assert chunks[-1]["usage"]["completion_tokens"] == 8
@@ -162,7 +162,7 @@ def test_n_choices_streaming_and_errors(traced) -> None:  # noqa: ANN001
     assert "http.route" not in spans[0].attributes
 
 
-def test_ask_route_names_the_template_and_counts_every_question(traced, photos) -> None:  # noqa: ANN001
+def test_ask_route_names_the_template_and_counts_every_question(traced, photos) -> None:
     client, exporter = traced
     image_id = upload(client, photos["cat.png"]).json()["id"]
     exporter.clear()
@@ -184,7 +184,7 @@ def test_ask_route_names_the_template_and_counts_every_question(traced, photos) 
     assert len(by_name(spans, "mmserve.vision_tower")) == 1
 
 
-def test_off_by_default_imports_no_opentelemetry_sdk(model_dir) -> None:  # noqa: ANN001
+def test_off_by_default_imports_no_opentelemetry_sdk(model_dir) -> None:
     # (FastAPI itself imports the OpenTelemetry API, never the SDK)
     code = f"""
 import sys
@@ -208,7 +208,7 @@ print(sorted(m for m in sys.modules if m.startswith(loaded)))
     assert json.loads(out.stdout.strip().splitlines()[-1].replace("'", '"')) == []
 
 
-def test_endpoint_setting(monkeypatch, capsys) -> None:  # noqa: ANN001
+def test_endpoint_setting(monkeypatch, capsys) -> None:
     assert traces_url("http://c:4318") == "http://c:4318/v1/traces"
     assert traces_url("https://c:4318/") == "https://c:4318/v1/traces"
     assert traces_url("http://c:4318/custom/path") == "http://c:4318/custom/path"

@@ -20,7 +20,7 @@ from tests.videos import encode_mp4, rgb_frames
 
 
 @pytest.fixture(scope="module", params=["llava", "llava-onevision"])
-def api(request, families):  # noqa: ANN001, ANN201
+def api(request, families):
     """A server on a family without a video path (LLaVA-1.5: a video is its frames as
     images) and one with (OneVision: pooled frames and a newline); it records every
     engine request it submits (``api.submitted``)."""
@@ -30,7 +30,7 @@ def api(request, families):  # noqa: ANN001, ANN201
         submit = client.submit
         c.submitted = []
 
-        def recording(reqs, background=False):  # noqa: ANN001, ANN202
+        def recording(reqs, background=False):
             c.submitted.append(list(reqs))
             return submit(reqs, background)
 
@@ -40,7 +40,7 @@ def api(request, families):  # noqa: ANN001, ANN201
         yield c
 
 
-def _expected(req) -> dict:  # noqa: ANN001
+def _expected(req) -> dict:
     """Text, image and video tokens of one engine request's prompt, from its ids and spans."""
     ids = list(req.input_ids)
     frames = [s for s in req.spans if s.image.video]
@@ -52,7 +52,7 @@ def _expected(req) -> dict:  # noqa: ANN001
     return {"text": text, "image": image, "video": video}
 
 
-def _check(usage: dict, req, prompt_key: str = "prompt_tokens") -> dict:  # noqa: ANN001
+def _check(usage: dict, req, prompt_key: str = "prompt_tokens") -> dict:
     details_key = (
         "prompt_tokens_details" if prompt_key == "prompt_tokens" else "input_tokens_details"
     )
@@ -76,7 +76,7 @@ def _content(photos: dict[str, bytes]) -> list[dict]:
     ]
 
 
-def test_chat_usage_adds_up_per_modality(api, photos) -> None:  # noqa: ANN001
+def test_chat_usage_adds_up_per_modality(api, photos) -> None:
     body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "n": 2}
     body["messages"] = [{"role": "user", "content": _content(photos)}]
     r = api.post("/v1/chat/completions", json=body)
@@ -100,14 +100,14 @@ def test_chat_usage_adds_up_per_modality(api, photos) -> None:  # noqa: ANN001
     assert streamed["prompt_tokens_details"]["cached_tokens"] == streamed["prompt_tokens"] - 1
 
 
-def test_text_only_usage_has_zero_media(api) -> None:  # noqa: ANN001
+def test_text_only_usage_has_zero_media(api) -> None:
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
     r = api.post("/v1/chat/completions", json=body)
     d = r.json()["usage"]["prompt_tokens_details"]
     assert (d["image_tokens"], d["video_tokens"]) == (0, 0)
 
 
-def test_responses_and_ask_report_image_tokens(api, photos) -> None:  # noqa: ANN001
+def test_responses_and_ask_report_image_tokens(api, photos) -> None:
     image_id = upload(api, photos["cat.png"]).json()["id"]
     part = {"type": "input_image", "image_url": image_id}
     body = {"model": MODEL, "max_output_tokens": 1}
@@ -129,7 +129,7 @@ def test_responses_and_ask_report_image_tokens(api, photos) -> None:  # noqa: AN
     assert total["video_tokens"] == 0
 
 
-def test_metrics_count_prompt_tokens_by_modality(api, photos) -> None:  # noqa: ANN001
+def test_metrics_count_prompt_tokens_by_modality(api, photos) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     def by_modality() -> dict[str, float]:

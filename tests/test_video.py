@@ -21,13 +21,13 @@ pytest.importorskip("av")
 LIMITS = VideoLimits()
 
 
-def sampled(engine, data: bytes, n: int) -> list:  # noqa: ANN001
+def sampled(engine, data: bytes, n: int) -> list:
     """``n`` frames of ``data`` as the front end samples them (decoded images kept)."""
     proc = engine.processor
     return proc.sample_frames(proc.open_video(data, LIMITS), FrameSelection(num_frames=n))[0]
 
 
-def idx(sel: FrameSelection, n: int = 12, fps: float = 10.0, **kw) -> list[int]:  # noqa: ANN003
+def idx(sel: FrameSelection, n: int = 12, fps: float = 10.0, **kw) -> list[int]:
     return sample_frame_indices(n, fps, n / fps, sel, kw.pop("max_frames", 64), **kw)
 
 
@@ -92,7 +92,7 @@ def test_probe_and_frames(clip12: bytes) -> None:
     assert ims[0].tobytes() == ims[2].tobytes() != ims[1].tobytes()
 
 
-def test_frames_hash_like_images(engine, clip12: bytes) -> None:  # noqa: ANN001
+def test_frames_hash_like_images(engine, clip12: bytes) -> None:
 
     frames = sampled(engine, clip12, 4)
     assert [f.index for f in frames] == [1, 4, 7, 10]
@@ -101,7 +101,7 @@ def test_frames_hash_like_images(engine, clip12: bytes) -> None:  # noqa: ANN001
     assert again.key == frames[0].image.key  # a frame and its PNG are one image
 
 
-def test_static_video_has_one_key(engine) -> None:  # noqa: ANN001
+def test_static_video_has_one_key(engine) -> None:
     data = encode_mp4([rgb_frames(1)[0]] * 12)
     frames = sampled(engine, data, 12)
     assert len(frames) == 12 and len({f.image.key for f in frames}) == 1
@@ -140,7 +140,7 @@ def test_bad_videos(clip12: bytes) -> None:
         Video(clip12, LIMITS, ImageLimits(max_side=40))
 
 
-def test_shared_cases(cases_dir, engine) -> None:  # noqa: ANN001
+def test_shared_cases(cases_dir, engine) -> None:
     if not (cases_dir / "static-12.mp4").exists():
         pytest.skip("video cases need PyAV")
 
@@ -175,7 +175,7 @@ def test_store_is_bounded_and_idempotent(clip12: bytes) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine(max_total_tokens=8192)
 
 

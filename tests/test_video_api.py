@@ -34,12 +34,12 @@ upload = upload_video
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine(max_total_tokens=16384)
 
 
 @pytest.fixture(scope="module")
-def client(engine):  # noqa: ANN001, ANN201
+def client(engine):
     with app_client(engine, **LIMITS) as c:
         yield c
 
@@ -49,11 +49,11 @@ def clip12() -> bytes:
     return encode_mp4(rgb_frames(12), fps=10)
 
 
-def qa(client: TestClient, vid: str, **body) -> list[dict]:  # noqa: ANN003
+def qa(client: TestClient, vid: str, **body) -> list[dict]:
     return video_qa(client, vid, **{**GREEDY, "questions": QS, **body})
 
 
-def assert_healthy(client: TestClient, engine) -> None:  # noqa: ANN001
+def assert_healthy(client: TestClient, engine) -> None:
     assert client.get("/health").status_code == 200
     stats = client.get("/v1/cache/stats").json()
     assert stats["running_requests"] == stats["waiting_requests"] == 0
@@ -78,7 +78,7 @@ def test_upload_get_list_delete(client: TestClient, clip12: bytes) -> None:
 
 def test_per_frame_matches_png_images_and_runs_the_tower_once_per_frame(
     client: TestClient,
-    engine,  # noqa: ANN001
+    engine,
 ) -> None:
     # frames no other test asks about: their features are in no cache yet
     clip = encode_mp4(rgb_frames(12, seed=21), fps=10)
@@ -109,7 +109,7 @@ def test_per_frame_matches_png_images_and_runs_the_tower_once_per_frame(
         assert [a["text"] for a in sorted(by_frame[k], key=lambda a: a["question_index"])] == want
 
 
-def test_static_video_runs_the_tower_once(client: TestClient, engine) -> None:  # noqa: ANN001
+def test_static_video_runs_the_tower_once(client: TestClient, engine) -> None:
     vid = upload(client, encode_mp4([rgb_frames(1, seed=5)[0]] * 12)).json()["id"]
     summary = qa(client, vid, num_frames=12, questions=QS[:1], max_tokens=1)[-1]
     assert summary["distinct_frames"] == 1 and summary["vision_tower_runs"] == 1
@@ -127,7 +127,7 @@ def test_overlapping_clips_share_frames(client: TestClient) -> None:
     assert a[-1]["vision_tower_runs"] == 8 and b[-1]["vision_tower_runs"] == 4
 
 
-def test_clip_mode_second_question_hits_all_frames(client: TestClient, engine) -> None:  # noqa: ANN001
+def test_clip_mode_second_question_hits_all_frames(client: TestClient, engine) -> None:
     vid = upload(client, encode_mp4(rgb_frames(12, seed=9), fps=10)).json()["id"]
     events = qa(client, vid, mode="clip", num_frames=4)
     answers = sorted(
@@ -156,7 +156,7 @@ def test_clip_mode_second_question_hits_all_frames(client: TestClient, engine) -
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * 576
 
 
-def test_clip_too_long_says_how_many_frames_fit(client: TestClient, make_engine) -> None:  # noqa: ANN001
+def test_clip_too_long_says_how_many_frames_fit(client: TestClient, make_engine) -> None:
     vid = upload(client, encode_mp4(rgb_frames(12, seed=11), fps=10)).json()["id"]
     r = client.post(f"/v1/videos/{vid}/qa", json={"questions": QS, "mode": "clip", "num_frames": 9})
     assert r.status_code == 400 and "select at most 8 frames" in r.json()["error"]["message"]
@@ -203,9 +203,9 @@ def test_bad_videos_get_4xx_and_the_server_stays_healthy(
     client: TestClient,
     clip12: bytes,
     engine,
-    cases_dir,  # noqa: ANN001
+    cases_dir,
 ) -> None:
-    def err(r, status: int, text: str) -> None:  # noqa: ANN001
+    def err(r, status: int, text: str) -> None:
         assert r.status_code == status, r.text
         assert text in r.json()["error"]["message"], r.json()
 
@@ -240,7 +240,7 @@ def test_bad_videos_get_4xx_and_the_server_stays_healthy(
     assert_healthy(client, engine)
 
 
-def test_small_odd_rotated_and_exif_videos_upload_and_answer(client: TestClient, engine) -> None:  # noqa: ANN001
+def test_small_odd_rotated_and_exif_videos_upload_and_answer(client: TestClient, engine) -> None:
     """The valid videos once refused as corrupt: small and odd frame sizes, display
     rotation, rgb24 PNG-in-MOV, camera MJPEG with EXIF orientation, TIFF-in-MOV. Each
     uploads with its displayed size, and every sampled frame is the image a viewer sees
@@ -275,12 +275,12 @@ def test_small_odd_rotated_and_exif_videos_upload_and_answer(client: TestClient,
     assert_healthy(client, engine)
 
 
-def test_engine_failure_during_video_qa_is_an_error_event(make_engine) -> None:  # noqa: ANN001
+def test_engine_failure_during_video_qa_is_an_error_event(make_engine) -> None:
     """A failed engine step ends the answer stream with an error event naming the request
     (not an exception inside the stream); no request or page is left behind."""
     engine = make_engine(max_total_tokens=4096)
 
-    def boom(*args):  # noqa: ANN002, ANN202
+    def boom(*args):
         raise RuntimeError("injected /secret/path")
 
     prefill, engine.runner.prefill = engine.runner.prefill, boom

@@ -77,12 +77,12 @@ def failing(damaged: bytes) -> dict[int, Exception]:
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
+def engine(make_engine):
     return make_engine(max_total_tokens=16384)
 
 
 @pytest.fixture(scope="module")
-def client(engine):  # noqa: ANN001, ANN201
+def client(engine):
     limits = {"max_video_bytes": 200_000, "max_video_frames": 40, "max_video_side": 640}
     with app_client(engine, **limits) as c:
         yield c
@@ -94,7 +94,7 @@ def upload(client: TestClient, data: bytes) -> dict:
     return r.json()
 
 
-def qa(client: TestClient, vid: str, **body) -> list[dict]:  # noqa: ANN003
+def qa(client: TestClient, vid: str, **body) -> list[dict]:
     return video_qa(client, vid, **{**GREEDY, "questions": ["What is this?"], **body})
 
 
@@ -103,7 +103,7 @@ def assert_clean(msg: str) -> None:
     assert msg and "/" not in msg and not LEAKS.search(msg), msg
 
 
-def error(r) -> str:  # noqa: ANN001
+def error(r) -> str:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "invalid_video", err
@@ -240,7 +240,7 @@ def test_frames_kept_are_the_sound_files_pixels(damaged: bytes, failing: dict) -
 
 def test_server_stays_healthy_and_a_sound_video_works(
     client: TestClient,
-    engine,  # noqa: ANN001
+    engine,
     damaged: bytes,
 ) -> None:
     vid = upload(client, damaged)["id"]
@@ -323,7 +323,7 @@ def test_a_codec_nobody_decodes_is_a_video_error() -> None:
         Video(data.replace(b"V_MPEG4/ISO/AVC", b"V_MPEG4/ISO/XYZ"), VideoLimits())
 
 
-def test_any_other_failure_inside_pyav_is_the_datas_fault(monkeypatch) -> None:  # noqa: ANN001
+def test_any_other_failure_inside_pyav_is_the_datas_fault(monkeypatch) -> None:
     """Whatever PyAV raises on hostile data, the caller gets a VideoError (a 400) naming the
     problem, or the frames listed as not decodable; never another exception (a 500)."""
     from mmserve.vision.video import decode as video_module
@@ -332,7 +332,7 @@ def test_any_other_failure_inside_pyav_is_the_datas_fault(monkeypatch) -> None: 
     data = encode_video(marked_frames(3, 16, 16))
     v = Video(data, VideoLimits())
 
-    def run(self):  # noqa: ANN001, ANN202
+    def run(self):
         raise UnicodeDecodeError("utf-8", b"\xc7", 0, 1, "invalid continuation byte")
 
     monkeypatch.setattr(video_module._Pass, "run", run)

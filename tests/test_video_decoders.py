@@ -225,7 +225,7 @@ def test_side_data_that_cannot_be_listed_falls_back_to_the_rotation() -> None:
         rotation = -90
 
         @property
-        def side_data(self):  # noqa: ANN202
+        def side_data(self):
             raise ValueError("31 is not a valid Type")
 
     assert display_matrix(Frame()) == rotation_matrix(-90)
@@ -234,7 +234,7 @@ def test_side_data_that_cannot_be_listed_falls_back_to_the_rotation() -> None:
     assert np.array_equal(shown, np.rot90(frame, -1))  # 90 degrees clockwise
 
 
-def test_a_frame_that_cannot_be_converted_is_not_decodable(monkeypatch) -> None:  # noqa: ANN001
+def test_a_frame_that_cannot_be_converted_is_not_decodable(monkeypatch) -> None:
     """Any failure turning a decoded frame into RGB pixels is that frame's failure (a 400
     naming it), never an exception of another type (a 500)."""
     data = encode_video(marked_frames(3, 16, 16))
@@ -331,13 +331,13 @@ def test_same_bytes_as_decord_where_it_decodes(w: int, h: int, kw: dict) -> None
 def test_decord_refused_what_we_accept() -> None:
     """The fault this decoder fixes: decord cannot copy out a frame 8 pixels wide."""
     data = encode_video(marked_frames(2, 8, 8))
-    with pytest.raises(Exception, match="size must exactly match"):  # noqa: B017
+    with pytest.raises(Exception, match="size must exactly match"):
         decord_frames(data)
     _, frames = decode_all(data)
     assert frames[0].shape == (8, 8, 3)
 
 
-def test_shared_cases(cases_dir) -> None:  # noqa: ANN001
+def test_shared_cases(cases_dir) -> None:
     def open_case(name: str) -> tuple[Video, list[np.ndarray]]:
         return decode_all((cases_dir / name).read_bytes())
 

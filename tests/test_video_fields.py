@@ -67,7 +67,7 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def client(make_engine):  # noqa: ANN001, ANN201
+def client(make_engine):
     with app_client(make_engine(max_total_tokens=16384), **LIMITS) as c:
         yield c
 
@@ -77,7 +77,7 @@ def vid(client: TestClient) -> str:
     return upload_video(client, encode_mp4(rgb_frames(12, seed=3), fps=10)).json()["id"]
 
 
-def _check(r, field: str | None, want, param: str) -> None:  # noqa: ANN001
+def _check(r, field: str | None, want, param: str) -> None:
     if field is None:
         assert r.status_code == 200, r.text
         return
@@ -88,7 +88,7 @@ def _check(r, field: str | None, want, param: str) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize(("fields", "field", "want"), CASES)
-def test_qa_names_the_field_set_and_the_limit(client, vid, fields, field, want) -> None:  # noqa: ANN001
+def test_qa_names_the_field_set_and_the_limit(client, vid, fields, field, want) -> None:
     body = {"questions": ["What?"], "mode": "clip", "max_tokens": 1, **fields}
     r = client.post(f"/v1/videos/{vid}/qa", json=body)
     _check(r, field, want, "")
@@ -107,7 +107,7 @@ def test_chat_video_url_names_the_field_set_and_the_limit(
     fields,
     field,
     want,
-    on_part,  # noqa: ANN001
+    on_part,
 ) -> None:
     if on_part:
         part = {"type": "video_url", "video_url": vid, **fields}
@@ -130,7 +130,7 @@ def test_chat_video_url_names_the_field_set_and_the_limit(
         assert used == r2.json()["usage"]["prompt_tokens"] > want * 576
 
 
-def test_a_clip_over_the_context_names_the_field_set(make_engine) -> None:  # noqa: ANN001
+def test_a_clip_over_the_context_names_the_field_set(make_engine) -> None:
     """With 16 images allowed per request, the context (2048 tokens, 576 a frame) is the
     bound a clip crosses: the 400 names the field that decided the frame count."""
     eng = make_engine(max_total_tokens=16384, max_images_per_request=16)
@@ -154,7 +154,7 @@ def test_a_clip_over_the_context_names_the_field_set(make_engine) -> None:  # no
 # ---- the rule, as a property of sample_frame_indices -------------------------------------
 
 
-def _selections():  # noqa: ANN202
+def _selections():
     from hypothesis import strategies as st
 
     maybe = lambda s: st.one_of(st.none(), s)  # noqa: E731
@@ -188,7 +188,7 @@ def test_sampling_fits_every_cap_or_names_a_field_the_client_set() -> None:
         st.integers(0, 1),
         st.one_of(st.none(), st.integers(1, 9000)),
     )
-    def check(n, rate, sel, server_frames, per, newline, server_tokens) -> None:  # noqa: ANN001
+    def check(n, rate, sel, server_frames, per, newline, server_tokens) -> None:
         cost = FrameCost(per, newline)
         duration = n / rate
         try:
@@ -219,7 +219,7 @@ def test_sampling_fits_every_cap_or_names_a_field_the_client_set() -> None:
 # ---- the token budget on the video path (LLaVA-OneVision) ---------------------------------
 
 
-def test_video_token_budget_is_kept_or_refused_by_name(families) -> None:  # noqa: ANN001
+def test_video_token_budget_is_kept_or_refused_by_name(families) -> None:
     """``--max-video-tokens`` with room for 6 frames: fps and the default are thinned to 6
     frames evenly over the clip, a request's ``max_video_tokens`` lowers the budget, exact
     counts over it are refused naming their field; the tokens the video takes in the
@@ -230,7 +230,7 @@ def test_video_token_budget_is_kept_or_refused_by_name(families) -> None:  # noq
     with app_client(eng, **LIMITS, max_video_tokens=cap) as c:
         vid = upload_video(c, encode_mp4(rgb_frames(12, seed=5), fps=10)).json()["id"]
 
-        def chat(fields: dict):  # noqa: ANN202
+        def chat(fields: dict):
             part = {"type": "video_url", "video_url": {"url": vid, **fields}}
             content = [part, {"type": "text", "text": "What happens?"}]
             body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
@@ -268,7 +268,7 @@ def test_video_token_budget_is_kept_or_refused_by_name(families) -> None:  # noq
             assert r.json()["error"]["param"] == f"messages[0].content[0].video_url.{field}"
 
 
-def test_null_frame_fields_on_video_url_are_not_given(client, vid) -> None:  # noqa: ANN001
+def test_null_frame_fields_on_video_url_are_not_given(client, vid) -> None:
     # {"fps": null} on the video_url sets nothing, so num_frames on the part is not "both"
     part = {"type": "video_url", "video_url": {"url": vid, "fps": None}, "num_frames": 2}
     body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}

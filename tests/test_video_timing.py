@@ -32,7 +32,7 @@ END_MS = 4000
 TIMES = (0.0, 0.1, 0.2, 2.0, 2.1, 3.9)
 
 
-def vfr(**kw) -> bytes:  # noqa: ANN003
+def vfr(**kw) -> bytes:
     kw = {"pts": PTS_MS, "end": END_MS, "options": {"bf": "0"}, **kw}
     return encode_video(marked_frames(len(PTS_MS), 32, 24), **kw)
 
@@ -44,7 +44,7 @@ def container_seconds(data: bytes) -> tuple[float, float]:
         return c.duration / 1e6, float(s.duration * s.time_base)
 
 
-def pick(v: Video, **sel) -> list[int]:  # noqa: ANN003
+def pick(v: Video, **sel) -> list[int]:
     if "timestamps" in sel:
         sel["timestamps"] = tuple(sel["timestamps"])
     return v.indices(FrameSelection(**sel))
@@ -235,7 +235,7 @@ def test_streams_that_start_late_are_timed_from_the_start(fmt: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def client(make_engine):  # noqa: ANN001, ANN201
+def client(make_engine):
     settings_ = ServerSettings(max_video_bytes=200_000, max_video_frames=16, max_video_side=640)
     with TestClient(create_app(make_engine(max_total_tokens=8192), settings_)) as c:
         yield c
@@ -247,7 +247,7 @@ def upload(client: TestClient, data: bytes) -> dict:
     return r.json()
 
 
-def qa(client: TestClient, vid: str, body: dict | str):  # noqa: ANN201
+def qa(client: TestClient, vid: str, body: dict | str):
     if isinstance(body, dict):
         body = json.dumps({"questions": ["What?"], "max_tokens": 1, "temperature": 0, **body})
     return client.post(
@@ -255,7 +255,7 @@ def qa(client: TestClient, vid: str, body: dict | str):  # noqa: ANN201
     )
 
 
-def refused(r, param: str, *needles: str) -> None:  # noqa: ANN001
+def refused(r, param: str, *needles: str) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == "invalid_frame_selection", err

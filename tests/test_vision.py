@@ -16,15 +16,15 @@ from tests.helpers import assert_same_generation, check_against_reference, greed
 
 
 @pytest.fixture(scope="module")
-def eng(make_engine):  # noqa: ANN001, ANN201
+def eng(make_engine):
     return make_engine()
 
 
-def read(cases_dir, name: str) -> bytes:  # noqa: ANN001
+def read(cases_dir, name: str) -> bytes:
     return (cases_dir / name).read_bytes()
 
 
-def test_exif_orientation_hashes_rotated_pixels(eng, cases_dir) -> None:  # noqa: ANN001
+def test_exif_orientation_hashes_rotated_pixels(eng, cases_dir) -> None:
     img = eng.processor.prepare_image(read(cases_dir, "exif-orientation-6.jpg"))
     assert img.image.size == (16, 24)  # stored 24x16, shown rotated
     raw = Image.open(cases_dir / "exif-orientation-6.jpg")
@@ -42,13 +42,13 @@ def test_exif_orientation_hashes_rotated_pixels(eng, cases_dir) -> None:  # noqa
         ("pixel-base.png", "pixel-base-copy.jpg.png", True),
     ],
 )
-def test_key_depends_on_pixels_and_shape_only(eng, cases_dir, a, b, same) -> None:  # noqa: ANN001
+def test_key_depends_on_pixels_and_shape_only(eng, cases_dir, a, b, same) -> None:
     ka = eng.processor.prepare_image(read(cases_dir, a)).key
     kb = eng.processor.prepare_image(read(cases_dir, b)).key
     assert (ka == kb) is same
 
 
-def test_reencoded_sample_photo_same_id_one_pixel_differs(eng, photos) -> None:  # noqa: ANN001
+def test_reencoded_sample_photo_same_id_one_pixel_differs(eng, photos) -> None:
     original = eng.processor.prepare_image(photos["cat.png"])
     resaved = eng.processor.prepare_image(png_bytes(original.image.copy()))
     assert resaved.id == original.id
@@ -58,7 +58,7 @@ def test_reencoded_sample_photo_same_id_one_pixel_differs(eng, photos) -> None: 
     assert changed.id != original.id
 
 
-def test_processor_settings_change_the_key(eng) -> None:  # noqa: ANN001
+def test_processor_settings_change_the_key(eng) -> None:
     proc = eng.model.processor.image_processor
     other = copy.deepcopy(proc)
     other.image_mean = [0.5, 0.5, 0.5]
@@ -93,7 +93,7 @@ def test_pseudo_ids_are_negative_distinct_and_stable() -> None:
         ("one-pixel-high.png", "aspect ratio"),
     ],
 )
-def test_bad_images_are_refused_with_a_reason(cases_dir, name, words) -> None:  # noqa: ANN001
+def test_bad_images_are_refused_with_a_reason(cases_dir, name, words) -> None:
     with pytest.raises(ImageError, match=words):
         decode_image(read(cases_dir, name), ImageLimits())
 
@@ -116,13 +116,13 @@ def test_byte_limit() -> None:
         "exif-orientation-6.jpg",
     ],
 )
-def test_odd_modes_are_answered_like_transformers(eng, ref_model, cases_dir, name) -> None:  # noqa: ANN001
+def test_odd_modes_are_answered_like_transformers(eng, ref_model, cases_dir, name) -> None:
     img = eng.processor.prepare_image(read(cases_dir, name))
     msgs = user(None, "What is this?")
     check_against_reference(eng, ref_model, msgs, [img], name, max_new=4)
 
 
-def test_similar_image_after_another_gets_no_wrong_hit(make_engine, cases_dir) -> None:  # noqa: ANN001
+def test_similar_image_after_another_gets_no_wrong_hit(make_engine, cases_dir) -> None:
     msgs = user(None, "Describe it.")
     answers = {}
     for disable in (False, True):
@@ -143,19 +143,19 @@ def test_similar_image_after_another_gets_no_wrong_hit(make_engine, cases_dir) -
     assert answers[True][0].output_ids != answers[True][1].output_ids
 
 
-def test_literal_placeholder_in_text_is_refused(eng, photos) -> None:  # noqa: ANN001
+def test_literal_placeholder_in_text_is_refused(eng, photos) -> None:
     img = eng.processor.prepare_image(photos["cat.png"])
     with pytest.raises(RequestError, match="reserved image placeholder"):
         eng.processor.make_request(messages=user(None, "what is <image> here?"), images=[img])
 
 
-def test_placeholder_count_must_match_images(eng, photos) -> None:  # noqa: ANN001
+def test_placeholder_count_must_match_images(eng, photos) -> None:
     img = eng.processor.prepare_image(photos["cat.png"])
     with pytest.raises(RequestError, match="1 image placeholders but 2 images"):
         eng.processor.make_request(prompt="USER: <image>\nhi ASSISTANT:", images=[img, img])
 
 
-def test_text_ids_and_image_ids_are_disjoint(eng, photos) -> None:  # noqa: ANN001
+def test_text_ids_and_image_ids_are_disjoint(eng, photos) -> None:
     img = eng.processor.prepare_image(photos["cat.png"])
     req = eng.processor.make_request(messages=user(None, "hello"), images=[img])
     span = req.spans[0]
@@ -164,19 +164,19 @@ def test_text_ids_and_image_ids_are_disjoint(eng, photos) -> None:  # noqa: ANN0
     assert all(t < 0 for t in req.input_ids[span.start : span.end])
 
 
-def test_unpaired_surrogate_is_a_request_error(eng) -> None:  # noqa: ANN001
+def test_unpaired_surrogate_is_a_request_error(eng) -> None:
     with pytest.raises(RequestError, match="not valid Unicode"):
         eng.processor.make_request(messages=[{"role": "user", "content": "bad \ud800 text"}])
 
 
-def test_huge_text_is_refused_before_tokenizing(eng) -> None:  # noqa: ANN001
+def test_huge_text_is_refused_before_tokenizing(eng) -> None:
     text = "ab " * (eng.processor.prompts.max_chars // 3 + 1)
     with pytest.raises(RequestError, match="more than the model's context"):
         eng.processor.make_request(messages=[{"role": "user", "content": text}])
 
 
 @pytest.mark.parametrize("mode, trns", [("L", 7), ("RGB", (7, 7, 7))])
-def test_a_transparency_colour_is_part_of_the_key(make_engine, mode, trns) -> None:  # noqa: ANN001
+def test_a_transparency_colour_is_part_of_the_key(make_engine, mode, trns) -> None:
     # the processor composites a tRNS colour on white, so the features differ: keys must too
     eng = make_engine()
     im = Image.new(mode, (16, 16), trns if mode == "L" else trns)

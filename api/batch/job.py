@@ -235,8 +235,8 @@ class Outputs:
         if fresh:
             for name in ("output.jsonl", "errors.jsonl"):
                 (d / name).write_bytes(b"")
-        self.out: IO[str] = open(d / "output.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        self.err: IO[str] = open(d / "errors.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.out: IO[str] = open(d / "output.jsonl", "a", encoding="utf-8")
+        self.err: IO[str] = open(d / "errors.jsonl", "a", encoding="utf-8")
         self.last_sync = time.monotonic()
 
     def write(self, record: dict, ok: bool) -> None:

@@ -86,10 +86,10 @@ class CancelGuard:
     """ASGI middleware: when Ray Serve cancels a request (its client disconnected), every
     submission the request made is cancelled, so its engine requests are aborted."""
 
-    def __init__(self, app) -> None:  # noqa: ANN001
+    def __init__(self, app) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope, receive, send) -> None:
         """Run the app with a fresh list of submissions for this request."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -330,7 +330,7 @@ def create_ingress_app(
         return body
 
     @fleet_routes.post("/v1/chat/completions", response_model=None, include_in_schema=False)
-    async def chat_completions(body: ChatCompletionRequest, request: Request, st: State):  # noqa: ANN202
+    async def chat_completions(body: ChatCompletionRequest, request: Request, st: State):
         """The single-process route; a streamed answer is marked as such for retries."""
         STREAMED.set(bool(body.stream))
         return await routes_chat.chat_completions(body, request, st)
@@ -467,11 +467,11 @@ class Ingress:
 
     def __init__(
         self,
-        replicas,  # noqa: ANN001
+        replicas,
         config: EngineConfig,
         settings: ServerSettings,
         num_replicas: int,
-        encoders=None,  # noqa: ANN001
+        encoders=None,
     ) -> None:
         import torch
 

@@ -30,7 +30,7 @@ def build_application(
     server: ServerSettings,
     rs: ReplicaSettings,
     grace_seconds: float = 30.0,
-):  # noqa: ANN201 - ray.serve.Application
+):
     """The Ray Serve application: the ingress bound to ``rs.replicas`` engine replicas.
 
     Args:
@@ -65,7 +65,7 @@ def build_application(
 
 
 def serve_replicas(
-    launch,  # noqa: ANN001 - api.cli.LaunchSettings
+    launch,
     config: EngineConfig,
     server: ServerSettings,
     rs: ReplicaSettings,

@@ -177,7 +177,7 @@ class DecodeGraphRunner:
 
     def _fill(
         self, page_tables: Sequence, seq_lens: Sequence[int], ids: Sequence[int], bucket: int
-    ):  # noqa: ANN202
+    ):
         meta = self.buffers.fill(page_tables, seq_lens, ids, bucket)
         self.backend.plan_padded(meta)
         return meta

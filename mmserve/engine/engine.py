@@ -134,7 +134,7 @@ class EngineCore:
         self.stats = EngineStats()
         self._stop_hits: list[str] = []  # requests the front end saw hit a stop string
 
-    def set_feature_source(self, source) -> None:  # noqa: ANN001
+    def set_feature_source(self, source) -> None:
         """Ask ``source`` for the features of items the embedding cache misses before the
         vision tower runs here (:attr:`ModelRunner.feature_source`: called on the engine
         thread with the items, returns one ``[tokens, text_hidden]`` tensor or None per
@@ -358,7 +358,7 @@ class EngineCore:
             lp = token_logprob(row, tok, req.params.logprobs)
         return tok, lp
 
-    def _run_batch(self, reqs: list[Request], run) -> torch.Tensor | None:  # noqa: ANN001
+    def _run_batch(self, reqs: list[Request], run) -> torch.Tensor | None:
         """``run()``'s logits, or None after failing ``reqs`` for its exception."""
         try:
             return run()

@@ -270,7 +270,7 @@ class ModelRunner:
         prefix = [r.computed_len for r in reqs]
         return self._run([r.pages for r in reqs], prefix, [1] * len(reqs), embeds, None)
 
-    def _run(self, pages, prefix, extend, embeds, rows) -> torch.Tensor:  # noqa: ANN001
+    def _run(self, pages, prefix, extend, embeds, rows) -> torch.Tensor:
         meta = build_metadata(pages, prefix, extend, self.pool.page_size, self.device)
         self.backend.plan(meta)
         if rows is None:

@@ -77,7 +77,7 @@ class ReplicaClient:
 
     def __init__(
         self,
-        handle,  # noqa: ANN001
+        handle,
         app_name: str,
         tokenizer: object,
         max_pixel_bytes: int = 1 << 30,
@@ -187,7 +187,7 @@ class ReplicaClient:
                 self.replica_failures += 1
                 error = f"replica {replica or '(not yet known)'} died ({type(e).__name__})"
                 log.warning("request %s: %s", req.rid, error)
-            except Exception as e:  # noqa: BLE001 - any other failure ends this request only
+            except Exception as e:
                 log.exception("request %s failed on replica %s", req.rid, replica)
                 error = f"{type(e).__name__} on replica {replica}"
                 attempt = 1  # not a lost replica: do not retry
@@ -297,7 +297,7 @@ class ReplicaClient:
             router.forget(uid)
 
 
-def _detached(fn, *args):  # noqa: ANN001, ANN202
+def _detached(fn, *args):
     """``fn(*args)`` outside Ray Serve's request context.
 
     A handle call made while handling an HTTP request inherits that request's internal
@@ -309,7 +309,7 @@ def _detached(fn, *args):  # noqa: ANN001, ANN202
     return contextvars.Context().run(fn, *args)
 
 
-async def _await(resp) -> dict:  # noqa: ANN001
+async def _await(resp) -> dict:
     return await resp
 
 

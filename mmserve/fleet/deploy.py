@@ -60,7 +60,7 @@ def bind_fleet(
     max_queued_requests: int,
     unhealthy_after: int,
     grace_seconds: float = 30.0,
-):  # noqa: ANN201 - (ray.serve Application, Application | None)
+):
     """The engine replica deployment bound to its arguments, and the encoder deployment
     (``rs.encoders``; None without), ready to be passed to an ingress's ``bind``.
 

@@ -276,13 +276,13 @@ class EncoderClient:
         fallbacks: items an encoder did not answer in time (the replica's tower ran).
     """
 
-    def __init__(self, handle, timeout: float = ENCODE_SECONDS) -> None:  # noqa: ANN001
+    def __init__(self, handle, timeout: float = ENCODE_SECONDS) -> None:
         self.handle = handle
         self.timeout = timeout
         self.fetched = 0
         self.fallbacks = 0
 
-    def __call__(self, items: list) -> list:  # noqa: ANN001
+    def __call__(self, items: list) -> list:
         """Features ``[tokens, text_hidden]`` (CPU) or None per item (``RemoteImage`` s)."""
         pending = []
         for im in items:

@@ -19,7 +19,7 @@ def register(app_name: str, deployment: str, router: object) -> None:
         _ROUTERS[(app_name, deployment)] = router
 
 
-def find_router(app_name: str, deployment: str):  # noqa: ANN201
+def find_router(app_name: str, deployment: str):
     """The router registered for ``deployment`` of ``app_name``, or None."""
     with _LOCK:
         return _ROUTERS.get((app_name, deployment))

@@ -48,7 +48,7 @@ class RemoteImage(ImageInput):
         on_fetch: called once when the pixels are fetched.
     """
 
-    def __init__(self, key: bytes, mode: str, pixels: object, on_fetch) -> None:  # noqa: ANN001
+    def __init__(self, key: bytes, mode: str, pixels: object, on_fetch) -> None:
         self.key = key
         self.mode = mode
         self.image = None
@@ -59,7 +59,7 @@ class RemoteImage(ImageInput):
         self._on_fetch = on_fetch
 
     @property
-    def pixels(self):  # noqa: ANN201
+    def pixels(self):
         """The item's ``Pixels``, fetched from the object store on first use."""
         if self._pixels is None:
             self._pixels = ray.get(self._ref)
@@ -103,7 +103,7 @@ class EngineReplica:
         config: EngineConfig,
         threads: int = 1,
         unhealthy_after: int = 3,
-        encoders=None,  # noqa: ANN001
+        encoders=None,
     ) -> None:
         torch.set_num_threads(max(1, threads))
         if config.model_path is None:  # the bundled default model, as `mmserve serve` has

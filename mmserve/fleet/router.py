@@ -163,7 +163,7 @@ class _Tracking:
         """``(ranks, reason, tokens the first choice already holds or None)``."""
         raise NotImplementedError
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):  # noqa: ANN001
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
         """Count the request on its replica and add its tokens to that replica's tree."""
         super().on_request_routed(pending_request, replica_id, result)  # type: ignore[misc]
         payload = _payload(pending_request)
@@ -292,7 +292,7 @@ class CacheAwareRouter(_Tracking, RequestRouter):
 
     policy = "cache"
 
-    async def _choose(self, cands, payload, pending_request):  # noqa: ANN001, ANN202
+    async def _choose(self, cands, payload, pending_request):
         order = self._by_load(cands)
         if not isinstance(payload, ReplicaRequest):
             return [order], "no_match", None
@@ -338,7 +338,7 @@ class RoundRobinRouter(_Tracking, RequestRouter):
 
     policy = "round_robin"
 
-    async def _choose(self, cands, payload, pending_request):  # noqa: ANN001, ANN202
+    async def _choose(self, cands, payload, pending_request):
         if not hasattr(self, "_turn"):
             self._turn = itertools.count()
         order = sorted(cands, key=_uid)
@@ -352,7 +352,7 @@ class PowerOfTwoRouter(_Tracking, PowerOfTwoChoicesRequestRouter):
     policy = "pow2"
     backoff_every_round = False
 
-    async def _choose(self, cands, payload, pending_request):  # noqa: ANN001, ANN202
+    async def _choose(self, cands, payload, pending_request):
         ranked = await PowerOfTwoChoicesRequestRouter.choose_replicas(
             self, candidate_replicas=cands, pending_request=pending_request
         )

@@ -88,7 +88,7 @@ class AsyncEngine:
             if eng.has_work():
                 try:
                     eng.step()  # a failing batch is contained inside step
-                except Exception as e:  # noqa: BLE001 - a scheduler bug must not hang clients
+                except Exception as e:
                     log.exception("engine step failed outside a batch; ending every request")
                     self.error = e
                     eng.stats.failed_steps += 1
@@ -98,7 +98,7 @@ class AsyncEngine:
     def _abort_all(self, message: str) -> None:
         try:
             self.engine.abort_all("error", message)
-        except Exception:  # noqa: BLE001 - state may be broken; still answer every client
+        except Exception:
             log.exception("abort_all failed")
             for req in self.engine.live_requests():
                 if req.on_update is not None:

@@ -162,7 +162,7 @@ class InputProcessor:
 
         return self._decoded(data, pixels, use)
 
-    def _cached(self, item: ImageInput, mode: str):  # noqa: ANN202
+    def _cached(self, item: ImageInput, mode: str):
         """The cached features of ``item`` in ``mode``, or None."""
         if self.embedding_cache is None:
             return None
@@ -174,7 +174,7 @@ class InputProcessor:
         ready = None if self._cached(item, mode) is not None else self._preprocess(im, mode)
         return dataclasses.replace(item, image=None, pixels=ready, features=None)
 
-    def _preprocess(self, im: object, mode: str):  # noqa: ANN202
+    def _preprocess(self, im: object, mode: str):
         return self.model.family.preprocess([im], mode)[0]
 
     def _decoded(
@@ -184,7 +184,7 @@ class InputProcessor:
         (and charged to ``pixels``) from the header check until ``use`` returns."""
         held = 0
 
-        def before(im) -> None:  # noqa: ANN001
+        def before(im) -> None:
             nonlocal held
             if pixels is not None:
                 pixels.charge(im.width, im.height)

@@ -31,7 +31,7 @@ _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.cache
-def _flashinfer():  # noqa: ANN202
+def _flashinfer():
     """The ``flashinfer`` module, or None when it cannot be imported (then torch runs)."""
     try:
         import flashinfer

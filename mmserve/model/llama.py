@@ -129,7 +129,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, x, residual, positions, rope_cache, backend, pool):  # noqa: ANN001, ANN201
+    def forward(self, x, residual, positions, rope_cache, backend, pool):
         if residual is None:  # a copy: the fused add may write into it, x is the caller's
             residual, h = x.clone(), self.input_layernorm(x)
         else:

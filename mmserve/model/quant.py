@@ -168,7 +168,7 @@ class QuantizedLinear(nn.Module):
         b = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.register_parameter("bias", b)
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+    def _apply(self, fn, recurse: bool = True):
         # ``Module.to(dtype)`` casts every floating tensor: the 8-bit weight and the fp32
         # scales keep their dtype (moves between devices still apply); the bias follows.
         def move(t: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,7 @@ class GuidedSpec:
     param: str = field(default="", compare=False)
 
     @classmethod
-    def json_schema(cls, schema: Any, param: str = "response_format.json_schema.schema"):  # noqa: ANN206
+    def json_schema(cls, schema: Any, param: str = "response_format.json_schema.schema"):
         """A JSON-schema spec; the schema is checked by :func:`check_spec`.
 
         Raises:
@@ -131,7 +131,7 @@ class GuidedSpec:
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
 
     @classmethod
-    def choice(cls, choices: Sequence[str], param: str = "guided_choice"):  # noqa: ANN206
+    def choice(cls, choices: Sequence[str], param: str = "guided_choice"):
         """Exactly one of ``choices`` (strings).
 
         Raises:
@@ -409,7 +409,7 @@ def _ebnf_string(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def load_xgrammar(param: str | None = None):  # noqa: ANN202
+def load_xgrammar(param: str | None = None):
     try:
         import xgrammar
     except ImportError:

@@ -35,7 +35,7 @@ from tests.helpers import (
 )
 
 
-def generate(eng, photos: dict[str, bytes], n: int = 5) -> list:  # noqa: ANN001
+def generate(eng, photos: dict[str, bytes], n: int = 5) -> list:
     """``n`` requests, ``4 + 3k`` tokens each (the batch shrinks through the buckets)."""
     img = eng.processor.prepare_image(photos["cat.png"])
     msgs = [
@@ -97,7 +97,7 @@ def test_captured_tensor_core_decode_matches_torch(page_size: int) -> None:
 
 @needs_flashinfer
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_graph_decode_matches_eager_bf16(model_dir, photos, page_size: int) -> None:  # noqa: ANN001
+def test_graph_decode_matches_eager_bf16(model_dir, photos, page_size: int) -> None:
     runs = {}
     for graphs in (True, False):
         eng = cuda_engine(
@@ -128,7 +128,7 @@ def test_graph_decode_matches_eager_bf16(model_dir, photos, page_size: int) -> N
 
 
 @needs_flashinfer
-def test_replayed_padding_rows_write_only_the_scratch_page(model_dir, photos) -> None:  # noqa: ANN001
+def test_replayed_padding_rows_write_only_the_scratch_page(model_dir, photos) -> None:
     eng = cuda_engine(model_dir, dtype="bfloat16", page_size=4)
     pool, graphs = eng.pool, eng.runner.graphs
     assert graphs is not None and graphs.graphs
@@ -158,7 +158,7 @@ def test_replayed_padding_rows_write_only_the_scratch_page(model_dir, photos) ->
 
 
 @needs_cuda
-def test_padded_twin_with_the_torch_backend_on_cuda(model_dir, photos) -> None:  # noqa: ANN001
+def test_padded_twin_with_the_torch_backend_on_cuda(model_dir, photos) -> None:
     runs = []
     for twin in (False, True):
         eng = cuda_engine(

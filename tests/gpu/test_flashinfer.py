@@ -70,7 +70,7 @@ def _copy_pool(src: KVPool, dtype: torch.dtype) -> KVPool:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("mode", ["prefill", "partial", "decode"])
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (2, 1)], ids=["gqa4", "gqa2"])
-def test_flashinfer_matches_torch_backend(dtype, page_size: int, mode: str, hq, hkv) -> None:  # noqa: ANN001
+def test_flashinfer_matches_torch_backend(dtype, page_size: int, mode: str, hq, hkv) -> None:
     pool, meta, q, k, v = random_batch(page_size, mode, hq, hkv, dtype, device="cuda", seed=7)
     pool_t = _copy_pool(pool, dtype)
     pool_ref = _copy_pool(pool, torch.float32)
@@ -92,7 +92,7 @@ def test_flashinfer_matches_torch_backend(dtype, page_size: int, mode: str, hq, 
 
 
 # ---- engine on CUDA ------------------------------------------------------------------------
-def workload(engine: Engine, photos: dict[str, bytes]):  # noqa: ANN201
+def workload(engine: Engine, photos: dict[str, bytes]):
     """Two questions on one photo (the second hits the cache), another photo, text only."""
     cat = engine.processor.prepare_image(photos["cat.png"])
     cup = engine.processor.prepare_image(photos["coffee.png"])
@@ -110,7 +110,7 @@ def workload(engine: Engine, photos: dict[str, bytes]):  # noqa: ANN201
 
 @needs_flashinfer
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_flashinfer_matches_torch_bf16(model_dir, photos, page_size: int) -> None:  # noqa: ANN001
+def test_engine_flashinfer_matches_torch_bf16(model_dir, photos, page_size: int) -> None:
     runs = {}
     for name in ("flashinfer", "torch"):
         eng = cuda_engine(model_dir, dtype="bfloat16", attention_backend=name, page_size=page_size)
@@ -136,19 +136,19 @@ def test_engine_flashinfer_matches_torch_bf16(model_dir, photos, page_size: int)
 
 
 @needs_flashinfer
-def test_auto_on_cuda_picks_flashinfer(model_dir) -> None:  # noqa: ANN001
+def test_auto_on_cuda_picks_flashinfer(model_dir) -> None:
     eng = cuda_engine(model_dir)  # dtype auto -> bf16, backend auto
     assert eng.model.decoder.embed_tokens.weight.dtype == torch.bfloat16
     assert eng.runner.backend.name == "flashinfer"
 
 
 @needs_cuda
-def test_auto_on_cuda_fp32_picks_torch(model_dir) -> None:  # noqa: ANN001
+def test_auto_on_cuda_fp32_picks_torch(model_dir) -> None:
     assert cuda_engine(model_dir, dtype="float32").runner.backend.name == "torch"
 
 
 @needs_cuda
-def test_cuda_sampling_is_seeded(model_dir) -> None:  # noqa: ANN001
+def test_cuda_sampling_is_seeded(model_dir) -> None:
     eng = cuda_engine(model_dir, attention_backend="torch")
     p = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3)
     msgs = user("Tell me a story.")
@@ -157,7 +157,7 @@ def test_cuda_sampling_is_seeded(model_dir) -> None:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def ref_model_cuda(model_dir):  # noqa: ANN001, ANN201
+def ref_model_cuda(model_dir):
     """transformers' LLaVA in fp32 on CUDA, with TF32 off so fp32 means fp32."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
@@ -172,7 +172,7 @@ def ref_model_cuda(model_dir):  # noqa: ANN001, ANN201
 @pytest.mark.parametrize("case", ["text", "image", "two_images"])
 def test_cuda_fp32_torch_backend_matches_transformers(
     model_dir, photos, ref_model_cuda, case
-) -> None:  # noqa: ANN001, E501
+) -> None:
     eng = cuda_engine(model_dir, dtype="float32", attention_backend="torch")
     imgs = [eng.processor.prepare_image(photos[n]) for n in ("cat.png", "coffee.png")]
     msgs, images = {

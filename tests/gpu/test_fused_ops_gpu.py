@@ -40,7 +40,7 @@ def test_flashinfer_is_what_runs_on_cuda() -> None:
 @needs_flashinfer
 @DTYPES
 @pytest.mark.parametrize(("t", "h"), SHAPES)
-def test_rms_norm_and_fused_add(dtype, t, h) -> None:  # noqa: ANN001
+def test_rms_norm_and_fused_add(dtype, t, h) -> None:
     g = torch.Generator(device="cuda").manual_seed(t * h)
     x = torch.randn(t, h, device="cuda", generator=g).to(dtype) * 3
     res = torch.randn(t, h, device="cuda", generator=g).to(dtype) * 10
@@ -55,7 +55,7 @@ def test_rms_norm_and_fused_add(dtype, t, h) -> None:  # noqa: ANN001
 @needs_flashinfer
 @DTYPES
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (32, 32, 128), (8, 1, 128)])
-def test_rope_in_place_from_the_cache(dtype, hq, hkv, d) -> None:  # noqa: ANN001
+def test_rope_in_place_from_the_cache(dtype, hq, hkv, d) -> None:
     t = 45
     g = torch.Generator(device="cuda").manual_seed(hq * d)
     cache = ops.cos_sin_cache(ops.rope_inv_freq(d, 1e6), 32768).cuda()
@@ -72,7 +72,7 @@ def test_rope_in_place_from_the_cache(dtype, hq, hkv, d) -> None:  # noqa: ANN00
 @needs_flashinfer
 @DTYPES
 @pytest.mark.parametrize(("t", "i"), [(1, 4864), (8, 4864), (33, 11008)])
-def test_silu_and_mul(dtype, t, i) -> None:  # noqa: ANN001
+def test_silu_and_mul(dtype, t, i) -> None:
     g = torch.Generator(device="cuda").manual_seed(t * i)
     x = (torch.randn(t, 2 * i, device="cuda", generator=g) * 4).to(dtype)
     torch.testing.assert_close(ops.silu_and_mul(x), ops.silu_and_mul_ref(x), **TOL[dtype])

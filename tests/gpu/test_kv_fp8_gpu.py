@@ -64,7 +64,7 @@ def _fp8_pools(pool: KVPool) -> tuple[KVPool, KVPool, KVPool]:
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (2, 1)], ids=["gqa4", "gqa2"])
 def test_flashinfer_fp8_matches_attention_over_upcast_pages(
     dtype, page_size, mode, hq, hkv
-) -> None:  # noqa: ANN001, E501
+) -> None:
     pool, meta, q, k, v = random_batch(page_size, mode, hq, hkv, dtype, device="cuda", seed=11)
     pool_fi, pool_t, pool_ref = _fp8_pools(pool)
     fi = FlashInferAttentionBackend(hq, hkv, 64, "cuda", dtype, kv_dtype=FP8)
@@ -88,7 +88,7 @@ def test_flashinfer_fp8_matches_attention_over_upcast_pages(
 
 @needs_flashinfer
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_fp8_kv_flashinfer_matches_torch(model_dir, photos, page_size: int) -> None:  # noqa: ANN001
+def test_engine_fp8_kv_flashinfer_matches_torch(model_dir, photos, page_size: int) -> None:
     """Both backends over fp8 KV on CUDA: per-step logits close while the tokens agree, and
     the radix cache on equals off (same tokens) with FlashInfer."""
     runs = {}

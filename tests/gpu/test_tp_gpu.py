@@ -35,7 +35,7 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype,backend", [("float32", "torch"), ("bfloat16", "auto")])
-def test_tp2_on_two_gpus_equals_tp1(small_model_dir, dtype: str, backend: str) -> None:  # noqa: ANN001
+def test_tp2_on_two_gpus_equals_tp1(small_model_dir, dtype: str, backend: str) -> None:
     cfg = {"device": "cuda", "dtype": dtype, "attention_backend": backend}
     one = Engine(EngineConfig(model_path=str(small_model_dir), **cfg))
     ref = _run(one)

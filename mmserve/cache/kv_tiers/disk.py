@@ -349,7 +349,7 @@ class DiskTier:
                             self.write_now(ikey, tensor)
                         else:
                             self.write_features_now(ikey[len(_FEATURES.prefix) :], tensor)
-                except Exception:  # noqa: BLE001 - the writer thread must outlive one bad write
+                except Exception:
                     log.exception("KV disk tier: write failed")
                 with self._lock:
                     self._queued_bytes -= nbytes
@@ -395,7 +395,7 @@ class DiskTier:
         self.feature_writes += 1
         return True
 
-    def _write_checked(self, kind: _FileKind, key: bytes, payload: np.ndarray, *extra) -> bool:  # noqa: ANN002
+    def _write_checked(self, kind: _FileKind, key: bytes, payload: np.ndarray, *extra) -> bool:
         """Write the file of ``key``: the common header (checksum of ``payload``), the
         ``extra`` fields of ``kind``, then ``payload``, to a unique temporary file renamed
         over the final name (a reader sees a whole file or none; concurrent writers of one

@@ -314,7 +314,7 @@ class KVTiers:
                 f = self.disk.read_features(key, rows, self.feature_dim)
                 if f is not None:  # else the tower encodes the image: a miss, not an error
                     feats.append((key, f.to(self.pool.k_buffers[0].device)))
-        except Exception:  # noqa: BLE001 - a failed load is a miss, never a stuck request
+        except Exception:
             log.exception("KV disk tier: load failed")
             pages, feats = [], []
         with self._done_lock:

@@ -195,7 +195,7 @@ class _Pass:
         self.packets = self.container.demux(self.stream)
         self.start, self.cursor, self.fresh = start, start - 1, True
 
-    def _next(self):  # noqa: ANN202 - av.Packet or None at the end
+    def _next(self):
         try:
             packet = next(self.packets)
         except StopIteration:
@@ -205,7 +205,7 @@ class _Pass:
             return None
         return None if packet.size == 0 else packet
 
-    def _send(self, packet) -> None:  # noqa: ANN001 - av.Packet
+    def _send(self, packet) -> None:
         ix = self.ix
         i: int | None
         if packet.is_discard:
@@ -254,7 +254,7 @@ class _Pass:
             self.last_error = _reason(e)
         self._fail_all(self.last_error or "no frame returned (the stream ends early)")
 
-    def _take(self, frame) -> None:  # noqa: ANN001 - av.VideoFrame
+    def _take(self, frame) -> None:
         if self.ix.timed:
             i = self.ix.by_pts.get(frame.pts)
         else:
@@ -340,7 +340,7 @@ class Video:
             self._read(container, limits, image_limits, shortest_edge)
         except VideoError:
             raise
-        except Exception as e:  # noqa: BLE001 - PyAV failing on hostile data: the data's fault
+        except Exception as e:
             log.warning("video probe failed on client data", exc_info=True)
             raise VideoError(
                 f"data is not a decodable video (corrupt or truncated): {_reason(e)}"
@@ -453,7 +453,7 @@ class Video:
             arrays, failed = _Pass(self, wanted).run()
         except VideoError:
             raise
-        except Exception as e:  # noqa: BLE001 - PyAV failing on hostile data: frames lost
+        except Exception as e:
             log.warning("video decode failed on client data", exc_info=True)
             arrays, failed = {}, dict.fromkeys(wanted, _reason(e))
         times = self.info.frame_times

@@ -94,7 +94,7 @@ class _Index:
         return self.keys[k]
 
 
-def _open(data: bytes):  # noqa: ANN202 - av.container.InputContainer
+def _open(data: bytes):
     import av
 
     return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
@@ -106,7 +106,7 @@ _NO_DECODER = (
 )
 
 
-def _video_stream(container: object):  # noqa: ANN202 - av.VideoStream
+def _video_stream(container: object):
     """The video stream FFmpeg's command line picks by default (``av_find_best_stream``:
     not a cover picture, the largest and most decoded), not simply the first: a phone's
     thumbnail track or a cover image may come before the video."""
