@@ -1222,6 +1222,8 @@ def test_a_sigkill_of_the_whole_process_mid_batch_resumes_without_rerunning_line
                 r["response"]["body"]["choices"][0]["message"]["content"]
             )
         for cid in ("k0", "k1", "k2", "k3"):  # one line per distinct prompt: greedy answers
-            online = chat(url, bodies[cid]["messages"], max_tokens=24, ignore_eos=True).json()
+            body = bodies[cid]
+            online = chat(url, body["messages"], max_tokens=body["max_tokens"], ignore_eos=True)
+            online = online.json()
             prompt = bodies[cid]["messages"][0]["content"][0]["text"]
             assert answers[prompt] == {online["choices"][0]["message"]["content"]}
