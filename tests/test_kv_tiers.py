@@ -353,6 +353,23 @@ def test_fp8_pages_round_trip_through_a_tier(make_engine, imgs, tmp_path: Path, 
     eng.close()
 
 
+def test_closing_an_engine_twice_returns_at_once(make_engine, imgs, tmp_path: Path) -> None:
+    """A second ``close`` (and a disk tier's ``flush`` after its ``close``) does not wait out
+    its timeout on a writer thread that has stopped: it used to cost 2 x 60 s."""
+    eng = make_engine(kv_disk_dir=str(tmp_path))
+    _rounds(eng, imgs, rounds=1)
+    assert eng.close() > 0
+    done: list[object] = []
+    second = threading.Thread(
+        target=lambda: done.append((eng.close(timeout=3600), eng.tiers.disk.flush(3600))),
+        daemon=True,  # a failure here must not hold the test run for an hour
+    )
+    second.start()
+    second.join(30)
+    assert not second.is_alive(), "a second close waits on a stopped writer"
+    assert done == [(0, True)]
+
+
 def test_restart_reuses_disk_pages(make_engine, imgs, tmp_path: Path) -> None:
     first = make_engine(kv_disk_dir=str(tmp_path))
     before = _rounds(first, imgs, rounds=1)

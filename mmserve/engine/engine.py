@@ -133,6 +133,7 @@ class EngineCore:
         self.processors = LogitsProcessors(shape.vocab_size, model.eos_token_ids, config.device)
         self.stats = EngineStats()
         self._stop_hits: list[str] = []  # requests the front end saw hit a stop string
+        self._closed = False
 
     def set_feature_source(self, source) -> None:
         """Ask ``source`` for the features of items the embedding cache misses before the
@@ -246,8 +247,11 @@ class EngineCore:
         processes (if any). Call when the engine no longer steps.
 
         Returns:
-            Pages written.
+            Pages written (0 on a second call: closing twice is a no-op).
         """
+        if self._closed:
+            return 0
+        self._closed = True
         written = 0
         if self.tiers is not None:
             written = self.scheduler.flush_tiers(timeout)

@@ -316,13 +316,15 @@ class DiskTier:
         """
         if not self.enabled:
             return True
+        if not self._thread.is_alive():  # closed: nothing will drain the queue
+            return self._queue.empty()
         done = threading.Event()
         self._queue.put(done)
         return done.wait(timeout)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued writes, then stop the writer thread."""
-        if not self.enabled:
+        if not self.enabled or self._stop:
             return
         self.flush(timeout)
         self._stop = True
