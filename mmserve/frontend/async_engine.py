@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from mmserve.frontend.frontend import Engine
 from mmserve.frontend.output import StreamUpdate
@@ -35,7 +35,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: list[Callable[[], None]] = []
+        self._inbox: list[Callable[[], object]] = []
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
@@ -52,7 +52,7 @@ class AsyncEngine:
             self._cv.notify()
         self._thread.join(timeout=30)
 
-    def call(self, fn: Callable[[], None]) -> None:
+    def call(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the engine thread before its next step."""
         with self._cv:
             self._inbox.append(fn)
@@ -117,7 +117,7 @@ class AsyncEngine:
         """Engine steps that failed in a row (0 after any step succeeds)."""
         return self.engine.stats.consecutive_failed_steps
 
-    async def deltas(self, req: EngineRequest) -> AsyncIterator[TokenDelta]:
+    async def deltas(self, req: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         """Submit ``req`` and yield its :class:`TokenDelta` messages, the last with its
         finish reason. Closing the iterator early aborts the request (its KV is kept)."""
         loop = asyncio.get_running_loop()
