@@ -16,10 +16,13 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TypeVar
 
 from mmserve.frontend.frontend import Engine
 from mmserve.frontend.output import StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult, TokenDelta
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +61,10 @@ class AsyncEngine:
             self._inbox.append(fn)
             self._cv.notify()
 
-    async def run_on_engine(self, fn: Callable[[], object]) -> object:
+    async def run_on_engine(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread and await its return value (or exception)."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
+        fut: asyncio.Future[T] = loop.create_future()
 
         def task() -> None:
             try:
