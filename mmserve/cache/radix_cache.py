@@ -500,15 +500,22 @@ class RadixCache:
             raise ValueError("page_keys needs a tree built with page_hasher")
         if node is self.root:
             return []
-        todo = []
-        while node is not self.root and node is not None and node.hkeys is None:
-            todo.append(node)
-            node = node.parent
+        todo: list[TreeNode] = []
+        up: TreeNode | None = node
+        while up is not self.root and up is not None and up.hkeys is None:
+            todo.append(up)
+            up = up.parent
         for n in reversed(todo):
             p = n.parent
-            parent_key = self.root_key if p is None or p is self.root else p.hkeys[-1]
+            if p is None or p is self.root:
+                parent_key = self.root_key
+            else:
+                assert p.hkeys is not None  # where the walk stopped, or set just before
+                parent_key = p.hkeys[-1]
             n.hkeys = self._hasher(parent_key, n.key)
-        return (todo[0] if todo else node).hkeys
+        keys = (todo[0] if todo else node).hkeys
+        assert keys is not None  # set above, or the walk stopped at once because node has them
+        return keys
 
     def last_page_key(self, node: TreeNode) -> bytes:
         """Content key of the last page covered by ``node`` (``root_key`` for the root)."""

@@ -36,6 +36,7 @@ from mmserve.cache.kv_pool import KVPool
 from mmserve.config import EngineConfig
 from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.metadata import PaddedDecodeBuffers
+from mmserve.model.llama import DecoderStack, token_embedding
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class DecodeGraphRunner:
 
     def __init__(
         self,
-        decoder: torch.nn.Module,
+        decoder: DecoderStack,
         backend: AttentionBackend,
         pool: KVPool,
         logit_mask: torch.Tensor,
@@ -169,7 +170,7 @@ class DecodeGraphRunner:
         """The padded batch's logits ``[bucket, vocab]`` fp32 from the static buffers
         (what a graph captures: embedding, decoder, LM head, logit mask)."""
         b = self.buffers
-        embeds = self.decoder.embed_tokens(b.input_ids[:bucket])
+        embeds = token_embedding(self.decoder)(b.input_ids[:bucket])
         logits = self.decoder(
             embeds, b.positions[:bucket], self.backend, self.pool, b.logit_rows[:bucket]
         )

@@ -44,6 +44,7 @@ from mmserve.engine.step import (
     token_delta,
 )
 from mmserve.model.kv_scales import read_kv_scales
+from mmserve.model.llama import token_embedding
 from mmserve.model.loader import LoadedModel, load_model
 from mmserve.model.quant import check_quantization
 from mmserve.structured.compile import GrammarCache, new_state
@@ -98,7 +99,7 @@ class EngineCore:
         scales = None  # fp8 KV: the checkpoint's per-layer scales, if it has them
         if config.kv_fp8() and config.model_path is not None:
             scales = read_kv_scales(config.model_path, shape.num_layers)
-        dtype = model.decoder.embed_tokens.weight.dtype
+        dtype = token_embedding(model.decoder).weight.dtype
         self.pool = KVPool.for_model(config, shape, dtype, scales)
         self.embedding_cache = EmbeddingCache(config.vision_cache_bytes)
         # host/disk KV tiers behind the tree (None when off): see mmserve.cache.kv_tiers;
@@ -114,8 +115,9 @@ class EngineCore:
             config.attention_backend,
             tiers=self.tiers,
         )
-        if hasattr(model.decoder, "bind"):  # tensor parallel: broadcasts each batch's plan
-            model.decoder.bind(self.runner)
+        bind = getattr(model.decoder, "bind", None)
+        if bind is not None:  # tensor parallel: broadcasts each batch's plan
+            bind(self.runner)
         max_bs, capture, why = graph_mode(config, self.runner.backend)
         if max_bs:  # after the pool: graphs capture over its buffers
             self.runner.enable_graphs(max_bs, capture)
@@ -163,7 +165,7 @@ class EngineCore:
         return {
             "family": model.family.name,
             "parameters": sum(p.numel() for m in modules for p in m.parameters()),
-            "dtype": str(model.decoder.embed_tokens.weight.dtype).removeprefix("torch."),
+            "dtype": str(token_embedding(model.decoder).weight.dtype).removeprefix("torch."),
             "kv_dtype": kv_dtype_name(pool.dtype),
             "pool_pages": pool.num_pages,
             "page_size": pool.page_size,
@@ -199,6 +201,7 @@ class EngineCore:
         req.arrival = msg.arrival
         req.priority = msg.priority
         if msg.grammar is not None:
+            assert msg.params.guided is not None  # the grammar is compiled from it
             req.grammar = new_state(msg.grammar, msg.params.guided)
         req.generator = make_generator(msg.params, self.config.device)
         return req
@@ -265,9 +268,10 @@ class EngineCore:
         """:meth:`cache_stats` plus used pages, the KV pool's dtype (``kv_cache_dtype``:
         "fp8_e4m3" or the model dtype's name) and bytes per token, live requests and, when
         no request is live, the pool accounting check (``{"ok": bool, ...}``; None while busy)."""
-        stats = dict(self.cache_stats())
+        cache = self.cache_stats()
+        stats: dict[str, object] = dict(cache)
         # used: held by requests, so used + evictable + free = pool (disjoint states)
-        stats["used_pages"] = stats["pool_pages"] - stats["free_pages"] - stats["evictable_pages"]
+        stats["used_pages"] = cache["pool_pages"] - cache["free_pages"] - cache["evictable_pages"]
         stats["kv_cache_dtype"] = kv_dtype_name(self.pool.dtype)
         stats["kv_bytes_per_token"] = self.pool.bytes_per_token()
         stats["live_requests"] = len(self.live_requests())
@@ -312,6 +316,7 @@ class EngineCore:
             return []
         batch, rows = logit_rows(self.scheduler, decode, chunks, logits)
         if batch:
+            assert rows is not None  # logit_rows gives rows with every non-empty batch
             self._sample_and_update(batch, self._processed(batch, rows))
         return batch
 
@@ -329,26 +334,31 @@ class EngineCore:
         """``rows`` ``[len(batch), vocab]`` after logit_bias and penalties, then the
         grammar masks, then min_tokens (which yields to a grammar that allows only end of
         sequence): see :mod:`mmserve.engine.sampling`."""
-        rows = self.processors.apply(batch, rows)
-        rows = self.guided.apply_masks(batch, rows)
-        rows = self.processors.apply_min_tokens(batch, rows)
-        if not isinstance(rows, torch.Tensor):
-            rows = torch.stack(list(rows))
-        return rows
+        out = self.processors.apply(batch, rows)
+        out = self.guided.apply_masks(batch, out)
+        out = self.processors.apply_min_tokens(batch, out)
+        if not isinstance(out, torch.Tensor):
+            out = torch.stack(list(out))
+        return out
 
     def _sample_and_update(self, batch: list[Request], rows: torch.Tensor) -> None:
         """Sample each request's token from its row of ``rows`` (``[len(batch), vocab]``)
         and append it: the whole batch at once (one host-device sync), row by row when
         that raises; a row whose sampling or bookkeeping raises fails only its request."""
         now = time.perf_counter()
+        sampled: tuple[list[int], list[TokenLogprob | None]] | None  # tokens, logprobs
         try:
             tokens = sample_batch(rows, [r.params for r in batch], [r.generator for r in batch])
-            lps = batch_logprobs(rows, tokens, [r.params.logprobs for r in batch])
+            sampled = tokens, batch_logprobs(rows, tokens, [r.params.logprobs for r in batch])
         except Exception:  # noqa: BLE001 - row by row below, failing only the bad row
-            tokens = lps = None
+            sampled = None
         for i, req in enumerate(batch):
             try:
-                tok, lp = self._sample_row(req, rows[i]) if tokens is None else (tokens[i], lps[i])
+                tok, lp = (
+                    self._sample_row(req, rows[i])
+                    if sampled is None
+                    else (sampled[0][i], sampled[1][i])
+                )
                 self._append_token(req, rows[i], tok, lp, now)
             except Exception:  # noqa: BLE001 - sampling or its bookkeeping failed for this one
                 self._fail([req], "while sampling its next token")
@@ -410,6 +420,7 @@ class EngineCore:
             if adv.token != tok:  # re-tokenized at a jump: its logprob from the same row
                 tok = adv.token
                 if logprob is not None:
+                    assert p.logprobs is not None  # a logprob is there only when asked
                     logprob = token_logprob(logits, tok, p.logprobs)
         if req.first_token_time is None:
             req.first_token_time = now
@@ -417,6 +428,7 @@ class EngineCore:
             if req.logits is not None:
                 req.logits.append(logits.detach().cpu().clone())
             if req.logprobs is not None:
+                assert logprob is not None  # both there when params.logprobs is set
                 req.logprobs.append(logprob)
             req.output_ids.append(tok)
             if tok in self.model.eos_token_ids and not p.ignore_eos:

@@ -28,6 +28,7 @@ from mmserve.engine.cuda_graph import DecodeGraphRunner
 from mmserve.engine.request import Request
 from mmserve.kernels.metadata import build_metadata
 from mmserve.kernels.select import make_attention_backend
+from mmserve.model.llama import token_embedding
 from mmserve.model.loader import LoadedModel
 from mmserve.vision.embedding_cache import EmbeddingCache
 from mmserve.vision.inputs import ImageInput
@@ -79,7 +80,7 @@ class ModelRunner:
         self.vision_tower_images = 0
         self.vision_counts: dict[str, list[int]] = {}
         self.vision_times: dict[str, tuple[float, float]] = {}
-        self.dtype = model.decoder.embed_tokens.weight.dtype
+        self.dtype = token_embedding(model.decoder).weight.dtype
         shape = model.decoder.shape
         # The model's actual dtype, not the config's: tests hand in pre-loaded models.
         self.backend = make_attention_backend(
@@ -240,7 +241,7 @@ class ModelRunner:
         for r, s, e in zip(reqs, starts, ends, strict=True):
             ids_all.extend(r.ids_slice(s, e))
         ids = torch.tensor(ids_all, dtype=torch.int64, device=self.device)
-        embeds = self.model.decoder.embed_tokens(ids.clamp(min=0))
+        embeds = token_embedding(self.model.decoder)(ids.clamp(min=0))
         for tid, vec in self.fixed_embeddings.items():
             embeds[ids == tid] = vec.to(embeds.dtype)
         offset = 0
@@ -266,7 +267,7 @@ class ModelRunner:
                 [r.output_ids[-1] for r in reqs],
             )
         ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
-        embeds = self.model.decoder.embed_tokens(ids)
+        embeds = token_embedding(self.model.decoder)(ids)
         prefix = [r.computed_len for r in reqs]
         return self._run([r.pages for r in reqs], prefix, [1] * len(reqs), embeds, None)
 

@@ -70,7 +70,7 @@ def _dfs_weight(items: list[tuple[Request, MatchResult]]) -> list[tuple[Request,
     at_node: dict[int, list[tuple[Request, MatchResult]]] = {}
     root: TreeNode | None = None
     for it in items:
-        node = it[1].last_node
+        node: TreeNode | None = it[1].last_node
         at_node.setdefault(id(node), []).append(it)
         while node is not None:
             weight[id(node)] = weight.get(id(node), 0) + 1

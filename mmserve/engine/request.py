@@ -14,6 +14,7 @@ from mmserve.cache.page_table import PageTable
 from mmserve.types import SamplingParams, TokenLogprob, new_rid
 
 if TYPE_CHECKING:
+    from mmserve.cache.radix_cache import TreeNode
     from mmserve.engine.sampling import ProcessorState
     from mmserve.structured.compile import GrammarState
     from mmserve.types import TokenDelta
@@ -64,7 +65,7 @@ class Request:
         self.admit_len = 0
         self.computed_len = 0
         self.tree_len = 0
-        self.last_node = None
+        self.last_node: TreeNode | None = None  # set at admission, None while waiting
         self.finish_reason: str | None = None
         self.images_needing_vision = 0
         self.vision_tower_runs = 0

@@ -138,21 +138,22 @@ def batch_logprobs(
     logp = torch.log_softmax(rows[want].float(), dim=-1)
     chosen = logp.gather(1, torch.tensor([tokens[i] for i in want], device=logp.device)[:, None])
     k = min(max(tops[i] or 0 for i in want), logp.shape[1])
-    values = ids = None
+    values: list[list[float]] = []  # [len(want), k] (k = 0: no row asks alternatives)
+    ids: list[list[int]] = []
     if k > 0:
-        values, ids = torch.topk(logp, k, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
-    chosen = chosen[:, 0].tolist()
+        top_values, top_ids = torch.topk(logp, k, dim=-1)
+        values, ids = top_values.tolist(), top_ids.tolist()
+    chosen_logp: list[float] = chosen[:, 0].tolist()
     for j, i in enumerate(want):
         top = tops[i] or 0
-        alts = []
+        alts: list[tuple[int, float]] = []
         if top > 0:
             alts = [
                 (t, v)
                 for t, v in zip(ids[j][:top], values[j][:top], strict=True)
                 if v != float("-inf")  # masked ids (a grammar may allow fewer than ``top``)
             ]
-        out[i] = TokenLogprob(tokens[i], chosen[j], alts)
+        out[i] = TokenLogprob(tokens[i], chosen_logp[j], alts)
     return out
 
 
@@ -235,8 +236,20 @@ class ProcessorState:
         """Output counts as a dense fp32 ``[vocab_size]`` (tests, debugging)."""
         dense = torch.zeros(vocab_size, dtype=torch.float32)
         if self.ids is not None:
-            dense[self.ids.cpu()] = self.out_counts.cpu()
+            ids, out_counts = self.penalised()
+            dense[ids.cpu()] = out_counts.cpu()
         return dense
+
+    def penalised(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, out_counts)`` of a request with a penalty (set together, at its first
+        :meth:`LogitsProcessors.state`)."""
+        assert self.ids is not None and self.out_counts is not None
+        return self.ids, self.out_counts
+
+    def bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(bias_ids, bias_values)`` of a request with a ``logit_bias`` (set together)."""
+        assert self.bias_ids is not None and self.bias_values is not None
+        return self.bias_ids, self.bias_values
 
 
 class LogitsProcessors:
@@ -285,7 +298,7 @@ class LogitsProcessors:
             st.counted = len(req.output_ids)
             self._track(st, new)
             where = torch.tensor([st.position[t] for t in new], device=self.device)
-            st.out_counts.index_put_(
+            st.penalised()[1].index_put_(
                 (where,), torch.ones(len(new), device=self.device), accumulate=True
             )
         return st
@@ -313,8 +326,9 @@ class LogitsProcessors:
                 st.position[t] = len(st.position)
                 fresh.append(t)
         if fresh:
-            st.ids = torch.cat([st.ids, torch.tensor(fresh, dtype=torch.long, device=self.device)])
-            st.out_counts = torch.cat([st.out_counts, torch.zeros(len(fresh), device=self.device)])
+            old_ids, old_counts = st.penalised()
+            st.ids = torch.cat([old_ids, torch.tensor(fresh, dtype=torch.long, device=self.device)])
+            st.out_counts = torch.cat([old_counts, torch.zeros(len(fresh), device=self.device)])
 
     def apply(self, reqs: Sequence[Request], rows: Rows) -> Rows:
         """Add ``logit_bias`` and apply the penalties to the rows of requests that ask.
@@ -340,20 +354,20 @@ class LogitsProcessors:
             sts = [states[i] for i in idx]
             ks = [k for k, st in enumerate(sts) if st.bias_ids is not None]
             if ks:
-                r, cols = self._cells(at, ks, [sts[k].bias_ids for k in ks])
-                x[r, cols] = x[r, cols] + torch.cat([sts[k].bias_values for k in ks])
+                r, cols = self._cells(at, ks, [sts[k].bias()[0] for k in ks])
+                x[r, cols] = x[r, cols] + torch.cat([sts[k].bias()[1] for k in ks])
             ks = [k for k, p in enumerate(params) if p.repetition_penalty != 1.0]
             if ks:
-                r, cols = self._cells(at, ks, [sts[k].ids for k in ks])
+                r, cols = self._cells(at, ks, [sts[k].penalised()[0] for k in ks])
                 pen = self._per_cell([params[k].repetition_penalty for k in ks], sts, ks)
                 v = x[r, cols]
                 x[r, cols] = torch.where(v > 0, v / pen, v * pen)
             ks = [k for k, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
             if ks:
-                r, cols = self._cells(at, ks, [sts[k].ids for k in ks])
+                r, cols = self._cells(at, ks, [sts[k].penalised()[0] for k in ks])
                 f = self._per_cell([params[k].frequency_penalty for k in ks], sts, ks)
                 pr = self._per_cell([params[k].presence_penalty for k in ks], sts, ks)
-                c = torch.cat([sts[k].out_counts for k in ks])
+                c = torch.cat([sts[k].penalised()[1] for k in ks])
                 x[r, cols] = x[r, cols] - (f * c + pr * (c > 0).float())
             return _from_matrix(rows, idx, x)
 
@@ -387,7 +401,7 @@ class LogitsProcessors:
             g = [k for k, i in enumerate(idx) if reqs[i].grammar is not None]
             before = x[r[g], self.stop_ids] if g else None  # [len(g), stops]
             x[r, self.stop_ids] = float("-inf")
-            if g:
+            if before is not None:  # g: the constrained rows
                 rg = r[g]
                 left = (x[rg.squeeze(1)] > float("-inf")).any(dim=1, keepdim=True)
                 x[rg, self.stop_ids] = torch.where(left, x[rg, self.stop_ids], before)
@@ -406,7 +420,7 @@ class LogitsProcessors:
         self, values: list[float], sts: list[ProcessorState], ks: list[int]
     ) -> torch.Tensor:
         """``values[j]`` repeated once per id of ``sts[ks[j]]`` (fp32 ``[cells]``)."""
-        lens = [len(sts[k].ids) for k in ks]
+        lens = [len(sts[k].penalised()[0]) for k in ks]
         v = torch.tensor(values, dtype=torch.float32, device=self.device)
         return v.repeat_interleave(torch.tensor(lens, device=self.device), output_size=sum(lens))
 

@@ -31,6 +31,7 @@ from ray.exceptions import RayActorError
 from mmserve.fleet.protocol import ControlCall, Hello, ReplicaRequest, SpanRef
 from mmserve.fleet.registry import find_router
 from mmserve.frontend.output import OutputCollector, StreamUpdate
+from mmserve.frontend.token_bytes import Tokenizer
 from mmserve.lru import LRU
 from mmserve.types import EngineRequest, GenerateResult, TokenDelta
 from mmserve.vision.inputs import ImageInput
@@ -79,7 +80,7 @@ class ReplicaClient:
         self,
         handle,
         app_name: str,
-        tokenizer: object,
+        tokenizer: Tokenizer,
         max_pixel_bytes: int = 1 << 30,
         accept_seconds: float = ACCEPT_SECONDS,
     ) -> None:

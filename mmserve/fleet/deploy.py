@@ -34,9 +34,10 @@ def loopback_only() -> None:
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None:  # ray imported already: its constant was read at import
-        constants.ENABLE_RAY_CLUSTER = False
+    if "ray._private.ray_constants" in sys.modules:  # its constant was read at import
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def init_ray_local(num_cpus: int | None = None) -> None:
@@ -88,7 +89,8 @@ def bind_fleet(
     rs.validate()
     tree_tokens = rs.router_max_tree_tokens or config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
     router = RequestRouterConfig(
-        request_router_class=ROUTER_CLASSES[rs.replica_router],
+        # Ray annotates RequestRouterConfig's **kwargs as dicts
+        request_router_class=ROUTER_CLASSES[rs.replica_router],  # type: ignore[arg-type]
         request_router_kwargs={
             "cache_threshold": rs.router_cache_threshold,
             "balance_abs_threshold": rs.router_balance_abs_threshold,
@@ -99,7 +101,9 @@ def bind_fleet(
         },
     )
     threads = max(1, int(rs.cpus_per_replica))
-    replicas = serve.deployment(EngineReplica, name="EngineReplica").options(
+    # serve.deployment(name=...) then the class: what serve.deployment(cls, name=...) does,
+    # in the form Ray's annotation describes
+    replicas = serve.deployment(name="EngineReplica")(EngineReplica).options(
         num_replicas=rs.replicas,
         ray_actor_options=rs.actor_options(config.device, config.tp),
         max_ongoing_requests=max_queued_requests + config.max_running_requests + _CONTROL_SLACK,
@@ -113,12 +117,14 @@ def bind_fleet(
         from mmserve.fleet.encoder import KeyAffinityRouter, VisionEncoder
 
         encoders = (
-            serve.deployment(VisionEncoder, name="VisionEncoder")
+            serve.deployment(name="VisionEncoder")(VisionEncoder)
             .options(
                 num_replicas=rs.encoders,
                 ray_actor_options=rs.encoder_options(config.device),
                 max_ongoing_requests=1024,
-                request_router_config=RequestRouterConfig(request_router_class=KeyAffinityRouter),
+                request_router_config=RequestRouterConfig(
+                    request_router_class=KeyAffinityRouter  # type: ignore[arg-type]  # as above
+                ),
                 health_check_period_s=5.0,
             )
             .bind(config, max(1, int(rs.cpus_per_encoder)), rs.encoder_cache_bytes)

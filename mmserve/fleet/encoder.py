@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
@@ -40,6 +40,10 @@ from mmserve.config import EngineConfig
 from mmserve.fleet import registry
 from mmserve.fleet.protocol import ControlCall
 from mmserve.lru import LRU
+
+if TYPE_CHECKING:
+    import torch
+    from ray.serve.handle import DeploymentResponse
 
 log = logging.getLogger(__name__)
 
@@ -284,14 +288,14 @@ class EncoderClient:
 
     def __call__(self, items: list) -> list:
         """Features ``[tokens, text_hidden]`` (CPU) or None per item (``RemoteImage`` s)."""
-        pending = []
+        pending: list[DeploymentResponse | None] = []
         for im in items:
             ref = getattr(im, "pixels_ref", None)
             if ref is None:  # not a replica's item: nothing to send
                 pending.append(None)
                 continue
             pending.append(self.handle.encode.remote(EncodeCall(im.key, im.mode, ref)))
-        out = []
+        out: list[torch.Tensor | None] = []
         deadline = time.monotonic() + self.timeout
         for im, resp in zip(items, pending, strict=True):
             if resp is None:

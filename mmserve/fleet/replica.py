@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -31,6 +32,11 @@ from mmserve.frontend.async_engine import AsyncEngine
 from mmserve.frontend.frontend import Engine
 from mmserve.types import EngineRequest, TokenDelta
 from mmserve.vision.inputs import ImageInput, ImageSpan
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from mmserve.vision.pixels import Pixels
 
 #: Seconds a stopping replica may spend writing its KV pages to the disk tier (on top of
 #: the grace period its requests get; see ``build_application``).
@@ -48,26 +54,33 @@ class RemoteImage(ImageInput):
         on_fetch: called once when the pixels are fetched.
     """
 
-    def __init__(self, key: bytes, mode: str, pixels: object, on_fetch) -> None:
+    def __init__(
+        self, key: bytes, mode: str, pixels: ObjectRef[Pixels], on_fetch: Callable[[], object]
+    ) -> None:
         self.key = key
         self.mode = mode
         self.image = None
         self.features = None
         self.source = None
         self._ref = pixels
-        self._pixels = None
+        self._pixels: Pixels | None = None
         self._on_fetch = on_fetch
 
     @property
-    def pixels(self):
+    def pixels(self) -> Pixels:
         """The item's ``Pixels``, fetched from the object store on first use."""
         if self._pixels is None:
             self._pixels = ray.get(self._ref)
             self._on_fetch()
         return self._pixels
 
+    @pixels.setter
+    def pixels(self, value: Pixels | None) -> None:
+        # writable, as ImageInput's field is: a value set here needs no fetch
+        self._pixels = value
+
     @property
-    def pixels_ref(self) -> object:
+    def pixels_ref(self) -> ObjectRef[Pixels]:
         """The ``ObjectRef`` of the pixels (what an encoder fetches instead)."""
         return self._ref
 
@@ -221,7 +234,7 @@ class EngineReplica:
         aengine = getattr(self, "aengine", None)
         if aengine is None:  # the constructor failed, or already shut down
             return 0
-        self.aengine = None
+        del self.aengine  # a later call finds none
         aengine.call(lambda: self.engine.abort_all("abort"))
         aengine.stop()
         return self.engine.close(timeout)

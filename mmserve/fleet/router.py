@@ -39,6 +39,7 @@ import itertools
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -106,7 +107,7 @@ class _Tracking:
         # bounded for requests cancelled before being routed
         self._decisions: LRU[str, tuple[set[str], str, int | None]] = LRU(max_items=4096)
         self._owner: dict[str, str] = {}
-        dep = self._deployment_id
+        dep = self._deployment_id  # type: ignore[attr-defined]  # RequestRouter's (a mixin)
         registry.register(dep.app_name, dep.name, self)
 
     # ---- Ray Serve hooks ---------------------------------------------------
@@ -247,7 +248,7 @@ class _Tracking:
         held (the router's prediction of cached tokens), tree size; and totals."""
         with self._lock:
             uids = sorted(set(self._trees) | set(self._routed))
-            replicas = {}
+            replicas: dict[str, dict[str, Any]] = {}
             for uid in uids:
                 approx = self._trees.get(uid)
                 routed = self._routed_tokens.get(uid, 0)

@@ -15,11 +15,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TypeVar
 
 from mmserve.frontend.frontend import Engine
 from mmserve.frontend.output import StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult, TokenDelta
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: list[Callable[[], None]] = []
+        self._inbox: list[Callable[[], object]] = []
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
@@ -52,16 +55,16 @@ class AsyncEngine:
             self._cv.notify()
         self._thread.join(timeout=30)
 
-    def call(self, fn: Callable[[], None]) -> None:
+    def call(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the engine thread before its next step."""
         with self._cv:
             self._inbox.append(fn)
             self._cv.notify()
 
-    async def run_on_engine(self, fn: Callable[[], object]) -> object:
+    async def run_on_engine(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread and await its return value (or exception)."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
+        fut: asyncio.Future[T] = loop.create_future()
 
         def task() -> None:
             try:
@@ -117,7 +120,7 @@ class AsyncEngine:
         """Engine steps that failed in a row (0 after any step succeeds)."""
         return self.engine.stats.consecutive_failed_steps
 
-    async def deltas(self, req: EngineRequest) -> AsyncIterator[TokenDelta]:
+    async def deltas(self, req: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         """Submit ``req`` and yield its :class:`TokenDelta` messages, the last with its
         finish reason. Closing the iterator early aborts the request (its KV is kept)."""
         loop = asyncio.get_running_loop()

@@ -22,6 +22,10 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmserve.frontend.token_bytes import Tokenizer
 
 #: U+FFFD, what a decoder writes for bytes that are not (yet) a whole UTF-8 character.
 REPLACEMENT = "\ufffd"
@@ -74,7 +78,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: object, skip_special_tokens: bool = True, context: Sequence[int] = ()
+        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()
     ) -> None:
         skip = skip_special_tokens
         backend = getattr(tokenizer, "_tokenizer", None)
@@ -145,7 +149,7 @@ class TextStream:
 
     def __init__(
         self,
-        tokenizer: object,
+        tokenizer: Tokenizer,
         stop: Sequence[str] = (),
         min_tokens: int = 0,
         context: Sequence[int] = (),

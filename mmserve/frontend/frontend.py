@@ -157,4 +157,8 @@ class Engine(EngineCore):
                 raise RuntimeError(f"engine idle with unfinished requests {stuck}")
             self.step()
         self._abort_stopped()
-        return [c.result for c in collectors]
+        results: list[GenerateResult] = []
+        for c in collectors:
+            assert c.result is not None  # the loop above ran until every one finished
+            results.append(c.result)
+        return results

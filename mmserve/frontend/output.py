@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from mmserve.frontend.detokenizer import TextStream
+from mmserve.frontend.token_bytes import Tokenizer
 from mmserve.types import GenerateResult, SamplingParams, TokenDelta, TokenLogprob
 
 
@@ -63,7 +64,7 @@ class OutputCollector:
     def __init__(
         self,
         rid: str,
-        tokenizer: object,
+        tokenizer: Tokenizer,
         params: SamplingParams,
         prompt_tokens: int,
         arrival: float,

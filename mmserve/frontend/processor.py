@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from mmserve.config import EngineConfig
 from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions, PromptBuilder, PromptError
@@ -46,6 +47,11 @@ from mmserve.vision.video import (
     VideoLimits,
     undecodable_message,
 )
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from mmserve.vision.pixels import Pixels
 
 
 class RequestError(ValueError):
@@ -154,7 +160,7 @@ class InputProcessor:
                 return base
             return self._decoded(data, None, lambda im: self._prepared(base, im, mode))
 
-        def use(im: object) -> ImageInput:
+        def use(im: Image.Image) -> ImageInput:
             item = ImageInput(image_key(im, self.fingerprint), im, source=data)
             if mode is None:
                 return item
@@ -168,17 +174,17 @@ class InputProcessor:
             return None
         return self.embedding_cache.peek(self.model.family.mode_item(item, mode).key)
 
-    def _prepared(self, item: ImageInput, im: object, mode: str) -> ImageInput:
+    def _prepared(self, item: ImageInput, im: Image.Image, mode: str) -> ImageInput:
         """``item`` without its decoded image, with its tower input in ``mode`` unless
         the embedding cache holds its features."""
         ready = None if self._cached(item, mode) is not None else self._preprocess(im, mode)
         return dataclasses.replace(item, image=None, pixels=ready, features=None)
 
-    def _preprocess(self, im: object, mode: str):
+    def _preprocess(self, im: Image.Image, mode: str) -> Pixels:
         return self.model.family.preprocess([im], mode)[0]
 
     def _decoded(
-        self, data: bytes, pixels: RequestPixels | None, use: Callable[[object], ImageInput]
+        self, data: bytes, pixels: RequestPixels | None, use: Callable[[Image.Image], ImageInput]
     ) -> ImageInput:
         """``use(decoded image)`` with the decoded bytes held in the server-wide budget
         (and charged to ``pixels``) from the header check until ``use`` returns."""
@@ -211,6 +217,7 @@ class InputProcessor:
         done: dict[bytes, ImageInput] = {}
         for it in items:
             if it.key not in done:
+                assert it.image is not None  # frames come decoded (see above)
                 pixels = self._preprocess(it.image, mode)
                 done[it.key] = dataclasses.replace(it, image=None, pixels=pixels, features=None)
             out.append(done[it.key])
@@ -316,17 +323,17 @@ class InputProcessor:
         return out
 
     def _finish_item(self, item: ImageInput) -> ImageInput:
-        bare = {"image": None, "source": None}
         feats = self.embedding_cache.peek(item.key) if self.embedding_cache is not None else None
         if feats is not None:
-            return dataclasses.replace(item, pixels=None, features=feats, **bare)
+            return dataclasses.replace(item, pixels=None, features=feats, image=None, source=None)
         if item.pixels is not None and item.pixels.mode == item.mode:
-            return dataclasses.replace(item, features=None, **bare)
+            return dataclasses.replace(item, features=None, image=None, source=None)
+        ready: Pixels | None
         if item.image is not None:
             ready = self._preprocess(item.image, item.mode)
         elif item.source is not None:
 
-            def use(im: object) -> ImageInput:
+            def use(im: Image.Image) -> ImageInput:
                 return dataclasses.replace(item, pixels=self._preprocess(im, item.mode))
 
             try:
@@ -339,7 +346,7 @@ class InputProcessor:
                 f"decoded image or source to prepare it as {item.mode!r}",
                 param="messages",
             )
-        return dataclasses.replace(item, pixels=ready, features=None, **bare)
+        return dataclasses.replace(item, pixels=ready, features=None, image=None, source=None)
 
     def make_request(
         self,
@@ -397,6 +404,7 @@ class InputProcessor:
                     messages, list(images), list(videos), template, details
                 )
             else:
+                assert prompt is not None  # exactly one of messages and prompt, checked above
                 ids, spans = self.prompts.from_text(prompt, list(images), list(videos), details)
         except RequestError:
             raise

@@ -29,10 +29,22 @@ import threading
 import weakref
 from collections.abc import Iterable
 from functools import lru_cache
+from typing import Protocol
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
+
+
+class Tokenizer(Protocol):
+    """What the text side calls on a transformers tokenizer (``decode`` of one id list is a
+    ``str``); its optional parts (the Rust backend, added tokens) are read with ``getattr``."""
+
+    def __len__(self) -> int: ...
+
+    def decode(self, token_ids: list[int], /, skip_special_tokens: bool = ...) -> str: ...
+
+    def convert_ids_to_tokens(self, ids: list[int], /) -> Iterable[str | None]: ...
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -82,7 +94,7 @@ def _decoder_types(tokenizer: object) -> set[str]:
     return types
 
 
-def _token_strings(tokenizer: object, n: int) -> list[str | None]:
+def _token_strings(tokenizer: Tokenizer, n: int) -> list[str | None]:
     """Token string of every id below ``n`` (None where there is none)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "get_vocab"):
@@ -111,7 +123,7 @@ class TokenBytes:
         special_text: text of every added token (skipped or not), by id.
     """
 
-    def __init__(self, tokenizer: object) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         types = _decoder_types(tokenizer)
         n = len(tokenizer)
@@ -136,9 +148,9 @@ class TokenBytes:
             elif piece is None:
                 out = self._decode([i], skip=False).encode()
             elif byte_level:
-                out = _byte_level_bytes(piece)
-                if out is None:  # not a byte-level string: trust the decoder
-                    out = self._decode([i], skip=False).encode()
+                level = _byte_level_bytes(piece)
+                # not a byte-level string: trust the decoder
+                out = level if level is not None else self._decode([i], skip=False).encode()
             elif sentencepiece:
                 m = _BYTE_TOKEN.match(piece)
                 out = bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
@@ -189,7 +201,7 @@ class TokenBytes:
         return out
 
 
-def token_bytes(tokenizer: object) -> TokenBytes:
+def token_bytes(tokenizer: Tokenizer) -> TokenBytes:
     """The :class:`TokenBytes` of ``tokenizer``, built once and cached while it lives."""
     with _cache_lock:
         try:

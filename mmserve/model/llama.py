@@ -199,6 +199,18 @@ class DecoderStack(nn.Module):
         return self.lm_head(x).float()
 
 
+def token_embedding(decoder: DecoderStack) -> nn.Embedding:
+    """``decoder.embed_tokens`` where tokens are embedded: the engine's process (the only
+    one, or rank 0 under tensor parallelism; worker ranks get the embedded batch).
+
+    Raises:
+        AssertionError: on a tensor-parallel worker rank, which holds no embedding.
+    """
+    embedding = decoder.embed_tokens
+    assert embedding is not None, "a tensor-parallel worker rank embeds no tokens"
+    return embedding
+
+
 class LlamaDecoder(DecoderStack):
     """Llama decoder with LM head; parameter names match transformers' ``LlamaModel``
     (and ``Qwen2Model``, which differs only in its q/k/v biases).

@@ -22,7 +22,13 @@ from mmserve.cache.kv_tiers.keys import (
     kv_namespace,
     model_fingerprint,
 )
-from mmserve.cache.kv_tiers.tiers import LOADER_THREADS, KVTiers, TierMatch, host_tier
+from mmserve.cache.kv_tiers.tiers import (
+    LOADER_THREADS,
+    FeatureCache,
+    KVTiers,
+    TierMatch,
+    host_tier,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -30,6 +36,7 @@ __all__ = [
     "LOADER_THREADS",
     "RESCAN_SECONDS",
     "DiskTier",
+    "FeatureCache",
     "KVTiers",
     "PageKeyChain",
     "TierMatch",

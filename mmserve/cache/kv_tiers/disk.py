@@ -414,7 +414,7 @@ class DiskTier:
             self.namespace,
             key,
             payload.nbytes,
-            xxhash.xxh3_64_intdigest(payload),
+            xxhash.xxh3_64_intdigest(payload.data),
         ) + kind.extra.pack(*extra)
         path = self._path(ikey)
         self._tmp_counter += 1

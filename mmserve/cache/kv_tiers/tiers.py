@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -61,6 +62,15 @@ def host_tier(capacity_bytes: int, page_bytes: int) -> LRU[bytes, torch.Tensor]:
     ``page_bytes`` (all pages have the same shape). A capacity below one page holds nothing.
     """
     return LRU(max_bytes=capacity_bytes, size=lambda _page: page_bytes)
+
+
+class FeatureCache(Protocol):
+    """Where features read from disk go (the engine's
+    :class:`~mmserve.vision.embedding_cache.EmbeddingCache`)."""
+
+    def __contains__(self, key: bytes) -> bool: ...
+
+    def put(self, key: bytes, feats: torch.Tensor) -> object: ...
 
 
 @dataclass
@@ -107,7 +117,7 @@ class KVTiers:
         disk_dir: str | None = None,
         disk_bytes: int = 16 << 30,
         feature_dim: int = 0,
-        feature_cache: object | None = None,
+        feature_cache: FeatureCache | None = None,
     ) -> None:
         self.pool = pool
         self.feature_dim = feature_dim
@@ -145,7 +155,12 @@ class KVTiers:
     @property
     def disk_on(self) -> bool:
         """Whether the disk tier can be read."""
-        return self.disk is not None and self.disk.enabled
+        return self._open_disk() is not None
+
+    def _open_disk(self) -> DiskTier | None:
+        """The disk tier if it can be read (it turns itself off on an I/O error), else None."""
+        disk = self.disk
+        return disk if disk is not None and disk.enabled else None
 
     def _pending(self, key: bytes) -> torch.Tensor | None:
         return self.disk.pending(key) if self.disk is not None else None
@@ -160,7 +175,11 @@ class KVTiers:
             (k, p)
             for k, p in zip(keys, pages, strict=True)
             if (self.host.max_bytes and k not in self.host)
-            or (self.disk_on and k not in self.disk and self._pending(k) is None)
+            or (
+                (disk := self._open_disk()) is not None
+                and k not in disk
+                and self._pending(k) is None
+            )
         ]
         if not todo:
             return
@@ -170,8 +189,9 @@ class KVTiers:
             page = host[i]
             if self.host.max_bytes:
                 self.host.put(key, page)
-            if self.disk_on:
-                self.disk.write(key, page)
+            disk = self._open_disk()
+            if disk is not None:
+                disk.write(key, page)
 
     def _to_host(self, pages: list[int]) -> torch.Tensor:
         kv = self.pool.read_pages(pages)  # [n, 2, L, P, Hkv, D] on the pool's device
@@ -204,7 +224,7 @@ class KVTiers:
             in_memory = h in self._staged or h in self.host or self._pending(h) is not None
             if not on_disk and in_memory:
                 out.host_pages += 1
-            elif self.disk_on and (in_memory or h in self.disk):
+            elif (disk := self._open_disk()) is not None and (in_memory or h in disk):
                 on_disk = True
                 out.disk_pages += 1
             else:
@@ -215,7 +235,7 @@ class KVTiers:
     def take(self, keys: list[bytes]) -> list[torch.Tensor]:
         """Page tensors of the leading ``keys`` held in staging or host memory (stops at the
         first one missing); staged pages are removed, host pages stay."""
-        out = []
+        out: list[torch.Tensor] = []
         for key in keys:
             page = self._staged.pop(key)
             if page is None:
@@ -238,29 +258,39 @@ class KVTiers:
     @property
     def features_on(self) -> bool:
         """Whether image features are written to and read from disk."""
-        return self.disk_on and self.feature_dim > 0 and self.feature_cache is not None
+        return self._feature_io() is not None
+
+    def _feature_io(self) -> tuple[DiskTier, FeatureCache] | None:
+        """The disk tier and the feature cache if features go through them, else None."""
+        disk = self._open_disk()
+        if disk is None or self.feature_dim <= 0 or self.feature_cache is None:
+            return None
+        return disk, self.feature_cache
 
     def save_features(self, key: bytes, feats: torch.Tensor) -> None:
         """Queue image ``key``'s tower output ``[tokens, hidden]`` for disk (write-through:
         features are small next to the image's KV, and a restart needs them for the
         positions after the last whole page). Never blocks; skipped if already on disk."""
-        if self.features_on and self.disk.writable:
-            self.disk.write_features(key, feats.detach())
+        io = self._feature_io()
+        if io is not None and io[0].writable:
+            io[0].write_features(key, feats.detach())
 
     def features_to_load(self, wanted: Iterable[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
         """The images of ``wanted`` (``(image key, tokens)``) whose features are neither in
         the feature cache nor in the request but on disk. Features still in the write queue
         go to the cache at once (no read)."""
-        if not self.features_on:
+        io = self._feature_io()
+        if io is None:
             return []
-        out = []
+        disk, cache = io
+        out: list[tuple[bytes, int]] = []
         for key, rows in wanted:
-            if key in self.feature_cache or any(k == key for k, _ in out):
+            if key in cache or any(k == key for k, _ in out):
                 continue
-            queued = self.disk.pending_features(key)
+            queued = disk.pending_features(key)
             if queued is not None and tuple(queued.shape) == (rows, self.feature_dim):
-                self.feature_cache.put(key, queued)
-            elif self.disk.has_features(key):
+                cache.put(key, queued)
+            elif disk.has_features(key):
                 out.append((key, rows))
         return out
 
@@ -302,16 +332,18 @@ class KVTiers:
         t0 = time.perf_counter()
         pages: list[tuple[bytes, torch.Tensor]] = []
         feats: list[tuple[bytes, torch.Tensor]] = []
+        disk = self.disk
+        assert disk is not None  # start_load submits loads only while the disk tier is on
         try:
             for key in keys:
-                page = self.disk.read(key)
+                page = disk.read(key)
                 if page is None:
                     break  # the chain is cut here: later pages cannot be used
                 if self.pin:
                     page = page.pin_memory()
                 pages.append((key, page))
             for key, rows in features:
-                f = self.disk.read_features(key, rows, self.feature_dim)
+                f = disk.read_features(key, rows, self.feature_dim)
                 if f is not None:  # else the tower encodes the image: a miss, not an error
                     feats.append((key, f.to(self.pool.k_buffers[0].device)))
         except Exception:
@@ -336,6 +368,8 @@ class KVTiers:
             for key, page in pages:
                 self._staged.put(key, page)
             for key, f in feats:  # the runner finds them there instead of running the tower
+                # features are read only when start_load was given some, i.e. features_on
+                assert self.feature_cache is not None
                 self.feature_cache.put(key, f)
                 self.feature_loads += 1
                 self.loaded_bytes += f.numel() * f.element_size()
@@ -364,21 +398,22 @@ class KVTiers:
         Returns:
             Pages queued for writing.
         """
-        if not self.disk_on or not self.disk.writable:
+        disk = self._open_disk()
+        if disk is None or not disk.writable:
             return 0
         n = 0
         for key in self.host.keys():
             page = self.host.get(key, touch=False, count=False)
-            if page is not None and self.disk.write(key, page, block=True):
+            if page is not None and disk.write(key, page, block=True):
                 n += 1
         for keys, pages in nodes:
-            todo = [(k, p) for k, p in zip(keys, pages, strict=True) if k not in self.disk]
+            todo = [(k, p) for k, p in zip(keys, pages, strict=True) if k not in disk]
             for i in range(0, len(todo), 64):  # bounded host copies at a time
                 part = todo[i : i + 64]
                 host = self._to_host([p for _, p in part])
                 for j, (key, _) in enumerate(part):
-                    n += self.disk.write(key, host[j], block=True)
-        self.disk.flush(timeout)
+                    n += disk.write(key, host[j], block=True)
+        disk.flush(timeout)
         return n
 
     def clear_memory(self) -> None:
@@ -402,7 +437,7 @@ class KVTiers:
             "tier_disk_hit_tokens": self.disk_hit_tokens,
             "tier_host_pages": len(self.host),
             "tier_host_bytes": self.host.nbytes,
-            "tier_host_capacity_bytes": self.host.max_bytes,
+            "tier_host_capacity_bytes": self.host.max_bytes or 0,  # host_tier always sets it
             "tier_disk_pages": len(disk) if disk is not None else 0,
             "tier_disk_bytes": disk.bytes_used if disk is not None else 0,
             "tier_disk_capacity_bytes": disk.capacity_bytes if disk is not None else 0,

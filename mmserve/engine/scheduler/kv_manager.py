@@ -12,6 +12,7 @@ or disk. Only the scheduler calls this room; it changes no queue.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,10 @@ from mmserve.cache.radix_cache import InsertResult, MatchResult, RadixCache, Tre
 from mmserve.config import EngineConfig
 from mmserve.engine.request import Request
 
+if TYPE_CHECKING:
+    from mmserve.cache.kv_tiers import FeatureCache
+    from mmserve.model.loader import LoadedModel
+
 
 def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` for ints (pages for ``a`` tokens at ``b`` per page)."""
@@ -29,7 +34,10 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def make_kv_tiers(
-    config: EngineConfig, model: object, pool: KVPool, feature_cache: object | None = None
+    config: EngineConfig,
+    model: LoadedModel,
+    pool: KVPool,
+    feature_cache: FeatureCache | None = None,
 ) -> KVTiers | None:
     """The host/disk KV tiers ``config`` asks for, or None (both off, or no radix cache).
 
@@ -46,7 +54,7 @@ def make_kv_tiers(
         return None
     named = list(model.decoder.named_parameters())
     vision = getattr(model, "vision", None)
-    if hasattr(vision, "named_parameters"):
+    if vision is not None and hasattr(vision, "named_parameters"):
         named += [("vision." + n, t) for n, t in vision.named_parameters()]
     cfg = model.config
     text = cfg.to_json_string() if hasattr(cfg, "to_json_string") else repr(cfg)
@@ -187,6 +195,7 @@ class KVManager:
         if done.length <= req.tree_len:
             return
         req.pages[: done.length // self.page_size] = done.pages
+        assert req.last_node is not None  # set at admission (assign), the request runs
         self.tree.inc_lock_ref(done.last_node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = done.last_node

@@ -23,6 +23,7 @@ import logging
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -42,6 +43,10 @@ from mmserve.vision.video.probe import (
     _reason,
     _video_stream,
 )
+
+if TYPE_CHECKING:
+    from av.container import InputContainer
+
 from mmserve.vision.video.select import (
     FrameCost,
     FrameSelection,
@@ -109,6 +114,11 @@ def undecodable_message(failed: Sequence[FrameFailure], asked: int) -> str:
 class _Pass:
     """One decoding pass over a video for a set of frames (see :meth:`Video.decode`)."""
 
+    # the container's video stream and its decoder, set by _restart when it opens the
+    # container (PyAV objects, kept untyped as _video_stream returns them)
+    stream: Any
+    codec: Any
+
     def __init__(self, video: Video, wanted: Sequence[int]) -> None:
         self.video = video
         self.ix = video._index
@@ -118,7 +128,7 @@ class _Pass:
         self.gop_error: dict[int, str] = {}  # key position -> first error in its group
         self.tainted: dict[int, str] = {}  # frame index -> the error its packet followed
         self.seekable = self.ix.timed
-        self.container = None
+        self.container: InputContainer | None = None
         self.packets: Iterator | None = None
         self.cursor = -1  # decode position of the last packet sent
         self.start = 0  # decode position the current run started from
@@ -163,8 +173,10 @@ class _Pass:
         if not self.seekable:
             start = 0
         if self.container is not None and start > 0:
+            pts = self.ix.pts[start]
+            assert pts is not None  # seekable: every packet has its own pts
             try:
-                self.container.seek(self.ix.pts[start], stream=self.stream, backward=True)
+                self.container.seek(pts, stream=self.stream, backward=True)
                 self.codec.flush_buffers()
                 self._begin(start)
                 return
@@ -192,10 +204,12 @@ class _Pass:
             self._begin(0)
 
     def _begin(self, start: int) -> None:
+        assert self.container is not None  # _restart opened it just before
         self.packets = self.container.demux(self.stream)
         self.start, self.cursor, self.fresh = start, start - 1, True
 
     def _next(self):
+        assert self.packets is not None  # run() restarts (which sets them) first
         try:
             packet = next(self.packets)
         except StopIteration:

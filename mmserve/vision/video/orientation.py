@@ -109,7 +109,7 @@ def _name_side_data_types() -> None:
     for value in range(256):
         if value not in known:
             member = object.__new__(kind)
-            member._value_ = value
+            member._value_ = value  # type: ignore[assignment]  # av stub: values typed as Type
             member._name_ = f"UNNAMED_{value}"
             known.setdefault(value, member)
     _side_data_types_named = True

@@ -19,9 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from statistics import median
+from typing import TYPE_CHECKING
 
 from mmserve.vision.image import clean_decoder_message
 from mmserve.vision.video.select import _EPS, VideoError, VideoLimits
+
+if TYPE_CHECKING:
+    from av.container import InputContainer
 
 #: Length (seconds) given to a last frame that has no duration of its own and no
 #: neighbours or frame rate to take one from.
@@ -62,8 +66,9 @@ class _Index:
 
     def __init__(self, pts: Sequence[int | None], keys: Sequence[bool]) -> None:
         n = len(pts)
-        self.timed = None not in pts and len(set(pts)) == n
-        order = sorted(range(n), key=pts.__getitem__) if self.timed else list(range(n))
+        known = [p for p in pts if p is not None]
+        self.timed = len(known) == n and len(set(known)) == n
+        order = sorted(range(n), key=lambda i: known[i]) if self.timed else list(range(n))
         self.pts: tuple[int | None, ...] = tuple(pts)
         self.pos: tuple[int, ...] = tuple(order)
         at = [0] * n
@@ -94,7 +99,7 @@ class _Index:
         return self.keys[k]
 
 
-def _open(data: bytes):
+def _open(data: bytes) -> InputContainer:
     import av
 
     return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
@@ -118,7 +123,7 @@ def _reason(e: BaseException) -> str:
     """An FFmpeg error's text without its errno and function name, cleaned for clients."""
     import av
 
-    args = getattr(e, "args", ())
+    args: tuple[object, ...] = getattr(e, "args", ())
     if isinstance(e, av.FFmpegError) and len(args) >= 2 and isinstance(args[1], str):
         return clean_decoder_message(args[1])
     return clean_decoder_message(e)

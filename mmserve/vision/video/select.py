@@ -271,13 +271,13 @@ def sample_frame_indices(
         rate = sel.fps
         if not math.isfinite(rate) or rate <= 0:
             raise VideoError(f"fps must be > 0, got {rate}", "fps")
-        span = duration * rate
+        samples = duration * rate
         # sample times k / rate before the end: 0 <= k / rate < duration
-        count = max(1, math.ceil(span - _EPS)) if math.isfinite(span) else math.inf
+        count = max(1, math.ceil(samples - _EPS)) if math.isfinite(samples) else math.inf
         cap = min([max_frames, *caps])
         if count > cap:  # thinned: the cap's count of frames, evenly over the clip
             return uniform(cap)
-        out = []
+        out: list[int] = []
         for k in range(int(count)):
             i = at(k / rate)
             if not out or out[-1] != i:
