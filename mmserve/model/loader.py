@@ -40,8 +40,9 @@ from transformers.utils import is_protobuf_available
 from mmserve.model import quant
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
 from mmserve.model.families.base import IMAGE_MODE, VisionModule
+from mmserve.model.lazy_weights import LazyWeights, read_weights
 from mmserve.model.llama import DecoderStack, LlamaDecoder, LlamaShape
-from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
+from mmserve.model.weights import CheckpointError, fused_sources, split_weights
 from mmserve.model.weights import short_error as _short
 
 #: Decoder ``model_type`` values our Llama decoder runs (Mistral and Qwen2 without a
@@ -103,84 +104,7 @@ class LoadedModel:
         return self.processor.tokenizer
 
 
-#: safetensors dtype names (the format's header) -> torch dtypes.
-_ST_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-}  # fmt: skip
-
-
-class _LazyWeights:
-    """The checkpoint's tensors by key, each read from its safetensors file when asked.
-
-    Tensors are read with plain file reads into memory this process owns (not mapped:
-    mapped file pages would count as resident and tie the model to files that a rebuild
-    may truncate), so loading holds the model plus one tensor, never the checkpoint twice.
-    The file layout (an 8-byte little-endian header length, a JSON header of
-    ``{name: {dtype, shape, data_offsets}}``, then the data) is safetensors' documented one.
-
-    Raises:
-        CheckpointError: for a file whose header cannot be read.
-    """
-
-    def __init__(self, model_dir: Path, files: list[str]) -> None:
-        self._where: dict[str, tuple[Path, int, dict]] = {}
-        for name in files:
-            path = model_dir / name
-            try:
-                with open(path, "rb") as f:
-                    n = int.from_bytes(f.read(8), "little")
-                    if not 2 <= n <= 100 << 20:
-                        raise ValueError(f"header length {n}")
-                    header = json.loads(f.read(n))
-            except (OSError, ValueError) as exc:
-                raise CheckpointError(
-                    f"{model_dir}: {name} is not a safetensors file: {exc}"
-                ) from exc
-            for key, info in header.items():
-                if key != "__metadata__":
-                    self._where[key] = (path, 8 + n, info)
-
-    def keys(self) -> list[str]:
-        """Every tensor name of every shard."""
-        return list(self._where)
-
-    def has(self, key: str) -> bool:
-        """Whether some shard holds tensor ``key``."""
-        return key in self._where
-
-    def get(self, key: str, dtype: torch.dtype | None, device: str) -> torch.Tensor:
-        """Tensor ``key``, floating point ones cast to ``dtype`` (None, and always for
-        8-bit floats: as stored), on ``device``.
-
-        Raises:
-            CheckpointError: for an unknown dtype or a truncated file.
-        """
-        path, base, info = self._where[key]
-        stored = _ST_DTYPES.get(info.get("dtype", ""))
-        if stored is None:
-            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
-        start, end = info["data_offsets"]
-        t = torch.empty(info["shape"], dtype=stored)
-        view = t.view(-1).view(torch.uint8) if t.numel() else t.view(torch.uint8)
-        if view.numel() != end - start:
-            raise CheckpointError(
-                f"{path}: tensor {key} has {end - start} bytes for shape {info['shape']}"
-            )
-        with open(path, "rb") as f:
-            f.seek(base + start)
-            if f.readinto(view.numpy().data) != end - start:
-                raise CheckpointError(f"{path}: truncated at tensor {key}")
-        cast = dtype is not None and t.is_floating_point() and t.element_size() > 1
-        return t.to(device=device, dtype=dtype if cast else t.dtype)
-
-
-def _read_weights(model_dir: Path) -> _LazyWeights:
-    return _LazyWeights(model_dir, [p.name for p in weight_files(model_dir)])
-
-
-def _split_weights(weights: _LazyWeights, family: ModelFamily) -> tuple[dict, dict[str, dict]]:
+def _split_weights(weights: LazyWeights, family: ModelFamily) -> tuple[dict, dict[str, dict]]:
     """Route checkpoint keys to the decoder's state names and, per vision attribute
     (:attr:`ModelFamily.vision_prefixes`), its state names (a parameter's is ``""``):
     ``{module state name: checkpoint key}``; nothing is read yet."""
@@ -191,7 +115,7 @@ def _split_weights(weights: _LazyWeights, family: ModelFamily) -> tuple[dict, di
 class _Target:
     """Where loaded tensors go: their dtype and device, and the checkpoint."""
 
-    weights: _LazyWeights
+    weights: LazyWeights
     dtype: torch.dtype
     device: str
 
@@ -496,7 +420,7 @@ def load_model(
     if quantization not in quant.QUANTIZATIONS:
         quant.check_quantization(quantization, device)  # raises, naming the choices
     method = quant.resolve_method(quantization, stored)
-    weights = _read_weights(model_dir)
+    weights = read_weights(model_dir)
     dec_w, vision_w = _split_weights(weights, family)
     if shape.tie_word_embeddings:  # transformers ignores a stored head and ties it
         dec_w.pop("lm_head.weight", None)
@@ -540,7 +464,7 @@ def load_vision(
     Raises:
         CheckpointError: as :func:`load_model`.
     """
-    weights = _read_weights(model_dir)
+    weights = read_weights(model_dir)
     _, vision_w = _split_weights(weights, family)
     try:
         with no_init_weights():
