@@ -385,3 +385,14 @@ def test_no_import_cycle_among_the_types_the_request_and_sampling() -> None:
     for m in modules:
         visit(m, ())
     assert not seen, seen
+
+
+#: Most lines a source file of mmserve/ or api/ may have: a newcomer reads one whole.
+MAX_FILE_LINES = 600
+
+
+def test_no_source_file_is_longer_than_a_newcomer_can_hold() -> None:
+    long = {
+        rel(p): n for p in CORE + API if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert not long, long
