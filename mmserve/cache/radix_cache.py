@@ -474,7 +474,7 @@ class RadixCache:
         if freed and self._on_evict is not None:
             try:
                 self._on_evict(keys, freed)
-            except Exception:
+            except Exception:  # a tier failure must not cost the pool its pages
                 log.exception("on_evict failed; %d pages not kept in the tiers", len(freed))
         if freed:
             self._free_pages(freed)
