@@ -410,7 +410,7 @@ class RemoteFetcher:
             raise RemoteFetchError(
                 "could not fetch the image URL: the connection failed", detail=repr(e)
             ) from None
-        except Exception as e:
+        except Exception as e:  # whatever broke, the client gets a 400
             log.warning("remote image fetch broke", exc_info=True)
             raise RemoteFetchError(
                 "could not fetch the image URL: the connection failed", detail=repr(e)

@@ -29,7 +29,7 @@ class _OTLPSink:
         self.lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
+            def do_POST(self) -> None:  # http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 msg = ExportTraceServiceRequest.FromString(body)
                 n = sum(len(s.spans) for r in msg.resource_spans for s in r.scope_spans)

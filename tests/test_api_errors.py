@@ -152,7 +152,7 @@ def test_request_body_over_the_limit_is_413(client) -> None:
     r = client.post("/v1/images", content=huge, headers={"content-type": "application/json"})
     assert_error(r, 413, "request body is over", "too_large")
 
-    def chunks():
+    def chunks():  # no Content-Length: counted while reading
         for _ in range(5):
             yield b"\0" * MAX_IMAGE_BYTES
 

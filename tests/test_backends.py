@@ -206,7 +206,7 @@ def _fake_flashinfer() -> types.ModuleType:
         def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False):
             assert float_workspace_buffer.dtype == torch.uint8 and kv_layout == "NHD"
 
-        def plan(
+        def plan(  # FlashInfer's signature, keyword names included
             self,
             qo_indptr,
             paged_kv_indptr,

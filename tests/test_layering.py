@@ -288,7 +288,8 @@ def test_the_fleet_is_below_the_http_layer_and_api_replicas_is_only_the_ingress(
     assert here == INGRESS_MODULES, sorted(here ^ INGRESS_MODULES)
 
 
-#: Attributes that switch the radix cache off: the config's flag and the tree's own.
+#: Attributes that switch the radix cache off: the config's flag, and ``disable`` so that no
+#: per-object switch comes back (``make_tree`` picks the no-op cache instead).
 CACHE_SWITCHES = {"disable_radix_cache", "disable"}
 
 

@@ -280,7 +280,8 @@ def test_evict_returns_tokens_and_frees_pages_page_size_2():
 
 
 def test_disabled_cache():
-    c, rec = make(2, disable=True)
+    rec = Recorder()
+    c = NoPrefixCache(2, rec)  # what make_tree builds when the radix cache is disabled
     assert c.insert([1, 2, 3, 4], [5, 6]) == 0
     assert rec.calls == [[5, 6]]  # nothing cached; the pages are released at once
     r = c.match_prefix([1, 2, 3, 4])
@@ -564,7 +565,8 @@ def test_insert_prefix_returns_the_node_a_match_would_find():
     assert mid.last_node is c.match_prefix([1, 2]).last_node
     assert c.insert_prefix([], []) == InsertResult(0, 0, [], c.root)
     assert rec.calls == [] and c.reuses_prefixes
-    off, rec = make(2, disable=True)
+    rec = Recorder()
+    off = NoPrefixCache(2, rec)
     assert off.insert_prefix([1, 2], [5]) == InsertResult(0, 0, [], off.root)
     assert rec.calls == [] and not off.reuses_prefixes  # the caller keeps its pages
     with pytest.raises(ValueError):
@@ -581,7 +583,7 @@ def test_no_prefix_cache_has_the_interface_and_holds_nothing():
     assert (r.length, r.pages, r.last_node) == (0, [], c.root)
     assert c.insert_prefix([1, 2, 3, 4], [5, 6]) == InsertResult(0, 0, [], c.root)
     assert rec.calls == []  # the caller keeps (and frees) its pages
-    assert c.insert([1, 2, 3, 4], [5, 6]) == 0 and rec.calls == [[5, 6]]  # as disable=True
+    assert c.insert([1, 2, 3, 4], [5, 6]) == 0 and rec.calls == [[5, 6]]  # freed at once
     c.inc_lock_ref(r.last_node)
     c.dec_lock_ref(r.last_node)
     assert c.evict(10) == 0

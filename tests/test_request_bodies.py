@@ -289,7 +289,7 @@ def test_replica_ingress_uses_the_same_parser(model_dir) -> None:
     front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
     app = create_ingress_app(front, object(), ServerSettings(), MODEL, 1)  # type: ignore[arg-type]
 
-    def routes(items):
+    def routes(items):  # included routers nest their routes
         for r in items:
             sub = getattr(r, "original_router", None)
             yield from routes(sub.routes) if sub is not None else [r]

@@ -208,7 +208,7 @@ class BatchManager:
                 await self._run(job)
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception:  # one broken batch must not stop the others
                 log.exception("batch %s failed", job.id)
                 if not job.ended:
                     job.fail("server_error", "internal error; see the server log")
@@ -328,7 +328,7 @@ class BatchManager:
         except APIError as e:
             body = error_body(e.message, e.type, e.param, e.code)
             request_id, status = f"req_{uuid.uuid4().hex}", e.status
-        except Exception:
+        except Exception:  # recorded as failed, never silently lost
             log.exception("batch %s: line %s failed", job.id, line.custom_id)
             body = error_body("internal error; see the server log", "server_error", None, None)
             request_id, status = f"req_{uuid.uuid4().hex}", 500

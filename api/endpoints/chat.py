@@ -1,9 +1,11 @@
 """``POST /v1/chat/completions``: the handler shared by the route and batch lines.
 
-Check: the model, ``n`` against ``--max-n``, ``stream_options`` without ``stream``, each
-message against OpenAI's rules for its role and each content part against its type.
-Prepare: sampling parameters (an enforced tool call becomes a grammar), media resolved,
-``n`` engine requests. Answer: a ``chat.completion`` object or its chunk stream
+Check: the model, ``n`` against ``--max-n``, ``stream_options`` without ``stream``.
+Prepare: sampling parameters (an enforced tool call becomes a grammar), each message
+against OpenAI's rules for its role and each content part against its type
+(:func:`split_media`), media resolved, ``n`` engine requests; so for a batch line these
+message and part errors are not found when the file is validated but become the line's
+400 record when it runs. Answer: a ``chat.completion`` object or its chunk stream
 (:mod:`api.openai_format`), ``tool_choice`` ``"required"`` or a named function answered
 as ``tool_calls`` (:func:`api.structured.tool_calling`).
 """

@@ -53,7 +53,7 @@ class NoPrefixCache:
 
     def insert(self, key: Sequence[int], pages: Sequence[int]) -> int:
         """Take ``pages`` and release them at once through ``free_pages``; returns 0 (no
-        token of ``key`` was cached), as :meth:`RadixCache.insert` with ``disable``.
+        token of ``key`` was cached).
 
         Raises:
             ValueError: if ``len(key)`` is not a multiple of ``page_size`` or

@@ -154,8 +154,6 @@ class RadixCache:
         page_size: tokens per KV page ``P`` (>= 1).
         free_pages: callback receiving a list of page ids the tree releases (e.g.
             ``PageAllocator.free``).
-        disable: if True the cache stores nothing: matches are empty and inserted pages are
-            released immediately through ``free_pages``.
         clock: time source for LRU; must be non-decreasing. Defaults to an internal integer
             counter incremented once per :meth:`match_prefix` / :meth:`insert` (deterministic).
         page_hasher: ``(parent_key, tokens) -> keys`` giving the content keys of the full
@@ -170,11 +168,14 @@ class RadixCache:
         ValueError: if ``page_size < 1``.
     """
 
+    #: what :meth:`insert` keeps can be matched later (the scheduler's cache-aware
+    #: orders rely on it; :class:`~mmserve.cache.no_prefix_cache.NoPrefixCache` says False)
+    reuses_prefixes = True
+
     def __init__(
         self,
         page_size: int,
         free_pages: Callable[[list[int]], None],
-        disable: bool = False,
         clock: Callable[[], float] | None = None,
         page_hasher: Callable[[bytes, list[int]], list[bytes]] | None = None,
         root_key: bytes = b"",
@@ -183,7 +184,6 @@ class RadixCache:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
-        self.disable = disable
         self._free_pages = free_pages
         self._clock = clock
         self._hasher = page_hasher
@@ -279,12 +279,12 @@ class RadixCache:
 
         Returns:
             MatchResult with ``length`` in tokens (multiple of ``page_size``), its
-            ``length // page_size`` pages, and ``last_node``. Disabled cache: ``(0, [], root)``.
+            ``length // page_size`` pages, and ``last_node``.
         """
         root = self.root
         P = self.page_size
         pages: list[int] = []
-        if self.disable or len(key) < P:
+        if len(key) < P:
             return MatchResult(0, pages, root)
         key = _as_list(key)
         end = len(key) - len(key) % P
@@ -321,16 +321,13 @@ class RadixCache:
             Number of leading tokens of ``key`` already cached before this call (a multiple of
             ``page_size``). The tree takes ownership of ``pages[returned // page_size:]``; the
             caller keeps ``pages[:returned // page_size]`` (duplicates of tree pages) and should
-            free them. Disabled cache: returns 0 and releases all ``pages`` via ``free_pages``.
+            free them.
 
         Raises:
             ValueError: if ``len(key)`` is not a multiple of ``page_size`` or
                 ``len(pages) != len(key) // page_size``.
         """
-        done = self.insert_prefix(key, pages)
-        if self.disable and len(pages):
-            self._free_pages(list(pages))
-        return done.cached
+        return self.insert_prefix(key, pages).cached
 
     def insert_prefix(self, key: Sequence[int], pages: Sequence[int]) -> InsertResult:
         """:meth:`insert`, returning where ``key`` ends in the tree, so that no
@@ -343,8 +340,7 @@ class RadixCache:
         Returns:
             :class:`InsertResult`: the tree takes ownership of
             ``pages[cached // page_size : length // page_size]``; its ``pages`` replace the
-            caller's for the first ``length`` tokens. Disabled cache: ``(0, 0, [], root)``,
-            and the caller keeps every page.
+            caller's for the first ``length`` tokens.
 
         Raises:
             ValueError: as :meth:`insert`.
@@ -352,7 +348,7 @@ class RadixCache:
         check_insert(key, pages, self.page_size)
         P = self.page_size
         n = len(key)
-        if self.disable or n == 0:
+        if n == 0:
             return InsertResult(0, 0, [], self.root)
         key = _as_list(key)
         now = self._now()
@@ -377,11 +373,6 @@ class RadixCache:
             node = child
             i += m
         return InsertResult(n, n, held, node)
-
-    @property
-    def reuses_prefixes(self) -> bool:
-        """Whether what :meth:`insert` keeps can be matched later (False when disabled)."""
-        return not self.disable
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors (excluding the root) against eviction: +1 ``lock_ref``.
@@ -447,7 +438,7 @@ class RadixCache:
             Tokens evicted (a multiple of ``page_size``); less than ``num_tokens`` only if nothing
             evictable remains.
         """
-        if self.disable or num_tokens <= 0:
+        if num_tokens <= 0:
             return 0
         heap = self._heap
         root = self.root
@@ -483,7 +474,7 @@ class RadixCache:
         if freed and self._on_evict is not None:
             try:
                 self._on_evict(keys, freed)
-            except Exception:
+            except Exception:  # a tier failure must not cost the pool its pages
                 log.exception("on_evict failed; %d pages not kept in the tiers", len(freed))
         if freed:
             self._free_pages(freed)

@@ -246,7 +246,7 @@ class TPGroup:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:
+            except Exception:  # leaving anyway
                 log.warning("destroy_process_group failed", exc_info=True)
         self._store = None
 

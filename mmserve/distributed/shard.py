@@ -147,7 +147,7 @@ class ShardedDecoder(DecoderStack):
         where: dict[str, Path] = {}
         for path in files:
             with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
+                for key in f.keys():  # safe_open is not a mapping
                     where[key] = path
         dec, _ = split_weights({k: k for k in where}, {})  # decoder name -> stored key
         if self.layout.full.tie_word_embeddings:  # transformers ties and ignores a stored head

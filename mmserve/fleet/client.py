@@ -188,7 +188,7 @@ class ReplicaClient:
                 self.replica_failures += 1
                 error = f"replica {replica or '(not yet known)'} died ({type(e).__name__})"
                 log.warning("request %s: %s", req.rid, error)
-            except Exception as e:
+            except Exception as e:  # any other failure ends this request only
                 log.exception("request %s failed on replica %s", req.rid, replica)
                 error = f"{type(e).__name__} on replica {replica}"
                 attempt = 1  # not a lost replica: do not retry

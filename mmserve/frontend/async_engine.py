@@ -91,7 +91,7 @@ class AsyncEngine:
             if eng.has_work():
                 try:
                     eng.step()  # a failing batch is contained inside step
-                except Exception as e:
+                except Exception as e:  # a scheduler bug must not hang clients
                     log.exception("engine step failed outside a batch; ending every request")
                     self.error = e
                     eng.stats.failed_steps += 1
@@ -101,7 +101,7 @@ class AsyncEngine:
     def _abort_all(self, message: str) -> None:
         try:
             self.engine.abort_all("error", message)
-        except Exception:
+        except Exception:  # state may be broken; still answer every client
             log.exception("abort_all failed")
             for req in self.engine.live_requests():
                 if req.on_update is not None:

@@ -51,7 +51,7 @@ def read_kv_scales(
     found: dict[tuple[int, str], tuple[float, str]] = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # safe_open is no mapping
                 m = _NAMES.search(key)
                 if m is None or "vision" in key:
                     continue

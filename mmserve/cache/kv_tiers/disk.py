@@ -351,7 +351,7 @@ class DiskTier:
                             self.write_now(ikey, tensor)
                         else:
                             self.write_features_now(ikey[len(_FEATURES.prefix) :], tensor)
-                except Exception:
+                except Exception:  # the writer thread must outlive one bad write
                     log.exception("KV disk tier: write failed")
                 with self._lock:
                     self._queued_bytes -= nbytes

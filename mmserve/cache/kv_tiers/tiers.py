@@ -346,7 +346,7 @@ class KVTiers:
                 f = disk.read_features(key, rows, self.feature_dim)
                 if f is not None:  # else the tower encodes the image: a miss, not an error
                     feats.append((key, f.to(self.pool.k_buffers[0].device)))
-        except Exception:
+        except Exception:  # a failed load is a miss, never a stuck request
             log.exception("KV disk tier: load failed")
             pages, feats = [], []
         with self._done_lock:

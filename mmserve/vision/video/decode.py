@@ -354,7 +354,7 @@ class Video:
             self._read(container, limits, image_limits, shortest_edge)
         except VideoError:
             raise
-        except Exception as e:
+        except Exception as e:  # PyAV failing on hostile data: the data's fault
             log.warning("video probe failed on client data", exc_info=True)
             raise VideoError(
                 f"data is not a decodable video (corrupt or truncated): {_reason(e)}"
@@ -467,7 +467,7 @@ class Video:
             arrays, failed = _Pass(self, wanted).run()
         except VideoError:
             raise
-        except Exception as e:
+        except Exception as e:  # PyAV failing on hostile data: frames lost
             log.warning("video decode failed on client data", exc_info=True)
             arrays, failed = {}, dict.fromkeys(wanted, _reason(e))
         times = self.info.frame_times
