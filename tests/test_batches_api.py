@@ -515,3 +515,26 @@ def test_a_line_is_counted_only_once_its_record_is_written(
 def test_recorded_usage_of_a_response_without_usage_is_zero() -> None:
     assert RESPONSES.recorded_usage({}) == Usage(0, 0, 0)
     assert RESPONSES.recorded_usage({"usage": {"input_tokens": 3}}) == Usage(3, 0, 0)
+
+
+def test_stop_leaves_no_batch_io_thread_behind(make_engine, tmp_path) -> None:
+    """start() keeps an IO thread made before it; stop() shuts it down, and IO asked
+    for after stop() does not leave a thread running."""
+    st = _app(make_engine, tmp_path).state.mm
+    m = BatchManager(st, st.batches.files)
+    before = set(threading.enumerate())
+
+    async def scenario() -> None:
+        await m._on_io(lambda: None)  # before start: a thread start() must keep
+        io = m._io
+        m.start()
+        assert m._io is io
+        await m.stop()
+        assert await m._on_io(lambda: 7) == 7  # after stop
+
+    asyncio.run(scenario())
+    new = [t for t in threading.enumerate() if t not in before]
+    for t in new:
+        if t.name.startswith("mmserve-batch-io"):
+            t.join(5)
+            assert not t.is_alive(), t
