@@ -17,9 +17,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.batch.job import TERMINAL, BatchJob
+from api.batch import runner
+from api.batch.job import TERMINAL, BatchJob, Outputs
 from api.batch.lines import prompt_key
 from api.batch.runner import BatchManager
+from api.endpoints.base import Usage
+from api.endpoints.responses import RESPONSES
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from mmserve.types import BACKGROUND, INTERACTIVE
@@ -372,3 +375,166 @@ def test_batch_status_moves_follow_the_table(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         job.move("cancelling")  # an ended batch never changes
     assert TERMINAL == {"completed", "failed", "expired", "cancelled"}
+
+
+def _start_batch(c: TestClient, n: int = 3) -> str:
+    lines = [_line(f"k{i}", _chat_body(f"Count to {i}.")) for i in range(n)]
+    f = c.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", "\n".join(lines))}
+    ).json()
+    body = {"input_file_id": f["id"], "endpoint": CHAT, "completion_window": "24h"}
+    return c.post("/v1/batches", json=body).json()["id"]
+
+
+def _wait_local(c: TestClient, bid: str, until, timeout: float = 60) -> dict:
+    deadline = time.time() + timeout
+    while not until(b := c.get(f"/v1/batches/{bid}").json()):
+        assert time.time() < deadline, b
+        time.sleep(0.02)
+    return b
+
+
+def _cancel_while_held(c: TestClient, bid: str, gate: threading.Event, held: str):
+    """Cancel ``bid`` from a thread while the runner is held at ``gate`` in status
+    ``held``; release the runner once the cancel was answered or the status changed
+    (a cancel may wait behind the held IO thread); the cancel's answer."""
+    answer: list = []
+    t = threading.Thread(target=lambda: answer.append(c.post(f"/v1/batches/{bid}/cancel")))
+    t.start()
+    deadline = time.time() + 60
+    while not answer and c.get(f"/v1/batches/{bid}").json()["status"] == held:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    gate.set()
+    t.join(60)
+    assert answer, "the cancel was never answered"
+    return answer[0]
+
+
+def _app(make_engine, tmp_path: Path):
+    engine = make_engine(max_total_tokens=8192)
+    return create_app(engine, ServerSettings(served_model_name=MODEL, data_dir=str(tmp_path)))
+
+
+def test_a_finalizing_batch_is_not_cancellable_and_completes(
+    make_engine, tmp_path, monkeypatch
+) -> None:
+    """Once every line has run the batch completes: a cancel while it publishes its files
+    is answered 409, as for an ended batch, and changes nothing."""
+    gate, publishing = threading.Event(), threading.Event()
+    publish = BatchManager._publish
+
+    def held(self, job):
+        publishing.set()
+        gate.wait(60)
+        return publish(self, job)
+
+    monkeypatch.setattr(BatchManager, "_publish", held)
+    with TestClient(_app(make_engine, tmp_path)) as c:
+        bid = _start_batch(c)
+        assert publishing.wait(60)
+        r = _cancel_while_held(c, bid, gate, "finalizing")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "batch_not_cancellable"
+        b = _wait_local(c, bid, lambda b: b["status"] in TERMINAL)
+    assert b["status"] == "completed" and b["cancelling_at"] is None
+    assert b["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+
+
+def test_a_cancel_accepted_after_the_last_line_ends_cancelled(
+    make_engine, tmp_path, monkeypatch
+) -> None:
+    """A cancel that arrives after the last line ran but before ``finalizing`` was
+    accepted (``cancelling``): the batch ends ``cancelled``, never finalizing."""
+    gate, closing = threading.Event(), threading.Event()
+    close = Outputs.close
+
+    def held(self):
+        closing.set()
+        gate.wait(60)
+        close(self)
+
+    monkeypatch.setattr(Outputs, "close", held)
+    with TestClient(_app(make_engine, tmp_path)) as c:
+        bid = _start_batch(c)
+        assert closing.wait(60)  # every line has run; the runner closes the files
+        r = _cancel_while_held(c, bid, gate, "in_progress")
+        assert r.status_code == 200 and r.json()["status"] == "cancelling"
+        b = _wait_local(c, bid, lambda b: b["status"] in TERMINAL)
+    assert b["status"] == "cancelled", b
+    assert b["cancelled_at"] >= b["cancelling_at"] and b["finalizing_at"] is None
+    assert b["request_counts"]["completed"] == 3 and b["output_file_id"] is not None
+
+
+def test_a_failed_periodic_sync_fails_the_batch(make_engine, tmp_path, monkeypatch) -> None:
+    """An fsync error while the lines run is not lost: the batch fails (server_error)."""
+    monkeypatch.setattr(runner, "SYNC_INTERVAL", 0.0)  # a sync after each line
+    calls: list[int] = []
+    sync = Outputs.sync
+
+    def flaky(self):
+        calls.append(1)
+        if len(calls) == 2:  # the first periodic sync (the first is the start's)
+            raise OSError("disk full")
+        sync(self)
+
+    monkeypatch.setattr(Outputs, "sync", flaky)
+    with TestClient(_app(make_engine, tmp_path)) as c:
+        bid = _start_batch(c)
+        b = _wait_local(c, bid, lambda b: b["status"] in TERMINAL)
+    assert len(calls) >= 2
+    assert b["status"] == "failed" and b["errors"]["data"][0]["code"] == "server_error"
+
+
+def test_a_line_is_counted_only_once_its_record_is_written(
+    make_engine, tmp_path, monkeypatch
+) -> None:
+    """A record that could not be written is not counted (and fails the batch)."""
+    tried: list[str] = []
+    write = Outputs.write
+
+    def flaky(self, record, ok):
+        if record.get("custom_id") == "k1" and record.get("response") is not None:
+            tried.append("k1")
+            raise OSError("disk full")
+        write(self, record, ok)
+
+    monkeypatch.setattr(Outputs, "write", flaky)
+    with TestClient(_app(make_engine, tmp_path)) as c:
+        bid = _start_batch(c)
+        b = _wait_local(c, bid, lambda b: b["status"] in TERMINAL)
+    assert tried == ["k1"] and b["status"] == "failed"
+    d = tmp_path / "batches" / bid
+    written = [
+        t for n in ("output.jsonl", "errors.jsonl") for t in (d / n).read_text().split("\n") if t
+    ]
+    counts = b["request_counts"]
+    assert counts["completed"] + counts["failed"] == len(written)
+    assert all(json.loads(t)["custom_id"] != "k1" for t in written)
+
+
+def test_recorded_usage_of_a_response_without_usage_is_zero() -> None:
+    assert RESPONSES.recorded_usage({}) == Usage(0, 0, 0)
+    assert RESPONSES.recorded_usage({"usage": {"input_tokens": 3}}) == Usage(3, 0, 0)
+
+
+def test_stop_leaves_no_batch_io_thread_behind(make_engine, tmp_path) -> None:
+    """start() keeps an IO thread made before it; stop() shuts it down, and IO asked
+    for after stop() does not leave a thread running."""
+    st = _app(make_engine, tmp_path).state.mm
+    m = BatchManager(st, st.batches.files)
+    before = set(threading.enumerate())
+
+    async def scenario() -> None:
+        await m._on_io(lambda: None)  # before start: a thread start() must keep
+        io = m._io
+        m.start()
+        assert m._io is io
+        await m.stop()
+        assert await m._on_io(lambda: 7) == 7  # after stop
+
+    asyncio.run(scenario())
+    new = [t for t in threading.enumerate() if t not in before]
+    for t in new:
+        if t.name.startswith("mmserve-batch-io"):
+            t.join(5)
+            assert not t.is_alive(), t

@@ -25,12 +25,13 @@ log = logging.getLogger(__name__)
 
 #: Each status and the statuses a batch may move to from it; nothing else happens.
 #: ``failed``: the input file went missing, or the runner hit an internal error.
-#: ``cancelling`` -> ``finalizing``: cancelled while validating, with no line left to run.
+#: A cancel is accepted until ``finalizing``: an accepted one always ends ``cancelled``
+#: (even if every line had run), and ``finalizing`` always ends ``completed``.
 TRANSITIONS: dict[str, frozenset[str]] = {
     "validating": frozenset({"in_progress", "cancelling", "failed"}),
     "in_progress": frozenset({"finalizing", "cancelling", "expired", "failed"}),
-    "cancelling": frozenset({"cancelled", "finalizing", "expired", "failed"}),
-    "finalizing": frozenset({"completed", "cancelling", "failed"}),
+    "cancelling": frozenset({"cancelled", "expired", "failed"}),
+    "finalizing": frozenset({"completed", "failed"}),
     "completed": frozenset(),
     "failed": frozenset(),
     "expired": frozenset(),
@@ -64,6 +65,13 @@ class BatchJob:
     """A batch: its OpenAI object (:attr:`obj`, what the routes answer), the file ids
     reserved for its output and error files, and its directory. Its status changes only
     through :meth:`move` (event-loop thread only).
+
+    Cancel rule: a cancel is accepted (``cancelling``, ``cancelling_at`` stamped) only
+    before ``finalizing``, and an accepted cancel always ends ``cancelled``, even when
+    it arrived after the last line ran but before the runner moved on. Once
+    ``finalizing`` (every line has run) the batch always ends ``completed``: a cancel
+    is refused as for an ended batch (409 ``batch_not_cancellable``), and
+    ``cancelling_at`` stays null.
 
     Args:
         obj: the batch object.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -78,9 +79,12 @@ class BatchManager:
         self._queue: asyncio.Queue[str] | None = None
         self._worker: asyncio.Task | None = None
         self._io: ThreadPoolExecutor | None = None
+        self._retired: ThreadPoolExecutor | None = None  # shut down by stop()
         self._wake: asyncio.Future[None] | None = None  # set by _poke
         self._sync_timer: asyncio.TimerHandle | None = None
         self._syncs: set[asyncio.Task] = set()  # held: the loop keeps only weak references
+        self._units: set[asyncio.Task] = set()  # shielded cleanups; stop() waits for them
+        self._io_error: Exception | None = None  # a failed sync or write of the running batch
         if self.dir.is_dir():
             for state in self.dir.glob("batch_*/state.json"):
                 try:
@@ -93,7 +97,8 @@ class BatchManager:
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         """Start the worker (on the event loop) and queue every unfinished batch."""
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="mmserve-batch-io")
+        if self._io is None:  # _on_io may have made it already
+            self._io = _new_io()
         self._queue = asyncio.Queue()
         for job in sorted(self.jobs.values(), key=lambda j: (j.obj["created_at"], j.id)):
             if not job.ended:
@@ -106,9 +111,13 @@ class BatchManager:
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
+        if self._units:  # a cleanup the cancel interrupted: its IO is still to come
+            for r in await asyncio.gather(*self._units, return_exceptions=True):
+                if isinstance(r, Exception):
+                    log.error("batch cleanup failed at stop", exc_info=r)
         if self._io is not None:
-            self._io.shutdown(wait=True)  # idle by now: the worker's last writes are done
-            self._io = None
+            self._retired, self._io = self._io, None
+            await asyncio.to_thread(self._retired.shutdown, wait=True)
 
     # ---- API ----------------------------------------------------------------------------
     async def create(self, input_file_id: str, endpoint: str, metadata: dict | None) -> dict:
@@ -166,11 +175,14 @@ class BatchManager:
         """Ask a batch to stop: ``cancelling`` now, ``cancelled`` once its in-flight
         requests are aborted (finished lines keep their results in the output files).
 
+        A batch already ``finalizing`` (every line has run) is no longer cancellable: it
+        is answered like an ended one and ends ``completed`` (see :class:`BatchJob`).
+
         Raises:
-            APIError: 404 for an unknown id; 409 for a batch that already ended.
+            APIError: 404 for an unknown id; 409 for a batch that is finalizing or ended.
         """
         job = self._job(batch_id)
-        if job.ended:
+        if job.ended or job.status == "finalizing":
             raise APIError(
                 409,
                 f"batch {batch_id!r} is already {job.status}; it cannot be cancelled",
@@ -189,10 +201,32 @@ class BatchManager:
     # ---- file IO, on one thread in order ------------------------------------------------
     def _on_io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         """Run ``fn`` on the IO thread (after the IO already asked for)."""
-        if self._io is None:  # not started (tests build a manager by hand)
-            self._io = ThreadPoolExecutor(1, thread_name_prefix="mmserve-batch-io")
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._io, lambda: fn(*args, **kwargs))
+        call = functools.partial(fn, *args, **kwargs)
+        if self._io is None and self._retired is None:  # not started yet: start() keeps it
+            self._io = _new_io()
+        if self._io is not None:
+            return loop.run_in_executor(self._io, call)
+        # after stop(): nothing would shut a kept thread down, so a one-off thread that
+        # first lets the retired one drain (the IO stays in order)
+        retired, one = self._retired, _new_io()
+
+        def after_retired() -> T:
+            if retired is not None:
+                retired.shutdown(wait=True)
+            return call()
+
+        fut = loop.run_in_executor(one, after_retired)
+        one.shutdown(wait=False)  # the thread ends once the call is done
+        return fut
+
+    async def _unit(self, coro: Awaitable[None]) -> None:
+        """Await ``coro`` as one unit: a cancel of the caller (stop()) does not cut it
+        short, and stop() waits for it before shutting the IO thread down."""
+        task = asyncio.ensure_future(coro)
+        self._units.add(task)
+        task.add_done_callback(self._units.discard)
+        await asyncio.shield(task)
 
     async def _save(self, job: BatchJob) -> None:
         """Write the job's ``state.json`` as of now; a cancelled caller does not stop it."""
@@ -218,10 +252,10 @@ class BatchManager:
         if job.ended:
             return
         if job.status == "cancelling":
-            await self._finalize(job, "cancelled")
+            await self._unit(self._finalize(job, "cancelled"))
             return
         if job.status == "finalizing":
-            await self._finalize(job, "completed")
+            await self._unit(self._finalize(job, "completed"))
             return
         handler = HANDLERS[job.obj["endpoint"]]
         try:
@@ -249,15 +283,22 @@ class BatchManager:
         todo = [ln for ln in lines if ln.custom_id not in done]
         if self.st.settings.batch_order == "cache":
             todo.sort(key=lambda ln: ln.key)
+        self._io_error = None
         try:
             if todo and self._ready is not None:
                 await self._ready()
             ended = await self._execute(job, handler, todo, out)
         finally:
-            await self._stop_syncing()
-            await asyncio.shield(self._on_io(out.close))
-            await self._save(job)
-        await self._finalize(job, ended)
+            await self._unit(self._close(job, out))
+        if self._io_error is not None:  # a sync or write failed: the batch fails (_work)
+            raise self._io_error
+        await self._unit(self._finalize(job, ended))
+
+    async def _close(self, job: BatchJob, out: Outputs) -> None:
+        """Let the syncs under way finish, close the files and save the state."""
+        await self._stop_syncing()
+        await self._on_io(out.close)
+        await self._save(job)
 
     async def _execute(
         self, job: BatchJob, handler: Endpoint, todo: list[Line], out: Outputs
@@ -268,6 +309,8 @@ class BatchManager:
 
         def finished(task: asyncio.Task) -> None:
             running.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self._failed(task.exception())
             self._poke()
 
         def room() -> bool:
@@ -300,6 +343,8 @@ class BatchManager:
         a cancel), by the engine client freeing capacity, or by the window's end."""
         loop = asyncio.get_running_loop()
         while True:
+            if self._io_error is not None:
+                raise self._io_error
             ended = job.interrupted()
             if ended is not None or until():
                 return ended
@@ -312,6 +357,13 @@ class BatchManager:
                 wake.cancel()
                 freed.cancel()
                 self._wake = None
+
+    def _failed(self, e: BaseException | None) -> None:
+        """Note the first IO failure of the running batch and wake the runner, which
+        raises it (the batch fails with ``server_error``, as any internal error)."""
+        if isinstance(e, Exception) and self._io_error is None:
+            self._io_error = e
+            self._poke()
 
     def _poke(self) -> None:
         """Wake the runner's :meth:`_wait`."""
@@ -338,8 +390,19 @@ class BatchManager:
             "response": {"status_code": status, "request_id": request_id, "body": body},
             "error": None,
         }
-        job.count(usage)  # counted with its record: a cancel cannot split the two
-        await asyncio.shield(self._on_io(out.write, record, status == 200))
+        written = self._on_io(out.write, record, status == 200)
+
+        def landed(f: asyncio.Future[None]) -> None:
+            # counted once its record is written, even if this task is cancelled meanwhile
+            if f.cancelled():
+                return
+            if f.exception() is not None:
+                self._failed(f.exception())
+            else:
+                job.count(usage)
+
+        written.add_done_callback(landed)
+        await asyncio.shield(written)
         self._sync_soon(job, out)
 
     async def _submit(self, reqs: Sequence[EngineRequest]) -> Submission:
@@ -360,11 +423,16 @@ class BatchManager:
             return
         delay = max(0.0, SYNC_INTERVAL - (time.monotonic() - out.last_sync))
 
+        def synced(task: asyncio.Task) -> None:
+            self._syncs.discard(task)
+            if not task.cancelled():
+                self._failed(task.exception())
+
         def fire() -> None:
             self._sync_timer = None
             task = asyncio.ensure_future(self._sync(job, out))
             self._syncs.add(task)
-            task.add_done_callback(self._syncs.discard)
+            task.add_done_callback(synced)
 
         self._sync_timer = asyncio.get_running_loop().call_later(delay, fire)
 
@@ -377,18 +445,19 @@ class BatchManager:
         if self._sync_timer is not None:
             self._sync_timer.cancel()
             self._sync_timer = None
-        if self._syncs:
+        if self._syncs:  # their failures are noted by their done callbacks (_failed)
             await asyncio.gather(*map(asyncio.shield, self._syncs), return_exceptions=True)
 
     async def _finalize(self, job: BatchJob, status: str) -> None:
-        """Publish the output and error files and end the batch with ``status``."""
+        """Publish the output and error files and end the batch with ``status`` (a
+        batch cancelled before it reached ``finalizing`` ends ``cancelled``)."""
+        if status == "completed" and job.status == "cancelling":  # the cancel was accepted
+            status = "cancelled"
         if status == "completed" and job.status != "finalizing":
             job.move("finalizing")
             await self._save(job)
         for kind, fid in await self._on_io(self._publish, job):
             job.obj[f"{kind}_file_id"] = fid
-        if status == "completed" and job.status == "cancelling":  # cancelled while publishing
-            status = "cancelled"
         job.move(status)
         await self._save(job)
 
@@ -410,3 +479,8 @@ class BatchManager:
                     self.files.register(fid, f"{job.id}_{kind}.jsonl", "batch_output")
                 published.append((kind, fid))
         return published
+
+
+def _new_io() -> ThreadPoolExecutor:
+    """The one thread all batch file IO runs on, in order."""
+    return ThreadPoolExecutor(1, thread_name_prefix="mmserve-batch-io")

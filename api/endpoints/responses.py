@@ -91,7 +91,7 @@ class ResponsesEndpoint(Endpoint[ResponsesRequest, ResponseCall]):
         """The usage of a ``response`` object."""
         u = answer.get("usage") or {}
         cached = (u.get("input_tokens_details") or {}).get("cached_tokens", 0)
-        return Usage(u["input_tokens"], cached, u["output_tokens"])
+        return Usage(u.get("input_tokens", 0), cached, u.get("output_tokens", 0))
 
 
 #: The Responses handler.
