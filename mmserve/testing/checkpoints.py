@@ -176,6 +176,7 @@ def write_checkpoint(
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(spec["tokenizer"], out)
     config = build_config(spec, tokenizer)
+    assert config.architectures, "build_config names the architecture"
     model_cls = getattr(transformers, config.architectures[0])
     stored = getattr(torch, dtype or ("bfloat16" if spec["real"] else "float32"))
     tied = bool(config.tie_word_embeddings)
