@@ -168,10 +168,20 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final chunk with usage (no other key)."""
+    """``stream_options`` (only with ``stream: true``; any other key is refused).
+
+    Attributes:
+        include_usage: chat: a last chunk with empty ``choices`` carries the usage.
+            Responses: accepted for clients that send it; ``response.completed`` always
+            carries the usage.
+        include_obfuscation: each streamed delta (a chat chunk with text, a
+            ``response.*.delta`` event) gets an ``obfuscation`` field of random
+            alphanumeric padding, as OpenAI adds (off unless true here).
+    """
 
     model_config = STRICT
     include_usage: bool = False
+    include_obfuscation: bool = False
 
 
 class JSONSchemaFormat(BaseModel):
@@ -520,7 +530,6 @@ _RESPONSES_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "truncation": ((None, "disabled"), "input is never truncated; a too long input is a 400"),
     "top_logprobs": ((None, 0), "logprobs are not returned by /v1/responses"),
-    "stream_options": ((None,), "no stream options"),
 }
 
 
@@ -563,6 +572,6 @@ class ResponsesRequest(ChatTemplateFields, EndUserFields):
     service_tier: Any = None
     truncation: Any = None
     top_logprobs: Any = None
-    stream_options: Any = None
+    stream_options: StreamOptions | None = None
 
     _unsupported = _refusing(_RESPONSES_DEFAULTS)

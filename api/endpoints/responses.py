@@ -7,8 +7,8 @@ and runs through the shared input path (:func:`api.endpoints.inputs.engine_reque
 upload ids, data URLs, allowed files and remote URLs resolve as in chat).
 ``text.format`` goes through the structured-output machinery. Streaming sends the
 Responses event sequence (``response.created`` ... ``response.completed``), each event
-with its ``sequence_number``. Responses are not stored (``store`` must be false or
-absent).
+with its ``sequence_number`` (``stream_options``: :func:`response_stream`). Responses are
+not stored (``store`` must be false or absent).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from api.endpoints.inputs import MediaRef, engine_requests
 from api.errors import APIError, error_body
 from api.generation import log_end_user, sampling_params, template_options
 from api.media import check_image_count
-from api.openai_format import prompt_details
+from api.openai_format import obfuscation, prompt_details
 from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState
 from api.structured import refuse_tool_fields
@@ -258,12 +258,19 @@ async def response_stream(
     ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``).
     An engine failure ends the stream with an ``error`` event naming the request id.
     Closing the generator (client gone) cancels ``sub``.
+
+    ``stream_options.include_obfuscation`` adds an ``obfuscation`` field of random padding
+    to each ``*.delta`` event; ``include_usage`` changes nothing (``response.completed``
+    always carries the usage).
     """
     seq = 0
+    obfuscate = body.stream_options is not None and body.stream_options.include_obfuscation
 
     def event(kind: str, **fields: object) -> str:
         nonlocal seq
         data = {"type": kind, "sequence_number": seq, **fields}
+        if obfuscate and kind.endswith(".delta"):
+            data["obfuscation"] = obfuscation(str(fields.get("delta", "")))
         seq += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
