@@ -451,24 +451,18 @@ class InputTextPart(BaseModel):
 
 class InputImagePart(BaseModel):
     """``{"type": "input_image", "image_url": ...}``: an uploaded image id (``img-...``),
-    a data URL, or an allowed file or remote URL, as in chat completions.
+    a data URL, or an allowed file or remote URL, as in chat completions; or
+    ``file_id``: the id of an image uploaded with ``POST /v1/files`` (purpose vision,
+    :mod:`api.vision_files`) or ``POST /v1/images`` (one of the two fields).
 
-    ``detail`` picks the view as in chat (:data:`Detail`); ``file_id`` (OpenAI's file
-    store) is refused: upload images with ``POST /v1/images`` and pass the id as
-    ``image_url``.
+    ``detail`` picks the view as in chat (:data:`Detail`).
     """
 
     model_config = STRICT
     type: Literal["input_image"]
     image_url: str | None = None
     detail: Detail | None = Field(default=None, description=DETAIL_HELP)
-    file_id: Any = None
-
-    @field_validator("file_id")
-    @classmethod
-    def _file_id(cls, value: Any, info: ValidationInfo) -> Any:
-        why = "images are not read from /v1/files; upload with POST /v1/images and pass its id"
-        return _refuse_unless_default(value, info, {"file_id": (None,)}, why)
+    file_id: str | None = None
 
 
 class InputMessage(BaseModel):
