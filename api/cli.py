@@ -351,8 +351,7 @@ def _serve(args: argparse.Namespace) -> int:
     # the start-up lines print at --log-level from here on (uvicorn applies the same
     # configuration again); configured this late so that a refused start changes nothing
     logging.config.dictConfig(log_config(launch.log_level))
-    for line in startup_summary(engine, launch, server):
-        log.info("%s", line)
+    log_startup(engine, launch, server)
     uv = uvicorn.Config(
         app,
         host=launch.host,
@@ -401,7 +400,9 @@ def port_problem(host: str, port: int) -> str | None:
 def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettings) -> list[str]:
     """The lines ``mmserve serve`` logs once the engine is built: the model (family,
     parameters, dtype and why), the KV pool (pages, tokens, bytes, where the size came
-    from), the attention backend and decode mode, the KV tiers, and the URL."""
+    from), the attention backend and decode mode, the KV tiers, the URL, and a note when
+    the chat template renders media after text
+    (:meth:`~mmserve.frontend.prompt.PromptBuilder.renders_media_after_text`)."""
     from pathlib import Path
 
     from mmserve.config import auto_dtype
@@ -442,7 +443,20 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
     lines.append(
         f"serving {name!r} at {url}/v1 (OpenAI API), web page {url}/, metrics {url}/metrics"
     )
+    if engine.processor.prompts.renders_media_after_text():
+        lines.append(
+            "chat template: renders a message's parts in order, so media after text stays "
+            "after it: part order matters, and requests that put different text before the "
+            "same image share only the prefix before that text (put images first to reuse "
+            "them; docs/api.md, 'Part order and the prefix cache')"
+        )
     return lines
+
+
+def log_startup(engine: Engine, launch: LaunchSettings, server: ServerSettings) -> None:
+    """Log :func:`startup_summary`'s lines at INFO on the ``api.cli`` logger."""
+    for line in startup_summary(engine, launch, server):
+        log.info("%s", line)
 
 
 def log_config(level: str) -> dict:

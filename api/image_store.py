@@ -51,6 +51,8 @@ class StoredImage:
         created: when it was first stored (Unix seconds).
         persisted: whether its bytes are on disk.
         color_mode: the decoded image's PIL mode (``RGB``, ``L``, ...).
+        filename: the file name it was uploaded under through ``/v1/files`` (purpose
+            vision; "" otherwise, and after a restart).
     """
 
     image: ImageInput
@@ -59,6 +61,7 @@ class StoredImage:
     created: float
     persisted: bool = False
     color_mode: str = ""
+    filename: str = ""
 
 
 class ImageStore(UploadStore[StoredImage]):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import secrets
+import string
 from collections.abc import AsyncIterator, Sequence
 
 from api.errors import error_body
@@ -146,6 +148,20 @@ def chat_completion(
     }
 
 
+#: Characters of the ``obfuscation`` padding, and the size a padded delta is rounded up to.
+_PAD_ALPHABET = string.ascii_letters + string.digits
+_PAD_TO = 32
+
+
+def obfuscation(delta: str) -> str:
+    """Random alphanumeric padding for a streamed ``delta`` (OpenAI's ``obfuscation``
+    field, ``stream_options.include_obfuscation``): 1 to 32 characters, so that the delta
+    and its padding together fill a multiple of 32 characters and an event's size says
+    little about its text."""
+    n = _PAD_TO - len(delta) % _PAD_TO
+    return "".join(secrets.choice(_PAD_ALPHABET) for _ in range(n))
+
+
 async def chat_stream(
     sub: Submission,
     cid: str,
@@ -155,6 +171,7 @@ async def chat_stream(
     include_usage: bool,
     holdback: int,
     tools: ToolCalling | None = None,
+    obfuscate: bool = False,
 ) -> AsyncIterator[str]:
     """Server-sent events of ``chat.completion.chunk`` objects, then ``data: [DONE]``.
 
@@ -169,6 +186,8 @@ async def chat_stream(
             finish reason ``tool_calls`` when the answer is complete; one cut short
             (``length``, a stop string) ends with its own finish reason, the arguments
             generated so far having been streamed.
+        obfuscate: each chunk with new text or tool-call arguments gets an
+            ``obfuscation`` field (:func:`obfuscation`).
 
     A choice cut short by an engine failure ends the stream with an error event
     (``sub.client.failure``). Closing the generator (the client disconnected) cancels
@@ -183,6 +202,8 @@ async def chat_stream(
         body = {**base, "choices": [choice]}
         if include_usage:
             body["usage"] = None
+        if obfuscate and (delta.get("content") or delta.get("tool_calls")):
+            body["obfuscation"] = obfuscation(delta.get("content") or json.dumps(delta))
         return f"data: {json.dumps(body)}\n\n"
 
     n = len(sub.reqs)

@@ -1,4 +1,5 @@
-"""``/v1/files`` and ``/v1/batches`` in OpenAI's shapes (see :mod:`api.batch.runner`)."""
+"""``/v1/files`` and ``/v1/batches`` in OpenAI's shapes (see :mod:`api.batch.runner`);
+``purpose="vision"`` files are images (:mod:`api.vision_files`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ from api.errors import APIError
 from api.json_body import JSONBodyRoute
 from api.schemas import STRICT, _refuse_unless_default
 from api.state import State
+from api.vision_files import (
+    VISION,
+    delete_vision_file,
+    is_vision_id,
+    upload_vision_file,
+    vision_content,
+    vision_entry,
+    vision_files,
+    vision_object,
+)
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -68,8 +79,9 @@ def _page(items: list[dict], limit: int, after: str | None) -> dict:
 # ---- files ------------------------------------------------------------------------------
 @router.post("/v1/files")
 async def upload_file(request: Request, st: State) -> dict:
-    """Upload a batch input file: multipart fields ``file`` (JSONL) and ``purpose``
-    (``batch``). Bounded by ``--max-batch-file-bytes`` and ``--max-batch-lines`` (400)."""
+    """Upload a file: multipart fields ``file`` and ``purpose``: ``batch`` (a JSONL batch
+    input, bounded by ``--max-batch-file-bytes`` and ``--max-batch-lines``) or ``vision``
+    (an image, stored as ``POST /v1/images`` stores it; its id is the image id)."""
     ctype = request.headers.get("content-type", "")
     if not ctype.lower().startswith("multipart/form-data"):
         raise APIError(
@@ -101,6 +113,8 @@ async def upload_file(request: Request, st: State) -> dict:
         file = form.get("file")
         if not isinstance(file, UploadFile):
             raise APIError(400, "file: a file field named 'file' is required", param="file")
+        if purpose == VISION:
+            return await upload_vision_file(st, file)
         limit = st.settings.max_batch_file_bytes
         data = await file.read(limit + 1)
         if len(data) > limit:
@@ -128,8 +142,13 @@ async def list_files(
     after: str | None = None,
     order: Literal["asc", "desc"] = "desc",
 ) -> dict:
-    """Stored files (uploads and batch outputs), newest first unless ``order=asc``."""
-    items = _manager(st).files.list(purpose)
+    """Stored files (uploads, batch outputs and, as ``vision`` files, the stored images),
+    newest first unless ``order=asc``."""
+    items = [] if purpose == VISION else _manager(st).files.list(purpose)
+    if purpose in (None, VISION):
+        items = sorted(
+            items + vision_files(st), key=lambda o: (o["created_at"], o["id"]), reverse=True
+        )
     if order == "asc":
         items.reverse()
     return _page(items, limit, after)
@@ -138,18 +157,25 @@ async def list_files(
 @router.get("/v1/files/{file_id}")
 async def get_file(file_id: str, st: State) -> dict:
     """A file object; 404 if unknown or deleted."""
+    if is_vision_id(file_id):
+        return vision_object(vision_entry(st, file_id))
     return _manager(st).files.get(file_id)
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, st: State) -> Response:
-    """A file's bytes (JSONL)."""
+    """A file's bytes (JSONL; a vision file's image as uploaded)."""
+    if is_vision_id(file_id):
+        data, media = vision_content(vision_entry(st, file_id))
+        return Response(data, media_type=media)
     return Response(_manager(st).files.read(file_id), media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, st: State) -> dict:
-    """Delete a file; 409 while an unfinished batch reads it."""
+    """Delete a file (a vision file: its image); 409 while an unfinished batch reads it."""
+    if is_vision_id(file_id):
+        return delete_vision_file(st, file_id)
     m = _manager(st)
     m.files.get(file_id)
     if m.uses_file(file_id):

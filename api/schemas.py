@@ -168,10 +168,20 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final chunk with usage (no other key)."""
+    """``stream_options`` (only with ``stream: true``; any other key is refused).
+
+    Attributes:
+        include_usage: chat: a last chunk with empty ``choices`` carries the usage.
+            Responses: accepted for clients that send it; ``response.completed`` always
+            carries the usage.
+        include_obfuscation: each streamed delta (a chat chunk with text, a
+            ``response.*.delta`` event) gets an ``obfuscation`` field of random
+            alphanumeric padding, as OpenAI adds (off unless true here).
+    """
 
     model_config = STRICT
     include_usage: bool = False
+    include_obfuscation: bool = False
 
 
 class JSONSchemaFormat(BaseModel):
@@ -441,24 +451,18 @@ class InputTextPart(BaseModel):
 
 class InputImagePart(BaseModel):
     """``{"type": "input_image", "image_url": ...}``: an uploaded image id (``img-...``),
-    a data URL, or an allowed file or remote URL, as in chat completions.
+    a data URL, or an allowed file or remote URL, as in chat completions; or
+    ``file_id``: the id of an image uploaded with ``POST /v1/files`` (purpose vision,
+    :mod:`api.vision_files`) or ``POST /v1/images`` (one of the two fields).
 
-    ``detail`` picks the view as in chat (:data:`Detail`); ``file_id`` (OpenAI's file
-    store) is refused: upload images with ``POST /v1/images`` and pass the id as
-    ``image_url``.
+    ``detail`` picks the view as in chat (:data:`Detail`).
     """
 
     model_config = STRICT
     type: Literal["input_image"]
     image_url: str | None = None
     detail: Detail | None = Field(default=None, description=DETAIL_HELP)
-    file_id: Any = None
-
-    @field_validator("file_id")
-    @classmethod
-    def _file_id(cls, value: Any, info: ValidationInfo) -> Any:
-        why = "images are not read from /v1/files; upload with POST /v1/images and pass its id"
-        return _refuse_unless_default(value, info, {"file_id": (None,)}, why)
+    file_id: str | None = None
 
 
 class InputMessage(BaseModel):
@@ -520,7 +524,6 @@ _RESPONSES_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "truncation": ((None, "disabled"), "input is never truncated; a too long input is a 400"),
     "top_logprobs": ((None, 0), "logprobs are not returned by /v1/responses"),
-    "stream_options": ((None,), "no stream options"),
 }
 
 
@@ -563,6 +566,6 @@ class ResponsesRequest(ChatTemplateFields, EndUserFields):
     service_tier: Any = None
     truncation: Any = None
     top_logprobs: Any = None
-    stream_options: Any = None
+    stream_options: StreamOptions | None = None
 
     _unsupported = _refusing(_RESPONSES_DEFAULTS)

@@ -4,6 +4,7 @@ test checkpoint descriptions it writes (``ModelFamily.test_config``)."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -228,9 +229,33 @@ def test_ensure_model_uses_cache_dir(
     target = mc.default_model_dir("tiny")
     assert target == tmp_path / "llava-tiny-seed0"
     assert mc.ensure_model("tiny") == target
-    assert _digests(target) == _digests(tiny_dir)
+    stamp = target / mc.STAMP_NAME
+    assert stamp.read_text().strip() == mc.build_stamp("tiny")
+    assert {k: v for k, v in _digests(target).items() if k != mc.STAMP_NAME} == _digests(tiny_dir)
     assert [p.name for p in tmp_path.iterdir()] == ["llava-tiny-seed0"]  # no temp left over
+    built = (target / "model.safetensors").stat().st_mtime_ns
     assert mc.ensure_model("tiny") == target  # second call is a cache hit
+    assert (target / "model.safetensors").stat().st_mtime_ns == built
+
+
+@pytest.mark.parametrize("stamp", [None, "0" * 64])
+def test_ensure_model_rebuilds_a_cache_of_another_generator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_dir: Path, stamp: str | None
+) -> None:
+    """A cached checkpoint from before stamps, or from a generator with another chat
+    template, is replaced by one with today's template."""
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path))
+    target = mc.default_model_dir("tiny")
+    shutil.copytree(tiny_dir, target)
+    (target / "chat_template.jinja").write_text("{{ 'an old template' }}")
+    if stamp is not None:
+        (target / mc.STAMP_NAME).write_text(stamp)
+    assert mc.ensure_model("tiny") == target
+    assert (target / "chat_template.jinja").read_bytes() == (
+        tiny_dir / "chat_template.jinja"
+    ).read_bytes()
+    assert (target / mc.STAMP_NAME).read_text().strip() == mc.build_stamp("tiny")
+    assert [p.name for p in tmp_path.iterdir()] == ["llava-tiny-seed0"]
 
 
 def test_streamed_weights_equal_save_pretrained(tiny_dir: Path, tmp_path: Path) -> None:

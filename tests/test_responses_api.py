@@ -184,7 +184,7 @@ def test_bad_input_is_a_400_naming_the_part(client: openai.OpenAI) -> None:
 def test_a_bad_part_is_blamed_on_its_own_field(client, part, param, words) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(
-            model="llava-tiny", input=[{"role": "user", "content": [part]}], max_output_tokens=2
+            model=MODEL, input=[{"role": "user", "content": [part]}], max_output_tokens=2
         )
     err = exc.value.body
     assert err["param"] == param and words in err["message"], err

@@ -50,25 +50,35 @@ def _hash(text: str) -> str:
     return xxhash.xxh3_64_hexdigest(text.encode("utf-8", "surrogatepass"))
 
 
-def prompt_key(body: ChatCompletionRequest | ResponsesRequest) -> tuple:
+def prompt_key(body: ChatCompletionRequest | ResponsesRequest, media_first: bool = False) -> tuple:
     """The prompt of ``body`` as ``(kind, value)`` segments in prompt order: a role, a
     text, an image or video (a hash of its URL). Sorting lines by it walks their prefix
-    trie depth first."""
+    trie depth first.
+
+    Args:
+        media_first: the chat template renders a message's images, then its videos, then
+            its texts, whatever their order in the request (the released llava-hf
+            templates); False: parts in the order given.
+    """
     segs: list[tuple[str, str]] = []
 
     def content(c: Any) -> None:
         if c is None or isinstance(c, str):
             segs.append(("t", c or ""))
             return
+        parts: list[tuple[str, str]] = []
         for p in c:
             if p.type in ("text", "input_text", "output_text"):
-                segs.append(("t", p.text or ""))
+                parts.append(("t", p.text or ""))
             elif p.type == "input_image":
-                segs.append(("i", _hash(p.image_url or "")))
+                parts.append(("i", _hash(p.image_url or p.file_id or "")))
             else:
                 src = p.image_url if p.type == "image_url" else p.video_url
                 url = src if isinstance(src, str) else src.url if src is not None else ""
-                segs.append(("i" if p.type == "image_url" else "v", _hash(url)))
+                parts.append(("i" if p.type == "image_url" else "v", _hash(url)))
+        if media_first:  # a stable sort keeps each kind's own order
+            parts.sort(key=lambda seg: "ivt".index(seg[0]))
+        segs.extend(parts)
 
     if isinstance(body, ResponsesRequest):
         if body.instructions:
@@ -110,6 +120,7 @@ def validate(raw: bytes, handler: Endpoint, st: ServerState) -> tuple[list[Line]
     POST, a ``url`` other than the batch's endpoint (``handler.path``), or a body the
     route would refuse). Blank lines are skipped. CPU work: run it off the event loop."""
     endpoint = handler.path
+    media_first = not st.engine.processor.prompts.renders_media_after_text()
     lines: list[Line] = []
     errors: list[dict] = []
     seen: set[str] = set()
@@ -156,7 +167,7 @@ def validate(raw: bytes, handler: Endpoint, st: ServerState) -> tuple[list[Line]
         if problem is not None:
             errors.append(_validation_record(number, cid, *problem))
             continue
-        lines.append(Line(number, cid, body, prompt_key(body)))
+        lines.append(Line(number, cid, body, prompt_key(body, media_first)))
     return lines, errors
 
 

@@ -23,8 +23,9 @@ from pathlib import Path
 from api.errors import APIError
 from api.ids import FILE
 
-#: ``purpose`` values a client may upload (output files get ``batch_output``).
-UPLOAD_PURPOSES = ("batch",)
+#: ``purpose`` values a client may upload (output files get ``batch_output``; ``vision``
+#: files are images, kept by the image store: :mod:`api.vision_files`).
+UPLOAD_PURPOSES = ("batch", "vision")
 
 
 def write_json_atomic(path: Path, obj: object) -> None:

@@ -89,18 +89,29 @@ class Endpoint(Generic[Body, C]):
         return self.body_type.model_validate(body)  # type: ignore[return-value]
 
     def check(self, st: ServerState, body: Body, batch: bool = False) -> None:
-        """What the route checks beyond the schema before any work: the model, and for a
-        batch line (``batch``) also ``stream`` (a batch cannot stream).
+        """What the route checks beyond the schema before any work: the model,
+        ``stream_options`` without ``stream`` (OpenAI refuses it too), and for a batch
+        line (``batch``) also ``stream`` (a batch cannot stream).
 
         Raises:
             APIError: 404 ``model_not_found`` for another model on a route; 400 naming
-                ``stream`` or ``model`` for a batch line.
+                ``stream_options``, or ``stream`` or ``model`` for a batch line.
         """
+        options = getattr(body, "stream_options", None)
         if not batch:
             st.check_model(body.model)  # type: ignore[attr-defined]
+            if options is not None and not body.stream:  # type: ignore[attr-defined]
+                raise APIError(
+                    400,
+                    "stream_options: not used without stream: true (a plain response always "
+                    "has usage)",
+                    param="stream_options",
+                )
             return
         if body.stream:  # type: ignore[attr-defined]
             raise APIError(400, "stream: not available in a batch (set it false)", param="stream")
+        if options is not None:
+            raise APIError(400, "stream_options: not used without stream", param="stream_options")
         model = body.model  # type: ignore[attr-defined]
         if model is not None and model != st.model_name:
             raise APIError(400, f"model: this server serves {st.model_name!r}", param="model")

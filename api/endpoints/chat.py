@@ -26,7 +26,7 @@ from api.errors import APIError, field_path
 from api.generation import log_end_user, sampling_params, template_options
 from api.media import check_image_count
 from api.openai_format import TokenText, chat_completion, chat_stream
-from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
+from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions
 from api.state import ServerState
 from api.structured import ToolCalling, tool_calling
 from api.submit import Submission
@@ -59,22 +59,9 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
         """
         super().check(st, body, batch)
         n, limit = body.n or 1, st.settings.max_n
-        if batch:
-            if n > limit:
-                raise APIError(400, f"n: the limit is {limit}", param="n")
-            if body.stream_options is not None:
-                raise APIError(
-                    400, "stream_options: not used without stream", param="stream_options"
-                )
-            return
         if n > limit:
-            raise APIError(400, f"n is {n}; the limit is {limit}", param="n")
-        if body.stream_options is not None and not body.stream:
-            raise APIError(
-                400,
-                "stream_options: not used without stream: true (a plain response always has usage)",
-                param="stream_options",
-            )
+            msg = f"n: the limit is {limit}" if batch else f"n is {n}; the limit is {limit}"
+            raise APIError(400, msg, param="n")
 
     async def prepare(self, st: ServerState, body: ChatCompletionRequest) -> ChatCall:
         """The ``n`` engine requests of ``body``, its sampling parameters, its enforced
@@ -114,11 +101,19 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
     ) -> AsyncIterator[str]:
         """``chat.completion.chunk`` events (:func:`api.openai_format.chat_stream`); a
         stop string is never partly sent."""
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        opts = body.stream_options or StreamOptions()
         holdback = max((len(s) for s in call.params.stop), default=1) - 1
         created = int(call.created)
         return chat_stream(
-            sub, call.id, created, st.model_name, call.tokens, include_usage, holdback, call.tools
+            sub,
+            call.id,
+            created,
+            st.model_name,
+            call.tokens,
+            opts.include_usage,
+            holdback,
+            call.tools,
+            opts.include_obfuscation,
         )
 
     def recorded_usage(self, answer: dict) -> Usage:

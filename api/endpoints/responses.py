@@ -7,8 +7,8 @@ and runs through the shared input path (:func:`api.endpoints.inputs.engine_reque
 upload ids, data URLs, allowed files and remote URLs resolve as in chat).
 ``text.format`` goes through the structured-output machinery. Streaming sends the
 Responses event sequence (``response.created`` ... ``response.completed``), each event
-with its ``sequence_number``. Responses are not stored (``store`` must be false or
-absent).
+with its ``sequence_number`` (``stream_options``: :func:`response_stream`). Responses are
+not stored (``store`` must be false or absent).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from api.endpoints.base import Answer, Call, Endpoint, Usage
 from api.endpoints.inputs import MediaRef, engine_requests
 from api.errors import APIError, error_body
 from api.generation import log_end_user, sampling_params, template_options
+from api.ids import IMAGE, shown
 from api.media import check_image_count
-from api.openai_format import prompt_details
+from api.openai_format import obfuscation, prompt_details
 from api.schemas import ResponsesRequest, SamplingFields, TextFormat
 from api.state import ServerState
 from api.structured import refuse_tool_fields
@@ -148,22 +149,49 @@ def _messages(body: ResponsesRequest, max_images: int) -> tuple[list[dict], list
                 if p.type != "input_image":
                     parts.append({"type": "text", "text": p.text})
                     continue
-                if not p.image_url:
-                    raise APIError(
-                        400,
-                        f"{param}.image_url: required (an uploaded image id img-..., or a "
-                        "data:image/...;base64,... URL)",
-                        param=f"{param}.image_url",
-                    )
+                url, field = _image_source(p.image_url, p.file_id, param)
                 if m.role != "user":
                     raise APIError(
                         400, f"{param}: images are only allowed in user messages", param=param
                     )
-                urls.append(MediaRef(p.image_url, f"{param}.image_url", None, p.detail or "auto"))
+                urls.append(MediaRef(url, field, None, p.detail or "auto"))
                 parts.append({"type": "image"})
             out.append({"role": role, "content": parts})
     check_image_count(len(urls), max_images, "input")
     return out, urls
+
+
+def _image_source(image_url: str | None, file_id: str | None, param: str) -> tuple[str, str]:
+    """The image an ``input_image`` part names and the field naming it: ``image_url`` (an
+    upload id, data URL or allowed URL) or ``file_id`` (an image's id, as ``POST /v1/files``
+    with purpose vision or ``POST /v1/images`` gave it).
+
+    Raises:
+        APIError: 400 naming ``image_url`` when neither is given, ``file_id`` when both
+            are or when it is not an image's id (a batch file's, say).
+    """
+    if image_url is not None and file_id is not None:
+        raise APIError(
+            400, f"{param}.file_id: give image_url or file_id, not both", param=f"{param}.file_id"
+        )
+    if file_id is not None:
+        if not IMAGE.claims(file_id):
+            raise APIError(
+                400,
+                f"{param}.file_id: {shown(file_id)} is not an image's file id; upload the "
+                "image with POST /v1/files (purpose vision) or POST /v1/images and pass its id",
+                param=f"{param}.file_id",
+                code="invalid_image_id",
+            )
+        return file_id, f"{param}.file_id"
+    if not image_url:
+        raise APIError(
+            400,
+            f"{param}.image_url: required (an uploaded image id img-..., a "
+            "data:image/...;base64,... URL, or file_id)",
+            param=f"{param}.image_url",
+        )
+    return image_url, f"{param}.image_url"
 
 
 def _text_config(body: ResponsesRequest) -> dict:
@@ -258,12 +286,19 @@ async def response_stream(
     ``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``).
     An engine failure ends the stream with an ``error`` event naming the request id.
     Closing the generator (client gone) cancels ``sub``.
+
+    ``stream_options.include_obfuscation`` adds an ``obfuscation`` field of random padding
+    to each ``*.delta`` event; ``include_usage`` changes nothing (``response.completed``
+    always carries the usage).
     """
     seq = 0
+    obfuscate = body.stream_options is not None and body.stream_options.include_obfuscation
 
     def event(kind: str, **fields: object) -> str:
         nonlocal seq
         data = {"type": kind, "sequence_number": seq, **fields}
+        if obfuscate and kind.endswith(".delta"):
+            data["obfuscation"] = obfuscation(str(fields.get("delta", "")))
         seq += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 

@@ -167,6 +167,24 @@ class PromptBuilder:
             )
         return rendered
 
+    def renders_media_after_text(self) -> bool:
+        """Whether the chat template renders a user message's parts in order, so that an
+        image given after text stays after it (a probe ``[text, image]`` rendered).
+
+        Such a template makes part order matter to the prefix cache: two questions put
+        before the same picture share only the prompt up to the first question, while a
+        template that renders media first (as the released llava-hf ones do) puts the
+        picture before either question. False when the probe cannot be rendered.
+        """
+        probe = "\ue000probe\ue000"
+        content = [{"type": "text", "text": probe}, {"type": "image"}]
+        try:
+            rendered = self._apply([{"role": "user", "content": content}], True)
+        except PromptError:
+            return False
+        text, image = rendered.find(probe), rendered.find(self.image_token)
+        return 0 <= text < image
+
     def _apply(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         """The template's rendering; its own refusals (``raise_exception``, a role it does
         not know) become :class:`PromptError`."""

@@ -17,6 +17,7 @@ in :mod:`mmserve.testing.weights`; their public names are re-exported here.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import json
 import os
@@ -47,7 +48,9 @@ __all__ = [
     "CORPUS_PATH",
     "FAMILY_NAMES",
     "SIZES",
+    "STAMP_NAME",
     "build_config",
+    "build_stamp",
     "build_tokenizer",
     "checkpoint_spec",
     "count_parameters",
@@ -246,7 +249,9 @@ def default_model_dir(size: str = "tiny", family: str = "llava") -> Path:
 
 
 def ensure_model(size: str = "tiny", family: str = "llava") -> Path:
-    """Return :func:`default_model_dir`, building the seed-0 checkpoint there if missing.
+    """Return :func:`default_model_dir`, building the seed-0 checkpoint there if missing
+    or built by another generator (its :data:`STAMP_NAME` is not :func:`build_stamp`'s:
+    a changed chat template, corpus or writer; a cache from before stamps is rebuilt once).
 
     The build goes to a temporary sibling directory that is renamed into place, so a
     concurrent or interrupted build never leaves a half-written checkpoint behind.
@@ -255,17 +260,57 @@ def ensure_model(size: str = "tiny", family: str = "llava") -> Path:
         ValueError: if ``size`` is unknown.
     """
     target = default_model_dir(size, family)
-    if (target / "model.safetensors").is_file():
+    stamp = build_stamp(size, family)
+    if _cached(target, stamp):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         make_checkpoint(tmp, size=size, seed=0, family=family)
+        (tmp / STAMP_NAME).write_text(stamp + "\n", encoding="utf-8")
+        if target.exists() and not _cached(target, stamp):  # built by an older generator
+            stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
+            try:
+                os.rename(target, stale)
+            except OSError:  # another process moved it first
+                pass
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race (target exists and is non-empty)
-            if not (target / "model.safetensors").is_file():
+            if not _cached(target, stamp):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+#: The file in a cached checkpoint that names the generator that built it.
+STAMP_NAME = ".mmserve-build"
+
+
+def build_stamp(size: str = "tiny", family: str = "llava") -> str:
+    """A digest of what a seed-0 checkpoint is built from: its description
+    (:func:`checkpoint_spec`), the files in ``assets/`` (chat templates, corpus) and the
+    generator's source (``mmserve/testing/*.py``). :func:`ensure_model` rebuilds a cached
+    checkpoint whose stamp differs, so a changed template or generator never leaves an
+    old checkpoint in use.
+
+    Raises:
+        ValueError: if ``size`` or ``family`` is unknown.
+    """
+    h = hashlib.sha256(json.dumps(checkpoint_spec(size, family), sort_keys=True).encode())
+    here = Path(__file__).resolve().parent
+    for path in sorted([*ASSETS_DIR.iterdir(), *here.glob("*.py")]):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _cached(target: Path, stamp: str) -> bool:
+    """Whether ``target`` holds a whole checkpoint built with ``stamp``."""
+    try:
+        found = (target / STAMP_NAME).read_text(encoding="utf-8").strip()
+    except OSError:
+        return False
+    return found == stamp and (target / "model.safetensors").is_file()
