@@ -144,7 +144,8 @@ async def get_file(file_id: str, st: State) -> dict:
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, st: State) -> Response:
     """A file's bytes (JSONL)."""
-    return Response(_manager(st).files.read(file_id), media_type="application/jsonl")
+    data = await run_in_threadpool(_manager(st).files.read, file_id)
+    return Response(data, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
@@ -158,7 +159,7 @@ async def delete_file(file_id: str, st: State) -> dict:
             f"file {file_id!r} is the input of an unfinished batch; cancel it first",
             code="file_in_use",
         )
-    m.files.delete(file_id)
+    await run_in_threadpool(m.files.delete, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +36,8 @@ from typing import Any, TypeVar
 
 from api.batch.job import BatchJob, Outputs
 from api.batch.lines import Line, check_lines, validate
-from api.batch.store import FileStore, fsync_dir, write_bytes_atomic
+from api.batch.store import FileStore
+from api.commit import write_bytes_atomic
 from api.endpoints import HANDLERS, Endpoint
 from api.endpoints.base import Usage
 from api.errors import APIError, error_body
@@ -467,16 +467,7 @@ class BatchManager:
         published = []
         for kind, name in (("output", "output.jsonl"), ("error", "errors.jsonl")):
             fid = job.reserved[kind]
-            src, dst = job.dir / name, self.files.path(fid)
-            if src.exists() and src.stat().st_size > 0:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(src, dst)
-                fsync_dir(dst.parent)
-            if dst.exists():
-                try:
-                    self.files.get(fid)
-                except APIError:
-                    self.files.register(fid, f"{job.id}_{kind}.jsonl", "batch_output")
+            if self.files.publish(fid, job.dir / name, f"{job.id}_{kind}.jsonl"):
                 published.append((kind, fid))
         return published
 

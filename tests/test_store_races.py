@@ -1,0 +1,347 @@
+"""Every store commits one id in one critical section (api/commit.py): uploads, deletes
+and reads of the same ids from many threads leave the listing, GET and the files on
+disk in agreement, a restart (a new store on the same directory) shows the same, and
+the outcome is that of some serial order of the operations that returned (issue 45)."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from api.batch.store import FileStore
+from api.commit import IdLocks
+from api.errors import APIError
+from api.image_store import ImageStore
+from api.video_store import VideoStore, video_id
+from mmserve.vision.inputs import ImageInput
+from mmserve.vision.video import VideoInfo
+from tests.helpers import PausingLock, hammer, linearizable
+
+ROUNDS = 60
+THREADS = 4
+OPS_PER_THREAD = 3
+
+
+@pytest.fixture(autouse=True)
+def fast_switching():
+    """Switch threads every 10 us, so the operations interleave at many points."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(old)
+
+
+def fake_prepare(data: bytes) -> ImageInput:
+    """An image whose key is its file's first byte: two files with the same first byte
+    are one image (as two containers of the same pixels are)."""
+    time.sleep(0)  # let another thread in, as a real decode would
+    return ImageInput(key=xxhash.xxh3_128_digest(data[:1]), width=1, height=1)
+
+
+def image_id(name: str) -> str:
+    return fake_prepare(name.encode()).id
+
+
+def plans(rng: random.Random, kinds: tuple[str, ...], keys: tuple[str, ...]) -> list[list]:
+    return [
+        [(rng.choice(kinds), rng.choice(keys), rng.randrange(3)) for _ in range(OPS_PER_THREAD)]
+        for _ in range(THREADS)
+    ]
+
+
+def check_serial(ops, keys, before: dict[str, bool], after: set[str]) -> None:
+    for key in keys:
+        mine = [op for op in ops if op.key == key]
+        assert linearizable(mine, before[key], key in after), (key, before[key], mine)
+
+
+def image_files(directory: Path) -> set[str]:
+    assert not list(directory.glob(".*.tmp")), "a temporary file was left behind"
+    return {p.name.removesuffix(".img") for p in directory.glob("img-*.img")}
+
+
+# ---- images -----------------------------------------------------------------------------
+def test_image_uploads_deletes_gets_of_the_same_ids_agree_across_a_restart(tmp_path) -> None:
+    rng = random.Random(45)
+    names = ("a", "b")
+    ids = {n: image_id(n) for n in names}
+    store = ImageStore(fake_prepare, max_images=64, directory=tmp_path)
+    stored = {n: False for n in names}
+
+    def call(kind: str, name: str, variant: int) -> bool:
+        if kind == "put":  # variant: another file of the same image (memo hit or decode)
+            return store.put(name.encode() + bytes([variant])).id == ids[name]
+        if kind == "delete":
+            return store.delete(ids[name])
+        return store.get(ids[name]) is not None
+
+    for _ in range(ROUNDS):
+        ops = hammer(plans(rng, ("put", "delete", "get"), names), call)
+        listed = {e.image.id for e in store.list()}
+        gettable = {i for i in ids.values() if store.info(i) is not None}
+        assert listed == gettable == image_files(tmp_path)
+        after = {n for n in names if ids[n] in listed}
+        check_serial(ops, names, stored, after)
+        stored = {n: n in after for n in names}
+        store = ImageStore(fake_prepare, max_images=64, directory=tmp_path)  # a restart
+        assert {e.image.id for e in store.list()} == listed
+        assert all(
+            store.get(i).source[:1] == i_name.encode() for i_name, i in ids.items() if i in listed
+        )
+
+
+def test_image_evictions_racing_uploads_and_deletes_leave_no_stray_file(tmp_path) -> None:
+    """With a bound smaller than the ids, evictions unlink files of other ids: each in
+    that id's own section, never a file of an image that an upload stored again."""
+    rng = random.Random(7)
+    names = ("a", "b", "c", "d")
+    ids = {n: image_id(n) for n in names}
+    store = ImageStore(fake_prepare, max_images=2, directory=tmp_path)
+
+    def call(kind: str, name: str, variant: int) -> bool:
+        if kind == "put":
+            return bool(store.put(name.encode() + bytes([variant])))
+        return store.delete(ids[name])
+
+    for _ in range(ROUNDS // 2):
+        hammer(plans(rng, ("put", "put", "delete"), names), call)
+        listed = {e.image.id for e in store.list()}
+        assert len(listed) <= 2
+        assert listed == image_files(tmp_path)
+        store = ImageStore(fake_prepare, max_images=2, directory=tmp_path)
+        assert {e.image.id for e in store.list()} == listed
+
+
+def test_a_delete_between_an_uploads_check_and_its_commit_is_not_lost(tmp_path) -> None:
+    """The issue's interleaving: the upload finds the image stored (its snapshot), a
+    delete then removes entry and file, and the upload carries on. Both answer; after
+    both, the listing and the file agree (the delete took effect before the upload),
+    also after a restart."""
+    store = ImageStore(fake_prepare, directory=tmp_path)
+    iid = store.put(b"a0").id
+    lock = store._lock = PausingLock(store._lock, nth=1, timeout=2.0)
+    results: dict[str, object] = {}
+
+    def upload() -> None:
+        lock.who = threading.current_thread()
+        results["put"] = store.put(b"a0").id  # the same file: the memo says "stored"
+
+    t = threading.Thread(target=upload)
+    t.start()
+    assert lock.paused.wait(5)  # right after the upload's snapshot
+    results["delete"] = store.delete(iid)
+    lock.resume.set()
+    t.join(5)
+    assert results == {"put": iid, "delete": True}
+    listed = {e.image.id for e in store.list()}
+    assert listed == image_files(tmp_path) == {iid}  # the upload came last: stored
+    assert store.get(iid) is not None
+    assert {e.image.id for e in ImageStore(fake_prepare, directory=tmp_path).list()} == {iid}
+
+
+def test_an_upload_during_a_deletes_unlink_is_not_undone(tmp_path, monkeypatch) -> None:
+    """A delete that has unlisted the image but not yet unlinked its file, and an upload
+    of the same image that answers meanwhile: the delete must not remove the file the
+    upload answered for (nor may the upload answer before the delete commits)."""
+    store = ImageStore(fake_prepare, directory=tmp_path)
+    iid = store.put(b"a0").id
+    deleter: list[threading.Thread] = []
+    paused, resume = threading.Event(), threading.Event()
+    unlink = Path.unlink
+
+    def slow_unlink(self: Path, *args, **kwargs) -> None:
+        if threading.current_thread() in deleter and self.name.endswith(".img"):
+            paused.set()
+            resume.wait(2.0)
+        unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", slow_unlink)
+    results: dict[str, object] = {}
+    t = threading.Thread(target=lambda: results.update(delete=store.delete(iid)))
+    deleter.append(t)
+    t.start()
+    assert paused.wait(5)
+    up = threading.Thread(target=lambda: results.update(put=store.put(b"a1").id))
+    up.start()
+    up.join(0.5)  # a fixed store makes the upload wait for the delete's section
+    resume.set()
+    t.join(5)
+    up.join(5)
+    assert results == {"delete": True, "put": iid}
+    assert {e.image.id for e in store.list()} == image_files(tmp_path) == {iid}
+    assert {e.image.id for e in ImageStore(fake_prepare, directory=tmp_path).list()} == {iid}
+
+
+# ---- videos (memory only: no restart) ----------------------------------------------------
+def test_video_uploads_deletes_gets_of_the_same_ids_are_serial() -> None:
+    rng = random.Random(46)
+    names = ("a", "b")
+    data = {n: n.encode() * 16 for n in names}
+    info = VideoInfo(1, 1.0, 1.0, 2, 2, (0.0,))
+    store = VideoStore(max_videos=8)
+    stored = {n: False for n in names}
+
+    def call(kind: str, name: str, _variant: int) -> bool:
+        if kind == "put":
+            return store.put(data[name], info).id == video_id(data[name])
+        if kind == "delete":
+            return store.delete(video_id(data[name]))
+        return store.get(video_id(data[name])) is not None
+
+    for _ in range(ROUNDS):
+        ops = hammer(plans(rng, ("put", "delete", "get"), names), call)
+        listed = {e.id for e in store.list()}
+        assert listed == {video_id(d) for d in data.values() if store.get(video_id(d))}
+        after = {n for n in names if video_id(data[n]) in listed}
+        check_serial(ops, names, stored, after)
+        stored = {n: n in after for n in names}
+
+
+# ---- /v1/files: uploads, batch outputs, reads, deletes -----------------------------------
+def stored_files(directory: Path) -> set[str]:
+    assert not list(directory.glob(".*.tmp")), "a temporary file was left behind"
+    objects = {p.stem for p in directory.glob("file-*.json")}
+    assert objects == {p.stem for p in directory.glob("file-*.jsonl")}, "object xor bytes"
+    return objects
+
+
+def test_files_and_batch_outputs_of_the_same_ids_agree_across_a_restart(tmp_path) -> None:
+    rng = random.Random(47)
+    fids = ("file-" + "a" * 24, "file-" + "b" * 24)
+    big = 1 << 20
+    store = FileStore(tmp_path, big)
+    stored = {f: False for f in fids}
+    sources = tmp_path / "outputs"
+    sources.mkdir()
+
+    def call(kind: str, fid: str, variant: int, src: Path | None = None) -> bool:
+        try:
+            if kind == "put":
+                if src is not None:  # a batch output moved into the store
+                    return store.publish(fid, src, "out.jsonl")
+                return store.add(b'{"n": %d}\n' % variant, "in.jsonl", "batch", fid) != {}
+            if kind == "delete":
+                store.delete(fid)
+                return True
+            return store.read(fid).startswith(b'{"n": ')
+        except APIError as e:
+            assert e.status == 404, e
+            return False
+
+    for r in range(ROUNDS):
+        work = plans(rng, ("put", "delete", "get"), fids)
+        for i, plan in enumerate(work):  # half the puts publish a batch's output file
+            for j, (kind, fid, variant) in enumerate(plan):
+                if kind == "put" and variant == 0:
+                    src = sources / f"{r}-{i}-{j}.jsonl"
+                    src.write_bytes(b'{"n": 9}\n')
+                    plan[j] = (kind, fid, variant, src)
+        ops = hammer(work, call)
+        listed = {o["id"] for o in store.list()}
+        gettable = set()
+        for fid in fids:
+            try:
+                store.get(fid)
+                gettable.add(fid)
+            except APIError:
+                pass
+        assert listed == gettable == stored_files(store.dir)
+        after = {f for f in fids if f in listed}
+        check_serial(ops, fids, stored, after)
+        stored = {f: f in after for f in fids}
+        contents = {f: store.read(f) for f in listed}
+        store = FileStore(tmp_path, big)  # a restart
+        assert {o["id"] for o in store.list()} == listed
+        assert {f: store.read(f) for f in listed} == contents
+        assert all(store.get(f)["bytes"] == len(contents[f]) for f in listed)
+
+
+def test_a_read_racing_a_delete_answers_the_bytes_or_404(tmp_path) -> None:
+    """The read finds the file listed, a delete then removes it: the read must answer the
+    bytes (it came first) or a 404, never a crash on the missing file."""
+    store = FileStore(tmp_path, 1 << 20)
+    fid = store.add(b'{"a": 1}\n', "in.jsonl", "batch")["id"]
+    lock = store._lock = PausingLock(store._lock, nth=1, timeout=2.0)
+    results: dict[str, object] = {}
+
+    def read() -> None:
+        lock.who = threading.current_thread()
+        try:
+            results["read"] = store.read(fid)
+        except APIError as e:
+            results["read"] = e.status
+        except OSError as e:
+            results["read"] = e
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert lock.paused.wait(5)  # the read has found the file listed
+    done = threading.Thread(target=lambda: results.update(delete=store.delete(fid)))
+    done.start()
+    done.join(0.5)
+    lock.resume.set()
+    t.join(5)
+    done.join(5)
+    assert results["read"] in (b'{"a": 1}\n', 404)
+    assert "delete" in results and stored_files(store.dir) == set()
+    assert FileStore(tmp_path, 1 << 20).list() == []
+
+
+def test_concurrent_uploads_never_pass_the_byte_bound_together(tmp_path) -> None:
+    data = b'{"n": 1}\n' * 100
+    store = FileStore(tmp_path, 3 * len(data))
+
+    def call(kind: str, _key: str, *_args) -> bool:
+        try:
+            store.add(data, "in.jsonl", "batch")
+            return True
+        except APIError as e:
+            assert e.code == "file_store_full"
+            return False
+
+    ops = hammer([[("put", "x", 0)] * 2 for _ in range(6)], call)
+    assert sum(op.result for op in ops) == 3
+    assert (
+        store.total_bytes()
+        == 3 * len(data)
+        == sum(p.stat().st_size for p in store.dir.glob("*.jsonl"))
+    )
+
+
+# ---- the primitive -----------------------------------------------------------------------
+def test_id_locks_serialise_one_id_run_others_in_parallel_and_forget_idle_ids() -> None:
+    locks = IdLocks()
+    inside: dict[str, int] = {"a": 0, "b": 0}
+    most = {"a": 0, "b": 0}
+    both = threading.Event()
+    guard = threading.Lock()
+
+    def work(key: str) -> None:
+        for _ in range(50):
+            with locks.hold(key):
+                with guard:
+                    inside[key] += 1
+                    most[key] = max(most[key], inside[key])
+                    if inside["a"] and inside["b"]:
+                        both.set()
+                time.sleep(0)
+                with guard:
+                    inside[key] -= 1
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in "abab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert most == {"a": 1, "b": 1}  # one thread at a time per id
+    assert both.is_set()  # different ids at the same time
+    assert len(locks) == 0  # no entry left for ids nobody holds
+    with locks.hold("c"):
+        assert len(locks) == 1
+    assert len(locks) == 0
