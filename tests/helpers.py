@@ -901,16 +901,16 @@ def hammer(plans: Sequence[Sequence[tuple]], call, timeout: float = 30.0) -> lis
 
 
 class PausingLock:
-    """Wraps a store's lock: the thread ``who`` pauses right after it releases the lock
-    for the ``nth`` time (setting ``paused``), until ``resume`` is set or ``timeout``
-    seconds pass (a fixed store makes the other side wait for this thread, so the pause
-    must end by itself)."""
+    """Wraps a store's lock: the thread ``who`` (None: any thread) pauses right after it
+    releases the lock for the ``nth`` time (setting ``paused``), until ``resume`` is set
+    or ``timeout`` seconds pass (a fixed store makes the other side wait for this
+    thread, so the pause must end by itself)."""
 
     def __init__(self, inner, nth: int = 1, timeout: float = 0.5) -> None:
         self.inner = inner
         self.nth = nth
         self.timeout = timeout
-        self.who = None
+        self.who: threading.Thread | None = None
         self.count = 0
         self.paused = threading.Event()
         self.resume = threading.Event()
@@ -920,7 +920,7 @@ class PausingLock:
 
     def release(self) -> None:
         self.inner.release()
-        if threading.current_thread() is self.who:
+        if self.who is None or threading.current_thread() is self.who:
             self.count += 1
             if self.count == self.nth:
                 self.paused.set()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from PIL import Image
 
 from api.batch.store import FileStore
 from api.commit import IdLocks
@@ -21,7 +22,8 @@ from api.image_store import ImageStore
 from api.video_store import VideoStore, video_id
 from mmserve.vision.inputs import ImageInput
 from mmserve.vision.video import VideoInfo
-from tests.helpers import PausingLock, hammer, linearizable
+from tests.helpers import PausingLock, hammer, linearizable, png_bytes
+from tests.live_server import app_client
 
 ROUNDS = 60
 THREADS = 4
@@ -176,6 +178,83 @@ def test_an_upload_during_a_deletes_unlink_is_not_undone(tmp_path, monkeypatch) 
     assert results == {"delete": True, "put": iid}
     assert {e.image.id for e in store.list()} == image_files(tmp_path) == {iid}
     assert {e.image.id for e in ImageStore(fake_prepare, directory=tmp_path).list()} == {iid}
+
+
+def test_http_uploads_deletes_gets_of_one_image_agree_across_a_restart(
+    make_engine, tmp_path
+) -> None:
+    """The routes: POST, DELETE and GET of the same two images from four clients at once
+    answer 200 or 404 only, and the answers are those of a serial order; after each
+    round the listing, GET and the files agree, and a restarted server lists the same."""
+    engine = make_engine(max_total_tokens=4096)
+    directory = tmp_path / "images"
+    files = {
+        n: png_bytes(Image.new("RGB", (8, 8), c))
+        for n, c in (("r", (200, 0, 0)), ("g", (0, 200, 0)))
+    }
+    rng = random.Random(48)
+    with app_client(engine, image_store_dir=str(directory)) as c:
+        ids = {
+            n: c.post("/v1/images", files={"file": ("x.png", f)}).json()["id"]
+            for n, f in files.items()
+        }
+        stored = {n: True for n in files}
+
+        def call(kind: str, name: str, _variant: int) -> bool:
+            if kind == "put":
+                r = c.post("/v1/images", files={"file": ("x.png", files[name])})
+                assert r.status_code == 200 and r.json()["id"] == ids[name], r.text
+                return True
+            r = (
+                c.delete(f"/v1/images/{ids[name]}")
+                if kind == "delete"
+                else c.get(f"/v1/images/{ids[name]}")
+            )
+            assert r.status_code in (200, 404), r.text
+            return r.status_code == 200
+
+        for _ in range(8):
+            ops = hammer(plans(rng, ("put", "delete", "get"), tuple(files)), call)
+            listed = {o["id"] for o in c.get("/v1/images").json()["data"]}
+            gettable = {i for i in ids.values() if c.get(f"/v1/images/{i}").status_code == 200}
+            assert listed == gettable == image_files(directory)
+            after = {n for n in files if ids[n] in listed}
+            check_serial(ops, tuple(files), stored, after)
+            stored = {n: n in after for n in files}
+    with app_client(engine, image_store_dir=str(directory)) as c:
+        assert {o["id"] for o in c.get("/v1/images").json()["data"]} == listed
+
+
+def test_http_a_delete_between_an_uploads_check_and_its_commit_both_200(
+    make_engine, tmp_path
+) -> None:
+    """The issue's report over HTTP: an upload of a stored image finds it stored, a
+    DELETE of it answers 200, then the upload answers 200; the image must then be
+    listed, GET-able and on disk (the upload came last), also after a restart."""
+    engine = make_engine(max_total_tokens=4096)
+    directory = tmp_path / "images"
+    png = png_bytes(Image.new("RGB", (8, 8), (0, 0, 200)))
+    with app_client(engine, image_store_dir=str(directory)) as c:
+        iid = c.post("/v1/images", files={"file": ("x.png", png)}).json()["id"]
+        store = c.app.state.mm.store
+        lock = store._lock = PausingLock(store._lock, nth=1, timeout=2.0)
+        answers: dict[str, int] = {}
+
+        def upload() -> None:
+            answers["upload"] = c.post("/v1/images", files={"file": ("x.png", png)}).status_code
+
+        t = threading.Thread(target=upload)
+        t.start()
+        assert lock.paused.wait(10)  # the upload has taken its snapshot
+        answers["delete"] = c.delete(f"/v1/images/{iid}").status_code
+        lock.resume.set()
+        t.join(10)
+        assert answers == {"upload": 200, "delete": 200}
+        listed = {o["id"] for o in c.get("/v1/images").json()["data"]}
+        assert listed == image_files(directory) == {iid}
+        assert c.get(f"/v1/images/{iid}").status_code == 200
+    with app_client(engine, image_store_dir=str(directory)) as c:
+        assert {o["id"] for o in c.get("/v1/images").json()["data"]} == {iid}
 
 
 # ---- videos (memory only: no restart) ----------------------------------------------------
