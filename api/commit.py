@@ -37,7 +37,7 @@ class _Slot:
     __slots__ = ("lock", "users")
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a section may call the store's own
         self.users = 0
 
 
@@ -46,9 +46,11 @@ class IdLocks:
     for them (reference counted), so the table never holds more entries than there
     are threads inside or waiting for a section: it does not grow with the ids seen.
 
-    Sections of different ids run in parallel; a thread must not hold two sections at
-    once (no lock order between ids): a store that evicts other ids inside a section
-    unlinks their files in their own sections after leaving its own.
+    Sections of different ids run in parallel; a thread may enter the section it is in
+    again (so a caller can hold a section around several calls of the store), but must
+    not hold sections of two ids at once (no lock order between ids): a store that
+    evicts other ids inside a section unlinks their files in their own sections after
+    leaving its own.
     """
 
     def __init__(self) -> None:

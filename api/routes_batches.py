@@ -151,15 +151,7 @@ async def file_content(file_id: str, st: State) -> Response:
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, st: State) -> dict:
     """Delete a file; 409 while an unfinished batch reads it."""
-    m = _manager(st)
-    m.files.get(file_id)
-    if m.uses_file(file_id):
-        raise APIError(
-            409,
-            f"file {file_id!r} is the input of an unfinished batch; cancel it first",
-            code="file_in_use",
-        )
-    await run_in_threadpool(m.files.delete, file_id)
+    await _manager(st).delete_file(file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

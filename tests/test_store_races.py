@@ -5,6 +5,7 @@ the outcome is that of some serial order of the operations that returned (issue 
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import threading
@@ -15,6 +16,7 @@ import pytest
 import xxhash
 from PIL import Image
 
+from api.batch import runner
 from api.batch.store import FileStore
 from api.commit import IdLocks
 from api.errors import APIError
@@ -370,6 +372,60 @@ def test_a_read_racing_a_delete_answers_the_bytes_or_404(tmp_path) -> None:
     assert results["read"] in (b'{"a": 1}\n', 404)
     assert "delete" in results and stored_files(store.dir) == set()
     assert FileStore(tmp_path, 1 << 20).list() == []
+
+
+def test_a_delete_racing_a_batch_create_on_its_input_is_serial(
+    make_engine, tmp_path, monkeypatch
+) -> None:
+    """A DELETE of a batch's input file while the batch is being created (after the
+    create checked the file): both answering 200 fits no serial order (a delete first
+    makes the create fail; a create first makes the delete a 409)."""
+    engine = make_engine(max_total_tokens=4096)
+    paused, resume = threading.Event(), threading.Event()
+    check = runner.check_lines
+
+    def slow_check(*args, **kwargs):
+        paused.set()
+        resume.wait(2.0)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "check_lines", slow_check)
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "llava-tiny", "messages": [{"role": "user", "content": "Hi"}]},
+    }
+    with app_client(engine, data_dir=str(tmp_path)) as c:
+        fid = c.post(
+            "/v1/files",
+            data={"purpose": "batch"},
+            files={"file": ("in.jsonl", json.dumps(line).encode())},
+        ).json()["id"]
+        answers: dict[str, int] = {}
+        body = {
+            "input_file_id": fid,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+
+        def create() -> None:
+            answers["create"] = c.post("/v1/batches", json=body).status_code
+
+        t = threading.Thread(target=create)
+        t.start()
+        assert paused.wait(10)  # the create has read its input
+        d = threading.Thread(
+            target=lambda: answers.update(delete=c.delete(f"/v1/files/{fid}").status_code)
+        )
+        d.start()
+        d.join(0.5)  # a fixed server makes the delete wait for the create's section
+        resume.set()
+        t.join(10)
+        d.join(10)
+        assert answers in ({"create": 200, "delete": 409}, {"create": 404, "delete": 200})
+        listed = {o["id"] for o in c.get("/v1/files").json()["data"]}
+        assert (fid in listed) == (answers["delete"] == 409)
 
 
 def test_concurrent_uploads_never_pass_the_byte_bound_together(tmp_path) -> None:

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from api.commit import IdLocks, fsync_dir, unlink_durably, write_bytes_atomic, write_json_atomic
@@ -148,17 +149,29 @@ class FileStore:
         with self._lock:
             return FILE.find(file_id, param, self._objects.get, status, missing=404)
 
-    def read(self, file_id: str) -> bytes:
-        """The bytes of ``file_id`` (bounded by the upload and output limits), read in
-        the id's section (a concurrent delete comes wholly before or after). Blocking
-        IO: call it from a worker thread.
+    def read(
+        self,
+        file_id: str,
+        param: str = "file_id",
+        status: int = 404,
+        then: Callable[[bytes], None] | None = None,
+    ) -> bytes:
+        """The bytes of ``file_id`` (the request field ``param``; bounded by the upload and
+        output limits), read in the id's section, so a concurrent delete comes wholly
+        before or after; ``then(bytes)`` runs in the section too (a batch checks and
+        claims its input there, so a delete cannot pass between). Blocking IO: call it
+        from a worker thread.
 
         Raises:
-            APIError: 404 for an unknown or deleted id.
+            APIError: 404 for an unknown or deleted id (``status`` for a malformed one,
+                as :meth:`get`); whatever ``then`` raises.
         """
         with self._ids.hold(file_id):
-            self.get(file_id)
-            return self.path(file_id).read_bytes()
+            self.get(file_id, param, status)
+            data = self.path(file_id).read_bytes()
+            if then is not None:
+                then(data)
+            return data
 
     def list(self, purpose: str | None = None) -> list[dict]:
         """File objects, newest first, optionally of one ``purpose``."""
@@ -167,17 +180,24 @@ class FileStore:
         objs = [o for o in objs if purpose is None or o["purpose"] == purpose]
         return sorted(objs, key=lambda o: (o["created_at"], o["id"]), reverse=True)
 
-    def delete(self, file_id: str) -> None:
+    def delete(self, file_id: str, in_use: Callable[[str], bool] | None = None) -> None:
         """Remove ``file_id`` in one critical section of the id: unlisted first, then
         its object and its bytes unlinked (and the directory synced), so it is never
-        listed without bytes and a restart does not bring it back. Blocking IO: call it
-        from a worker thread.
+        listed without bytes and a restart does not bring it back. ``in_use(file_id)``
+        is asked inside the section (a batch claims its input in it too). Blocking IO:
+        call it from a worker thread.
 
         Raises:
-            APIError: 404 for an unknown id.
+            APIError: 404 for an unknown id; 409 ``file_in_use`` when ``in_use`` says so.
         """
         with self._ids.hold(file_id):
             self.get(file_id)
+            if in_use is not None and in_use(file_id):
+                raise APIError(
+                    409,
+                    f"file {file_id!r} is the input of an unfinished batch; cancel it first",
+                    code="file_in_use",
+                )
             with self._lock:
                 self._objects.pop(file_id, None)
             unlink_durably(self.dir / f"{file_id}.json", self.path(file_id))
