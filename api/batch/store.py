@@ -54,6 +54,8 @@ class FileStore:
         self._objects: dict[str, dict] = {}
         self._reserved = 0  # bytes of uploads being written
         if self.dir.is_dir():
+            for tmp in self.dir.glob(".file-*.tmp"):  # writes cut short by a crash
+                tmp.unlink(missing_ok=True)
             for meta in self.dir.glob("file-*.json"):
                 try:
                     obj = json.loads(meta.read_text(encoding="utf-8"))
