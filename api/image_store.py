@@ -13,7 +13,10 @@ invariant (1)).
 
 With a directory, each uploaded image's original bytes are written to
 ``<dir>/<id>.img`` and read back (decoded and hashed again) at start, oldest
-first, so uploads survive a restart; the bounds apply to the files too.
+first, so uploads survive a restart; the bounds apply to the files too. An upload,
+a delete and an eviction of one id each commit the index and the file in one
+critical section of that id (:mod:`api.commit`), so the listing, GET and the files
+agree after any mix of concurrent calls, and after a restart.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import xxhash
 
+from api.commit import IdLocks, unlink_durably, write_bytes_atomic
 from api.uploads import UploadStore
 from mmserve.vision.image import ImageError
 from mmserve.vision.inputs import ImageInput
@@ -92,7 +96,8 @@ class ImageStore(UploadStore[StoredImage]):
         self.max_images = max_images
         self.directory = Path(directory) if directory else None
         self._memo: dict[int, str] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the memo, and LRU puts with their memo update
+        self._ids = IdLocks()  # one critical section per id (api.commit)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._load()
@@ -100,6 +105,11 @@ class ImageStore(UploadStore[StoredImage]):
     # ---- public -----------------------------------------------------------
     def put(self, data: bytes, persist: bool = True) -> ImageInput:
         """Decode (unless memoised), store and return an image; idempotent for equal pixels.
+
+        Decoding and hashing run outside any lock; whether the image is already stored,
+        the file's write and the index update are one critical section of its id
+        (:mod:`api.commit`), so a concurrent delete of the same id takes effect wholly
+        before or wholly after this upload.
 
         Args:
             data: the encoded file.
@@ -111,15 +121,14 @@ class ImageStore(UploadStore[StoredImage]):
         digest = xxhash.xxh3_64_intdigest(data)
         with self._lock:
             known = self._memo.get(digest)
-            entry = self._entries.get(known) if known is not None else None
-        if entry is None:
-            entry = self._entry(self.prepare(data), data, time.time())
-        if persist and not entry.persisted and self.directory is not None:
-            self._write(entry.image.id, data)
-            entry.persisted = True
-        with self._lock:
-            self._add(entry, digest)
-        return entry.image
+            seen = self._entries.get(known, touch=False) if known is not None else None
+        # a memo hit only spares the decode: the section below decides what is stored
+        fresh = (
+            dataclasses.replace(seen, persisted=False, created=time.time())
+            if seen is not None
+            else self._entry(self.prepare(data), data, time.time())
+        )
+        return self._commit(fresh, data, digest, persist and self.directory is not None).image
 
     def lookup(self, data: bytes) -> ImageInput | None:
         """The stored image of these exact bytes (marked recently used), or None; never
@@ -132,10 +141,9 @@ class ImageStore(UploadStore[StoredImage]):
 
     def add(self, image: ImageInput, data: bytes) -> None:
         """Keep an image the caller decoded and hashed from ``data`` (its decoded image
-        and pixels are not kept)."""
+        and pixels are not kept; never written to the directory)."""
         entry = self._entry(image, data, time.time())
-        with self._lock:
-            self._add(entry, xxhash.xxh3_64_intdigest(data))
+        self._commit(entry, data, xxhash.xxh3_64_intdigest(data), write=False)
 
     def _entry(self, image: ImageInput, data: bytes, created: float) -> StoredImage:
         mode = image.image.mode if image.image is not None else ""
@@ -151,49 +159,70 @@ class ImageStore(UploadStore[StoredImage]):
         return entry.image if entry is not None else None
 
     def info(self, image_id: str, touch: bool = False) -> StoredImage | None:
-        """The entry of ``image_id`` or None; ``touch`` marks it recently used."""
+        """The entry of ``image_id`` or None; ``touch`` marks it recently used.
+
+        Reads the index only: a listed id's file was written before it was listed and
+        is unlinked only after it is unlisted."""
         entry = self._entries.get(image_id, touch=touch)
         if entry is not None and touch and entry.persisted:
             self._touch(image_id)
         return entry
 
     def delete(self, image_id: str) -> bool:
-        """Remove an image (and its file). Returns whether it was stored."""
-        with self._lock:
-            entry = self._entries.pop(image_id)
-            if entry is None:
-                return False
-            self._memo = {d: i for d, i in self._memo.items() if i != image_id}
-        if entry.persisted:
-            self._unlink(image_id)
+        """Remove an image (and its file) in one critical section of its id. Returns
+        whether it was stored. Blocks while an upload of the same id commits: call it
+        from a worker thread."""
+        with self._ids.hold(image_id):
+            with self._lock:
+                entry = self._entries.pop(image_id)
+                if entry is None:
+                    return False
+                self._memo = {d: i for d, i in self._memo.items() if i != image_id}
+            if self.directory is not None:  # unlisted first, so never listed without it
+                unlink_durably(self._path(image_id))
         return True
 
     # ---- internals --------------------------------------------------------
-    def _add(self, entry: StoredImage, digest: int | None) -> None:
-        image_id = entry.image.id
-        old = self._entries.get(image_id)  # marks it most recently used
-        if old is None:
-            evicted = self._entries.put(image_id, entry)
-        else:
-            old.persisted = old.persisted or entry.persisted
-            evicted = []
-        if digest is not None:
-            self._memo[digest] = image_id
-        if len(self._memo) > 4 * self.max_images or evicted:
-            self._memo = {d: i for d, i in self._memo.items() if i in self._entries}
-        for old_id, gone in evicted:
-            if gone.persisted:
-                self._unlink(old_id)
+    def _commit(self, fresh: StoredImage, data: bytes, digest: int, write: bool) -> StoredImage:
+        """Keep ``fresh`` unless its id is stored (then mark that entry used), writing
+        ``data`` to its file first when ``write``; one critical section of the id.
+        Returns the stored entry."""
+        image_id = fresh.image.id
+        evicted: list[tuple[str, StoredImage]] = []
+        with self._ids.hold(image_id):
+            entry = self._entries.get(image_id)  # marks it most recently used
+            if entry is None:
+                entry = fresh
+                if write:
+                    self._write(image_id, data)
+                    entry.persisted = True
+                with self._lock:
+                    evicted = self._entries.put(image_id, entry)
+            elif write and not entry.persisted:
+                self._write(image_id, data)
+                entry.persisted = True
+            with self._lock:
+                self._memo[digest] = image_id
+                if len(self._memo) > 4 * self.max_images or evicted:
+                    self._memo = {d: i for d, i in self._memo.items() if i in self._entries}
+        for old_id, _ in evicted:  # in their own sections: never two at once
+            self._drop_file(old_id)
+        return entry
+
+    def _drop_file(self, image_id: str) -> None:
+        """Unlink the file of an evicted id, unless an upload stored it again since."""
+        if self.directory is None:
+            return
+        with self._ids.hold(image_id):
+            if self._entries.get(image_id, touch=False) is None:
+                unlink_durably(self._path(image_id))
 
     def _path(self, image_id: str) -> Path:
         assert self.directory is not None
         return self.directory / f"{image_id}{_SUFFIX}"
 
     def _write(self, image_id: str, data: bytes) -> None:
-        path = self._path(image_id)
-        tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_bytes_atomic(self._path(image_id), data)
 
     def _touch(self, image_id: str) -> None:
         try:
@@ -201,14 +230,10 @@ class ImageStore(UploadStore[StoredImage]):
         except OSError:
             pass
 
-    def _unlink(self, image_id: str) -> None:
-        try:
-            self._path(image_id).unlink()
-        except FileNotFoundError:
-            pass
-
     def _load(self) -> None:
         assert self.directory is not None
+        for tmp in self.directory.glob(f".img-*{_SUFFIX}.*.tmp"):  # writes cut short
+            tmp.unlink(missing_ok=True)
         files = sorted(self.directory.glob(f"img-*{_SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
             data = path.read_bytes()
@@ -222,5 +247,5 @@ class ImageStore(UploadStore[StoredImage]):
                 os.replace(path, self._path(image.id))
             entry = self._entry(image, data, created)
             entry.persisted = True
-            self._add(entry, xxhash.xxh3_64_intdigest(data))
+            self._commit(entry, data, xxhash.xxh3_64_intdigest(data), write=False)
         log.info("image store: %d images loaded from %s", len(self._entries), self.directory)

@@ -168,23 +168,17 @@ async def file_content(file_id: str, st: State) -> Response:
     if is_vision_id(file_id):
         data, media = vision_content(vision_entry(st, file_id))
         return Response(data, media_type=media)
-    return Response(_manager(st).files.read(file_id), media_type="application/jsonl")
+    data = await run_in_threadpool(_manager(st).files.read, file_id)
+    return Response(data, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, st: State) -> dict:
     """Delete a file (a vision file: its image); 409 while an unfinished batch reads it."""
     if is_vision_id(file_id):
-        return delete_vision_file(st, file_id)
-    m = _manager(st)
-    m.files.get(file_id)
-    if m.uses_file(file_id):
-        raise APIError(
-            409,
-            f"file {file_id!r} is the input of an unfinished batch; cancel it first",
-            code="file_in_use",
-        )
-    m.files.delete(file_id)
+        # the image store's per-id lock may wait: off the event loop
+        return await run_in_threadpool(delete_vision_file, st, file_id)
+    await _manager(st).delete_file(file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

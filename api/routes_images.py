@@ -6,6 +6,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from api.generation import check_questions, make_requests, sampling_params
@@ -51,8 +52,10 @@ async def get_image(image_id: str, st: State) -> dict:
 
 @router.delete("/v1/images/{image_id}")
 async def delete_image(image_id: str, st: State) -> dict:
-    """Remove an image from the store (and its directory); 404 if unknown."""
-    return IMAGE.deleted(image_id, st.store.delete(image_id), "image_id")
+    """Remove an image from the store (and its directory); 404 if unknown. Runs in a
+    worker thread: it waits while an upload of the same image commits."""
+    deleted = await run_in_threadpool(st.store.delete, image_id)
+    return IMAGE.deleted(image_id, deleted, "image_id")
 
 
 @router.post("/v1/images/{image_id}/ask", response_model=None)

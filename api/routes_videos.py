@@ -56,7 +56,7 @@ async def upload_video(request: Request, st: State) -> dict:
         video = await run_in_threadpool(st.engine.processor.open_video, data, limits)
     except VideoError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_video") from None
-    return _info(st.videos.put(data, video.info))
+    return _info(await run_in_threadpool(st.videos.put, data, video.info))
 
 
 @router.get("/v1/videos")
@@ -74,7 +74,8 @@ async def get_video(video_id: str, st: State) -> dict:
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, st: State) -> dict:
     """Remove a video from the store; 404 if unknown."""
-    return VIDEO.deleted(video_id, st.videos.delete(video_id), "video_id")
+    deleted = await run_in_threadpool(st.videos.delete, video_id)
+    return VIDEO.deleted(video_id, deleted, "video_id")
 
 
 @router.post("/v1/videos/{video_id}/qa", response_model=None)

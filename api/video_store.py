@@ -9,12 +9,12 @@ end (:meth:`~mmserve.frontend.processor.InputProcessor.sample_frames`, called fr
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
 import xxhash
 
+from api.commit import IdLocks
 from api.uploads import UploadStore
 from mmserve.vision.video import VideoInfo
 
@@ -35,7 +35,8 @@ def video_id(data: bytes) -> str:
 
 
 class VideoStore(UploadStore[StoredVideo]):
-    """LRU store of encoded videos bounded by count and bytes (memory only).
+    """LRU store of encoded videos bounded by count and bytes (memory only; its
+    sections hold no file IO, so they are short).
 
     Args:
         max_videos: most videos kept.
@@ -45,12 +46,13 @@ class VideoStore(UploadStore[StoredVideo]):
     def __init__(self, max_videos: int = 32, max_bytes: int = 512 << 20) -> None:
         super().__init__(max_videos, max_bytes, lambda e: len(e.data))
         self.max_videos = max_videos
-        self._lock = threading.Lock()  # one entry per id under concurrent uploads
+        self._ids = IdLocks()  # one critical section per id (api.commit)
 
     def put(self, data: bytes, info: VideoInfo) -> StoredVideo:
-        """Keep a probed video (idempotent for equal bytes) and return its entry."""
+        """Keep a probed video (idempotent for equal bytes) and return its entry; the
+        check and the insert are one critical section of its id (:mod:`api.commit`)."""
         vid = video_id(data)
-        with self._lock:
+        with self._ids.hold(vid):
             entry = self._entries.get(vid)
             if entry is None:
                 entry = StoredVideo(vid, data, info, time.time())
@@ -62,5 +64,7 @@ class VideoStore(UploadStore[StoredVideo]):
         return self._entries.get(vid)
 
     def delete(self, vid: str) -> bool:
-        """Remove a video; returns whether it was stored."""
-        return self._entries.pop(vid) is not None
+        """Remove a video in one critical section of its id; returns whether it was
+        stored."""
+        with self._ids.hold(vid):
+            return self._entries.pop(vid) is not None

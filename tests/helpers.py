@@ -20,6 +20,8 @@ import random
 import re
 import subprocess
 import sys
+import threading
+import time
 import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -816,3 +818,117 @@ def _run_python_blocks(
         elif results[where] is not None:
             failures.append(f"{where}: {results[where]}")
     return failures
+
+
+# ---- races: stores under concurrent calls on the same ids --------------------------------
+@dataclass
+class StoreOp:
+    """One completed operation on one id of a store, for :func:`linearizable`.
+
+    Attributes:
+        kind: "put" (the id is stored afterwards), "delete" or "get".
+        start, end: ``time.perf_counter_ns()`` before the call and after it returned.
+        result: for "delete", whether it found the id (200, not 404); for "get", whether
+            the id was found; ignored for "put".
+        key: which id (or name of one) it was about.
+    """
+
+    kind: str
+    start: int
+    end: int
+    result: bool = True
+    key: str = ""
+
+
+def linearizable(ops: Sequence[StoreOp], before: bool, after: bool) -> bool:
+    """Whether some serial order of ``ops`` explains every result and leaves the id
+    stored iff ``after``, starting stored iff ``before``, keeping real-time order (an
+    operation that returned before another started comes first). Wing and Gong's search
+    over (operations left, stored?) with a memo; fine for a few dozen operations."""
+    ops = list(ops)
+
+    @cache
+    def search(left: frozenset[int], stored: bool) -> bool:
+        if not left:
+            return stored == after
+        horizon = min(ops[i].end for i in left)
+        for i in left:
+            op = ops[i]
+            if op.start > horizon:  # something left returned before this one started
+                continue
+            if op.kind != "put" and op.result != stored:
+                continue
+            nxt = True if op.kind == "put" else False if op.kind == "delete" else stored
+            if search(left - {i}, nxt):
+                return True
+        return False
+
+    return search(frozenset(range(len(ops))), before)
+
+
+def hammer(plans: Sequence[Sequence[tuple]], call, timeout: float = 30.0) -> list[StoreOp]:
+    """Run each plan (a list of ``(kind, key, *args)``) on its own thread, all starting
+    together; ``call(kind, key, *args)`` does one operation and returns its result.
+    Returns every operation as a :class:`StoreOp` (``list.append`` is atomic).
+
+    Raises:
+        the first exception a call raised; AssertionError if a thread is still running
+        after ``timeout`` seconds.
+    """
+    done: list[StoreOp] = []
+    errors: list[BaseException] = []
+    gate = threading.Barrier(len(plans))
+
+    def worker(plan: Sequence[tuple]) -> None:
+        try:
+            gate.wait()
+            for kind, key, *args in plan:
+                t0 = time.perf_counter_ns()
+                result = call(kind, key, *args)
+                done.append(StoreOp(kind, t0, time.perf_counter_ns(), bool(result), key))
+        except BaseException as e:  # noqa: BLE001 (raised again in the calling thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(p,), daemon=True) for p in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a store operation hung"
+    if errors:
+        raise errors[0]
+    return done
+
+
+class PausingLock:
+    """Wraps a store's lock: the thread ``who`` (None: any thread) pauses right after it
+    releases the lock for the ``nth`` time (setting ``paused``), until ``resume`` is set
+    or ``timeout`` seconds pass (a fixed store makes the other side wait for this
+    thread, so the pause must end by itself)."""
+
+    def __init__(self, inner, nth: int = 1, timeout: float = 0.5) -> None:
+        self.inner = inner
+        self.nth = nth
+        self.timeout = timeout
+        self.who: threading.Thread | None = None
+        self.count = 0
+        self.paused = threading.Event()
+        self.resume = threading.Event()
+
+    def acquire(self, *args, **kwargs) -> bool:
+        return self.inner.acquire(*args, **kwargs)
+
+    def release(self) -> None:
+        self.inner.release()
+        if self.who is None or threading.current_thread() is self.who:
+            self.count += 1
+            if self.count == self.nth:
+                self.paused.set()
+                self.resume.wait(self.timeout)
+
+    def __enter__(self) -> PausingLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

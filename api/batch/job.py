@@ -18,7 +18,8 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-from api.batch.store import fsync_dir, new_file_id
+from api.batch.store import new_file_id
+from api.commit import fsync_dir
 from api.endpoints.base import Usage
 
 log = logging.getLogger(__name__)

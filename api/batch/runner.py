@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +36,8 @@ from typing import Any, TypeVar
 
 from api.batch.job import BatchJob, Outputs
 from api.batch.lines import Line, check_lines, validate
-from api.batch.store import FileStore, fsync_dir, write_bytes_atomic
+from api.batch.store import FileStore
+from api.commit import write_bytes_atomic
 from api.endpoints import HANDLERS, Endpoint
 from api.endpoints.base import Usage
 from api.errors import APIError, error_body
@@ -142,18 +142,19 @@ class BatchManager:
                 "not 'batch'",
                 param="input_file_id",
             )
-        await asyncio.to_thread(self._check_input, input_file_id)
         job = BatchJob.new(self.dir, endpoint, self.st.model_name, input_file_id, metadata)
-        self.jobs[job.id] = job
+        loop = asyncio.get_running_loop()
+
+        def claim(raw: bytes) -> None:  # in the file's section: no delete passes between
+            check_lines(raw, self.st.settings.max_batch_lines, "input_file_id")
+            _on_loop(loop, self.jobs.__setitem__, job.id, job)
+
+        await asyncio.to_thread(self.files.read, input_file_id, "input_file_id", 400, claim)
         await self._on_io(job.dir.mkdir, parents=True, exist_ok=True)
         await self._save(job)
         if self._queue is not None:
             self._queue.put_nowait(job.id)
         return job.obj
-
-    def _check_input(self, input_file_id: str) -> None:
-        raw = self.files.read(input_file_id)
-        check_lines(raw, self.st.settings.max_batch_lines, "input_file_id")
 
     def _job(self, batch_id: str) -> BatchJob:
         return BATCH.find(batch_id, "batch_id", self.jobs.get, 404)
@@ -197,6 +198,18 @@ class BatchManager:
     def uses_file(self, file_id: str) -> bool:
         """Whether an unfinished batch reads ``file_id``."""
         return any(j.obj["input_file_id"] == file_id and not j.ended for j in self.jobs.values())
+
+    async def delete_file(self, file_id: str) -> None:
+        """Delete a file unless an unfinished batch reads it, in the file's section
+        (:meth:`FileStore.delete`; the batches are asked on the event loop, which owns
+        them).
+
+        Raises:
+            APIError: 404 for an unknown file, 409 ``file_in_use``.
+        """
+        loop = asyncio.get_running_loop()
+        busy = functools.partial(_on_loop, loop, self.uses_file)
+        await asyncio.to_thread(self.files.delete, file_id, busy)
 
     # ---- file IO, on one thread in order ------------------------------------------------
     def _on_io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
@@ -467,18 +480,19 @@ class BatchManager:
         published = []
         for kind, name in (("output", "output.jsonl"), ("error", "errors.jsonl")):
             fid = job.reserved[kind]
-            src, dst = job.dir / name, self.files.path(fid)
-            if src.exists() and src.stat().st_size > 0:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(src, dst)
-                fsync_dir(dst.parent)
-            if dst.exists():
-                try:
-                    self.files.get(fid)
-                except APIError:
-                    self.files.register(fid, f"{job.id}_{kind}.jsonl", "batch_output")
+            if self.files.publish(fid, job.dir / name, f"{job.id}_{kind}.jsonl"):
                 published.append((kind, fid))
         return published
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on ``loop`` from a worker thread and wait for it (state the
+    loop owns is touched only there)."""
+
+    async def call() -> T:
+        return fn(*args)
+
+    return asyncio.run_coroutine_threadsafe(call(), loop).result()
 
 
 def _new_io() -> ThreadPoolExecutor:
