@@ -100,7 +100,9 @@ class OutputCollector:
         """Apply ``delta``; returns the update for the client, or None once finished.
 
         Output ids after the token that completed a stop string are dropped (with
-        their logprobs), and the result says "stop".
+        their logprobs), and the result says "stop", also where the stop string
+        completes in the text of the last token ``max_tokens`` allowed (text held back
+        until the end: the engine's "length" becomes "stop").
         """
         if self.result is not None:
             return None
@@ -131,6 +133,10 @@ class OutputCollector:
             reason = "stop"
         if reason is not None:
             new_text += self.stream.finish()
+            if reason == "length" and self.stream.stopped:
+                # the last token's text, held back until now (a run of byte tokens),
+                # completed a stop string: the stop string, not the budget, ended it
+                reason = "stop"
             self.result = self._result(reason, delta.error, now)
         return StreamUpdate(
             text=self.stream.text[: self.stream.sent],
