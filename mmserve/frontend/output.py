@@ -120,8 +120,9 @@ class OutputCollector:
         had = len(self.ids)
         new_text = self.stream.push(ids)
         self.ids.extend(ids)
-        with_lps = self.logprobs is not None and delta.logprobs is not None
-        if with_lps:
+        with_lps = False
+        if self.logprobs is not None and delta.logprobs is not None:
+            with_lps = True
             self.logprobs.extend(delta.logprobs[: len(ids)])
         if self.logits is not None and delta.logits is not None:
             self.logits.extend(delta.logits[: len(ids)])
