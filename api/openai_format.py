@@ -209,6 +209,7 @@ async def chat_stream(
     n = len(sub.reqs)
     sent = [""] * n
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent
+    lps_sent = [0] * n  # logprobs sent, per choice
     formats = [tokens.choice() for _ in range(n)] if tokens is not None else []
     results: list[GenerateResult | None] = [None] * n
     calls: list[list[str]] = [[] for _ in range(n)]  # per call: the arguments sent
@@ -245,8 +246,12 @@ async def chat_stream(
         lps = None
         if tokens is not None:
             pending[i].extend(upd.delta_logprobs or ())
+            if upd.result is not None and upd.result.logprobs is not None:
+                # a stop string shown by a later token drops ids still pending here
+                pending[i] = list(upd.result.logprobs[lps_sent[i] :])
             if new_text or final:
                 lps = formats[i].content(pending[i])
+                lps_sent[i] += len(pending[i])
                 pending[i] = []
         finish = upd.result.finish_reason if final else None
         if tools is not None:

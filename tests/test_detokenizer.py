@@ -138,3 +138,28 @@ def test_push_cost_does_not_grow_with_the_answer(tok, monkeypatch) -> None:
     late = max(decoded[-50:])
     assert len(ids) > 1000
     assert late <= max(early, 8), (early, late)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_stop_ends_the_ids_at_the_token_completing_it(tok, data) -> None:
+    """``num_tokens`` after a stop is the fewest ids whose one-shot text already holds
+    the answer and its stop string, also where that text was held back (a byte run)
+    and the stop was found with later tokens, or only at :meth:`TextStream.finish`."""
+    ids = data.draw(_ids(tok), label="ids")
+    full = tok.decode(ids, skip_special_tokens=True)
+    if len(full) < 2:
+        return
+    a = data.draw(st.integers(0, len(full) - 2))
+    stop = full[a : a + data.draw(st.integers(1, 4))]
+    stream = TextStream(tok, [stop])
+    for tok_id in ids:
+        stream.push([tok_id])
+        if stream.stopped:
+            break
+    stream.finish()
+    assert stream.stopped  # the stop is in the text of all the ids
+    k = stream.num_tokens
+    want = stream.text + stop
+    assert tok.decode(ids[:k], skip_special_tokens=True).startswith(want)
+    assert not tok.decode(ids[: k - 1], skip_special_tokens=True).startswith(want)

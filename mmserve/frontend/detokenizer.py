@@ -96,6 +96,8 @@ class IncrementalDetokenizer:
         #: characters of the context's text (not part of :attr:`text`)
         self.context_chars = len(self._decode(self.ids)) if self.ids else 0
         self.text = ""
+        #: the last piece and the window it was decoded in: (prefix, read, piece)
+        self._last: tuple[int, int, str] = (0, 0, "")
 
     def push(self, ids: Sequence[int]) -> str:
         """Add ``ids``; returns the new text they complete ("" while a character or a
@@ -112,6 +114,7 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
             return ""
         piece = new_text[len(prefix_text) :]
+        self._last = (self._prefix, self._read, piece)
         self._prefix, self._read = self._read, len(self.ids)
         self.text += piece
         return piece
@@ -123,9 +126,28 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(window[: self._read - self._prefix])
         new_text = self._decode(window)
         piece = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        if piece:
+            self._last = (self._prefix, self._read, piece)
         self._prefix = self._read = len(self.ids)
         self.text += piece
         return piece
+
+    def ids_behind(self, chars: int) -> tuple[int, int]:
+        """``(needed, covered)``: of the ``covered`` ids whose text the last piece is
+        (several after a run of byte tokens or an incomplete character), the first
+        ``needed`` already decode to its first ``chars`` characters.
+
+        Decodes the piece's window once per id until they do, so it costs
+        ``covered`` decodes of a short window; it is called only when a stop string
+        ends inside a piece."""
+        prefix, read, piece = self._last
+        covered = len(self.ids) - read
+        base = len(self._decode(self.ids[prefix:read]))
+        for k in range(1, covered):
+            text = self._decode(self.ids[prefix : read + k])
+            if text[base : base + chars] == piece[:chars]:
+                return k, covered
+        return covered, covered
 
 
 class TextStream:
@@ -144,7 +166,10 @@ class TextStream:
         sent: how much of :attr:`text` :meth:`push` has released (the rest could
             still be the start of a stop string).
         stopped: a stop string was found (the request should end with "stop").
-        num_tokens: output tokens pushed up to and including the one that stopped it.
+        num_tokens: output tokens pushed up to and including the one that stopped it:
+            the first token whose text completes the stop string, also where that text
+            was held back and shown only with later tokens (a run of byte tokens), so
+            it may drop below the tokens pushed before the stop was found.
     """
 
     def __init__(
@@ -197,9 +222,13 @@ class TextStream:
         lo = (start if self._searched else self._floor) - self._holdback
         self._searched = True
         hits = (self.text.find(s, max(0, lo, self._floor - len(s) + 1)) for s in self.stop)
-        found = [i for i in hits if i >= 0]
+        found = [(i, i + len(s)) for i, s in zip(hits, self.stop, strict=True) if i >= 0]
         if found:
-            self.text = self.text[: min(found)]
+            cut, end = min(found)
+            if end > start:  # the ids after the one whose text completes the stop go
+                needed, covered = self.detok.ids_behind(end - start)
+                self.num_tokens = max(self.num_tokens - covered + needed, self.min_tokens)
+            self.text = self.text[:cut]
             self.stopped = True
 
     def _release(self, final: bool) -> str:

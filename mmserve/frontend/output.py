@@ -99,8 +99,12 @@ class OutputCollector:
     def add(self, delta: TokenDelta) -> StreamUpdate | None:
         """Apply ``delta``; returns the update for the client, or None once finished.
 
-        Output ids after the token that completed a stop string are dropped (with
-        their logprobs), and the result says "stop".
+        Output ids after the token whose text completed a stop string are dropped
+        (with their logprobs), and the result says "stop", also where the stop string
+        completes in the text of the last token ``max_tokens`` allowed (text held back
+        until the end: the engine's "length" becomes "stop"). Text held back (a run of
+        byte tokens) may show a stop string only with a later token: ids of an earlier
+        update are then dropped too (the result's ids and logprobs are the ones kept).
         """
         if self.result is not None:
             return None
@@ -113,16 +117,13 @@ class OutputCollector:
         now = time.perf_counter()  # this side's clock: a replica's deltas come from another
         if ids and self.first_token_time is None:
             self.first_token_time = now
-        before = self.stream.num_tokens
+        had = len(self.ids)
         new_text = self.stream.push(ids)
-        used = self.stream.num_tokens - before  # ids up to the one that completed a stop
-        if used < len(ids):
-            ids = ids[:used]
         self.ids.extend(ids)
-        lps = None
+        with_lps = False
         if self.logprobs is not None and delta.logprobs is not None:
-            lps = delta.logprobs[: len(ids)]
-            self.logprobs.extend(lps)
+            with_lps = True
+            self.logprobs.extend(delta.logprobs[: len(ids)])
         if self.logits is not None and delta.logits is not None:
             self.logits.extend(delta.logits[: len(ids)])
         reason = delta.finish_reason
@@ -131,11 +132,24 @@ class OutputCollector:
             reason = "stop"
         if reason is not None:
             new_text += self.stream.finish()
+            if reason == "length" and self.stream.stopped:
+                # the last token's text, held back until now (a run of byte tokens),
+                # completed a stop string: the stop string, not the budget, ended it
+                reason = "stop"
+        if self.stream.stopped:  # ids up to the one whose text completed the stop string
+            keep = self.stream.num_tokens
+            del self.ids[keep:]
+            if self.logprobs is not None:
+                del self.logprobs[keep:]
+            if self.logits is not None:
+                del self.logits[keep:]
+        if reason is not None:
             self.result = self._result(reason, delta.error, now)
+        lps = tuple(self.logprobs[had:]) if with_lps and self.logprobs is not None else None
         return StreamUpdate(
             text=self.stream.text[: self.stream.sent],
             delta_text=new_text,
-            delta_ids=tuple(ids),
+            delta_ids=tuple(self.ids[had:]),
             delta_logprobs=lps,
             num_ids=len(self.ids),
             result=self.result,

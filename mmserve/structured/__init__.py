@@ -34,6 +34,9 @@ An end-of-sequence token the grammar forces (the grammar has ended, or reached a
 end, and allows nothing else) is not part of the answer: it is never appended, or,
 decoding token by token, it is removed again once sampled, and the request ends with
 "stop". One the model chose while the grammar allowed more stays, like any token.
+An output the grammar accepts (``is_completed``) on the last token ``max_tokens``
+allows also ends with "stop", not "length": it is complete, even where the grammar
+would have allowed more.
 
 xgrammar is imported lazily, so an engine serving no constrained request never
 loads it. It is installed with ``pip install --no-deps`` (its Linux package

@@ -203,26 +203,32 @@ class GuidedDecoding:
             token at all (a stop token sampled where the grammar allowed nothing else
             is not: the grammar forced it) and the finish reason: "stop" when the
             grammar has ended (a stop token accepted, a dead end, or, with jump-forward,
-            nothing but a stop token left), else None.
+            nothing but a stop token left) or when these tokens reach ``max_tokens``
+            with the output complete (the matcher in an accepting state:
+            ``is_completed``), else None (the engine then says "length" at the limit).
         """
         m = _matcher(req)
         if tok in self.stop_ids and self._only_stop(m):
             return Advance(tok, keep=False, reason="stop")
         if not m.accept_token(tok) or m.is_terminated():
             return Advance(tok, reason="stop")
-        if not self.jump_forward:
-            return Advance(tok)
-        room = req.params.max_tokens - len(req.output_ids) - 1
-        if room <= 0:
-            return Advance(tok)
-        try:
-            jump = m.find_jump_forward_string()
-        except UnicodeDecodeError:  # forced bytes end inside a UTF-8 character: no jump
-            jump = ""
-        adv = self._jump(req, tok, jump, room) if jump else Advance(tok)
-        room -= len(adv.forced)
-        if room > 0 and m.is_completed() and self._only_stop(m):
-            adv.reason = "stop"  # only end-of-sequence may follow: not appended, not an answer
+        room = req.params.max_tokens - len(req.output_ids) - 1  # left after ``tok``
+        adv = Advance(tok)
+        if self.jump_forward and room > 0:
+            try:
+                jump = m.find_jump_forward_string()
+            except UnicodeDecodeError:  # forced bytes end inside a UTF-8 character: no jump
+                jump = ""
+            if jump:
+                adv = self._jump(req, tok, jump, room)
+                room -= len(adv.forced)
+        if m.is_completed():
+            if room <= 0:
+                # the last allowed token ends a complete output: the grammar's end, not
+                # the budget, ends it (even where more, such as digits, was allowed)
+                adv.reason = "stop"
+            elif self.jump_forward and self._only_stop(m):
+                adv.reason = "stop"  # only end-of-sequence may follow: not appended
         return adv
 
     def _jump(self, req: ConstrainedRequest, sampled: int, jump: str, room: int) -> Advance:
