@@ -24,7 +24,6 @@ client left is never scheduled (:meth:`mmserve.frontend.async_engine.AsyncEngine
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -116,23 +115,24 @@ async def until_cancelled(events: AsyncIterator[T], token: CancelToken | None) -
             yield item
         return
     gone, unhook = cancelled_future(token)
+    nxt: asyncio.Future[T] | None = None
     try:
         while True:
             nxt = asyncio.ensure_future(anext(events))
             await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not nxt.done():
-                nxt.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await nxt
-                return
+                return  # the client left: ``finally`` stops ``events`` where it waits
             try:
                 item = nxt.result()
             except StopAsyncIteration:
                 return
+            nxt = None
             yield item
     finally:
         unhook()
         gone.cancel()
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        # no await that can suspend here: the response's task may be cancelled already
+        if nxt is not None and not nxt.done():
+            nxt.cancel()  # thrown into ``events`` where it waits: its ``finally`` runs
+        elif nxt is None and (aclose := getattr(events, "aclose", None)) is not None:
+            await aclose()  # ``events`` is suspended at a yield: closing runs its finally
