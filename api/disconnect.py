@@ -9,7 +9,8 @@ of the answer.
 - while the body is read, through the app's own ``receive`` calls (Starlette then raises
   ``ClientDisconnect``, answered 499);
 - once the body is read (the last ``http.request`` message), a watcher task waits on the
-  server's ``receive`` for the rest of the request. From then on the app's own
+  server's ``receive`` for the rest of the request (a disconnect reported after the whole
+  response was sent is not a hang-up: the token stays as it is). From then on the app's own
   ``receive`` calls (a ``StreamingResponse`` listening for a disconnect) wait on that
   watcher, so the body is never consumed by anyone but the app and only one task waits
   on the server's channel.
@@ -56,12 +57,14 @@ class DisconnectMiddleware:
         token = CancelToken()
         scope[SCOPE_KEY] = token
         watcher: asyncio.Future[Message] | None = None
+        answered = False  # the whole response is sent: a disconnect now is no hang-up
 
         async def watch() -> Message:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    token.cancel()
+                    if not answered:  # (a task the route left behind keeps running)
+                        token.cancel()
                     return msg
 
         async def app_receive() -> Message:
@@ -75,9 +78,15 @@ class DisconnectMiddleware:
                 watcher = asyncio.ensure_future(watch())
             return msg
 
+        async def app_send(msg: Message) -> None:
+            nonlocal answered
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                answered = True  # before the send, which wakes the watcher
+            await send(msg)
+
         try:
             with using(token):
-                await self.app(scope, app_receive, send)
+                await self.app(scope, app_receive, app_send)
         finally:
             if watcher is not None and not watcher.done():
                 watcher.cancel()

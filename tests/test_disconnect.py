@@ -377,3 +377,29 @@ def test_the_watcher_leaves_the_body_to_the_route_and_sees_the_hang_up() -> None
 
     asyncio.run(run())
     assert seen["after"] is True
+
+
+def test_a_disconnect_after_the_whole_answer_is_no_hang_up() -> None:
+    """The server reports ``http.disconnect`` once the response is sent (uvicorn does):
+    work the route left running (a task inheriting the token) is not cancelled."""
+    tokens: list[CancelToken] = []
+
+    async def app(scope, receive, send) -> None:
+        await receive()
+        tokens.append(scope[SCOPE_KEY])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        await asyncio.sleep(0.05)  # the watcher sees the disconnect meanwhile
+
+    async def run() -> None:
+        inbox: asyncio.Queue[dict] = asyncio.Queue()
+        inbox.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+
+        async def send(msg: dict) -> None:
+            if msg["type"] == "http.response.body":
+                inbox.put_nowait({"type": "http.disconnect"})
+
+        await DisconnectMiddleware(app)({"type": "http"}, inbox.get, send)
+
+    asyncio.run(run())
+    assert tokens[0].cancelled is False
