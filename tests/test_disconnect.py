@@ -17,6 +17,7 @@ import base64
 import io
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
@@ -31,6 +32,7 @@ from api.disconnect import SCOPE_KEY, DisconnectMiddleware
 from mmserve.cancel import Cancelled, CancelToken, using
 from mmserve.frontend.async_engine import AsyncEngine
 from mmserve.types import GenerateResult
+from mmserve.vision.budget import DecodeBudget
 from tests.helpers import MODEL, greedy, user
 from tests.live_server import uvicorn_thread
 from tests.videos import encode_mp4
@@ -403,3 +405,17 @@ def test_a_disconnect_after_the_whole_answer_is_no_hang_up() -> None:
 
     asyncio.run(run())
     assert tokens[0].cancelled is False
+
+
+def test_a_decode_waiting_for_room_stops_when_its_client_leaves() -> None:
+    """A decode waiting for room in a full decoded-image budget gives up within 50 ms of
+    the hang-up (not after the 5 s wait), holding nothing."""
+    budget = DecodeBudget(capacity=100, wait_seconds=5)
+    budget.acquire(100)  # another request's picture fills it
+    token = CancelToken()
+    threading.Timer(0.1, token.cancel).start()
+    t0 = time.monotonic()
+    with using(token), pytest.raises(Cancelled):
+        budget.acquire(50)
+    assert time.monotonic() - t0 < 1
+    assert budget.in_use == 100 and budget.refusals == 0
