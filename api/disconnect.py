@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -128,7 +128,8 @@ async def until_cancelled(events: AsyncIterator[T], token: CancelToken | None) -
     try:
         while True:
             nxt = asyncio.ensure_future(anext(events))
-            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {nxt, gone}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not nxt.done():
                 return  # the client left: ``finally`` stops ``events`` where it waits
             try:

@@ -36,7 +36,7 @@ class CancelToken:
     def __init__(self) -> None:
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[Callable[[], object]] = []
         self.reason = ""
 
     @property
@@ -55,7 +55,7 @@ class CancelToken:
         for cb in callbacks:
             cb()
 
-    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+    def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
         """Run ``callback`` when the token is cancelled (at once if it already is).
 
         Returns:
@@ -68,7 +68,7 @@ class CancelToken:
         callback()
         return lambda: None
 
-    def _remove(self, callback: Callable[[], None]) -> None:
+    def _remove(self, callback: Callable[[], object]) -> None:
         with self._lock:
             if callback in self._callbacks:
                 self._callbacks.remove(callback)
