@@ -27,6 +27,7 @@ from api.auth import APIKeyMiddleware
 from api.batch.runner import BatchManager
 from api.batch.store import FileStore
 from api.body_limit import BodyLimitMiddleware
+from api.disconnect import DisconnectMiddleware
 from api.errors import APIError, install_error_handlers
 from api.image_store import ImageStore
 from api.json_body import JSONBodyRoute
@@ -93,7 +94,8 @@ def assemble_app(
     """One FastAPI app around ``state``: every route parses JSON with
     :class:`~api.json_body.JSONBodyRoute`, errors answer in OpenAI's shape
     (:func:`~api.errors.install_error_handlers`), the body limit and (when set) the API
-    key apply to every route; with tracing on (``state.client.tracing``) FastAPI's own
+    key apply to every route, and each request's work stops when its client hangs up
+    (:mod:`api.disconnect`); with tracing on (``state.client.tracing``) FastAPI's own
     OpenTelemetry support makes each ``/v1/`` request's server span (:mod:`api.tracing`).
 
     Args:
@@ -110,6 +112,8 @@ def assemble_app(
     install_error_handlers(app)
     for router in routers:
         app.include_router(router)
+    # innermost: each request's cancel token, cancelled when its client hangs up
+    app.add_middleware(DisconnectMiddleware)
     for cls in middleware:
         app.add_middleware(cls)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.settings.max_request_bytes)

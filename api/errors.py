@@ -12,12 +12,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from mmserve.cancel import Cancelled
+
 log = logging.getLogger(__name__)
 
 
-class ClientDisconnected(Exception):
+class ClientDisconnected(Cancelled):
     """The HTTP client went away before the answer was ready (answered 499, which no
-    one reads: the handler only ends the route)."""
+    one reads: the handler only ends the route). A :class:`~mmserve.cancel.Cancelled`
+    raised by the work of a request whose client left is answered the same way."""
 
 
 class APIError(Exception):
@@ -177,8 +180,14 @@ def install_error_handlers(app: FastAPI) -> None:
             headers=e.headers,
         )
 
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(_: Request, __: ClientDisconnected) -> Response:
+    @app.exception_handler(Cancelled)  # ClientDisconnected too
+    async def _gone(request: Request, _: Cancelled) -> Response:
+        # the work for it stopped where it was (media, template, engine): one line
+        log.info(
+            "client disconnected before the answer of %s %s; its work was stopped",
+            request.method,
+            request.url.path,
+        )
         return Response(status_code=499)
 
     @app.exception_handler(ClientDisconnect)

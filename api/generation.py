@@ -19,6 +19,7 @@ from api.schemas import (
     SamplingFields,
 )
 from api.structured import guided_spec
+from mmserve.cancel import check_cancelled
 from mmserve.frontend.processor import InputProcessor, RequestError
 from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions, PromptError
 from mmserve.types import EngineRequest, ParamError, SamplingParams
@@ -170,6 +171,8 @@ async def make_requests(
     Raises:
         APIError: 400 for a prompt the engine refuses (too long, bad placeholders, ...),
             or ``min_tokens`` beyond the room the prompt leaves.
+        Cancelled: the request's client left (checked before each request is built and
+            inside, :mod:`mmserve.cancel`).
     """
     reqs = []
     for i in range(n):
@@ -194,6 +197,7 @@ async def _make(
     details: Sequence[str] = (),
     default_max_tokens: int | None = None,
 ) -> EngineRequest:
+    check_cancelled()  # the client left: no template, no tokenizing
     try:  # front-end work on a worker thread, off the event loop and the engine thread
         return await run_in_threadpool(
             processor.make_request,

@@ -29,6 +29,7 @@ from api.ids import IMAGE, id_like
 from api.image_store import ImageStore
 from api.remote_fetch import RemoteFetcher, RemoteFetchError, Resolver
 from api.settings import ServerSettings
+from mmserve.cancel import check_cancelled
 from mmserve.frontend.processor import InputProcessor
 from mmserve.vision.budget import DecodeBusyError, PixelBudgetError, RequestPixels
 from mmserve.vision.image import ImageError, ImageLimits
@@ -109,7 +110,10 @@ class MediaResolver:
             APIError: 400 for a malformed or unknown id, a bad data URL, an undecodable or
                 over-limit image, an image past the request's pixel budget, or a source the
                 operator has not allowed; 503 when the server's decoded-image budget stays full.
+            Cancelled: the request's client left (checked before the fetch, before the
+                decode and inside it).
         """
+        check_cancelled()
         url = url.strip()
         if id_like(url):
             # only uploads are addressable by id: a data-URL image's id is not an upload
@@ -139,6 +143,7 @@ class MediaResolver:
                 param=param,
                 code="unsupported_image_url",
             )
+        check_cancelled()  # fetched or read: no decode for a client gone
         if mode is None:
             return await self.store_bytes(data, param, upload=False)
         known = self.transient.lookup(data)

@@ -43,6 +43,8 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from mmserve.cancel import Cancelled, check_cancelled, current
+
 log = logging.getLogger(__name__)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -264,9 +266,12 @@ class RemoteFetcher:
             RemoteFetchError: ``refused`` for a URL, address or redirect that is not
                 allowed; ``too_large`` for a body over ``max_bytes``; otherwise a failed
                 fetch (unreachable, timed out, no image in the answer, too many redirects).
+            Cancelled: the current :class:`~mmserve.cancel.CancelToken` was cancelled
+                (checked before each hop and between body chunks).
         """
         deadline = time.monotonic() + self.timeout
         for hop in range(self.max_redirects + 1):
+            check_cancelled()
             location = self._hop(url, deadline)
             if isinstance(location, bytes):
                 return location
@@ -358,6 +363,8 @@ class RemoteFetcher:
         watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), kill)
         watchdog.daemon = True
         watchdog.start()
+        token = current()  # the client hanging up wakes a blocked read the same way
+        unhook = token.on_cancel(kill) if token is not None else None
         conn = None
         try:
             sock: socket.socket = raw
@@ -400,23 +407,30 @@ class RemoteFetcher:
                     detail=f"{resp.length} bytes missing",
                 )
             return body
+        except Cancelled:  # the client left mid-download: no 400, the route answers 499
+            raise
         except RemoteFetchError:
+            check_cancelled()
             if killed.is_set():
                 raise RemoteFetchError(self._timed_out()) from None
             raise
         except (OSError, http.client.HTTPException, ValueError) as e:
+            check_cancelled()
             if killed.is_set() or time.monotonic() >= deadline or isinstance(e, TimeoutError):
                 raise RemoteFetchError(self._timed_out(), detail=repr(e)) from None
             raise RemoteFetchError(
                 "could not fetch the image URL: the connection failed", detail=repr(e)
             ) from None
         except Exception as e:  # whatever broke, the client gets a 400
+            check_cancelled()
             log.warning("remote image fetch broke", exc_info=True)
             raise RemoteFetchError(
                 "could not fetch the image URL: the connection failed", detail=repr(e)
             ) from None
         finally:
             watchdog.cancel()
+            if unhook is not None:
+                unhook()
             if conn is not None:
                 conn.close()
             live[-1].close()
@@ -429,6 +443,7 @@ class RemoteFetcher:
             raise self._too_large()
         chunks, got = [], 0
         while True:
+            check_cancelled()  # between chunks: the requester may have left
             if sock.fileno() >= 0:
                 _set_timeout(sock, deadline)
             chunk = resp.read(min(_CHUNK, self.max_bytes + 1 - got))

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from api.disconnect import request_token, until_cancelled
 from api.errors import APIError, error_body
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import VIDEO
@@ -143,7 +144,10 @@ async def video_qa(
         "model": st.model_name,
     }
     head["skipped_frames"] = [_skipped_info(f) for f in skipped]
-    events = _events(st, sub, frames, body.questions, jobs, head)
+    # the client hanging up ends the stream (and aborts the answers) at once
+    events = until_cancelled(
+        _events(st, sub, frames, body.questions, jobs, head), request_token(request)
+    )
     if sse:
         return StreamingResponse(
             (f"data: {json.dumps(e)}\n\n" async for e in events),

@@ -4,6 +4,11 @@ Each submitted request is pumped by its own asyncio task into one queue per
 :class:`Submission`, so ``n`` choices (or the questions of one ``/ask``) can
 be merged into one stream, and cancelling the submission (client gone) aborts
 every request in it: the engine hands their KV to the tree and frees the rest.
+
+A submission made for an HTTP request whose client has already left is refused
+(:class:`~api.errors.ClientDisconnected`, nothing is queued); one whose client leaves
+later is cancelled at once by the request's :class:`~mmserve.cancel.CancelToken`
+(:mod:`api.disconnect`), whether or not its route is waiting on it.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request as HTTPRequest
 
+from api.disconnect import cancelled_future, request_token
 from api.errors import APIError, ClientDisconnected
 from api.metrics import Metrics
+from mmserve import cancel
 from mmserve.frontend.async_engine import AsyncEngine, StreamUpdate
 from mmserve.types import BACKGROUND, EngineRequest, GenerateResult
 
@@ -62,9 +69,17 @@ class EngineClient:
         at the engine's :data:`~mmserve.types.BACKGROUND` priority (admitted
         after waiting interactive requests) and is not counted in :attr:`online`.
 
+        Runs under the current :class:`~mmserve.cancel.CancelToken` (the HTTP request's):
+        cancelling it aborts the submission's requests.
+
         Raises:
+            ClientDisconnected: the token is already cancelled (the client left while
+                the request was prepared): nothing is submitted.
             APIError: 503 with ``Retry-After`` when the queue is full.
         """
+        token = cancel.current()
+        if token is not None and token.cancelled:
+            raise ClientDisconnected(token.reason)
         if self.queued and self.queued + len(reqs) > self.max_queued:
             self.metrics.rejected.inc()
             raise APIError(
@@ -132,6 +147,11 @@ class Submission:
         self.results: list[GenerateResult | None] = [None] * len(reqs)
         self._queue: asyncio.Queue[tuple[int, StreamUpdate | BaseException]] = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(i, r)) for i, r in enumerate(reqs)]
+        token = cancel.current()
+        if token is not None:  # the client leaves: abort every request now (the token
+            # lives as long as its HTTP request, so the hook needs no removal)
+            loop = asyncio.get_running_loop()
+            token.on_cancel(lambda: loop.call_soon_threadsafe(self.cancel))
 
     async def _pump(self, index: int, req: EngineRequest) -> None:
         waiting = True
@@ -176,7 +196,8 @@ class Submission:
                 self.cancel()
 
     async def wait(self, http: HTTPRequest | None = None) -> list[GenerateResult]:
-        """All results, in request order; cancels everything if ``http``'s client disconnects.
+        """All results, in request order; cancels everything if ``http``'s client disconnects
+        (its :class:`~mmserve.cancel.CancelToken` when :mod:`api.disconnect` gave it one).
 
         Raises:
             ClientDisconnected: the client went away first.
@@ -191,10 +212,15 @@ class Submission:
             if http is None:
                 await gather
             else:
-                gone = asyncio.ensure_future(_disconnected(http))
+                token = request_token(http)
+                if token is not None:
+                    gone, unhook = cancelled_future(token)
+                else:
+                    gone, unhook = asyncio.ensure_future(_disconnected(http)), lambda: None
                 try:
                     await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
+                    unhook()
                     gone.cancel()
                 if not gather.done():
                     self.cancel()

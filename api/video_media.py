@@ -18,6 +18,7 @@ from api.ids import VIDEO, id_like
 from api.media import busy_error, decode_data_url, image_error
 from api.schemas import FrameFields
 from api.state import ServerState
+from mmserve.cancel import check_cancelled
 from mmserve.vision.budget import DecodeBusyError, RequestPixels
 from mmserve.vision.image import ImageError
 from mmserve.vision.inputs import Frame
@@ -100,13 +101,15 @@ async def expand_video(
             message gives the duration); 400
             ``request_image_pixels_exceeded`` past the request's pixel budget; 503 when
             the server's decoded-image budget stays full.
+        Cancelled: the request's client left (checked before and between frames).
     """
 
     def work() -> tuple[list[Frame], list[FrameFailure]]:
         processor = st.engine.processor
         video = processor.open_video(data, st.settings.video_limits())
-        return processor.sample_frames(video, sel, mode, pixels, skip)
+        return processor.sample_frames(video, sel, mode, pixels, skip)  # checks the token
 
+    check_cancelled()  # the client left: no probing, no decoding
     try:
         return await run_in_threadpool(work)
     except ImageError as e:

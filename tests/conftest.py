@@ -182,6 +182,13 @@ SLOW_TESTS: dict[str, str] = {
     "test_detokenizer::test_incremental_text_equals_one_shot_decode": (
         "hypothesis over the tokenizers"
     ),
+    # clients hanging up on a real socket, eight 2400x2400 pictures per request
+    "test_disconnect::test_hang_up_while_pictures_are_prepared_stops_the_work": (
+        "eight hang-ups, each with eight large pictures to prepare (~3 s each)"
+    ),
+    "test_disconnect::test_hang_up_mid_prefill_aborts_before_the_next_step": (
+        "two requests prefilled in 64-token chunks until the hang-up (~10 s)"
+    ),
     # benchmarks and installs
     "test_benchmarks::test_tracing_benchmark_tiny": "server subprocesses with and without tracing",
     "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",

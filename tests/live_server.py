@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
@@ -22,7 +25,7 @@ from benchmarks.over_http import free_port, server
 from mmserve.frontend.frontend import Engine
 from tests.helpers import MODEL
 
-__all__ = ["free_port", "live_server", "live_server_process"]
+__all__ = ["free_port", "live_server", "live_server_process", "uvicorn_thread"]
 
 
 @contextmanager
@@ -128,3 +131,29 @@ def app_client(engine: Engine, **settings) -> Iterator[TestClient]:
     settings.setdefault("served_model_name", MODEL)
     with TestClient(create_app(engine, ServerSettings(**settings))) as c:
         yield c
+
+
+@contextmanager
+def uvicorn_thread(app: FastAPI, timeout: float = 30) -> Iterator[str]:
+    """Serve ``app`` (lifespan run) with a real uvicorn on a free 127.0.0.1 port, in a
+    thread of this process, so a test can reach the engine's objects while real sockets
+    connect and hang up; yields the base URL and stops the server after (seconds:
+    ``timeout`` each way).
+
+    Raises:
+        AssertionError: uvicorn did not start in ``timeout`` s.
+    """
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + timeout
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=timeout)

@@ -33,6 +33,7 @@ from api.remote_fetch import (
     literal_address,
     parse_networks,
 )
+from mmserve.cancel import Cancelled, CancelToken, using
 from tests.helpers import MODEL, SAMPLES, chat, image_part
 
 CAT = (SAMPLES / "cat.png").read_bytes()
@@ -347,6 +348,23 @@ def test_a_slow_server_is_cut_at_the_deadline(srv, path) -> None:
             break
         time.sleep(0.05)
     assert srv.cut and srv.cut[0] is not None  # it never got to send everything
+
+
+@pytest.mark.parametrize("path", ["/slow-body", "/slow-headers"])
+def test_a_client_that_hangs_up_stops_the_download_at_once(srv, path) -> None:
+    """The request's token cancelled 0.2 s into a 10 s download (issue 45): the blocked
+    read wakes at once and the fetch raises ``Cancelled`` (the route's 499), not a 400."""
+    token = CancelToken()
+    threading.Timer(0.2, token.cancel).start()
+    t0 = time.monotonic()
+    with using(token), pytest.raises(Cancelled):
+        fetcher(allowed_networks=LOOPBACK, timeout=20).fetch(base(srv) + path)
+    assert time.monotonic() - t0 < 2
+    for _ in range(200):  # the server notices the hang-up at its next write
+        if srv.cut:
+            break
+        time.sleep(0.05)
+    assert srv.cut and srv.cut[0] is not None
 
 
 def test_failures_say_nothing_about_the_inside(srv) -> None:

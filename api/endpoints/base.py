@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from api.disconnect import request_token, until_cancelled
 from api.errors import APIError
 from api.state import ServerState
 from api.submit import Submission
@@ -141,7 +142,9 @@ class Endpoint(Generic[Body, C]):
 
     async def serve(self, st: ServerState, body: Body, http: Request) -> dict | Response:
         """The route: check, prepare, submit; stream or answer (``http``: its client
-        going away cancels the requests).
+        going away stops the work wherever it is: media and prompt preparation check the
+        request's :class:`~mmserve.cancel.CancelToken` between items, a submission is
+        refused or aborted, a stream ends).
 
         Raises:
             APIError: 4xx from :meth:`check` and :meth:`prepare`; 503 when the queue is
@@ -152,7 +155,7 @@ class Endpoint(Generic[Body, C]):
         call = await self.prepare(st, body)
         sub = st.client.submit(call.reqs)
         if body.stream:  # type: ignore[attr-defined]
-            events = self.stream(st, body, call, sub)
+            events = until_cancelled(self.stream(st, body, call, sub), request_token(http))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         results = await sub.answers(http)
         return self.answer(st, body, call, results).body

@@ -12,6 +12,7 @@ from api.generation import make_requests
 from api.media import check_image_count
 from api.state import ServerState
 from api.video_media import VideoPart, fewer_frames, frame_parts, resolve_video
+from mmserve.cancel import check_cancelled
 from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions
 from mmserve.model.families.base import FRAME_MODE
 from mmserve.types import EngineRequest, SamplingParams
@@ -46,6 +47,8 @@ async def engine_requests(
     Raises:
         APIError: 400 naming the part at fault (unknown id, undecodable image, too many
             images, prompt too long, ...).
+        Cancelled: the request's client left (checked between media and inside each
+            one's preparation, :mod:`mmserve.cancel`).
     """
     video_path = st.engine.model.video_token_id is not None
     processor = st.engine.processor
@@ -56,6 +59,7 @@ async def engine_requests(
     frame_mode = FRAME_MODE if video_path else processor.image_mode(num_images)
     media = []
     for ref in urls:
+        check_cancelled()  # the client left: no more fetching or decoding
         if ref.frames is None:
             mode = processor.image_mode(num_images, ref.detail)
             media.append(await st.media.resolve(ref.url, ref.param, mode, pixels))

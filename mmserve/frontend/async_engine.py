@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
+from mmserve import cancel
 from mmserve.frontend.frontend import Engine
 from mmserve.frontend.output import StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult, TokenDelta
@@ -122,14 +123,31 @@ class AsyncEngine:
 
     async def deltas(self, req: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         """Submit ``req`` and yield its :class:`TokenDelta` messages, the last with its
-        finish reason. Closing the iterator early aborts the request (its KV is kept)."""
+        finish reason. Closing the iterator early aborts the request (its KV is kept).
+
+        Under a :class:`~mmserve.cancel.CancelToken` (the current one: the HTTP request's)
+        the request is aborted on the engine thread as soon as the token is cancelled,
+        before the engine's next step, and one whose token is cancelled by the time the
+        engine thread takes it in is aborted before any step: never scheduled, no tower
+        run, no token."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        token = cancel.current()
 
         def on_update(delta: TokenDelta) -> None:  # on the engine thread
             loop.call_soon_threadsafe(queue.put_nowait, delta)
 
-        self.call(lambda: self.engine.add_request(req, on_update))
+        def add() -> None:  # on the engine thread, between steps
+            self.engine.add_request(req, on_update)
+            if token is not None and token.cancelled:
+                self.engine.abort(req.rid)  # its client left on the way: it never runs
+
+        self.call(add)
+        unhook = (
+            token.on_cancel(lambda: self.call(lambda: self.engine.abort(req.rid)))
+            if token is not None
+            else None
+        )
         done = False
         try:
             while not done:
@@ -137,6 +155,8 @@ class AsyncEngine:
                 done = delta.finished
                 yield delta
         finally:
+            if unhook is not None:
+                unhook()
             if not done:
                 self.call(lambda: self.engine.abort(req.rid))
 

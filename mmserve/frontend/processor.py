@@ -11,7 +11,9 @@ their features; and the sampling parameters.
 Images are handled one at a time (decode, hash, preprocess, drop the decoded image),
 so a request holds about one decoded image at once; the decoded bytes all requests
 hold together are bounded by a :class:`~mmserve.vision.budget.DecodeBudget`, the
-pixels of one request by :class:`~mmserve.vision.budget.RequestPixels`.
+pixels of one request by :class:`~mmserve.vision.budget.RequestPixels`. Work for a
+request whose client left stops between these steps (:func:`mmserve.cancel.check_cancelled`
+raises :class:`~mmserve.cancel.Cancelled`), its budget released.
 
 Why a request keeps pixels (or features) until it finishes rather than only until
 the tower ran: the embedding cache may evict an image's features between the front
@@ -26,6 +28,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from mmserve.cancel import check_cancelled
 from mmserve.config import EngineConfig
 from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions, PromptBuilder, PromptError
 from mmserve.model.families.base import FRAME_MODE
@@ -151,6 +154,8 @@ class InputProcessor:
             ImageError: for empty, corrupt, over-size or degenerate images, or
                 (``PixelBudgetError``) beyond the request's pixel budget.
             DecodeBusyError: the server-wide decoded-image budget stayed full.
+            Cancelled: the current :class:`~mmserve.cancel.CancelToken` was cancelled
+                (checked before decoding and after; the budget is released).
         """
         if known is not None:
             if pixels is not None:
@@ -192,6 +197,7 @@ class InputProcessor:
 
         def before(im) -> None:
             nonlocal held
+            check_cancelled()  # the client left: no decode
             if pixels is not None:
                 pixels.charge(im.width, im.height)
             n = decoded_bytes(im.width, im.height, im.mode)
@@ -200,6 +206,7 @@ class InputProcessor:
 
         try:
             im = decode_image(data, self.config.image_limits, self.shortest_edge, before)
+            check_cancelled()  # decoded; no hash or preprocessing for a client gone
             out = use(im)
             del im  # gone before the release, which may hand the heap back to the system
             return out
@@ -216,6 +223,7 @@ class InputProcessor:
         out: list[ImageInput] = []
         done: dict[bytes, ImageInput] = {}
         for it in items:
+            check_cancelled()  # between frames
             if it.key not in done:
                 assert it.image is not None  # frames come decoded (see above)
                 pixels = self._preprocess(it.image, mode)
@@ -274,6 +282,8 @@ class InputProcessor:
             PixelBudgetError, ImageError: past the request's pixel budget, or frames
                 larger than the whole server budget.
             DecodeBusyError: the server-wide budget stayed full.
+            Cancelled: the current :class:`~mmserve.cancel.CancelToken` was cancelled
+                (checked before decoding and between frames; the budget is released).
         """
         w, h = video.info.width, video.info.height
         indices = video.indices(selection, self.frame_cost(w, h, mode))
@@ -281,9 +291,11 @@ class InputProcessor:
             for _ in indices:
                 pixels.charge(w, h, "video frame")
         held = len(set(indices)) * decoded_bytes(w, h, "RGB")
+        check_cancelled()
         self.decode_budget.acquire(held)
         try:
             got = video.decode(indices)
+            check_cancelled()
             items: dict[int, ImageInput] = {}
             for i in dict.fromkeys(indices):
                 im = got.images.get(i)
@@ -318,6 +330,7 @@ class InputProcessor:
         for span in spans:
             item = span.image
             if item.key not in done:
+                check_cancelled()  # between images
                 done[item.key] = self._finish_item(item)
             out.append(dataclasses.replace(span, image=done[item.key]))
         return out
@@ -386,7 +399,10 @@ class InputProcessor:
                 structured-output spec that is refused or does not compile, or
                 (``max_tokens`` not given) ``min_tokens`` beyond the room the prompt
                 leaves.
+            Cancelled: the current :class:`~mmserve.cancel.CancelToken` was cancelled
+                (checked before and after templating and tokenizing, and between images).
         """
+        check_cancelled()
         params = params or SamplingParams()
         default = None if params.max_tokens else default_max_tokens  # None: given (or required)
         try:  # not given: checked as one token, min_tokens once the prompt's length is known
@@ -410,6 +426,7 @@ class InputProcessor:
             raise
         except (PromptError, ValueError) as e:
             raise RequestError(str(e), param="messages") from None
+        check_cancelled()  # templated and tokenized
         counts = [s.length for s in spans]
         limit = self.config.max_image_tokens_per_request
         if sum(counts) > limit:
@@ -429,6 +446,7 @@ class InputProcessor:
                 param="messages",
             )
         spans = self._finish_spans(spans)
+        check_cancelled()
         grammar = None
         if params.guided is not None:
             try:

@@ -29,7 +29,11 @@ from typing import Literal
 
 from PIL import Image
 
+from mmserve.cancel import check_cancelled
 from mmserve.vision.image import ImageError
+
+#: How often a decode waiting for room checks whether its client left (seconds).
+_CANCEL_POLL = 0.05
 
 
 class PixelBudgetError(ImageError):
@@ -121,6 +125,8 @@ class DecodeBudget:
         Raises:
             ImageError: ``nbytes`` alone exceeds the capacity (it could never decode).
             DecodeBusyError: no room within ``wait_seconds``.
+            Cancelled: the current :class:`~mmserve.cancel.CancelToken` was cancelled
+                while waiting (checked every 50 ms); nothing is held.
         """
         if nbytes > self.capacity:
             raise ImageError(
@@ -132,6 +138,7 @@ class DecodeBudget:
             if self.in_use + nbytes > self.capacity:
                 self.waits += 1
             while self.in_use + nbytes > self.capacity:
+                check_cancelled()  # a request whose client left stops waiting for room
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.refusals += 1
@@ -141,7 +148,7 @@ class DecodeBudget:
                         "--max-decoded-image-bytes); retry shortly",
                         retry_after=max(1, round(self.wait_seconds)),
                     )
-                self._cond.wait(left)
+                self._cond.wait(min(left, _CANCEL_POLL))
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from mmserve.cancel import Cancelled, check_cancelled
 from mmserve.vision.image import (
     ImageError,
     ImageLimits,
@@ -148,6 +149,7 @@ class _Pass:
                 ):
                     self._restart(start)
                     continue
+                check_cancelled()  # between packets: the requester may have left
                 packet = self._next()
                 if packet is None:
                     self._drain()
@@ -461,11 +463,13 @@ class Video:
         Raises:
             VideoError: a decoded frame over the size limits (a stream whose frame
                 size changes midway).
+            Cancelled: the current :class:`~mmserve.cancel.CancelToken` was cancelled
+                (checked between packets).
         """
         wanted = sorted(set(indices))
         try:
             arrays, failed = _Pass(self, wanted).run()
-        except VideoError:
+        except (VideoError, Cancelled):
             raise
         except Exception as e:  # PyAV failing on hostile data: frames lost
             log.warning("video decode failed on client data", exc_info=True)

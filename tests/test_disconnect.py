@@ -1,0 +1,421 @@
+"""A client that hangs up stops its work at once (issue 45, item 2).
+
+A real uvicorn on 127.0.0.1 (in this process, so the engine's counters can be read
+while it runs) gets requests with many large pictures (or many frames, or many
+questions) from a raw socket that closes 0.05 s or 0.5 s in (the pictures are still
+being fetched, decoded, hashed and preprocessed then) or once the prefill has started.
+After the hang-up: no vision-tower run and no generated token, a request still being
+prepared never reaches the engine, at most the picture in hand when the client left is
+finished, and the decoded-image bytes are back to their baseline within 1 s (and stay
+there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from urllib.parse import urlparse
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from api.app import ServerSettings, create_app
+from api.disconnect import SCOPE_KEY, DisconnectMiddleware
+from mmserve.cancel import Cancelled, CancelToken, using
+from mmserve.frontend.async_engine import AsyncEngine
+from mmserve.types import GenerateResult
+from mmserve.vision.budget import DecodeBudget
+from tests.helpers import MODEL, greedy, user
+from tests.live_server import uvicorn_thread
+from tests.videos import encode_mp4
+
+SIDE = 2400  # a picture takes ~0.2 s to decode, hash and preprocess on one core
+PICTURES = 8
+
+
+@pytest.fixture(scope="module")
+def served(make_engine) -> Iterator[tuple[str, object]]:
+    """``(base URL, app)`` of a uvicorn serving a fresh tiny engine whose prefill runs
+    in 64-token chunks (a prompt of eight pictures prefills over ~70 steps)."""
+    engine = make_engine(max_prefill_tokens=64)
+    app = create_app(engine, ServerSettings(served_model_name=MODEL))
+    with uvicorn_thread(app) as url:
+        yield url, app
+
+
+_BASE: list[np.ndarray] = []
+
+
+def picture(seed: int) -> bytes:
+    """A ``SIDE`` x ``SIDE`` PNG, distinct per ``seed`` (no cache holds its features),
+    that compresses well (~100 KB) but decodes to 17 MB."""
+    if not _BASE:
+        x = np.arange(SIDE, dtype=np.uint32)
+        base = np.empty((SIDE, SIDE, 3), np.uint8)
+        base[..., 0] = x[None, :] * 7 // 5 % 256
+        base[..., 1] = x[:, None] * 3 // 2 % 256
+        base[..., 2] = (x[None, :] + x[:, None]) // 3 % 256
+        _BASE.append(base)
+    a = _BASE[0].copy()
+    rng = np.random.default_rng(seed)
+    a[: SIDE // 8, : SIDE // 8] = rng.integers(0, 256, 3, dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def image_parts(seed: int) -> list[dict]:
+    """``PICTURES`` large pictures as data-URL content parts (distinct per ``seed``)."""
+    urls = [
+        "data:image/png;base64," + base64.b64encode(picture(seed * 100 + k)).decode()
+        for k in range(PICTURES)
+    ]
+    return [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+
+
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+def chat_body(seed: int, stream: bool = False) -> dict:
+    content = [*image_parts(seed), {"type": "text", "text": "Describe them all."}]
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **LONG} | (
+        {"stream": True} if stream else {}
+    )
+
+
+def responses_body(seed: int, stream: bool = False) -> dict:
+    parts = [{"type": "input_image", "image_url": p["image_url"]["url"]} for p in image_parts(seed)]
+    content = [*parts, {"type": "input_text", "text": "Describe them all."}]
+    return {
+        "model": MODEL,
+        "input": [{"role": "user", "content": content}],
+        "max_output_tokens": 400,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+class Counters:
+    """The engine and front-end figures a hang-up must leave alone, read in-process."""
+
+    def __init__(self, app) -> None:
+        self.st = app.state.mm
+
+    def snapshot(self) -> dict[str, int]:
+        eng = self.st.engine
+        return {
+            "tower": eng.runner.vision_tower_images,
+            "tokens": eng.stats.completion_tokens
+            + sum(len(r.output_ids) for r in eng.live_requests()),
+            "engine_requests": eng.stats.requests_finished + len(eng.live_requests()),
+            "prepared_images": len(self.st.media.transient),
+            "decoded_bytes": eng.processor.decode_budget.in_use,
+        }
+
+    def idle(self, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while self.st.engine.live_requests() or self.st.client.queued or self.st.client.online:
+            assert time.time() < deadline, "requests still live after the hang-up"
+            time.sleep(0.02)
+
+
+def send_then_hang_up(url: str, path: str, body: dict, when: Callable[[], bool]) -> float:
+    """POST ``body`` to ``path`` over a raw socket and close it once ``when()`` is true
+    (polled every 5 ms); returns the ``time.monotonic()`` of the hang-up."""
+    u = urlparse(url)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    s = socket.create_connection((u.hostname, u.port), timeout=10)
+    try:
+        s.sendall(head + data)
+        deadline = time.monotonic() + 30
+        while not when():
+            assert time.monotonic() < deadline, "the moment to hang up never came"
+            time.sleep(0.005)
+    finally:
+        s.close()
+    return time.monotonic()
+
+
+def after(seconds: float) -> Callable[[], bool]:
+    t0 = time.monotonic()
+    return lambda: time.monotonic() - t0 >= seconds
+
+
+def assert_released_within(counters: Counters, hung_up: float, baseline: int) -> float:
+    """The decoded-image bytes back to ``baseline`` within 1 s of ``hung_up`` and still
+    there 0.3 s later (no picture decoded after); returns how long it took (s)."""
+    while counters.snapshot()["decoded_bytes"] != baseline:
+        assert time.monotonic() - hung_up < 1.0, "decoded images still held 1 s after"
+        time.sleep(0.005)
+    took = time.monotonic() - hung_up
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        assert counters.snapshot()["decoded_bytes"] == baseline
+        time.sleep(0.005)
+    return took
+
+
+PREPARING = [  # (name, path, body builder): pictures prepared before the engine sees them
+    ("chat", "/v1/chat/completions", lambda seed: chat_body(seed)),
+    ("chat_stream", "/v1/chat/completions", lambda seed: chat_body(seed, stream=True)),
+    ("responses", "/v1/responses", lambda seed: responses_body(seed)),
+    ("responses_stream", "/v1/responses", lambda seed: responses_body(seed, stream=True)),
+]
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.5])
+@pytest.mark.parametrize(("kind", "path", "build"), PREPARING, ids=[c[0] for c in PREPARING])
+def test_hang_up_while_pictures_are_prepared_stops_the_work(
+    served, kind, path, build, delay
+) -> None:
+    url, app = served
+    counters = Counters(app)
+    seed = 1000 * PREPARING.index((kind, path, build)) + int(delay * 100)
+    body = build(seed)
+    before = counters.snapshot()
+    hung_up = send_then_hang_up(url, path, body, after(delay))
+    at_hang_up = counters.snapshot()
+    took = assert_released_within(counters, hung_up, before["decoded_bytes"])
+    counters.idle()
+    end = counters.snapshot()
+    # the preparation stopped: at most the picture in hand was finished after the hang-up
+    assert end["prepared_images"] - at_hang_up["prepared_images"] <= 1, (end, at_hang_up)
+    assert end["prepared_images"] - before["prepared_images"] < PICTURES
+    # the request never reached the engine: no tower run, no token
+    assert end["engine_requests"] == before["engine_requests"], (kind, before, end)
+    assert end["tower"] == before["tower"] and end["tokens"] == before["tokens"]
+    print(f"{kind} hung up at {delay} s: decoded images released {took:.3f} s after")
+    assert_server_fine(url)
+
+
+def test_hang_up_mid_prefill_aborts_before_the_next_step(served) -> None:
+    url, app = served
+    counters = Counters(app)
+    for k, stream in enumerate((False, True)):
+        before = counters.snapshot()
+        body = chat_body(5000 + k, stream=stream)
+
+        def prefilling(start: int = before["tower"]) -> bool:  # the first picture ran
+            return counters.snapshot()["tower"] > start
+
+        send_then_hang_up(url, "/v1/chat/completions", body, prefilling)
+        at_hang_up = counters.snapshot()
+        counters.idle()
+        end = counters.snapshot()
+        # a step already running when the client left may finish (one picture at most
+        # starts in a 64-token chunk); nothing after it: the other pictures never run
+        assert end["tower"] - at_hang_up["tower"] <= 1, (stream, at_hang_up, end)
+        assert end["tower"] - before["tower"] < PICTURES
+        assert end["tokens"] == before["tokens"], (stream, before, end)
+        assert end["decoded_bytes"] == before["decoded_bytes"]
+    assert_server_fine(url)
+
+
+def test_hang_up_during_ask_never_reaches_the_engine(served) -> None:
+    url, app = served
+    counters = Counters(app)
+    up = httpx.post(
+        f"{url}/v1/images", files={"file": ("big.png", picture(7777), "image/png")}, timeout=60
+    )
+    assert up.status_code == 200, up.text
+    image_id = up.json()["id"]
+    body = {"model": MODEL, "questions": [f"Question {i}?" for i in range(32)], **LONG}
+    before = counters.snapshot()
+    hung_up = send_then_hang_up(url, f"/v1/images/{image_id}/ask", body, after(0.05))
+    assert_released_within(counters, hung_up, before["decoded_bytes"])
+    counters.idle()
+    end = counters.snapshot()
+    assert end["engine_requests"] == before["engine_requests"], (before, end)
+    assert end["tower"] == before["tower"] and end["tokens"] == before["tokens"]
+    assert_server_fine(url)
+
+
+def test_hang_up_during_video_qa_never_reaches_the_engine(served) -> None:
+    url, app = served
+    counters = Counters(app)
+    rng = np.random.default_rng(3)
+    base = np.kron(rng.integers(0, 256, (90, 160, 3), dtype=np.uint8), np.ones((8, 8, 1), np.uint8))
+    frames = []
+    for i in range(48):
+        f = base.copy()
+        f[40:120, 20 * i : 20 * i + 80] = (255, 40 * (i % 6), 200)
+        frames.append(f)
+    up = httpx.post(
+        f"{url}/v1/videos", files={"file": ("v.mp4", encode_mp4(frames), "video/mp4")}, timeout=60
+    )
+    assert up.status_code == 200, up.text
+    vid = up.json()["id"]
+    body = {
+        "model": MODEL,
+        "questions": ["What moves?", "What colour?"],
+        "mode": "per_frame",
+        "num_frames": 48,
+        **LONG,
+    }
+    before = counters.snapshot()
+    hung_up = send_then_hang_up(url, f"/v1/videos/{vid}/qa", body, after(0.05))
+    assert_released_within(counters, hung_up, before["decoded_bytes"])
+    counters.idle()
+    end = counters.snapshot()
+    assert end["engine_requests"] == before["engine_requests"], (before, end)
+    assert end["tower"] == before["tower"] and end["tokens"] == before["tokens"]
+    assert_server_fine(url)
+
+
+def assert_server_fine(url: str) -> None:
+    """A later request is answered and the KV pool's accounting holds."""
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    stats = httpx.get(f"{url}/v1/cache/stats", timeout=30).json()
+    assert stats["live_requests"] == 0 and stats["accounting"]["ok"], stats
+
+
+# ---- the pieces, without sockets ---------------------------------------------------------
+def test_a_request_whose_client_left_on_the_way_is_never_scheduled(make_engine, photos) -> None:
+    """The token is cancelled after the route submitted but before the engine thread took
+    the request in: it is aborted there, before any step (no tower run, no token)."""
+    eng = make_engine()
+    image = eng.processor.prepare_image(photos["astronaut.png"], eng.processor.image_mode(1))
+    req = eng.processor.make_request(
+        messages=user(None, "Describe it."), images=[image], params=greedy(8)
+    )
+    aeng = AsyncEngine(eng)
+    token = CancelToken()
+
+    async def run() -> GenerateResult:
+        with using(token):
+            gen = asyncio.ensure_future(aeng.generate(req))
+            await asyncio.sleep(0)  # submitted: the add waits in the engine's inbox
+            token.cancel()
+            aeng.start()
+            return await asyncio.wait_for(gen, timeout=60)
+
+    try:
+        res = asyncio.run(run())
+    finally:
+        aeng.stop()
+    assert res.finish_reason == "abort" and res.completion_tokens == 0
+    assert eng.runner.vision_tower_images == 0
+    assert eng.stats.prefill_steps == 0 and eng.stats.decode_steps == 0
+    eng.scheduler.check_accounting()
+
+
+def test_preparation_stops_between_items_and_releases_the_budget(make_engine, photos) -> None:
+    """Decoding, preprocessing and request building raise ``Cancelled`` under a cancelled
+    token, holding nothing; without a token (batch lines) nothing changes."""
+    eng = make_engine()
+    proc = eng.processor
+    mode = proc.image_mode(1)
+    token = CancelToken()
+    token.cancel()
+    data = picture(4242)
+    with using(token):
+        with pytest.raises(Cancelled):
+            proc.prepare_image(data, mode, proc.request_pixels())
+        with pytest.raises(Cancelled):
+            proc.make_request(messages=user("Hi"), params=greedy(2))
+    assert proc.decode_budget.in_use == 0
+    assert proc.prepare_image(data, mode).pixels is not None  # no token: prepared
+    # a token cancelled while a picture decodes: that picture is dropped, not preprocessed
+    late = CancelToken()
+    decode = proc.decode_budget.acquire
+
+    def acquire_then_hang_up(n: int) -> None:
+        decode(n)
+        late.cancel()
+
+    proc.decode_budget.acquire = acquire_then_hang_up  # type: ignore[method-assign]
+    try:
+        with using(late), pytest.raises(Cancelled):
+            proc.prepare_image(picture(4243), mode)
+    finally:
+        del proc.decode_budget.acquire
+    assert proc.decode_budget.in_use == 0
+
+
+def test_the_watcher_leaves_the_body_to_the_route_and_sees_the_hang_up() -> None:
+    """The middleware passes every body message to the app untouched, then waits for the
+    disconnect on its own; the app's later ``receive`` (a stream listening) gets it too."""
+    seen: dict[str, object] = {}
+
+    async def app(scope, receive, send) -> None:
+        token = scope[SCOPE_KEY]
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        seen["body"] = body
+        seen["before"] = token.cancelled
+        await asyncio.wait_for(receive(), timeout=5)  # waits for the hang-up
+        seen["after"] = token.cancelled
+
+    async def run() -> None:
+        inbox: asyncio.Queue[dict] = asyncio.Queue()
+        for part, more in ((b"ab", True), (b"cd", False)):
+            inbox.put_nowait({"type": "http.request", "body": part, "more_body": more})
+        task = asyncio.ensure_future(DisconnectMiddleware(app)({"type": "http"}, inbox.get, None))
+        await asyncio.sleep(0.05)
+        assert seen == {"body": b"abcd", "before": False}
+        inbox.put_nowait({"type": "http.disconnect"})
+        await asyncio.wait_for(task, timeout=5)
+
+    asyncio.run(run())
+    assert seen["after"] is True
+
+
+def test_a_disconnect_after_the_whole_answer_is_no_hang_up() -> None:
+    """The server reports ``http.disconnect`` once the response is sent (uvicorn does):
+    work the route left running (a task inheriting the token) is not cancelled."""
+    tokens: list[CancelToken] = []
+
+    async def app(scope, receive, send) -> None:
+        await receive()
+        tokens.append(scope[SCOPE_KEY])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        await asyncio.sleep(0.05)  # the watcher sees the disconnect meanwhile
+
+    async def run() -> None:
+        inbox: asyncio.Queue[dict] = asyncio.Queue()
+        inbox.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+
+        async def send(msg: dict) -> None:
+            if msg["type"] == "http.response.body":
+                inbox.put_nowait({"type": "http.disconnect"})
+
+        await DisconnectMiddleware(app)({"type": "http"}, inbox.get, send)
+
+    asyncio.run(run())
+    assert tokens[0].cancelled is False
+
+
+def test_a_decode_waiting_for_room_stops_when_its_client_leaves() -> None:
+    """A decode waiting for room in a full decoded-image budget gives up within 50 ms of
+    the hang-up (not after the 5 s wait), holding nothing."""
+    budget = DecodeBudget(capacity=100, wait_seconds=5)
+    budget.acquire(100)  # another request's picture fills it
+    token = CancelToken()
+    threading.Timer(0.1, token.cancel).start()
+    t0 = time.monotonic()
+    with using(token), pytest.raises(Cancelled):
+        budget.acquire(50)
+    assert time.monotonic() - t0 < 1
+    assert budget.in_use == 100 and budget.refusals == 0
