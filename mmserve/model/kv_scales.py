@@ -73,9 +73,7 @@ class KVScales:
 
 
 def _range(k: list[float], v: list[float]) -> str:
-    return (
-        f"k_scale min {min(k):.6g} max {max(k):.6g}, v_scale min {min(v):.6g} max {max(v):.6g}"
-    )
+    return f"k_scale min {min(k):.6g} max {max(k):.6g}, v_scale min {min(v):.6g} max {max(v):.6g}"
 
 
 def read_kv_scales(
@@ -120,7 +118,13 @@ def find_kv_scales(model_dir: str | Path, num_layers: int) -> KVScales | None:
                     continue
                 layer = int(m.group(1))
                 name = m.group(2) or m.group(3) or m.group(4)
-                namings.add("proj" if m.group(2) is None else "kv_scale" if name == "kv_scale" else "k_scale")
+                namings.add(
+                    "proj"
+                    if m.group(2) is None
+                    else "kv_scale"
+                    if name == "kv_scale"
+                    else "k_scale"
+                )
                 t = f.get_tensor(key)
                 value = float(t.float().reshape(-1)[0]) if t.numel() == 1 else math.nan
                 if t.numel() != 1 or not 0 < value < math.inf:
@@ -180,7 +184,9 @@ class KVScalePlan:
 
 
 #: The names looked for, in words (for "none found").
-_LOOKED_FOR = "layers.N.self_attn.k_scale/v_scale, self_attn.kv_scale, k_proj.k_scale/v_proj.v_scale"
+_LOOKED_FOR = (
+    "layers.N.self_attn.k_scale/v_scale, self_attn.kv_scale, k_proj.k_scale/v_proj.v_scale"
+)
 
 
 def kv_scale_plan(
