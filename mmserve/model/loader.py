@@ -370,7 +370,7 @@ def _quantize_decoder(
 
 #: Bytes of fp32 rows quantized at once while loading (a slice of one matrix: the peak
 #: while quantizing is the quantized model plus about this, never a whole fp32 matrix).
-QUANTIZE_CHUNK_BYTES = 16 << 20
+QUANTIZE_CHUNK_BYTES = 4 << 20
 
 
 def _read_quantized(
@@ -379,8 +379,9 @@ def _read_quantized(
     """The 8-bit weight ``[sum of rows, in]`` and fp32 scales ``[rows]`` of the source
     matrices ``keys`` fused by rows, written into tensors allocated once: read as stored
     when ``scale_keys`` (one per key) are given, else quantized here
-    (:func:`~mmserve.model.quant.quantize_per_channel`) slice by slice of
-    :data:`QUANTIZE_CHUNK_BYTES`, read from the file a slice at a time.
+    (:func:`~mmserve.model.quant.quantize_rows_into`, the values of
+    :func:`~mmserve.model.quant.quantize_per_channel`) slice by slice of
+    :data:`QUANTIZE_CHUNK_BYTES` of fp32, read from the file a slice at a time.
 
     Raises:
         CheckpointError: for a stored weight not in the method's dtype, or sources whose
@@ -407,10 +408,9 @@ def _read_quantized(
             step = max(1, QUANTIZE_CHUNK_BYTES // (4 * max(1, q[0].numel())))
             for start in range(0, s[0], step):
                 w = to.weights.rows(k, start, start + step).to(to.device)
-                q_part, sc_part = quant.quantize_per_channel(w, method)
-                q[at + start : at + start + len(w)] = q_part
-                sc[at + start : at + start + len(w)] = sc_part
-                del w, q_part, sc_part
+                rows = slice(at + start, at + start + len(w))
+                quant.quantize_rows_into(w, method, q[rows], sc[rows])
+                del w
         at += s[0]
     return q, sc
 

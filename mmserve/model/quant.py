@@ -104,6 +104,25 @@ def quantize_per_channel(w: torch.Tensor, method: str) -> tuple[torch.Tensor, to
     return quantize_with_scale(w, scale, method), scale
 
 
+def quantize_rows_into(
+    w: torch.Tensor, method: str, q_out: torch.Tensor, scale_out: torch.Tensor
+) -> None:
+    """:func:`quantize_per_channel` of ``w`` ``[rows, in]`` written into ``q_out``
+    ``[rows, in]`` (:data:`STORAGE` ``[method]``) and ``scale_out`` ``[rows]`` (fp32), the
+    same values, with one fp32 temporary of ``w``'s size (none when ``w`` is fp32 already
+    and may be overwritten: it is divided in place). For loading a matrix a slice at a
+    time without whole-matrix fp32 temporaries."""
+    dtype = STORAGE[method]
+    w = w.float()
+    amax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg())  # max |w| without |w|'s copy
+    scale = torch.where(amax > 0, amax / QMAX[dtype], torch.ones_like(amax))
+    w.div_(scale[:, None])
+    if dtype == torch.int8:
+        w.round_().clamp_(-127, 127)
+    q_out.copy_(w)
+    scale_out.copy_(scale)
+
+
 def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, method: str) -> torch.Tensor:
     """``w`` ``[out, k]`` quantized with given per-row ``scale`` ``[out]`` (as
     :func:`quantize_per_channel` rounds): a column slice of a matrix whose scales come
