@@ -408,8 +408,8 @@ def _read_quantized(
             step = max(1, QUANTIZE_CHUNK_BYTES // (4 * max(1, q[0].numel())))
             for start in range(0, s[0], step):
                 w = to.weights.rows(k, start, start + step).to(to.device)
-                rows = slice(at + start, at + start + len(w))
-                quant.quantize_rows_into(w, method, q[rows], sc[rows])
+                here = slice(at + start, at + start + len(w))
+                quant.quantize_rows_into(w, method, q[here], sc[here])
                 del w
         at += s[0]
     return q, sc
