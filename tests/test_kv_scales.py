@@ -19,6 +19,7 @@ from mmserve.frontend.frontend import Engine
 from mmserve.model import quant
 from mmserve.model.kv_scales import NAMINGS, find_kv_scales, kv_scale_plan
 from mmserve.model.loader import load_model
+from mmserve.model.weights import CheckpointError
 from mmserve.testing.checkpoints import make_checkpoint
 from tests.helpers import greedy, user
 
@@ -297,3 +298,18 @@ def test_kv_only_groups_that_quantize_nothing_are_refused() -> None:
         quant.checkpoint_method(qc)
     assert quant.checkpoint_method(KV_ONLY) == "none"
     assert quant.checkpoint_method(KV_ONLY | {"format": None}) == "none"
+
+
+def test_unreadable_scales_do_not_stop_a_model_served_without_fp8(
+    model_dir, loaded, tmp_path, caplog
+) -> None:
+    pre = _decoder_prefix(model_dir)
+    per_head = {f"{pre}layers.{i}.self_attn.k_scale": torch.ones(4) for i in range(2)}
+    ckpt = _with(model_dir, tmp_path / "heads", per_head)
+    with caplog.at_level(logging.INFO, logger=ENGINE_LOG):
+        eng = Engine(EngineConfig(model_path=str(ckpt)), model=loaded)
+    assert eng.pool.dtype != FP8
+    assert "not used (K/V in the model's dtype), and unreadable: " in _engine_log(caplog)
+    assert "per-head KV scales are not supported" in _engine_log(caplog)
+    with pytest.raises(CheckpointError, match="per-head KV scales are not supported"):
+        Engine(EngineConfig(model_path=str(ckpt), kv_cache_dtype="fp8"), model=loaded)

@@ -210,10 +210,17 @@ def kv_scale_plan(
             without float8), or None.
 
     Raises:
-        CheckpointError: as :func:`find_kv_scales`.
+        CheckpointError: as :func:`find_kv_scales`, when the pool would use the scales
+            (fp8 asked for, or a ``kv_cache_scheme``).
     """
     asked = kv_cache_dtype in ("fp8_e4m3", "fp8")
-    found = find_kv_scales(model_dir, num_layers) if model_dir is not None else None
+    try:
+        found = find_kv_scales(model_dir, num_layers) if model_dir is not None else None
+    except CheckpointError as e:
+        if asked or scheme is not None:
+            raise
+        # scales this pool would not use: reported, never a reason to refuse the model
+        return KVScalePlan(False, None, f"not used (K/V in the model's dtype), and unreadable: {e}")
     if not asked and scheme is not None and fp8_unavailable is None:
         fp8, why = True, "--kv-cache-dtype auto: the checkpoint's kv_cache_scheme is fp8"
     else:
