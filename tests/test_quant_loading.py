@@ -134,3 +134,18 @@ def test_int8_load_peaks_at_most_where_bf16_does(model_dir, tmp_path: Path) -> N
     head_bf16 = 131072 * 128 * 2
     assert bf16["delta"] > 2 * head_bf16  # the measure sees the model (embedding + head)
     assert int8["delta"] <= bf16["delta"] * 1.05, (int8, bf16)
+
+
+def test_quantize_rows_into_equals_quantize_per_channel() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 48, generator=gen) * torch.logspace(-3, 2, 37)[:, None]
+    w[5] = 0.0  # an all-zero row: scale 1
+    for method in ("int8", "fp8"):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = w.to(dtype)
+            want_q, want_s = quant.quantize_per_channel(x, method)
+            q = torch.empty_like(want_q)
+            s = torch.empty(37)
+            quant.quantize_rows_into(x.clone(), method, q, s)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (method, dtype)
+            assert torch.equal(s, want_s), (method, dtype)
