@@ -17,7 +17,7 @@ from mmserve.cache import kv_pool
 from mmserve.config import EngineConfig
 from mmserve.frontend.frontend import Engine
 from mmserve.model import quant
-from mmserve.model.kv_scales import NAMINGS, find_kv_scales, kv_scale_plan
+from mmserve.model.kv_scales import NAMINGS, KVScales, find_kv_scales, kv_scale_plan
 from mmserve.model.loader import load_model
 from mmserve.model.weights import CheckpointError
 from mmserve.testing.checkpoints import make_checkpoint
@@ -213,6 +213,7 @@ def test_each_documented_naming_is_found_and_used(
     _assert_used(eng, monkeypatch, k, v)
     text = _engine_log(caplog)
     assert NAMINGS[naming] in text
+    assert f"{NAMINGS[naming]}): {', '.join(found.keys)}; range" in text  # every name
     for key in tensors:
         pattern = key.replace("layers.0.", "layers.N.").replace("layers.1.", "layers.N.")
         assert f"2 x {pattern}" in text
@@ -231,6 +232,20 @@ def test_scales_in_the_transformers5_layout_are_found(model_dir, tmp_path: Path)
     found = find_kv_scales(_with(model_dir, tmp_path / "t5", tensors), n)
     assert found is not None and (found.k, found.v) == ([2.0, 2.0], [3.0, 3.0])
     assert "vision" not in " ".join(found.keys)
+    # many layers: the patterns, then the first and last layer's names
+    many = KVScales(
+        [1.0] * 24,
+        [2.0] * 24,
+        [f"m.layers.{i}.self_attn.{w}_scale" for i in range(24) for w in "kv"],
+        ["k_scale"],
+    )
+    assert many.describe().startswith(
+        "read from the checkpoint: 24 x m.layers.N.self_attn.k_scale, 24 x "
+        "m.layers.N.self_attn.v_scale (self_attn.k_scale / self_attn.v_scale (compressed-tensors "
+        "kv_cache_scheme, vLLM)): m.layers.0.self_attn.k_scale, m.layers.0.self_attn.v_scale, "
+        "..., m.layers.23.self_attn.k_scale, m.layers.23.self_attn.v_scale; range k_scale min 1 "
+        "max 1, v_scale min 2 max 2"
+    )
 
 
 # ---- the log when scales are not what they seem -------------------------------------------

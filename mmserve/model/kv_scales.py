@@ -64,12 +64,26 @@ class KVScales:
             counts[p] = counts.get(p, 0) + 1
         return [f"{n} x {p}" for p, n in sorted(counts.items())]
 
+    def names(self) -> str:
+        """The tensor names read: all of them up to :data:`LISTED_NAMES`, else the first
+        and last layer's, around an ellipsis."""
+        if len(self.keys) <= LISTED_NAMES:
+            return ", ".join(self.keys)
+        per_layer = len(self.keys) // max(1, len(self.k))
+        return f"{', '.join(self.keys[:per_layer])}, ..., {', '.join(self.keys[-per_layer:])}"
+
     def describe(self) -> str:
-        """Where the scales came from and their range, in words (for the log)."""
+        """Where the scales came from (patterns with counts, the names, the naming they
+        follow) and their range, in words (for the log)."""
         return (
             f"read from the checkpoint: {', '.join(self.patterns())} "
-            f"({'; '.join(NAMINGS[n] for n in self.namings)}); range {_range(self.k, self.v)}"
+            f"({'; '.join(NAMINGS[n] for n in self.namings)}): {self.names()}; "
+            f"range {_range(self.k, self.v)}"
         )
+
+
+#: Tensor names listed one by one in the log, at most (beyond: the first and last layer's).
+LISTED_NAMES = 8
 
 
 def _range(k: list[float], v: list[float]) -> str:
