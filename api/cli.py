@@ -399,9 +399,10 @@ def port_problem(host: str, port: int) -> str | None:
 
 def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettings) -> list[str]:
     """The lines ``mmserve serve`` logs once the engine is built: the model (family,
-    parameters, dtype and why), the KV pool (pages, tokens, bytes, where the size came
-    from), the attention backend and decode mode, the KV tiers, the URL, and a note when
-    the chat template renders media after text
+    parameters, dtype and why), its weights (quantization, bytes, the LM head), the KV
+    pool (pages, tokens, bytes, where the size came from), the KV scales (where from and
+    their range), the attention backend and decode mode, the KV tiers, the URL, and a
+    note when the chat template renders media after text
     (:meth:`~mmserve.frontend.prompt.PromptBuilder.renders_media_after_text`)."""
     from pathlib import Path
 
@@ -414,7 +415,7 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
     lines = [
         f"model {name}: {d['family']} family, {d['parameters'] / 1e6:,.1f} M parameters "
         f"(decoder + vision), dtype {d['dtype']} ({why}), on {cfg.device}{tp}; "
-        f"from {cfg.model_path}"
+        f"from {cfg.model_path}; weights: {d['weights']}"
     ]
     sized = (
         f" ({d['bytes_per_token']:,} bytes per token), sized by {d['pool_sized_by']}"
@@ -425,6 +426,7 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
         f"KV pool: {d['pool_pages']:,} pages x {d['page_size']} tokens = "
         f"{d['pool_tokens']:,} tokens, {d['pool_bytes'] / 2**20:,.1f} MiB of {d['kv_dtype']}"
         + sized
+        + f"; KV scales: {d['kv_scales']}"
     )
     lines.append(f"attention backend: {d['attention_backend']}; decode: {d['decode']}")
     tiers = []

@@ -33,8 +33,17 @@ class _RegistryChoices(Sequence[str]):
 
 
 def _make_model(args: argparse.Namespace) -> int:
+    import logging
+
     from mmserve.testing.checkpoints import make_checkpoint
 
+    # the weight writer's progress (bytes, percent, rate per file) on stderr
+    progress = logging.getLogger("mmserve.testing.weights")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("make-model: %(message)s"))
+    progress.addHandler(handler)
+    level = progress.level
+    progress.setLevel(logging.INFO)
     try:
         path = make_checkpoint(
             args.dir,
@@ -47,6 +56,9 @@ def _make_model(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"make-model: {e}", file=sys.stderr)
         return 2
+    finally:
+        progress.removeHandler(handler)
+        progress.setLevel(level)
     print(path)
     return 0
 

@@ -55,10 +55,12 @@ class EngineConfig:
         attention_backend: "auto" (FlashInfer where it can run, else torch),
             "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
         kv_cache_dtype: K/V pool storage (:data:`KV_CACHE_DTYPES`): "auto" (the model's
-            dtype) or "fp8_e4m3" (alias "fp8"): float8 e4m3 pages, one byte per element,
-            so the same ``kv_cache_memory`` holds twice the tokens of bf16; written with
-            per-layer K and V scales (the checkpoint's ``k_scale``/``v_scale``, else 1.0)
-            and read by FlashInfer or upcast by the torch backend.
+            dtype, or fp8 when the checkpoint's compressed-tensors ``kv_cache_scheme``
+            asks for it) or "fp8_e4m3" (alias "fp8"): float8 e4m3 pages, one byte per
+            element, so the same ``kv_cache_memory`` holds twice the tokens of bf16;
+            written with per-layer K and V scales (the checkpoint's ``k_scale``/``v_scale``,
+            else 1.0; the start-up log says which, and their range) and read by
+            FlashInfer or upcast by the torch backend.
         page_size: tokens per KV page.
         max_total_tokens: KV pool capacity in tokens (rounded down to whole pages); an
             explicit value overrides the memory-based sizing. None: sized from

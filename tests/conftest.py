@@ -189,6 +189,9 @@ SLOW_TESTS: dict[str, str] = {
     "test_disconnect::test_hang_up_mid_prefill_aborts_before_the_next_step": (
         "two requests prefilled in 64-token chunks until the hang-up (~10 s)"
     ),
+    "test_quant_loading::test_int8_load_peaks_at_most_where_bf16_does": (
+        "two fresh interpreters each load a 135 MB checkpoint (~30 s on two cores)"
+    ),
     # benchmarks and installs
     "test_benchmarks::test_tracing_benchmark_tiny": "server subprocesses with and without tracing",
     "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",

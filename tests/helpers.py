@@ -60,6 +60,32 @@ def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[s
     )
 
 
+def load_peak_rss(model_dir: Path, quantization: str, dtype: str = "bfloat16") -> dict:
+    """Memory of ``load_model(model_dir, dtype, quantization)`` in a fresh interpreter
+    (Linux): ``before`` (resident bytes once the config and processor are read), ``peak``
+    (the peak resident bytes while loading: ``VmHWM``, reset through ``clear_refs`` just
+    before, since ``ru_maxrss`` survives ``exec`` and would report the parent's) and
+    ``delta`` (peak - before: what loading the weights took at its worst)."""
+    code = f"""
+import json
+from pathlib import Path
+import torch
+from mmserve.model.loader import load_model, read_front_end
+def status(key):
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key))
+    return int(line.split()[1]) * 1024
+read_front_end(Path({str(model_dir)!r}))
+Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
+before = status("VmRSS:")
+m = load_model({str(model_dir)!r}, dtype=torch.{dtype}, quantization={quantization!r})
+peak = status("VmHWM:")
+print(json.dumps({{"before": before, "peak": peak, "delta": peak - before}}))
+"""
+    proc = run_python(code, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def png_bytes(im: Image.Image, fmt: str = "PNG") -> bytes:
     """Encode a PIL image (PNG unless ``fmt`` names another Pillow format)."""
     buf = io.BytesIO()

@@ -4,7 +4,11 @@ test checkpoint descriptions it writes (``ModelFamily.test_config``)."""
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import re
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -325,3 +329,67 @@ def test_make_model_choices_come_from_the_registry_when_used() -> None:
     assert "invalid choice: 'gpt' (choose from 'llava', 'llava-next', 'llava-onevision')" in (
         done.stderr
     )
+
+
+# ---- make-model's files: modes and progress ---------------------------------------------
+@pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_make_model_files_get_the_umask_mode_and_progress_is_printed(
+    tmp_path: Path, capsys, mask: int, mode: int
+) -> None:
+    """Every file make-model writes has the mode ``open()`` gives under the umask (the
+    safetensors weights were 0600 while the rest was 0644), and stderr shows the writing."""
+    from mmserve.cli import main
+
+    old = os.umask(mask)
+    try:
+        assert main(["make-model", str(tmp_path / "plain")]) == 0
+        assert main(["make-model", str(tmp_path / "q"), "--quantization", "int8"]) == 0
+    finally:
+        os.umask(old)
+    err = capsys.readouterr().err
+    for d in (tmp_path / "plain", tmp_path / "q"):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {mode}, modes
+        assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temporaries left
+    size = (tmp_path / "plain" / "model.safetensors").stat().st_size
+    assert f"make-model: wrote model.safetensors ({size:,} bytes)" in err
+    qsize = (tmp_path / "q" / "model.safetensors").stat().st_size
+    assert f"make-model: wrote model.safetensors ({qsize:,} bytes)" in err
+    assert re.search(
+        r"make-model: writing model\.safetensors: [\d,]+ of [\d,]+ bytes \(100%\)", err
+    )
+
+
+def test_streamed_writes_log_progress_per_shard(tiny_dir: Path, tmp_path: Path, caplog) -> None:
+    """The real-shape writer logs bytes and percent through each shard, at least every
+    tenth of it, and the file's size when done; the files read back as written."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    with caplog.at_level(logging.INFO, logger="mmserve.testing.weights"):
+        mc.write_weights_streamed(
+            tmp_path, LlavaForConditionalGeneration, config, 0, False, torch.float32, 1_500_000
+        )
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) >= 2
+    text = [r.getMessage() for r in caplog.records]
+    counts = []
+    for shard in shards:
+        pct = [
+            int(m.group(1))
+            for line in text
+            if (m := re.match(rf"writing {shard.name}: [\d,]+ of [\d,]+ bytes \((\d+)%\)", line))
+        ]
+        assert pct[-1] == 100 and pct == sorted(pct), (shard.name, pct)
+        counts.append(len(pct))
+        assert f"wrote {shard.name} ({shard.stat().st_size:,} bytes)" in text
+        assert stat.S_IMODE(shard.stat().st_mode) == 0o666 & ~_umask()
+        assert load_file(shard)  # safetensors reads it
+    assert max(counts) >= 5  # a shard of many tensors: a line every tenth or so
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

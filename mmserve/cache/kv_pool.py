@@ -18,7 +18,8 @@ outlier finite, since e4m3fn has no infinity and an overflowing cast gives NaN);
 readers dequantize (``fp8 * scale``): FlashInfer in its kernels (``k_scale`` and
 ``v_scale`` of ``run``), the torch backend by folding ``k_scale`` into the softmax
 scale and ``v_scale`` into the output. Scales are 1.0 unless the checkpoint has them
-(:func:`mmserve.model.loader.read_kv_scales`).
+(:func:`mmserve.model.kv_scales.kv_scale_plan`, which also makes ``--kv-cache-dtype auto``
+fp8 for a checkpoint whose ``kv_cache_scheme`` asks for it).
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class KVPool:
         shape: LlamaShape,
         dtype: torch.dtype,
         scales: tuple[list[float], list[float]] | None = None,
+        fp8: bool | None = None,
     ) -> KVPool:
         """The pool of an engine: sized by :func:`plan_pool` for the decoder ``shape``
         (a :class:`~mmserve.model.llama.LlamaShape`) in :func:`kv_storage_dtype` of
@@ -140,13 +142,15 @@ class KVPool:
         Args:
             scales: the checkpoint's per-layer ``(k_scales, v_scales)`` for fp8 KV (None:
                 1.0).
+            fp8: whether the pool is fp8 (None: as ``config.kv_cache_dtype`` says; the
+                engine passes :class:`~mmserve.model.kv_scales.KVScalePlan`'s choice).
 
         Raises:
             ValueError: as :func:`plan_pool` and :func:`kv_storage_dtype`.
         """
         from mmserve.config import auto_dtype
 
-        kv_dtype = kv_storage_dtype(config, dtype)
+        kv_dtype = kv_storage_dtype(config, dtype, fp8)
         bpt = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
         plan = plan_pool(config, bpt, shape.max_position_embeddings)
         why = f"auto: {auto_dtype(config.device)[1]}" if config.dtype == "auto" else "--dtype"
@@ -375,15 +379,27 @@ def plan_pool(
     return PoolPlan(tokens=tokens, bytes_per_token=bytes_per_token, reason=reason)
 
 
-def kv_storage_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's dtype: float8 e4m3fn for ``--kv-cache-dtype fp8_e4m3``, else
-    ``model_dtype``.
+def fp8_kv_unavailable(config: EngineConfig) -> str | None:
+    """Why ``config`` cannot have an fp8 KV pool (tensor parallelism, a torch without
+    float8), in words; None when it can."""
+    if config.tp > 1:
+        return "fp8 KV is not supported with --tp > 1 yet"
+    if FP8_KV_DTYPE is None:
+        return f"torch {torch.__version__} lacks float8_e4m3fn"
+    return None
+
+
+def kv_storage_dtype(
+    config: EngineConfig, model_dtype: torch.dtype, fp8: bool | None = None
+) -> torch.dtype:
+    """The KV pool's dtype: float8 e4m3fn for ``--kv-cache-dtype fp8_e4m3`` (or ``fp8``
+    True: ``auto`` on a checkpoint whose ``kv_cache_scheme`` is fp8), else ``model_dtype``.
 
     Raises:
         ValueError: fp8 asked for on a torch without ``float8_e4m3fn`` (names the flag
             and ``auto``).
     """
-    if not config.kv_fp8():
+    if not (config.kv_fp8() if fp8 is None else fp8):
         return model_dtype
     if FP8_KV_DTYPE is None:
         raise ValueError(

@@ -51,7 +51,14 @@ from mmserve.distributed.worker import (
 from mmserve.kernels.backend import AttentionBackend
 from mmserve.kernels.metadata import AttentionMetadata
 from mmserve.model.llama import LlamaShape
-from mmserve.model.loader import LoadedModel, assemble, load_vision, read_front_end, text_shape
+from mmserve.model.loader import (
+    LoadedModel,
+    assemble,
+    load_vision,
+    quantization_source,
+    read_front_end,
+    text_shape,
+)
 from mmserve.model.quant import check_quantization, checkpoint_method, resolve_method
 
 log = logging.getLogger(__name__)
@@ -378,4 +385,5 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
         raise
     loaded = assemble(model_dir, hf_config, processor, family, decoder, vision)
     loaded.quantization = method
+    loaded.quantization_source = quantization_source(config.quantization, stored)
     return loaded

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from mmserve.cache.kv_pool import KVPool, kv_dtype_name
+from mmserve.cache.kv_pool import KVPool, fp8_kv_unavailable, kv_dtype_name
 from mmserve.cache.no_prefix_cache import PrefixCache
 from mmserve.config import EngineConfig
 from mmserve.engine.cuda_graph import graph_mode
@@ -43,10 +43,15 @@ from mmserve.engine.step import (
     schedule_step,
     token_delta,
 )
-from mmserve.model.kv_scales import read_kv_scales
+from mmserve.model.kv_scales import kv_scale_plan
 from mmserve.model.llama import token_embedding
 from mmserve.model.loader import LoadedModel, load_model
-from mmserve.model.quant import check_quantization
+from mmserve.model.quant import (
+    check_quantization,
+    kv_cache_scheme,
+    weight_bytes,
+    weights_summary,
+)
 from mmserve.structured.compile import GrammarCache, new_state
 from mmserve.structured.decode import GuidedDecoding
 from mmserve.types import EngineRequest, TokenDelta, TokenLogprob
@@ -96,11 +101,22 @@ class EngineCore:
         self.model = model
         shape = model.decoder.shape
         self.max_context = shape.max_position_embeddings
-        scales = None  # fp8 KV: the checkpoint's per-layer scales, if it has them
-        if config.kv_fp8() and config.model_path is not None:
-            scales = read_kv_scales(config.model_path, shape.num_layers)
+        #: fp8 KV or not, and the checkpoint's per-layer scales (where from, said in words)
+        self.kv_scales = kv_scale_plan(
+            config.kv_cache_dtype,
+            config.model_path,
+            shape.num_layers,
+            kv_cache_scheme(getattr(model.config, "quantization_config", None)),
+            fp8_unavailable=fp8_kv_unavailable(config),
+        )
+        log.log(self.kv_scales.level, "KV scales: %s", self.kv_scales.source)
         dtype = token_embedding(model.decoder).weight.dtype
-        self.pool = KVPool.for_model(config, shape, dtype, scales)
+        self.pool = KVPool.for_model(
+            config, shape, dtype, self.kv_scales.scales, fp8=self.kv_scales.fp8
+        )
+        #: the weights in words (quantization, bytes, the LM head), for the start-up summary
+        self.weights_summary = weights_summary(model)
+        log.info("weights: %s", self.weights_summary)
         self.embedding_cache = EmbeddingCache(config.vision_cache_bytes)
         # host/disk KV tiers behind the tree (None when off): see mmserve.cache.kv_tiers;
         # image features read from the disk tier go into the embedding cache
@@ -157,6 +173,9 @@ class EngineCore:
             model's) and ``kv_dtype`` (torch dtype names); ``pool_pages``, ``page_size``,
             ``pool_tokens``, ``pool_bytes`` (K and V buffers, bytes); ``bytes_per_token``
             and ``pool_sized_by`` (None for a pool not sized by ``for_model``);
+            ``kv_scales`` (where the fp8 KV scales come from and their range, in words);
+            ``quantization`` (the decoder weights' method), ``weight_bytes`` (parameters
+            and buffers, bytes) and ``weights`` (both and the LM head, in words);
             ``attention_backend``; ``decode`` (CUDA graphs or eager, and why).
         """
         model, pool = self.model, self.pool
@@ -175,6 +194,10 @@ class EngineCore:
             ),
             "bytes_per_token": plan.bytes_per_token if plan else None,
             "pool_sized_by": plan.reason if plan else None,
+            "kv_scales": self.kv_scales.source,
+            "quantization": model.quantization,
+            "weight_bytes": weight_bytes(model),
+            "weights": self.weights_summary,
             "attention_backend": self.runner.backend.name,
             "decode": self.decode_mode,
         }

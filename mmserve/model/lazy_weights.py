@@ -56,6 +56,37 @@ class LazyWeights:
         """Whether some shard holds tensor ``key``."""
         return key in self._where
 
+    def shape(self, key: str) -> list[int]:
+        """Tensor ``key``'s shape, from the header (nothing read)."""
+        return list(self._where[key][2]["shape"])
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``key`` (first dimension), as stored, on the CPU:
+        only those bytes are read, so a large matrix can be processed a slice at a time.
+
+        Raises:
+            CheckpointError: for an unknown dtype or a truncated file.
+        """
+        path, base, info = self._where[key]
+        stored = _ST_DTYPES.get(info.get("dtype", ""))
+        if stored is None:
+            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
+        shape = list(info["shape"])
+        stop = min(stop, shape[0])
+        t = torch.empty([max(stop - start, 0), *shape[1:]], dtype=stored)
+        row_bytes = t[:1].numel() * t.element_size() if len(t) else 0
+        first, end = info["data_offsets"]
+        if end - first != shape[0] * row_bytes and len(t):
+            raise CheckpointError(f"{path}: tensor {key} has {end - first} bytes for {shape}")
+        if not len(t):
+            return t
+        view = t.view(-1).view(torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(base + first + start * row_bytes)
+            if f.readinto(view.numpy().data) != view.numel():
+                raise CheckpointError(f"{path}: truncated at tensor {key}")
+        return t
+
     def get(self, key: str, dtype: torch.dtype | None, device: str) -> torch.Tensor:
         """Tensor ``key``, floating point ones cast to ``dtype`` (None, and always for
         8-bit floats: as stored), on ``device``.

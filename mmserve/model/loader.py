@@ -75,6 +75,9 @@ class LoadedModel:
         eos_token_ids: ids that end generation.
         never_sample_ids: ids masked out of sampling (image placeholder, padding).
         family: the model family.
+        quantization: the decoder weights' method ("none", "int8", "fp8").
+        quantization_source: where it came from, in words ("--quantization int8,
+            quantized at load" or "the checkpoint's compressed-tensors weights").
     """
 
     config: PretrainedConfig
@@ -88,6 +91,7 @@ class LoadedModel:
     family: ModelFamily
     video_token_id: int | None = None
     quantization: str = "none"
+    quantization_source: str = ""
 
     def image_tokens(self, width: int, height: int, mode: str = IMAGE_MODE) -> int:
         """Pseudo-tokens an image of ``width`` x ``height`` pixels becomes in ``mode``
@@ -332,7 +336,8 @@ def _quantize_decoder(
     8-bit and ``<module>.weight_scale`` ``[out, 1]`` or ``[1]``): a module is quantized when
     all its sources have scales (the LM head and anything ``ignore`` lists do not), its
     weights and scales read as stored and fused by rows. Otherwise the weights are read in
-    fp32 and quantized here (the LM head too: quality measured in benchmarks/README.md).
+    quantized here a slice at a time (:func:`_read_quantized`; the LM head too: quality
+    measured in benchmarks/README.md), so loading never holds a whole matrix in fp32.
 
     Raises:
         CheckpointError: for a fused module whose sources are quantized only in part.
@@ -342,8 +347,8 @@ def _quantize_decoder(
         linear = cast(torch.nn.Linear, decoder.get_submodule(name))
         sources = fused_sources(f"{name}.weight")
         keys = [dec_w[s] for s in sources]
+        scale_keys = [quant.scale_key(k) for k in keys] if stored else []
         if stored:
-            scale_keys = [quant.scale_key(k) for k in keys]
             have = [to.weights.has(k) for k in scale_keys]
             if not any(have) and name == "lm_head" and shape.tie_word_embeddings:
                 linear.weight = decoder.embed_tokens.weight  # tied, as unquantized
@@ -358,24 +363,56 @@ def _quantize_decoder(
                 raise CheckpointError(
                     f"decoder: {name} fuses {', '.join(keys)}, quantized only in part"
                 )
-            qs, scales = [], []
-            for k, sk in zip(keys, scale_keys, strict=True):
-                q = to.weights.get(k, None, to.device)
-                if q.dtype != quant.STORAGE[method]:
-                    raise CheckpointError(
-                        f"decoder: {k} is {q.dtype}, expected {quant.STORAGE[method]} ({method})"
-                    )
-                qs.append(q)
-                scales.append(
-                    quant.row_scales(to.weights.get(sk, torch.float32, to.device), len(q))
-                )
-            q, sc = torch.cat(qs), torch.cat(scales)
-        else:
-            w = torch.cat([to.weights.get(k, torch.float32, to.device) for k in keys])
-            q, sc = quant.quantize_per_channel(w, method)
-            del w
+        q, sc = _read_quantized(keys, scale_keys, method, to)
         bias = None if linear.bias is None else linear.bias.detach()
         quant.replace_module(decoder, name, quant.QuantizedLinear(q, sc, bias))
+
+
+#: Bytes of fp32 rows quantized at once while loading (a slice of one matrix: the peak
+#: while quantizing is the quantized model plus about this, never a whole fp32 matrix).
+QUANTIZE_CHUNK_BYTES = 4 << 20
+
+
+def _read_quantized(
+    keys: list[str], scale_keys: list[str], method: str, to: _Target
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit weight ``[sum of rows, in]`` and fp32 scales ``[rows]`` of the source
+    matrices ``keys`` fused by rows, written into tensors allocated once: read as stored
+    when ``scale_keys`` (one per key) are given, else quantized here
+    (:func:`~mmserve.model.quant.quantize_rows_into`, the values of
+    :func:`~mmserve.model.quant.quantize_per_channel`) slice by slice of
+    :data:`QUANTIZE_CHUNK_BYTES` of fp32, read from the file a slice at a time.
+
+    Raises:
+        CheckpointError: for a stored weight not in the method's dtype, or sources whose
+            columns differ.
+    """
+    shapes = [to.weights.shape(k) for k in keys]
+    if len({tuple(s[1:]) for s in shapes}) != 1:
+        raise CheckpointError(f"decoder: {', '.join(keys)} have different columns: {shapes}")
+    rows, cols = sum(s[0] for s in shapes), shapes[0][1:]
+    dtype = quant.STORAGE[method]
+    q = torch.empty([rows, *cols], dtype=dtype, device=to.device)
+    sc = torch.empty(rows, dtype=torch.float32, device=to.device)
+    at = 0
+    for i, (k, s) in enumerate(zip(keys, shapes, strict=True)):
+        if scale_keys:
+            part = to.weights.get(k, None, to.device)
+            if part.dtype != dtype:
+                raise CheckpointError(f"decoder: {k} is {part.dtype}, expected {dtype} ({method})")
+            q[at : at + s[0]] = part
+            stored_scale = to.weights.get(scale_keys[i], torch.float32, to.device)
+            sc[at : at + s[0]] = quant.row_scales(stored_scale, s[0])
+            del part
+        else:
+            step = max(1, QUANTIZE_CHUNK_BYTES // (4 * max(1, q[0].numel())))
+            for start in range(0, s[0], step):
+                w = to.weights.rows(k, start, start + step).to(to.device)
+                here = slice(at + start, at + start + len(w))
+                quant.quantize_rows_into(w, method, q[here], sc[here])
+                del w
+        at += s[0]
+    return q, sc
 
 
 def load_model(
@@ -452,7 +489,17 @@ def load_model(
     vision.to(device=device, dtype=dtype).eval()
     loaded = assemble(model_dir, config, processor, family, decoder, vision)
     loaded.quantization = method
+    loaded.quantization_source = quantization_source(quantization, stored)
     return loaded
+
+
+def quantization_source(flag: str, stored: str) -> str:
+    """Where the served quantization comes from, in words: the checkpoint's stored
+    weights (``stored``, compressed-tensors), or ``--quantization`` (``flag``) at load;
+    "" for none."""
+    if stored != "none":
+        return f"the checkpoint's compressed-tensors {stored} weights"
+    return f"--quantization {flag}, quantized at load" if flag != "none" else ""
 
 
 def load_vision(

@@ -28,13 +28,21 @@ Micikevicius et al., "FP8 Formats for Deep Learning" (arXiv 2209.05433).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mmserve.config import QUANTIZATIONS
 
-__all__ = ["QUANTIZATIONS", "QuantizedLinear", "QuantizationError", "check_quantization"]
+__all__ = [
+    "QUANTIZATIONS",
+    "QuantizedLinear",
+    "QuantizationError",
+    "check_quantization",
+    "weights_summary",
+]
 #: Storage dtype of each method's weights.
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 #: Largest magnitude each storage dtype holds (the scale maps a row's max |w| to it).
@@ -94,6 +102,25 @@ def quantize_per_channel(w: torch.Tensor, method: str) -> tuple[torch.Tensor, to
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / QMAX[dtype], torch.ones_like(amax))
     return quantize_with_scale(w, scale, method), scale
+
+
+def quantize_rows_into(
+    w: torch.Tensor, method: str, q_out: torch.Tensor, scale_out: torch.Tensor
+) -> None:
+    """:func:`quantize_per_channel` of ``w`` ``[rows, in]`` written into ``q_out``
+    ``[rows, in]`` (:data:`STORAGE` ``[method]``) and ``scale_out`` ``[rows]`` (fp32), the
+    same values, with one fp32 temporary of ``w``'s size (none when ``w`` is fp32 already
+    and may be overwritten: it is divided in place). For loading a matrix a slice at a
+    time without whole-matrix fp32 temporaries."""
+    dtype = STORAGE[method]
+    w = w.float()
+    amax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg())  # max |w| without |w|'s copy
+    scale = torch.where(amax > 0, amax / QMAX[dtype], torch.ones_like(amax))
+    w.div_(scale[:, None])
+    if dtype == torch.int8:
+        w.round_().clamp_(-127, 127)
+    q_out.copy_(w)
+    scale_out.copy_(scale)
 
 
 def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, method: str) -> torch.Tensor:
@@ -255,13 +282,16 @@ SUPPORTED_CHECKPOINTS = (
 
 def checkpoint_method(quantization_config: dict | None) -> str:
     """The method (:data:`QUANTIZATIONS`) a checkpoint's ``quantization_config`` (from its
-    config.json) stores its decoder weights in: "none" without one.
+    config.json) stores its decoder weights in: "none" without one, or for a
+    compressed-tensors config that quantizes the KV cache only (a ``kv_cache_scheme``
+    and no weight ``config_groups``, ``format`` "dense", as llm-compressor writes for
+    KV-only calibration; the scheme is :func:`kv_cache_scheme`'s to check).
 
     Raises:
         QuantizationError: for any method but compressed-tensors, or a compressed-tensors
             config this loader cannot serve (not 8-bit, asymmetric, grouped or blocked
-            scales, packed formats, static activation scales), naming what it found and
-            what is supported.
+            scales, packed formats, static activation scales, an unsupported
+            ``kv_cache_scheme``), naming what it found and what is supported.
     """
     if not quantization_config:
         return "none"
@@ -273,22 +303,33 @@ def checkpoint_method(quantization_config: dict | None) -> str:
             f"quantization_config) is not supported: mmserve serves {SUPPORTED_CHECKPOINTS}, "
             "or quantizes an unquantized checkpoint at load with --quantization int8 or fp8"
         )
+    kv_cache_scheme(qc)  # refuses a KV scheme it cannot serve, whatever the weights are
+    groups = {n: g or {} for n, g in (qc.get("config_groups") or {}).items()}
     fmt = qc.get("format")
+    if not any(g.get("weights") for g in groups.values()) and fmt in (None, "dense", *CT_FORMATS):
+        # no weight scheme: dense weights (a KV-only config)
+        if groups:
+            raise QuantizationError(
+                f"compressed-tensors config_groups {sorted(groups)} quantize no weights "
+                "(activations only, static scales): mmserve serves "
+                f"{SUPPORTED_CHECKPOINTS}, or dense weights with a kv_cache_scheme"
+            )
+        return "none"
     if fmt not in CT_FORMATS:
         raise QuantizationError(
             f"compressed-tensors format {fmt!r} is not supported: mmserve serves "
             f"{SUPPORTED_CHECKPOINTS}"
         )
     kinds = set()
-    for name, group in (qc.get("config_groups") or {}).items():
-        w = (group or {}).get("weights") or {}
+    for name, group in groups.items():
+        w = group.get("weights") or {}
         ok = (
             w.get("num_bits") == 8
             and w.get("type") in ("int", "float")
             and w.get("symmetric", True)
             and w.get("strategy") in ("channel", "tensor")
         )
-        act = (group or {}).get("input_activations")
+        act = group.get("input_activations")
         if act and not act.get("dynamic", False):
             ok = False  # static activation scales: no kernel here reads them
         if not ok:
@@ -307,6 +348,44 @@ def checkpoint_method(quantization_config: dict | None) -> str:
     return kinds.pop()
 
 
+#: What a ``kv_cache_scheme`` may be, in words (for refusals).
+SUPPORTED_KV_SCHEMES = (
+    "8-bit float (e4m3) K/V, symmetric, one static scale per layer (strategy 'tensor'), "
+    "served with --kv-cache-dtype fp8_e4m3 (or auto)"
+)
+
+
+def kv_cache_scheme(quantization_config: dict | None) -> dict | None:
+    """A compressed-tensors checkpoint's ``kv_cache_scheme`` (llm-compressor's KV-cache
+    quantization: fp8 K/V with per-layer ``k_scale`` / ``v_scale`` tensors), or None when
+    the config has none (or is no compressed-tensors config).
+
+    Raises:
+        QuantizationError: for a scheme that is not 8-bit float, symmetric, static and
+            per tensor (per-head or per-token KV scales, int8 KV), naming what it found
+            and what is supported.
+    """
+    qc = dict(quantization_config or {})
+    scheme = qc.get("kv_cache_scheme")
+    if qc.get("quant_method") != "compressed-tensors" or not scheme:
+        return None
+    ok = (
+        scheme.get("num_bits") == 8
+        and scheme.get("type") == "float"
+        and scheme.get("symmetric", True)
+        and scheme.get("strategy", "tensor") == "tensor"
+        and not scheme.get("dynamic", False)
+    )
+    if not ok:
+        raise QuantizationError(
+            f"compressed-tensors kv_cache_scheme ({scheme.get('num_bits')}-bit "
+            f"{scheme.get('type')}, strategy {scheme.get('strategy')!r}, symmetric "
+            f"{scheme.get('symmetric', True)}, dynamic {scheme.get('dynamic', False)}) is not "
+            f"supported: mmserve serves {SUPPORTED_KV_SCHEMES}"
+        )
+    return dict(scheme)
+
+
 def resolve_method(flag: str, stored: str) -> str:
     """The method to serve: the checkpoint's (``stored``) when it has one, else ``flag``.
 
@@ -322,3 +401,62 @@ def resolve_method(flag: str, stored: str) -> str:
             f"{stored} (compressed-tensors): drop the flag or use --quantization {stored}"
         )
     return stored
+
+
+def _tensors(model: Any) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``model``'s decoder and vision module, each tensor
+    once (a tied LM head is the embedding's tensor)."""
+    seen: dict[int, torch.Tensor] = {}
+    for m in (model.decoder, model.vision):
+        if isinstance(m, nn.Module):
+            for t in [*m.parameters(), *m.buffers()]:
+                seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of a :class:`~mmserve.model.loader.LoadedModel`'s parameters and buffers
+    (decoder and vision; on this rank under tensor parallelism), each tensor counted once."""
+    return sum(t.numel() * t.element_size() for t in _tensors(model))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def weights_summary(model: Any) -> str:
+    """The weights of a :class:`~mmserve.model.loader.LoadedModel` in words, for the
+    start-up log: the quantization (method and where it came from), the bytes in all and
+    per dtype, and the LM head (tied to the token embedding, or untied, and when a tied
+    head was untied to be quantized, the parameters and bytes that added)."""
+    by_dtype: dict[str, int] = {}
+    for t in _tensors(model):
+        name = str(t.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + t.numel() * t.element_size()
+    total = sum(by_dtype.values())
+    parts = "; ".join(f"{d} {b:,}" for d, b in sorted(by_dtype.items(), key=lambda x: -x[1]))
+    method = getattr(model, "quantization", "none")
+    if method == "none":
+        text = "quantization none"
+    else:
+        source = getattr(model, "quantization_source", "") or method
+        text = f"quantization {method} ({source}; per output channel)"
+    text += f"; weight bytes {total:,} = {_mb(total)} ({parts})"
+    decoder = model.decoder
+    head = getattr(decoder, "lm_head", None)
+    embed = getattr(decoder, "embed_tokens", None)
+    shape = getattr(decoder, "shape", None)
+    if head is None or embed is None or shape is None:
+        return text
+    hw = head.weight
+    dtype = str(hw.dtype).removeprefix("torch.")
+    if hw is embed.weight:
+        return f"{text}; LM head tied to the token embedding ({dtype})"
+    head_bytes = sum(t.numel() * t.element_size() for t in head.parameters())
+    what = f"{hw.numel():,} parameters, {head_bytes:,} bytes"
+    if shape.tie_word_embeddings:
+        return (
+            f"{text}; LM head untied: the checkpoint ties it to the token embedding, and "
+            f"quantizing made a separate {dtype} copy ({what})"
+        )
+    return f"{text}; LM head untied ({dtype}, {what})"

@@ -34,6 +34,7 @@ from mmserve.testing.tokenizer import ASSETS_DIR, CORPUS_PATH, build_tokenizer, 
 from mmserve.testing.weights import (
     _reinit,
     count_parameters,
+    fix_modes,
     quantize_checkpoint,
     write_weights_streamed,
 )
@@ -197,6 +198,7 @@ def write_checkpoint(
     model.to(stored)
     model.generation_config.do_sample = False
     model.save_pretrained(out)
+    fix_modes(out)  # safetensors writes 0600; the other files are 0644 under umask 022
     return out
 
 

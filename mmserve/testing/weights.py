@@ -7,15 +7,133 @@ byte-identical files. Real-shape sizes are written tensor by tensor
 
 Also :func:`quantize_checkpoint` (the decoder's projections rewritten in the
 compressed-tensors layout) and :func:`count_parameters`.
+
+Every safetensors file is written by :func:`write_safetensors`: tensor by tensor into a
+temporary file renamed into place, with the mode an ordinary file gets under the
+process's umask (0644 under umask 022; safetensors' own writer leaves 0600), and
+progress logged to the ``mmserve.testing.weights`` logger (``make-model`` prints it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
+
+#: torch dtypes -> safetensors' header names (the format's documented ones).
+_ST_NAMES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+}  # fmt: skip
+#: Progress is logged each time this fraction of a file's bytes more is written ...
+PROGRESS_FRACTION = 0.1
+#: ... or this many bytes, whichever comes first.
+PROGRESS_BYTES = 256 << 20
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting it, and put it back at once
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file here: 0o666 less the umask (0o644 under 022)."""
+    return 0o666 & ~_umask()
+
+
+def fix_modes(out: Path) -> None:
+    """Give ``out``'s safetensors files :func:`file_mode` (transformers'
+    ``save_pretrained`` writes them through safetensors, which leaves 0600) and log
+    each file's size."""
+    for path in sorted(Path(out).glob("*.safetensors")):
+        os.chmod(path, file_mode())
+        log.info("wrote %s (%s bytes)", path.name, f"{path.stat().st_size:,}")
+
+
+#: One tensor to write: its key, shape, dtype, and a function that makes its value.
+TensorSpec = tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]
+
+
+def write_safetensors(
+    path: Path, tensors: Iterable[TensorSpec], metadata: dict[str, str] | None = None
+) -> int:
+    """Write a safetensors file one tensor at a time: each value is made (its function
+    called) only when its turn comes and dropped once written, so memory holds one
+    tensor, not the file. The layout is safetensors' documented one (8-byte little-endian
+    header length, a JSON header of ``{key: {dtype, shape, data_offsets}}`` padded with
+    spaces to a multiple of 8, then the data in header order). The file is written to a
+    temporary name beside ``path`` and renamed over it, then given :func:`file_mode`;
+    progress (bytes, percent, rate) is logged every :data:`PROGRESS_FRACTION` of the
+    file or :data:`PROGRESS_BYTES`.
+
+    Returns:
+        The file's data bytes.
+
+    Raises:
+        ValueError: a made value whose shape or dtype differs from its spec, or a dtype
+            safetensors has no name for.
+    """
+    specs = list(tensors)
+    header: dict[str, dict] = {"__metadata__": dict(metadata)} if metadata else {}
+    at = 0
+    for key, shape, dtype, _ in specs:
+        if dtype not in _ST_NAMES:
+            raise ValueError(f"{key}: dtype {dtype} has no safetensors name")
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {
+            "dtype": _ST_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [at, at + size],
+        }
+        at += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    total, done, last, start = at, 0, 0, time.monotonic()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(head).to_bytes(8, "little") + head)
+            for key, shape, dtype, make in specs:
+                value = make()
+                if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                    raise ValueError(f"{key}: made {value.dtype} {tuple(value.shape)}")
+                data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                f.write(data.data)
+                done += data.nbytes
+                del value, data
+                if done == total or done - last >= min(PROGRESS_BYTES, total * PROGRESS_FRACTION):
+                    last = done
+                    secs = max(time.monotonic() - start, 1e-9)
+                    log.info(
+                        "writing %s: %s of %s bytes (%d%%), %.1f MB/s",
+                        path.name, f"{done:,}", f"{total:,}", 100 * done // max(total, 1),
+                        done / secs / 1e6,
+                    )  # fmt: skip
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    log.info("wrote %s (%s bytes)", path.name, f"{path.stat().st_size:,}")
+    return total
 
 
 def _init_std(name: str, shape: torch.Size, tied: bool = False) -> float | None:
@@ -111,9 +229,10 @@ def write_weights_streamed(
     drawn in fp32 exactly as :func:`_reinit` draws it (same order, same generator, so a
     tiny checkpoint gets the same values either way), cast to ``dtype`` and written in
     safetensors shards of at most ``shard_bytes`` (``model.safetensors``, or
-    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``). Peak
-    memory is one shard plus one fp32 tensor, so a 7B checkpoint can be written on a
-    machine that could not hold it in fp32.
+    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``) by
+    :func:`write_safetensors` (mode 0644 under umask 022, progress logged). Peak memory
+    is one fp32 tensor, so a 7B checkpoint can be written on a machine that could not
+    hold it in fp32.
 
     Args:
         out: checkpoint directory (exists).
@@ -127,8 +246,6 @@ def write_weights_streamed(
     Returns:
         The number of parameters written.
     """
-    from safetensors.torch import save_file
-
     with torch.device("meta"):
         meta = model_cls(config)
     shapes = {n: p.shape for n, p in meta.named_parameters()}
@@ -149,14 +266,15 @@ def write_weights_streamed(
         f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)
     ]  # fmt: skip
     weight_map: dict[str, str] = {}
+
+    def drawn(name: str) -> Callable[[], torch.Tensor]:
+        # drawn when written, in sorted order: the generator's sequence is _reinit's
+        return lambda: _init_value(name, shapes[name], tied, gen).to(dtype)
+
     for names, fname in zip(shards, files, strict=True):
-        tensors = {}
-        for name in names:
-            value = _init_value(name, shapes[name], tied, gen).to(dtype)
-            tensors[_saved_key(name)] = value
-            weight_map[_saved_key(name)] = fname
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        del tensors
+        specs = [(_saved_key(m), tuple(shapes[m]), dtype, drawn(m)) for m in names]
+        weight_map.update({_saved_key(m): fname for m in names})
+        write_safetensors(out / fname, specs, metadata={"format": "pt"})
     if n > 1:
         index = {
             "metadata": {"total_size": sum(sizes)},
@@ -186,7 +304,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
     Raises:
         ValueError: for another method or an already quantized checkpoint.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from mmserve.model.quant import quantize_per_channel, scale_key
     from mmserve.model.weights import weight_files
@@ -207,7 +325,8 @@ def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
                 out[scale_key(key)] = scale[:, None].to(t.dtype)
             else:
                 out[key] = t
-        save_file(out, path, metadata={"format": "pt"})
+        specs = [(k, tuple(t.shape), t.dtype, _const(t)) for k, t in sorted(out.items())]
+        write_safetensors(path, specs, metadata={"format": "pt"})
     int8 = method == "int8"
     weights = {"num_bits": 8, "type": "int" if int8 else "float", "symmetric": True}
     weights.update(strategy="channel", dynamic=False)
@@ -225,6 +344,10 @@ def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
     }
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return model_dir
+
+
+def _const(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t
 
 
 def count_parameters(model_dir: str | Path) -> int:
