@@ -40,6 +40,7 @@ GPU_CHECK_ROOTS = [
     ROOT / "benchmarks" / "graph_decode.py",
     ROOT / "mmserve" / "kernels" / "flashinfer_backend.py",
     ROOT / "mmserve" / "kernels" / "select.py",
+    ROOT / "mmserve" / "kernels" / "warmup.py",
 ]
 _VIDEOS_ONLY = "only requests with videos (the front end decodes them)"
 #: Imports inside functions that the GPU check never calls: (file, package) -> why.
@@ -166,7 +167,8 @@ def test_everything_the_gpu_check_imports_is_bundled_or_in_the_image() -> None:
 
 def test_roots_are_what_gpu_check_runs() -> None:
     script = CHECK_SH.read_text()
-    for target in ("tests/gpu", "tests/test_reference.py", "in_process.cache_on_off"):
+    targets = ("tests/gpu", "tests/test_reference.py", "in_process.cache_on_off", "kernels.warmup")
+    for target in targets:
         assert target in script
 
 
