@@ -71,7 +71,10 @@ def _attention_steps(shape: KernelShape, device: torch.device) -> list[Callable[
     hq, hkv, d = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
     page = 4
     tensor_cores = hq // hkv >= _TENSOR_CORE_DECODE_MIN_GROUP
-    i32 = dict(dtype=torch.int32, device=device)
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
     types = {
         "pos_encoding_mode": "NONE",
         "q_data_type": shape.dtype,
@@ -81,13 +84,13 @@ def _attention_steps(shape: KernelShape, device: torch.device) -> list[Callable[
 
     def pages() -> tuple[torch.Tensor, ...]:
         kv = torch.zeros(1, page, hkv, d, device=device).to(shape.kv_dtype)
-        return (torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([2], **i32), kv)
+        return (i32([0, 1]), i32([0]), i32([2]), kv)
 
     def prefill() -> None:
         ws = torch.zeros(16 * 1024 * 1024, dtype=torch.uint8, device=device)
         w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD")
         indptr, indices, last, kv = pages()
-        qo = torch.tensor([0, 2], **i32)
+        qo = i32([0, 2])
         w.plan(qo, indptr, indices, last, hq, hkv, d, page, causal=True, **types)
         w.run(torch.zeros(2, hq, d, dtype=shape.dtype, device=device), (kv, kv), **scales)
 
