@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -50,9 +52,44 @@ def test_warm_up_names_the_module_that_failed() -> None:
         warm_up_kernels([KernelStep("norm", lambda: None), KernelStep("decode (x)", broken)])
 
 
-def test_no_kernels_to_warm_off_cuda() -> None:
-    shape, backend = parse_shape("14/2/64/bfloat16")
-    assert kernel_steps(shape, "cpu", backend) == []
+def test_no_kernels_to_warm_off_cuda(make_engine) -> None:
+    assert make_engine().warm_up_kernels() == []
+
+
+def test_kernel_steps_run_the_fused_ops_in_order() -> None:
+    shape, _ = parse_shape("4/2/16/float32")
+    steps = kernel_steps(shape, "cpu", "torch")
+    assert [s.name for s in steps] == _step_names(shape, "torch")
+    for s in steps:
+        s.run()  # the torch versions on CPU: runs, builds nothing
+
+
+def test_prebuild_runs_each_distinct_module_once_in_worker_processes() -> None:
+    """The command line gpu_check.sh runs, on CPU (the torch ops: only the process
+    machinery is checked): modules shared by two shapes run once, one line each; a
+    module that fails is named and the exit status is 1."""
+    cmd = [sys.executable, "-m", "mmserve.kernels.warmup", "--device", "cpu", "--jobs", "2"]
+    ok = subprocess.run(
+        [*cmd, "8/2/64/float32/float32/torch", "14/2/64/float32/float32/torch"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    assert lines[0] == "prebuild: 3 modules, 2 processes"  # heads do not matter to these
+    ready = sorted(line.split(" ready in ")[0] for line in lines[1:-1])
+    assert ready == sorted(
+        f"prebuild: {n}"
+        for n in {
+            *_step_names(parse_shape("8/2/64/float32/float32/torch")[0], "torch"),
+            *_step_names(parse_shape("14/2/64/float32/float32/torch")[0], "torch"),
+        }
+    )
+    assert lines[-1].startswith("prebuild: 3 modules in ")
+    # FlashInfer's attention on a CPU device: fails whether or not flashinfer imports
+    bad = subprocess.run([*cmd, "8/2/64/bfloat16"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert "prebuild: FAILED attention prefill (8/2 heads d64 q bfloat16 kv bfloat16)" in bad.stdout
+    assert "prebuild failed: " in bad.stdout
 
 
 def test_module_names_of_onevision_shapes() -> None:
@@ -86,10 +123,11 @@ def test_engine_asks_for_its_model_shape(make_engine, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(engine_mod, "kernel_steps", fake_steps)
     eng = make_engine()
+    monkeypatch.setattr(eng.runner, "device", torch.device("cuda"))  # as if on a GPU
     assert [n for n, _ in eng.warm_up_kernels()] == ["fake"]
     s = eng.model.decoder.shape
     want = KernelShape(s.num_heads, s.num_kv_heads, s.head_dim, eng.runner.dtype, eng.pool.dtype)
-    assert asked == [(want, torch.device("cpu"), eng.runner.backend.name)]
+    assert asked == [(want, torch.device("cuda"), eng.runner.backend.name)]
 
 
 def test_health_is_not_ok_until_the_warm_up_is_done(make_engine) -> None:

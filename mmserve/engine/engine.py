@@ -223,6 +223,8 @@ class EngineCore:
             self.runner.dtype,
             self.pool.dtype,
         )
+        if self.runner.device.type != "cuda":
+            return []
         steps = kernel_steps(kshape, self.runner.device, backend.name)
         return warm_up_kernels(steps, log)
 

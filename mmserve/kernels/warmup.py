@@ -135,12 +135,11 @@ def _fused_op_steps(shape: KernelShape, device: torch.device) -> list[Callable[[
 def kernel_steps(
     shape: KernelShape, device: torch.device | str, attention_backend: str
 ) -> list[KernelStep]:
-    """The kernel modules a model of ``shape`` runs on ``device``: none off CUDA; the
-    fused ops on CUDA; FlashInfer's prefill and decode too when ``attention_backend`` is
-    ``"flashinfer"`` (the resolved name, not ``"auto"``)."""
+    """The kernel modules a model of ``shape`` runs on ``device``: the fused ops (torch
+    ones off CUDA, which build nothing: callers warm up only on CUDA); FlashInfer's
+    prefill and decode too when ``attention_backend`` is ``"flashinfer"`` (the resolved
+    name, not ``"auto"``)."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return []
     runs = _fused_op_steps(shape, device)
     if attention_backend == "flashinfer":
         runs = _attention_steps(shape, device) + runs
@@ -208,14 +207,16 @@ def parse_shape(text: str) -> tuple[KernelShape, str]:
     return shape, backend
 
 
-def _run_one(spec: str, index: int) -> tuple[str, float]:
+def _run_one(spec: str, index: int, device: str) -> tuple[str, float]:
     """In a worker process: step ``index`` of ``spec``'s steps."""
     shape, backend = parse_shape(spec)
-    step = kernel_steps(shape, "cuda", backend)[index]
+    step = kernel_steps(shape, device, backend)[index]
     return warm_up_kernels([step])[0]
 
 
-def prebuild(specs: Sequence[str], jobs: int | None = None) -> list[tuple[str, float]]:
+def prebuild(
+    specs: Sequence[str], jobs: int | None = None, device: str = "cuda"
+) -> list[tuple[str, float]]:
     """Build the modules of every shape in ``specs`` (see :func:`parse_shape`), each
     distinct module in its own process, up to ``jobs`` at once (default: the CPU
     count), so that independent compiles overlap; ninja inside each uses all cores.
@@ -236,11 +237,11 @@ def prebuild(specs: Sequence[str], jobs: int | None = None) -> list[tuple[str, f
         for i, name in enumerate(_step_names(shape, backend)):
             work.setdefault(name, (spec, i))
     jobs = max(1, min(len(work), jobs or os.cpu_count() or 1))
-    logger.info("prebuild: %d modules, %d processes", len(work), jobs)
+    print(f"prebuild: {len(work)} modules, {jobs} processes", flush=True)
     done, failed = [], []
     ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = {pool.submit(_run_one, spec, i): name for name, (spec, i) in work.items()}
+        futures = {pool.submit(_run_one, spec, i, device): name for name, (spec, i) in work.items()}
         for fut in as_completed(futures):
             try:
                 name, took = fut.result()
@@ -281,11 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mmserve.kernels.warmup", description=__doc__)
     p.add_argument("shapes", nargs="+", help="HQ/HKV/D/DTYPE[/KV_DTYPE[/BACKEND]]")
     p.add_argument("--jobs", type=int, default=None, help="processes at once (CPU count)")
+    p.add_argument("--device", default="cuda", help="cuda (cpu: only the process machinery)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()
     try:
-        done = prebuild(args.shapes, args.jobs)
+        done = prebuild(args.shapes, args.jobs, args.device)
     except RuntimeError as e:
         print(e, flush=True)
         return 1
