@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -78,3 +80,41 @@ def test_limits_over_the_budget_refuse_to_start(tmp_path: Path) -> None:
     assert s["total_limit_s"] == 650 and not s["complete"] and not s["passed"]
     assert {p["status"] for p in s["phases"]} == {"pending"}  # nothing ran
     assert "the limits exceed the budget: not starting" in (out / "gpu_check.log").read_text()
+
+
+def test_a_run_cut_off_midway_leaves_its_finished_phases(tmp_path: Path) -> None:
+    """summary.json is written before the first phase and after each: a check killed
+    while a phase runs (its 600 s command cut off) leaves the phases before it."""
+    stall = tmp_path / "python"  # the environment phase hangs; everything else is Python
+    stall.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-" ]; then\n'
+        '  f=$(mktemp); cat > "$f"\n'
+        '  if grep -q setup_only "$f"; then touch "$STALLED"; sleep 60; fi\n'
+        f'  shift; exec {sys.executable} "$f" "$@"\n'
+        "fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    stall.chmod(0o755)
+    out, stalled = tmp_path / "out", tmp_path / "stalled"
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "PYTHON": str(stall),
+           "STALLED": str(stalled), "GPU_BUNDLE": str(tmp_path / "no-bundle"),
+           "TMPDIR": str(tmp_path)}  # fmt: skip
+    env.pop("OUT", None)
+    proc = subprocess.Popen(
+        ["bash", str(CHECK_SH), str(out)], env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not stalled.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    s = json.loads((out / "summary.json").read_text())
+    assert not s["complete"] and not s["passed"]
+    assert [p["name"] for p in s["phases"]] == PHASES
+    assert [p["status"] for p in s["phases"]] == ["skipped: no bundle"] + ["pending"] * 7
+    assert s["total_limit_s"] <= BUDGET_S
