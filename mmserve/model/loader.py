@@ -75,6 +75,10 @@ class LoadedModel:
         eos_token_ids: ids that end generation.
         never_sample_ids: ids masked out of sampling (image placeholder, padding).
         family: the model family.
+        quantization: the decoder's weight quantization ("none", "int8", "fp8").
+        source: the directory the weights were read from (None: built in memory); what
+            :func:`~mmserve.model.identity.model_identity` digests.
+        identity: :func:`~mmserve.model.identity.model_identity`, once it has been computed.
     """
 
     config: PretrainedConfig
@@ -88,6 +92,8 @@ class LoadedModel:
     family: ModelFamily
     video_token_id: int | None = None
     quantization: str = "none"
+    source: Path | None = None
+    identity: bytes | None = None
 
     def image_tokens(self, width: int, height: int, mode: str = IMAGE_MODE) -> int:
         """Pseudo-tokens an image of ``width`` x ``height`` pixels becomes in ``mode``
@@ -532,4 +538,5 @@ def assemble(
         never_sample_ids=never,
         family=family,
         video_token_id=video_token_id,
+        source=model_dir,
     )
