@@ -257,40 +257,72 @@ def _processor_text(processor: Any) -> str:
     return "\n".join(parts)
 
 
+def checkpoint_identity(
+    model_dir: str | Path, dtype: torch.dtype, quantization: str = "none"
+) -> bytes:
+    """The 16-byte identity of the model served from ``model_dir`` in ``dtype`` with
+    ``quantization``: :func:`checkpoint_digest` (every byte of its files) plus both
+    settings; what :func:`model_identity` gives a model loaded from it. Logged (digest,
+    files, bytes read, memo hits, seconds).
+
+    The encoder deployment keys features on it with ``quantization="none"`` (the vision
+    tower is never quantized), the ingress keys the replica router's trees on it.
+
+    Raises:
+        CheckpointError, OSError: the checkpoint's files cannot be listed or read.
+    """
+    d = checkpoint_digest(model_dir)
+    h = xxhash.xxh3_128()
+    h.update(f"mmserve-model-v{IDENTITY_VERSION}|".encode())
+    h.update(d.digest)
+    h.update(f"|dtype={dtype}|quantization={quantization}".encode())
+    ident = h.digest()
+    log.info(
+        "model identity %s: %d files of %s (%.1f MB), %.1f MB read, %d from the memo, %.2f s",
+        ident.hex(),
+        d.files,
+        model_dir,
+        d.bytes_total / 1e6,
+        d.bytes_read / 1e6,
+        d.memo_hits,
+        d.seconds,
+    )
+    return ident
+
+
 def model_identity(model: LoadedModel) -> bytes:
     """The 16-byte identity of ``model`` (see the module docstring), computed once per
     loaded model and logged once (digest, bytes read, seconds, how many files came from
     the memo).
 
     A model loaded from a directory (``model.source``) is identified by its files
-    (:func:`checkpoint_digest`); one built in memory by every byte of its tensors and its
-    config and processor settings. Both add the compute dtype and the quantization.
+    (:func:`checkpoint_identity`); one built in memory by every byte of its tensors and
+    its config and processor settings. Both add the compute dtype and the quantization.
 
     Raises:
         CheckpointError, OSError: the checkpoint's files cannot be listed or read.
     """
     if model.identity is not None:
         return model.identity
+    dtype = token_embedding(model.decoder).weight.dtype
+    if model.source is not None:
+        model.identity = checkpoint_identity(model.source, dtype, model.quantization)
+        return model.identity
     t0 = time.perf_counter()
+    named = _model_tensors(model)
+    text = _text(model.config) + "\n" + _processor_text(model.processor)
     h = xxhash.xxh3_128()
     h.update(f"mmserve-model-v{IDENTITY_VERSION}|".encode())
-    source = model.source
-    if source is not None:
-        d = checkpoint_digest(source)
-        h.update(d.digest)
-        how = (
-            f"{d.files} files of {source} ({d.bytes_total / 1e6:.1f} MB), "
-            f"{d.bytes_read / 1e6:.1f} MB read, {d.memo_hits} from the memo"
-        )
-    else:
-        named = _model_tensors(model)
-        text = _text(model.config) + "\n" + _processor_text(model.processor)
-        h.update(model_fingerprint(text, named))
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        how = f"{len(named)} tensors in memory ({nbytes / 1e6:.1f} MB) read, no files"
-    dtype = token_embedding(model.decoder).weight.dtype
+    h.update(model_fingerprint(text, named))
     h.update(f"|dtype={dtype}|quantization={model.quantization}".encode())
     ident = h.digest()
-    log.info("model identity %s: %s, %.2f s", ident.hex(), how, time.perf_counter() - t0)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    log.info(
+        "model identity %s: %d tensors in memory (%.1f MB) read, no files, %.2f s",
+        ident.hex(),
+        len(named),
+        nbytes / 1e6,
+        time.perf_counter() - t0,
+    )
     model.identity = ident
     return ident
