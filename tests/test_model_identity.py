@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from mmserve.cache.kv_tiers import kv_namespace, model_fingerprint
 from mmserve.config import EngineConfig
 from mmserve.frontend.frontend import Engine
+from mmserve.model import identity
 from mmserve.model.identity import checkpoint_digest, model_identity
 from mmserve.model.loader import load_model
 from tests.helpers import copy_with_flipped_byte, greedy, safetensors_header, user
@@ -207,8 +208,9 @@ def test_memo_spares_the_reread_and_notices_changes(
 
 
 def test_identity_is_logged_once_with_its_cost(
-    model_dir: Path, memo: Path, caplog: pytest.LogCaptureFixture
+    model_dir: Path, memo: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(identity, "_identities", {})  # as in a new process
     model = load_model(model_dir)
     with caplog.at_level(logging.INFO, logger="mmserve.model.identity"):
         ident = model_identity(model)
@@ -218,7 +220,13 @@ def test_identity_is_logged_once_with_its_cost(
     assert len(lines) == 1, lines
     assert ident.hex() in lines[0] and "MB read" in lines[0] and " s" in lines[0]
     assert "0 from the memo" in lines[0]
-    # a second load (a restart) takes every file from the memo
+    # a second load in this process is not digested (nor logged) again
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mmserve.model.identity"):
+        assert model_identity(load_model(model_dir)) == ident
+    assert not [r for r in caplog.records if "model identity" in r.getMessage()]
+    # a restart (a new process: nothing remembered in memory) takes every file from the memo
+    monkeypatch.setattr(identity, "_identities", {})
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mmserve.model.identity"):
         assert model_identity(load_model(model_dir)) == ident

@@ -61,6 +61,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5
 _SKIPPED_SUFFIXES = (".md", ".lock")
 
 _memo_lock = threading.Lock()
+#: :func:`checkpoint_identity` answers of this process, by directory, settings and stats.
+_identities: dict[tuple, bytes] = {}
 
 
 def memo_path() -> Path:
@@ -266,11 +268,19 @@ def checkpoint_identity(
     files, bytes read, memo hits, seconds).
 
     The encoder deployment keys features on it with ``quantization="none"`` (the vision
-    tower is never quantized), the ingress keys the replica router's trees on it.
+    tower is never quantized), the ingress keys the replica router's trees on it. Within
+    one process the answer is remembered (and logged) once per directory, settings and
+    file stats: a second caller (a replica's engine and its encoder client) stats the
+    files only.
 
     Raises:
         CheckpointError, OSError: the checkpoint's files cannot be listed or read.
     """
+    base = Path(model_dir).resolve()
+    stats = tuple((str(p), *_stat_key(os.stat(p))) for p in checkpoint_files(base))
+    seen = (str(base), str(dtype), quantization, stats)
+    if (known := _identities.get(seen)) is not None:
+        return known
     d = checkpoint_digest(model_dir)
     h = xxhash.xxh3_128()
     h.update(f"mmserve-model-v{IDENTITY_VERSION}|".encode())
@@ -287,6 +297,7 @@ def checkpoint_identity(
         d.memo_hits,
         d.seconds,
     )
+    _identities[seen] = ident
     return ident
 
 
