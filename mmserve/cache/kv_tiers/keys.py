@@ -56,7 +56,7 @@ def model_fingerprint(config_text: str, named_tensors: Iterable[tuple[str, torch
 
 
 def kv_namespace(fingerprint: bytes, dtype: torch.dtype, page_size: int, layout: Sequence) -> bytes:
-    """Namespace of KV pages: model fingerprint, KV dtype, page size and layout (16 bytes).
+    """Namespace of KV pages: model identity, KV dtype, page size and layout (16 bytes).
 
     Args:
         fingerprint: the model's identity
