@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,23 @@ def test_one_weight_byte_anywhere_changes_the_checkpoint_digest(
         d = checkpoint_digest(other).digest
         assert d not in seen, (tensor, byte)
         seen.add(d)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(pick=st.integers(0, 10_000), where=st.floats(0, 1))
+def test_one_weight_byte_at_any_place_changes_the_checkpoint_digest(
+    model_dir: Path, pick: int, where: float
+) -> None:
+    """Any tensor of the checkpoint, any byte of it (hypothesis picks both)."""
+    base, header = safetensors_header(model_dir / "model.safetensors")
+    names = sorted(k for k in header if k != "__metadata__")
+    tensor = names[pick % len(names)]
+    start, end = header[tensor]["data_offsets"]
+    byte = min(end - start - 1, int(where * (end - start)))
+    with tempfile.TemporaryDirectory() as tmp:
+        memo = Path(tmp) / "memo.json"
+        other = copy_with_flipped_byte(model_dir, Path(tmp) / "m", tensor, byte)
+        assert checkpoint_digest(other, memo).digest != checkpoint_digest(model_dir, memo).digest
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
