@@ -35,7 +35,7 @@ def _drop_from_page_cache(paths: list[Path]) -> None:
 
 def model_identity(args: argparse.Namespace, model_dir: str) -> int:
     """``model-identity``: seconds to digest a checkpoint cold, warm and from the memo."""
-    files = checkpoint_files(Path(model_dir))
+    files = [real for _, real in checkpoint_files(Path(model_dir))]
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         memo = Path(tmp) / "checkpoint-digests.json"

@@ -263,3 +263,20 @@ def test_a_model_built_in_memory_is_identified_by_all_its_tensors(
     with torch.no_grad():
         c.decoder.lm_head.weight[-1, 1] += 1e-3
     assert model_identity(c) != model_identity(a)
+
+
+def test_a_directory_of_links_is_the_same_checkpoint(
+    model_dir: Path, tmp_path: Path, memo: Path
+) -> None:
+    """A Hugging Face cache snapshot links each file to a blob: named by the link, read
+    through it; the same bytes under the same names are the same checkpoint."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snap.mkdir()
+    for k, f in enumerate(sorted(model_dir.iterdir())):
+        shutil.copy(f, blobs / f"blob{k}")
+        (snap / f.name).symlink_to(blobs / f"blob{k}")
+    linked = checkpoint_digest(snap)
+    assert linked.digest == checkpoint_digest(model_dir).digest
+    assert linked.bytes_total == sum(f.stat().st_size for f in model_dir.iterdir())
+    assert checkpoint_digest(snap).bytes_read == 0  # remembered by the blobs' real paths

@@ -122,11 +122,27 @@ def _save_memo(path: Path, updates: dict[str, Any]) -> None:
         while len(files) > MEMO_ENTRIES:
             files.pop(next(iter(files)))
         fd, tmp = tempfile.mkstemp(prefix=".digests.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": IDENTITY_VERSION, "files": files}, f)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": IDENTITY_VERSION, "files": files}, f)
+            os.replace(tmp, path)
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     except OSError as exc:
         log.warning("cannot write the checkpoint digest memo %s: %s", path, exc)
+
+
+def _remembered(entry: Any, stat: list[int]) -> bytes | None:
+    """The digest a memo entry holds for a file with ``stat``, or None (another stat, or
+    an entry damaged by hand)."""
+    if not isinstance(entry, dict) or entry.get("stat") != stat:
+        return None
+    try:
+        digest = bytes.fromhex(entry["digest"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return digest if len(digest) == 16 else None
 
 
 def _hash_file(path: Path) -> tuple[bytes, int]:
@@ -142,33 +158,27 @@ def _hash_file(path: Path) -> tuple[bytes, int]:
     return h.digest(), n
 
 
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The files that make up ``model_dir``'s model: the weight files the loader reads
+def checkpoint_files(model_dir: Path) -> list[tuple[str, Path]]:
+    """The files that make up ``model_dir``'s model, as ``(path relative to model_dir,
+    real path)`` sorted by the former: the weight files the loader reads
     (:func:`~mmserve.model.weights.weight_files`) and every other file under it (config,
     tokenizer, processor, chat template...), except hidden ones, other weight files and
-    ``*.md`` / ``*.lock``; sorted by relative path.
+    ``*.md`` / ``*.lock``. A link (a Hugging Face cache snapshot links every file to a
+    blob) is named by its own path and read through its target.
 
     Raises:
         CheckpointError: as :func:`~mmserve.model.weights.weight_files`.
     """
-    out = {p.resolve() for p in weight_files(model_dir)}
+    found = {p.relative_to(model_dir).as_posix(): p for p in weight_files(model_dir)}
     for root, dirs, names in os.walk(model_dir):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in names:
             if name.startswith(".") or name.endswith(WEIGHT_SUFFIXES + _SKIPPED_SUFFIXES):
                 continue
             p = Path(root) / name
             if p.is_file():
-                out.add(p.resolve())
-    base = model_dir.resolve()
-    return sorted(out, key=lambda p: _rel(p, base))
-
-
-def _rel(p: Path, base: Path) -> str:
-    try:
-        return p.relative_to(base).as_posix()
-    except ValueError:  # a link out of the directory: named by its target
-        return p.as_posix()
+                found[p.relative_to(model_dir).as_posix()] = p
+    return [(rel, found[rel].resolve()) for rel in sorted(found)]
 
 
 def checkpoint_digest(model_dir: str | Path, memo: Path | None = None) -> CheckpointDigest:
@@ -194,7 +204,6 @@ def checkpoint_digest(model_dir: str | Path, memo: Path | None = None) -> Checkp
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     memo = memo_path() if memo is None else memo
-    base = model_dir.resolve()
     with _memo_lock:
         known = _load_memo(memo)
         h = xxhash.xxh3_128()
@@ -202,12 +211,11 @@ def checkpoint_digest(model_dir: str | Path, memo: Path | None = None) -> Checkp
         updates: dict[str, Any] = {}
         total = read = hits = 0
         files = checkpoint_files(model_dir)
-        for p in files:
+        for rel, p in files:
             st = os.stat(p)
             stat = _stat_key(st)
-            entry = known.get(str(p))
-            if isinstance(entry, dict) and entry.get("stat") == stat:
-                digest = bytes.fromhex(entry["digest"])
+            digest = _remembered(known.get(str(p)), stat)
+            if digest is not None:
                 hits += 1
             else:
                 digest, n = _hash_file(p)
@@ -215,7 +223,7 @@ def checkpoint_digest(model_dir: str | Path, memo: Path | None = None) -> Checkp
                 if _stat_key(os.stat(p)) == stat:  # not changed while read: remember it
                     updates[str(p)] = {"stat": stat, "digest": digest.hex()}
             total += st.st_size
-            h.update(f"{_rel(p, base)}|{st.st_size}|".encode())
+            h.update(f"{rel}|{st.st_size}|".encode())
             h.update(digest)
         if updates:
             _save_memo(memo, updates)
@@ -277,7 +285,7 @@ def checkpoint_identity(
         CheckpointError, OSError: the checkpoint's files cannot be listed or read.
     """
     base = Path(model_dir).resolve()
-    stats = tuple((str(p), *_stat_key(os.stat(p))) for p in checkpoint_files(base))
+    stats = tuple((rel, *_stat_key(os.stat(p))) for rel, p in checkpoint_files(base))
     seen = (str(base), str(dtype), quantization, stats)
     if (known := _identities.get(seen)) is not None:
         return known
