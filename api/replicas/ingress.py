@@ -476,6 +476,7 @@ class Ingress:
         import torch
 
         from mmserve.model.identity import checkpoint_identity
+        from mmserve.model.weights import CheckpointError
         from mmserve.testing.checkpoints import ensure_model
 
         torch.set_num_threads(1)
@@ -483,7 +484,11 @@ class Ingress:
         front = FrontEnd(config, load_frontend_model(model_dir))
         app_name = serve.get_replica_context().app_name
         # the router keys prefixes on the model the ids were made for
-        ident = checkpoint_identity(model_dir, config.torch_dtype(), config.quantization)
+        try:
+            ident = checkpoint_identity(model_dir, config.torch_dtype(), config.quantization)
+        except (CheckpointError, OSError) as exc:  # weights not on the ingress's node
+            log.warning("router prefixes not keyed on the model identity: %s", exc)
+            ident = b""
         self.replicas = ReplicaClient(replicas, app_name, front.model.tokenizer, model=ident)
         name = served_name(settings, model_dir)
         enc = ReplicaClient(encoders, app_name, None) if encoders is not None else None
