@@ -124,8 +124,9 @@ class EngineConfig:
             (pinned memory on CUDA; see :mod:`mmserve.cache.kv_tiers`).
         kv_disk_dir: disk KV tier directory (unset = off): evicted pages, and every
             cached page at shutdown, are written here, one checked file per page, in a
-            subdirectory per model fingerprint, dtype and page size; servers sharing it
-            reuse each other's pages, a restarted server its own.
+            subdirectory per model identity (a digest of every byte of the checkpoint's
+            files, dtype, quantization), KV dtype and page size; servers sharing it reuse
+            each other's pages, a restarted server its own.
         kv_disk_bytes: most bytes the disk KV tier keeps (least recently used deleted).
         tp: tensor-parallel ranks: the decoder is split by heads and MLP columns over
             this many processes (one per GPU on CUDA, gloo on CPU); must divide the
