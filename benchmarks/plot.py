@@ -113,7 +113,7 @@ def _finish(plt: Any, fig: Any, out: Path, sources: list[str]) -> Path:
     """Footer (the sources, wrapped to the figure's width), layout, PNG at 110 dpi; returns
     ``out``."""
     width, height = fig.get_size_inches()
-    lines = [x for s in sources for x in textwrap.wrap(s, int(width * 19))]
+    lines = [x for s in sources for x in textwrap.wrap(s, int(width * 17))]
     fig.text(0.01, 0.005, "\n".join(lines), fontsize=7, va="bottom", color="0.3")
     fig.tight_layout(rect=(0, (len(lines) * 0.13 + 0.05) / height, 1, 1))
     fig.savefig(out, dpi=110)
@@ -275,7 +275,7 @@ def host(results: Path, out: Path) -> Path | str:
     mode (streamed, plain), with issue 41's targets; from ``host.json`` (:data:`HOST_SHAPE`)."""
     res = _load(results / "host.json")
     if res is None:
-        return "host.json not found (python -m benchmarks host, issue 41): plot skipped"
+        return "host.json not found (python -m benchmarks host, issue 41)"
     by: dict[str, list[tuple[float, float]]] = {}
     for r in res.get("runs", []):
         ratio = _num(r.get("ratio"))
