@@ -4,6 +4,7 @@ and the dashboard, Prometheus and Grafana provisioning files are well formed."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ from examples.observability.promql import (
     Call,
     PromQLError,
     Selector,
+    histogram_quantile,
     parse,
     walk,
 )
+from examples.observability.render_dashboard import parse_scrape, series
 from tests.helpers import MODEL
 from tests.live_server import app_client
 
@@ -120,11 +123,13 @@ def dashboard() -> dict:
 
 
 @pytest.fixture(scope="module")
-def exposition(make_engine, photos) -> Exposition:
-    """``/metrics`` of an in-process server with a host KV tier, after two image questions
-    (3 tokens each: TTFT, TPOT and e2e observed; the second question hits the cache)."""
+def scrapes(make_engine, photos) -> tuple[str, str]:
+    """``/metrics`` of an in-process server with a host KV tier, before and after two
+    image questions (3 tokens each: TTFT, TPOT and e2e observed; the second question hits
+    the cache)."""
     engine = make_engine(max_total_tokens=4096, kv_host_bytes=1 << 24)
     with app_client(engine) as c:
+        before = c.get("/metrics").text
         upload = c.post("/v1/images", files={"file": ("c.png", photos["cat.png"], "image/png")})
         content = [{"type": "image_url", "image_url": {"url": upload.json()["id"]}}]
         for q in ("One?", "Two?"):
@@ -136,7 +141,12 @@ def exposition(make_engine, photos) -> Exposition:
             assert r.status_code == 200, r.text
         r = c.get("/metrics")
         assert r.status_code == 200
-        return Exposition(r.text)
+        return before, r.text
+
+
+@pytest.fixture(scope="module")
+def exposition(scrapes: tuple[str, str]) -> Exposition:
+    return Exposition(scrapes[1])
 
 
 def test_every_dashboard_query_is_exported_by_a_running_server(
@@ -235,3 +245,55 @@ def test_prometheus_and_grafana_provisioning_fit_together() -> None:
     assert (OBS / by_target[provider["options"]["path"]]).resolve() == DASHBOARD.parent
     assert (OBS / by_target["/etc/grafana/provisioning"]).resolve() == ds_file.parents[1]
     assert (OBS / by_target["/etc/prometheus/prometheus.yml"]).resolve() == OBS / "prometheus.yml"
+
+
+def test_histogram_quantile_interpolates_as_prometheus_does() -> None:
+    buckets = [(0.1, 1.0), (0.5, 3.0), (math.inf, 4.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.3)  # rank 2 in (0.1, 0.5]
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.1)  # rank 1: bucket's top
+    assert histogram_quantile(0.99, buckets) == 0.5  # in +Inf: the largest finite bound
+    assert math.isnan(histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))
+
+
+def test_headless_render_evaluates_every_panel(dashboard: dict, scrapes: tuple[str, str]) -> None:
+    """render_dashboard's evaluator reads every panel's query, and the values are the
+    scrapes' own: 2 requests in 10 s, the hit rate of the second request's cached tokens."""
+    before, after = (parse_scrape(text, "127.0.0.1:8000") for text in scrapes)
+    timeline = [(0.0, before), (10.0, after)]
+    values = {}
+    for where, expr in dashboard_exprs(dashboard):
+        got = series(expr, timeline, "1m")
+        values[expr] = {k: vs[-1] for k, (_, vs) in got.items()}
+        assert got, where  # every query finds series in these scrapes
+
+    def one(name: str, key: tuple = ()) -> float:
+        (expr,) = {e for _, e in dashboard_exprs(dashboard) if name in e}
+        return values[expr][key]
+
+    sample = {k[0]: v for k, v in after.items() if len(k[1]) == 2}  # unlabelled: job, instance
+    assert one("sum(rate(mmserve_requests_total") == pytest.approx(2 / 10)
+    cached = sample["mmserve_cached_prompt_tokens_total"]
+    prompt = sum(v for (n, _), v in after.items() if n == "mmserve_prompt_tokens_total")
+    assert 0 < cached < prompt
+    rates = [
+        v
+        for e, vec in values.items()
+        if e.startswith("sum(rate(mmserve_cached") and "/" in e
+        for v in vec.values()
+    ]
+    assert rates and all(r == pytest.approx(cached / prompt) for r in rates)
+    assert one("sum(mmserve_num_requests_running") == 0
+    # p99 of e2e: Prometheus' interpolation over the buckets' increase in the window
+    name = "mmserve_e2e_request_latency_seconds_bucket"
+    buckets = [
+        (float(dict(labels)["le"]), v - before[name, labels])
+        for (n, labels), v in after.items()
+        if n == name
+    ]
+    (p99,) = [
+        vec[()]
+        for e, vec in values.items()
+        if e.startswith("histogram_quantile(0.99") and "e2e" in e
+    ]
+    assert p99 == pytest.approx(histogram_quantile(0.99, [(le, c / 10) for le, c in buckets]))
+    assert 0 < p99 < 120
