@@ -51,11 +51,15 @@ class Selector:
 
 @dataclass
 class Number:
+    """A number literal."""
+
     value: float
 
 
 @dataclass
 class Call:
+    """``func(args)``: a function call (``rate``, ``histogram_quantile``, ...)."""
+
     func: str
     args: list
 
@@ -83,6 +87,8 @@ class Binary:
 
 @dataclass
 class Negate:
+    """Unary minus."""
+
     expr: object
 
 
