@@ -247,15 +247,15 @@ _FP8_FP16_OUT: bool | None = None
 def _scaled_mm_w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     global _FP8_FP16_OUT
     xq, xs = quantize_per_token(x)
-    kw = {"scale_a": xs, "scale_b": s[None, :]}
+    sb = s[None, :]
     if x.dtype == torch.float16 and _FP8_FP16_OUT is not False:
         try:
-            y = torch._scaled_mm(xq, w.T, out_dtype=torch.float16, **kw)
+            y = torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=sb, out_dtype=torch.float16)
             _FP8_FP16_OUT = True
             return y
         except RuntimeError:
             _FP8_FP16_OUT = False
-    return torch._scaled_mm(xq, w.T, out_dtype=torch.bfloat16, **kw).to(x.dtype)
+    return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16).to(x.dtype)
 
 
 def kernel_for(w: torch.Tensor, x: torch.Tensor) -> str:
