@@ -263,6 +263,8 @@ def kernel_for(w: torch.Tensor, x: torch.Tensor) -> str:
     and activations ``x`` ``[T, in]``: "int8pack" (CPU weight-only int8), "scaled_mm" (fp8
     W8A8), "int_mm" (int8 W8A8) or "dequant" (the dequantized matmul)."""
     out_f, in_f = w.shape
+    if x.dim() != 2:  # the fast kernels are 2-D matmuls
+        return "dequant"
     if (
         w.dtype == torch.int8
         and x.device.type == "cpu"
