@@ -53,7 +53,9 @@ class EngineConfig:
             compressed-tensors checkpoint is served in its own method (see
             :mod:`mmserve.model.quant`).
         attention_backend: "auto" (FlashInfer where it can run, else torch),
-            "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
+            "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`); the fused
+            RMSNorm, RoPE and SiLU-and-mul ops follow it: FlashInfer's kernels only with
+            the FlashInfer backend, so "torch" runs no FlashInfer kernel at all.
         kv_cache_dtype: K/V pool storage (:data:`KV_CACHE_DTYPES`): "auto" (the model's
             dtype, or fp8 when the checkpoint's compressed-tensors ``kv_cache_scheme``
             asks for it) or "fp8_e4m3" (alias "fp8"): float8 e4m3 pages, one byte per

@@ -14,8 +14,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.kv_tiers import KVTiers, kv_namespace
 from mmserve.cache.no_prefix_cache import NoPrefixCache, PrefixCache
@@ -270,7 +268,7 @@ class KVManager:
         if not pages:
             return m
         new = self.allocate(len(pages))  # fits: counted in the admission check
-        self.pool.write_pages(new, torch.stack(pages))
+        self.pool.write_pages(new, self.tiers.stack_pages(pages))
         end = m.length + len(pages) * P
         t0 = time.perf_counter()
         done = self.tree.insert_prefix(ids[:end], list(m.pages) + new)
