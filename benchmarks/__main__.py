@@ -19,6 +19,7 @@ from benchmarks import (
     experiments,
     graph_decode,
     kv_fp8,
+    model_identity,
     real_shapes,
     suites,
     tracing_overhead,
@@ -105,6 +106,8 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--over",), dict(type=int, default=8, help="working set / bf16 pool (photos)")),
         (("--positions",), dict(type=int, default=2000, help="teacher-forced positions")),
     ]),
+    "model-identity": (model_identity.model_identity, "full", "onevision-0.5b",
+                       "llava-onevision", model_identity.OPTIONS),
     "video-qa": (experiments.video_qa, "full", "small", "llava", [
         (("--num-frames",), dict(type=int, default=8)),
         (("--max-tokens",), dict(type=int, default=16)),
@@ -124,7 +127,8 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
 
 
 def parser() -> argparse.ArgumentParser:
-    """The CLI's parser: :data:`COMMANDS` (with the common options) plus ``llamacpp``."""
+    """The CLI's parser: :data:`COMMANDS` (with the common options) plus ``llamacpp`` and
+    ``plot``."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     for name, (fn, scale, size, family, extra) in COMMANDS.items():
@@ -147,12 +151,19 @@ def parser() -> argparse.ArgumentParser:
     ll.add_argument("paths", nargs="+", type=Path, help="OUT | HF OUT | HF SURGERY OUT")
     ll.add_argument("--size", default="small")
     ll.add_argument("--seed", type=int, default=0)
+    pl = sub.add_parser("plot", help="PNG plots from the JSON results in RESULTS_DIR")
+    pl.add_argument("results", type=Path, metavar="RESULTS_DIR")
+    pl.add_argument("--out", type=Path, help="folder of the PNG files (default RESULTS_DIR)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit code."""
     args = parser().parse_args(argv)
+    if args.command == "plot":
+        from benchmarks import plot
+
+        return plot.main(args.results, args.out)
     if args.command == "llamacpp":
         from benchmarks import llamacpp
 

@@ -53,7 +53,9 @@ class EngineConfig:
             compressed-tensors checkpoint is served in its own method (see
             :mod:`mmserve.model.quant`).
         attention_backend: "auto" (FlashInfer where it can run, else torch),
-            "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`).
+            "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`); the fused
+            RMSNorm, RoPE and SiLU-and-mul ops follow it: FlashInfer's kernels only with
+            the FlashInfer backend, so "torch" runs no FlashInfer kernel at all.
         kv_cache_dtype: K/V pool storage (:data:`KV_CACHE_DTYPES`): "auto" (the model's
             dtype, or fp8 when the checkpoint's compressed-tensors ``kv_cache_scheme``
             asks for it) or "fp8_e4m3" (alias "fp8"): float8 e4m3 pages, one byte per
@@ -124,8 +126,9 @@ class EngineConfig:
             (pinned memory on CUDA; see :mod:`mmserve.cache.kv_tiers`).
         kv_disk_dir: disk KV tier directory (unset = off): evicted pages, and every
             cached page at shutdown, are written here, one checked file per page, in a
-            subdirectory per model fingerprint, dtype and page size; servers sharing it
-            reuse each other's pages, a restarted server its own.
+            subdirectory per model identity (a digest of every byte of the checkpoint's
+            files, dtype, quantization), KV dtype and page size; servers sharing it reuse
+            each other's pages, a restarted server its own.
         kv_disk_bytes: most bytes the disk KV tier keeps (least recently used deleted).
         tp: tensor-parallel ranks: the decoder is split by heads and MLP columns over
             this many processes (one per GPU on CUDA, gloo on CPU); must divide the

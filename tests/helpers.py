@@ -18,6 +18,7 @@ import io
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -102,6 +103,38 @@ def user(*parts: str | None) -> list[dict]:
     """One user message: ``None`` parts are images, strings are text."""
     content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
     return [{"role": "user", "content": content}]
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """``(offset of the data section, header)`` of a safetensors file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return 8 + n, json.loads(f.read(n))
+
+
+def copy_with_flipped_byte(src: Path, dst: Path, tensor: str, byte: int) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` in which one byte of one weight differs:
+    byte ``byte`` (negative: from the end) of tensor ``tensor``'s data has its lowest bit
+    flipped (one element changes; every other byte, header and file is the same).
+
+    Returns:
+        ``dst``.
+    """
+    shutil.copytree(src, dst)
+    for path in sorted(dst.glob("*.safetensors")):
+        base, header = safetensors_header(path)
+        if tensor not in header:
+            continue
+        start, end = header[tensor]["data_offsets"]
+        at = base + (start + byte if byte >= 0 else end + byte)
+        assert base + start <= at < base + end, (tensor, byte)
+        with open(path, "r+b") as f:
+            f.seek(at)
+            old = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([old ^ 1]))
+        return dst
+    raise KeyError(f"{tensor} is in no safetensors file of {src}")
 
 
 # ---- the comparator (invariant 4 in docs/architecture.md) ------------------------------

@@ -289,6 +289,17 @@ def test_kv_tiers_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert t["disk_feature_loads"] == 2 and t["disk_hit_tokens"] >= 2 * 560
 
 
+def test_model_identity_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["model-identity", "--model", str(model_dir), "--repeats", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "model_identity.json").read_text())
+    total = out["cold"]["bytes_total"]
+    assert total > (model_dir / "model.safetensors").stat().st_size
+    assert out["cold"]["bytes_read"] == out["warm"]["bytes_read"] == total
+    assert out["memo"]["bytes_read"] == 0 and out["memo"]["memo_hits"] == out["memo"]["files"]
+    assert out["cold"]["digest"] == out["memo"]["digest"]
+
+
 def test_video_budget_benchmark_tiny(families, tmp_path: Path) -> None:
     ov = families["llava-onevision"]
     per = ov.loaded.family.video_frame_tokens()

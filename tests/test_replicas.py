@@ -949,6 +949,110 @@ def test_encoder_router_sends_each_key_to_one_encoder_and_moves_only_a_dead_ones
     asyncio.run(main())
 
 
+# ---- the model identity in the fleet's shared caches ---------------------------------------
+MODEL_A, MODEL_B = b"A" * 16, b"B" * 16
+
+
+def test_encoder_features_are_keyed_on_the_model_and_another_model_is_refused() -> None:
+    """An encoder of one checkpoint never answers a replica of another (a redeployment
+    runs both at once): its store keys features on the model too, it refuses a call for
+    another model, and a replica drops features that name another model (its own tower
+    runs)."""
+    from mmserve.fleet.encoder import (
+        EncodeCall,
+        EncoderClient,
+        FeatureRef,
+        FeatureStore,
+        VisionEncoder,
+    )
+
+    key = b"k" * 16
+    store = FeatureStore(max_bytes=1000)
+    store.put(FeatureRef(key, "feats of A", 10, True, MODEL_A))
+    assert store.get(key, MODEL_A).ref == "feats of A"
+    assert store.get(key, MODEL_B) is None and store.get(key) is None
+
+    enc = VisionEncoder.__new__(VisionEncoder)  # its state only (no Ray replica context)
+    enc.identity, enc.store, enc._inflight = MODEL_A, store, {}
+    enc.fetches = enc.hits = enc.queue = 0
+    got = asyncio.run(enc.encode(EncodeCall(key, "image", None, MODEL_A)))
+    assert (got.ref, got.model, got.encoded, enc.hits) == ("feats of A", MODEL_A, False, 1)
+    with pytest.raises(ValueError, match="serves model 4141"):
+        asyncio.run(enc.encode(EncodeCall(key, "image", None, MODEL_B)))
+    with pytest.raises(ValueError, match="no model"):
+        asyncio.run(enc.encode(EncodeCall(key, "image", None)))
+
+    class Answer:
+        def __init__(self, feature: FeatureRef) -> None:
+            self.feature = feature
+
+        def result(self, timeout_s: float) -> FeatureRef:
+            return self.feature
+
+        def cancel(self) -> None:
+            pass
+
+    class Handle:
+        """An encoder deployment whose encoder answers with model A's features."""
+
+        calls: list[EncodeCall] = []
+
+        class encode:
+            @staticmethod
+            def remote(call: EncodeCall) -> Answer:
+                Handle.calls.append(call)
+                return Answer(FeatureRef(call.key, "ref", 10, True, MODEL_A))
+
+    item = dataclasses.make_dataclass("Item", ["key", "mode", "pixels_ref"])(key, "image", "px")
+    client = EncoderClient(Handle, timeout=1.0, model=MODEL_B)
+    assert client([item]) == [None] and client.fallbacks == 1 and client.fetched == 0
+    assert Handle.calls[-1].model == MODEL_B
+
+
+def test_cache_router_keys_prefixes_on_the_model() -> None:
+    """A prompt routed (and recorded) for one checkpoint is no prefix hit, and no disk
+    hit, for another: the trees keep each model's sequences apart."""
+    from ray.serve._private.common import (
+        DeploymentHandleSource,
+        DeploymentID,
+        RequestMetadata,
+    )
+    from ray.serve.request_router import PendingRequest
+
+    from mmserve.fleet.protocol import ReplicaRequest
+    from mmserve.fleet.router import CacheAwareRouter
+
+    dep = DeploymentID(name="EngineReplica", app_name="models")
+    a, b = FakeReplica("a", dep), FakeReplica("b", dep)
+    prompt = [*range(10), *(-(i + 1) for i in range(50)), 7]
+
+    async def route(router: CacheAwareRouter, model: bytes, rid: str) -> str:
+        rr = ReplicaRequest(rid, prompt, [], SamplingParams(), model=model)
+        md = RequestMetadata(request_id=rid, internal_request_id=rid)
+        pr = PendingRequest(args=[rr], kwargs={}, metadata=md)
+        chosen = (await router.choose_replicas([a, b], pr))[0][0]
+        router.on_request_routed(pr, chosen.replica_id, None)
+        router.on_request_completed(chosen.replica_id, rid)
+        return chosen.replica_id.unique_id
+
+    async def main() -> None:
+        router = CacheAwareRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(max_tree_tokens=1000, disk_tree_tokens=10_000)
+        router.update_replicas([a, b])
+        first = await route(router, MODEL_A, "a1")
+        assert await route(router, MODEL_A, "a2") == first
+        await route(router, MODEL_B, "b1")
+        snap = router.snapshot()
+        assert snap["by_reason"] == {"no_match": 2, "prefix": 1}, snap["by_reason"]
+        held = {u: r["matched_tokens"] for u, r in snap["replicas"].items()}
+        assert sum(held.values()) == len(prompt)  # only A's second request matched
+        assert snap["disk_tree_tokens"] == 2 * len(prompt)  # the same ids, two models
+        router.record_output("b", [*prompt, 1, 2], MODEL_A)
+        assert router.snapshot()["replicas"]["b"]["tree_tokens"] == 2 * len(prompt) + 2
+
+    asyncio.run(main())
+
+
 @pytest.fixture(scope="class")
 def enc_ep(model_dir: Path, loaded, tmp_path_factory: pytest.TempPathFactory):
     """Two replicas (pow2) sharing one encoder whose store holds three images' features;

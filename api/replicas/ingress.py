@@ -475,13 +475,21 @@ class Ingress:
     ) -> None:
         import torch
 
+        from mmserve.model.identity import checkpoint_identity
+        from mmserve.model.weights import CheckpointError
         from mmserve.testing.checkpoints import ensure_model
 
         torch.set_num_threads(1)
         model_dir = config.model_path or str(ensure_model("tiny"))
         front = FrontEnd(config, load_frontend_model(model_dir))
         app_name = serve.get_replica_context().app_name
-        self.replicas = ReplicaClient(replicas, app_name, front.model.tokenizer)
+        # the router keys prefixes on the model the ids were made for
+        try:
+            ident = checkpoint_identity(model_dir, config.torch_dtype(), config.quantization)
+        except (CheckpointError, OSError) as exc:  # weights not on the ingress's node
+            log.warning("router prefixes not keyed on the model identity: %s", exc)
+            ident = b""
+        self.replicas = ReplicaClient(replicas, app_name, front.model.tokenizer, model=ident)
         name = served_name(settings, model_dir)
         enc = ReplicaClient(encoders, app_name, None) if encoders is not None else None
         self._app = create_ingress_app(front, self.replicas, settings, name, num_replicas, enc)

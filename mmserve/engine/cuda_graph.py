@@ -11,7 +11,10 @@ page table) and captures one graph per bucket (:func:`capture_sizes`: 1, 2, 4, 8
 write no page a real request reads. Before each replay the buffers are refilled and the
 attention backend re-planned into its own fixed buffers (FlashInfer's ``use_cuda_graph``
 decode wrappers); the graph computes embeddings, the decoder and the LM head into a
-static logits buffer, whose first ``B`` rows are the batch's.
+static fp32 logits buffer, whose first ``B`` rows are the batch's. One buffer of the
+largest bucket's rows serves every bucket (each writes its leading rows): a buffer per
+bucket would hold ``sum(buckets) x vocab x 4`` bytes (~2.6 GB at a 152k vocabulary with
+buckets up to 256) where one holds ``max_bs x vocab x 4`` (~156 MB).
 
 The padded path is not CUDA-only: where nothing is captured (the CPU, or a backend whose
 kernels cannot be captured) the same runner fills the same buffers and runs the
@@ -123,8 +126,10 @@ class DecodeGraphRunner:
     Attributes:
         buckets: the batch sizes (:func:`capture_sizes`); max_bs: the largest.
         buffers: the static inputs (:class:`~mmserve.kernels.metadata.PaddedDecodeBuffers`).
-        graphs, outputs: bucket -> captured graph and its static fp32 logits
-            ``[bucket, vocab]`` (empty without capture).
+        logits: the shared fp32 logits buffer ``[max_bs, vocab]`` every bucket writes
+            its leading rows of (captured or not).
+        graphs: bucket -> captured graph (empty without capture); outputs: bucket ->
+            its logits, ``logits[:bucket]`` (a view: no bucket owns a buffer of its own).
         capture_seconds: wall time of :meth:`capture` (0 before or without it).
         capture_bytes: device memory the graphs took (bytes; 0 without capture).
         replays: padded batches run so far (captured or eager), by bucket in
@@ -154,6 +159,9 @@ class DecodeGraphRunner:
         )
         self.capture_enabled = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits = torch.empty(
+            self.max_bs, logit_mask.shape[-1], dtype=torch.float32, device=self.device
+        )
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -168,13 +176,15 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def _forward(self, bucket: int) -> torch.Tensor:
         """The padded batch's logits ``[bucket, vocab]`` fp32 from the static buffers
-        (what a graph captures: embedding, decoder, LM head, logit mask)."""
+        (what a graph captures: embedding, decoder, LM head, logit mask), written into
+        the shared buffer's leading rows (``outputs[bucket]``)."""
         b = self.buffers
         embeds = token_embedding(self.decoder)(b.input_ids[:bucket])
         logits = self.decoder(
             embeds, b.positions[:bucket], self.backend, self.pool, b.logit_rows[:bucket]
         )
-        return logits + self.logit_mask
+        out = self.outputs.setdefault(bucket, self.logits[:bucket])
+        return torch.add(logits, self.logit_mask, out=out)
 
     def _fill(
         self, page_tables: Sequence, seq_lens: Sequence[int], ids: Sequence[int], bucket: int
@@ -211,13 +221,13 @@ class DecodeGraphRunner:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    out = self._forward(bucket)
+                    self._forward(bucket)
             except Exception as e:
                 raise RuntimeError(
                     f"CUDA graph capture of decode batch size {bucket} failed "
                     f"({type(e).__name__}: {e}); run with --disable-cuda-graph"
                 ) from e
-            self.graphs[bucket], self.outputs[bucket] = graph, out
+            self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
@@ -255,6 +265,6 @@ class DecodeGraphRunner:
         self.replays_by_bucket[bucket] = self.replays_by_bucket.get(bucket, 0) + 1
         graph = self.graphs.get(bucket)
         if graph is None:
-            return self._forward(bucket)[:n]
+            return self._forward(bucket)[:n].clone()
         graph.replay()
         return self.outputs[bucket][:n].clone()

@@ -26,7 +26,7 @@ from mmserve.cache.kv_pool import KVPool
 from mmserve.cache.kv_tiers import KVTiers
 from mmserve.engine.cuda_graph import DecodeGraphRunner
 from mmserve.engine.request import Request
-from mmserve.kernels.metadata import build_metadata
+from mmserve.kernels.metadata import AttentionMetadata, build_metadata
 from mmserve.kernels.select import make_attention_backend
 from mmserve.model.llama import token_embedding
 from mmserve.model.loader import LoadedModel
@@ -237,10 +237,12 @@ class ModelRunner:
         starts = [r.computed_len for r in reqs]
         ends = [s + e for s, e in zip(starts, extends, strict=True)]
         feats = self._features(reqs, starts, ends)
-        ids_all, rows = [], []
+        ids_all: list[int] = []
         for r, s, e in zip(reqs, starts, ends, strict=True):
             ids_all.extend(r.ids_slice(s, e))
-        ids = torch.tensor(ids_all, dtype=torch.int64, device=self.device)
+        meta = self._metadata(reqs, starts, list(extends), ids_all)
+        ids = meta.input_ids
+        assert ids is not None  # given to build_metadata
         embeds = token_embedding(self.model.decoder)(ids.clamp(min=0))
         for tid, vec in self.fixed_embeddings.items():
             embeds[ids == tid] = vec.to(embeds.dtype)
@@ -252,8 +254,7 @@ class ModelRunner:
                     f = feats[span.image.key][lo - span.start : hi - span.start]
                     embeds[offset + lo - s : offset + hi - s] = f.to(embeds.dtype)
             offset += e - s
-            rows.append(offset - 1)
-        return self._run([r.pages for r in reqs], starts, list(extends), embeds, rows)
+        return self._run(meta, embeds)
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> torch.Tensor:
@@ -266,17 +267,21 @@ class ModelRunner:
                 [r.computed_len + 1 for r in reqs],
                 [r.output_ids[-1] for r in reqs],
             )
-        ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
-        embeds = token_embedding(self.model.decoder)(ids)
         prefix = [r.computed_len for r in reqs]
-        return self._run([r.pages for r in reqs], prefix, [1] * len(reqs), embeds, None)
+        meta = self._metadata(reqs, prefix, [1] * len(reqs), [r.output_ids[-1] for r in reqs])
+        assert meta.input_ids is not None
+        return self._run(meta, token_embedding(self.model.decoder)(meta.input_ids))
 
-    def _run(self, pages, prefix, extend, embeds, rows) -> torch.Tensor:
-        meta = build_metadata(pages, prefix, extend, self.pool.page_size, self.device)
+    def _metadata(
+        self, reqs: list[Request], prefix: list[int], extend: list[int], ids: list[int]
+    ) -> AttentionMetadata:
+        """The step's metadata, token ids and logit rows, in one host-to-device copy."""
+        pages: list = [r.pages for r in reqs]  # PageTables: build_metadata reads their tensors
+        return build_metadata(pages, prefix, extend, self.pool.page_size, self.device, ids)
+
+    def _run(self, meta: AttentionMetadata, embeds: torch.Tensor) -> torch.Tensor:
         self.backend.plan(meta)
-        if rows is None:
-            rows_t = torch.arange(len(extend), device=self.device)
-        else:
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        logits = self.model.decoder(embeds, meta.positions, self.backend, self.pool, rows_t)
+        rows = meta.logit_rows
+        assert rows is not None  # build_metadata sets them
+        logits = self.model.decoder(embeds, meta.positions, self.backend, self.pool, rows)
         return logits + self.logit_mask

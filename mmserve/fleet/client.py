@@ -69,6 +69,9 @@ class ReplicaClient:
             an image asked about again is not put again (LRU beyond it).
         accept_seconds: how long a request may wait for a replica to start it (routing
             included); beyond, it ends with an error instead of waiting on.
+        model: identity of the served model
+            (:func:`~mmserve.model.identity.checkpoint_identity`), sent with each request:
+            the cache router keys its prefix trees on it.
 
     Attributes:
         retries: requests sent again after their replica died.
@@ -83,8 +86,10 @@ class ReplicaClient:
         tokenizer: Tokenizer,
         max_pixel_bytes: int = 1 << 30,
         accept_seconds: float = ACCEPT_SECONDS,
+        model: bytes = b"",
     ) -> None:
         self.handle = handle
+        self.model = model
         self.accept_seconds = accept_seconds
         self.tokenizer = tokenizer
         self.app_name = app_name
@@ -127,7 +132,12 @@ class ReplicaClient:
             for s in req.spans
         ]
         return ReplicaRequest(
-            req.rid, list(req.input_ids), spans, req.params, priority=req.priority
+            req.rid,
+            list(req.input_ids),
+            spans,
+            req.params,
+            priority=req.priority,
+            model=self.model,
         )
 
     async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
@@ -225,7 +235,7 @@ class ReplicaClient:
         """The replica's tree in the router gains the output tokens."""
         router = find_router(self.app_name, self.deployment)
         if router is not None and replica is not None and result.finish_reason != "error":
-            router.record_output(replica, [*req.input_ids, *result.output_ids])
+            router.record_output(replica, [*req.input_ids, *result.output_ids], self.model)
 
     # ---- control calls ---------------------------------------------------------
     async def call(self, kind: str, target: str | None = None, timeout: float = 10.0) -> dict:

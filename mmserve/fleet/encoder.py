@@ -7,10 +7,14 @@ embedding cache and prefix cache both miss an image sends an :class:`EncodeCall`
 (the image's key, mode and the ``ObjectRef`` of its pixels, which the ingress put
 once); the encoder answers a :class:`FeatureRef`: the ``ObjectRef`` of the
 ``[tokens, text_hidden]`` features in Ray's object store, encoded on first request
-and kept under the key (content-addressed: the same key from any replica resolves to
-the same object) in a :class:`FeatureStore` bounded by ``--encoder-cache-bytes``; the
-least recently used references are dropped beyond it, and Ray frees an object once no
-one holds its reference. Concurrent calls for one key share one tower run.
+and kept under the model identity and the key (content-addressed: the same key from any
+replica resolves to the same object) in a :class:`FeatureStore` bounded by
+``--encoder-cache-bytes``. Each call names the model it wants
+(:func:`~mmserve.model.identity.checkpoint_identity`: every byte of the checkpoint's files
+and the dtype): an encoder of another checkpoint (a redeployment runs old and new side by
+side) refuses it, and the replica runs its own tower. The least recently used
+references are dropped beyond the store's bound, and Ray frees an object once no one
+holds its reference. Concurrent calls for one key share one tower run.
 
 With several encoders, :class:`KeyAffinityRouter` sends every key to the same encoder
 (rendezvous hashing over the running encoders), so each key is encoded once; when
@@ -59,11 +63,15 @@ class EncodeCall:
         key: the item's content key.
         mode: how the family encodes it (``ImageInput.mode``).
         pixels: ``ray.ObjectRef`` of its preprocessed :class:`~mmserve.vision.pixels.Pixels`.
+        model: identity of the model whose features are wanted
+            (:func:`~mmserve.model.identity.checkpoint_identity` of the replica's checkpoint
+            and dtype); an encoder serving another one refuses the call.
     """
 
     key: bytes
     mode: str
     pixels: Any
+    model: bytes = b""
 
 
 @dataclass
@@ -76,16 +84,18 @@ class FeatureRef:
             compute dtype, on CPU).
         nbytes: size of the features in bytes.
         encoded: whether this call ran the tower (else the store held them).
+        model: identity of the model that computed them (:attr:`EncodeCall.model`).
     """
 
     key: bytes
     ref: Any
     nbytes: int
     encoded: bool
+    model: bytes = b""
 
 
 class FeatureStore:
-    """Object-store references of features by key, LRU-bounded in bytes.
+    """Object-store references of features by model identity and key, LRU-bounded in bytes.
 
     Dropping a reference lets Ray free the object once no replica holds it either.
 
@@ -98,18 +108,20 @@ class FeatureStore:
         if max_bytes < 1:
             raise ValueError(f"encoder cache bytes must be >= 1, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._lru: LRU[bytes, FeatureRef] = LRU(
+        self._lru: LRU[tuple[bytes, bytes], FeatureRef] = LRU(
             max_bytes=max_bytes, size=lambda f: f.nbytes, keep_newest=True
         )
         self.released = 0
 
-    def get(self, key: bytes) -> FeatureRef | None:
-        """The stored answer for ``key`` (marked recently used), or None."""
-        return self._lru.get(key)
+    def get(self, key: bytes, model: bytes = b"") -> FeatureRef | None:
+        """The stored answer for ``key`` computed by ``model`` (marked recently used), or
+        None: another model's features of the same image are never returned."""
+        return self._lru.get((model, key))
 
     def put(self, feature: FeatureRef) -> None:
-        """Store ``feature``; the least recently used ones beyond the bound are released."""
-        self.released += len(self._lru.put(feature.key, feature))
+        """Store ``feature`` under its model and key; the least recently used ones beyond
+        the bound are released."""
+        self.released += len(self._lru.put((feature.model, feature.key), feature))
 
     @property
     def nbytes(self) -> int:
@@ -133,6 +145,7 @@ class VisionEncoder:
     def __init__(self, config: EngineConfig, threads: int = 1, cache_bytes: int = 1 << 30) -> None:
         import torch
 
+        from mmserve.model.identity import checkpoint_identity
         from mmserve.model.loader import load_vision, read_front_end
 
         torch.set_num_threads(max(1, threads))
@@ -143,6 +156,8 @@ class VisionEncoder:
         model_dir = Path(config.model_path)
         _, _, family = read_front_end(model_dir)
         self.vision = load_vision(model_dir, family, config.torch_dtype(), config.device)
+        # features are the vision tower's: checkpoint and dtype (never quantized)
+        self.identity = checkpoint_identity(model_dir, config.torch_dtype())
         self.store = FeatureStore(cache_bytes)
         self.uid = serve.get_replica_context().replica_id.unique_id
         self.pid = os.getpid()
@@ -151,7 +166,7 @@ class VisionEncoder:
         self.hits = 0
         self.fetches = 0
         self.queue = 0
-        self._inflight: dict[bytes, asyncio.Future] = {}
+        self._inflight: dict[tuple[bytes, bytes], asyncio.Future] = {}
         self._tower = threading.Lock()  # one tower call at a time (its own threads)
 
     def _encode_now(self, call: EncodeCall) -> FeatureRef:
@@ -167,26 +182,35 @@ class VisionEncoder:
         feats = feats.detach().to("cpu").contiguous()
         self.runs += 1
         nbytes = feats.numel() * feats.element_size()
-        return FeatureRef(call.key, ray.put(feats), nbytes, True)
+        return FeatureRef(call.key, ray.put(feats), nbytes, True, self.identity)
 
     async def encode(self, call: EncodeCall) -> FeatureRef:
         """The features of ``call.key``: from the store, else encoded now (once however
         many replicas ask at the same time).
 
         Raises:
-            ValueError: pixels prepared for another mode.
+            ValueError: pixels prepared for another mode, or a call for another model
+                (``call.model`` is not this encoder's identity: during a redeployment an
+                encoder of the old checkpoint must not answer the new one's replicas,
+                which then run their own tower).
         """
         self.fetches += 1
-        hit = self.store.get(call.key)
+        if call.model != self.identity:
+            raise ValueError(
+                f"this encoder serves model {self.identity.hex()}, the call is for "
+                f"{call.model.hex() or 'no model'}"
+            )
+        slot = (call.model, call.key)
+        hit = self.store.get(call.key, call.model)
         if hit is not None:
             self.hits += 1
-            return FeatureRef(hit.key, hit.ref, hit.nbytes, False)
-        running = self._inflight.get(call.key)
+            return FeatureRef(hit.key, hit.ref, hit.nbytes, False, hit.model)
+        running = self._inflight.get(slot)
         if running is not None:
             got = await asyncio.shield(running)
-            return FeatureRef(got.key, got.ref, got.nbytes, False)
+            return FeatureRef(got.key, got.ref, got.nbytes, False, got.model)
         fut = asyncio.get_running_loop().create_future()
-        self._inflight[call.key] = fut
+        self._inflight[slot] = fut
         self.queue += 1
         try:
             got = await asyncio.to_thread(self._encode_now, call)
@@ -202,7 +226,7 @@ class VisionEncoder:
             raise
         finally:
             self.queue -= 1
-            del self._inflight[call.key]
+            del self._inflight[slot]
 
     async def control(self, call: ControlCall) -> dict:
         """``stats`` (or any kind): this encoder's counters."""
@@ -274,15 +298,19 @@ class EncoderClient:
     Args:
         handle: ``DeploymentHandle`` of the encoder deployment.
         timeout: seconds per item (:data:`ENCODE_SECONDS`).
+        model: the replica's :func:`~mmserve.model.identity.checkpoint_identity` (its
+            checkpoint and dtype), sent with each call: only an encoder of the same model
+            answers, and a feature it answered is checked to be that model's.
 
     Attributes:
         fetched: items whose features came from an encoder.
         fallbacks: items an encoder did not answer in time (the replica's tower ran).
     """
 
-    def __init__(self, handle, timeout: float = ENCODE_SECONDS) -> None:
+    def __init__(self, handle, timeout: float = ENCODE_SECONDS, model: bytes = b"") -> None:
         self.handle = handle
         self.timeout = timeout
+        self.model = model
         self.fetched = 0
         self.fallbacks = 0
 
@@ -294,7 +322,8 @@ class EncoderClient:
             if ref is None:  # not a replica's item: nothing to send
                 pending.append(None)
                 continue
-            pending.append(self.handle.encode.remote(EncodeCall(im.key, im.mode, ref)))
+            call = EncodeCall(im.key, im.mode, ref, self.model)
+            pending.append(self.handle.encode.remote(call))
         out: list[torch.Tensor | None] = []
         deadline = time.monotonic() + self.timeout
         for im, resp in zip(items, pending, strict=True):
@@ -304,6 +333,8 @@ class EncoderClient:
             try:
                 left = max(0.1, deadline - time.monotonic())
                 got: FeatureRef = resp.result(timeout_s=left)
+                if got.model != self.model:
+                    raise ValueError("features of another model")
                 out.append(ray.get(got.ref, timeout=max(0.1, deadline - time.monotonic())))
                 self.fetched += 1
             except Exception as e:  # noqa: BLE001 - any failure: the replica's own tower

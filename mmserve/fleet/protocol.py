@@ -57,6 +57,10 @@ class ReplicaRequest:
         avoid: unique id of a replica not to use (it died serving this request).
         priority: the engine request's scheduling class (batch-job lines run at
             ``BACKGROUND`` on the replica too).
+        model: identity of the model the ids were made for
+            (:func:`~mmserve.model.identity.checkpoint_identity` of the ingress's checkpoint,
+            dtype and quantization); the cache router matches and records prefixes under it
+            only, so a prefix routed for one checkpoint never predicts a hit for another.
     """
 
     rid: str
@@ -65,6 +69,7 @@ class ReplicaRequest:
     params: SamplingParams
     avoid: str | None = None
     priority: int = 0
+    model: bytes = b""
 
 
 #: Kinds of :class:`ControlCall`.

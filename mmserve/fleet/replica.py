@@ -127,8 +127,11 @@ class EngineReplica:
         self.encoders = None
         if encoders is not None:
             from mmserve.fleet.encoder import EncoderClient
+            from mmserve.model.identity import checkpoint_identity
 
-            self.encoders = EncoderClient(encoders)
+            # features are the vision tower's: the checkpoint and dtype, never quantized
+            ident = checkpoint_identity(config.model_path, config.torch_dtype())
+            self.encoders = EncoderClient(encoders, model=ident)
             self.engine.set_feature_source(self.encoders)
         self.aengine = AsyncEngine(self.engine)
         self.aengine.start()

@@ -16,7 +16,9 @@ which replicas to try (:meth:`choose_replicas`, best rank first).
   new images spread); but when the load is uneven (the busiest replica has more than
   ``balance_abs_threshold`` requests above the idlest and more than
   ``balance_rel_threshold`` times its load) always to the least-loaded one (``load``).
-  Load is the requests this ingress has in flight on each replica. With the disk KV
+  Load is the requests this ingress has in flight on each replica. Sequences are kept
+  under the model identity the ingress sends (:attr:`ReplicaRequest.model`): a prefix
+  routed for one checkpoint never counts as held for another. With the disk KV
   tier (``--kv-disk-dir``, one directory the replicas share) it also keeps one tree of
   every sequence routed to any replica (``disk_tree_tokens``): pages reach the disk when
   a replica evicts them or stops, so a prompt that no replica's tree holds but that
@@ -60,6 +62,25 @@ def _payload(pr: PendingRequest | None) -> ReplicaRequest | ControlCall | None:
         if isinstance(arg, (ReplicaRequest, ControlCall)):
             return arg
     return None
+
+
+def _keyed(model: bytes, ids: Sequence[int]) -> list[int]:
+    """``ids`` behind one token standing for ``model`` (:attr:`ReplicaRequest.model`): the
+    trees then hold each model's sequences apart, and a prefix recorded for one checkpoint
+    never matches a request for another (a negative id like an image pseudo-id; 63 bits
+    of the identity)."""
+    return [-1 - (int.from_bytes(model[:8].ljust(8, b"\0"), "little") >> 1), *ids]
+
+
+def _match(tree: PrefixTree | None, keyed: list[int]) -> int:
+    """Tokens of ``keyed``'s prompt (its model token not counted) that ``tree`` holds."""
+    return max(0, tree.match(keyed) - 1) if tree is not None else 0
+
+
+def _tokens(tree: PrefixTree | None) -> int:
+    """Prompt tokens ``tree`` holds: its size less one model token per model (each is the
+    first token of one edge from the root)."""
+    return tree.size - len(tree.root.children) if tree is not None else 0
 
 
 def _uid(replica: RunningReplica | ReplicaID) -> str:
@@ -177,14 +198,15 @@ class _Tracking:
             reason, matched = decision[1], decision[2]
         else:  # not the router's first choice (it was full): a load decision
             reason, matched = "load", None
+        keyed = _keyed(payload.model, payload.input_ids)
         with self._lock:
             approx = self._trees.get(uid)
             if matched is None:
-                matched = approx.match(payload.input_ids) if approx is not None else 0
+                matched = _match(approx, keyed)
             if approx is not None:
-                approx.insert(payload.input_ids)
+                approx.insert(keyed)
             if self._disk is not None:
-                self._disk.insert(payload.input_ids)
+                self._disk.insert(keyed)
             self._inflight[uid] += 1
             self._owner[key] = uid
             self._routed[uid][reason] += 1
@@ -227,14 +249,16 @@ class _Tracking:
         """Unique ids of the replicas the router may route to now."""
         return sorted(_uid(r) for r in self.curr_replicas.values())  # type: ignore[attr-defined]
 
-    def record_output(self, uid: str, ids: Sequence[int]) -> None:
-        """A finished request's prompt and output are in ``uid``'s cache now."""
+    def record_output(self, uid: str, ids: Sequence[int], model: bytes = b"") -> None:
+        """A finished request's prompt and output are in ``uid``'s cache now (for
+        ``model``, :attr:`ReplicaRequest.model`)."""
+        keyed = _keyed(model, ids)
         with self._lock:
             approx = self._trees.get(uid)
             if approx is not None:
-                approx.insert(ids)
+                approx.insert(keyed)
             if self._disk is not None:
-                self._disk.insert(ids)
+                self._disk.insert(keyed)
 
     def forget(self, uid: str) -> None:
         """``uid``'s cache was flushed: empty its tree."""
@@ -261,7 +285,7 @@ class _Tracking:
                     "predicted_hit_rate": (
                         self._matched_tokens.get(uid, 0) / routed if routed else 0.0
                     ),
-                    "tree_tokens": approx.size if approx is not None else 0,
+                    "tree_tokens": _tokens(approx),
                 }
         by_reason: dict[str, int] = defaultdict(int)
         for info in replicas.values():
@@ -271,7 +295,7 @@ class _Tracking:
             "policy": self.policy,
             "by_reason": dict(by_reason),
             "replicas": replicas,
-            "disk_tree_tokens": self._disk.size if self._disk is not None else 0,
+            "disk_tree_tokens": _tokens(self._disk),
         }
 
     # ---- helpers -------------------------------------------------------------
@@ -280,7 +304,7 @@ class _Tracking:
 
     def _tree_size(self, r: RunningReplica) -> int:
         approx = self._trees.get(_uid(r))
-        return approx.size if approx is not None else 0
+        return _tokens(approx)
 
     def _by_load(self, cands: list[RunningReplica]) -> list[RunningReplica]:
         """Least loaded first; ties: smallest tree, then replica id."""
@@ -298,6 +322,7 @@ class CacheAwareRouter(_Tracking, RequestRouter):
         if not isinstance(payload, ReplicaRequest):
             return [order], "no_match", None
         ids = payload.input_ids
+        keyed = _keyed(payload.model, ids)
         with self._lock:
             loads = [self._load(r) for r in order]
             lo, hi = min(loads), max(loads)
@@ -306,11 +331,10 @@ class CacheAwareRouter(_Tracking, RequestRouter):
             else:
                 matches = {}
                 for r in order:
-                    approx = self._trees.get(_uid(r))
-                    matches[_uid(r)] = approx.match(ids) if approx is not None else 0
+                    matches[_uid(r)] = _match(self._trees.get(_uid(r)), keyed)
                 best = max(order, key=lambda r: matches[_uid(r)])  # ties: least loaded
                 held = matches[_uid(best)]
-                on_disk = self._disk.match(ids) if self._disk is not None else 0
+                on_disk = _match(self._disk, keyed)
                 if ids and held and held >= self.cache_threshold * len(ids):
                     choice, reason = best, "prefix"
                     rest = sorted(
@@ -324,13 +348,13 @@ class CacheAwareRouter(_Tracking, RequestRouter):
             # the tree learns the request now, not when the replica has accepted it, so a
             # question about the same new image right behind it follows it
             approx = self._trees.get(_uid(choice))
-            matched = approx.match(ids) if approx is not None else 0
+            matched = _match(approx, keyed)
             if reason == "disk":
                 matched = max(matched, on_disk)
             if approx is not None:
-                approx.insert(ids)
+                approx.insert(keyed)
             if self._disk is not None:
-                self._disk.insert(ids)
+                self._disk.insert(keyed)
         return [[choice], rest], reason, matched
 
 

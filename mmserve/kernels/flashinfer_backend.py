@@ -174,16 +174,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Plan the decode or prefill wrapper for this batch; every layer reuses the plan.
 
         Args:
-            meta: the batch's metadata, with index tensors on this backend's device.
+            meta: the batch's metadata, with index tensors on this backend's device
+                (and host copies of indptr / last-page lengths where it has them, which
+                are passed instead: no copy back).
         """
         self._meta = meta
-        pages = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+        # the host copies where the metadata has them: FlashInfer reads indptr and the
+        # last-page lengths on the host and would copy device ones back (a sync)
+        indptr, last = meta.host_pages or (meta.kv_indptr, meta.kv_last_page_len)
+        qo = meta.host_qo_indptr if meta.host_qo_indptr is not None else meta.qo_indptr
+        pages = (indptr, meta.kv_indices, last)
         heads, types = self._plan_args(meta)
         if meta.is_decode:
             self._decode.plan(*pages, *heads, **types)
             self._wrapper = self._decode
         else:
-            self._prefill.plan(meta.qo_indptr, *pages, *heads, causal=True, **types)
+            self._prefill.plan(qo, *pages, *heads, causal=True, **types)
             self._wrapper = self._prefill
 
     def plan_padded(self, meta: AttentionMetadata) -> None:

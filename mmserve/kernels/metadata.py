@@ -34,9 +34,15 @@ class AttentionMetadata:
         seq_lens: Python list of each request's KV length after this step (tokens).
         extend_lens: Python list of each request's new tokens (tokens).
         is_decode: True when every request has exactly one new token.
-        host_pages: None, or CPU copies ``(kv_indptr, kv_last_page_len)`` of a padded
-            decode batch's fixed-address buffers (:class:`PaddedDecodeBuffers`), which
-            a planner reads instead of copying the device tensors back (a sync).
+        host_pages: None, or CPU copies ``(kv_indptr, kv_last_page_len)`` (of a padded
+            decode batch's fixed-address buffers, :class:`PaddedDecodeBuffers`, or of
+            :func:`build_metadata`'s host buffer), which a planner reads instead of
+            copying the device tensors back (a sync).
+        host_qo_indptr: None, or a CPU copy of ``qo_indptr`` (:func:`build_metadata`).
+        logit_rows: None, or int64 ``[B]``: each request's last new token's row
+            (``qo_indptr[1:] - 1``), on the device (:func:`build_metadata`).
+        input_ids: None, or int64 ``[T]``: the new tokens' ids, on the device, when
+            :func:`build_metadata` was given them.
     """
 
     qo_indptr: torch.Tensor
@@ -50,11 +56,23 @@ class AttentionMetadata:
     extend_lens: list[int]
     is_decode: bool
     host_pages: tuple[torch.Tensor, torch.Tensor] | None = None
+    host_qo_indptr: torch.Tensor | None = None
+    logit_rows: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         """Number of requests in the batch."""
         return len(self.seq_lens)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: the one host-to-device copy of a step's index arrays
+    (asynchronous: ``host`` is page-locked on CUDA); ``host`` itself on the CPU. Every
+    eager step's copies go through here (tests count them)."""
+    if device.type == "cpu":
+        return host
+    return host.to(device, non_blocking=True)
 
 
 def build_metadata(
@@ -63,8 +81,16 @@ def build_metadata(
     extend_lens: Sequence[int],
     page_size: int,
     device: torch.device | str = "cpu",
+    token_ids: Sequence[int] | None = None,
 ) -> AttentionMetadata:
     """Build the metadata for a batch of requests.
+
+    Every array is built on the host in one buffer (page-locked on CUDA; the int32
+    arrays packed two to an int64 word) and copied to ``device`` once
+    (:func:`to_device`, asynchronous): no per-request copy, no dtype conversion and no
+    synchronization. The host views stay in the metadata
+    (:attr:`~AttentionMetadata.host_pages`, :attr:`~AttentionMetadata.host_qo_indptr`)
+    for planners that read the page table on the host.
 
     Args:
         page_tables: per request, its page ids covering at least
@@ -75,23 +101,23 @@ def build_metadata(
         extend_lens: per request, new tokens computed this step (>= 1).
         page_size: tokens per page ``P`` (>= 1).
         device: where the index tensors live.
+        token_ids: the batch's new token ids (``sum(extend_lens)``), carried in the same
+            copy as :attr:`~AttentionMetadata.input_ids`; None: not carried.
 
     Returns:
         An :class:`AttentionMetadata`.
 
     Raises:
-        ValueError: on mismatched lengths, an empty extend, or a page table too
-            short for ``prefix_len + extend_len`` tokens.
+        ValueError: on mismatched lengths, an empty extend, a page table too short for
+            ``prefix_len + extend_len`` tokens, or ``token_ids`` of another length.
     """
     if not (len(page_tables) == len(prefix_lens) == len(extend_lens)):
         raise ValueError("page_tables, prefix_lens and extend_lens differ in length")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    qo_indptr, kv_indptr, last_len = [0], [0], []
-    chunks: list[torch.Tensor] = []  # each request's used page ids, int32
-    locs: list[torch.Tensor] = []
-    positions: list[torch.Tensor] = []
-    seq_lens = []
+    device = torch.device(device)
+    B = len(extend_lens)
+    n_pages_of, seq_lens = [], []
     for pages, prefix, extend in zip(page_tables, prefix_lens, extend_lens, strict=True):
         if extend < 1 or prefix < 0:
             raise ValueError(f"bad lengths: prefix {prefix}, extend {extend}")
@@ -99,35 +125,71 @@ def build_metadata(
         n_pages = -(-seq // page_size)
         if len(pages) < n_pages:
             raise ValueError(f"{seq} tokens need {n_pages} pages, page table has {len(pages)}")
+        n_pages_of.append(n_pages)
+        seq_lens.append(seq)
+    T, N = sum(extend_lens), sum(n_pages_of)
+    if token_ids is not None and len(token_ids) != T:
+        raise ValueError(f"{len(token_ids)} token ids for {T} new tokens")
+    # one host buffer, int64; its first words hold the int32 arrays two to a word:
+    # qo_indptr | kv_indptr | last_page_len | kv_indices, then (int64) logit rows |
+    # out_cache_loc | positions | token ids (64-bit: image pseudo-token ids are hashes)
+    n32 = [B + 1, B + 1, B, N]
+    n64 = [B, T, T, T if token_ids is not None else 0]
+    words32 = -(-sum(n32) // 2)
+    host = torch.empty(words32 + sum(n64), dtype=torch.int64, pin_memory=device.type == "cuda")
+
+    def split(buf: torch.Tensor) -> list[torch.Tensor]:
+        flat32 = buf[:words32].view(torch.int32)
+        out, at = [], 0
+        for n in n32:
+            out.append(flat32[at : at + n])
+            at += n
+        at = words32
+        for n in n64:
+            out.append(buf[at : at + n])
+            at += n
+        return out
+
+    qo, kv_ptr, last, indices, rows, loc, pos, ids = split(host)
+    n_pages_t = torch.tensor(n_pages_of, dtype=torch.int32)
+    qo[0], kv_ptr[0] = 0, 0
+    torch.cumsum(torch.tensor(list(extend_lens), dtype=torch.int32), 0, out=qo[1:])
+    torch.cumsum(n_pages_t, 0, out=kv_ptr[1:])
+    last.copy_(torch.tensor(seq_lens, dtype=torch.int32) - (n_pages_t - 1) * page_size)
+    rows.copy_(qo[1:] - 1)  # each request's last new token
+    off = 0
+    for i, (pages, n_pages) in enumerate(zip(page_tables, n_pages_of, strict=True)):
         # a PageTable hands over a view; a list is converted (tests, other callers)
-        used = (
+        indices[off : off + n_pages] = (
             pages.tensor(n_pages)
             if hasattr(pages, "tensor")
             else torch.tensor(list(pages[:n_pages]), dtype=torch.int32)
-        ).to(device=device, dtype=torch.int32)
-        chunks.append(used)
-        kv_indptr.append(kv_indptr[-1] + n_pages)
-        qo_indptr.append(qo_indptr[-1] + extend)
-        last_len.append(seq - (n_pages - 1) * page_size)
-        pos = torch.arange(prefix, seq, dtype=torch.int64, device=device)
-        locs.append(used[pos // page_size].to(torch.int64) * page_size + pos % page_size)
-        positions.append(pos)
-        seq_lens.append(seq)
-
-    def i32(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int32, device=device)
-
+        )
+        q0, q1 = int(qo[i]), int(qo[i + 1])
+        p = pos[q0:q1]
+        torch.arange(seq_lens[i] - (q1 - q0), seq_lens[i], dtype=torch.int64, out=p)
+        # slot of each new token: its page (among this request's) * P + offset in it
+        page_of = indices[off + torch.div(p, page_size, rounding_mode="floor")]
+        loc[q0:q1] = page_of.to(torch.int64) * page_size + p % page_size
+        off += n_pages
+    if token_ids is not None:
+        ids.copy_(torch.tensor(list(token_ids), dtype=torch.int64))
+    d = split(to_device(host, device))
     return AttentionMetadata(
-        qo_indptr=i32(qo_indptr),
-        kv_indptr=i32(kv_indptr),
-        kv_indices=torch.cat(chunks),
-        kv_last_page_len=i32(last_len),
+        qo_indptr=d[0],
+        kv_indptr=d[1],
+        kv_indices=d[3],
+        kv_last_page_len=d[2],
         page_size=page_size,
-        out_cache_loc=torch.cat(locs),
-        positions=torch.cat(positions),
+        out_cache_loc=d[5],
+        positions=d[6],
         seq_lens=seq_lens,
         extend_lens=list(extend_lens),
         is_decode=all(e == 1 for e in extend_lens),
+        host_pages=(kv_ptr, last),
+        host_qo_indptr=qo,
+        logit_rows=d[4],
+        input_ids=d[7] if token_ids is not None else None,
     )
 
 

@@ -6,6 +6,8 @@ specification and runs everywhere; its arithmetic is transformers' Llama arithme
 (RMSNorm in fp32 then rounded, RoPE tables computed in fp32 from fp32 inverse
 frequencies then rounded), so greedy tokens stay equal to transformers'. On CUDA with
 fp16/bf16 tensors and an importable ``flashinfer``, FlashInfer's fused kernels run instead
+(inside a decoder forward only when the attention backend is FlashInfer: see
+:func:`fused_ops`, so ``--attention-backend torch`` runs no FlashInfer kernel)
 (``flashinfer.norm.rmsnorm`` / ``fused_add_rmsnorm``,
 ``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace``,
 ``flashinfer.activation.silu_and_mul``); they keep intermediates in fp32, so they equal the
@@ -21,7 +23,10 @@ Variants Improve Transformer" (arXiv 2002.05202).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +48,27 @@ def _flashinfer():
     return flashinfer
 
 
+#: Whether FlashInfer's fused ops may run in this context (None: where they can, as
+#: outside a decoder forward). A context variable: each thread / engine sets its own.
+_FUSED_FLASHINFER: ContextVar[bool | None] = ContextVar("fused_flashinfer", default=None)
+
+
+@contextlib.contextmanager
+def fused_ops(flashinfer: bool) -> Iterator[None]:
+    """Within the block, the fused ops run FlashInfer's kernels only if ``flashinfer``
+    (and where they can: CUDA fp16/bf16, ``flashinfer`` importable); with False the torch
+    ones always run and ``flashinfer`` is never imported. The decoder's forward enters it
+    with ``backend.name == "flashinfer"``, so the fused ops follow the attention backend."""
+    token = _FUSED_FLASHINFER.set(flashinfer)
+    try:
+        yield
+    finally:
+        _FUSED_FLASHINFER.reset(token)
+
+
 def _use_flashinfer(x: torch.Tensor) -> bool:
+    if _FUSED_FLASHINFER.get() is False:
+        return False
     return x.is_cuda and x.dtype in _FLASHINFER_DTYPES and _flashinfer() is not None
 
 

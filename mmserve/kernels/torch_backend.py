@@ -98,9 +98,10 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         """Precompute per-request slot indices and masks shared by every layer."""
         self._meta = meta
-        self._qo = meta.qo_indptr.tolist()
+        host_qo, host_pages = meta.host_qo_indptr, meta.host_pages
+        self._qo = (host_qo if host_qo is not None else meta.qo_indptr).tolist()
         P = meta.page_size
-        kv_indptr = meta.kv_indptr.tolist()
+        kv_indptr = (host_pages[0] if host_pages is not None else meta.kv_indptr).tolist()
         offsets = torch.arange(P, device=meta.kv_indices.device, dtype=torch.int64)
         self._slots, self._masks = [], []
         for i, seq in enumerate(meta.seq_lens):

@@ -192,10 +192,13 @@ class DecoderStack(nn.Module):
         """
         cache = self.rope_cache(embeds.device)
         x, residual = embeds, None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, cache, backend, pool)
-        assert residual is not None  # a decoder has at least one layer
-        x, _ = self.norm(x[logit_rows], residual[logit_rows])
+        # the fused norm/RoPE/SiLU ops follow the attention backend (no FlashInfer
+        # kernel at all under --attention-backend torch)
+        with ops.fused_ops(backend.name == "flashinfer"):
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, cache, backend, pool)
+            assert residual is not None  # a decoder has at least one layer
+            x, _ = self.norm(x[logit_rows], residual[logit_rows])
         return self.lm_head(x).float()
 
 

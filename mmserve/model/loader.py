@@ -78,6 +78,9 @@ class LoadedModel:
         quantization: the decoder weights' method ("none", "int8", "fp8").
         quantization_source: where it came from, in words ("--quantization int8,
             quantized at load" or "the checkpoint's compressed-tensors weights").
+        source: the directory the weights were read from (None: built in memory); what
+            :func:`~mmserve.model.identity.model_identity` digests.
+        identity: :func:`~mmserve.model.identity.model_identity`, once it has been computed.
     """
 
     config: PretrainedConfig
@@ -92,6 +95,8 @@ class LoadedModel:
     video_token_id: int | None = None
     quantization: str = "none"
     quantization_source: str = ""
+    source: Path | None = None
+    identity: bytes | None = None
 
     def image_tokens(self, width: int, height: int, mode: str = IMAGE_MODE) -> int:
         """Pseudo-tokens an image of ``width`` x ``height`` pixels becomes in ``mode``
@@ -579,4 +584,5 @@ def assemble(
         never_sample_ids=never,
         family=family,
         video_token_id=video_token_id,
+        source=model_dir,
     )

@@ -12,11 +12,19 @@ fastest kernel that exists for the case (picked per call, by device, dtype and r
   int8 matmul (``torch.ops.aten._weight_int8pack_mm``), measured here at 896 x 4864 on one
   thread: 0.40 ms against 1.64 for the bf16 matmul at 1 row, 0.99 vs 1.38 at 4, but 2.3 vs
   1.9 at 8 and 11 vs 4.5 at 64; with fp32 activations 3-40x slower than fp32 (never used);
-* fp8 on CUDA with compute capability >= 8.9: ``torch._scaled_mm`` with the activations
-  quantized per token on the fly (dynamic per-token scales, as vLLM's fp8 W8A8 does);
-  its CPU twin is :func:`fp8_w8a8_ref`;
-* otherwise the dequantized matmul ``linear(x, weight.to(x.dtype)) * scale`` (prefill-sized
-  batches; fp32; int8 on CUDA).
+* fp8 on CUDA with compute capability >= 8.9, bf16 or fp16 activations:
+  ``torch._scaled_mm`` with the activations quantized per token on the fly (dynamic
+  per-token scales, as vLLM's fp8 W8A8 does); its CPU twin is :func:`fp8_w8a8_ref`;
+* int8 on CUDA (input and output features multiples of 8): ``torch._int_mm`` (int8 x
+  int8 -> int32) on activations quantized to int8 per token on the fly (W8A8, dynamic
+  per-token scales), rows padded to more than 16 (cuBLASLt's rule); its CPU twin is
+  :func:`int8_w8a8_ref`. No per-call copy of the weight is made;
+* otherwise the dequantized matmul (prefill-sized CPU batches; fp32; shapes the fast
+  paths refuse): ``linear(x, weight.to(x.dtype)) * scale``, except in fp16, whose range
+  (65504) the unscaled product of real activations and raw int8/fp8 values exceeds:
+  there the weight is dequantized to fp16 with its scale folded in first, a block of
+  output channels at a time (:data:`DEQUANT_BLOCK_BYTES` of fp32 temporary), so no
+  intermediate leaves the true result's range.
 
 fp8 is refused on the CPU (:func:`check_quantization`): torch's CPU ``_scaled_mm`` took
 ~27 ms for that projection (17x the bf16 matmul) and upcasting fp8 weights ~20 ms.
@@ -55,6 +63,12 @@ INT8PACK_CHUNKED_ROWS = 8
 #: The CPU int8 kernel needs input features in multiples of this (torch 2.13 crashes or
 #: returns garbage at 8, 40 or 100; 16, 48, 80, 896 and 4864 are exact).
 INT8PACK_K_MULTIPLE = 16
+#: ``torch._int_mm`` needs more rows than this (cuBLASLt int8); fewer are zero-padded.
+INT_MM_MIN_ROWS = 17
+#: ... and input and output features that are multiples of this.
+INT_MM_MULTIPLE = 8
+#: fp32 temporary bytes of one block of output channels in the fp16 dequantized matmul.
+DEQUANT_BLOCK_BYTES = 32 << 20
 
 
 class QuantizationError(ValueError):
@@ -161,14 +175,116 @@ def fp8_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     return y.to(x.dtype)
 
 
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8 activations: each row of ``x`` ``[T, in]`` divided by its
+    own scale ``max|x_row| / 127``, rounded to the nearest and clamped to ``[-127, 127]``.
+
+    Returns:
+        ``(xq, xs)``: int8 ``[T, in]`` and fp32 ``[T, 1]`` scales.
+    """
+    xf = x.float()
+    xs = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+    return (xf / xs).round_().clamp_(-127, 127).to(torch.int8), xs
+
+
+def int8_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What :meth:`QuantizedLinear.forward` computes on the CUDA int8 path, on any device:
+    ``x`` ``[T, in]`` quantized per token (:func:`quantize_per_token_int8`), the exact
+    integer product ``xq @ q^T`` (in fp64, exact for ``in < 2**39``: what ``_int_mm``'s
+    int32 accumulator holds), both scales applied in fp32, rounded to ``x.dtype``.
+    Returns ``[T, out]`` (no bias)."""
+    xq, xs = quantize_per_token_int8(x)
+    acc = (xq.double() @ q.double().T).float()
+    return (acc * xs * scale.float()[None, :]).to(x.dtype)
+
+
+def _int_mm_w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The CUDA int8 path: per-token int8 activations, ``torch._int_mm`` against the
+    stored weight (``w.T``: column-major, as cuBLASLt wants), scales applied to the int32
+    accumulator in fp32. Rows are zero-padded to :data:`INT_MM_MIN_ROWS`."""
+    xq, xs = quantize_per_token_int8(x)
+    n = xq.shape[0]
+    if n < INT_MM_MIN_ROWS:
+        xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - n))
+    acc = torch._int_mm(xq, w.T)[:n]
+    return (acc.float() * xs * s[None, :]).to(x.dtype)
+
+
+def _dequant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``x @ (w * s[:, None])^T`` in ``x.dtype``. fp16: the weight is dequantized with its
+    scale folded in (fp32 product, then rounded to fp16) a block of output channels at a
+    time, so neither the product nor the temporaries overflow fp16's range; other dtypes
+    (fp32, bf16: fp32's range) scale the output."""
+    if x.dtype != torch.float16:
+        return F.linear(x, w.to(x.dtype)) * s.to(x.dtype)
+    out = x.new_empty(*x.shape[:-1], w.shape[0])
+    rows = max(1, DEQUANT_BLOCK_BYTES // (4 * w.shape[1]))
+    for lo in range(0, w.shape[0], rows):
+        hi = min(lo + rows, w.shape[0])
+        wd = (w[lo:hi].float() * s[lo:hi, None]).to(x.dtype)
+        out[..., lo:hi] = F.linear(x, wd)
+    return out
+
+
+def _on_cuda(x: torch.Tensor) -> bool:
+    # one place the kernel choice asks for the device (tests put the CPU in its stead)
+    return x.is_cuda
+
+
 def _fp8_mm_ok(x: torch.Tensor) -> bool:
-    # row-wise scaled _scaled_mm writes bf16 on every CUDA build; fp32/fp16 output only on
-    # some (sm90 + recent cuBLAS): other dtypes take the dequantized matmul
     return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
+        _on_cuda(x)
+        and x.dtype in (torch.bfloat16, torch.float16)
         and torch.cuda.get_device_capability(x.device) >= (8, 9)
     )
+
+
+#: Whether ``_scaled_mm`` writes fp16 with row-wise scales on this build (None: not tried
+#: yet). Builds that refuse it get bf16 output, then rounded to fp16.
+_FP8_FP16_OUT: bool | None = None
+
+
+def _scaled_mm_w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    global _FP8_FP16_OUT
+    xq, xs = quantize_per_token(x)
+    sb = s[None, :]
+    if x.dtype == torch.float16 and _FP8_FP16_OUT is not False:
+        try:
+            y = torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=sb, out_dtype=torch.float16)
+            _FP8_FP16_OUT = True
+            return y
+        except RuntimeError:
+            _FP8_FP16_OUT = False
+    return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16).to(x.dtype)
+
+
+def kernel_for(w: torch.Tensor, x: torch.Tensor) -> str:
+    """The kernel :meth:`QuantizedLinear.matmul` runs for stored weight ``w`` ``[out, in]``
+    and activations ``x`` ``[T, in]``: "int8pack" (CPU weight-only int8), "scaled_mm" (fp8
+    W8A8), "int_mm" (int8 W8A8) or "dequant" (the dequantized matmul)."""
+    out_f, in_f = w.shape
+    if x.dim() != 2:  # the fast kernels are 2-D matmuls
+        return "dequant"
+    if (
+        w.dtype == torch.int8
+        and x.device.type == "cpu"
+        and not _on_cuda(x)
+        and x.dtype == torch.bfloat16
+        and x.shape[0] <= INT8PACK_CHUNKED_ROWS
+        and in_f % INT8PACK_K_MULTIPLE == 0
+    ):
+        return "int8pack"
+    if w.dtype == torch.float8_e4m3fn and in_f % 16 == 0 and out_f % 16 == 0 and _fp8_mm_ok(x):
+        return "scaled_mm"  # 16: _scaled_mm's shape rule
+    if (
+        w.dtype == torch.int8
+        and _on_cuda(x)
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and in_f % INT_MM_MULTIPLE == 0
+        and out_f % INT_MM_MULTIPLE == 0
+    ):
+        return "int_mm"
+    return "dequant"
 
 
 class QuantizedLinear(nn.Module):
@@ -210,27 +326,18 @@ class QuantizedLinear(nn.Module):
         """``x @ dequantized^T`` (no bias): ``x`` ``[T, in]`` -> ``[T, out]``, ``x.dtype``."""
         w: torch.Tensor = self.weight
         s: torch.Tensor = self.weight_scale
-        if (
-            w.dtype == torch.int8
-            and x.device.type == "cpu"
-            and x.dtype == torch.bfloat16
-            and x.shape[0] <= INT8PACK_CHUNKED_ROWS
-            and self.in_features % INT8PACK_K_MULTIPLE == 0
-        ):
+        kernel = kernel_for(w, x)
+        if kernel == "int8pack":
             x, s = x.contiguous(), s.to(x.dtype)
             if x.shape[0] <= INT8PACK_MAX_ROWS:
                 return torch.ops.aten._weight_int8pack_mm(x, w, s)
             chunks = x.split(INT8PACK_MAX_ROWS)
             return torch.cat([torch.ops.aten._weight_int8pack_mm(c, w, s) for c in chunks])
-        if (
-            w.dtype == torch.float8_e4m3fn
-            and self.in_features % 16 == 0  # _scaled_mm's shape rule
-            and self.out_features % 16 == 0
-            and _fp8_mm_ok(x)
-        ):
-            xq, xs = quantize_per_token(x)
-            return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=s[None, :], out_dtype=x.dtype)
-        return F.linear(x, w.to(x.dtype)) * s.to(x.dtype)
+        if kernel == "scaled_mm":
+            return _scaled_mm_w8a8(x, w, s)
+        if kernel == "int_mm":
+            return _int_mm_w8a8(x, w, s)
+        return _dequant_matmul(x, w, s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in]`` -> ``[T, out]`` in ``x.dtype``."""

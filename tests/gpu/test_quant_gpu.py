@@ -1,7 +1,8 @@
 """GPU check of the quantized linears (:mod:`mmserve.model.quant`) on CUDA: the fp8 path
 (``torch._scaled_mm`` on per-token e4m3 activations, compute capability >= 8.9) against
-its torch twin :func:`~mmserve.model.quant.fp8_w8a8_ref`, and int8 (dequantized matmul on
-CUDA) against the dequantized weight.
+its torch twin :func:`~mmserve.model.quant.fp8_w8a8_ref`, and int8 (W8A8 through
+``torch._int_mm`` on CUDA; its twin: tests/gpu/test_gpu_step_paths.py) against the
+dequantized weight.
 
 Skipped without CUDA (fp8 also below compute capability 8.9), unless
 ``MMSERVE_REQUIRE_GPU=1`` (scripts/gpu_check.sh), which turns the skip into a failure.
@@ -51,4 +52,5 @@ def test_fp8_scaled_mm_equals_its_torch_twin(rows: int, inp: int, out: int) -> N
 def test_int8_on_cuda_equals_the_dequantized_weight(rows: int, inp: int, out: int) -> None:
     x, q, s, y = _case(rows, inp, out, "int8")
     ref = x.float() @ quant.dequantize(q, s).T
-    assert (y.float() - ref).abs().max() <= 2**-6 * ref.abs().max()
+    # W8A8: per-token int8 activations add up to half a step (max|x_row| / 254) each
+    assert (y.float() - ref).abs().max() <= 2**-5 * ref.abs().max()

@@ -7,7 +7,7 @@ recomputing it, the way SGLang's HiCache (device -> host -> storage) does.
 
 Three modules, one job each:
 
-- :mod:`~mmserve.cache.kv_tiers.keys`: what names a page (model fingerprint, namespace,
+- :mod:`~mmserve.cache.kv_tiers.keys`: what names a page (in-memory model fingerprint, namespace,
   the XXH3-128 page key chain).
 - :mod:`~mmserve.cache.kv_tiers.disk`: the disk tier (checked files, their format, the
   LRU index, the writer thread).

@@ -2,8 +2,10 @@
 
 A page's key is a hash chain (xxHash XXH3-128): the key of page
 ``i`` is ``XXH3_128(key(i-1) || int64 bytes of its P token ids)``, and the chain
-starts from a root key that hashes the *namespace*: the model fingerprint
-(:func:`model_fingerprint`: config plus sampled weights), the KV dtype, the page
+starts from a root key that hashes the *namespace*: the model's identity
+(:func:`mmserve.model.identity.model_identity`: every byte of its weight, config,
+tokenizer and processor files, its dtype and quantization; :func:`model_fingerprint`
+for a model built in memory), the KV dtype, the page
 size and the KV layout (with an fp8 pool's per-layer scales). A key therefore names
 the KV of a whole prefix on one checkpoint; image pseudo-token ids are content hashes,
 so images are included. Two checkpoints, KV dtypes (bf16 and fp8 pages never mix) or
@@ -23,19 +25,22 @@ import torch
 import xxhash
 
 #: Bumped whenever the file layout or the key derivation changes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def model_fingerprint(config_text: str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bytes:
-    """Identity of a checkpoint: 16 bytes of XXH3-128 over its config and sampled weights.
+    """Identity of a model held in memory: 16 bytes of XXH3-128 over its config and every
+    byte of every tensor.
 
-    Hashing every weight would read gigabytes at start; instead each tensor contributes its
-    name, shape, dtype and up to 1,024 evenly strided elements, which separates any two
-    checkpoints that differ in config, architecture or training.
+    Every element counts: two models that differ in one weight anywhere (an embedding row
+    that a strided sample would skip, the last byte of a large tensor) get different
+    fingerprints. A model loaded from files is identified by its files instead
+    (:func:`mmserve.model.identity.checkpoint_digest`, remembered across restarts).
 
     Args:
-        config_text: the model config serialized as text (e.g. ``config.to_json_string()``).
-        named_tensors: ``(name, tensor)`` pairs (any device, any dtype).
+        config_text: the model config serialized as text (e.g. ``config.to_json_string()``),
+            plus anything else that changes its outputs.
+        named_tensors: ``(name, tensor)`` pairs (any device, any dtype; order matters).
 
     Returns:
         16-byte digest.
@@ -43,18 +48,19 @@ def model_fingerprint(config_text: str, named_tensors: Iterable[tuple[str, torch
     h = xxhash.xxh3_128()
     h.update(config_text.encode())
     for name, t in named_tensors:
+        h.update(f"|{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 1024)][:1024]
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(sample.float().cpu().numpy().tobytes())
+        if flat.numel():
+            h.update(flat.contiguous().view(torch.uint8).cpu().numpy().data)
     return h.digest()
 
 
 def kv_namespace(fingerprint: bytes, dtype: torch.dtype, page_size: int, layout: Sequence) -> bytes:
-    """Namespace of KV pages: model fingerprint, KV dtype, page size and layout (16 bytes).
+    """Namespace of KV pages: model identity, KV dtype, page size and layout (16 bytes).
 
     Args:
-        fingerprint: :func:`model_fingerprint` of the checkpoint.
+        fingerprint: the model's identity
+            (:func:`mmserve.model.identity.model_identity`).
         dtype: KV pool dtype.
         page_size: tokens per page ``P``.
         layout: anything else that changes a page's bytes, e.g.

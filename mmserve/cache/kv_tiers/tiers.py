@@ -64,6 +64,13 @@ def host_tier(capacity_bytes: int, page_bytes: int) -> LRU[bytes, torch.Tensor]:
     return LRU(max_bytes=capacity_bytes, size=lambda _page: page_bytes)
 
 
+def host_buffer(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked when ``pin`` (the pool is on CUDA: a
+    copy from it to the device can be asynchronous). The one place host page buffers are
+    allocated (tests put a stand-in for pinning here on the CPU)."""
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)
+
+
 class FeatureCache(Protocol):
     """Where features read from disk go (the engine's
     :class:`~mmserve.vision.embedding_cache.EmbeddingCache`)."""
@@ -197,9 +204,24 @@ class KVTiers:
         kv = self.pool.read_pages(pages)  # [n, 2, L, P, Hkv, D] on the pool's device
         if kv.device.type == "cpu":
             return kv
-        host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.pin)
+        host = host_buffer(kv.shape, kv.dtype, self.pin)
         host.copy_(kv)
         return host
+
+    def stack_pages(self, pages: list[torch.Tensor]) -> torch.Tensor:
+        """``pages`` (from :meth:`take`, each ``[2, L, P, Hkv, D]``) stacked into one new
+        host buffer ``[n, 2, L, P, Hkv, D]``, page-locked when the pool is on CUDA (so its
+        copy to the device is one asynchronous transfer); pages are never pinned one by
+        one.
+
+        Raises:
+            ValueError: no pages.
+        """
+        if not pages:
+            raise ValueError("no pages to stack")
+        out = host_buffer((len(pages), *pages[0].shape), pages[0].dtype, self.pin)
+        torch.stack(pages, out=out)
+        return out
 
     # ---- lookup and loading ---------------------------------------------------
     def lookup(self, parent: bytes, tokens: Sequence[int]) -> TierMatch:
@@ -339,9 +361,7 @@ class KVTiers:
                 page = disk.read(key)
                 if page is None:
                     break  # the chain is cut here: later pages cannot be used
-                if self.pin:
-                    page = page.pin_memory()
-                pages.append((key, page))
+                pages.append((key, page))  # pinned once stacked (stack_pages), not here
             for key, rows in features:
                 f = disk.read_features(key, rows, self.feature_dim)
                 if f is not None:  # else the tower encodes the image: a miss, not an error

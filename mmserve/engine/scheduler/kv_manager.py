@@ -14,14 +14,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from mmserve.cache.kv_pool import KVPool
-from mmserve.cache.kv_tiers import KVTiers, kv_namespace, model_fingerprint
+from mmserve.cache.kv_tiers import KVTiers, kv_namespace
 from mmserve.cache.no_prefix_cache import NoPrefixCache, PrefixCache
 from mmserve.cache.radix_cache import InsertResult, MatchResult, RadixCache, TreeNode
 from mmserve.config import EngineConfig
 from mmserve.engine.request import Request
+from mmserve.model.identity import model_identity
 
 if TYPE_CHECKING:
     from mmserve.cache.kv_tiers import FeatureCache
@@ -43,26 +42,19 @@ def make_kv_tiers(
 
     Args:
         config: ``kv_host_bytes``, ``kv_disk_dir``, ``kv_disk_bytes``, ``page_size``.
-        model: the loaded model (``config``, ``decoder``, ``vision``, ``quantization``),
-            fingerprinted so that no two checkpoints (or quantizations of one) share a page
-            key or file.
+        model: the loaded model, keyed by :func:`~mmserve.model.identity.model_identity`
+            (every weight byte, the tokenizer/processor files, dtype, quantization) so that
+            no two checkpoints (or quantizations of one) share a page key or file.
         pool: the KV pool.
         feature_cache: the engine's embedding cache, which image features read from the
             disk tier go into (None: no feature files).
     """
     if config.disable_radix_cache or (not config.kv_host_bytes and config.kv_disk_dir is None):
         return None
-    named = list(model.decoder.named_parameters())
-    vision = getattr(model, "vision", None)
-    if vision is not None and hasattr(vision, "named_parameters"):
-        named += [("vision." + n, t) for n, t in vision.named_parameters()]
-    cfg = model.config
-    text = cfg.to_json_string() if hasattr(cfg, "to_json_string") else repr(cfg)
-    # int8 / fp8 weights give other KV than the checkpoint's own: another namespace
-    text += f"|quantization={getattr(model, 'quantization', 'none')}"
     k = pool.k_buffers[0]
     namespace = kv_namespace(
-        model_fingerprint(text, named),
+        # every byte of the weights, tokenizer and processor files, dtype, quantization
+        model_identity(model),
         k.dtype,
         pool.page_size,
         # fp8 pages mean something only with the scales they were written with
@@ -276,7 +268,7 @@ class KVManager:
         if not pages:
             return m
         new = self.allocate(len(pages))  # fits: counted in the admission check
-        self.pool.write_pages(new, torch.stack(pages))
+        self.pool.write_pages(new, self.tiers.stack_pages(pages))
         end = m.length + len(pages) * P
         t0 = time.perf_counter()
         done = self.tree.insert_prefix(ids[:end], list(m.pages) + new)
