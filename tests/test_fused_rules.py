@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmserve.kernels import ops
 from mmserve.kernels.fused_rules import fused_add_rms_norm_fits, silu_and_mul_fits
 
 
@@ -44,3 +45,53 @@ def test_fused_add_rms_norm_weight_must_be_the_input_dtype() -> None:
     assert not fused_add_rms_norm_fits(x, res, torch.ones(32, dtype=torch.bfloat16))
     strided = torch.zeros(4, 128, dtype=torch.bfloat16)[:, :64]
     assert not fused_add_rms_norm_fits(strided, res, torch.ones(64, dtype=torch.bfloat16))
+
+
+class _FakeFlashInfer:
+    """Stands in for ``flashinfer`` with its input rules: ``silu_and_mul`` raises as the
+    real one does for rows off 16 bytes; ``fused_add_rmsnorm`` records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.activation = self.norm = self
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] * x.element_size() % 16:
+            raise ValueError("The pointers must be multiple of 16 bytes.")
+        self.calls.append("silu_and_mul")
+        return ops.silu_and_mul_ref(x)
+
+    def fused_add_rmsnorm(self, x, residual, weight, eps) -> None:
+        self.calls.append("fused_add_rmsnorm")
+        residual += x
+        x.copy_(ops.rms_norm_ref(residual, weight.to(x.dtype), eps))
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> _FakeFlashInfer:
+    fake = _FakeFlashInfer()
+    monkeypatch.setattr(ops, "_use_flashinfer", lambda x: True)  # as on CUDA bf16
+    monkeypatch.setattr(ops, "_flashinfer", lambda: fake)
+    return fake
+
+
+def test_ops_route_inputs_off_the_rules_to_torch(fake_flashinfer: _FakeFlashInfer) -> None:
+    """The ops call FlashInfer only for inputs its kernels take; others get the torch
+    versions (not a ValueError, not numbers from a misread weight)."""
+    g = torch.Generator().manual_seed(0)
+    ok = torch.randn(3, 2 * 64, generator=g).to(torch.bfloat16)
+    off = torch.randn(3, 2 * 3, generator=g).to(torch.bfloat16)  # 12-byte rows
+    torch.testing.assert_close(ops.silu_and_mul(off), ops.silu_and_mul_ref(off))
+    assert fake_flashinfer.calls == []
+    ops.silu_and_mul(ok)
+    assert fake_flashinfer.calls == ["silu_and_mul"]
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    res = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    w32 = 1 + torch.randn(64, generator=g) / 4
+    want = ops.fused_add_rms_norm_ref(x, res, w32, 1e-6)
+    got = ops.fused_add_rms_norm(x.clone(), res.clone(), w32, 1e-6)
+    assert fake_flashinfer.calls == ["silu_and_mul"]  # fp32 weight: not FlashInfer
+    assert got[0].dtype == want[0].dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    ops.fused_add_rms_norm(x.clone(), res.clone(), w32.to(torch.bfloat16), 1e-6)
+    assert fake_flashinfer.calls == ["silu_and_mul", "fused_add_rmsnorm"]

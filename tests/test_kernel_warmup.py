@@ -124,10 +124,13 @@ def test_engine_asks_for_its_model_shape(make_engine, monkeypatch: pytest.Monkey
     monkeypatch.setattr(engine_mod, "kernel_steps", fake_steps)
     eng = make_engine()
     monkeypatch.setattr(eng.runner, "device", torch.device("cuda"))  # as if on a GPU
+    # --attention-backend torch runs the torch fused ops too: nothing to build
+    assert eng.warm_up_kernels() == [] and asked == []
+    monkeypatch.setattr(eng.runner.backend, "name", "flashinfer")
     assert [n for n, _ in eng.warm_up_kernels()] == ["fake"]
     s = eng.model.decoder.shape
     want = KernelShape(s.num_heads, s.num_kv_heads, s.head_dim, eng.runner.dtype, eng.pool.dtype)
-    assert asked == [(want, torch.device("cuda"), eng.runner.backend.name)]
+    assert asked == [(want, torch.device("cuda"), "flashinfer")]
 
 
 def test_health_is_not_ok_until_the_warm_up_is_done(make_engine) -> None:

@@ -207,7 +207,8 @@ class EngineCore:
         """Build or load every GPU kernel module this engine's model runs (FlashInfer's
         prefill/decode for its heads and dtypes, the fused norm/RoPE/SiLU ops), one log
         line per module with its time, so that no request waits for a JIT compile on a
-        fresh host (see :mod:`mmserve.kernels.warmup`). Nothing to do off CUDA.
+        fresh host (see :mod:`mmserve.kernels.warmup`). Nothing to do off CUDA or with
+        the torch attention backend (which runs the torch fused ops too).
 
         Returns:
             ``[(module, seconds)]``.
@@ -223,8 +224,8 @@ class EngineCore:
             self.runner.dtype,
             self.pool.dtype,
         )
-        if self.runner.device.type != "cuda":
-            return []
+        if self.runner.device.type != "cuda" or backend.name != "flashinfer":
+            return []  # the torch backend and torch fused ops: nothing to build
         steps = kernel_steps(kshape, self.runner.device, backend.name)
         return warm_up_kernels(steps, log)
 

@@ -4,9 +4,9 @@ The kernels do not all check their inputs: ``fused_add_rmsnorm`` (``csrc/norm.cu
 FlashInfer 0.6.18.post1) reads the weight as the input's dtype whatever its dtype, so
 an fp32 weight beside bf16 activations gives wrong numbers with no error; and
 ``silu_and_mul`` raises ``ValueError`` ("The pointers must be multiple of 16 bytes")
-for a row whose bytes are not a multiple of 16. :mod:`mmserve.kernels.ops` must run
-the torch version when a predicate here is False; ``tests/gpu/test_fused_ops_gpu.py``
-checks on a GPU that it does, for both rules.
+for a row whose bytes are not a multiple of 16. :mod:`mmserve.kernels.ops` runs the
+torch version when a predicate here is False (tests/test_fused_rules.py with a stand-in
+FlashInfer; ``tests/gpu/test_fused_ops_gpu.py`` on a GPU).
 """
 
 from __future__ import annotations

@@ -106,10 +106,20 @@ def _attention_steps(shape: KernelShape, device: torch.device) -> list[Callable[
     return [prefill, decode]
 
 
-def _fused_op_steps(shape: KernelShape, device: torch.device) -> list[Callable[[], None]]:
-    """The fused norm, RoPE and SiLU-and-mul through ``mmserve.kernels.ops`` (whatever
-    those pick on this device and dtype is what is built)."""
+def _fused_op_steps(
+    shape: KernelShape, device: torch.device, flashinfer: bool
+) -> list[Callable[[], None]]:
+    """The fused norm, RoPE and SiLU-and-mul through ``mmserve.kernels.ops``, inside
+    ``ops.fused_ops(flashinfer)`` as the decoder's forward runs them (whatever those pick
+    on this device and dtype is what is built)."""
     from mmserve.kernels import ops
+
+    def within(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            with ops.fused_ops(flashinfer):
+                fn()
+
+        return run
 
     dt, d = shape.dtype, shape.head_dim
     hidden = 64  # norm/activation modules do not depend on the width
@@ -129,18 +139,19 @@ def _fused_op_steps(shape: KernelShape, device: torch.device) -> list[Callable[[
     def act() -> None:
         ops.silu_and_mul(torch.ones(2, 2 * hidden, dtype=dt, device=device))
 
-    return [norm, rope, act]
+    return [within(norm), within(rope), within(act)]
 
 
 def kernel_steps(
     shape: KernelShape, device: torch.device | str, attention_backend: str
 ) -> list[KernelStep]:
-    """The kernel modules a model of ``shape`` runs on ``device``: the fused ops (torch
-    ones off CUDA, which build nothing: callers warm up only on CUDA); FlashInfer's
-    prefill and decode too when ``attention_backend`` is ``"flashinfer"`` (the resolved
-    name, not ``"auto"``)."""
+    """The kernel modules a model of ``shape`` runs on ``device``: with
+    ``attention_backend`` ``"flashinfer"`` (the resolved name, not ``"auto"``) its prefill
+    and decode and the fused ops; with ``"torch"`` only the fused ops' torch versions,
+    which build nothing (the server warms up only FlashInfer on CUDA; tests use them to
+    check the machinery on CPU)."""
     device = torch.device(device)
-    runs = _fused_op_steps(shape, device)
+    runs = _fused_op_steps(shape, device, attention_backend == "flashinfer")
     if attention_backend == "flashinfer":
         runs = _attention_steps(shape, device) + runs
     return [
