@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -153,6 +154,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # every GPU kernel the model runs is built (first start on a host: FlashInfer's
+        # JIT, minutes) or loaded before the engine thread starts and /health says ok
+        await asyncio.to_thread(engine.warm_up_kernels)
+        state.kernels_ready = True
         aengine.start()
         state.batches.start()  # resumes unfinished batches
         yield
@@ -170,7 +175,12 @@ def create_app(
     @health_router.get("/health")
     async def health() -> dict:
         """200 while the engine steps; 503 after ``unhealthy_after_failed_steps`` failed
-        steps in a row, so a supervisor restarts the process (never needs the API key)."""
+        steps in a row, so a supervisor restarts the process (never needs the API key);
+        503 ``warming_up`` while the start-up kernel warm-up runs."""
+        if not state.kernels_ready:
+            raise APIError(
+                503, "warming up: building GPU kernels", "server_error", code="warming_up"
+            )
         fatal = engine.fatal_error()
         if fatal is not None:  # a tensor-parallel rank died or hung: nothing can run
             raise APIError(

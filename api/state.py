@@ -33,6 +33,8 @@ class ServerState:
         model_name: the served model's name.
         videos: uploaded videos.
         batches: the :class:`~api.batch.runner.BatchManager` (files and batch jobs).
+        kernels_ready: False until the start-up kernel warm-up has finished
+            (``/health`` answers 503 ``warming_up`` before).
     """
 
     engine: Engine
@@ -45,6 +47,7 @@ class ServerState:
     model_name: str
     videos: VideoStore = field(default_factory=VideoStore)
     batches: Any = None
+    kernels_ready: bool = False
 
     def check_model(self, name: str | None) -> None:
         """Accept ``None`` (the served model) or the served model's name.

@@ -2,6 +2,8 @@
 # GPU check in one command, for a machine with one NVIDIA GPU and no network.
 #
 #   scripts/gpu_check.sh [OUT_DIR]     # from anywhere; exit status 0 only if every phase passed
+#   GPU_CHECK_DRY_RUN=1 scripts/gpu_check.sh OUT_DIR   # here, no GPU: the plan, every GPU
+#                                      # phase "skipped: no GPU", files and time limits counted
 #
 # Where: an image with CUDA (nvcc), Python 3.12 and a CUDA build of torch, transformers,
 # pytest, numpy, pillow and xxhash (the `image` lines of scripts/gpu_bundle.txt), with the
@@ -12,47 +14,53 @@
 # from the work tree (PYTHONPATH, no install). Without .gpu_bundle/ the environment
 # must already have flashinfer (e.g. `pip install -e ".[gpu,test]"`).
 #
-# Phases, each with its own timeout, 600 s in all (10 minutes; 750 s on a machine
-# with two GPUs, which adds the --tp 2 phase). FlashInfer
-# compiles its kernels on first use (JIT, into ~/.cache/flashinfer), which is most of
-# the pytest phase: on an H100/H200 the tests need the FA3 prefill module (10 files of
-# about 2 minutes of one core each, measured on a CPU machine) and the decode module
-# (about 10 s a file), for bf16 and for fp16, and (tests/gpu/test_cuda_graph_gpu.py) the
-# tensor-core decode module of OneVision-0.5B's 14/2 heads, so that the graph-decode
-# phase finds every kernel it needs built; ninja builds each module's files in parallel.
-#   install      30 s: checksums, then the offline install of .gpu_bundle/ (skipped without it)
-#   environment  30 s: nvidia-smi; python, torch, CUDA, GPU, nvcc, ninja, flashinfer,
+# Time: the phases' limits add up to at most GPU_CHECK_BUDGET (480 s; the script refuses
+# to start over it), leaving 120 s of a 600 s command for start-up and the copy back
+# (the --tp 2 phase, only on a machine with two GPUs, comes on top).
+# FlashInfer compiles its kernels on first use (JIT, into ~/.cache/flashinfer) and a lent
+# machine is fresh every time, so the first GPU phase builds every module the later ones
+# use (`python -m mmserve.kernels.warmup`), each module in its own process so that their
+# compiles overlap on all cores (ninja runs each module's files in parallel too). Module
+# sizes are estimates from a CPU machine, not GPU measurements: the FA3 prefill module is
+# ~10 files of ~2 min of one core each, the FA2 prefill module (tensor-core decode, fp8
+# KV) about half that, decode modules ~10 s a file, norm/RoPE/activation ~30 s each:
+# ~3,000-4,000 core-seconds for bf16 + fp8 KV, ~3-4 min on 16 cores. A prebuild cut off
+# by its limit is not lost (ninja keeps the finished objects; the next phase resumes).
+# fp16 doubles the attention modules, so its tests run only where the kernels are
+# precompiled (the flashinfer-jit-cache wheel importable); otherwise `-k "not fp16"`.
+#   install      20 s: checksums, then the offline install of .gpu_bundle/ (skipped without it)
+#   environment  20 s: nvidia-smi; python, torch, CUDA, GPU, nvcc, ninja, flashinfer,
 #                transformers versions; import flashinfer; what backend "auto" picks
-#   pytest       310 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
-#                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager:
-#                tests/gpu/test_cuda_graph_gpu.py; FlashInfer's fused RMSNorm (+ residual),
-#                cos/sin-cache RoPE and SiLU-and-mul vs mmserve/kernels/ops.py's torch
-#                versions: tests/gpu/test_fused_ops_gpu.py) and tests/test_reference.py,
-#                with MMSERVE_REQUIRE_GPU=1 (a missing GPU or flashinfer fails, not skips)
-#   quantized   120 s: tests/gpu/test_kv_fp8_gpu.py (FlashInfer's fp8-KV decode and prefill,
-#                their own JIT modules, and the torch backend on CUDA vs fp32 attention over
-#                the upcast pages; both engines with --kv-cache-dtype fp8_e4m3) and
-#                tests/gpu/test_quant*_gpu.py where present (quantized weights on CUDA)
-#   benchmark    40 s: benchmarks/in_process.py cache_on_off, small model on CUDA (cache on vs off)
-#   graph decode 70 s: benchmarks/graph_decode.py on the OneVision-0.5B-shaped checkpoint
-#                (built on first use, ~25 s): decode tokens/s at batch 1, 8, 32 for
-#                FlashInfer with CUDA graphs, FlashInfer eager and the torch backend, their
-#                tokens compared, capture time and memory; the engine thread's step
-#                profile (host share) on many_questions for the same three
+#   prebuild    180 s: every FlashInfer module of the shapes below (bf16; fp16 when
+#                precompiled; fp8 KV), one log line per module with its seconds
+#   pytest      130 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
+#                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager,
+#                FlashInfer's fused ops vs mmserve/kernels/ops.py's torch versions) and
+#                tests/test_reference.py, with MMSERVE_REQUIRE_GPU=1 (a missing GPU or
+#                flashinfer fails, not skips)
+#   quantized    40 s: tests/gpu/test_kv_fp8_gpu.py and tests/gpu/test_quant*_gpu.py
+#   benchmark    25 s: benchmarks/in_process.py cache_on_off, small model on CUDA
+#   graph decode 65 s: benchmarks/graph_decode.py at OneVision-0.5B shapes (checkpoint
+#                built on first use, ~25 s): decode tokens/s, CUDA graphs on/off, torch
 #   --tp 2      150 s, only with two GPUs (else a "skipped" row with the reason):
 #                tests/gpu/test_tp_gpu.py, tp 2 over NCCL against tp 1 (fp32 and bf16)
 #
-# Output, in OUT_DIR (the argument, else $GPU_CHECK_OUT, else $OUT, else gpu_check_out/):
-#   gpu_check.log  all output;  summary.txt  the phases table;  versions.json;
-#   pytest.xml (JUnit);  benchmark.json;  graph_decode.json (and its tables in the log);
-#   summary.json  phases (status, seconds, limit), versions, pytest counts, benchmark and
-#   graph-decode figures and "passed".
+# Output, in OUT_DIR (the argument, else $GPU_CHECK_OUT, else $OUT, else gpu_check_out/),
+# at most 8 files, summary.json first:
+#   summary.json  written before the first phase (every phase "pending", the limits and
+#                their total, the files a full run writes) and rewritten as each phase
+#                ends, so a run cut off midway still leaves its finished phases; then
+#                versions (torch, transformers, flashinfer it ran with), pytest counts,
+#                benchmark and graph-decode figures, "complete" and "passed";
+#   gpu_check.log all output;  pytest.xml, pytest_quantized.xml (JUnit);  benchmark.json;
+#   graph_decode.json + graph_decode.md (graph_decode.partial.json if cut off).
 #
 # Env: PYTHON (default: the active venv's python, else the first of python, python3,
 # python3.12 that has torch), GPU_BUNDLE (.gpu_bundle), GPU_SITE (.gpu_site),
 # GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
-# `scripts/gpu_bundle.sh --check PYTHON`), INSTALL_TIMEOUT, ENV_TIMEOUT, PYTEST_TIMEOUT,
-# BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT, QUANT_TIMEOUT (seconds).
+# `scripts/gpu_bundle.sh --check PYTHON`), GPU_CHECK_DRY_RUN=1, GPU_CHECK_BUDGET (480),
+# INSTALL_TIMEOUT, ENV_TIMEOUT, PREBUILD_TIMEOUT, PYTEST_TIMEOUT, QUANT_TIMEOUT,
+# BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT (seconds).
 set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
@@ -62,6 +70,8 @@ export PYTHONUNBUFFERED=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 OUT_DIR=$(abspath "${1:-${GPU_CHECK_OUT:-${OUT:-$ROOT/gpu_check_out}}}")
 mkdir -p "$OUT_DIR" || exit 2
+# the first file written: a run killed before its first phase still says so
+printf '{"complete": false, "passed": false, "phases": []}\n' >"$OUT_DIR/summary.json"
 LOG=$OUT_DIR/gpu_check.log
 exec 3>&1 4>&2
 exec > >(tee "$LOG") 2>&1
@@ -70,12 +80,17 @@ TEE_PID=$!
 BUNDLE=$(abspath "${GPU_BUNDLE:-$ROOT/.gpu_bundle}")
 SITE=$(abspath "${GPU_SITE:-$ROOT/.gpu_site}")
 ONLY=${GPU_CHECK_ONLY:-}
-INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-30}
-ENV_TIMEOUT=${ENV_TIMEOUT:-30}
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-310}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-40}
-GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-70}
-QUANT_TIMEOUT=${QUANT_TIMEOUT:-120}
+DRY=${GPU_CHECK_DRY_RUN:-0}
+DRY_NOTE=
+[[ $DRY == 1 ]] && DRY_NOTE=" (dry run)"
+BUDGET=${GPU_CHECK_BUDGET:-480}
+INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-20}
+ENV_TIMEOUT=${ENV_TIMEOUT:-20}
+PREBUILD_TIMEOUT=${PREBUILD_TIMEOUT:-180}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-130}
+QUANT_TIMEOUT=${QUANT_TIMEOUT:-40}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-25}
+GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-65}
 TP_TIMEOUT=${TP_TIMEOUT:-150}
 HAVE_BUNDLE=0
 compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
@@ -98,13 +113,82 @@ else
   PY=${PY:-python3}
 fi
 PY=$(command -v "$PY" || echo "$PY")
+# phases.tsv, plan.tsv and versions.json live outside OUT_DIR: only the files listed in
+# the header's "Output" are written there
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
 export GPU_CHECK_PY=$PY GPU_CHECK_OUT_DIR=$OUT_DIR GPU_CHECK_ONLY=$ONLY GPU_SITE=$SITE \
-  GPU_BUNDLE=$BUNDLE GPU_CHECK_HAVE_BUNDLE=$HAVE_BUNDLE
+  GPU_BUNDLE=$BUNDLE GPU_CHECK_HAVE_BUNDLE=$HAVE_BUNDLE GPU_CHECK_DRY_RUN=$DRY \
+  GPU_CHECK_WORK=$WORK GPU_CHECK_BUDGET=$BUDGET
 
-declare -a SUMMARY=()
-PHASES_TSV=$OUT_DIR/phases.tsv
+
+PLAN_TSV=$WORK/plan.tsv
+PHASES_TSV=$WORK/phases.tsv
+: >"$PLAN_TSV"
 : >"$PHASES_TSV"
 FAILED=0
+export GPU_CHECK_FAILED=0 GPU_CHECK_COMPLETE=0 GPU_CHECK_FP16_NOTE=
+
+write_summary() { # summary.json from the plan, the phases run so far and their outputs
+  export GPU_CHECK_FAILED=$FAILED GPU_CHECK_SECONDS=$SECONDS
+  timeout 30 "$PY" - <<'PY' || echo "(summary.json not written)"
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+env = os.environ
+out, work = Path(env["GPU_CHECK_OUT_DIR"]), Path(env["GPU_CHECK_WORK"])
+ran = {}
+for line in (work / "phases.tsv").read_text().splitlines():
+    name, status, took, limit = line.split("\t")
+    ran[name] = {"name": name, "status": status, "seconds": int(took), "limit_s": int(limit)}
+phases, files = [], {"summary.json", "gpu_check.log"}
+for line in (work / "plan.tsv").read_text().splitlines():
+    name, limit, outputs = line.split("\t")
+    files.update(outputs.split())
+    phases.append(ran.get(name, {"name": name, "status": "pending", "seconds": 0,
+                                 "limit_s": int(limit)}))
+complete = env["GPU_CHECK_COMPLETE"] == "1"
+mode = "dry run" if env["GPU_CHECK_DRY_RUN"] == "1" else env["GPU_CHECK_ONLY"] or "full"
+s = {
+    "complete": complete,
+    "passed": complete and env["GPU_CHECK_FAILED"] == "0",
+    "mode": mode,
+    "total_s": int(env["GPU_CHECK_SECONDS"]),
+    "total_limit_s": sum(p["limit_s"] for p in phases),
+    "budget_s": int(env["GPU_CHECK_BUDGET"]),
+    "phases": phases,
+    "fp16": env["GPU_CHECK_FP16_NOTE"] or None,
+    "files_planned": sorted(files),
+    "files": sorted({p.name for p in out.iterdir() if p.is_file()} | {"summary.json"}),
+}
+if (work / "versions.json").exists():
+    v = s["versions"] = json.loads((work / "versions.json").read_text())
+    s["ran_with"] = {"torch": v.get("torch"), "transformers": v.get("transformers"),
+                     "flashinfer": v.get("flashinfer") or v.get("flashinfer-python")}
+for key, name in (("pytest", "pytest.xml"), ("pytest_quantized", "pytest_quantized.xml")):
+    if (out / name).exists():
+        try:
+            suites = ET.parse(out / name).getroot()
+        except ET.ParseError:  # cut off while pytest wrote it
+            continue
+        suite = suites if suites.tag == "testsuite" else suites[0]
+        s[key] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
+for key, name in (("benchmark", "benchmark.json"), ("graph_decode", "graph_decode.json")):
+    if (out / name).exists():
+        s[key] = json.loads((out / name).read_text())
+if "graph_decode" not in s and (out / "graph_decode.partial.json").exists():
+    s["graph_decode"] = {"partial": True,
+                         **json.loads((out / "graph_decode.partial.json").read_text())}
+(out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+PY
+}
+
+record() { # record NAME STATUS SECONDS LIMIT; then rewrite summary.json
+  [[ $2 == ok || $2 == skipped* ]] || FAILED=1
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$PHASES_TSV"
+  write_summary
+}
 
 phase() { # phase NAME TIMEOUT CMD...: run, time and record one phase
   local name=$1 limit=$2 start rc
@@ -120,12 +204,47 @@ phase() { # phase NAME TIMEOUT CMD...: run, time and record one phase
   elif [[ $rc -ne 0 ]]; then
     status="FAILED (exit $rc)"
   fi
-  [[ $status == ok ]] || FAILED=1
-  SUMMARY+=("$(printf '%-30s %-18s %4ss (limit %ss)' "$name" "$status" "$took" "$limit")")
-  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$took" "$limit" >>"$PHASES_TSV"
+  record "$name" "$status" "$took" "$limit"
 }
 
-echo "gpu_check: python $PY, bundle ${BUNDLE} ($([[ $HAVE_BUNDLE -eq 1 ]] && echo present || echo absent)), output $OUT_DIR"
+gpu_phase() { # gpu_phase NAME TIMEOUT CMD...: a phase, or its "skipped: no GPU" row in a dry run
+  if [[ $DRY == 1 ]]; then
+    echo "=== $1 (limit $2s): skipped: no GPU (dry run) ==="
+    record "$1" "skipped: no GPU" 0 "$2"
+  else
+    phase "$@"
+  fi
+}
+
+# ---- the plan: phases in order, their limits and the files they write --------------------
+plan() { printf '%s\t%s\t%s\n' "$1" "$2" "${3:-}" >>"$PLAN_TSV"; }
+if [[ $DRY == 1 || $ONLY == setup ]]; then
+  NGPU=0
+else
+  NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+fi
+plan "install (offline)" "$INSTALL_TIMEOUT"  # counted without a bundle too: the GPU run has one
+plan "environment" "$ENV_TIMEOUT"
+if [[ $ONLY != setup ]]; then
+  plan "prebuild FlashInfer kernels" "$PREBUILD_TIMEOUT"
+  plan "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" pytest.xml
+  plan "pytest quantized" "$QUANT_TIMEOUT" pytest_quantized.xml
+  plan "pytest --tp 2 (2 GPUs)" "$([[ ${NGPU:-0} -ge 2 ]] && echo "$TP_TIMEOUT" || echo 0)"
+  plan "benchmark many_questions" "$BENCH_TIMEOUT" benchmark.json
+  plan "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "graph_decode.json graph_decode.md"
+fi
+TOTAL_LIMIT=$(awk -F'\t' '{ s += $2 } END { print s + 0 }' "$PLAN_TSV")
+[[ ${NGPU:-0} -ge 2 ]] && TOTAL_LIMIT=$((TOTAL_LIMIT - TP_TIMEOUT)) # two GPUs: --tp 2 on top
+echo "gpu_check: python $PY, bundle ${BUNDLE} ($([[ $HAVE_BUNDLE -eq 1 ]] && echo present || echo absent)), output $OUT_DIR$DRY_NOTE"
+echo "gpu_check: phase limits add up to ${TOTAL_LIMIT}s (budget ${BUDGET}s)"
+write_summary
+if [[ $TOTAL_LIMIT -gt $BUDGET ]]; then
+  echo "gpu_check: the limits exceed the budget: not starting (lower the *_TIMEOUT variables)"
+  exec 1>&3 2>&4
+  wait "$TEE_PID" 2>/dev/null
+  rm -rf "$WORK"
+  exit 2
+fi
 
 # ---- install: the bundle's wheels, offline, into $SITE -----------------------------------
 if [[ $HAVE_BUNDLE -eq 1 ]]; then
@@ -196,6 +315,9 @@ print(f"installed {len(pins)} wheels into {site}: " + ", ".join(pins))
 PY
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   export PATH="$SITE/bin:$PATH"
+else
+  echo "=== install (offline): skipped (no bundle at $BUNDLE) ==="
+  record "install (offline)" "skipped: no bundle" 0 "$INSTALL_TIMEOUT"
 fi
 # The project itself: from the work tree, without installing it or its dependencies.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -214,7 +336,7 @@ if [[ -z ${CUDA_HOME:-} ]]; then
 fi
 
 # ---- environment --------------------------------------------------------------------------
-if [[ $ONLY != setup ]]; then
+if [[ $ONLY != setup && $DRY != 1 ]]; then
   echo
   nvidia-smi -L || echo "nvidia-smi failed: no NVIDIA driver/GPU visible"
 fi
@@ -230,7 +352,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-setup_only = os.environ["GPU_CHECK_ONLY"] == "setup"
+setup_only = os.environ["GPU_CHECK_ONLY"] == "setup" or os.environ["GPU_CHECK_DRY_RUN"] == "1"
 problems, v = [], {"python": platform.python_version(), "executable": sys.executable}
 image = [
     name
@@ -271,7 +393,7 @@ for dist in ("flashinfer-python", "apache-tvm-ffi", "flashinfer-cubin", "flashin
 try:
     import flashinfer
 
-    v["flashinfer_file"] = flashinfer.__file__
+    v["flashinfer"], v["flashinfer_file"] = flashinfer.__version__, flashinfer.__file__
     print(f"import flashinfer: ok ({flashinfer.__version__} from {flashinfer.__file__})")
 except Exception as e:  # noqa: BLE001
     problems.append(f"import flashinfer failed ({type(e).__name__}: {e})")
@@ -286,39 +408,62 @@ if leaked:
 v["problems"] = problems
 for key, val in v.items():
     print(f"{key:24} {val}")
-out = Path(os.environ["GPU_CHECK_OUT_DIR"]) / "versions.json"
+out = Path(os.environ["GPU_CHECK_WORK"]) / "versions.json"
 out.write_text(json.dumps(v, indent=2) + "\n")
+if problems and os.environ["GPU_CHECK_DRY_RUN"] == "1":
+    print("dry run: noted, not failed:", *problems, sep="\n  ")
+    sys.exit(0)
 sys.exit(1 if problems else 0)
 PY
 
 if [[ $ONLY != setup ]]; then
+  # fp16 doubles FlashInfer's attention modules: tested only where they are precompiled
+  FP16=0
+  if "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("flashinfer_jit_cache") is None)' 2>/dev/null; then
+    FP16=1
+    GPU_CHECK_FP16_NOTE="tested (flashinfer-jit-cache: precompiled kernels)"
+  else
+    GPU_CHECK_FP16_NOTE="dropped: no precompiled kernels (flashinfer-jit-cache absent); bf16 only"
+  fi
+  echo "fp16: $GPU_CHECK_FP16_NOTE"
+  K_FP16=()
+  [[ $FP16 -eq 1 ]] || K_FP16=(-k "not fp16")
+
+  # every module the phases below use, built first, in parallel: the test shapes (GQA 8/2
+  # and 2/1 share modules: head dim 64, FA2 decode), OneVision-0.5B's 14/2 (tensor-core
+  # decode), each with fp8 KV too
+  SHAPES=(8/2/64/bfloat16 14/2/64/bfloat16 8/2/64/bfloat16/float8_e4m3fn
+    14/2/64/bfloat16/float8_e4m3fn)
+  [[ $FP16 -eq 1 ]] && SHAPES+=(8/2/64/float16)
+  gpu_phase "prebuild FlashInfer kernels" "$PREBUILD_TIMEOUT" \
+    "$PY" -m mmserve.kernels.warmup --jobs "$(nproc 2>/dev/null || echo 4)" "${SHAPES[@]}"
+
   # -rs lists every skip with its reason; MMSERVE_REQUIRE_GPU=1 makes a missing
   # GPU or flashinfer a failure (a skipped GPU test is not a pass).
-  phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
-    "$PY" -m pytest -v -rs --durations=10 -p no:cacheprovider \
+  gpu_phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
+    "$PY" -m pytest -v -rs --durations=10 -p no:cacheprovider "${K_FP16[@]}" \
     --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py \
     --ignore=tests/gpu/test_kv_fp8_gpu.py --ignore-glob='tests/gpu/test_quant*_gpu.py' \
     tests/gpu tests/test_reference.py
 
-  # fp8 KV and quantized weights: their own phase, so their kernels' JIT cannot starve
-  # the phase above
-  phase "pytest quantized" "$QUANT_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
-    "$PY" -m pytest -v -rs --durations=5 -p no:cacheprovider \
+  # fp8 KV and quantized weights: their own phase and limit
+  gpu_phase "pytest quantized" "$QUANT_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
+    "$PY" -m pytest -v -rs --durations=5 -p no:cacheprovider "${K_FP16[@]}" \
     --junitxml="$OUT_DIR/pytest_quantized.xml" tests/gpu/test_kv_fp8_gpu.py \
     $(compgen -G 'tests/gpu/test_quant*_gpu.py')
 
   # --tp 2 (NCCL, one rank per GPU) only where there are two GPUs; else a skip row
-  NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-  if [[ ${NGPU:-0} -ge 2 ]]; then
+  if [[ $DRY == 1 ]]; then
+    gpu_phase "pytest --tp 2 (2 GPUs)" 0 true
+  elif [[ ${NGPU:-0} -ge 2 ]]; then
     phase "pytest --tp 2 (2 GPUs)" "$TP_TIMEOUT" "$PY" -m pytest -v -rs -p no:cacheprovider \
       tests/gpu/test_tp_gpu.py
   else
     echo "=== pytest --tp 2: skipped (needs 2 GPUs, ${NGPU:-0} visible) ==="
-    SUMMARY+=("$(printf '%-30s %-18s %4ss (limit %ss)' "pytest --tp 2 (2 GPUs)" "skipped: ${NGPU:-0} GPU" 0 "$TP_TIMEOUT")")
-    printf '%s\t%s\t%s\t%s\n' "pytest --tp 2 (2 GPUs)" "skipped: needs 2 GPUs, ${NGPU:-0} visible" 0 "$TP_TIMEOUT" >>"$PHASES_TSV"
+    record "pytest --tp 2 (2 GPUs)" "skipped: needs 2 GPUs, ${NGPU:-0} visible" 0 0
   fi
 
-  phase "benchmark many_questions" "$BENCH_TIMEOUT" "$PY" -c '
+  gpu_phase "benchmark many_questions" "$BENCH_TIMEOUT" "$PY" -c '
 import json, sys
 from benchmarks import in_process, workloads
 wl = workloads.many_questions(4, 4, 16)
@@ -329,49 +474,26 @@ with open(sys.argv[1], "w") as f:
 
   # CUDA graphs on/off, FlashInfer vs torch, at OneVision-0.5B shapes (checkpoint built once
   # into $MMSERVE_CACHE_DIR or ~/.cache/mmserve)
-  rm -f "$OUT_DIR"/graph_decode*.json  # no stale figures from an earlier run in this folder
-  phase "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "$PY" -m benchmarks.graph_decode \
+  rm -f "$OUT_DIR"/graph_decode*.json "$OUT_DIR"/graph_decode.md # no stale figures
+  gpu_phase "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "$PY" -m benchmarks.graph_decode \
     --device cuda --size onevision-0.5b --family llava-onevision --batches 1,8,32 --tokens 32 \
     --images 2 --questions 2 --profile-tokens 16 --out "$OUT_DIR"
 fi
 
 # ---- summary ------------------------------------------------------------------------------
 echo
-echo "=== summary (total ${SECONDS}s) ==="
-printf '%s\n' "${SUMMARY[@]}" | tee "$OUT_DIR/summary.txt"
-export GPU_CHECK_FAILED=$FAILED GPU_CHECK_SECONDS=$SECONDS
-timeout 30 "$PY" - <<'PY' || echo "(summary.json not written)"
-import json
-import os
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-out = Path(os.environ["GPU_CHECK_OUT_DIR"])
-s = {"passed": os.environ["GPU_CHECK_FAILED"] == "0", "total_s": int(os.environ["GPU_CHECK_SECONDS"]),
-     "mode": os.environ["GPU_CHECK_ONLY"] or "full", "phases": []}
-for line in (out / "phases.tsv").read_text().splitlines():
-    name, status, took, limit = line.split("\t")
-    s["phases"].append({"name": name, "status": status, "seconds": int(took), "limit_s": int(limit)})
-if (out / "versions.json").exists():
-    s["versions"] = json.loads((out / "versions.json").read_text())
-for key, name in (("pytest", "pytest.xml"), ("pytest_quantized", "pytest_quantized.xml")):
-    if (out / name).exists():
-        suites = ET.parse(out / name).getroot()
-        suite = suites if suites.tag == "testsuite" else suites[0]
-        s[key] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
-if (out / "benchmark.json").exists():
-    s["benchmark"] = json.loads((out / "benchmark.json").read_text())
-if (out / "graph_decode.json").exists():
-    s["graph_decode"] = json.loads((out / "graph_decode.json").read_text())
-elif (out / "graph_decode.partial.json").exists():  # the phase timed out midway
-    s["graph_decode"] = {"partial": True, **json.loads((out / "graph_decode.partial.json").read_text())}
-(out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-print(f"summary.json written to {out}")
-PY
+echo "=== summary (total ${SECONDS}s, limits ${TOTAL_LIMIT}s) ==="
+while IFS=$'\t' read -r name status took limit; do
+  printf '%-30s %-34s %4ss (limit %ss)\n' "$name" "$status" "$took" "$limit"
+done <"$PHASES_TSV"
+export GPU_CHECK_COMPLETE=1
+write_summary
+echo "summary.json written to $OUT_DIR ($(find "$OUT_DIR" -maxdepth 1 -type f | wc -l) files)"
+rm -rf "$WORK"
 if [[ $FAILED -ne 0 ]]; then
-  echo "GPU CHECK${ONLY:+ ($ONLY only)}: FAILED"
+  echo "GPU CHECK${ONLY:+ ($ONLY only)}$DRY_NOTE: FAILED"
 else
-  echo "GPU CHECK${ONLY:+ ($ONLY only)}: PASSED"
+  echo "GPU CHECK${ONLY:+ ($ONLY only)}$DRY_NOTE: PASSED"
 fi
 exec 1>&3 2>&4
 wait "$TEE_PID" 2>/dev/null

@@ -202,6 +202,12 @@ SLOW_TESTS: dict[str, str] = {
     "test_gpu_bundle::test_gpu_check_installs_the_bundle_offline": (
         "pip installs the bundle into a fresh virtual environment"
     ),
+    "test_kernel_warmup::test_prebuild_runs_each_distinct_module_once_in_worker_processes": (
+        "the prebuild command line, twice, with spawned worker processes"
+    ),
+    "test_gpu_bundle::test_real_bundle_imports_flashinfer_without_a_gpu": (
+        "downloads the real bundle (~22 MiB) and imports flashinfer from it"
+    ),
     # a browser
     "test_web_page": "drives Chromium against a live server",
 }

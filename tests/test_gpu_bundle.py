@@ -40,6 +40,7 @@ GPU_CHECK_ROOTS = [
     ROOT / "benchmarks" / "graph_decode.py",
     ROOT / "mmserve" / "kernels" / "flashinfer_backend.py",
     ROOT / "mmserve" / "kernels" / "select.py",
+    ROOT / "mmserve" / "kernels" / "warmup.py",
 ]
 _VIDEOS_ONLY = "only requests with videos (the front end decodes them)"
 #: Imports inside functions that the GPU check never calls: (file, package) -> why.
@@ -166,7 +167,8 @@ def test_everything_the_gpu_check_imports_is_bundled_or_in_the_image() -> None:
 
 def test_roots_are_what_gpu_check_runs() -> None:
     script = CHECK_SH.read_text()
-    for target in ("tests/gpu", "tests/test_reference.py", "in_process.cache_on_off"):
+    targets = ("tests/gpu", "tests/test_reference.py", "in_process.cache_on_off", "kernels.warmup")
+    for target in targets:
         assert target in script
 
 
@@ -261,3 +263,42 @@ def test_bundle_and_outputs_are_git_ignored() -> None:
         ["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True
     )
     assert proc.stdout.split() == paths
+
+
+def test_real_bundle_imports_flashinfer_without_a_gpu(tmp_path: Path) -> None:
+    """The real bundle (``scripts/gpu_bundle.sh``, from the package index: needs the
+    network, as CI's installs do): its pure-Python wheels, flashinfer among them, installed
+    with ``pip install --no-index --no-deps --target`` as gpu_check.sh does, and ``import
+    flashinfer`` (plus the submodules ``mmserve.kernels.ops`` imports) from there with no
+    GPU. Its two CPython 3.12 wheels (apache-tvm-ffi, charset-normalizer) do not load on
+    other Pythons: the running environment's are used, apache-tvm-ffi at the bundle's pin."""
+    wheels, _ = read_list()
+    bundle, site = tmp_path / "bundle", tmp_path / "site"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_BUNDLE": str(bundle)}
+    proc = subprocess.run(
+        ["bash", str(BUNDLE_SH)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = sorted(p.name for p in bundle.glob("*.whl"))
+    assert len(got) == len(wheels)
+    pure = [p for p in got if "-py3-none-" in p]
+    assert any(p.startswith("flashinfer_python-0.6.18.post1-") for p in pure)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
+           "--target", str(site), *(str(bundle / p) for p in pure)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    from importlib.metadata import version
+
+    assert version("apache-tvm-ffi") == wheels["apache-tvm-ffi"][0]
+    probe = (
+        "import json, flashinfer, flashinfer.norm, flashinfer.rope, flashinfer.activation, torch\n"
+        "print(json.dumps([flashinfer.__version__, flashinfer.__file__,"
+        " torch.cuda.is_available()]))"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    ver, file, _cuda = json.loads(out.stdout.splitlines()[-1])
+    assert ver == wheels["flashinfer-python"][0] == "0.6.18.post1"
+    assert file == str(site / "flashinfer" / "__init__.py")

@@ -43,6 +43,7 @@ from mmserve.engine.step import (
     schedule_step,
     token_delta,
 )
+from mmserve.kernels.warmup import KernelShape, kernel_steps, warm_up_kernels
 from mmserve.model.kv_scales import kv_scale_plan
 from mmserve.model.llama import token_embedding
 from mmserve.model.loader import LoadedModel, load_model
@@ -201,6 +202,32 @@ class EngineCore:
             "attention_backend": self.runner.backend.name,
             "decode": self.decode_mode,
         }
+
+    def warm_up_kernels(self) -> list[tuple[str, float]]:
+        """Build or load every GPU kernel module this engine's model runs (FlashInfer's
+        prefill/decode for its heads and dtypes, the fused norm/RoPE/SiLU ops), one log
+        line per module with its time, so that no request waits for a JIT compile on a
+        fresh host (see :mod:`mmserve.kernels.warmup`). Nothing to do off CUDA or with
+        the torch attention backend (which runs the torch fused ops too).
+
+        Returns:
+            ``[(module, seconds)]``.
+
+        Raises:
+            RuntimeError: a module failed to build or run.
+        """
+        shape, backend = self.model.decoder.shape, self.runner.backend
+        kshape = KernelShape(
+            getattr(backend, "num_qo_heads", shape.num_heads),
+            getattr(backend, "num_kv_heads", shape.num_kv_heads),
+            shape.head_dim,
+            self.runner.dtype,
+            self.pool.dtype,
+        )
+        if self.runner.device.type != "cuda" or backend.name != "flashinfer":
+            return []  # the torch backend and torch fused ops: nothing to build
+        steps = kernel_steps(kshape, self.runner.device, backend.name)
+        return warm_up_kernels(steps, log)
 
     def fatal_error(self) -> str | None:
         """Why this engine can serve nothing any more (a tensor-parallel rank died or

@@ -31,6 +31,8 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
+from mmserve.kernels.fused_rules import fused_add_rms_norm_fits, silu_and_mul_fits
+
 #: dtypes FlashInfer's norm, RoPE and activation kernels take (fp32 runs the torch ops).
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -128,7 +130,7 @@ def fused_add_rms_norm(
     ``residual`` and the normed rows into ``x`` and both are returned, so callers must own
     both tensors and use only the returned ones.
     """
-    if _use_flashinfer(x) and x.is_contiguous() and residual.is_contiguous():
+    if _use_flashinfer(x) and fused_add_rms_norm_fits(x, residual, weight):
         _flashinfer().norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
     return fused_add_rms_norm_ref(x, residual, weight, eps)
@@ -225,6 +227,6 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU-gated product (see :func:`silu_and_mul_ref`); FlashInfer's ``silu_and_mul``
     on CUDA fp16/bf16."""
-    if _use_flashinfer(x) and x.is_contiguous():
+    if _use_flashinfer(x) and silu_and_mul_fits(x):
         return _flashinfer().activation.silu_and_mul(x)
     return silu_and_mul_ref(x)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mmserve.kernels import ops
+from mmserve.kernels.fused_rules import fused_add_rms_norm_fits, silu_and_mul_fits
 
 _CUDA = torch.cuda.is_available()
 _FI = _CUDA and ops._flashinfer() is not None
@@ -76,3 +77,30 @@ def test_silu_and_mul(dtype, t, i) -> None:
     g = torch.Generator(device="cuda").manual_seed(t * i)
     x = (torch.randn(t, 2 * i, device="cuda", generator=g) * 4).to(dtype)
     torch.testing.assert_close(ops.silu_and_mul(x), ops.silu_and_mul_ref(x), **TOL[dtype])
+
+
+# ---- inputs FlashInfer's kernels do not take: the torch versions must run ----------------
+@needs_flashinfer
+@pytest.mark.parametrize("i", [4861, 3, 1])
+def test_silu_and_mul_row_off_the_16_byte_rule(i: int) -> None:
+    """A gate-and-up row of ``2I`` bf16 values is ``4I`` bytes: FlashInfer's kernel raises
+    for ``4I % 16 != 0``; ``ops.silu_and_mul`` must answer like the torch version."""
+    x = (torch.randn(5, 2 * i, device="cuda") * 4).to(torch.bfloat16)
+    assert not silu_and_mul_fits(x)
+    torch.testing.assert_close(ops.silu_and_mul(x), ops.silu_and_mul_ref(x), **TOL[torch.bfloat16])
+
+
+@needs_flashinfer
+def test_fused_add_rms_norm_weight_in_another_dtype() -> None:
+    """FlashInfer's ``fused_add_rmsnorm`` reads the weight as the input's dtype with no
+    check: an fp32 weight beside bf16 rows must take the torch version."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(7, 896, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(7, 896, device="cuda", generator=g).to(torch.bfloat16)
+    w = 1 + torch.randn(896, device="cuda", generator=g) / 4  # fp32
+    assert not fused_add_rms_norm_fits(x, res, w)
+    want_normed, want_res = ops.fused_add_rms_norm_ref(x, res, w, 1e-6)
+    normed, new_res = ops.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-6)
+    assert normed.dtype == want_normed.dtype
+    torch.testing.assert_close(new_res, want_res, **TOL[torch.bfloat16])
+    torch.testing.assert_close(normed, want_normed, **TOL[torch.bfloat16])

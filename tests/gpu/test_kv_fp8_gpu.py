@@ -2,11 +2,14 @@
 decode and prefill kernels, and the torch backend on CUDA, against attention in fp32
 over the same pages upcast and scaled; then both engines with fp8 KV on CUDA.
 
-Skipped without CUDA or flashinfer unless ``MMSERVE_REQUIRE_GPU=1`` (scripts/gpu_check.sh),
-as tests/gpu/test_flashinfer.py.
+Skipped without CUDA or flashinfer unless ``MMSERVE_REQUIRE_GPU=1`` (scripts/gpu_check.sh):
+then a missing GPU or flashinfer fails every test here (this file runs in its own phase,
+without tests/gpu/test_flashinfer.py's environment check).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -23,15 +26,25 @@ from tests.helpers import BF16_LOGIT_RTOL, greedy, random_batch, user
 
 _CUDA = torch.cuda.is_available()
 _FI_PROBLEM = flashinfer_import_problem() if _CUDA else "no CUDA GPU"
-needs_cuda = pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
+_REQUIRED = os.environ.get("MMSERVE_REQUIRE_GPU") == "1"
+# MMSERVE_REQUIRE_GPU=1: no skip, so a GPU machine without flashinfer fails here
+needs_cuda = pytest.mark.skipif(not _CUDA and not _REQUIRED, reason="needs a CUDA GPU")
 needs_flashinfer = pytest.mark.skipif(
-    _FI_PROBLEM is not None, reason=f"flashinfer unavailable: {_FI_PROBLEM}"
+    _FI_PROBLEM is not None and not _REQUIRED, reason=f"flashinfer unavailable: {_FI_PROBLEM}"
 )
 FP8 = torch.float8_e4m3fn
 # Output tolerance against fp32 on the same upcast pages: a few bf16/fp16 ulps of O(1)
 # outputs, times the V scale (outputs scale with it).
 KERNEL_TOL = {torch.bfloat16: 2e-2}
 SCALES = ([0.5, 2.0], [2.0, 0.25])  # per layer (k, v): a scale left out shows
+
+
+def test_gpu_environment_when_required() -> None:
+    """With MMSERVE_REQUIRE_GPU=1 a missing GPU or flashinfer fails, naming which."""
+    if not _REQUIRED:
+        pytest.skip("MMSERVE_REQUIRE_GPU is not 1: GPU tests may skip")
+    assert _CUDA, "MMSERVE_REQUIRE_GPU=1 but torch.cuda.is_available() is False"
+    assert _FI_PROBLEM is None, f"MMSERVE_REQUIRE_GPU=1 but {_FI_PROBLEM}"
 
 
 def _fp8_pools(pool: KVPool) -> tuple[KVPool, KVPool, KVPool]:
@@ -61,13 +74,18 @@ def _fp8_pools(pool: KVPool) -> tuple[KVPool, KVPool, KVPool]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("mode", ["prefill", "partial", "decode"])
-@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (2, 1)], ids=["gqa4", "gqa2"])
+# 14/2 at head_dim 64 is OneVision-0.5B: 7 query heads per KV head, past FlashInfer's
+# tensor-core decode threshold (5), the grouping its source warns about for fp8 KV
+@pytest.mark.parametrize(
+    ("hq", "hkv"), [(8, 2), (2, 1), (14, 2)], ids=["gqa4", "gqa2", "gqa7-onevision-0.5b"]
+)
 def test_flashinfer_fp8_matches_attention_over_upcast_pages(
     dtype, page_size, mode, hq, hkv
 ) -> None:
     pool, meta, q, k, v = random_batch(page_size, mode, hq, hkv, dtype, device="cuda", seed=11)
     pool_fi, pool_t, pool_ref = _fp8_pools(pool)
     fi = FlashInferAttentionBackend(hq, hkv, 64, "cuda", dtype, kv_dtype=FP8)
+    assert fi._tensor_cores == (hq // hkv >= 5)
     tb, ref = TorchAttentionBackend(), TorchAttentionBackend()
     for b in (fi, tb, ref):
         b.plan(meta)
