@@ -33,12 +33,14 @@
 #                transformers versions; import flashinfer; what backend "auto" picks
 #   prebuild    180 s: every FlashInfer module of the shapes below (bf16; fp16 when
 #                precompiled; fp8 KV), one log line per module with its seconds
-#   pytest      130 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
+#   pytest      115 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
 #                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager,
 #                FlashInfer's fused ops vs mmserve/kernels/ops.py's torch versions) and
 #                tests/test_reference.py, with MMSERVE_REQUIRE_GPU=1 (a missing GPU or
 #                flashinfer fails, not skips)
 #   quantized    40 s: tests/gpu/test_kv_fp8_gpu.py and tests/gpu/test_quant*_gpu.py
+#   qmm timing   15 s: benchmarks/quant_cuda.py: int8 / fp8 layers against bf16, eager
+#                and replayed from a CUDA graph (quant_cuda.json)
 #   benchmark    25 s: benchmarks/in_process.py cache_on_off, small model on CUDA
 #   graph decode 65 s: benchmarks/graph_decode.py at OneVision-0.5B shapes (checkpoint
 #                built on first use, ~25 s): decode tokens/s, CUDA graphs on/off, torch
@@ -53,14 +55,15 @@
 #                versions (torch, transformers, flashinfer it ran with), pytest counts,
 #                benchmark and graph-decode figures, "complete" and "passed";
 #   gpu_check.log all output;  pytest.xml, pytest_quantized.xml (JUnit);  benchmark.json;
-#   graph_decode.json + graph_decode.md (graph_decode.partial.json if cut off).
+#   graph_decode.json + graph_decode.md (graph_decode.partial.json if cut off);
+#   quant_cuda.json.
 #
 # Env: PYTHON (default: the active venv's python, else the first of python, python3,
 # python3.12 that has torch), GPU_BUNDLE (.gpu_bundle), GPU_SITE (.gpu_site),
 # GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
 # `scripts/gpu_bundle.sh --check PYTHON`), GPU_CHECK_DRY_RUN=1, GPU_CHECK_BUDGET (480),
 # INSTALL_TIMEOUT, ENV_TIMEOUT, PREBUILD_TIMEOUT, PYTEST_TIMEOUT, QUANT_TIMEOUT,
-# BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT (seconds).
+# QMM_TIMEOUT, BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT (seconds).
 set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
@@ -87,8 +90,9 @@ BUDGET=${GPU_CHECK_BUDGET:-480}
 INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-20}
 ENV_TIMEOUT=${ENV_TIMEOUT:-20}
 PREBUILD_TIMEOUT=${PREBUILD_TIMEOUT:-180}
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-130}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-115}
 QUANT_TIMEOUT=${QUANT_TIMEOUT:-40}
+QMM_TIMEOUT=${QMM_TIMEOUT:-15}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-25}
 GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-65}
 TP_TIMEOUT=${TP_TIMEOUT:-150}
@@ -174,7 +178,8 @@ for key, name in (("pytest", "pytest.xml"), ("pytest_quantized", "pytest_quantiz
             continue
         suite = suites if suites.tag == "testsuite" else suites[0]
         s[key] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
-for key, name in (("benchmark", "benchmark.json"), ("graph_decode", "graph_decode.json")):
+for key, name in (("benchmark", "benchmark.json"), ("graph_decode", "graph_decode.json"),
+                  ("quant_cuda", "quant_cuda.json")):
     if (out / name).exists():
         s[key] = json.loads((out / name).read_text())
 if "graph_decode" not in s and (out / "graph_decode.partial.json").exists():
@@ -229,6 +234,7 @@ if [[ $ONLY != setup ]]; then
   plan "prebuild FlashInfer kernels" "$PREBUILD_TIMEOUT"
   plan "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" pytest.xml
   plan "pytest quantized" "$QUANT_TIMEOUT" pytest_quantized.xml
+  plan "quantized matmul timing" "$QMM_TIMEOUT" quant_cuda.json
   plan "pytest --tp 2 (2 GPUs)" "$([[ ${NGPU:-0} -ge 2 ]] && echo "$TP_TIMEOUT" || echo 0)"
   plan "benchmark many_questions" "$BENCH_TIMEOUT" benchmark.json
   plan "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "graph_decode.json graph_decode.md"
@@ -451,6 +457,10 @@ if [[ $ONLY != setup ]]; then
     "$PY" -m pytest -v -rs --durations=5 -p no:cacheprovider "${K_FP16[@]}" \
     --junitxml="$OUT_DIR/pytest_quantized.xml" tests/gpu/test_kv_fp8_gpu.py \
     $(compgen -G 'tests/gpu/test_quant*_gpu.py')
+
+  # int8 / fp8 layers against bf16, eager and in a CUDA graph (benchmarks/quant_cuda.py)
+  gpu_phase "quantized matmul timing" "$QMM_TIMEOUT" "$PY" -m benchmarks.quant_cuda \
+    --out "$OUT_DIR/quant_cuda.json"
 
   # --tp 2 (NCCL, one rank per GPU) only where there are two GPUs; else a skip row
   if [[ $DRY == 1 ]]; then

@@ -67,6 +67,24 @@ def test_base_tile_and_video_token_counts_equal_the_processors(ov) -> None:
         assert frames * per + 1 == want["num_video_tokens"][0]
 
 
+def test_video_tokens_are_counted_where_the_processor_counts_none(ov, monkeypatch) -> None:
+    """transformers 5.17's processor answers no ``num_video_tokens`` (the GPU check's image
+    failed to load OneVision on it): the family counts them by the processor's own rule."""
+    from transformers.processing_utils import MultiModalData
+
+    from mmserve.model.families.llava_onevision import video_token_counts
+
+    loaded = ov.loaded
+    cfg, proc = loaded.config, loaded.family.processor
+    want = video_token_counts(cfg, proc)
+    assert want[1] - want[0] == loaded.family.video_frame_tokens()
+    monkeypatch.setattr(
+        type(proc), "_get_num_multimodal_tokens", lambda self, **kw: MultiModalData()
+    )
+    assert video_token_counts(cfg, proc) == want
+    assert type(loaded.family)(cfg, proc).video_frame_tokens() == want[1] - want[0]
+
+
 def test_decoder_is_qwen2_shaped(ov_loaded) -> None:
     shape = ov_loaded.decoder.shape
     assert (shape.qkv_bias, shape.o_bias, shape.tie_word_embeddings) == (True, False, True)

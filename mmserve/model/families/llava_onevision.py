@@ -32,6 +32,7 @@ assembled here (:func:`load_onevision_processor`) and frames are prepared by
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -131,6 +132,27 @@ def load_onevision_processor(model_dir: str | Path) -> OnevisionProcessor:
         chat_template=getattr(tokenizer, "chat_template", None),
         **kwargs,
     )
+
+
+def video_token_counts(config: PretrainedConfig, processor: Any) -> tuple[int, int]:
+    """Placeholder tokens of a 1-frame and a 2-frame video at the tower's size.
+
+    Asks the processor (``_get_num_multimodal_tokens``); transformers before 5.2x count no
+    video tokens there (the entry is None: seen with 5.17 on the GPU check's image), so
+    then the count comes from transformers' own rule for this processor: each frame's
+    ``side x side`` patches pooled 2x2 (``ceil(side / 2)`` squared), plus one newline
+    per video.
+
+    Returns:
+        ``(one, two)`` token counts.
+    """
+    t = config.vision_config.image_size
+    counts = processor._get_num_multimodal_tokens(video_sizes=[[1, t, t], [2, t, t]])
+    video = counts["num_video_tokens"]
+    if video is not None:
+        return int(video[0]), int(video[1])
+    pooled = math.ceil((t // config.vision_config.patch_size) / 2) ** 2
+    return pooled + 1, 2 * pooled + 1
 
 
 class LlavaOnevisionVision(VisionModule):
@@ -283,10 +305,7 @@ class LlavaOnevisionFamily(ModelFamily):
         settings = processor.video_settings
         self.frame_prep = FramePrep.from_processor(settings)
         self.video_fingerprint = processor_fingerprint(settings)
-        t = config.vision_config.image_size
-        one, two = processor._get_num_multimodal_tokens(video_sizes=[[1, t, t], [2, t, t]])[
-            "num_video_tokens"
-        ]
+        one, two = video_token_counts(config, processor)
         self._frame_tokens = two - one
         if one - self._frame_tokens != 1:
             raise ValueError(f"a 1-frame video has {one} tokens, not {two - one} + 1 newline")
