@@ -13,6 +13,7 @@ from api.media import MediaResolver
 from api.metrics import Metrics
 from api.settings import ServerSettings
 from api.submit import EngineClient
+from api.thumbnails import Thumbnails
 from api.video_store import VideoStore
 from mmserve.frontend.async_engine import AsyncEngine
 from mmserve.frontend.frontend import Engine
@@ -33,6 +34,7 @@ class ServerState:
         model_name: the served model's name.
         videos: uploaded videos.
         batches: the :class:`~api.batch.runner.BatchManager` (files and batch jobs).
+        thumbnails: the stored images' and videos' thumbnails (:mod:`api.thumbnails`).
     """
 
     engine: Engine
@@ -45,6 +47,7 @@ class ServerState:
     model_name: str
     videos: VideoStore = field(default_factory=VideoStore)
     batches: Any = None
+    thumbnails: Thumbnails = field(default_factory=Thumbnails)
 
     def check_model(self, name: str | None) -> None:
         """Accept ``None`` (the served model) or the served model's name.
