@@ -56,7 +56,7 @@ class StoredImage:
         persisted: whether its bytes are on disk.
         color_mode: the decoded image's PIL mode (``RGB``, ``L``, ...).
         filename: its name (:func:`api.uploads.clean_name`): the ``name`` or file name
-            of its latest named upload (``/v1/images``, or ``/v1/files`` purpose vision);
+            of its first named upload (``/v1/images``, or ``/v1/files`` purpose vision);
             "" if none. Kept across a restart in ``<id>.name`` beside its file.
     """
 
@@ -115,8 +115,8 @@ class ImageStore(UploadStore[StoredImage]):
         Args:
             data: the encoded file.
             persist: also write it to the store's directory (uploads; not data URLs).
-            name: its display name (cleaned by the caller); a non-empty one replaces the
-                stored one, in the same section.
+            name: its display name (cleaned by the caller); kept, in the same section,
+                unless the image already has one.
 
         Raises:
             ImageError: if the bytes are not an acceptable image.
@@ -192,13 +192,13 @@ class ImageStore(UploadStore[StoredImage]):
     ) -> StoredImage:
         """Keep ``fresh`` unless its id is stored (then mark that entry used), writing
         ``data`` to its file first when ``write``; a non-empty ``name`` becomes the
-        entry's (and its sidecar's, when written); one critical section of the id.
+        entry's (and its sidecar's) if it has none yet; one critical section of the id.
         Returns the stored entry."""
         image_id = fresh.image.id
         evicted: list[tuple[str, StoredImage]] = []
         with self._ids.hold(image_id):
             entry = self._entries.get(image_id)  # marks it most recently used
-            if name and (entry or fresh).filename != name:
+            if name and not (entry or fresh).filename:  # the first name stays
                 (entry or fresh).filename = name
                 if self.directory is not None and (write or (entry and entry.persisted)):
                     write_bytes_atomic(self._name_path(image_id), name.encode())

@@ -34,7 +34,7 @@ async def get_model(model: str, st: State) -> dict:
 
 #: The model card's ``note`` for a checkpoint of random weights.
 RANDOM_NOTE = (
-    "this model's weights are seeded random numbers (mmserve make-model, the bundled "
+    "This model's weights are seeded random numbers (mmserve make-model, the bundled "
     "default model): its answers are noise, meant for trying the server, not the model"
 )
 

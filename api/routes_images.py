@@ -34,7 +34,7 @@ async def upload_image(request: Request, st: State) -> dict:
     optional field ``name`` (else the multipart file name) is its display ``name``.
 
     Identical pixels give the same id, whatever the file name or container, and a
-    second upload of them changes nothing but the name, when it gives one (idempotent).
+    second upload of them changes nothing (idempotent; the first name given stays).
     """
     data, param, name = await read_upload(request, st.engine.config.image_limits.max_bytes)
     image = await st.media.store_bytes(data, param, name=name)

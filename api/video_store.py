@@ -22,7 +22,7 @@ from mmserve.vision.video import VideoInfo
 @dataclass
 class StoredVideo:
     """One uploaded video: ``id``, encoded ``data``, probe ``info``, ``created`` (Unix s),
-    ``name``: the display name of its latest named upload ("" if none)."""
+    ``name``: the display name of its first named upload ("" if none)."""
 
     id: str
     data: bytes
@@ -51,16 +51,16 @@ class VideoStore(UploadStore[StoredVideo]):
         self._ids = IdLocks()  # one critical section per id (api.commit)
 
     def put(self, data: bytes, info: VideoInfo, name: str = "") -> StoredVideo:
-        """Keep a probed video (idempotent for equal bytes, but for a non-empty ``name``,
-        which replaces the stored one) and return its entry; the check, the insert and
-        the rename are one critical section of its id (:mod:`api.commit`)."""
+        """Keep a probed video (idempotent for equal bytes; a non-empty ``name`` is kept
+        if it has none yet) and return its entry; the check, the insert and the naming
+        are one critical section of its id (:mod:`api.commit`)."""
         vid = video_id(data)
         with self._ids.hold(vid):
             entry = self._entries.get(vid)
             if entry is None:
                 entry = StoredVideo(vid, data, info, time.time(), name)
                 self._entries.put(vid, entry)
-            elif name:
+            elif name and not entry.name:  # the first name stays
                 entry.name = name
         return entry
 

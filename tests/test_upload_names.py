@@ -57,15 +57,20 @@ def test_image_names_thumbnails_and_restart(engine, tmp_path) -> None:
         assert t.status_code == 200 and t.headers["content-type"] == "image/jpeg"
         assert _jpeg_size(t.content) == (256, 170)  # 451x300 fitted into 256
         assert c.get(info["thumbnail_url"]).content == t.content  # cached, same bytes
-        # a JSON upload of the same pixels with a name field renames it
+        # a JSON upload of the same pixels changes nothing: the first name stays
         body = {"data": base64.b64encode(photo).decode(), "name": "renamed.png"}
-        assert c.post("/v1/images", json=body).json()["name"] == "renamed.png"
+        assert c.post("/v1/images", json=body).json()["name"] == "my cat.png"
         assert c.post("/v1/images", json={**body, "name": 3}).json()["error"]["param"] == "name"
         bad = c.post("/v1/images", json={**body, "nom": "x"}).json()["error"]
         assert bad["param"] == "nom"
         assert c.get("/v1/images/img-" + "0" * 32 + "/thumbnail").status_code == 404
+        # a JSON upload named by its field: control and format characters dropped
+        rocket = base64.b64encode((SAMPLES / "rocket.jpg").read_bytes()).decode()
+        named = c.post("/v1/images", json={"data": rocket, "name": "a\x00b\u202e.jpg"})
+        assert named.json()["name"] == "ab.jpg"
+        assert c.delete(f"/v1/images/{named.json()['id']}").status_code == 200
     with _app(engine, tmp_path / "store") as c:  # a restart keeps the name
-        assert c.get(f"/v1/images/{image_id}").json()["name"] == "renamed.png"
+        assert c.get(f"/v1/images/{image_id}").json()["name"] == "my cat.png"
         assert c.get(f"/v1/images/{image_id}/thumbnail").status_code == 200
         assert c.delete(f"/v1/images/{image_id}").status_code == 200
         assert c.get(f"/v1/images/{image_id}/thumbnail").status_code == 404
