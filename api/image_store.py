@@ -13,7 +13,9 @@ invariant (1)).
 
 With a directory, each uploaded image's original bytes are written to
 ``<dir>/<id>.img`` and read back (decoded and hashed again) at start, oldest
-first, so uploads survive a restart; the bounds apply to the files too. An upload,
+first, so uploads survive a restart; the bounds apply to the files too. An image's
+display name, when it has one, is kept beside it in ``<dir>/<id>.name`` (written in
+the id's section before the id is listed, unlinked after its file). An upload,
 a delete and an eviction of one id each commit the index and the file in one
 critical section of that id (:mod:`api.commit`), so the listing, GET and the files
 agree after any mix of concurrent calls, and after a restart.
