@@ -13,7 +13,9 @@ invariant (1)).
 
 With a directory, each uploaded image's original bytes are written to
 ``<dir>/<id>.img`` and read back (decoded and hashed again) at start, oldest
-first, so uploads survive a restart; the bounds apply to the files too. An upload,
+first, so uploads survive a restart; the bounds apply to the files too. An image's
+display name, when it has one, is kept beside it in ``<dir>/<id>.name`` (written in
+the id's section before the id is listed, unlinked after its file). An upload,
 a delete and an eviction of one id each commit the index and the file in one
 critical section of that id (:mod:`api.commit`), so the listing, GET and the files
 agree after any mix of concurrent calls, and after a restart.
@@ -33,7 +35,7 @@ from pathlib import Path
 import xxhash
 
 from api.commit import IdLocks, unlink_durably, write_bytes_atomic
-from api.uploads import UploadStore
+from api.uploads import UploadStore, clean_name
 from mmserve.vision.image import ImageError
 from mmserve.vision.inputs import ImageInput
 
@@ -55,8 +57,9 @@ class StoredImage:
         created: when it was first stored (Unix seconds).
         persisted: whether its bytes are on disk.
         color_mode: the decoded image's PIL mode (``RGB``, ``L``, ...).
-        filename: the file name it was uploaded under through ``/v1/files`` (purpose
-            vision; "" otherwise, and after a restart).
+        filename: its name (:func:`api.uploads.clean_name`): the ``name`` or file name
+            of its first named upload (``/v1/images``, or ``/v1/files`` purpose vision);
+            "" if none. Kept across a restart in ``<id>.name`` beside its file.
     """
 
     image: ImageInput
@@ -103,7 +106,7 @@ class ImageStore(UploadStore[StoredImage]):
             self._load()
 
     # ---- public -----------------------------------------------------------
-    def put(self, data: bytes, persist: bool = True) -> ImageInput:
+    def put(self, data: bytes, persist: bool = True, name: str = "") -> ImageInput:
         """Decode (unless memoised), store and return an image; idempotent for equal pixels.
 
         Decoding and hashing run outside any lock; whether the image is already stored,
@@ -114,6 +117,8 @@ class ImageStore(UploadStore[StoredImage]):
         Args:
             data: the encoded file.
             persist: also write it to the store's directory (uploads; not data URLs).
+            name: its display name (cleaned by the caller); kept, in the same section,
+                unless the image already has one.
 
         Raises:
             ImageError: if the bytes are not an acceptable image.
@@ -128,7 +133,8 @@ class ImageStore(UploadStore[StoredImage]):
             if seen is not None
             else self._entry(self.prepare(data), data, time.time())
         )
-        return self._commit(fresh, data, digest, persist and self.directory is not None).image
+        write = persist and self.directory is not None
+        return self._commit(fresh, data, digest, write, name).image
 
     def lookup(self, data: bytes) -> ImageInput | None:
         """The stored image of these exact bytes (marked recently used), or None; never
@@ -179,18 +185,25 @@ class ImageStore(UploadStore[StoredImage]):
                     return False
                 self._memo = {d: i for d, i in self._memo.items() if i != image_id}
             if self.directory is not None:  # unlisted first, so never listed without it
-                unlink_durably(self._path(image_id))
+                unlink_durably(self._path(image_id), self._name_path(image_id))
         return True
 
     # ---- internals --------------------------------------------------------
-    def _commit(self, fresh: StoredImage, data: bytes, digest: int, write: bool) -> StoredImage:
+    def _commit(
+        self, fresh: StoredImage, data: bytes, digest: int, write: bool, name: str = ""
+    ) -> StoredImage:
         """Keep ``fresh`` unless its id is stored (then mark that entry used), writing
-        ``data`` to its file first when ``write``; one critical section of the id.
+        ``data`` to its file first when ``write``; a non-empty ``name`` becomes the
+        entry's (and its sidecar's) if it has none yet; one critical section of the id.
         Returns the stored entry."""
         image_id = fresh.image.id
         evicted: list[tuple[str, StoredImage]] = []
         with self._ids.hold(image_id):
             entry = self._entries.get(image_id)  # marks it most recently used
+            if name and not (entry or fresh).filename:  # the first name stays
+                (entry or fresh).filename = name
+                if self.directory is not None and (write or (entry and entry.persisted)):
+                    write_bytes_atomic(self._name_path(image_id), name.encode())
             if entry is None:
                 entry = fresh
                 if write:
@@ -215,11 +228,15 @@ class ImageStore(UploadStore[StoredImage]):
             return
         with self._ids.hold(image_id):
             if self._entries.get(image_id, touch=False) is None:
-                unlink_durably(self._path(image_id))
+                unlink_durably(self._path(image_id), self._name_path(image_id))
 
     def _path(self, image_id: str) -> Path:
         assert self.directory is not None
         return self.directory / f"{image_id}{_SUFFIX}"
+
+    def _name_path(self, image_id: str) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{image_id}.name"
 
     def _write(self, image_id: str, data: bytes) -> None:
         write_bytes_atomic(self._path(image_id), data)
@@ -232,7 +249,7 @@ class ImageStore(UploadStore[StoredImage]):
 
     def _load(self) -> None:
         assert self.directory is not None
-        for tmp in self.directory.glob(f".img-*{_SUFFIX}.*.tmp"):  # writes cut short
+        for tmp in self.directory.glob(".img-*.*.tmp"):  # writes cut short
             tmp.unlink(missing_ok=True)
         files = sorted(self.directory.glob(f"img-*{_SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
@@ -243,9 +260,17 @@ class ImageStore(UploadStore[StoredImage]):
                 log.warning("image store: skipping %s: %s", path.name, e)
                 continue
             created = path.stat().st_mtime
+            old_name = path.with_suffix(".name")
+            try:
+                name = clean_name(old_name.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                name = ""
             if path.name != f"{image.id}{_SUFFIX}":  # another processor: another key
+                if name:
+                    os.replace(old_name, self._name_path(image.id))
                 os.replace(path, self._path(image.id))
             entry = self._entry(image, data, created)
             entry.persisted = True
+            entry.filename = name
             self._commit(entry, data, xxhash.xxh3_64_intdigest(data), write=False)
         log.info("image store: %d images loaded from %s", len(self._entries), self.directory)

@@ -167,14 +167,19 @@ class MediaResolver:
         except DecodeBusyError as e:
             raise busy_error(e) from None
 
-    async def store_bytes(self, data: bytes, param: str, upload: bool = True) -> ImageInput:
-        """Decode, hash and keep ``data``: in the upload store, else in the transient cache.
+    async def store_bytes(
+        self, data: bytes, param: str, upload: bool = True, name: str = ""
+    ) -> ImageInput:
+        """Decode, hash and keep ``data``: in the upload store (under ``name``, when not
+        empty), else in the transient cache.
 
         Raises:
             APIError: 400 ``invalid_image`` naming the problem.
         """
         store = self.store if upload else self.transient
         try:
+            if upload and name:
+                return await run_in_threadpool(store.put, data, True, name)
             return await run_in_threadpool(store.put, data)
         except ImageError as e:
             raise image_error(e, param) from None

@@ -6,6 +6,8 @@ The chat completion's work (check, prepare, answer) is its handler's
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -30,14 +32,32 @@ async def get_model(model: str, st: State) -> dict:
     return _model_card(st)
 
 
+#: The model card's ``note`` for a checkpoint of random weights.
+RANDOM_NOTE = (
+    "This model's weights are seeded random numbers (mmserve make-model, the bundled "
+    "default model): its answers are noise, meant for trying the server, not the model"
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _random_weights(model_path: str | None) -> bool:
+    from mmserve.testing.checkpoints import random_weights_checkpoint
+
+    return random_weights_checkpoint(model_path)
+
+
 def _model_card(st: ServerState) -> dict:
-    return {
+    card = {
         "id": st.model_name,
         "object": "model",
         "created": 0,
         "owned_by": "mmserve",
         "max_model_len": st.engine.max_context,
+        "random_weights": _random_weights(st.engine.config.model_path),
     }
+    if card["random_weights"]:
+        card["note"] = RANDOM_NOTE
+    return card
 
 
 @router.post("/v1/chat/completions", response_model=None)

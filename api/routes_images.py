@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
+from PIL import Image
 
+from api.errors import APIError
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import IMAGE
 from api.image_store import StoredImage
@@ -16,6 +19,7 @@ from api.json_body import JSONBodyRoute
 from api.openai_format import usage
 from api.schemas import AskRequest
 from api.state import ServerState, State
+from api.thumbnails import THUMBNAIL_HEADERS, thumbnail_jpeg
 from api.uploads import read_upload, upload_body
 from mmserve.model.families.base import DETAILS
 
@@ -26,13 +30,14 @@ _UPLOAD_BODY = upload_body("image")
 
 @router.post("/v1/images", openapi_extra=_UPLOAD_BODY)
 async def upload_image(request: Request, st: State) -> dict:
-    """Upload an image: multipart field ``file``, or JSON ``{"data": "<base64>"}``.
+    """Upload an image: multipart field ``file``, or JSON ``{"data": "<base64>"}``; an
+    optional field ``name`` (else the multipart file name) is its display ``name``.
 
     Identical pixels give the same id, whatever the file name or container, and a
-    second upload of them changes nothing (idempotent).
+    second upload of them changes nothing (idempotent; the first name given stays).
     """
-    data, param = await read_upload(request, st.engine.config.image_limits.max_bytes)
-    image = await st.media.store_bytes(data, param)
+    data, param, name = await read_upload(request, st.engine.config.image_limits.max_bytes)
+    image = await st.media.store_bytes(data, param, name=name)
     # (under heavy churn a tiny store may already have evicted it again)
     entry = st.store.info(image.id) or StoredImage(image, 0, len(data), time.time())
     return _info(st, entry)
@@ -48,6 +53,23 @@ async def list_images(st: State) -> dict:
 async def get_image(image_id: str, st: State) -> dict:
     """Metadata of a stored image; 404 if unknown, deleted or evicted."""
     return _info(st, _entry(st, image_id))
+
+
+@router.get("/v1/images/{image_id}/thumbnail")
+async def image_thumbnail(image_id: str, st: State) -> Response:
+    """A JPEG of the stored image at most 256 pixels on its longer edge; 404 if unknown
+    (or kept without its file)."""
+    entry = _entry(st, image_id)
+    source = entry.image.source
+    if not isinstance(source, bytes):
+        raise APIError(404, f"image_id: {image_id!r} has no stored file", param="image_id")
+
+    def make() -> bytes:
+        with Image.open(io.BytesIO(source)) as im:
+            return thumbnail_jpeg(im)
+
+    data = await run_in_threadpool(st.thumbnails.get, image_id, make)
+    return Response(data, media_type="image/jpeg", headers=THUMBNAIL_HEADERS)
 
 
 @router.delete("/v1/images/{image_id}")
@@ -121,6 +143,8 @@ def _info(st: ServerState, entry: StoredImage) -> dict:
     return {
         "id": entry.image.id,
         "object": "image",
+        "name": entry.filename,
+        "thumbnail_url": f"/v1/images/{entry.image.id}/thumbnail",
         "created_at": int(entry.created),
         "width": im.width,
         "height": im.height,

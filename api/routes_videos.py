@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from api.disconnect import request_token, until_cancelled
 from api.errors import APIError, error_body
@@ -26,6 +26,7 @@ from api.ids import VIDEO
 from api.json_body import JSONBodyRoute
 from api.schemas import VideoQARequest
 from api.state import ServerState, State
+from api.thumbnails import THUMBNAIL_HEADERS, thumbnail_jpeg
 from api.uploads import read_upload, upload_body
 from api.video_media import VideoPart, expand_video, fewer_frames, frame_parts, selection
 from api.video_store import StoredVideo
@@ -39,13 +40,14 @@ router = APIRouter(route_class=JSONBodyRoute)
 
 @router.post("/v1/videos", openapi_extra=upload_body("video"))
 async def upload_video(request: Request, st: State) -> dict:
-    """Upload a video: multipart field ``file``, or JSON ``{"data": "<base64>"}``.
+    """Upload a video: multipart field ``file``, or JSON ``{"data": "<base64>"}``; an
+    optional field ``name`` (else the multipart file name) is its display ``name``.
 
     The file is probed (frame count, fps, duration, size) and refused with a 4xx
     that names the problem if it is not a decodable video within the limits.
     """
     limits = st.settings.video_limits()
-    data, param = await read_upload(request, limits.max_bytes, "video")
+    data, param, name = await read_upload(request, limits.max_bytes, "video")
     if len(data) > limits.max_bytes:
         raise APIError(
             413,
@@ -57,7 +59,7 @@ async def upload_video(request: Request, st: State) -> dict:
         video = await run_in_threadpool(st.engine.processor.open_video, data, limits)
     except VideoError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_video") from None
-    return _info(await run_in_threadpool(st.videos.put, data, video.info))
+    return _info(await run_in_threadpool(st.videos.put, data, video.info, name))
 
 
 @router.get("/v1/videos")
@@ -70,6 +72,28 @@ async def list_videos(st: State) -> dict:
 async def get_video(video_id: str, st: State) -> dict:
     """Metadata of a stored video; 404 if unknown, deleted or evicted."""
     return _info(_entry(st, video_id))
+
+
+@router.get("/v1/videos/{video_id}/thumbnail")
+async def video_thumbnail(video_id: str, st: State) -> Response:
+    """A JPEG of the video's first frame that decodes (frame 0, else its middle frame),
+    at most 256 pixels on its longer edge; 404 if unknown."""
+    entry = _entry(st, video_id)
+    limits = st.settings.video_limits()
+
+    def make() -> bytes:
+        video = st.engine.processor.open_video(entry.data, limits)
+        for index in (0, video.info.num_frames // 2):
+            got = video.decode([index])
+            if index in got.images:
+                return thumbnail_jpeg(got.images[index])
+        raise VideoError("no frame decodes")
+
+    try:
+        data = await run_in_threadpool(st.thumbnails.get, video_id, make)
+    except VideoError as e:
+        raise APIError(404, f"video_id: no thumbnail: {e}", param="video_id") from None
+    return Response(data, media_type="image/jpeg", headers=THUMBNAIL_HEADERS)
 
 
 @router.delete("/v1/videos/{video_id}")
@@ -309,6 +333,8 @@ def _info(entry: StoredVideo) -> dict:
     return {
         "id": entry.id,
         "object": "video",
+        "name": entry.name,
+        "thumbnail_url": f"/v1/videos/{entry.id}/thumbnail",
         "created_at": int(entry.created),
         "duration": i.duration,
         "fps": i.fps,

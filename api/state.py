@@ -13,6 +13,7 @@ from api.media import MediaResolver
 from api.metrics import Metrics
 from api.settings import ServerSettings
 from api.submit import EngineClient
+from api.thumbnails import Thumbnails
 from api.video_store import VideoStore
 from mmserve.frontend.async_engine import AsyncEngine
 from mmserve.frontend.frontend import Engine
@@ -35,6 +36,7 @@ class ServerState:
         batches: the :class:`~api.batch.runner.BatchManager` (files and batch jobs).
         kernels_ready: False until the start-up kernel warm-up has finished
             (``/health`` answers 503 ``warming_up`` before).
+        thumbnails: the stored images' and videos' thumbnails (:mod:`api.thumbnails`).
     """
 
     engine: Engine
@@ -48,6 +50,7 @@ class ServerState:
     videos: VideoStore = field(default_factory=VideoStore)
     batches: Any = None
     kernels_ready: bool = False
+    thumbnails: Thumbnails = field(default_factory=Thumbnails)
 
     def check_model(self, name: str | None) -> None:
         """Accept ``None`` (the served model) or the served model's name.

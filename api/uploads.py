@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import unicodedata
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from fastapi import Request
 from starlette.datastructures import UploadFile
@@ -74,9 +75,32 @@ def upload_body(what: str) -> dict:
     }
 
 
-async def read_upload(request: Request, max_bytes: int, what: str = "image") -> tuple[bytes, str]:
-    """The uploaded file's bytes (at most ``max_bytes + 1`` of a multipart file) and the
-    request field they came from.
+#: Most characters of an upload's name (longer names are cut).
+MAX_NAME_CHARS = 255
+
+
+def clean_name(raw: str) -> str:
+    """An upload's client-supplied name made safe to show: its last path component
+    (after ``/`` or ``\\``), without control or format characters (Unicode category C:
+    newlines, NUL, bidirectional overrides), stripped, at most :data:`MAX_NAME_CHARS`
+    characters. A label only: never used as a path."""
+    base = raw.replace("\\", "/").rsplit("/", 1)[-1]
+    kept = "".join(c for c in base if not unicodedata.category(c).startswith("C"))
+    return kept.strip()[:MAX_NAME_CHARS]
+
+
+class Upload(NamedTuple):
+    """An upload's bytes, the request field they came from, and its name ("" if none)."""
+
+    data: bytes
+    param: str
+    name: str
+
+
+async def read_upload(request: Request, max_bytes: int, what: str = "image") -> Upload:
+    """The uploaded file's bytes (at most ``max_bytes + 1`` of a multipart file), the
+    request field they came from, and its name: the optional field ``name``, else a
+    multipart file's file name (:func:`clean_name`).
 
     Raises:
         APIError: 400 for a malformed body (a JSON body goes through
@@ -94,19 +118,26 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
             if not isinstance(file, UploadFile):
                 msg = "multipart upload needs a file field named 'file'"
                 raise APIError(400, msg, param="file")
-            _refuse_other_fields(list(form.keys()), "file", f"the {what} as the field 'file'")
-            return await file.read(max_bytes + 1), "file"
+            keys = list(form.keys())
+            shape = f"the {what} as the field 'file' (and an optional 'name')"
+            _refuse_other_fields(keys, "file", shape)
+            name = _name_field(form.get("name"))
+            return Upload(
+                await file.read(max_bytes + 1), "file", name or clean_name(file.filename or "")
+            )
         finally:
             await form.close()
     if json_media_type(ctype) or ctype.lower().startswith("application/json"):
         _, body = await read_json_object(request)  # 400 for any body that is not an object
         usage = f'JSON upload must be {{"data": "<base64 {what} bytes>"}}'
-        _refuse_other_fields(list(body), "data", f'{{"data": "<base64 {what} bytes>"}}')
+        shape = f'{{"data": "<base64 {what} bytes>", "name": "<optional name>"}}'
+        _refuse_other_fields(list(body), "data", shape)
+        name = _name_field(body.get("name"))
         data = body.get("data")
         if not isinstance(data, str):
             raise APIError(400, f"data: expected a base64 string; {usage}", param="data")
         try:
-            return base64.b64decode(data, validate=True), "data"
+            return Upload(base64.b64decode(data, validate=True), "data", name)
         except (ValueError, binascii.Error):
             raise APIError(400, f"data: not valid base64; {usage}", param="data") from None
     raise APIError(
@@ -116,15 +147,30 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
     )
 
 
+def _name_field(value: object) -> str:
+    """The optional ``name`` field of an upload, cleaned (:func:`clean_name`).
+
+    Raises:
+        APIError: 400 naming ``name`` when it is not a string (or a multipart file).
+    """
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise APIError(400, "name: expected a string (the upload's display name)", param="name")
+    return clean_name(value)
+
+
 def _refuse_other_fields(names: list[str], expected: str, shape: str) -> None:
-    """Refuse upload fields other than ``expected`` (given once); ``shape`` says what to send.
+    """Refuse upload fields other than ``expected`` and ``name`` (each given once);
+    ``shape`` says what to send.
 
     Raises:
         APIError: 400 naming the first other (or repeated) field.
     """
-    other = [n for n in names if n != expected]
-    if other or names.count(expected) > 1:
-        name = other[0] if other else expected
+    other = [n for n in names if n not in (expected, "name")]
+    repeated = [n for n in (expected, "name") if names.count(n) > 1]
+    if other or repeated:
+        name = other[0] if other else repeated[0]
         what = "unknown field" if other else "repeated upload field"
         raise APIError(
             400,

@@ -21,12 +21,14 @@ from mmserve.vision.video import VideoInfo
 
 @dataclass
 class StoredVideo:
-    """One uploaded video: ``id``, encoded ``data``, probe ``info``, ``created`` (Unix s)."""
+    """One uploaded video: ``id``, encoded ``data``, probe ``info``, ``created`` (Unix s),
+    ``name``: the display name of its first named upload ("" if none)."""
 
     id: str
     data: bytes
     info: VideoInfo
     created: float
+    name: str = ""
 
 
 def video_id(data: bytes) -> str:
@@ -48,15 +50,18 @@ class VideoStore(UploadStore[StoredVideo]):
         self.max_videos = max_videos
         self._ids = IdLocks()  # one critical section per id (api.commit)
 
-    def put(self, data: bytes, info: VideoInfo) -> StoredVideo:
-        """Keep a probed video (idempotent for equal bytes) and return its entry; the
-        check and the insert are one critical section of its id (:mod:`api.commit`)."""
+    def put(self, data: bytes, info: VideoInfo, name: str = "") -> StoredVideo:
+        """Keep a probed video (idempotent for equal bytes; a non-empty ``name`` is kept
+        if it has none yet) and return its entry; the check, the insert and the naming
+        are one critical section of its id (:mod:`api.commit`)."""
         vid = video_id(data)
         with self._ids.hold(vid):
             entry = self._entries.get(vid)
             if entry is None:
-                entry = StoredVideo(vid, data, info, time.time())
+                entry = StoredVideo(vid, data, info, time.time(), name)
                 self._entries.put(vid, entry)
+            elif name and not entry.name:  # the first name stays
+                entry.name = name
         return entry
 
     def get(self, vid: str) -> StoredVideo | None:

@@ -18,6 +18,7 @@ from api.errors import APIError
 from api.ids import IMAGE
 from api.image_store import StoredImage
 from api.state import ServerState
+from api.uploads import clean_name
 
 #: The ``purpose`` of an image uploaded through ``/v1/files``.
 VISION = "vision"
@@ -55,13 +56,11 @@ async def upload_vision_file(st: ServerState, file: UploadFile) -> dict:
         )
     if not data:
         raise APIError(400, "file: empty; purpose vision needs an image file", param="file")
-    image = await st.media.store_bytes(data, "file")
+    name = clean_name(file.filename or "") or "image"
+    image = await st.media.store_bytes(data, "file", name=name)  # named in its id's section
     entry = st.store.info(image.id)
-    name = (file.filename or "image")[:255]
     if entry is None:  # a tiny store under churn may have evicted it already
         entry = StoredImage(image, 0, len(data), 0.0)
-    elif not entry.filename:
-        entry.filename = name
     return {**vision_object(entry), "filename": entry.filename or name}
 
 

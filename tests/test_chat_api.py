@@ -168,6 +168,8 @@ def test_models_routes(client) -> None:
     data = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == [MODEL]
     assert data[0]["max_model_len"] == client.engine.max_context
+    # the tiny checkpoint is make-model's: its card says its answers are noise
+    assert data[0]["random_weights"] is True and "random" in data[0]["note"]
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert client.get("/v1/models/gpt-4").json()["error"]["code"] == "model_not_found"
 

@@ -4,6 +4,7 @@ test checkpoint descriptions it writes (``ModelFamily.test_config``)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -393,3 +394,23 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def test_random_weights_mark_is_read_from_config_or_stamp(tmp_path: Path) -> None:
+    from mmserve.testing.checkpoints import (
+        RANDOM_WEIGHTS_KEY,
+        STAMP_NAME,
+        random_weights_checkpoint,
+    )
+
+    marked, stamped, other = (tmp_path / n for n in ("marked", "stamped", "other"))
+    for d in (marked, stamped, other):
+        d.mkdir()
+    (marked / "config.json").write_text(json.dumps({RANDOM_WEIGHTS_KEY: True}))
+    (stamped / "config.json").write_text("{}")
+    (stamped / STAMP_NAME).write_text("x\n")
+    (other / "config.json").write_text(json.dumps({RANDOM_WEIGHTS_KEY: "yes"}))
+    assert random_weights_checkpoint(marked) and random_weights_checkpoint(stamped)
+    assert not random_weights_checkpoint(other)
+    assert not random_weights_checkpoint(tmp_path / "missing")
+    assert not random_weights_checkpoint(None)

@@ -43,6 +43,7 @@ DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 WAIT_MS = 60_000  # the longest any one wait may take
 PHOTO = SAMPLES / "cat.png"
+ROCKET = SAMPLES / "rocket.jpg"
 VIDEO = SAMPLES.parent / "video" / "pans.mp4"
 KEY = "page-test-key"
 
@@ -129,6 +130,36 @@ def wait_answers(page: Page, n: int) -> list[dict]:
     ]
 
 
+def check_cache_bars(page: Page, answers: list[dict]) -> None:
+    """Each done card's bar splits its prompt into cached and computed tokens (widths in
+    proportion), says whether the vision tower ran, and the session totals add them up."""
+    cards = page.locator(".answer-card")
+    cached_total, saved = 0, 0
+    for i, a in enumerate(answers):
+        card = cards.nth(i)
+        prompt = int(re.search(r"of (\d+) prompt tokens", a["meta"]).group(1))
+        legend = card.locator(".cache-bar .legend")
+        computed = prompt - a["cached"]
+        expect(legend.locator(".key-cached")).to_have_text(f"{_tokens(a['cached'])} cached")
+        expect(legend.locator(".key-computed")).to_have_text(f"{_tokens(computed)} computed")
+        widths = card.locator(".cache-bar .bar span").evaluate_all(
+            "s => s.map(e => e.getBoundingClientRect().width)"
+        )
+        assert widths[0] / sum(widths) == pytest.approx(a["cached"] / prompt, abs=0.02)
+        skipped = a["cached"] >= 576
+        expect(legend.locator(".tower")).to_have_text(
+            "vision tower skipped" if skipped else "vision tower run"
+        )
+        cached_total += a["cached"]
+        saved += skipped
+    expect(page.locator("#stat-session-cached")).to_have_text(f"{cached_total:,}")
+    expect(page.locator("#stat-session-tower")).to_have_text(str(saved))
+
+
+def _tokens(n: int) -> str:
+    return f"{n:,} token" + ("" if n == 1 else "s")
+
+
 def check_on_screen(page: Page, selectors: list[str], scroll: bool) -> None:
     """Each selector's element is visible with its whole box inside the viewport (after
     scrolling it into view when ``scroll``), and nothing overflows sideways."""
@@ -157,7 +188,17 @@ def screenshot(page: Page, tmp_path: Path, name: str) -> None:
             im.convert("RGB").quantize(64).save(Path(out) / name, optimize=True)
 
 
-KEY_ELEMENTS = ["#drop", "#media-list li", "#questions", "#ask", "#stats", "#results"]
+KEY_ELEMENTS = [
+    "#drop",
+    "#media-list li",
+    "#questions",
+    "#ask",
+    "#stats",
+    "#stat-session-cached",
+    "#stat-session-tower",
+    "#random-note",
+    "#results",
+]
 
 
 def test_image_two_questions_stream_and_the_second_is_cached(
@@ -166,6 +207,9 @@ def test_image_two_questions_stream_and_the_second_is_cached(
     with opened(browser, server, DESKTOP) as page:
         expect(page.locator("#model-name")).to_have_text("llava-tiny", timeout=WAIT_MS)
         expect(page.locator("#key-box")).to_be_hidden()  # this server has no key
+        # make-model's checkpoint: the page says its answers are noise
+        expect(page.locator("#random-note")).to_be_visible()
+        expect(page.locator("#random-note")).to_contain_text("seeded random numbers")
         upload(page, PHOTO)
         item = page.locator("#media-list li.selected")
         assert re.fullmatch(r"img-[0-9a-f]{32}", item.locator(".id").inner_text())
@@ -179,7 +223,9 @@ def test_image_two_questions_stream_and_the_second_is_cached(
         assert first["cached"] < 576 <= second["cached"], (first, second)
         assert f"cached {second['cached']} of" in second["meta"] and " s" in second["meta"]
         assert "(576 image)" in second["meta"]
-        # the stats panel refreshes after the questions: one vision-tower run
+        check_cache_bars(
+            page, [first, second]
+        )  # the stats panel refreshes after the questions: one vision-tower run
         expect(page.locator("#stat-tower")).to_have_text("1", timeout=WAIT_MS)
         expect(page.locator("#stat-hit")).to_have_text(re.compile(r"\d+\.\d%"))
         expect(page.locator("#stat-kv")).to_contain_text("of 8192 tokens")
@@ -227,6 +273,8 @@ def test_video_per_frame_progress_reaches_the_end(
         assert run.locator("td.pending").count() == 0 and run.locator("td").count() == 6
         expect(run.locator(".meta")).to_contain_text("6 answers over 3 distinct frames")
         expect(run.locator(".meta")).to_contain_text("3 vision-tower runs")
+        # 6 answers over 3 frames, 3 tower runs: the caches spared 3
+        expect(page.locator("#stat-session-tower")).to_have_text("3")
         check_on_screen(page, [*KEY_ELEMENTS, "#video-options", ".video-run progress"], False)
         screenshot(page, tmp_path, "web-page-desktop.png")
 
@@ -235,8 +283,11 @@ def test_phone_width_layout(browser: Browser, server: str, tmp_path: Path) -> No
     with opened(browser, server, PHONE) as page:
         upload(page, PHOTO)
         ask(page, ["What is in this picture?", "What colours stand out?"])
-        wait_answers(page, 2)
-        check_on_screen(page, [*KEY_ELEMENTS, "#schema-box", ".answer-card"], True)
+        answers = wait_answers(page, 2)
+        check_cache_bars(page, answers)
+        check_on_screen(
+            page, [*KEY_ELEMENTS, "#schema-box", ".answer-card", ".cache-bar .legend"], True
+        )
         screenshot(page, tmp_path, "web-page-phone.png")
         # a JSON schema typed in the box goes out as response_format json_schema
         page.click("#schema-box summary")
@@ -316,23 +367,33 @@ def test_page_files_are_served_without_a_key_and_nothing_else_is(server: str) ->
         assert e.value.code == 404
 
 
+@pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
 def test_page_lists_images_and_videos_stored_before_it_opened(
-    browser: Browser, server: str
+    browser: Browser, server: str, viewport: dict
 ) -> None:
     import httpx
 
     ids = {}
-    for kind, path, mime in [("image", PHOTO, "image/png"), ("video", VIDEO, "video/mp4")]:
-        files = {"file": (path.name, path.read_bytes(), mime)}
+    names = {"image": "my rocket.jpg", "video": "pans.mp4"}
+    for kind, path, mime in [("image", ROCKET, "image/jpeg"), ("video", VIDEO, "video/mp4")]:
+        files = {"file": (names[kind], path.read_bytes(), mime)}
         r = httpx.post(f"{server}/v1/{kind}s", files=files, timeout=60)
         assert r.status_code == 200, r.text
         ids[kind] = r.json()["id"]
-    with opened(browser, server, DESKTOP) as page:
+    with opened(browser, server, viewport) as page:
         for kind, item_id in ids.items():
             item = page.locator(f'#media-list li[data-id="{item_id}"]')
             expect(item).to_have_attribute("data-kind", kind, timeout=WAIT_MS)
-            expect(item.locator(".thumb.stored")).to_have_text(kind)
-            expect(item.locator(".name")).to_contain_text(f"stored {kind}")
+            # the name it was uploaded under, and the server's thumbnail drawn
+            expect(item.locator(".name")).to_have_text(names[kind])
+            thumb = item.locator("img.thumb.stored")
+            expect(thumb).to_have_attribute("src", re.compile(r"^blob:"), timeout=WAIT_MS)
+            thumb.scroll_into_view_if_needed()
+            page.wait_for_function(
+                "t => t.complete && t.naturalWidth > 0", arg=thumb.element_handle()
+            )
+            assert thumb.evaluate("t => Math.max(t.naturalWidth, t.naturalHeight)") == 256
+            check_on_screen(page, [f'li[data-id="{item_id}"] img.thumb'], True)
         expect(page.locator(f'li[data-id="{ids["image"]}"] .size')).to_contain_text("576 tokens")
         page.click(f'li[data-id="{ids["video"]}"]')  # a listed item can be asked about
         expect(page.locator("#video-options")).to_be_visible()

@@ -5,6 +5,7 @@
 const $ = (sel) => document.querySelector(sel);
 const items = new Map(); // id -> {kind: "image" | "video", info, name}
 let selected = null;
+const session = { cached: 0, towerSaved: 0 }; // this page's totals since it opened
 
 // ---- API calls -------------------------------------------------------------------
 
@@ -125,6 +126,9 @@ async function loadModel() {
   try {
     const m = await (await call("/v1/models")).json();
     $("#model-name").textContent = m.data[0].id;
+    // make-model's seeded random weights: say plainly that the answers are noise
+    $("#random-note").hidden = !m.data[0].random_weights;
+    $("#random-note-text").textContent = m.data[0].note || "";
     showError(null);
   } catch (err) {
     showError(err); // e.g. the 401 of a server with --api-key, as the server words it
@@ -143,12 +147,13 @@ async function upload(file) {
   form.append("file", file);
   const info = await (await call(`/v1/${kind}s`, { form })).json();
   const src = URL.createObjectURL(file); // a blob: URL of this page, nothing is fetched
-  $("#media-list").prepend(mediaItem(kind, info, file.name, src));
+  $("#media-list").prepend(mediaItem(kind, info, info.name || file.name, src));
   select(info.id);
 }
 
 // One entry of the media list; `src` is a blob: URL of an upload of this page, or
-// null for an item stored before the page was opened (the server keeps no thumbnail).
+// null for an item stored before the page was opened: its thumbnail then comes from
+// the server (`thumbnail_url`, fetched with the API key, shown as a blob: URL).
 function mediaItem(kind, info, name, src) {
   const li = el("li", "media");
   li.dataset.id = info.id;
@@ -160,7 +165,15 @@ function mediaItem(kind, info, name, src) {
     else thumb.alt = name;
     li.append(thumb);
   } else {
-    li.append(el("div", "thumb stored", kind));
+    const thumb = el("img", "thumb stored");
+    thumb.alt = `${kind} ${name}`;
+    li.append(thumb);
+    if (info.thumbnail_url) {
+      call(info.thumbnail_url)
+        .then((r) => r.blob())
+        .then((b) => { thumb.src = URL.createObjectURL(b); })
+        .catch(() => thumb.classList.add("missing"));
+    }
   }
   const text = el("div", "meta");
   text.append(el("b", "name", name), el("code", "id", info.id));
@@ -194,7 +207,8 @@ async function loadStored() {
       for (const info of list.data) {
         if (items.has(info.id)) continue;
         const when = new Date(info.created_at * 1000).toLocaleString();
-        $("#media-list").append(mediaItem(kind, info, `stored ${kind}, ${when}`, null));
+        const name = info.name || `stored ${kind}, ${when}`;
+        $("#media-list").append(mediaItem(kind, info, name, null));
       }
     }
   } catch (err) {
@@ -241,6 +255,47 @@ function schemaFormat() {
   return { type: "json_schema", json_schema: { name: "answer", schema } };
 }
 
+// The answer's prompt tokens as a bar, cached then computed, with whether the vision
+// tower ran: its image's tokens all in the reused prefix means its KV was reused, so
+// the tower was skipped. Adds to the page's session totals.
+function showCache(card, u) {
+  const cached = u.prompt_tokens_details.cached_tokens;
+  const image = u.prompt_tokens_details.image_tokens;
+  const computed = u.prompt_tokens - cached;
+  const box = el("div", "cache-bar");
+  const bar = el("div", "bar");
+  bar.title = `${cached} of ${u.prompt_tokens} prompt tokens cached`;
+  const a = el("span", "cached");
+  const b = el("span", "computed");
+  a.style.flexGrow = String(cached);
+  b.style.flexGrow = String(computed);
+  bar.append(a, b);
+  const skipped = image > 0 && cached >= image;
+  const legend = el("div", "legend");
+  legend.append(
+    el("span", "key-cached", `${plural(cached, "token")} cached`),
+    el("span", "key-computed", `${plural(computed, "token")} computed`),
+  );
+  if (image > 0) {
+    const tower = el("span", skipped ? "tower skipped" : "tower run",
+      skipped ? "vision tower skipped" : "vision tower run");
+    tower.title = skipped ? "the image's KV came from the prefix cache"
+      : "the image was encoded (or its features came from the embedding cache)";
+    legend.append(tower);
+  }
+  box.append(bar, legend);
+  card.dataset.tower = image > 0 ? (skipped ? "skipped" : "run") : "none";
+  card.querySelector(".meta").before(box);
+  addSession(cached, skipped ? 1 : 0);
+}
+
+function addSession(cached, towerSaved) {
+  session.cached += cached;
+  session.towerSaved += towerSaved;
+  $("#stat-session-cached").textContent = session.cached.toLocaleString("en");
+  $("#stat-session-tower").textContent = session.towerSaved.toLocaleString("en");
+}
+
 // Stream one question's answer into its card; onStart() fires at the first text (the
 // prompt, image included, is then in the server's prefix cache) or at the end.
 async function askOne(card, body, onStart) {
@@ -265,6 +320,7 @@ async function askOne(card, body, onStart) {
       if (chunk.usage) {
         const u = chunk.usage;
         card.dataset.cached = u.prompt_tokens_details.cached_tokens;
+        showCache(card, u);
         meta.textContent =
           `cached ${u.prompt_tokens_details.cached_tokens} of ${u.prompt_tokens} prompt tokens ` +
           `(${u.prompt_tokens_details.image_tokens} image), ` +
@@ -375,11 +431,15 @@ async function askVideo(id, questions) {
         td.className = "";
         td.textContent = ev.text;
         td.title = `cached ${ev.cached_tokens} of ${ev.prompt_tokens} prompt tokens`;
+        addSession(ev.cached_tokens || 0, 0);
       } else if (ev.type === "summary") {
         summary.textContent =
           `${ev.answers} answers over ${ev.distinct_frames} distinct frames in ` +
           `${ev.seconds.toFixed(2)} s; cache hit rate ${(100 * ev.cache_hit_rate).toFixed(1)}%, ` +
           `${ev.vision_tower_runs} vision-tower runs`;
+        // frames the answers used minus the tower's runs: encodings the caches spared
+        const used = body.mode === "clip" ? ev.answers * ev.distinct_frames : ev.answers;
+        addSession(0, Math.max(0, used - ev.vision_tower_runs));
       }
     }
     box.dataset.state = "done";

@@ -49,6 +49,7 @@ __all__ = [
     "CORPUS_PATH",
     "FAMILY_NAMES",
     "SIZES",
+    "RANDOM_WEIGHTS_KEY",
     "STAMP_NAME",
     "build_config",
     "build_stamp",
@@ -59,6 +60,7 @@ __all__ = [
     "ensure_model",
     "make_checkpoint",
     "quantize_checkpoint",
+    "random_weights_checkpoint",
     "train_sentencepiece",
     "write_checkpoint",
     "write_weights_streamed",
@@ -180,6 +182,8 @@ def write_checkpoint(
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(spec["tokenizer"], out)
     config = build_config(spec, tokenizer)
+    # the mark a server reads to say its answers are noise (random_weights_checkpoint)
+    setattr(config, RANDOM_WEIGHTS_KEY, True)
     assert config.architectures, "build_config names the architecture"
     model_cls = getattr(transformers, config.architectures[0])
     stored = getattr(torch, dtype or ("bfloat16" if spec["real"] else "float32"))
@@ -289,6 +293,28 @@ def ensure_model(size: str = "tiny", family: str = "llava") -> Path:
 
 #: The file in a cached checkpoint that names the generator that built it.
 STAMP_NAME = ".mmserve-build"
+
+#: The ``config.json`` key (``true``) that :func:`write_checkpoint` writes: the weights
+#: are seeded random numbers, so the model's answers carry no meaning.
+RANDOM_WEIGHTS_KEY = "mmserve_random_weights"
+
+
+def random_weights_checkpoint(model_dir: str | os.PathLike | None) -> bool:
+    """Whether ``model_dir`` holds a checkpoint of seeded random weights written here
+    (``mmserve make-model``, the bundled default model): its ``config.json`` has
+    :data:`RANDOM_WEIGHTS_KEY` set, or (a checkpoint built before that key) the directory
+    has the :data:`STAMP_NAME` that :func:`ensure_model` writes. False for None, a
+    missing or unreadable directory, and any other checkpoint."""
+    if not model_dir:
+        return False
+    path = Path(model_dir)
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = {}
+    return (isinstance(cfg, dict) and cfg.get(RANDOM_WEIGHTS_KEY) is True) or (
+        path / STAMP_NAME
+    ).is_file()
 
 
 def build_stamp(size: str = "tiny", family: str = "llava") -> str:
