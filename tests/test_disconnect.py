@@ -451,3 +451,24 @@ def test_an_upload_whose_client_leaves_during_the_decode_stores_nothing(
         assert c.get("/v1/files?purpose=vision").json()["data"] == []
     assert budget.in_use == 0
     assert list(directory.iterdir()) == []
+
+
+def test_a_clip_too_long_check_is_no_400_for_a_client_gone(monkeypatch) -> None:
+    """``/v1/videos/{id}/qa``: the check that measures how many frames would fit builds
+    requests; a client gone meanwhile is ``Cancelled`` (the route's 499), never turned
+    into the 400 ``clip_too_long`` its ``except`` gives a request that does not fit."""
+    from types import SimpleNamespace
+
+    from api import routes_videos
+    from api.errors import APIError
+
+    def make_request(**_) -> None:
+        raise Cancelled("client disconnected")
+
+    processor = SimpleNamespace(make_request=make_request)
+    st = SimpleNamespace(engine=SimpleNamespace(processor=processor))
+    monkeypatch.setattr(routes_videos, "clip_prompt", lambda *a: ([], [], []))
+    part = SimpleNamespace(param=lambda n: "video.frames")
+    err = APIError(400, "too long")
+    with pytest.raises(Cancelled):
+        asyncio.run(routes_videos._clip_too_long(st, [1, 2], [], "Q?", greedy(4), err, part))
