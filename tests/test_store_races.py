@@ -499,8 +499,10 @@ def test_id_locks_serialise_one_id_run_others_in_parallel_and_forget_idle_ids() 
     most = {"a": 0, "b": 0}
     both = threading.Event()
     guard = threading.Lock()
+    ready = threading.Barrier(4)  # all four loop together: a slow thread start is no miss
 
     def work(key: str) -> None:
+        ready.wait(10)
         for _ in range(50):
             with locks.hold(key):
                 with guard:
