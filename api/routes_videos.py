@@ -30,6 +30,7 @@ from api.thumbnails import THUMBNAIL_HEADERS, thumbnail_jpeg
 from api.uploads import read_upload, upload_body
 from api.video_media import VideoPart, expand_video, fewer_frames, frame_parts, selection
 from api.video_store import StoredVideo
+from mmserve.cancel import Cancelled
 from mmserve.model.families.base import FRAME_MODE
 from mmserve.types import EngineRequest
 from mmserve.vision.inputs import Frame
@@ -288,6 +289,8 @@ async def _clip_too_long(st, frames, system, question, params, err, part) -> API
                 params=p,
                 videos=videos,
             )
+        except Cancelled:  # the client left: the route answers 499, not this 400
+            raise
         except Exception:  # noqa: BLE001 - even one frame does not fit
             return APIError(
                 400, f"{field}: clip does not fit: {err.message}", param=field, code="clip_too_long"

@@ -538,3 +538,25 @@ def test_stop_leaves_no_batch_io_thread_behind(make_engine, tmp_path) -> None:
         if t.name.startswith("mmserve-batch-io"):
             t.join(5)
             assert not t.is_alive(), t
+
+
+def test_a_create_whose_state_cannot_be_saved_leaves_no_batch_holding_its_input(
+    make_engine, tmp_path, monkeypatch
+) -> None:
+    """A batch create that fails after claiming its input (its state cannot be written)
+    leaves no batch behind: none listed, and the input file can be deleted (not 409)."""
+
+    async def failing(self, job):
+        raise OSError("disk full")
+
+    with TestClient(_app(make_engine, tmp_path), raise_server_exceptions=False) as c:
+        lines = [_line("k0", _chat_body("Count to 1."))]
+        f = c.post(
+            "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", lines[0])}
+        ).json()
+        monkeypatch.setattr(BatchManager, "_save", failing)
+        body = {"input_file_id": f["id"], "endpoint": CHAT, "completion_window": "24h"}
+        assert c.post("/v1/batches", json=body).status_code == 500
+        assert c.get("/v1/batches").json()["data"] == []
+        r = c.delete(f"/v1/files/{f['id']}")
+        assert r.status_code == 200, r.text

@@ -29,12 +29,12 @@ from PIL import Image
 
 from api.app import ServerSettings, create_app
 from api.disconnect import SCOPE_KEY, DisconnectMiddleware
-from mmserve.cancel import Cancelled, CancelToken, using
+from mmserve.cancel import Cancelled, CancelToken, current, using
 from mmserve.frontend.async_engine import AsyncEngine
 from mmserve.types import GenerateResult
 from mmserve.vision.budget import DecodeBudget
 from tests.helpers import MODEL, greedy, user
-from tests.live_server import uvicorn_thread
+from tests.live_server import app_client, uvicorn_thread
 from tests.videos import encode_mp4
 
 SIDE = 2400  # a picture takes ~0.2 s to decode, hash and preprocess on one core
@@ -419,3 +419,56 @@ def test_a_decode_waiting_for_room_stops_when_its_client_leaves() -> None:
         budget.acquire(50)
     assert time.monotonic() - t0 < 1
     assert budget.in_use == 100 and budget.refusals == 0
+
+
+@pytest.mark.parametrize("route", ["/v1/images", "/v1/files"])
+def test_an_upload_whose_client_leaves_during_the_decode_stores_nothing(
+    make_engine, tmp_path, route
+) -> None:
+    """An upload (``POST /v1/images``, ``POST /v1/files`` with purpose vision) whose
+    client leaves while its picture decodes stops there: 499, nothing stored (listing and
+    directory empty), the decoded-image budget back where it was."""
+    eng = make_engine()
+    budget = eng.processor.decode_budget
+    decode = budget.acquire
+
+    def acquire_then_hang_up(n: int) -> None:
+        decode(n)
+        token = current()
+        assert token is not None  # the request's token reached the worker thread
+        token.cancel()
+
+    directory = tmp_path / "images"
+    with app_client(eng, image_store_dir=str(directory)) as c:
+        budget.acquire = acquire_then_hang_up  # type: ignore[method-assign]
+        try:
+            extra = {"data": {"purpose": "vision"}} if route == "/v1/files" else {}
+            r = c.post(route, files={"file": ("big.png", picture(4444))}, **extra)
+        finally:
+            del budget.acquire
+        assert r.status_code == 499
+        assert c.get("/v1/images").json()["data"] == []
+        assert c.get("/v1/files?purpose=vision").json()["data"] == []
+    assert budget.in_use == 0
+    assert list(directory.iterdir()) == []
+
+
+def test_a_clip_too_long_check_is_no_400_for_a_client_gone(monkeypatch) -> None:
+    """``/v1/videos/{id}/qa``: the check that measures how many frames would fit builds
+    requests; a client gone meanwhile is ``Cancelled`` (the route's 499), never turned
+    into the 400 ``clip_too_long`` its ``except`` gives a request that does not fit."""
+    from types import SimpleNamespace
+
+    from api import routes_videos
+    from api.errors import APIError
+
+    def make_request(**_) -> None:
+        raise Cancelled("client disconnected")
+
+    processor = SimpleNamespace(make_request=make_request)
+    st = SimpleNamespace(engine=SimpleNamespace(processor=processor))
+    monkeypatch.setattr(routes_videos, "clip_prompt", lambda *a: ([], [], []))
+    part = SimpleNamespace(param=lambda n: "video.frames")
+    err = APIError(400, "too long")
+    with pytest.raises(Cancelled):
+        asyncio.run(routes_videos._clip_too_long(st, [1, 2], [], "Q?", greedy(4), err, part))

@@ -227,6 +227,49 @@ def test_http_uploads_deletes_gets_of_one_image_agree_across_a_restart(
         assert {o["id"] for o in c.get("/v1/images").json()["data"]} == listed
 
 
+def test_http_vision_file_uploads_deletes_gets_agree_with_the_image_store(
+    make_engine, tmp_path
+) -> None:
+    """``/v1/files`` with purpose vision is the image store's section too: uploads,
+    deletes and GETs of one picture through ``/v1/files`` and ``/v1/images`` at once answer
+    those of a serial order, and the file listing, both GETs and the files on disk agree
+    after each round and after a restart."""
+    engine = make_engine(max_total_tokens=4096)
+    directory = tmp_path / "images"
+    data = png_bytes(Image.new("RGB", (8, 8), (10, 20, 30)))
+    rng = random.Random(45)
+    with app_client(engine, image_store_dir=str(directory)) as c:
+        up = c.post("/v1/files", data={"purpose": "vision"}, files={"file": ("a.png", data)})
+        iid = up.json()["id"]
+        stored = {"a": True}
+
+        def call(kind: str, _name: str, variant: int) -> bool:
+            if kind == "put":
+                r = (
+                    c.post("/v1/files", data={"purpose": "vision"}, files={"file": ("a.png", data)})
+                    if variant
+                    else c.post("/v1/images", files={"file": ("a.png", data)})
+                )
+                assert r.status_code == 200 and r.json()["id"] == iid, r.text
+                return True
+            route = "/v1/files" if variant else "/v1/images"
+            r = c.delete(f"{route}/{iid}") if kind == "delete" else c.get(f"{route}/{iid}")
+            assert r.status_code in (200, 404), r.text
+            return r.status_code == 200
+
+        for _ in range(6):
+            ops = hammer(plans(rng, ("put", "delete", "get"), ("a",)), call)
+            files = {o["id"] for o in c.get("/v1/files?purpose=vision").json()["data"]}
+            gettable = {iid} if c.get(f"/v1/files/{iid}").status_code == 200 else set()
+            images = {iid} if c.get(f"/v1/images/{iid}").status_code == 200 else set()
+            assert files == gettable == images == image_files(directory)
+            after = {"a"} if files else set()
+            check_serial(ops, ("a",), stored, after)
+            stored = {"a": bool(files)}
+    with app_client(engine, image_store_dir=str(directory)) as c:
+        assert {o["id"] for o in c.get("/v1/files?purpose=vision").json()["data"]} == files
+
+
 def test_http_a_delete_between_an_uploads_check_and_its_commit_both_200(
     make_engine, tmp_path
 ) -> None:
@@ -456,8 +499,10 @@ def test_id_locks_serialise_one_id_run_others_in_parallel_and_forget_idle_ids() 
     most = {"a": 0, "b": 0}
     both = threading.Event()
     guard = threading.Lock()
+    ready = threading.Barrier(4)  # all four loop together: a slow thread start is no miss
 
     def work(key: str) -> None:
+        ready.wait(10)
         for _ in range(50):
             with locks.hold(key):
                 with guard:

@@ -150,8 +150,14 @@ class BatchManager:
             _on_loop(loop, self.jobs.__setitem__, job.id, job)
 
         await asyncio.to_thread(self.files.read, input_file_id, "input_file_id", 400, claim)
-        await self._on_io(job.dir.mkdir, parents=True, exist_ok=True)
-        await self._save(job)
+        try:
+            await self._on_io(job.dir.mkdir, parents=True, exist_ok=True)
+            await self._save(job)
+        except Exception:
+            # never saved nor queued: unclaim, or its input would stay "in use" (409) and
+            # the batch listed as validating for ever
+            self.jobs.pop(job.id, None)
+            raise
         if self._queue is not None:
             self._queue.put_nowait(job.id)
         return job.obj
