@@ -17,6 +17,7 @@ the model, and its tower is quick); quality on ``--size`` (small).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 from typing import Any
@@ -124,10 +125,13 @@ def _teacher_forced(eng: Engine, prompts: list[tuple[Any, str]]) -> list[torch.T
     runner, got = eng.runner, []
     run = runner._run
 
-    def all_rows(pages, prefix, extend, embeds, rows):
-        full = run(pages, prefix, extend, embeds, list(range(sum(extend))))
+    def all_rows(meta, embeds):
+        # the step's metadata with every token's row wanted, not only each request's last
+        rows = meta.logit_rows
+        every = torch.arange(embeds.shape[0], dtype=torch.int64, device=embeds.device)
+        full = run(dataclasses.replace(meta, logit_rows=every), embeds)
         got.append(full)
-        return full[rows] if rows is not None else full
+        return full[rows]
 
     runner._run = all_rows
     out = []

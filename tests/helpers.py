@@ -991,3 +991,18 @@ class PausingLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def decoder_key_prefix(model_dir: Path) -> str:
+    """A checkpoint's key prefix before ``layers.`` of the decoder (where its KV scale
+    tensors go), read from the safetensors headers."""
+    from safetensors import safe_open
+
+    from mmserve.model.weights import weight_files
+
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if ".layers.0.self_attn.k_proj.weight" in key and "vision" not in key:
+                    return key.split("layers.0.")[0]
+    raise AssertionError("no decoder layer 0")

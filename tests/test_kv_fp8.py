@@ -28,7 +28,7 @@ from mmserve.kernels.metadata import build_metadata
 from mmserve.kernels.torch_backend import TorchAttentionBackend
 from mmserve.model.kv_scales import read_kv_scales
 from mmserve.model.weights import CheckpointError
-from tests.helpers import greedy, page_layout, run_python, user
+from tests.helpers import decoder_key_prefix, greedy, page_layout, run_python, user
 
 FP8 = torch.float8_e4m3fn
 GIB = 1 << 30
@@ -212,21 +212,8 @@ def _with_scales(model_dir: Path, tmp_path: Path, tensors: dict[str, torch.Tenso
     return out
 
 
-def _prefix(model_dir: Path) -> str:
-    from safetensors import safe_open
-
-    from mmserve.model.weights import weight_files
-
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if ".layers.0.self_attn.k_proj.weight" in key and "vision" not in key:
-                    return key.split("layers.0.")[0]
-    raise AssertionError("no decoder layer 0")
-
-
 def test_checkpoint_scales_are_read_and_used(model_dir, loaded, tmp_path: Path) -> None:
-    pre = _prefix(model_dir)
+    pre = decoder_key_prefix(model_dir)
     n = loaded.decoder.shape.num_layers
     tensors = {f"{pre}layers.{i}.self_attn.k_scale": torch.tensor(0.5 + i) for i in range(n)}
     tensors |= {f"{pre}layers.{i}.self_attn.v_scale": torch.tensor([0.25]) for i in range(n)}
@@ -246,7 +233,7 @@ def test_checkpoint_scales_are_read_and_used(model_dir, loaded, tmp_path: Path) 
 def test_one_kv_scale_serves_k_and_v_and_bad_scales_are_refused(
     model_dir, loaded, tmp_path: Path
 ) -> None:
-    pre = _prefix(model_dir)
+    pre = decoder_key_prefix(model_dir)
     n = loaded.decoder.shape.num_layers
     one = {f"{pre}layers.{i}.self_attn.kv_scale": torch.tensor(2.0) for i in range(n)}
     assert read_kv_scales(_with_scales(model_dir, tmp_path / "a", one), n) == ([2.0] * n, [2.0] * n)

@@ -21,7 +21,7 @@ from mmserve.model.kv_scales import NAMINGS, KVScales, find_kv_scales, kv_scale_
 from mmserve.model.loader import load_model
 from mmserve.model.weights import CheckpointError
 from mmserve.testing.checkpoints import make_checkpoint
-from tests.helpers import greedy, user
+from tests.helpers import decoder_key_prefix, greedy, user
 
 FP8 = torch.float8_e4m3fn
 #: llm-compressor's KV-only calibration: dense weights, a kv_cache_scheme, no groups
@@ -40,20 +40,6 @@ KV_ONLY = {
     "ignore": ["lm_head"],
 }
 ENGINE_LOG = "mmserve.engine.engine"
-
-
-def _decoder_prefix(model_dir: Path) -> str:
-    """The checkpoint's key prefix before ``layers.`` of the decoder."""
-    from safetensors import safe_open
-
-    from mmserve.model.weights import weight_files
-
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if ".layers.0.self_attn.k_proj.weight" in key and "vision" not in key:
-                    return key.split("layers.0.")[0]
-    raise AssertionError("no decoder layer 0")
 
 
 def _with(
@@ -135,7 +121,7 @@ def _engine_log(caplog: pytest.LogCaptureFixture) -> str:
 def test_kv_only_checkpoint_loads_and_auto_serves_fp8_with_its_scales(
     model_dir, tmp_path: Path, caplog, monkeypatch
 ) -> None:
-    pre = _decoder_prefix(model_dir)
+    pre = decoder_key_prefix(model_dir)
     n = 2  # the tiny decoder's layers
     tensors, k, v = _scales(pre, n, "k_scale")
     ckpt = _with(model_dir, tmp_path / "kv", tensors, KV_ONLY)
@@ -180,7 +166,7 @@ def test_quantized_weights_and_kv_scheme_both_served(tmp_path: Path, caplog, mon
     w8 = make_checkpoint(tmp_path / "w8", "tiny", quantization="int8")
     qc = json.loads((w8 / "config.json").read_text())["quantization_config"]
     qc["kv_cache_scheme"] = KV_ONLY["kv_cache_scheme"]
-    pre = _decoder_prefix(w8)
+    pre = decoder_key_prefix(w8)
     tensors, k, v = _scales(pre, 2, "k_scale")
     ckpt = _with(w8, tmp_path / "both", tensors, qc)
     model = load_model(ckpt)
@@ -199,7 +185,7 @@ def test_quantized_weights_and_kv_scheme_both_served(tmp_path: Path, caplog, mon
 def test_each_documented_naming_is_found_and_used(
     model_dir, loaded, tmp_path: Path, caplog, monkeypatch, naming: str
 ) -> None:
-    pre = _decoder_prefix(model_dir)
+    pre = decoder_key_prefix(model_dir)
     tensors, k, v = _scales(pre, 2, naming)
     ckpt = _with(model_dir, tmp_path / naming, tensors)
     found = find_kv_scales(ckpt, 2)
@@ -252,7 +238,7 @@ def test_scales_in_the_transformers5_layout_are_found(model_dir, tmp_path: Path)
 def test_scales_ignored_by_auto_kv_are_said_to_be_unused(
     model_dir, loaded, tmp_path, caplog
 ) -> None:
-    tensors, _, _ = _scales(_decoder_prefix(model_dir), 2, "kv_scale")
+    tensors, _, _ = _scales(decoder_key_prefix(model_dir), 2, "kv_scale")
     ckpt = _with(model_dir, tmp_path / "unused", tensors)
     with caplog.at_level(logging.INFO, logger=ENGINE_LOG):
         eng = Engine(EngineConfig(model_path=str(ckpt)), model=loaded)
@@ -318,7 +304,7 @@ def test_kv_only_groups_that_quantize_nothing_are_refused() -> None:
 def test_unreadable_scales_do_not_stop_a_model_served_without_fp8(
     model_dir, loaded, tmp_path, caplog
 ) -> None:
-    pre = _decoder_prefix(model_dir)
+    pre = decoder_key_prefix(model_dir)
     per_head = {f"{pre}layers.{i}.self_attn.k_scale": torch.ones(4) for i in range(2)}
     ckpt = _with(model_dir, tmp_path / "heads", per_head)
     with caplog.at_level(logging.INFO, logger=ENGINE_LOG):

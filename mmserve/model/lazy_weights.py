@@ -60,6 +60,18 @@ class LazyWeights:
         """Tensor ``key``'s shape, from the header (nothing read)."""
         return list(self._where[key][2]["shape"])
 
+    def _stored_dtype(self, key: str) -> torch.dtype:
+        """The torch dtype tensor ``key`` is stored in.
+
+        Raises:
+            CheckpointError: for a dtype safetensors names that torch has no twin for.
+        """
+        path, _, info = self._where[key]
+        stored = _ST_DTYPES.get(info.get("dtype", ""))
+        if stored is None:
+            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
+        return stored
+
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of tensor ``key`` (first dimension), as stored, on the CPU:
         only those bytes are read, so a large matrix can be processed a slice at a time.
@@ -68,9 +80,7 @@ class LazyWeights:
             CheckpointError: for an unknown dtype or a truncated file.
         """
         path, base, info = self._where[key]
-        stored = _ST_DTYPES.get(info.get("dtype", ""))
-        if stored is None:
-            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
+        stored = self._stored_dtype(key)
         shape = list(info["shape"])
         stop = min(stop, shape[0])
         t = torch.empty([max(stop - start, 0), *shape[1:]], dtype=stored)
@@ -95,9 +105,7 @@ class LazyWeights:
             CheckpointError: for an unknown dtype or a truncated file.
         """
         path, base, info = self._where[key]
-        stored = _ST_DTYPES.get(info.get("dtype", ""))
-        if stored is None:
-            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
+        stored = self._stored_dtype(key)
         start, end = info["data_offsets"]
         t = torch.empty(info["shape"], dtype=stored)
         view = t.view(-1).view(torch.uint8) if t.numel() else t.view(torch.uint8)
