@@ -18,6 +18,7 @@ from api.errors import APIError
 from api.json_body import JSONBodyRoute
 from api.schemas import STRICT, _refuse_unless_default
 from api.state import State
+from api.uploads import multipart_form
 from api.vision_files import (
     VISION,
     delete_vision_file,
@@ -89,10 +90,7 @@ async def upload_file(request: Request, st: State) -> dict:
             "send multipart/form-data with fields 'file' and 'purpose'",
             code="unsupported_media_type",
         )
-    try:
-        form = await request.form(max_files=1, max_fields=8)
-    except ValueError as e:  # starlette's MultiPartException, bad boundaries, ...
-        raise APIError(400, f"malformed multipart body: {e}", param="file") from None
+    form = await multipart_form(request, max_files=1, max_fields=8)
     try:
         stray = sorted(set(form.keys()) - {"file", "purpose"})
         if stray:

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar
 
 from fastapi import Request
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.errors import APIError
 from api.json_body import json_media_type, read_json_object
@@ -97,6 +98,34 @@ class Upload(NamedTuple):
     name: str
 
 
+async def multipart_form(request: Request, **limits: int) -> FormData:
+    """The request's multipart form, each field given at most once.
+
+    Args:
+        limits: starlette's ``max_files`` / ``max_fields`` bounds.
+
+    Raises:
+        APIError: 400 naming ``file`` for a malformed body or one over the bounds, naming
+            the field when one is repeated (the server would act on one of them only).
+    """
+    try:
+        form = await request.form(**limits)
+    # ValueError: bad boundaries; HTTPException: starlette's MultiPartException (too many
+    # files or fields, a part too large) as the app sees it
+    except (ValueError, StarletteHTTPException) as e:
+        detail = getattr(e, "detail", e)
+        raise APIError(400, f"malformed multipart body: {detail}", param="file") from None
+    repeated = next((k for k in form.keys() if len(form.getlist(k)) > 1), None)
+    if repeated is not None:
+        await form.close()
+        raise APIError(
+            400,
+            f"{repeated}: given more than once; send each field once",
+            param=repeated,
+        )
+    return form
+
+
 async def read_upload(request: Request, max_bytes: int, what: str = "image") -> Upload:
     """The uploaded file's bytes (at most ``max_bytes + 1`` of a multipart file), the
     request field they came from, and its name: the optional field ``name``, else a
@@ -109,10 +138,7 @@ async def read_upload(request: Request, max_bytes: int, what: str = "image") -> 
     """
     ctype = request.headers.get("content-type", "")
     if ctype.lower().startswith("multipart/form-data"):
-        try:
-            form = await request.form()
-        except ValueError as e:  # starlette's MultiPartException, bad boundaries, ...
-            raise APIError(400, f"malformed multipart body: {e}", param="file") from None
+        form = await multipart_form(request)
         try:  # closing the form deletes its spooled files
             file = form.get("file")
             if not isinstance(file, UploadFile):

@@ -327,3 +327,17 @@ def test_batch_order_follows_the_templates_part_order(api) -> None:
     urls = {"q0": a, "q1": b, "q2": a, "q3": b}
     runs = [urls[c] for c in order]
     assert runs in ([a, a, b, b], [b, b, a, a]), order
+
+
+def test_a_multipart_field_given_twice_or_too_many_files_is_a_400_naming_it(api, photos) -> None:
+    """A repeated field would be acted on once (which one?): refused, naming it; too many
+    files is a malformed body naming ``file``, never an error that names no field."""
+    cat = photos["cat.png"]
+    image = {"file": ("cat.png", cat, "image/png")}
+    r = api.post("/v1/files", data={"purpose": ["vision", "batch"]}, files=image)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose", r.text
+    two_files = [("purpose", ("p.png", cat, "image/png")), ("file", ("c.png", cat, "image/png"))]
+    r = api.post("/v1/files", files=two_files)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file", r.text
+    r = api.post("/v1/images", data={"name": ["a", "b"]}, files=image)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
