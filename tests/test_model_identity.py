@@ -280,3 +280,24 @@ def test_a_directory_of_links_is_the_same_checkpoint(
     assert linked.digest == checkpoint_digest(model_dir).digest
     assert linked.bytes_total == sum(f.stat().st_size for f in model_dir.iterdir())
     assert checkpoint_digest(snap).bytes_read == 0  # remembered by the blobs' real paths
+
+
+def test_a_servers_state_beside_the_weights_is_not_the_model(
+    model_dir: Path, tmp_path: Path, memo: Path
+) -> None:
+    """A ``--kv-disk-dir`` or image store kept in the checkpoint's folder changes as the
+    server runs: the identity (and so the tiers' namespace) must not change with it; a
+    file transformers reads from ``additional_chat_templates/`` does change it."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(model_dir, ckpt)
+    before = checkpoint_digest(ckpt).digest
+    state = ckpt / "kv-disk" / "ns"
+    state.mkdir(parents=True)
+    (state / "page.kv").write_bytes(b"\0" * 64)
+    (ckpt / "images").mkdir()
+    (ckpt / "images" / "img-1.img").write_bytes(b"x")
+    assert checkpoint_digest(ckpt).digest == before
+    extra = ckpt / "additional_chat_templates"
+    extra.mkdir()
+    (extra / "tools.jinja").write_text("{{ messages }}")
+    assert checkpoint_digest(ckpt).digest != before

@@ -158,20 +158,30 @@ def _hash_file(path: Path) -> tuple[bytes, int]:
     return h.digest(), n
 
 
+#: sub-folders of a checkpoint whose files the front end reads (transformers'
+#: ``additional_chat_templates/``); no other folder's files are part of the identity
+_FRONT_END_DIRS = frozenset({"additional_chat_templates"})
+
+
 def checkpoint_files(model_dir: Path) -> list[tuple[str, Path]]:
     """The files that make up ``model_dir``'s model, as ``(path relative to model_dir,
     real path)`` sorted by the former: the weight files the loader reads
-    (:func:`~mmserve.model.weights.weight_files`) and every other file under it (config,
-    tokenizer, processor, chat template...), except hidden ones, other weight files and
-    ``*.md`` / ``*.lock``. A link (a Hugging Face cache snapshot links every file to a
-    blob) is named by its own path and read through its target.
+    (:func:`~mmserve.model.weights.weight_files`) and every other file at its top level
+    (config, tokenizer, processor, chat template...) or in ``additional_chat_templates/``,
+    except hidden ones, other weight files and ``*.md`` / ``*.lock``; other folders (a
+    server's state kept beside the weights) are not part of the model. A link (a Hugging
+    Face cache snapshot links every file to a blob) is named by its own path and read
+    through its target.
 
     Raises:
         CheckpointError: as :func:`~mmserve.model.weights.weight_files`.
     """
     found = {p.relative_to(model_dir).as_posix(): p for p in weight_files(model_dir)}
     for root, dirs, names in os.walk(model_dir):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        # the front end's files are at the top (and transformers' extra chat templates one
+        # folder down); other folders may be a server's state (a --kv-disk-dir or an image
+        # store put beside the weights) and would change the identity on every start
+        dirs[:] = [d for d in dirs if d in _FRONT_END_DIRS and Path(root) == Path(model_dir)]
         for name in names:
             if name.startswith(".") or name.endswith(WEIGHT_SUFFIXES + _SKIPPED_SUFFIXES):
                 continue
