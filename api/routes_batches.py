@@ -18,7 +18,7 @@ from api.errors import APIError
 from api.json_body import JSONBodyRoute
 from api.schemas import STRICT, _refuse_unless_default
 from api.state import State
-from api.uploads import multipart_form
+from api.uploads import multipart_form, read_file_field
 from api.vision_files import (
     VISION,
     delete_vision_file,
@@ -114,14 +114,7 @@ async def upload_file(request: Request, st: State) -> dict:
         if purpose == VISION:
             return await upload_vision_file(st, file)
         limit = st.settings.max_batch_file_bytes
-        data = await file.read(limit + 1)
-        if len(data) > limit:
-            raise APIError(
-                400,
-                f"file: larger than {limit} bytes (--max-batch-file-bytes)",
-                param="file",
-                code="file_too_large",
-            )
+        data = await read_file_field(file, limit, "--max-batch-file-bytes")
         if not data.strip():
             msg = "file: empty; a batch file has one JSON request per line"
             raise APIError(400, msg, param="file")

@@ -126,6 +126,21 @@ async def multipart_form(request: Request, **limits: int) -> FormData:
     return form
 
 
+async def read_file_field(file: UploadFile, limit: int, flag: str) -> bytes:
+    """The bytes of multipart ``file``, read at most ``limit + 1`` of them.
+
+    Raises:
+        APIError: 400 ``file_too_large`` naming ``file`` (and the bound's ``flag``) when
+            it holds more than ``limit`` bytes.
+    """
+    data = await file.read(limit + 1)
+    if len(data) > limit:
+        raise APIError(
+            400, f"file: larger than {limit} bytes ({flag})", param="file", code="file_too_large"
+        )
+    return data
+
+
 async def read_upload(request: Request, max_bytes: int, what: str = "image") -> Upload:
     """The uploaded file's bytes (at most ``max_bytes + 1`` of a multipart file), the
     request field they came from, and its name: the optional field ``name``, else a

@@ -18,7 +18,7 @@ from api.errors import APIError
 from api.ids import IMAGE
 from api.image_store import StoredImage
 from api.state import ServerState
-from api.uploads import clean_name
+from api.uploads import clean_name, read_file_field
 
 #: The ``purpose`` of an image uploaded through ``/v1/files``.
 VISION = "vision"
@@ -46,14 +46,7 @@ async def upload_vision_file(st: ServerState, file: UploadFile) -> dict:
             limits' code).
     """
     limit = st.engine.config.image_limits.max_bytes
-    data = await file.read(limit + 1)
-    if len(data) > limit:
-        raise APIError(
-            400,
-            f"file: larger than {limit} bytes (--max-image-bytes)",
-            param="file",
-            code="file_too_large",
-        )
+    data = await read_file_field(file, limit, "--max-image-bytes")
     if not data:
         raise APIError(400, "file: empty; purpose vision needs an image file", param="file")
     name = clean_name(file.filename or "") or "image"

@@ -189,13 +189,7 @@ def kv_pool(results: Path, out: Path) -> Path | str:
             ax.plot(*zip(*pts, strict=True), style, color=color, ms=size, label=f"tiers: {setup}")
         opt = max(d["optimum"]["cache_hit_rate"] for _, d in tiers if "optimum" in d)
         ax.axhline(opt, ls="--", color="black", lw=1, label=f"optimum ({opt:.3f})")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV pool (tokens, log scale)")
-        ax.set_ylabel("cache hit rate (cached / prompt tokens)")
-        ax.set_ylim(-0.02, 1.0)
-        ax.set_title("kv-tiers: hit rate against pool size, tiers off / host / disk", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        _hit_rate_axes(ax, "kv-tiers: hit rate against pool size, tiers off / host / disk")
         names = ", ".join(n for n, _ in tiers)
         src = next((d["source"] for _, d in tiers if d.get("source")), "")
         sources.append(names + (f": {src}" if src else ""))
@@ -209,16 +203,21 @@ def kv_pool(results: Path, out: Path) -> Path | str:
             ax.plot(*zip(*pts, strict=True), "o-", color=color, label=name)
             if (opt := sw.get("optimal_hit_rate")) is not None:
                 ax.axhline(opt, ls="--", color=color, lw=1, label=f"{name} optimum ({opt:.3f})")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV pool (tokens, log scale)")
-        ax.set_ylabel("cache hit rate (cached / prompt tokens)")
-        ax.set_ylim(-0.02, 1.0)
-        ax.set_title("run: KV-pool sweep, no tiers (policy lpm)", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        _hit_rate_axes(ax, "run: KV-pool sweep, no tiers (policy lpm)")
         sources.append(_source("pool_sweep.json", sweep))
     fig.suptitle("Prefix-cache hit rate against KV pool size")
     return _finish(plt, fig, out / "kv_pool.png", sources)
+
+
+def _hit_rate_axes(ax: Any, title: str) -> None:
+    """Hit rate (0..1) against KV pool tokens on a log-2 axis, titled, gridded, with a legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV pool (tokens, log scale)")
+    ax.set_ylabel("cache hit rate (cached / prompt tokens)")
+    ax.set_ylim(-0.02, 1.0)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
 
 
 def decode(results: Path, out: Path) -> Path | str:
