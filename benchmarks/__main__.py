@@ -139,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--quick", action="store_const", const="quick", dest="scale")
         p.add_argument("--size", default=size, help="tiny, small or a real shape (make-model)")
         p.add_argument("--family", choices=("llava", "llava-next", "llava-onevision"))
-        p.add_argument("--model", type=Path, help="checkpoint directory (overrides --size)")
+        p.add_argument("--model", help="checkpoint directory or Hub id (overrides --size)")
+        p.add_argument("--revision", help="revision of a Hub id --model")
         p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
         p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
         p.add_argument("--seed", type=int, default=0)
@@ -177,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    model = checkpoint(args.size, args.family, args.model) if args.size or args.model else None
+    model = None
+    if args.size or args.model:
+        model = checkpoint(args.size, args.family, args.model, args.revision)
     return COMMANDS[args.command][0](args, model)
 
 

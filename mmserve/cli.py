@@ -53,6 +53,12 @@ def _make_model(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             quantization=args.quantization,
         )
+        if args.hub_cache:
+            from mmserve.testing.hub_cache import write_hub_cache
+
+            if not args.repo_id:
+                raise ValueError("--hub-cache needs --repo-id org/name")
+            path = write_hub_cache(path, args.hub_cache, args.repo_id, args.revision)
     except ValueError as e:
         print(f"make-model: {e}", file=sys.stderr)
         return 2
@@ -112,6 +118,16 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
         "llm-compressor writes it: int8 or fp8 e4m3 weights, per-channel scales); serving "
         "it loads them as they are",
     )
+    m.add_argument(
+        "--hub-cache",
+        metavar="CACHE",
+        default=None,
+        help="also lay the checkpoint out in this Hugging Face Hub cache folder (HF_HOME/hub) "
+        "as --repo-id at --revision, so `serve --model ORG/NAME` finds it offline; prints "
+        "the snapshot path",
+    )
+    m.add_argument("--repo-id", default=None, help="Hub id of --hub-cache (org/name)")
+    m.add_argument("--revision", default="main", help="branch or tag of --hub-cache")
     m.set_defaults(func=_make_model)
     return m
 
