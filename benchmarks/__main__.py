@@ -18,6 +18,7 @@ except ImportError:
 from benchmarks import (
     experiments,
     graph_decode,
+    hub_load,
     kv_fp8,
     model_identity,
     real_shapes,
@@ -108,6 +109,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
     ]),
     "model-identity": (model_identity.model_identity, "full", "onevision-0.5b",
                        "llava-onevision", model_identity.OPTIONS),
+    "hub-load": (hub_load.hub_load, "full", "small", "llava", hub_load.OPTIONS),
     "video-qa": (experiments.video_qa, "full", "small", "llava", [
         (("--num-frames",), dict(type=int, default=8)),
         (("--max-tokens",), dict(type=int, default=16)),
