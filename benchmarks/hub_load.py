@@ -46,6 +46,7 @@ def hub_load(args: argparse.Namespace, model_dir: str) -> int:
     runs: dict[str, list[float]] = {"path": [], "hub_id": [], "resolve": []}
     with tempfile.TemporaryDirectory() as tmp:
         write_hub_cache(model_dir, Path(tmp) / "hub", REPO)
+        os.sync()  # the copy's write-back must not overlap the timed loads
         os.environ.update(HF_HOME=tmp, HF_HUB_OFFLINE="1")
         os.environ.pop("HF_HUB_CACHE", None)
         try:
