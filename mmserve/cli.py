@@ -52,6 +52,7 @@ def _make_model(args: argparse.Namespace) -> int:
             family=args.family,
             dtype=args.dtype,
             quantization=args.quantization,
+            variant=args.variant,
         )
         if args.hub_cache:
             from mmserve.testing.hub_cache import write_hub_cache
@@ -117,6 +118,14 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
         help="store the decoder's projections quantized (compressed-tensors layout, as "
         "llm-compressor writes it: int8 or fp8 e4m3 weights, per-channel scales); serving "
         "it loads them as they are",
+    )
+    m.add_argument(
+        "--variant",
+        choices=("llava-video",),
+        default=None,
+        help="a checkpoint of the family's architecture with another model's settings: "
+        "llava-video: LLaVA-Video-7B-Qwen2's on the OneVision layout (anyres_max_4, a 3x3 "
+        "grid, its pooling and frame settings; implies --family llava-onevision)",
     )
     m.add_argument(
         "--hub-cache",

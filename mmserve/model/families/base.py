@@ -202,6 +202,15 @@ class ModelFamily:
         """
         return None
 
+    @classmethod
+    def check_checkpoint(cls, model_dir: Path) -> None:
+        """Refuse settings in ``model_dir``'s files that the family does not implement,
+        before anything loads; nothing to check by default.
+
+        Raises:
+            ValueError: naming the file and the field.
+        """
+
     def build_vision(self) -> VisionModule:
         """A freshly initialised vision module (weights are loaded after)."""
         raise NotImplementedError

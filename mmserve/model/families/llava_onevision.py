@@ -61,6 +61,7 @@ from mmserve.model.families.base import (
     VisionModule,
 )
 from mmserve.model.families.llava_next import grid_holder, original_tokens, preprocess_anyres
+from mmserve.model.families.onevision_variants import check_onevision_checkpoint
 from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths, special_token_ids
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerprint
@@ -321,6 +322,11 @@ class LlavaOnevisionFamily(ModelFamily):
         self._frame_tokens = two - one
         if one - self._frame_tokens != 1:
             raise ValueError(f"a 1-frame video has {one} tokens, not {two - one} + 1 newline")
+
+    @classmethod
+    def check_checkpoint(cls, model_dir: Path) -> None:
+        """See :func:`~mmserve.model.families.onevision_variants.check_onevision_checkpoint`."""
+        check_onevision_checkpoint(model_dir)
 
     @classmethod
     def load_processor(cls, model_dir: Path) -> OnevisionProcessor:
