@@ -417,7 +417,6 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
     from pathlib import Path
 
     from mmserve.config import auto_dtype
-
     from mmserve.model.hub import source_of
 
     cfg, d = engine.config, engine.describe()

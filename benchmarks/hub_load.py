@@ -54,7 +54,8 @@ def hub_load(args: argparse.Namespace, model_dir: str) -> int:
             _load(REPO, True)
             for r in range(args.repeats):
                 for case in ("path", "hub_id") if r % 2 == 0 else ("hub_id", "path"):
-                    resolve, total = _load(REPO if case == "hub_id" else model_dir, case == "hub_id")
+                    by_id = case == "hub_id"
+                    resolve, total = _load(REPO if by_id else model_dir, by_id)
                     runs[case].append(total)
                     if case == "hub_id":
                         runs["resolve"].append(resolve)

@@ -189,7 +189,6 @@ def test_original_through_every_endpoint(api, photos) -> None:
     )
     assert r.status_code == 200, r.text
     ask = r.json()["answers"][0]["usage"]["prompt_tokens"]
-    r = api.post(
-        f"/v1/images/{image_id}/ask", json={"questions": ["What?"], "detail": "high", "max_tokens": 2}
-    )
+    body = {"questions": ["What?"], "detail": "high", "max_tokens": 2}
+    r = api.post(f"/v1/images/{image_id}/ask", json=body)
     assert ask - r.json()["answers"][0]["usage"]["prompt_tokens"] == by["original"] - by["high"]

@@ -26,7 +26,8 @@ from tests.videos import rgb_frames
 
 @pytest.fixture(scope="module")
 def variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("lv") / "llava-video", "tiny", variant="llava-video")
+    out = tmp_path_factory.mktemp("lv") / "llava-video"
+    return make_checkpoint(out, "tiny", variant="llava-video")
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,8 @@ def original_tokens(processor: Any, config: PretrainedConfig, width: int, height
     proc = copy.copy(processor)
     proc.image_processor = copy.copy(processor.image_processor)
     proc.image_processor.image_grid_pinpoints = [original_pinpoint(config, width, height)]
-    return int(proc._get_num_multimodal_tokens(image_sizes=[[height, width]])["num_image_tokens"][0])
+    counts = proc._get_num_multimodal_tokens(image_sizes=[[height, width]])
+    return int(counts["num_image_tokens"][0])
 
 
 def preprocess_anyres(

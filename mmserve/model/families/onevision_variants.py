@@ -132,9 +132,10 @@ def check_onevision_checkpoint(model_dir: Path) -> None:
     vision = cfg.get("vision_config") or {}
     tile, patch = vision.get("image_size", 384), vision.get("patch_size", 14)
     _check_pooling("config.json", cfg)
-    if cfg.get("use_image_newline_parameter", True) is not True:
-        raise _refuse("config.json", "use_image_newline_parameter",
-                      cfg["use_image_newline_parameter"], "it always uses image_newline")  # fmt: skip
+    newline = cfg.get("use_image_newline_parameter", True)
+    if newline is not True:
+        why = "it always uses image_newline"
+        raise _refuse("config.json", "use_image_newline_parameter", newline, why)
     aspect = cfg.get("vision_aspect_ratio", "anyres_max_9")
     if not isinstance(aspect, str) or not re.fullmatch(r"anyres_max_[1-9]\d*", aspect):
         raise _refuse("config.json", "vision_aspect_ratio", aspect, "only anyres_max_N")
