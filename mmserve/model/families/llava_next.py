@@ -118,20 +118,22 @@ def original_pinpoint(config: PretrainedConfig, width: int, height: int) -> list
     image of ``width`` x ``height`` on: whole tiles of the tower's side covering the image
     without downscaling it (``ceil(side / tile)`` per side), capped by the checkpoint's
     largest grid (``image_grid_pinpoints``: no more tiles per side, nor in all, than its
-    largest pinpoints have; over the total, the longer side loses tiles first).
+    pinpoints have). Over the cap, the grid within it that keeps the most resolution (the
+    largest ``min(rows * tile / height, cols * tile / width)``, then the fewest tiles).
     """
     tile = config.vision_config.image_size
     grids = [(h // tile, w // tile) for h, w in config.image_grid_pinpoints]
-    max_h, max_w = max(g[0] for g in grids), max(g[1] for g in grids)
     max_tiles = max(g[0] * g[1] for g in grids)
-    rows = max(1, min(math.ceil(height / tile), max_h))
-    cols = max(1, min(math.ceil(width / tile), max_w))
-    while rows * cols > max_tiles:
-        if rows >= cols:
-            rows -= 1
-        else:
-            cols -= 1
-    return [rows * tile, cols * tile]
+    need_r, need_c = max(1, math.ceil(height / tile)), max(1, math.ceil(width / tile))
+    best = max(
+        (
+            (min(1.0, r * tile / height, c * tile / width), -r * c, r, c)
+            for r in range(1, min(need_r, max(g[0] for g in grids)) + 1)
+            for c in range(1, min(need_c, max(g[1] for g in grids)) + 1)
+            if r * c <= max_tiles
+        ),
+    )
+    return [best[2] * tile, best[3] * tile]
 
 
 def _with_grid(config: PretrainedConfig, pinpoint: list[int]) -> PretrainedConfig:
