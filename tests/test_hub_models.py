@@ -20,7 +20,7 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.frontend import Engine
 from mmserve.model import hub
 from mmserve.testing.hub_cache import write_hub_cache
-from tests.helpers import greedy, user
+from tests.helpers import fake_hub, greedy, user
 from tests.live_server import free_port, live_server_process
 
 REPO = "mmserve-tests/llava-tiny"
@@ -127,6 +127,28 @@ def test_unreachable_hub_is_one_line(tmp_path: Path, capsys, monkeypatch) -> Non
     monkeypatch.setenv("HF_ENDPOINT", closed)
     line = _serve_error(capsys, "--model", REPO)
     assert "cannot reach the Hugging Face Hub" in line and closed in line and REPO in line
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "words"),
+    [
+        (404, "RepoNotFound", "was not found on the Hub"),
+        (404, "RevisionNotFound", "revision 'main' of mmserve-tests/llava-tiny does not exist"),
+        (403, "GatedRepo", "is a gated repository"),
+        (401, "RepoNotFound", "was not found on the Hub"),
+        (500, "InternalError", "answered HTTP 500"),
+    ],
+)
+def test_hub_answers_are_one_line(tmp_path, capsys, monkeypatch, status, code, words) -> None:
+    """Online, the Hub's refusals (a fake Hub on loopback answering as the Hub does)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")
+    with fake_hub(status, code) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        line = _serve_error(capsys, "--model", REPO)
+    assert words in line and REPO in line, line
 
 
 def test_not_a_path_nor_an_id_is_one_line(tmp_path: Path, capsys) -> None:

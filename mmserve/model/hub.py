@@ -206,6 +206,13 @@ def _download(repo_id: str, rev: str, cache: Path, offline: bool) -> str:
                 "it once with network access, or pass a local directory to --model"
             ) from None
         cause = e.__cause__ or e
+        if isinstance(cause, HfHubHTTPError):  # the Hub answered, with an error (5xx)
+            status = getattr(getattr(cause, "response", None), "status_code", "?")
+            raise HubModelError(
+                f"the Hub at {endpoint or 'https://huggingface.co'} answered HTTP {status} "
+                f"for {where} and it is not in the cache {cache}: retry later, or set "
+                "HF_HUB_OFFLINE=1 with a filled cache"
+            ) from None
         raise HubModelError(
             f"cannot reach the Hugging Face Hub at {endpoint or 'https://huggingface.co'} "
             f"for {where} ({type(cause).__name__}) and it is not in the cache {cache}: "
