@@ -85,11 +85,6 @@ class ModelSource:
 _RESOLVED: dict[str, ModelSource] = {}
 
 
-def is_hub_id(model: str) -> bool:
-    """True when ``model`` is not an existing path and reads as a Hub id (``org/name``)."""
-    return not Path(model).expanduser().exists() and bool(_REPO_ID.match(model))
-
-
 def _env_on(name: str) -> bool:
     return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
