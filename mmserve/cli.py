@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class _RegistryChoices(Sequence[str]):
@@ -34,8 +35,17 @@ class _RegistryChoices(Sequence[str]):
 
 def _make_model(args: argparse.Namespace) -> int:
     import logging
+    import tempfile
 
     from mmserve.testing.checkpoints import make_checkpoint
+
+    if args.dir is None and not args.hub_cache:
+        print("make-model: give DIR, or --hub-cache CACHE --repo-id ORG/NAME", file=sys.stderr)
+        return 2
+    if args.dir is None:  # only the Hub cache entry: the checkpoint is written aside first
+        with tempfile.TemporaryDirectory() as tmp:
+            args.dir = str(Path(tmp) / "checkpoint")
+            return _make_model(args)
 
     # the weight writer's progress (bytes, percent, rate per file) on stderr
     progress = logging.getLogger("mmserve.testing.weights")
@@ -78,14 +88,17 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``make-model DIR [--size] [--seed] [--family] [--dtype] [--quantization]`` to a
+    """Add ``make-model [DIR] [--size] [--seed] [--family] [--dtype] [--quantization]
+    [--variant] [--hub-cache CACHE --repo-id ORG/NAME [--revision]]`` to a
     subcommand set."""
     m = sub.add_parser(
         "make-model",
         help="write a seeded random LLaVA-1.5, LLaVA-NeXT or LLaVA-OneVision checkpoint",
         formatter_class=_DefaultsHelp,
     )
-    m.add_argument("dir", help="directory to write")
+    m.add_argument(
+        "dir", nargs="?", default=None, help="directory to write (optional with --hub-cache)"
+    )
     m.add_argument(
         "--size",
         choices=_RegistryChoices("SIZES"),

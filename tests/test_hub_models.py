@@ -191,3 +191,14 @@ def test_make_model_hub_cache(tmp_path: Path) -> None:
     assert snapshot.parent == tmp_path / "hub" / "models--org--name" / "snapshots"
     assert (snapshot / "config.json").is_file()
     assert (tmp_path / "hub" / "models--org--name" / "refs" / "main").read_text() == snapshot.name
+
+
+def test_make_model_hub_cache_without_dir(tmp_path: Path, capsys) -> None:
+    from mmserve.cli import main as make_main
+
+    assert make_main(["make-model", "--hub-cache", str(tmp_path), "--repo-id", "o/n"]) == 0
+    snapshot = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert snapshot.parent == tmp_path / "models--o--n" / "snapshots"
+    assert (snapshot / "model.safetensors").resolve().parent == tmp_path / "models--o--n" / "blobs"
+    assert make_main(["make-model"]) == 2
+    assert "--hub-cache" in capsys.readouterr().err
