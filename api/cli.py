@@ -132,8 +132,8 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
     (
         "model",
         (
-            "model", "served_model_name", "device", "dtype", "quantization", "tp",
-            "tp_timeout_seconds",
+            "model", "revision", "download_dir", "served_model_name", "device", "dtype",
+            "quantization", "tp", "tp_timeout_seconds",
         ),
     ),
     (
@@ -324,6 +324,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mmserve serve: error: {busy}", file=sys.stderr)
         return 2
 
+    from mmserve.model.hub import HubModelError, resolve_config
+
+    try:  # a Hub id becomes its local snapshot here, once, before any weight is read
+        source = resolve_config(config)
+    except HubModelError as e:
+        print(f"mmserve serve: error: {e}", file=sys.stderr)
+        return 2
+    if source is not None and source.repo_id and not server.served_model_name:
+        server.served_model_name = source.repo_id  # as vLLM: the id, not the commit folder
+
     import uvicorn
 
     from api.app import create_app
@@ -407,6 +417,7 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
     from pathlib import Path
 
     from mmserve.config import auto_dtype
+    from mmserve.model.hub import source_of
 
     cfg, d = engine.config, engine.describe()
     why = f"--dtype auto: {auto_dtype(cfg.device)[1]}" if cfg.dtype == "auto" else "--dtype"
@@ -415,7 +426,7 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
     lines = [
         f"model {name}: {d['family']} family, {d['parameters'] / 1e6:,.1f} M parameters "
         f"(decoder + vision), dtype {d['dtype']} ({why}), on {cfg.device}{tp}; "
-        f"from {cfg.model_path}; weights: {d['weights']}"
+        f"from {source_of(cfg.model_path)}; weights: {d['weights']}"
     ]
     sized = (
         f" ({d['bytes_per_token']:,} bytes per token), sized by {d['pool_sized_by']}"

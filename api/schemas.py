@@ -67,9 +67,14 @@ def _refusing(table: dict[str, tuple[tuple[Any, ...], str]]) -> Any:
 
 #: OpenAI's ``detail`` of an image: ``"low"`` is the family's single base view (for
 #: LLaVA-NeXT and OneVision the downscaled whole image, no tiles), ``"high"`` its usual
-#: processing (any-resolution tiles), ``"auto"`` (the default) is ``"high"``.
-Detail = Literal["auto", "low", "high"]
-DETAIL_HELP = 'image view: "low" (one base view, fewer tokens), "high" or "auto" (tiles)'
+#: processing (any-resolution tiles), ``"auto"`` (the default) is ``"high"``, ``"original"``
+#: the image at its own resolution within the family's limits (the grid of tiles that
+#: covers it without downscaling, capped by the model's largest grid; LLaVA-1.5: "high").
+Detail = Literal["auto", "low", "high", "original"]
+DETAIL_HELP = (
+    'image view: "low" (one base view, fewer tokens), "high" or "auto" (tiles), '
+    '"original" (tiles covering the image at its own resolution)'
+)
 
 
 class ImageURL(BaseModel):

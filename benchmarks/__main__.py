@@ -18,6 +18,7 @@ except ImportError:
 from benchmarks import (
     experiments,
     graph_decode,
+    hub_load,
     kv_fp8,
     model_identity,
     real_shapes,
@@ -108,6 +109,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
     ]),
     "model-identity": (model_identity.model_identity, "full", "onevision-0.5b",
                        "llava-onevision", model_identity.OPTIONS),
+    "hub-load": (hub_load.hub_load, "full", "small", "llava", hub_load.OPTIONS),
     "video-qa": (experiments.video_qa, "full", "small", "llava", [
         (("--num-frames",), dict(type=int, default=8)),
         (("--max-tokens",), dict(type=int, default=16)),
@@ -139,7 +141,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--quick", action="store_const", const="quick", dest="scale")
         p.add_argument("--size", default=size, help="tiny, small or a real shape (make-model)")
         p.add_argument("--family", choices=("llava", "llava-next", "llava-onevision"))
-        p.add_argument("--model", type=Path, help="checkpoint directory (overrides --size)")
+        p.add_argument("--model", help="checkpoint directory or Hub id (overrides --size)")
+        p.add_argument("--revision", help="revision of a Hub id --model")
         p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
         p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
         p.add_argument("--seed", type=int, default=0)
@@ -177,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    model = checkpoint(args.size, args.family, args.model) if args.size or args.model else None
+    model = None
+    if args.size or args.model:
+        model = checkpoint(args.size, args.family, args.model, args.revision)
     return COMMANDS[args.command][0](args, model)
 
 

@@ -26,10 +26,16 @@ from mmserve.vision.inputs import ImageInput
 CACHE_OFF = {"disable_radix_cache": True, "vision_cache_bytes": 0}
 
 
-def model_dir(size: str = "tiny", family: str = "llava", path: Any = None) -> str:
-    """``path``, else the seeded random checkpoint of ``size`` and ``family`` (built once)."""
+def model_dir(
+    size: str = "tiny", family: str = "llava", path: Any = None, revision: str | None = None
+) -> str:
+    """``path`` (a directory, or a Hub id resolved to its local snapshot at ``revision``:
+    :func:`~mmserve.model.hub.resolve_model`), else the seeded random checkpoint of
+    ``size`` and ``family`` (built once)."""
     if path:
-        return str(path)
+        from mmserve.model.hub import resolve_model
+
+        return str(resolve_model(str(path), revision).path)
     from mmserve.testing.checkpoints import ensure_model
 
     return str(ensure_model(size, family))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class _RegistryChoices(Sequence[str]):
@@ -34,8 +35,17 @@ class _RegistryChoices(Sequence[str]):
 
 def _make_model(args: argparse.Namespace) -> int:
     import logging
+    import tempfile
 
     from mmserve.testing.checkpoints import make_checkpoint
+
+    if args.dir is None and not args.hub_cache:
+        print("make-model: give DIR, or --hub-cache CACHE --repo-id ORG/NAME", file=sys.stderr)
+        return 2
+    if args.dir is None:  # only the Hub cache entry: the checkpoint is written aside first
+        with tempfile.TemporaryDirectory() as tmp:
+            args.dir = str(Path(tmp) / "checkpoint")
+            return _make_model(args)
 
     # the weight writer's progress (bytes, percent, rate per file) on stderr
     progress = logging.getLogger("mmserve.testing.weights")
@@ -52,7 +62,14 @@ def _make_model(args: argparse.Namespace) -> int:
             family=args.family,
             dtype=args.dtype,
             quantization=args.quantization,
+            variant=args.variant,
         )
+        if args.hub_cache:
+            from mmserve.testing.hub_cache import write_hub_cache
+
+            if not args.repo_id:
+                raise ValueError("--hub-cache needs --repo-id org/name")
+            path = write_hub_cache(path, args.hub_cache, args.repo_id, args.revision)
     except ValueError as e:
         print(f"make-model: {e}", file=sys.stderr)
         return 2
@@ -71,14 +88,17 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``make-model DIR [--size] [--seed] [--family] [--dtype] [--quantization]`` to a
+    """Add ``make-model [DIR] [--size] [--seed] [--family] [--dtype] [--quantization]
+    [--variant] [--hub-cache CACHE --repo-id ORG/NAME [--revision]]`` to a
     subcommand set."""
     m = sub.add_parser(
         "make-model",
         help="write a seeded random LLaVA-1.5, LLaVA-NeXT or LLaVA-OneVision checkpoint",
         formatter_class=_DefaultsHelp,
     )
-    m.add_argument("dir", help="directory to write")
+    m.add_argument(
+        "dir", nargs="?", default=None, help="directory to write (optional with --hub-cache)"
+    )
     m.add_argument(
         "--size",
         choices=_RegistryChoices("SIZES"),
@@ -112,6 +132,24 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
         "llm-compressor writes it: int8 or fp8 e4m3 weights, per-channel scales); serving "
         "it loads them as they are",
     )
+    m.add_argument(
+        "--variant",
+        choices=("llava-video",),
+        default=None,
+        help="a checkpoint of the family's architecture with another model's settings: "
+        "llava-video: LLaVA-Video-7B-Qwen2's on the OneVision layout (anyres_max_4, a 3x3 "
+        "grid, its pooling and frame settings; implies --family llava-onevision)",
+    )
+    m.add_argument(
+        "--hub-cache",
+        metavar="CACHE",
+        default=None,
+        help="also lay the checkpoint out in this Hugging Face Hub cache folder (HF_HOME/hub) "
+        "as --repo-id at --revision, so `serve --model ORG/NAME` finds it offline; prints "
+        "the snapshot path",
+    )
+    m.add_argument("--repo-id", default=None, help="Hub id of --hub-cache (org/name)")
+    m.add_argument("--revision", default="main", help="branch or tag of --hub-cache")
     m.set_defaults(func=_make_model)
     return m
 

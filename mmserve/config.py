@@ -41,8 +41,13 @@ class EngineConfig:
     """Settings of one :class:`~mmserve.frontend.frontend.Engine`.
 
     Attributes:
-        model_path: checkpoint directory (a Hugging Face LLaVA-family model); without
-            it, ``mmserve serve`` runs the bundled tiny model, for trying things out.
+        model_path: checkpoint directory (a Hugging Face LLaVA-family model) or a Hugging
+            Face Hub id (``org/name``, fetched into the Hub cache: see
+            :mod:`mmserve.model.hub`); without it, ``mmserve serve`` runs the bundled tiny
+            model, for trying things out.
+        revision: branch, tag or commit of a Hub id ``model_path`` (unset: "main").
+        download_dir: Hub cache folder for a Hub id ``model_path`` (unset: ``HF_HUB_CACHE``,
+            else ``HF_HOME/hub``).
         device: torch device ("cpu" or "cuda").
         dtype: weights, activations and KV pool dtype: "auto" (bfloat16 on CUDA and on
             a CPU with native bf16 arithmetic, AVX512-BF16 or AMX-BF16; float32 on other
@@ -148,6 +153,8 @@ class EngineConfig:
     """
 
     model_path: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
     quantization: str = "none"

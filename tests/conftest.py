@@ -139,6 +139,8 @@ SLOW_TESTS: dict[str, str] = {
         "a server subprocess killed and restarted mid-batch"
     ),
     "test_chat_prompts::test_serve_shows_the_end_user_line": "a server subprocess",
+    "test_hub_models::test_serve_by_hub_id_logs_where_from": "a server subprocess",
+    "test_hub_models::test_make_model_hub_cache": "make-model in a subprocess",
     "test_cli::test_serve_logs_its_choices_by_default": "a server subprocess",
     "test_concurrency": "32 clients against a live server",
     "test_fuzz": "hypothesis inputs against a live server",

@@ -1006,3 +1006,37 @@ def decoder_key_prefix(model_dir: Path) -> str:
                 if ".layers.0.self_attn.k_proj.weight" in key and "vision" not in key:
                     return key.split("layers.0.")[0]
     raise AssertionError("no decoder layer 0")
+
+
+@contextmanager
+def fake_hub(status: int, error_code: str) -> Iterator[str]:
+    """A Hugging Face Hub endpoint on 127.0.0.1 that answers every request with ``status``
+    and the ``X-Error-Code`` header ``error_code`` ("RepoNotFound", "RevisionNotFound",
+    "GatedRepo"), as the Hub does; yields its URL (for ``HF_ENDPOINT``), stopped after."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            body = json.dumps({"error": f"{error_code} (fake hub)"}).encode()
+            self.send_response(status)
+            self.send_header("X-Error-Code", error_code)
+            self.send_header("X-Error-Message", f"{error_code} (fake hub)")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_HEAD = _answer  # http.server's method names
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

@@ -452,3 +452,12 @@ def test_graph_decode_tiny(model_dir: Path, tmp_path: Path) -> None:
     for prof in res["profile"].values():
         assert prof["steps"] >= 2 and 0 <= prof["host_share"] < 1
         assert prof["model_ms"] > 0 and prof["step_ms"] >= prof["model_ms"]
+
+
+def test_hub_load_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["hub-load", "--model", str(model_dir), "--repeats", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "hub_load.json").read_text())
+    assert len(out["seconds"]["path"]) == len(out["seconds"]["hub_id"]) == 2
+    assert 0 < out["median_s"]["resolve"] < out["median_s"]["hub_id"]
+    assert out["ratio_hub_over_path"] > 0

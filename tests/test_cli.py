@@ -156,7 +156,13 @@ def test_help_names_values_and_flags_not_code() -> None:
     flat = " ".join(text.split())
     # no module constant (POLICIES, DEFAULT_MAX_TOTAL_TOKENS...): only environment variables
     caps = set(re.findall(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b", text))
-    assert caps == {"MMSERVE_API_KEY", "MMSERVE_CACHE_DIR", "XDG_CACHE_HOME"}, caps
+    assert caps == {
+        "MMSERVE_API_KEY",
+        "MMSERVE_CACHE_DIR",
+        "XDG_CACHE_HOME",
+        "HF_HOME",
+        "HF_HUB_CACHE",
+    }, caps
     assert f"else {DEFAULT_MAX_TOTAL_TOKENS} tokens" in flat  # the number, not its name
     assert "sized from --kv-cache-memory or --mem-fraction-static" in flat
     assert "EngineRequest" not in text and "Engine " not in text and "None:" not in text

@@ -183,7 +183,7 @@ def _part(url: str, detail: str | None) -> dict:
 def test_upload_reports_tokens_per_detail(api, photos) -> None:
     _, info = _image_id(api, photos)
     by = info["num_image_tokens_by_detail"]
-    assert set(by) == {"auto", "low", "high"}
+    assert set(by) == {"auto", "low", "high", "original"}
     assert by["auto"] == by["high"] == info["num_image_tokens"] > by["low"]
     loaded = api.engine.model
     assert by["low"] == loaded.image_tokens(1024, 768, BASE_MODE)

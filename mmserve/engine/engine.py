@@ -44,6 +44,7 @@ from mmserve.engine.step import (
     token_delta,
 )
 from mmserve.kernels.warmup import KernelShape, kernel_steps, warm_up_kernels
+from mmserve.model.hub import resolve_config
 from mmserve.model.kv_scales import kv_scale_plan
 from mmserve.model.llama import token_embedding
 from mmserve.model.loader import LoadedModel, load_model
@@ -69,13 +70,15 @@ class EngineCore:
     input processor and text).
 
     Args:
-        config: engine settings; ``config.model_path`` names the checkpoint (required
-            unless ``model`` is given).
+        config: engine settings; ``config.model_path`` names the checkpoint, a directory
+            or a Hub id (resolved to its local snapshot here, in place:
+            :func:`~mmserve.model.hub.resolve_config`; required unless ``model`` is given).
         model: an already loaded model (skips loading; for tests).
 
     Raises:
         ValueError: for invalid settings or neither a model path nor a model;
-            CheckpointError for a bad checkpoint.
+            CheckpointError for a bad checkpoint; HubModelError (a ValueError) for a Hub
+            id that does not resolve.
     """
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None) -> None:
@@ -84,6 +87,7 @@ class EngineCore:
         if model is None:
             if config.model_path is None:  # the CLI supplies its bundled default model
                 raise ValueError("no model: set EngineConfig.model_path or pass a loaded model")
+            resolve_config(config)  # a Hub id: its snapshot (no-op for a directory)
             check_quantization(config.quantization, config.device)  # before the load
             if config.tp > 1:  # rank 0 of a tensor-parallel group; starts the other ranks
                 from mmserve.distributed.group import load_tp_model

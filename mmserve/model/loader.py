@@ -532,11 +532,16 @@ def read_front_end(model_dir: Path) -> tuple[PretrainedConfig, Any, ModelFamily]
 
     Raises:
         CheckpointError: as :func:`load_model` for a missing directory, config,
-            tokenizer or processor, or an unsupported model.
+            tokenizer or processor, an unsupported model, or a setting the family does
+            not implement (:meth:`~mmserve.model.families.base.ModelFamily.check_checkpoint`).
     """
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     config = _load_config(model_dir)
+    try:  # settings the family would otherwise ignore, named with their file
+        _family_class(config).check_checkpoint(model_dir)
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
     processor = _family_processor(model_dir, config)
     return config, processor, _family_class(config)(config, processor)
 

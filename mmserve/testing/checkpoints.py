@@ -67,19 +67,36 @@ __all__ = [
 ]
 
 
-def checkpoint_spec(size: str = "tiny", family: str | None = None) -> dict[str, Any]:
+def checkpoint_spec(
+    size: str = "tiny", family: str | None = None, variant: str | None = None
+) -> dict[str, Any]:
     """The description of ``family``'s checkpoint of ``size`` (its
-    :meth:`~mmserve.model.families.base.ModelFamily.test_config`).
+    :meth:`~mmserve.model.families.base.ModelFamily.test_config`), as ``variant`` if given.
 
     Args:
         size: one of :data:`SIZES`.
         family: one of :data:`FAMILY_NAMES`; None: the first registered family that has
-            ``size`` ("llava" for the test sizes, the model's own family for a real shape).
+            ``size`` ("llava" for the test sizes, the model's own family for a real shape),
+            or the variant's family.
+        variant: None, or one of :data:`~mmserve.model.families.onevision_variants.TEST_VARIANTS`
+            ("llava-video": LLaVA-Video-7B-Qwen2's settings on the OneVision layout).
 
     Raises:
-        ValueError: if ``size`` or ``family`` is unknown, or ``family`` has no ``size``
-            (a real shape belongs to one family).
+        ValueError: if ``size``, ``family`` or ``variant`` is unknown, ``family`` has no
+            ``size`` (a real shape belongs to one family), or the variant is of another
+            family.
     """
+    if variant is not None:
+        from mmserve.model.families.onevision_variants import TEST_VARIANTS
+
+        if variant not in TEST_VARIANTS:
+            raise ValueError(
+                f"unknown variant {variant!r}; expected one of {', '.join(TEST_VARIANTS)}"
+            )
+        owner, transform = TEST_VARIANTS[variant]
+        if family not in (None, owner):
+            raise ValueError(f"variant {variant!r} is a {owner} checkpoint, not {family}")
+        return transform(checkpoint_spec(size, owner))
     if size not in SIZES:
         raise ValueError(f"unknown checkpoint size {size!r}; expected one of {', '.join(SIZES)}")
     owners = [f for f in FAMILIES.values() if size in f.test_sizes]
@@ -136,10 +153,14 @@ def _write_processor(out: Path, spec: dict[str, Any], tokenizer: PreTrainedToken
     video_processor = _instance(spec["video_processor"])
     image_processor.save_pretrained(out)
     video_processor.save_pretrained(out)
+    video_json = {**json.loads(video_processor.to_json_string()), **spec.get("video_extra", {})}
+    if spec.get("video_extra"):  # settings the class does not keep (a variant's pooling)
+        path = out / "video_preprocessor_config.json"
+        path.write_text(json.dumps(video_json, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(out)
     nested = {
         "image_processor": json.loads(image_processor.to_json_string()),
-        "video_processor": json.loads(video_processor.to_json_string()),
+        "video_processor": video_json,
         **args,
         "processor_class": spec["processor"]["class"],
     }
@@ -213,9 +234,10 @@ def make_checkpoint(
     family: str | None = None,
     dtype: str | None = None,
     quantization: str | None = None,
+    variant: str | None = None,
 ) -> Path:
     """Write ``family``'s seeded checkpoint of ``size`` (:func:`write_checkpoint` of
-    :func:`checkpoint_spec`).
+    :func:`checkpoint_spec`), as ``variant`` if given.
 
     Args:
         out_dir: target directory; created (with parents) if missing.
@@ -228,6 +250,7 @@ def make_checkpoint(
         dtype: "float32" or "bfloat16"; None: bfloat16 for the real shapes, else float32.
         quantization: None, or "int8" / "fp8": the decoder's projections stored quantized
             in the compressed-tensors layout (:func:`quantize_checkpoint`).
+        variant: None, or a variant of :func:`checkpoint_spec` ("llava-video").
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -240,7 +263,7 @@ def make_checkpoint(
         raise ValueError(f"unknown checkpoint dtype {dtype!r}; expected float32 or bfloat16")
     if quantization not in (None, "none", "int8", "fp8"):
         raise ValueError(f"unknown quantization {quantization!r}; expected int8 or fp8")
-    path = write_checkpoint(out_dir, checkpoint_spec(size, family), seed, dtype)
+    path = write_checkpoint(out_dir, checkpoint_spec(size, family, variant), seed, dtype)
     return quantize_checkpoint(path, quantization) if quantization not in (None, "none") else path
 
 

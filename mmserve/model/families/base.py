@@ -23,15 +23,21 @@ if TYPE_CHECKING:
 #: (one padded square tile + newline), and the ``detail: "low"`` view of LLaVA-NeXT and
 #: LLaVA-OneVision.
 #: ``FRAME_MODE``: a video frame on a family's video path (pooled features, no newline).
+#: ``ORIGINAL_MODE``: the ``detail: "original"`` view of the any-resolution families: the
+#: grid of tiles that covers the image at its own resolution, capped by the model's
+#: largest grid (:func:`mmserve.model.families.llava_next.original_pinpoint`).
 #: A mode other than ``IMAGE_MODE`` has its own content key
 #: (:func:`mmserve.vision.hashing.mode_key`), so its features and KV never mix with another's.
 IMAGE_MODE = "image"
 BASE_MODE = "base"
 FRAME_MODE = "frame"
+ORIGINAL_MODE = "original"
 
 #: OpenAI's ``detail`` values of an image part: "low" is the family's single base view
-#: (:meth:`ModelFamily.low_mode`), "high" what the family does for the prompt, "auto" = "high".
-DETAILS = ("auto", "low", "high")
+#: (:meth:`ModelFamily.low_mode`), "high" what the family does for the prompt, "auto" = "high",
+#: "original" the image at its own resolution within the family's limits
+#: (:meth:`ModelFamily.original_mode`).
+DETAILS = ("auto", "low", "high", "original")
 
 
 def check_vision_config(config: PretrainedConfig) -> None:
@@ -196,6 +202,15 @@ class ModelFamily:
         """
         return None
 
+    @classmethod
+    def check_checkpoint(cls, model_dir: Path) -> None:
+        """Refuse settings in ``model_dir``'s files that the family does not implement,
+        before anything loads; nothing to check by default.
+
+        Raises:
+            ValueError: naming the file and the field.
+        """
+
     def build_vision(self) -> VisionModule:
         """A freshly initialised vision module (weights are loaded after)."""
         raise NotImplementedError
@@ -231,15 +246,24 @@ class ModelFamily:
         family whose images have one view)."""
         return IMAGE_MODE
 
+    def original_mode(self, num_images: int) -> str:
+        """The mode of an image sent with ``detail: "original"``: :meth:`image_mode` here
+        (a family whose images have one size, LLaVA-1.5: as "high"); the any-resolution
+        families answer :data:`ORIGINAL_MODE`."""
+        return self.image_mode(num_images)
+
     def detail_mode(self, detail: str, num_images: int) -> str:
         """The mode of an image sent with ``detail`` (one of :data:`DETAILS`) in a prompt of
-        ``num_images`` images: :meth:`low_mode` for "low", else :meth:`image_mode`.
+        ``num_images`` images: :meth:`low_mode` for "low", :meth:`original_mode` for
+        "original", else :meth:`image_mode`.
 
         Raises:
             ValueError: for a ``detail`` not in :data:`DETAILS`.
         """
         if detail not in DETAILS:
             raise ValueError(f"detail must be one of {', '.join(DETAILS)}; got {detail!r}")
+        if detail == "original":
+            return self.original_mode(num_images)
         return self.low_mode() if detail == "low" else self.image_mode(num_images)
 
     def mode_tokens(self, width: int, height: int, mode: str) -> int:

@@ -56,10 +56,12 @@ from mmserve.model.families.base import (
     BASE_MODE,
     FRAME_MODE,
     IMAGE_MODE,
+    ORIGINAL_MODE,
     ModelFamily,
     VisionModule,
 )
-from mmserve.model.families.llava_next import preprocess_anyres
+from mmserve.model.families.llava_next import grid_holder, original_tokens, preprocess_anyres
+from mmserve.model.families.onevision_variants import check_onevision_checkpoint
 from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths, special_token_ids
 from mmserve.vision.frames import FramePrep, prepare_frames
 from mmserve.vision.hashing import VIDEO_NEWLINE_ID, mode_key, processor_fingerprint
@@ -181,17 +183,22 @@ class LlavaOnevisionVision(VisionModule):
         self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
         self.frame_prep = frame_prep
 
-    def _pack(self, feats: Sequence[torch.Tensor], sizes: torch.Tensor) -> list[torch.Tensor]:
-        # transformers' packing reads only self.config, so it runs on this module as it
-        # would on LlavaOnevisionModel
-        packed, _ = LlavaOnevisionModel.pack_image_features(
-            self,  # type: ignore[arg-type]  # duck-typed self: only .config is read
-            feats,
-            sizes,
-            image_newline=self.image_newline,
-            vision_aspect_ratio=self.config.vision_aspect_ratio,
-        )
-        return list(packed)
+    def _pack(
+        self, feats: Sequence[torch.Tensor], sizes: torch.Tensor, mode: str = IMAGE_MODE
+    ) -> list[torch.Tensor]:
+        # transformers' packing reads only self.config, so it runs on a stand-in holding
+        # the config (the original view's: the item's one grid) as on LlavaOnevisionModel
+        out = []
+        for f, size in zip(feats, sizes, strict=True):
+            packed, _ = LlavaOnevisionModel.pack_image_features(
+                grid_holder(self.config, mode, size),  # type: ignore[arg-type]
+                [f],
+                size[None],
+                image_newline=self.image_newline,
+                vision_aspect_ratio=self.config.vision_aspect_ratio,
+            )
+            out.append(packed[0])
+        return out
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
         """See :meth:`VisionModule.preprocess`.
@@ -211,7 +218,7 @@ class LlavaOnevisionVision(VisionModule):
         counts = [it.values.shape[0] for it in items]
         pixels = torch.cat([it.values for it in items])
         sizes = stack_image_sizes(items)
-        return self._pack(torch.split(self.project(pixels), counts), sizes)
+        return self._pack(torch.split(self.project(pixels), counts), sizes, items[0].mode)
 
     def _base(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
         feats = self.project(torch.cat([it.values for it in items]))
@@ -237,7 +244,12 @@ class LlavaOnevisionVision(VisionModule):
         by_mode: dict[str, list[int]] = {}
         for i, it in enumerate(items):
             by_mode.setdefault(it.mode, []).append(i)
-        run = {IMAGE_MODE: self._anyres, BASE_MODE: self._base, FRAME_MODE: self._frames}
+        run = {
+            IMAGE_MODE: self._anyres,
+            ORIGINAL_MODE: self._anyres,
+            BASE_MODE: self._base,
+            FRAME_MODE: self._frames,
+        }
         out: dict[int, torch.Tensor] = {}
         for mode, idx in by_mode.items():
             if mode not in run:
@@ -260,7 +272,8 @@ def preprocess_onevision(
 ) -> list[Pixels]:
     """OneVision's processing of ``images`` in ``mode``, fp32, one item per image.
 
-    Image mode: the any-resolution grid (:func:`preprocess_anyres`). Base mode:
+    Image mode: the any-resolution grid (:func:`preprocess_anyres`); original mode: the
+    same on the image's own grid. Base mode:
     ``[1, 3, tile, tile]`` and the image size, as transformers processes an image of a
     prompt with several images (a nested list: it pads to a square and resizes to one
     tile only when a prompt holds more than one; the result does not depend on the
@@ -270,7 +283,7 @@ def preprocess_onevision(
     Raises:
         ValueError: for an unknown mode.
     """
-    if mode == IMAGE_MODE:
+    if mode in (IMAGE_MODE, ORIGINAL_MODE):
         return preprocess_anyres(image_processor, config, images, mode)
     if mode == FRAME_MODE:
         frames = prepare_frames(list(images), frame_prep)
@@ -311,6 +324,11 @@ class LlavaOnevisionFamily(ModelFamily):
             raise ValueError(f"a 1-frame video has {one} tokens, not {two - one} + 1 newline")
 
     @classmethod
+    def check_checkpoint(cls, model_dir: Path) -> None:
+        """See :func:`~mmserve.model.families.onevision_variants.check_onevision_checkpoint`."""
+        check_onevision_checkpoint(model_dir)
+
+    @classmethod
     def load_processor(cls, model_dir: Path) -> OnevisionProcessor:
         """See :func:`load_onevision_processor`."""
         return load_onevision_processor(model_dir)
@@ -332,6 +350,11 @@ class LlavaOnevisionFamily(ModelFamily):
         several (the same view, so the same key and KV)."""
         return BASE_MODE
 
+    def original_mode(self, num_images: int) -> str:
+        """:data:`ORIGINAL_MODE`: the grid covering the image at its own resolution, also
+        in a prompt with several images (the caller asked for the image's resolution)."""
+        return ORIGINAL_MODE
+
     def image_mode(self, num_images: int) -> str:
         """:data:`BASE_MODE` for each image of a prompt with several images, as
         ``LlavaOnevisionProcessor.replace_image_token`` counts them."""
@@ -340,6 +363,8 @@ class LlavaOnevisionFamily(ModelFamily):
     def mode_tokens(self, width: int, height: int, mode: str) -> int:
         if mode == FRAME_MODE:
             return self._frame_tokens
+        if mode == ORIGINAL_MODE:
+            return original_tokens(self.processor, self.config, width, height)
         if mode == BASE_MODE:  # transformers' count for an image of a 2-image prompt
             inputs = {"batch_num_images": [2], "image_sizes": [[height, width]] * 2}
             text = self.processor.replace_image_token(inputs, image_idx=0)
@@ -350,7 +375,7 @@ class LlavaOnevisionFamily(ModelFamily):
         """``image`` in ``mode``; a frame's key also covers the video processor's settings."""
         if mode == IMAGE_MODE:
             return image
-        if mode not in (BASE_MODE, FRAME_MODE):
+        if mode not in (BASE_MODE, FRAME_MODE, ORIGINAL_MODE):
             return super().mode_item(image, mode)
         extra = self.video_fingerprint if mode == FRAME_MODE else b""
         # features looked up under the image's own key are not this mode's
