@@ -119,7 +119,8 @@ def test_a_video_is_its_frames_and_no_newline(nv, clip12) -> None:
 def test_image_equals_reference(nv, shapes) -> None:
     eng = nv.make_engine()
     img = eng.processor.prepare_image(shapes["wide"])
-    assert eng.processor.make_request(messages=user(None, "x"), images=[img]).spans[0].image.mode == IMAGE_MODE
+    req = eng.processor.make_request(messages=user(None, "x"), images=[img])
+    assert req.spans[0].image.mode == IMAGE_MODE
     check_against_reference(eng, nv.ref, user(None, "What is in this photo?"), [img], "image")
 
 

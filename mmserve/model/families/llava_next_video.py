@@ -37,7 +37,6 @@ import torch
 from PIL import Image
 from torch import nn
 from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextVideoProcessor
-from transformers.processing_utils import ProcessorMixin
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.llava_next_video.modeling_llava_next_video import (
     LlavaNextVideoModel,
@@ -50,16 +49,21 @@ from transformers.models.llava_next_video.modeling_llava_next_video import (
 from transformers.models.llava_next_video.video_processing_llava_next_video import (
     LlavaNextVideoVideoProcessor,
 )
+from transformers.processing_utils import ProcessorMixin
 
 from mmserve.model.families.base import (
     BASE_MODE,
     FRAME_MODE,
     IMAGE_MODE,
-    ModelFamily,
     VisionModule,
 )
 from mmserve.model.families.llava import CLIP_MEAN, CLIP_STD, VICUNA_7B, llava_test_config
-from mmserve.model.families.llava_next import NEXT_TILES, LlavaNextFamily, preprocess_anyres
+from mmserve.model.families.llava_next import (
+    NEXT_TILES,
+    LlavaNextFamily,
+    LlavaNextVision,
+    preprocess_anyres,
+)
 from mmserve.model.families.sizes import TEST_PATCH, TEST_WIDTHS, size_widths, special_token_ids
 from mmserve.vision.hashing import mode_key, processor_fingerprint
 from mmserve.vision.pixels import Pixels, stack_image_sizes
@@ -69,6 +73,11 @@ if TYPE_CHECKING:
 
     from mmserve.vision.inputs import ImageInput
 
+#: The video processor's settings a frame's preparation reads (:func:`frame_processor`).
+_FRAME_FIELDS = (
+    "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
+    "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb",
+)  # fmt: skip
 #: ``LlavaNextVideoProcessor.__init__`` arguments read from ``processor_config.json``.
 _PROCESSOR_ARGS = (
     "patch_size",
@@ -164,9 +173,7 @@ def frame_processor(video_settings: Any) -> CLIPImageProcessorPil:
     transformers' PIL processors; torchvision's antialiased resize (the video processor's)
     can differ from PIL's by a few 1/255 steps."""
     v = video_settings
-    fields = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
-              "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb")  # fmt: skip
-    kwargs = {k: getattr(v, k) for k in fields if getattr(v, k, None) is not None}
+    kwargs = {k: getattr(v, k) for k in _FRAME_FIELDS if getattr(v, k, None) is not None}
     for k in ("size", "crop_size"):  # SizeDict -> plain dict
         if k in kwargs:
             kwargs[k] = {n: s for n, s in dict(kwargs[k]).items() if s is not None}
@@ -190,7 +197,7 @@ def frame_side(video_settings: Any) -> tuple[int, int]:
     )
 
 
-class LlavaNextVideoVision(VisionModule):
+class LlavaNextVideoVision(LlavaNextVision):
     """CLIP tower, video pooler, projector and ``image_newline`` of a LLaVA-NeXT-Video
     checkpoint.
 
@@ -205,7 +212,8 @@ class LlavaNextVideoVision(VisionModule):
     """
 
     def __init__(self, config: PretrainedConfig, image_processor: Any, video_settings: Any) -> None:
-        super().__init__(config, LlavaNextVideoMultiModalProjector, image_processor)
+        # LlavaNextVision's layout with the video model's own projector class
+        VisionModule.__init__(self, config, LlavaNextVideoMultiModalProjector, image_processor)
         self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
         self.vision_resampler = LlavaNextVideoPooler(config)
         self.video_settings = video_settings
@@ -253,11 +261,11 @@ class LlavaNextVideoVision(VisionModule):
         Raises:
             ValueError: for an unknown mode.
         """
+        for it in items:
+            if it.mode not in (IMAGE_MODE, BASE_MODE, FRAME_MODE):
+                raise ValueError(f"LLaVA-NeXT-Video has no {it.mode!r} mode")
         frames = [i for i, it in enumerate(items) if it.mode == FRAME_MODE]
-        images = [i for i, it in enumerate(items) if it.mode in (IMAGE_MODE, BASE_MODE)]
-        if len(frames) + len(images) != len(items):
-            bad = next(it.mode for it in items if it.mode not in (IMAGE_MODE, BASE_MODE, FRAME_MODE))
-            raise ValueError(f"LLaVA-NeXT-Video has no {bad!r} mode")
+        images = [i for i, it in enumerate(items) if it.mode != FRAME_MODE]
         out: dict[int, torch.Tensor] = {}
         for idx, run in ((frames, self._frames), (images, self._images)):
             if idx:
@@ -415,8 +423,9 @@ class LlavaNextVideoFamily(LlavaNextFamily):
         )
         for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
             base.pop(k)
+        crop = {"height": tile, "width": tile}
         clip = dict(image_mean=CLIP_MEAN, image_std=CLIP_STD, do_convert_rgb=True,
-                    size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile})  # fmt: skip
+                    size={"shortest_edge": tile}, crop_size=crop)  # fmt: skip
         anyres = "transformers.models.llava_next.image_processing_pil_llava_next."
         video = "transformers.models.llava_next_video.video_processing_llava_next_video."
         return {
