@@ -258,9 +258,20 @@ def _variant(nv, tmp_path, config: dict | None = None, video: dict | None = None
     return out
 
 
-def test_a_pool_stride_the_processor_does_not_count_is_refused(nv, tmp_path) -> None:
-    with pytest.raises(CheckpointError, match="spatial_pool_stride 4"):
-        load_model(_variant(nv, tmp_path, config={"spatial_pool_stride": 4}))
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"spatial_pool_stride": 4}, "spatial_pool_stride 4 pools a frame to 4 tokens"),
+        ({"spatial_pool_mode": "median"}, "unknown spatial_pool_mode 'median'"),
+        ({"vision_feature_select_strategy": "full"}, "vision_feature_select_strategy 'full'"),
+    ],
+)
+def test_video_settings_the_prompt_cannot_fit_are_refused_by_name(
+    nv, tmp_path, change: dict, words: str
+) -> None:
+    with pytest.raises(CheckpointError, match=words) as e:
+        load_model(_variant(nv, tmp_path, config=change))
+    assert str(e.value).startswith(str(tmp_path / "variant"))
 
 
 def test_frames_not_of_the_towers_size_are_refused(nv, tmp_path) -> None:
