@@ -19,7 +19,7 @@ from mmserve.frontend.frontend import Engine
 from mmserve.model.loader import load_model
 from mmserve.testing.checkpoints import make_checkpoint
 from tests.cases import write_cases
-from tests.helpers import ROOT, SAMPLES, TINY_FAMILIES, VIDEO_ONLY_FAMILIES, png_bytes
+from tests.helpers import OWN_FILE_FAMILIES, ROOT, SAMPLES, TINY_FAMILIES, png_bytes
 
 GPU_TESTS = ROOT / "tests" / "gpu"
 
@@ -78,9 +78,9 @@ class TinyFamily:
 @pytest.fixture(scope="session")
 def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyFamily]:
     """:class:`TinyFamily` by family name (``tests.helpers.TINY_FAMILIES`` and
-    ``VIDEO_ONLY_FAMILIES``; each built on first use)."""
+    ``OWN_FILE_FAMILIES``; each built on first use)."""
     root = tmp_path_factory.mktemp("model")
-    return {name: TinyFamily(name, root) for name in (*TINY_FAMILIES, *VIDEO_ONLY_FAMILIES)}
+    return {name: TinyFamily(name, root) for name in (*TINY_FAMILIES, *OWN_FILE_FAMILIES)}
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ ANY_PORT = ("--port", "0")
 TINY_FAMILIES = ("llava", "llava-next", "llava-onevision")
 #: Families tested in their own files only (tests/test_llava_next_video.py), not in every
 #: cross-family parametrisation: LLaVA-NeXT-Video's images are LLaVA-NeXT's.
-VIDEO_ONLY_FAMILIES = ("llava-next-video",)
+OWN_FILE_FAMILIES = ("llava-next-video",)
 
 # ---- requests ----------------------------------------------------------------------
 
