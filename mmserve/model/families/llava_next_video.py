@@ -129,11 +129,14 @@ class NextVideoProcessor(LlavaNextVideoProcessor):
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
         self.video_settings = video_settings
+        #: the frames' image processor (:func:`frame_processor`), built once
+        self.frame_prep = frame_processor(video_settings) if video_settings is not None else None
 
     def frame_pixels(self, frames: Sequence[Image.Image]) -> torch.Tensor:
         """fp32 ``[len(frames), 3, crop, crop]`` pixels of video frames (see
         :func:`frame_processor`)."""
-        out = frame_processor(self.video_settings)(images=list(frames), return_tensors="pt")
+        assert self.frame_prep is not None, "a processor without video settings"
+        out = self.frame_prep(images=list(frames), return_tensors="pt")
         return out["pixel_values"]
 
 
@@ -204,24 +207,24 @@ class LlavaNextVideoVision(LlavaNextVision):
     Args:
         config: the ``LlavaNextVideoConfig``.
         image_processor: its PIL ``LlavaNextImageProcessorPil``.
-        video_settings: its ``LlavaNextVideoVideoProcessor`` (settings only).
+        frame_prep: the frames' image processor (:func:`frame_processor`).
 
     Raises:
         ValueError: for a multi-layer ``vision_feature_layer`` or an unknown strategy, or an
             unknown ``spatial_pool_mode``.
     """
 
-    def __init__(self, config: PretrainedConfig, image_processor: Any, video_settings: Any) -> None:
+    def __init__(self, config: PretrainedConfig, image_processor: Any, frame_prep: Any) -> None:
         # LlavaNextVision's layout with the video model's own projector class
         VisionModule.__init__(self, config, LlavaNextVideoMultiModalProjector, image_processor)
         self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
         self.vision_resampler = LlavaNextVideoPooler(config)
-        self.video_settings = video_settings
+        self.frame_prep = frame_prep
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
         """See :meth:`VisionModule.preprocess` and :func:`preprocess_next_video`."""
         return preprocess_next_video(
-            self.image_processor, self.config, self.video_settings, images, mode
+            self.image_processor, self.config, self.frame_prep, images, mode
         )
 
     def _frames(self, items: Sequence[Pixels]) -> list[torch.Tensor]:
@@ -276,7 +279,7 @@ class LlavaNextVideoVision(LlavaNextVision):
 def preprocess_next_video(
     image_processor: Any,
     config: PretrainedConfig,
-    video_settings: Any,
+    frame_prep: Any,
     images: Sequence[Image.Image],
     mode: str,
 ) -> list[Pixels]:
@@ -289,7 +292,7 @@ def preprocess_next_video(
         ValueError: for an unknown mode.
     """
     if mode == FRAME_MODE:
-        px = frame_processor(video_settings)(images=list(images), return_tensors="pt")
+        px = frame_prep(images=list(images), return_tensors="pt")
         values = px["pixel_values"]
         return [Pixels(mode, values[i : i + 1].clone()) for i in range(len(images))]
     if mode not in (IMAGE_MODE, BASE_MODE):
@@ -365,12 +368,12 @@ class LlavaNextVideoFamily(LlavaNextFamily):
 
     def build_vision(self) -> LlavaNextVideoVision:
         return LlavaNextVideoVision(
-            self.config, self.processor.image_processor, self.processor.video_settings
+            self.config, self.processor.image_processor, self.processor.frame_prep
         )
 
     def preprocess(self, images: Sequence[Image.Image], mode: str) -> list[Pixels]:
         return preprocess_next_video(
-            self.processor.image_processor, self.config, self.processor.video_settings,
+            self.processor.image_processor, self.config, self.processor.frame_prep,
             images, mode,
         )  # fmt: skip
 
