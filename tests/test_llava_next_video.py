@@ -113,6 +113,21 @@ def test_a_video_is_its_frames_and_no_newline(nv, clip12) -> None:
     assert (cost.per_frame, cost.per_video, cost.tokens(5)) == (16, 0, 80)
 
 
+def test_a_picture_as_image_low_view_and_frame_has_three_keys(nv, shapes) -> None:
+    import io
+
+    from mmserve.vision.inputs import ImageInput
+
+    fam = nv.loaded.family
+    img = ImageInput(b"k" * 16, Image.open(io.BytesIO(shapes["wide"])))
+    items = {m: fam.mode_item(img, m) for m in (IMAGE_MODE, BASE_MODE, FRAME_MODE)}
+    assert len({it.key for it in items.values()}) == 3 and items[IMAGE_MODE].key == img.key
+    assert fam.detail_mode("low", 1) == BASE_MODE and fam.detail_mode("high", 2) == IMAGE_MODE
+    # a frame's pixels: one tile, whatever the picture's size (resize + centre crop)
+    (px,) = fam.preprocess([items[FRAME_MODE].image], FRAME_MODE)
+    assert px.values.shape == (1, 3, 112, 112) and px.mode == FRAME_MODE
+
+
 # ---- greedy equality with transformers (fp32) -----------------------------------------
 
 
