@@ -24,6 +24,7 @@ from benchmarks import (
     real_shapes,
     suites,
     tracing_overhead,
+    video_followup,
     workloads,
 )
 from benchmarks.in_process import model_dir as checkpoint
@@ -114,6 +115,8 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--num-frames",), dict(type=int, default=8)),
         (("--max-tokens",), dict(type=int, default=16)),
     ]),
+    "video-followup": (video_followup.video_followup, "full", "small", "llava-next-video",
+                       video_followup.OPTIONS),
     "video-budget": (experiments.video_budget, "full", "small", "llava-onevision", [
         (("--seconds",), dict(type=int, default=60, help="clip length (10 fps)")),
         (("--max-video-tokens",), dict(type=int, default=4096)),
@@ -140,7 +143,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--scale", choices=("ci", "quick", "full"), default=scale)
         p.add_argument("--quick", action="store_const", const="quick", dest="scale")
         p.add_argument("--size", default=size, help="tiny, small or a real shape (make-model)")
-        p.add_argument("--family", choices=("llava", "llava-next", "llava-onevision"))
+        p.add_argument(
+            "--family", choices=("llava", "llava-next", "llava-onevision", "llava-next-video")
+        )
         p.add_argument("--model", help="checkpoint directory or Hub id (overrides --size)")
         p.add_argument("--revision", help="revision of a Hub id --model")
         p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

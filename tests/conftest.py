@@ -19,7 +19,7 @@ from mmserve.frontend.frontend import Engine
 from mmserve.model.loader import load_model
 from mmserve.testing.checkpoints import make_checkpoint
 from tests.cases import write_cases
-from tests.helpers import ROOT, SAMPLES, TINY_FAMILIES, png_bytes
+from tests.helpers import OWN_FILE_FAMILIES, ROOT, SAMPLES, TINY_FAMILIES, png_bytes
 
 GPU_TESTS = ROOT / "tests" / "gpu"
 
@@ -40,6 +40,7 @@ class TinyFamily:
         "llava": "LlavaForConditionalGeneration",
         "llava-next": "LlavaNextForConditionalGeneration",
         "llava-onevision": "LlavaOnevisionForConditionalGeneration",
+        "llava-next-video": "LlavaNextVideoForConditionalGeneration",
     }
 
     def __init__(self, family: str, root: Path) -> None:
@@ -67,14 +68,19 @@ class TinyFamily:
             from mmserve.model.families.llava_onevision import load_onevision_processor
 
             return model, load_onevision_processor(self.model_dir)
+        if self.family == "llava-next-video":
+            from mmserve.model.families.llava_next_video import load_next_video_processor
+
+            return model, load_next_video_processor(self.model_dir)
         return model, transformers.AutoProcessor.from_pretrained(self.model_dir)
 
 
 @pytest.fixture(scope="session")
 def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyFamily]:
-    """:class:`TinyFamily` by family name (``tests.helpers.TINY_FAMILIES``)."""
+    """:class:`TinyFamily` by family name (``tests.helpers.TINY_FAMILIES`` and
+    ``OWN_FILE_FAMILIES``; each built on first use)."""
     root = tmp_path_factory.mktemp("model")
-    return {name: TinyFamily(name, root) for name in TINY_FAMILIES}
+    return {name: TinyFamily(name, root) for name in (*TINY_FAMILIES, *OWN_FILE_FAMILIES)}
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,9 @@ SAMPLES = ROOT / "samples" / "images"
 ANY_PORT = ("--port", "0")
 #: the model families with a tiny checkpoint (``families`` fixture in tests/conftest.py)
 TINY_FAMILIES = ("llava", "llava-next", "llava-onevision")
+#: Families tested in their own files only (tests/test_llava_next_video.py), not in every
+#: cross-family parametrisation: LLaVA-NeXT-Video's images are LLaVA-NeXT's.
+OWN_FILE_FAMILIES = ("llava-next-video",)
 
 # ---- requests ----------------------------------------------------------------------
 
@@ -215,9 +218,10 @@ def reference_generate(
     """transformers' greedy ``generate`` on ``ref_model = (model, processor)``.
 
     The images of one prompt go in as one nested list (as a chat template hands them;
-    LLaVA-OneVision takes its multi-image path only so). Videos (LLaVA-OneVision only)
+    LLaVA-OneVision takes its multi-image path only so). Videos (OneVision, NeXT-Video)
     go in as ``pixel_values_videos`` made by our frame preprocessing, each ``<video>``
-    placeholder repeated as the processor's ``replace_video_token`` says.
+    placeholder repeated as the processor's ``replace_video_token`` says; with images too
+    (NeXT-Video) the processor then expands the image placeholders.
 
     Returns:
         ``(ids, logits, prompt_len)``: the generated ids, fp32 ``[vocab]`` logits per
@@ -228,17 +232,27 @@ def reference_generate(
     if videos:
         from mmserve.vision.frames import FramePrep, prepare_frames
 
-        assert not images, "the reference takes images or videos, not both"
-        prep = FramePrep.from_processor(processor.video_settings)
-        pixels = [prepare_frames(v, prep)[None] for v in videos]  # [1, frames, 3, H, W] each
+        if hasattr(processor, "frame_pixels"):  # LLaVA-NeXT-Video: resize + centre crop
+            pixels = [processor.frame_pixels(v)[None] for v in videos]
+        else:
+            prep = FramePrep.from_processor(processor.video_settings)
+            pixels = [prepare_frames(v, prep)[None] for v in videos]  # [1, frames, 3, H, W]
         pieces = text.split(processor.video_token)
         assert len(pieces) == len(pixels) + 1
         text = pieces[0] + "".join(
             processor.replace_video_token({"pixel_values_videos": pv}, 0) + piece
             for pv, piece in zip(pixels, pieces[1:], strict=True)
         )
-        inputs = dict(processor.tokenizer(text, return_tensors="pt"))
-        inputs["pixel_values_videos"] = torch.cat(pixels)
+        extra = {"pixel_values_videos": torch.cat(pixels)}
+        if images:  # each image placeholder repeated as ``replace_image_token`` says
+            img = processor.image_processor(images=images, return_tensors="pt")
+            pieces = text.split(processor.image_token)
+            assert len(pieces) == len(images) + 1
+            text = pieces[0] + "".join(
+                processor.replace_image_token(img, i) + piece for i, piece in enumerate(pieces[1:])
+            )
+            extra.update(pixel_values=img["pixel_values"], image_sizes=img["image_sizes"])
+        inputs = {**processor.tokenizer(text, return_tensors="pt"), **extra}
     else:
         inputs = processor(images=[images] if images else None, text=text, return_tensors="pt")
     inputs = {k: v.to(model.device) for k, v in inputs.items()}

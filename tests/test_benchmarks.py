@@ -322,6 +322,19 @@ def test_video_budget_benchmark_tiny(families, tmp_path: Path) -> None:
     assert out["exact_over"]["error"]["param"] == "num_frames"
 
 
+def test_video_followup_benchmark_tiny(families, tmp_path: Path) -> None:
+    nv = families["llava-next-video"]
+    argv = ["video-followup", "--model", str(nv.model_dir), "--rounds", "1"]
+    assert main([*argv, "--num-frames", "3", "--max-tokens", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "video_followup.json").read_text())["rows"]
+    first, second = rows["llava-next-video first"], rows["llava-next-video second"]
+    assert first["per_frame"] == 16 and first["tower_runs"] == 3 and first["cached_tokens"] == 0
+    # the second question: no tower run, the prompt up to its text cached (page size 1)
+    assert second["tower_runs"] == 0
+    assert 3 * 16 < second["cached_tokens"] < second["prompt_tokens"]
+    assert second["ttft_ratio"] == second["ttft_ms"] / first["ttft_ms"]
+
+
 def test_decode_weight_bytes_counts_a_tied_head_once() -> None:
     from benchmarks.real_shapes import decode_weight_bytes
 
@@ -377,13 +390,14 @@ def test_interleaved_workload_and_table_writer() -> None:
 def test_each_subcommand_keeps_its_own_checkpoint_defaults() -> None:
     from benchmarks.__main__ import parser
 
-    names = ("replicas", "real-shapes", "video-qa", "video-budget", "serve")
+    names = ("replicas", "real-shapes", "video-qa", "video-budget", "video-followup", "serve")
     got = {c: parser().parse_args([c]) for c in names}
     assert {c: (a.size, a.family) for c, a in got.items()} == {
         "replicas": ("tiny", "llava"),
         "real-shapes": ("onevision-0.5b", "llava-onevision"),
         "video-qa": ("small", "llava"),
         "video-budget": ("small", "llava-onevision"),
+        "video-followup": ("small", "llava-next-video"),
         "serve": (None, "llava"),
     }
 

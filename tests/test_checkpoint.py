@@ -154,9 +154,11 @@ def test_unknown_size_family_or_dtype() -> None:
 
 
 def test_families_and_sizes_come_from_the_registry() -> None:
-    assert FAMILY_NAMES == mc.FAMILY_NAMES == ("llava", "llava-next", "llava-onevision")
+    names = ("llava", "llava-next", "llava-onevision", "llava-next-video")
+    assert FAMILY_NAMES == mc.FAMILY_NAMES == names
     assert [family_named(n) for n in FAMILY_NAMES] == list(FAMILIES.values())
-    assert set(mc.SIZES) == {"tiny", "small", "llava-1.5-7b", "llava-next-7b", "onevision-0.5b"}
+    real = {"llava-1.5-7b", "llava-next-7b", "onevision-0.5b", "llava-next-video-7b"}
+    assert set(mc.SIZES) == {"tiny", "small", *real}
     # the default family of a size: llava for the shared sizes, the owner of a real shape
     assert mc.checkpoint_spec("tiny")["config"]["model_type"] == "llava"
     assert mc.checkpoint_spec("llava-next-7b")["config"]["model_type"] == "llava_next"
@@ -165,7 +167,8 @@ def test_families_and_sizes_come_from_the_registry() -> None:
 #: (family, size) -> parameters of the model its description builds: ranges for the test
 #: sizes; for the real shapes the exact counts of these shapes, which round to the published
 #: models' (llava-1.5-7b-hf and llava-v1.6-vicuna-7b-hf 7.06B, the second with its
-#: image_newline; llava-onevision-qwen2-0.5b-ov-hf 894M, the tied head counted once)
+#: image_newline, as LLaVA-NeXT-Video-7B-hf; llava-onevision-qwen2-0.5b-ov-hf 894M, the tied
+#: head counted once)
 PARAMETERS = {
     ("llava", "tiny"): (0.6e6, 1.2e6),
     ("llava", "small"): (20e6, 60e6),
@@ -176,6 +179,10 @@ PARAMETERS = {
     ("llava-onevision", "tiny"): (0.6e6, 1.2e6),
     ("llava-onevision", "small"): (20e6, 60e6),
     ("llava-onevision", "onevision-0.5b"): (893_618_208, 893_618_208),
+    # LLaVA-NeXT's model: the average pooler has no weights
+    ("llava-next-video", "tiny"): (0.6e6, 1.2e6),
+    ("llava-next-video", "small"): (20e6, 60e6),
+    ("llava-next-video", "llava-next-video-7b"): (7_063_427_072 + 4096, 7_063_427_072 + 4096),
 }
 
 
@@ -327,9 +334,8 @@ def test_make_model_choices_come_from_the_registry_when_used() -> None:
     )
     done = run_python(code)
     assert done.returncode == 0, done.stderr
-    assert "invalid choice: 'gpt' (choose from 'llava', 'llava-next', 'llava-onevision')" in (
-        done.stderr
-    )
+    choices = "'llava', 'llava-next', 'llava-onevision', 'llava-next-video'"
+    assert f"invalid choice: 'gpt' (choose from {choices})" in done.stderr
 
 
 # ---- make-model's files: modes and progress ---------------------------------------------

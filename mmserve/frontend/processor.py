@@ -234,13 +234,14 @@ class InputProcessor:
     def frame_cost(self, width: int, height: int, mode: str | None = None) -> FrameCost:
         """Pseudo-tokens a video's frames of ``width`` x ``height`` pixels take in ``mode``:
         on the video path (:data:`~mmserve.model.families.base.FRAME_MODE`) each frame's run
-        plus one video newline per video; elsewhere each frame's count as an image in
-        ``mode`` (None: the video path where the model has one, else a frame alone in its
-        prompt). Text around the frames (``Frame at 1.5s:`` labels) is not counted."""
+        plus one video newline per video where the family has one (OneVision); elsewhere
+        each frame's count as an image in ``mode`` (None: the video path where the model
+        has one, else a frame alone in its prompt). Text around the frames (``Frame at
+        1.5s:`` labels) is not counted."""
         video_path = self.model.video_token_id is not None
         if mode is None:
             mode = FRAME_MODE if video_path else self.image_mode(1)
-        per_video = 1 if mode == FRAME_MODE else 0
+        per_video = int(mode == FRAME_MODE and self.model.family.video_newline)
         return FrameCost(self.model.image_tokens(width, height, mode), per_video)
 
     def open_video(self, data: bytes, limits: VideoLimits) -> Video:

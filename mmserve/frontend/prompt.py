@@ -8,7 +8,8 @@ either way because the placeholder is a special token. The family chooses how ea
 image is processed given how many images the prompt holds
 (:meth:`~mmserve.model.families.base.ModelFamily.image_mode`). On a family with a
 video path each ``<video>`` placeholder becomes its frames' runs, each frame keyed by
-its own pixels, then the video newline (:data:`~mmserve.vision.hashing.VIDEO_NEWLINE_ID`).
+its own pixels, then the video newline (:data:`~mmserve.vision.hashing.VIDEO_NEWLINE_ID`)
+where the family has one (OneVision; not LLaVA-NeXT-Video).
 
 Message texts are plain text: a typed special-token string (``</s>``, ``<s>``,
 ``<pad>``, ...) becomes the ids of its characters, so a user cannot end their own
@@ -419,7 +420,8 @@ class PromptBuilder:
                     raise PromptError("a video has no frames")
                 for frame in frames:
                     add(frame, FRAME_MODE)
-                out.append(VIDEO_NEWLINE_ID)
+                if family.video_newline:
+                    out.append(VIDEO_NEWLINE_ID)
             prev = slot + 1
         out.extend(ids[prev:])
         return out, spans

@@ -543,7 +543,11 @@ def read_front_end(model_dir: Path) -> tuple[PretrainedConfig, Any, ModelFamily]
     except ValueError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
     processor = _family_processor(model_dir, config)
-    return config, processor, _family_class(config)(config, processor)
+    try:  # a family refuses settings it does not implement, naming the field
+        family = _family_class(config)(config, processor)
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    return config, processor, family
 
 
 def assemble(

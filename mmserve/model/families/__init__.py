@@ -13,6 +13,7 @@ from __future__ import annotations
 from mmserve.model.families.base import ModelFamily
 from mmserve.model.families.llava import LlavaFamily
 from mmserve.model.families.llava_next import LlavaNextFamily
+from mmserve.model.families.llava_next_video import LlavaNextVideoFamily
 from mmserve.model.families.llava_onevision import LlavaOnevisionFamily
 
 #: ``model_type`` -> family class.
@@ -20,6 +21,7 @@ FAMILIES: dict[str, type[ModelFamily]] = {
     LlavaFamily.model_type: LlavaFamily,
     LlavaNextFamily.model_type: LlavaNextFamily,
     LlavaOnevisionFamily.model_type: LlavaOnevisionFamily,
+    LlavaNextVideoFamily.model_type: LlavaNextVideoFamily,
 }
 
 #: The families' user-facing names (``make-model --family``), in registry order.

@@ -287,9 +287,14 @@ class ModelFamily:
 
     def video_frame_tokens(self) -> int | None:
         """Pseudo-tokens per frame on the family's video path (a video is its frames'
-        runs then one video newline), or None when the family has no video path (a
-        video is then sent as its frames, each an image)."""
+        runs, then one video newline where :attr:`video_newline` says), or None when the
+        family has no video path (a video is then sent as its frames, each an image)."""
         return None
+
+    #: Whether a video on the family's video path ends with one video newline
+    #: (:data:`~mmserve.vision.hashing.VIDEO_NEWLINE_ID`): LLaVA-OneVision's layout;
+    #: LLaVA-NeXT-Video's frames are followed by nothing.
+    video_newline: ClassVar[bool] = True
 
     #: Sizes of the seeded test checkpoints :meth:`test_config` describes (``make-model``
     #: ``--size``): the shared ones (:data:`mmserve.model.families.sizes.TEST_WIDTHS`) and
