@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.config import QUANTIZATIONS
+from mmserve.model.int4_formats import SUPPORTED_INT4, Int4Format, Int4FormatError
 
 __all__ = [
     "QUANTIZATIONS",
@@ -87,7 +88,7 @@ def check_quantization(method: str, device: str) -> None:
         raise QuantizationError(
             f"unknown --quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}"
         )
-    if method != "fp8":
+    if method in ("none", "int8", "int4"):
         return
     if not str(device).startswith("cuda"):
         raise QuantizationError(
@@ -383,7 +384,7 @@ CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
 #: What a checkpoint's ``quantization_config`` may be, in words (for refusals).
 SUPPORTED_CHECKPOINTS = (
     "compressed-tensors checkpoints with 8-bit symmetric int or float (e4m3) weights, per "
-    f"channel or per tensor (format {', '.join(CT_FORMATS)})"
+    f"channel or per tensor (format {', '.join(CT_FORMATS)}), and {SUPPORTED_INT4}"
 )
 
 
@@ -404,12 +405,20 @@ def checkpoint_method(quantization_config: dict | None) -> str:
         return "none"
     qc = dict(quantization_config)
     method = qc.get("quant_method")
+    if method in ("awq", "gptq"):
+        int4_format(qc)  # refuses a layout it cannot serve
+        return "int4"
     if method != "compressed-tensors":
         raise QuantizationError(
             f"the checkpoint's quantization method {method!r} (config.json "
             f"quantization_config) is not supported: mmserve serves {SUPPORTED_CHECKPOINTS}, "
-            "or quantizes an unquantized checkpoint at load with --quantization int8 or fp8"
+            "or quantizes an unquantized checkpoint at load with --quantization int8, int4 "
+            "or fp8"
         )
+    if qc.get("format") == "pack-quantized":
+        kv_cache_scheme(qc)
+        int4_format(qc)
+        return "int4"
     kv_cache_scheme(qc)  # refuses a KV scheme it cannot serve, whatever the weights are
     groups = {n: g or {} for n, g in (qc.get("config_groups") or {}).items()}
     fmt = qc.get("format")
@@ -510,6 +519,14 @@ def resolve_method(flag: str, stored: str) -> str:
     return stored
 
 
+def int4_format(qc: dict | None) -> Int4Format | None:
+    """:meth:`Int4Format.parse` with its refusal as a :class:`QuantizationError`."""
+    try:
+        return Int4Format.parse(qc)
+    except Int4FormatError as e:
+        raise QuantizationError(str(e)) from None
+
+
 def _tensors(model: Any) -> list[torch.Tensor]:
     """Every parameter and buffer of ``model``'s decoder and vision module, each tensor
     once (a tied LM head is the embedding's tensor)."""
@@ -547,7 +564,9 @@ def weights_summary(model: Any) -> str:
         text = "quantization none"
     else:
         source = getattr(model, "quantization_source", "") or method
-        text = f"quantization {method} ({source}; per output channel)"
+        group = next((m.group for m in model.decoder.modules() if hasattr(m, "group")), 0)
+        how = f"groups of {group} input features" if method == "int4" else "per output channel"
+        text = f"quantization {method} ({source}; {how})"
     text += f"; weight bytes {total:,} = {_mb(total)} ({parts})"
     decoder = model.decoder
     head = getattr(decoder, "lm_head", None)
