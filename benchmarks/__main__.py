@@ -20,6 +20,7 @@ from benchmarks import (
     graph_decode,
     kv_fp8,
     model_identity,
+    quant_rows,
     real_shapes,
     suites,
     tracing_overhead,
@@ -117,6 +118,10 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--max-video-tokens",), dict(type=int, default=4096)),
         (("--max-video-frames",), dict(type=int, default=64)),
         (("--max-total-tokens",), dict(type=int, default=16384, help="KV pool")),
+    ]),
+    "quant-rows": (quant_rows.quant_rows, "full", None, "llava", [
+        (("--rows",), dict(default="1,2,4,8,16,32,64", help="row counts (M)")),
+        (("--rounds",), dict(type=int, default=15, help="interleaved rounds")),
     ]),
     "image-detail": (experiments.image_detail, "full", None, "llava-next", [
         (("--families",), dict(default="llava-onevision,llava-next")),
