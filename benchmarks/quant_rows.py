@@ -7,8 +7,11 @@ int8 weight-only kernel (``_weight_int8pack_mm``, whole and in chunks of 4 rows)
 int8 weight dequantized into a reusable bf16 buffer then the bf16 matmul (the "dequantize
 once per step" option); int8 W8A8 (per-token int8 activations, ``torch._int_mm``, both
 scales: :func:`mmserve.model.quant.int8_w8a8_ref`'s arithmetic); and the int4 kernel
-(:class:`mmserve.model.int4.Int4Linear`, group 128). Also each kernel's time at ``M``
-over its time at one row (what a batch of ``M`` decodes costs against one).
+alone, the int4 weight dequantized into the reusable buffer then the bf16 matmul, and
+the int4 layer (:class:`mmserve.model.int4.Int4Linear`, group 128: the kernel up to
+:data:`~mmserve.model.int4.CPU_KERNEL_MAX_ROWS` rows, the buffer above). Also each
+kernel's time at ``M`` over its time at one row (what a batch of ``M`` decodes costs
+against one).
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ def _kernels(n: int, k: int) -> dict[str, Callable[[torch.Tensor], object]]:
         "int8 buffer": dequant_buffer,
         "int8 w8a8": w8a8,
         "int8 layer": i8,
+        "int4 kernel": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, i4.weight, 128, i4.scales_zeros
+        ),
+        "int4 buffer": lambda x: torch.mm(x, int4.dequant_buffer(i4, x.dtype)),
         "int4 layer": i4,
     }
 
@@ -79,7 +86,9 @@ def measure(rows: list[int], rounds: int) -> dict:
                         t0 = time.perf_counter()
                         f(xs[m])
                         times[m][kn].append(time.perf_counter() - t0)
-        out[name] = {m: {kn: statistics.median(v) * 1e3 for kn, v in d.items()} for m, d in times.items()}
+        out[name] = {
+            m: {kn: statistics.median(v) * 1e3 for kn, v in d.items()} for m, d in times.items()
+        }
     return out
 
 

@@ -182,7 +182,7 @@ def test_quantize_int4_error_is_half_a_step(group: int, symmetric: bool, seed: i
 # ---- one linear ------------------------------------------------------------------------------
 @pytest.mark.parametrize("out_f", [48, 40])  # 40: not a multiple of 16, the plain layout
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 8, 33])
+@pytest.mark.parametrize("rows", [1, 8, 33, int4.CPU_KERNEL_MAX_ROWS + 1])
 def test_int4_linear_equals_the_dequantized_fp32_linear(out_f, dtype, rows) -> None:
     g = torch.Generator().manual_seed(out_f + rows)
     w = torch.randn(out_f, 256, generator=g)
@@ -202,6 +202,40 @@ def test_int4_linear_equals_the_dequantized_fp32_linear(out_f, dtype, rows) -> N
     # bf16's rounding)
     wtol = 1e-6 if dtype == torch.float32 else 2**-7
     assert torch.allclose(lin.dequantized(), wd, atol=wtol * float(wd.abs().max()))
+
+
+def test_batched_rows_take_the_measured_paths(monkeypatch) -> None:
+    """Above its measured row counts the CPU int4 layer dequantizes into the shared buffer
+    (the kernel is not called) and int8 runs W8A8 ``_int_mm`` in one call, equal to its
+    twin's exact integer arithmetic."""
+    q, s, z = int4.quantize_int4(torch.randn(64, 128), 64, symmetric=False)
+    lin = int4.Int4Linear.from_int(q, s, z, 64).to(dtype=torch.bfloat16)
+    calls: list[int] = []
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+    def counting(x, *a):
+        calls.append(x.shape[0])
+        return kernel(x, *a)
+
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", counting)
+    for rows in (int4.CPU_KERNEL_MAX_ROWS, int4.CPU_KERNEL_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 128).bfloat16()
+        want = x.float() @ int4.dequantize_int4(q, s, z, 64).T
+        got = lin(x).float()
+        assert float((got - want).abs().max()) <= 2**-6 * float(want.abs().max())
+    assert calls == [int4.CPU_KERNEL_MAX_ROWS]  # the others dequantized once each
+    # int8: the weight-only kernel up to 4 rows, W8A8 above
+    w8, s8 = quant.quantize_per_channel(torch.randn(48, 64), "int8")
+    layer = quant.QuantizedLinear(w8, s8, None)
+    for rows, kernel_name in (
+        (quant.INT8PACK_MAX_ROWS, "int8pack"),
+        (8, "int_mm"),
+        (200, "int_mm"),
+    ):
+        x = torch.randn(rows, 64).bfloat16()
+        assert quant.kernel_for(w8, x) == kernel_name
+        if kernel_name == "int_mm":
+            assert torch.equal(layer(x), quant.int8_w8a8_ref(x, w8, s8))
 
 
 def test_scales_follow_the_module_dtype_and_the_packed_weight_does_not() -> None:

@@ -10,12 +10,13 @@ unpacked to). Symmetric quantization is ``zero = 8``.
 ``x @ W^T + bias`` through it:
 
 * CPU: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (fp32, bf16 and fp16 activations;
-  output rows a multiple of 16). It reads the packed weight once per call whatever the
-  row count, and measured on this machine's 2 cores (bf16, 9728 x 896) it stays within
-  ~10% of the bf16 matmul from 8 rows up (0.81 against 0.87 ms at 8 rows, 1.63 against
-  1.56 at 16), so it runs at every row count: a dequantized copy per step (~0.5 ms to
-  write 17 MB of bf16 per 9728 x 896 matrix) would only add to that. Numbers:
-  ``python -m benchmarks quant_rows``.
+  output rows a multiple of 16) up to :data:`CPU_KERNEL_MAX_ROWS` rows. It unpacks every
+  weight again for each row (one thread, 9728 x 896, bf16: 0.5 ms at 1 row against 1.0
+  for the int8 kernel and 2.0 for bf16, but 1.7 at 8 rows, 21 at 64, 30 at 128), so
+  above that a step dequantizes the weight once into a reusable buffer (:func:`dequant_buffer`,
+  ~15-20 ms for that matrix) and runs the dense matmul: measured crossover between 64
+  and 128 rows on all three of OneVision-0.5B's matrix shapes (``python -m benchmarks
+  quant-rows``; benchmarks/README.md). Decode batches stay on the kernel.
 * CUDA: ``torch.ops.aten._weight_int4pack_mm`` (tinygemm, bf16 activations; other dtypes
   are cast to bf16 and back; output rows a multiple of 8, input features a multiple of
   32), measured by benchmarks/quant_cuda.py in scripts/gpu_check.sh. Its CPU twin is the
@@ -122,6 +123,37 @@ def scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return torch.stack([s, (8.0 - zero.float()) * s], dim=-1).transpose(0, 1).contiguous()
 
 
+#: torch's CPU int4 packing works in blocks of this many output rows.
+CPU_BLOCK_N = 64
+
+
+def unpack_cpu(packed: torch.Tensor, out_f: int, in_f: int, interleaved: bool) -> torch.Tensor:
+    """uint8 ``q`` ``[out, in]`` from ``_convert_weight_to_int4pack_for_cpu``'s bytes
+    ``[out, in / 2]`` (torch 2.5-2.13's layout; :meth:`Int4Linear.from_int` checks it on
+    every matrix it packs). Rows go in blocks of :data:`CPU_BLOCK_N`, each block ``[in,
+    rows / 2]`` bytes; in a full block of an AVX-512 build (``interleaved``) byte ``d`` of
+    an input feature holds rows ``d`` and ``d + 32``, byte ``16 + d`` rows ``d + 16`` and
+    ``d + 48``; otherwise byte ``j`` holds rows ``2j`` and ``2j + 1`` (low nibble first)."""
+    flat = packed.reshape(-1)
+    full, tail = divmod(out_f, CPU_BLOCK_N)
+    out = torch.empty(out_f, in_f, dtype=torch.uint8, device=packed.device)
+    half = CPU_BLOCK_N // 2
+    if full:
+        b = flat[: full * in_f * half].view(full, in_f, half)
+        dst = out[: full * CPU_BLOCK_N].view(full, CPU_BLOCK_N, in_f)
+        if interleaved:  # rows d, d + 16 low; d + 32, d + 48 high
+            dst[:, :half].copy_((b & 15).transpose(1, 2))
+            dst[:, half:].copy_((b >> 4).transpose(1, 2))
+        else:
+            dst[:, 0::2].copy_((b & 15).transpose(1, 2))
+            dst[:, 1::2].copy_((b >> 4).transpose(1, 2))
+    if tail:
+        b = flat[full * in_f * half :].view(in_f, tail // 2)
+        out[full * CPU_BLOCK_N :: 2].copy_((b & 15).T)
+        out[full * CPU_BLOCK_N + 1 :: 2].copy_((b >> 4).T)
+    return out
+
+
 def _inner_k_tiles(in_f: int) -> int:
     return 8 if in_f % 128 == 0 else 4 if in_f % 64 == 0 else 2
 
@@ -139,6 +171,27 @@ def layout_for(out_f: int, in_f: int, group: int, device: torch.device | str) ->
     return "plain"
 
 
+#: Rows above which a CPU int4 matmul dequantizes the weight into a reusable buffer and
+#: runs the dense matmul (measured, ``python -m benchmarks quant-rows``: see the module
+#: docstring).
+CPU_KERNEL_MAX_ROWS = 96
+#: Reusable dequantization buffers, by dtype and device: one per process, as big as the
+#: largest matrix dequantized (the layers run one at a time).
+_BUFFERS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+
+def dequant_buffer(layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
+    """``layer``'s transposed weight ``[in, out]`` dequantized into the shared buffer of
+    ``dtype`` (:meth:`Int4Linear.dequantized_t`; valid until the next call)."""
+    key = (dtype, str(layer.weight.device))
+    n = layer.out_features * layer.in_features
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _BUFFERS[key] = torch.empty(n, dtype=dtype, device=layer.weight.device)
+    out = buf[:n].view(layer.in_features, layer.out_features)
+    return layer.dequantized_t(dtype, out=out)
+
+
 class Int4Linear(nn.Module):
     """``y = x @ ((q - zero) * scale)^T + bias`` with the 4-bit weight packed for its
     device's kernel (module docstring). Build it with :meth:`from_int`.
@@ -151,6 +204,8 @@ class Int4Linear(nn.Module):
     """
 
     bias: torch.Tensor | None
+    #: how the CPU packing was read back ("interleaved", "pairs"; "" when not)
+    unpacked_as: str = ""
 
     def __init__(
         self,
@@ -184,15 +239,24 @@ class Int4Linear(nn.Module):
         out_f, in_f = q.shape
         layout = layout_for(out_f, in_f, group, device)
         q = q.to(device)
+        unpacked_as = ""
         if layout == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            for way, inter in (("interleaved", True), ("pairs", False)):
+                if torch.equal(unpack_cpu(packed, out_f, in_f, inter), q):
+                    unpacked_as = way
+                    break
         elif layout == "cuda":
             nib = (q[:, 0::2] << 4) | q[:, 1::2]  # tinygemm's input: high nibble first
             packed = torch.ops.aten._convert_weight_to_int4pack(nib, _inner_k_tiles(in_f))
         else:
             packed = pack_nibbles(q)
         sz = scales_and_zeros(scale, zero).to(device)
-        return cls(packed, sz, group, (out_f, in_f), layout, bias)
+        new = cls(packed, sz, group, (out_f, in_f), layout, bias)
+        new.unpacked_as = unpacked_as
+        if layout == "cpu" and not unpacked_as:  # a packing this file does not know:
+            new.register_buffer("plain", pack_nibbles(q), persistent=False)  # keep ours too
+        return new
 
     def _apply(self, fn, recurse: bool = True):
         # the packed weight is a device's layout: a move to another device type is refused
@@ -207,27 +271,66 @@ class Int4Linear(nn.Module):
 
         return super()._apply(move, recurse)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[out, in]`` the kernels compute with, ``(q - 8) * scale + offset``
-        in fp32 then ``dtype`` (the "plain" layout; the packed layouts are the kernels'
-        and are read back through the kernel, a row of the identity at a time)."""
-        sz = self.scales_zeros.float()
-        if self.layout == "plain":
-            q = unpack_nibbles(self.weight).float()
-            s = sz[..., 0].T.repeat_interleave(self.group, dim=1)
-            o = sz[..., 1].T.repeat_interleave(self.group, dim=1)
-            return ((q - 8.0) * s + o).to(dtype)
-        eye = torch.eye(self.in_features, device=self.weight.device)
-        return self.matmul(eye.to(self._kernel_dtype(eye))).T.to(dtype)
+    def _q_t_into(self, out: torch.Tensor) -> bool:
+        """Write ``q^T`` ``[in, out]`` into ``out`` (any dtype); False where only the
+        kernel can read the weight. From the CPU packing it is written block by block
+        in the packed order (contiguous runs of 32 rows), so no full transpose is made."""
+        n, k = self.out_features, self.in_features
+        if self.layout == "cpu" and self.unpacked_as:
+            flat = self.weight.reshape(-1)
+            full, tail = divmod(n, CPU_BLOCK_N)
+            half = CPU_BLOCK_N // 2
+            if full:
+                b = flat[: full * k * half].view(full, k, half).transpose(0, 1)  # [k, full, 32]
+                dst = out[:, : full * CPU_BLOCK_N].view(k, full, CPU_BLOCK_N)
+                lo, hi = (
+                    (dst[..., :half], dst[..., half:])
+                    if self.unpacked_as == "interleaved"
+                    else (dst[..., 0::2], dst[..., 1::2])
+                )
+                lo.copy_(b & 15)
+                hi.copy_(b >> 4)
+            if tail:
+                b = flat[full * k * half :].view(k, tail // 2)
+                out[:, full * CPU_BLOCK_N :: 2].copy_(b & 15)
+                out[:, full * CPU_BLOCK_N + 1 :: 2].copy_(b >> 4)
+            return True
+        packed = self.weight if self.layout == "plain" else self._buffers.get("plain")
+        if packed is None:
+            return False
+        out.copy_(unpack_nibbles(packed).T)
+        return True
 
-    def _kernel_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return torch.bfloat16 if self.layout == "cuda" else x.dtype
+    def dequantized_t(
+        self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The transposed weight ``[in, out]`` the kernels compute with, ``(q - 8) *
+        scale + offset`` in ``dtype`` (written into ``out`` when given); a layout only
+        its kernel reads (CUDA's) is read back through the kernel (the identity's rows)."""
+        n, k, g = self.out_features, self.in_features, self.group
+        if out is None:
+            out = torch.empty(k, n, dtype=dtype, device=self.weight.device)
+        if not self._q_t_into(out):
+            eye = torch.eye(k, device=self.weight.device, dtype=torch.bfloat16)
+            return out.copy_(self.matmul(eye))
+        sz = self.scales_zeros.to(dtype)
+        scale = sz[..., 0].contiguous()  # [groups, out]: a strided operand is ~7x slower
+        offset = sz[..., 1] - 8 * scale  # (q - 8) * s + o = q * s + (o - 8 s)
+        w = out.view(k // g, g, n)
+        w.mul_(scale[:, None, :]).add_(offset[:, None, :])
+        return out
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out, in]`` the kernels compute with (:meth:`dequantized_t`)."""
+        return self.dequantized_t(dtype).T
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T`` (no bias): ``x`` ``[..., in]`` -> ``[..., out]`` in ``x.dtype``."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.layout == "cpu":
+        if self.layout == "cpu" and x2.shape[0] > CPU_KERNEL_MAX_ROWS and self.unpacked_as:
+            y = torch.mm(x2, dequant_buffer(self, x.dtype))
+        elif self.layout == "cpu":
             sz = self.scales_zeros.to(x.dtype)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.contiguous(), self.weight, self.group, sz
