@@ -34,8 +34,6 @@ Grouped affine quantization: Frantar et al., "GPTQ" (arXiv 2210.17323) and Lin e
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -341,7 +339,7 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm(xb, self.weight, self.group, sz).to(x.dtype)
         else:
             y = F.linear(x2, self.dequantized(x.dtype))
-        return cast(torch.Tensor, y).reshape(*lead, self.out_features)
+        return y.reshape(*lead, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]`` in ``x.dtype``."""
