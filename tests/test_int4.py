@@ -303,6 +303,11 @@ def test_int4_engines_answer_as_transformers_on_the_dequantized_weights(
     ref = _dequantized_reference(fam.ref, group, symmetric, head=method == "flag")
     eng = Engine(EngineConfig(model_path=str(path)), model=model)
     assert eng.describe()["quantization"] == "int4"
+    weights = eng.describe()["weights"]
+    assert weights.startswith(f"quantization int4 ({model.quantization_source}; groups of ")
+    if method == "flag":  # the untied head is named as int4, with its real parameter count
+        s = model.decoder.shape
+        assert f"LM head untied (int4, {s.vocab_size * s.hidden_size:,} parameters" in weights
     img = eng.processor.prepare_image(photos["coffee.png"])
     check_against_reference(eng, ref, user(None, "What is in the cup?"), [img], f"int4 {method}")
     check_against_reference(eng, ref, user("Name three colours."), [], f"int4 {method} text")

@@ -576,11 +576,12 @@ def weights_summary(model: Any) -> str:
     if head is None or embed is None or shape is None:
         return text
     hw = head.weight
-    dtype = str(hw.dtype).removeprefix("torch.")
+    dtype = "int4" if hasattr(head, "group") else str(hw.dtype).removeprefix("torch.")
     if hw is embed.weight:
         return f"{text}; LM head tied to the token embedding ({dtype})"
     head_bytes = sum(t.numel() * t.element_size() for t in head.parameters())
-    what = f"{hw.numel():,} parameters, {head_bytes:,} bytes"
+    params = head.out_features * head.in_features if hasattr(head, "group") else hw.numel()
+    what = f"{params:,} parameters, {head_bytes:,} bytes"
     if shape.tie_word_embeddings:
         return (
             f"{text}; LM head untied: the checkpoint ties it to the token embedding, and "
