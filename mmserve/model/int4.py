@@ -34,6 +34,8 @@ Grouped affine quantization: Frantar et al., "GPTQ" (arXiv 2210.17323) and Lin e
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -173,15 +175,16 @@ def layout_for(out_f: int, in_f: int, group: int, device: torch.device | str) ->
 #: runs the dense matmul (measured, ``python -m benchmarks quant-rows``: see the module
 #: docstring).
 CPU_KERNEL_MAX_ROWS = 96
-#: Reusable dequantization buffers, by dtype and device: one per process, as big as the
-#: largest matrix dequantized (the layers run one at a time).
-_BUFFERS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+#: Reusable dequantization buffers, by thread, dtype and device, each as big as the
+#: largest matrix dequantized (a thread runs its layers one at a time; engines in other
+#: threads get their own).
+_BUFFERS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
 
 
 def dequant_buffer(layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
     """``layer``'s transposed weight ``[in, out]`` dequantized into the shared buffer of
     ``dtype`` (:meth:`Int4Linear.dequantized_t`; valid until the next call)."""
-    key = (dtype, str(layer.weight.device))
+    key = (threading.get_ident(), dtype, str(layer.weight.device))
     n = layer.out_features * layer.in_features
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < n:
