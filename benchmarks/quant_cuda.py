@@ -5,9 +5,12 @@
 median time of: bf16 ``F.linear``; mmserve's int8 layer (:class:`~mmserve.model.quant.
 QuantizedLinear`: per-token int8 activations, ``torch._int_mm``, both scales); the int8
 path that rebuilt a bf16 weight per call (what it did before issue 48); ``torch._int_mm``
-alone on ready int8 operands; mmserve's fp8 layer; and the bf16 and int8 layers replayed
-from a CUDA graph, as decode runs them. Times in microseconds (CUDA events, median of 50
-after 5 warm-up calls). Writes a JSON list of rows when ``--out`` is given.
+alone on ready int8 operands; mmserve's fp8 layer; the bf16 and int8 layers replayed
+from a CUDA graph, as decode runs them; and the int4 layer
+(:class:`~mmserve.model.int4.Int4Linear`, group 128, ``torch._weight_int4pack_mm``),
+eager and replayed, with its largest error relative to the dequantized matmul. Times in
+microseconds (CUDA events, median of 50 after 5 warm-up calls). Writes a JSON list of
+rows when ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mmserve.model import quant
+from mmserve.model import int4, quant
 
 SHAPES = [  # (M, K, N)
     (1, 4096, 14336),
@@ -84,6 +87,16 @@ def measure(m: int, k: int, n: int) -> dict:
         row["fp8_us"] = _time_us(lambda: lin(x))
     row["bf16_graph_us"] = _time_us(_graphed(lambda: F.linear(x, wb)))
     row["int8_graph_us"] = _time_us(_graphed(lambda: lin8(x)))
+    try:  # int4 (tinygemm, group 128): eager and replayed
+        q4 = int4.quantize_int4(w, 128, symmetric=False)
+        lin4 = int4.Int4Linear.from_int(*q4, 128, None, "cuda").to(torch.bfloat16)
+        row["int4_us"] = _time_us(lambda: lin4(x))
+        row["int4_graph_us"] = _time_us(_graphed(lambda: lin4(x)))
+        wd = int4.dequantize_int4(*q4, 128)
+        err = (lin4(x).float() - x.float() @ wd.T).abs().max() / (x.float() @ wd.T).abs().max()
+        row["int4_rel_err"] = float(err)
+    except RuntimeError as e:  # a build without tinygemm: say so in the row
+        row["int4_error"] = str(e).splitlines()[0][:200]
     return row
 
 

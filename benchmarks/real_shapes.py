@@ -221,16 +221,64 @@ def teacher_tokens(model_dir: str, n: int) -> torch.Tensor:
     return torch.tensor((ids * (n // max(1, len(ids)) + 1))[:n])
 
 
+def image_logits(runner: MMServeRunner, question: str, image: bytes) -> torch.Tensor:
+    """fp32 logits ``[vocab]`` of the first answer token of ``question`` about ``image``
+    (a fresh engine: no cached image or prefix)."""
+    from mmserve.types import SamplingParams
+
+    eng = runner.engine()
+    wl = Workload("s", "", {"img": image}, [[Prompt(ask(question, False), ["img"])]], 1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, return_logits=True)
+    (res,) = eng.generate(runner.requests(eng, wl, params, cached=False))
+    return res.logits[0].float()
+
+
+def _kl(a: torch.Tensor, b: torch.Tensor) -> float:
+    la, lb = a.log_softmax(-1), b.log_softmax(-1)
+    return float((la.exp() * (la - lb)).sum())
+
+
+def image_sensitivity(runners: dict[str, MMServeRunner], question: str) -> dict:
+    """Per method: how much the first answer token's logits move between two different
+    photos (:func:`photo` and ``cat.png`` at the same size): relative L2 distance, KL and
+    whether the top-1 token changes; and KL of each photo's logits against the
+    unquantized model's. A model that ignores its image (the known fp8 LLaVA failure)
+    gives ~0 movement where the unquantized one does not."""
+    im = Image.open(workloads.SAMPLES_DIR / "cat.png").convert("RGB")
+    other = workloads.png(im.resize((380, 300)))
+    logits = {m: (image_logits(r, question, photo()), image_logits(r, question, other))
+              for m, r in runners.items()}  # fmt: skip
+    keep = torch.ones_like(logits["none"][0], dtype=torch.bool)
+    for a, b in logits.values():  # ids never sampled are -inf in every run
+        keep &= a.isfinite() & b.isfinite()
+    logits = {m: (a[keep], b[keep]) for m, (a, b) in logits.items()}
+    base = logits["none"]
+    out = {}
+    for m, (a, b) in logits.items():
+        out[m] = {
+            "rel_l2": float((a - b).norm() / a.norm()),
+            "kl_between_photos": _kl(a, b),
+            "top1_differs": bool(a.argmax() != b.argmax()),
+            "kl_vs_none": (_kl(base[0], a) + _kl(base[1], b)) / 2,
+        }
+    return out
+
+
 def quant_sweep(model_dir: str, dtype: str, args: argparse.Namespace) -> dict:
     """``--parts quant``: batch-1 and batch-``--batch`` decode and the first question
     (tower + prefill; CPU time: the first and the cached second) of mmserve unquantized
-    and int8 against transformers (medians over
-    ``--repeats``, the systems alternating), decoder weight bytes, and int8's top-1
+    and each of ``--quant-methods`` (int8, int4) against transformers (medians over
+    ``--repeats``, the systems alternating), decoder weight bytes and the read bandwidth
+    measured in the same run (the bound: bytes / bandwidth), each method's top-1
     agreement and mean KL against the unquantized model over ``--quality-positions``
-    teacher-forced positions (with the LM head quantized and without)."""
+    teacher-forced positions (int8 also with its LM head unquantized), and the image
+    sensitivity check (:func:`image_sensitivity`)."""
     s, n, q = Sides(model_dir, dtype), args.decode_tokens, workloads.QUESTIONS
-    i8 = MMServeRunner.load(model_dir, dtype=dtype, max_total_tokens=32768, quantization="int8")
-    runners = {"none": s.mm, "int8": i8}
+    runners = {"none": s.mm}
+    for m in args.quant_methods.split(","):
+        runners[m] = MMServeRunner.load(
+            model_dir, dtype=dtype, max_total_tokens=32768, quantization=m
+        )
     res: dict = {k: [] for k in ("hf", "hf_cpu")}
     for rep in range(args.repeats):
         for k, v in zip(("hf", "hf_cpu"), s.hf_decode(1, n), strict=True):
@@ -247,32 +295,44 @@ def quant_sweep(model_dir: str, dtype: str, args: argparse.Namespace) -> dict:
                 res.setdefault(f"{name}_b{b}", []).append(med(wall))
                 res.setdefault(f"{name}_b{b}_cpu", []).append(med(cpu))
     s.mm = runners["none"]
-    out: dict = {"dtype": dtype, "batch": args.batch}
+    out: dict = {"dtype": dtype, "batch": args.batch, "methods": list(runners)}
     out["ms"] = {k: med(v) * 1e3 for k, v in res.items()}
     out["weight_bytes"] = {k: decode_weight_bytes(r.model.decoder) for k, r in runners.items()}
     del s.hf
+    bw, bw_cpu = read_bandwidth(int(args.bandwidth_gb * (1 << 30)))
+    out.update(bandwidth_gbs=bw / 1e9, bandwidth_cpu_gbs=bw_cpu / 1e9)
+    out["bound_ms"] = {k: b / bw * 1e3 for k, b in out["weight_bytes"].items()}
+    out["bound_cpu_ms"] = {k: b / bw_cpu * 1e3 for k, b in out["weight_bytes"].items()}
+    out["image_sensitivity"] = image_sensitivity(runners, q[0]) if args.image_check else {}
     out["quality"] = {}
     if not args.quality_positions:
         return out
     ids = teacher_tokens(model_dir, args.quality_positions)
     base = runners["none"].model.decoder
-    out["quality"] = {"int8": agreement(base, i8.model.decoder, ids)}
-    head = i8.model.decoder.lm_head  # the same int8 decoder with the unquantized head
-    i8.model.decoder.lm_head = base.lm_head
-    out["quality"]["int8, head unquantized"] = agreement(base, i8.model.decoder, ids)
-    i8.model.decoder.lm_head = head
+    for m, r in runners.items():
+        if m != "none":
+            out["quality"][m] = agreement(base, r.model.decoder, ids)
+    if "int8" in runners:
+        i8 = runners["int8"]
+        head = i8.model.decoder.lm_head  # the same int8 decoder with the unquantized head
+        i8.model.decoder.lm_head = base.lm_head
+        out["quality"]["int8, head unquantized"] = agreement(base, i8.model.decoder, ids)
+        i8.model.decoder.lm_head = head
     return out
 
 
 def quant_table(sw: dict) -> str:
-    """``--parts quant``: the int8 figures against unquantized mmserve and transformers."""
+    """``--parts quant``: each method against unquantized mmserve, transformers and the
+    bound."""
     ms, rows, b = sw["ms"], {}, sw["batch"]
     hf = ms["hf_cpu"]
-    for name in ("none", "int8"):
+    for name in sw.get("methods", ["none", "int8"]):
         one = ms[f"{name}_b1_cpu"]
         rows[f"mmserve {name}"] = {
             "b1": f"{ms[f'{name}_b1']:.1f} ({one:.1f})",
             "vs_hf": f"{one / hf:.2f}",
+            "bound": f"{sw['bound_ms'][name]:.1f} ({sw['bound_cpu_ms'][name]:.1f})",
+            "vs_bound": f"{one / sw['bound_cpu_ms'][name]:.2f}",
             "bb": f"{ms[f'{name}_b{b}']:.1f} ({ms[f'{name}_b{b}_cpu']:.1f})",
             "tps": f"{b * one / ms[f'{name}_b{b}_cpu']:.2f}x",
             "first": f"{ms[f'{name}_first'] / 1e3:.1f} ({ms[f'{name}_first_cpu'] / 1e3:.1f}) s",
@@ -280,15 +340,28 @@ def quant_table(sw: dict) -> str:
         }
     rows["transformers"] = {"b1": f"{ms['hf']:.1f} ({hf:.1f})", "vs_hf": "1.00"}
     cols = f"{sw['dtype']}|batch-1 ms/token (CPU)=b1|CPU vs transformers=vs_hf"
+    cols += "|bound ms (CPU)=bound|CPU vs bound=vs_bound"
     cols += f"|batch {b} ms/step (CPU)=bb|batch {b} tokens/s vs batch 1 (CPU)=tps"
     cols += "|first + second question (CPU)=first|decode weight GB=gb"
     lines = [report.table(rows, cols)]
+    lines.append(
+        f"read bandwidth {sw['bandwidth_gbs']:.1f} GB/s ({sw['bandwidth_cpu_gbs']:.1f} per "
+        f"CPU second), measured in the same run; load average {report.loadavg()}"
+    )
     wb = sw["weight_bytes"]
-    lines.append(f"decoder weight bytes int8 / {sw['dtype']}: {wb['int8'] / wb['none']:.3f}")
+    for m in sw.get("methods", ["none", "int8"])[1:]:
+        lines.append(f"decoder weight bytes {m} / {sw['dtype']}: {wb[m] / wb['none']:.3f}")
     for k, v in sw["quality"].items():
         lines.append(
             f"{k} vs unquantized over {v['positions']} teacher-forced positions: top-1 "
             f"agreement {v['top1']:.4f}, mean KL {v['kl']:.5f} nats"
+        )
+    for k, v in sw.get("image_sensitivity", {}).items():
+        lines.append(
+            f"image sensitivity, {k}: two photos move the first token's logits by "
+            f"{v['rel_l2']:.3f} (relative L2), KL {v['kl_between_photos']:.4f} nats, top-1 "
+            f"{'differs' if v['top1_differs'] else 'same'}; KL vs unquantized "
+            f"{v['kl_vs_none']:.4f} nats"
         )
     return "\n".join(lines)
 

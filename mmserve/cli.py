@@ -63,6 +63,8 @@ def _make_model(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             quantization=args.quantization,
             variant=args.variant,
+            group_size=args.group_size,
+            symmetric=False if args.asymmetric else None,
         )
         if args.hub_cache:
             from mmserve.testing.hub_cache import write_hub_cache
@@ -126,11 +128,24 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     m.add_argument(
         "--quantization",
-        choices=("none", "int8", "fp8"),
+        choices=("none", "int8", "fp8", "int4", "awq", "gptq"),
         default="none",
-        help="store the decoder's projections quantized (compressed-tensors layout, as "
-        "llm-compressor writes it: int8 or fp8 e4m3 weights, per-channel scales); serving "
-        "it loads them as they are",
+        help="store the decoder's projections quantized, as the tools write them: int8 or "
+        "fp8 (compressed-tensors, e4m3 or int8 weights, per-channel scales), int4 "
+        "(compressed-tensors pack-quantized W4A16, symmetric), awq (AWQ gemm) or gptq "
+        "(GPTQ, desc_act false); serving it loads them as they are",
+    )
+    m.add_argument(
+        "--group-size",
+        type=int,
+        choices=(32, 64, 128),
+        default=128,
+        help="input features per scale of the 4-bit formats",
+    )
+    m.add_argument(
+        "--asymmetric",
+        action="store_true",
+        help="4-bit formats: store zero points (int4, gptq; awq always does)",
     )
     m.add_argument(
         "--variant",

@@ -24,7 +24,7 @@ def pool_tokens(config: EngineConfig) -> int:
 
 #: Accepted values of ``EngineConfig.quantization`` / ``--quantization``
 #: (:mod:`mmserve.model.quant`).
-QUANTIZATIONS = ("none", "int8", "fp8")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 #: Accepted values of ``EngineConfig.dtype`` / ``--dtype``.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
@@ -52,11 +52,12 @@ class EngineConfig:
         dtype: weights, activations and KV pool dtype: "auto" (bfloat16 on CUDA and on
             a CPU with native bf16 arithmetic, AVX512-BF16 or AMX-BF16; float32 on other
             CPUs: see :func:`auto_dtype`), "float32", "bfloat16" or "float16".
-        quantization: the decoder's linear weights quantized at load, per output channel:
-            "none", "int8" (weight-only; activations in ``dtype``) or "fp8" (e4m3 weights
-            and per-token activations, CUDA with compute capability >= 8.9 only); a
-            compressed-tensors checkpoint is served in its own method (see
-            :mod:`mmserve.model.quant`).
+        quantization: the decoder's linear weights quantized at load: "none", "int8"
+            (weight-only, per output channel; activations in ``dtype``), "int4" (weight-
+            only, groups of 128 input features: :mod:`mmserve.model.int4`) or "fp8" (e4m3
+            weights and per-token activations, CUDA with compute capability >= 8.9 only);
+            a quantized checkpoint (compressed-tensors, AWQ, GPTQ) is served in its own
+            method (see :mod:`mmserve.model.quant`).
         attention_backend: "auto" (FlashInfer where it can run, else torch),
             "torch" or "flashinfer" (see :mod:`mmserve.kernels.select`); the fused
             RMSNorm, RoPE and SiLU-and-mul ops follow it: FlashInfer's kernels only with

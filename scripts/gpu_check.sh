@@ -39,8 +39,9 @@
 #                tests/test_reference.py, with MMSERVE_REQUIRE_GPU=1 (a missing GPU or
 #                flashinfer fails, not skips)
 #   quantized    40 s: tests/gpu/test_kv_fp8_gpu.py and tests/gpu/test_quant*_gpu.py
-#   qmm timing   15 s: benchmarks/quant_cuda.py: int8 / fp8 layers against bf16, eager
-#                and replayed from a CUDA graph (quant_cuda.json)
+#                (int4 included: tinygemm against the dequantized weight)
+#   qmm timing   15 s: benchmarks/quant_cuda.py: int8 / fp8 / int4 layers against bf16,
+#                eager and replayed from a CUDA graph (quant_cuda.json)
 #   benchmark    25 s: benchmarks/in_process.py cache_on_off, small model on CUDA
 #   graph decode 65 s: benchmarks/graph_decode.py at OneVision-0.5B shapes (checkpoint
 #                built on first use, ~25 s): decode tokens/s, CUDA graphs on/off, torch
@@ -458,7 +459,7 @@ if [[ $ONLY != setup ]]; then
     --junitxml="$OUT_DIR/pytest_quantized.xml" tests/gpu/test_kv_fp8_gpu.py \
     $(compgen -G 'tests/gpu/test_quant*_gpu.py')
 
-  # int8 / fp8 layers against bf16, eager and in a CUDA graph (benchmarks/quant_cuda.py)
+  # int8 / fp8 / int4 layers against bf16, eager and in a CUDA graph (benchmarks/quant_cuda.py)
   gpu_phase "quantized matmul timing" "$QMM_TIMEOUT" "$PY" -m benchmarks.quant_cuda \
     --out "$OUT_DIR/quant_cuda.json"
 

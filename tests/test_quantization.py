@@ -214,23 +214,23 @@ def _dense_logits(decoder, ids: torch.Tensor) -> torch.Tensor:
 def test_refusals_name_the_flag_and_the_alternative(families, tmp_path) -> None:
     with pytest.raises(quant.QuantizationError, match=r"--quantization fp8.*--quantization int8"):
         quant.check_quantization("fp8", "cpu")
-    with pytest.raises(ValueError, match="unknown quantization 'int4'.*none, int8, fp8"):
-        EngineConfig(quantization="int4").validate()
+    with pytest.raises(ValueError, match="unknown quantization 'int3'.*none, int8, int4, fp8"):
+        EngineConfig(quantization="int3").validate()
     # a checkpoint quantized another way: the method and what is supported
-    d = tmp_path / "awq"
+    d = tmp_path / "hqq"
     shutil.copytree(families["llava"].model_dir, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "hqq", "bits": 4}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(quant.QuantizationError, match=r"'awq'.*compressed-tensors.*int8 or fp8"):
+    with pytest.raises(quant.QuantizationError, match=r"'hqq'.*compressed-tensors.*int8, int4"):
         load_model(d)
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": "marlin-24",
         "config_groups": {},
     }
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(quant.QuantizationError, match="'pack-quantized' is not supported"):
+    with pytest.raises(quant.QuantizationError, match="'marlin-24' is not supported"):
         load_model(d)
     q8 = make_checkpoint(tmp_path / "q8", "tiny", quantization="int8")
     with pytest.raises(

@@ -6,8 +6,10 @@ and ``down_proj`` swapped for :class:`RowParallelLinear`, which all-reduces the
 partial sums before adding the bias: two all-reduces per layer, the arithmetic
 otherwise that of :class:`~mmserve.model.llama.LlamaDecoder`. Weights are read with
 ``safe_open(...).get_slice`` so a rank never reads, let alone holds, another rank's
-slice; modules are built on the ``meta`` device and take the loaded tensors as they
-are (``load_state_dict(assign=True)``), so nothing full-size is allocated first.
+slice (int4 modules excepted: each source's packed tensors are read whole, as their
+formats pack along either axis); modules are built on the ``meta`` device and take the
+loaded tensors as they are (``load_state_dict(assign=True)``), so nothing full-size is
+allocated first.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from torch import nn
 
 from mmserve.distributed.layout import TPLayout
 from mmserve.kernels import ops
-from mmserve.model import quant
+from mmserve.model import int4, quant
+from mmserve.model.int4_formats import Int4Format
+from mmserve.model.int4_loading import int4_slice, source_modules, stored_int4
 from mmserve.model.llama import DecoderLayer, DecoderStack, RMSNorm
 from mmserve.model.quant import QuantizedLinear
 from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
@@ -34,6 +38,17 @@ class RowParallelQuantizedLinear(QuantizedLinear):
     """:class:`RowParallelLinear` over a quantized column slice ``[out, in / N]``: its
     scales are the whole rows' (every rank the same), so the partial products sum to the
     unsplit layer's before the bias is added once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[T, in / N]`` -> ``[T, out]`` (same dtype), summed over ranks."""
+        y = self.matmul(x)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class RowParallelInt4Linear(int4.Int4Linear):
+    """:class:`RowParallelLinear` over an int4 column slice (whole groups): the partial
+    products sum to the unsplit layer's before the bias is added once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, in / N]`` -> ``[T, out]`` (same dtype), summed over ranks."""
@@ -158,7 +173,12 @@ class ShardedDecoder(DecoderStack):
         stored = quant.checkpoint_method(qc)
         method = quant.resolve_method(quantization, stored)
         targets = []
-        if method != "none":
+        fmt = quant.int4_format(qc) if method == "int4" else None
+        if method == "int4":
+            for name in quant.target_modules(self.layout.full.num_layers, True):
+                if fmt is None or stored_int4(fmt, name, dec.__contains__):
+                    targets.append(name)
+        elif method != "none":
             for name in quant.target_modules(self.layout.full.num_layers, True):
                 keys = [dec.get(s, s) for s in fused_sources(f"{name}.weight")]
                 scaled = [quant.scale_key(k) in where for k in keys]
@@ -168,7 +188,8 @@ class ShardedDecoder(DecoderStack):
                     raise CheckpointError(f"decoder: {name} fuses {keys}, quantized only in part")
         skip = {f"{t}.weight" for t in targets}
         sources = {name: fused_sources(name) for name in self.state_dict() if name not in skip}
-        sources.update({f"{t}.weight": fused_sources(f"{t}.weight") for t in targets})
+        if fmt is None:  # stored 4-bit modules have no ``.weight`` (int4_format's tensors)
+            sources.update({f"{t}.weight": fused_sources(f"{t}.weight") for t in targets})
         missing = sorted(s for srcs in sources.values() for s in srcs if s not in dec)
         if missing:
             raise CheckpointError(f"decoder: weights missing from checkpoint: {missing[:8]}")
@@ -188,7 +209,10 @@ class ShardedDecoder(DecoderStack):
             if name not in skip
         }
         for name in targets:  # their biases are in ``state``, put in place below
-            self._quantize(name, method, stored != "none", dec, where, device)
+            if method == "int4":
+                self._quantize_int4(name, fmt, dec, where, device)
+            else:
+                self._quantize(name, method, stored != "none", dec, where, device)
         self.load_state_dict(state, strict=False, assign=True)
         leftover = [n for n, p in self.state_dict().items() if p.is_meta]
         if leftover:
@@ -232,6 +256,40 @@ class ShardedDecoder(DecoderStack):
         bias = cast("torch.Tensor | None", old.bias)  # meta until load_state_dict fills it
         cls = RowParallelQuantizedLinear if isinstance(old, RowParallelLinear) else QuantizedLinear
         new = cls(torch.cat(qs).to(device), torch.cat(scales).to(device), None)
+        if bias is not None:
+            new.bias = nn.Parameter(torch.empty_like(bias, device="meta"), requires_grad=False)
+        quant.replace_module(self, name, new)
+
+    def _quantize_int4(
+        self, name: str, fmt: Int4Format | None, dec: dict, where: dict, device: str
+    ) -> None:
+        """Put this rank's int4 slice of module ``name`` in place: each source's 4-bit
+        tensors read whole (``fmt``) or its weight quantized whole (groups run along the
+        input features, so a slice of the whole quantized equals the slice quantized),
+        then this rank's rows, or its input columns on group boundaries
+        (:func:`~mmserve.model.int4_loading.int4_slice`)."""
+
+        def get(n: str) -> torch.Tensor:
+            with safe_open(str(where[dec[n]]), framework="pt") as f:
+                return f.get_tensor(dec[n])
+
+        parts = []
+        group = 0
+        for m in source_modules(name):
+            axis, span = _slices(self.layout, f"{m}.weight")
+            if fmt is not None:
+                p, group = fmt.read(get, dec.__contains__, m), fmt.group
+            else:
+                w = get(f"{m}.weight").float()
+                group = int4.group_size_for(w.shape[1])
+                p = int4.quantize_int4(w, group, symmetric=False)
+            parts.append(int4_slice(p, axis, span, group, name))
+        q, scale, zero = (torch.cat(ts) for ts in zip(*parts, strict=True))
+        old = self.get_submodule(name)
+        bias = cast("torch.Tensor | None", old.bias)
+        row = isinstance(old, RowParallelLinear)
+        cls = RowParallelInt4Linear if row else int4.Int4Linear
+        new = cls.from_int(q, scale, zero, group, None, device)
         if bias is not None:
             new.bias = nn.Parameter(torch.empty_like(bias, device="meta"), requires_grad=False)
         quant.replace_module(self, name, new)

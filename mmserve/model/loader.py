@@ -40,11 +40,14 @@ from transformers.utils import is_protobuf_available
 from mmserve.model import quant
 from mmserve.model.families import FAMILIES, ModelFamily, family_for
 from mmserve.model.families.base import IMAGE_MODE, VisionModule
+from mmserve.model.int4_loading import load_int4_decoder
 from mmserve.model.lazy_weights import LazyWeights, read_weights
 from mmserve.model.llama import DecoderStack, LlamaDecoder, LlamaShape
 from mmserve.model.weights import CheckpointError, fused_sources, split_weights
 from mmserve.model.weights import short_error as _short
 
+#: Key suffixes of quantized tensors (8-bit scales; 4-bit packed weights of each format).
+_QUANT_KEYS = ("weight_scale", "weight_packed", "qweight")
 #: Decoder ``model_type`` values our Llama decoder runs (Mistral and Qwen2 without a
 #: sliding window; Qwen2 with its q/k/v biases).
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -477,7 +480,7 @@ def load_model(
         decoder = LlamaDecoder(shape)
     targets = quant.target_modules(shape.num_layers, True) if method != "none" else []
     _load_strict(decoder, dec_w, "decoder", to, frozenset(f"{t}.weight" for t in targets))
-    if stored != "none" and any(k.endswith("weight_scale") for s in vision_w.values() for k in s):
+    if stored != "none" and any(k.endswith(_QUANT_KEYS) for s in vision_w.values() for k in s):
         raise quant.QuantizationError(
             f"{model_dir}: the checkpoint quantizes vision tower or projector weights; "
             f"mmserve serves {quant.SUPPORTED_CHECKPOINTS} of the decoder's linear layers only"
@@ -488,22 +491,27 @@ def load_model(
     except ValueError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
     _load_vision(vision, vision_w, to)
-    if method != "none":
+    if method == "int4":
+        fmt = quant.int4_format(getattr(config, "quantization_config", None))
+        load_int4_decoder(decoder, dec_w, fmt, to)
+    elif method != "none":
         _quantize_decoder(decoder, dec_w, method, stored != "none", to)
     decoder.to(device=device, dtype=dtype).eval()  # QuantizedLinear keeps its dtypes
     vision.to(device=device, dtype=dtype).eval()
     loaded = assemble(model_dir, config, processor, family, decoder, vision)
     loaded.quantization = method
-    loaded.quantization_source = quantization_source(quantization, stored)
+    qc = getattr(config, "quantization_config", None)
+    loaded.quantization_source = quantization_source(quantization, stored, qc)
     return loaded
 
 
-def quantization_source(flag: str, stored: str) -> str:
+def quantization_source(flag: str, stored: str, qc: dict | None = None) -> str:
     """Where the served quantization comes from, in words: the checkpoint's stored
-    weights (``stored``, compressed-tensors), or ``--quantization`` (``flag``) at load;
-    "" for none."""
+    weights (``stored``, its format from ``qc``: compressed-tensors, awq, gptq), or
+    ``--quantization`` (``flag``) at load; "" for none."""
     if stored != "none":
-        return f"the checkpoint's compressed-tensors {stored} weights"
+        fmt = dict(qc or {}).get("quant_method", "compressed-tensors")
+        return f"the checkpoint's {fmt} {stored} weights"
     return f"--quantization {flag}, quantized at load" if flag != "none" else ""
 
 

@@ -6,12 +6,17 @@ A quantized linear keeps ``weight`` ``[out, in]`` (int8, or float8_e4m3fn) and f
 and :meth:`QuantizedLinear.forward` computes ``x @ dequantized^T + bias`` through the
 fastest kernel that exists for the case (picked per call, by device, dtype and rows):
 
-* int8, CPU, bf16 activations, at most :data:`INT8PACK_CHUNKED_ROWS` rows, in chunks of
-  :data:`INT8PACK_MAX_ROWS` (and input features a multiple of
-  :data:`INT8PACK_K_MULTIPLE`): torch's weight-only
-  int8 matmul (``torch.ops.aten._weight_int8pack_mm``), measured here at 896 x 4864 on one
-  thread: 0.40 ms against 1.64 for the bf16 matmul at 1 row, 0.99 vs 1.38 at 4, but 2.3 vs
-  1.9 at 8 and 11 vs 4.5 at 64; with fp32 activations 3-40x slower than fp32 (never used);
+* int8, CPU, bf16 activations, at most :data:`INT8PACK_MAX_ROWS` rows (and input
+  features a multiple of :data:`INT8PACK_K_MULTIPLE`): torch's weight-only int8 matmul
+  (``torch.ops.aten._weight_int8pack_mm``), measured here at 896 x 4864 on one thread:
+  0.40 ms against 1.64 for the bf16 matmul at 1 row, 0.99 vs 1.38 at 4, but 2.3 vs 1.9 at
+  8 and 11 vs 4.5 at 64 (it does the work of each row again); with fp32 activations
+  3-40x slower than fp32 (never used);
+* int8, CPU, bf16 activations, more rows (features multiples of :data:`INT_MM_MULTIPLE`):
+  W8A8 as on CUDA below, ``torch._int_mm`` on the CPU (VNNI), which reads the weight once
+  for all rows: at 9728 x 896, one thread, 1.7 ms at 8 rows against 2.5 for the int8
+  kernel in chunks and 2.5 for bf16, 8.5 vs 16.5 and 17.5 at 64 (``python -m benchmarks
+  quant-rows``, benchmarks/README.md);
 * fp8 on CUDA with compute capability >= 8.9, bf16 or fp16 activations:
   ``torch._scaled_mm`` with the activations quantized per token on the fly (dynamic
   per-token scales, as vLLM's fp8 W8A8 does); its CPU twin is :func:`fp8_w8a8_ref`;
@@ -43,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.config import QUANTIZATIONS
+from mmserve.model.int4_formats import SUPPORTED_INT4, Int4Format, Int4FormatError
 
 __all__ = [
     "QUANTIZATIONS",
@@ -57,9 +63,6 @@ STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 #: Rows up to which the CPU int8 kernel beats the bf16 matmul (measured; module docstring).
 INT8PACK_MAX_ROWS = 4
-#: Rows up to which it still beats the dequantized matmul run in chunks of
-#: :data:`INT8PACK_MAX_ROWS` (8 rows: 2 x 0.99 ms against 2.96 dequantized; 16: 3.96 vs 3.43).
-INT8PACK_CHUNKED_ROWS = 8
 #: The CPU int8 kernel needs input features in multiples of this (torch 2.13 crashes or
 #: returns garbage at 8, 40 or 100; 16, 48, 80, 896 and 4864 are exact).
 INT8PACK_K_MULTIPLE = 16
@@ -87,7 +90,7 @@ def check_quantization(method: str, device: str) -> None:
         raise QuantizationError(
             f"unknown --quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}"
         )
-    if method != "fp8":
+    if method in ("none", "int8", "int4"):
         return
     if not str(device).startswith("cuda"):
         raise QuantizationError(
@@ -201,10 +204,10 @@ def int8_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torc
 def _int_mm_w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The CUDA int8 path: per-token int8 activations, ``torch._int_mm`` against the
     stored weight (``w.T``: column-major, as cuBLASLt wants), scales applied to the int32
-    accumulator in fp32. Rows are zero-padded to :data:`INT_MM_MIN_ROWS`."""
+    accumulator in fp32. On CUDA rows are zero-padded to :data:`INT_MM_MIN_ROWS`."""
     xq, xs = quantize_per_token_int8(x)
     n = xq.shape[0]
-    if n < INT_MM_MIN_ROWS:
+    if n < INT_MM_MIN_ROWS and _on_cuda(x):
         xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - n))
     acc = torch._int_mm(xq, w.T)[:n]
     return (acc.float() * xs * s[None, :]).to(x.dtype)
@@ -261,7 +264,8 @@ def _scaled_mm_w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.
 def kernel_for(w: torch.Tensor, x: torch.Tensor) -> str:
     """The kernel :meth:`QuantizedLinear.matmul` runs for stored weight ``w`` ``[out, in]``
     and activations ``x`` ``[T, in]``: "int8pack" (CPU weight-only int8), "scaled_mm" (fp8
-    W8A8), "int_mm" (int8 W8A8) or "dequant" (the dequantized matmul)."""
+    W8A8), "int_mm" (int8 W8A8, CUDA, or the CPU above :data:`INT8PACK_MAX_ROWS` bf16
+    rows) or "dequant" (the dequantized matmul)."""
     out_f, in_f = w.shape
     if x.dim() != 2:  # the fast kernels are 2-D matmuls
         return "dequant"
@@ -270,10 +274,12 @@ def kernel_for(w: torch.Tensor, x: torch.Tensor) -> str:
         and x.device.type == "cpu"
         and not _on_cuda(x)
         and x.dtype == torch.bfloat16
-        and x.shape[0] <= INT8PACK_CHUNKED_ROWS
         and in_f % INT8PACK_K_MULTIPLE == 0
     ):
-        return "int8pack"
+        if x.shape[0] <= INT8PACK_MAX_ROWS:
+            return "int8pack"
+        if out_f % INT_MM_MULTIPLE == 0:
+            return "int_mm"  # the CPU's W8A8: every row in one pass over the weight
     if w.dtype == torch.float8_e4m3fn and in_f % 16 == 0 and out_f % 16 == 0 and _fp8_mm_ok(x):
         return "scaled_mm"  # 16: _scaled_mm's shape rule
     if (
@@ -328,11 +334,7 @@ class QuantizedLinear(nn.Module):
         s: torch.Tensor = self.weight_scale
         kernel = kernel_for(w, x)
         if kernel == "int8pack":
-            x, s = x.contiguous(), s.to(x.dtype)
-            if x.shape[0] <= INT8PACK_MAX_ROWS:
-                return torch.ops.aten._weight_int8pack_mm(x, w, s)
-            chunks = x.split(INT8PACK_MAX_ROWS)
-            return torch.cat([torch.ops.aten._weight_int8pack_mm(c, w, s) for c in chunks])
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), w, s.to(x.dtype))
         if kernel == "scaled_mm":
             return _scaled_mm_w8a8(x, w, s)
         if kernel == "int_mm":
@@ -383,7 +385,7 @@ CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
 #: What a checkpoint's ``quantization_config`` may be, in words (for refusals).
 SUPPORTED_CHECKPOINTS = (
     "compressed-tensors checkpoints with 8-bit symmetric int or float (e4m3) weights, per "
-    f"channel or per tensor (format {', '.join(CT_FORMATS)})"
+    f"channel or per tensor (format {', '.join(CT_FORMATS)}), and {SUPPORTED_INT4}"
 )
 
 
@@ -404,12 +406,20 @@ def checkpoint_method(quantization_config: dict | None) -> str:
         return "none"
     qc = dict(quantization_config)
     method = qc.get("quant_method")
+    if method in ("awq", "gptq"):
+        int4_format(qc)  # refuses a layout it cannot serve
+        return "int4"
     if method != "compressed-tensors":
         raise QuantizationError(
             f"the checkpoint's quantization method {method!r} (config.json "
             f"quantization_config) is not supported: mmserve serves {SUPPORTED_CHECKPOINTS}, "
-            "or quantizes an unquantized checkpoint at load with --quantization int8 or fp8"
+            "or quantizes an unquantized checkpoint at load with --quantization int8, int4 "
+            "or fp8"
         )
+    if qc.get("format") == "pack-quantized":
+        kv_cache_scheme(qc)
+        int4_format(qc)
+        return "int4"
     kv_cache_scheme(qc)  # refuses a KV scheme it cannot serve, whatever the weights are
     groups = {n: g or {} for n, g in (qc.get("config_groups") or {}).items()}
     fmt = qc.get("format")
@@ -510,6 +520,14 @@ def resolve_method(flag: str, stored: str) -> str:
     return stored
 
 
+def int4_format(qc: dict | None) -> Int4Format | None:
+    """:meth:`Int4Format.parse` with its refusal as a :class:`QuantizationError`."""
+    try:
+        return Int4Format.parse(qc)
+    except Int4FormatError as e:
+        raise QuantizationError(str(e)) from None
+
+
 def _tensors(model: Any) -> list[torch.Tensor]:
     """Every parameter and buffer of ``model``'s decoder and vision module, each tensor
     once (a tied LM head is the embedding's tensor)."""
@@ -547,7 +565,9 @@ def weights_summary(model: Any) -> str:
         text = "quantization none"
     else:
         source = getattr(model, "quantization_source", "") or method
-        text = f"quantization {method} ({source}; per output channel)"
+        group = next((m.group for m in model.decoder.modules() if hasattr(m, "group")), 0)
+        how = f"groups of {group} input features" if method == "int4" else "per output channel"
+        text = f"quantization {method} ({source}; {how})"
     text += f"; weight bytes {total:,} = {_mb(total)} ({parts})"
     decoder = model.decoder
     head = getattr(decoder, "lm_head", None)
@@ -556,11 +576,12 @@ def weights_summary(model: Any) -> str:
     if head is None or embed is None or shape is None:
         return text
     hw = head.weight
-    dtype = str(hw.dtype).removeprefix("torch.")
+    dtype = "int4" if hasattr(head, "group") else str(hw.dtype).removeprefix("torch.")
     if hw is embed.weight:
         return f"{text}; LM head tied to the token embedding ({dtype})"
     head_bytes = sum(t.numel() * t.element_size() for t in head.parameters())
-    what = f"{hw.numel():,} parameters, {head_bytes:,} bytes"
+    params = head.out_features * head.in_features if hasattr(head, "group") else hw.numel()
+    what = f"{params:,} parameters, {head_bytes:,} bytes"
     if shape.tie_word_embeddings:
         return (
             f"{text}; LM head untied: the checkpoint ties it to the token embedding, and "

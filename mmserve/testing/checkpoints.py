@@ -32,6 +32,7 @@ from mmserve.model.families import FAMILIES, FAMILY_NAMES, ModelFamily, family_n
 from mmserve.model.families.sizes import special_token_ids
 from mmserve.testing.tokenizer import ASSETS_DIR, CORPUS_PATH, build_tokenizer, train_sentencepiece
 from mmserve.testing.weights import (
+    QUANTIZED_FORMATS,
     _reinit,
     count_parameters,
     fix_modes,
@@ -235,6 +236,8 @@ def make_checkpoint(
     dtype: str | None = None,
     quantization: str | None = None,
     variant: str | None = None,
+    group_size: int = 128,
+    symmetric: bool | None = None,
 ) -> Path:
     """Write ``family``'s seeded checkpoint of ``size`` (:func:`write_checkpoint` of
     :func:`checkpoint_spec`), as ``variant`` if given.
@@ -248,8 +251,11 @@ def make_checkpoint(
         seed: weight seed; the same seed and library versions give byte-identical files.
         family: one of :data:`FAMILY_NAMES`; None: "llava", or a real shape's family.
         dtype: "float32" or "bfloat16"; None: bfloat16 for the real shapes, else float32.
-        quantization: None, or "int8" / "fp8": the decoder's projections stored quantized
-            in the compressed-tensors layout (:func:`quantize_checkpoint`).
+        quantization: None, or "int8" / "fp8" (the compressed-tensors 8-bit layout),
+            "int4" (compressed-tensors pack-quantized W4A16), "awq" or "gptq": the
+            decoder's projections stored quantized (:func:`quantize_checkpoint`).
+        group_size, symmetric: the 4-bit formats' group size and symmetry (None: the
+            format's usual), as :func:`quantize_checkpoint`.
         variant: None, or a variant of :func:`checkpoint_spec` ("llava-video").
 
     Returns:
@@ -261,10 +267,14 @@ def make_checkpoint(
     """
     if dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"unknown checkpoint dtype {dtype!r}; expected float32 or bfloat16")
-    if quantization not in (None, "none", "int8", "fp8"):
-        raise ValueError(f"unknown quantization {quantization!r}; expected int8 or fp8")
+    if quantization not in (None, "none", *QUANTIZED_FORMATS):
+        raise ValueError(
+            f"unknown quantization {quantization!r}; expected {', '.join(QUANTIZED_FORMATS)}"
+        )
     path = write_checkpoint(out_dir, checkpoint_spec(size, family, variant), seed, dtype)
-    return quantize_checkpoint(path, quantization) if quantization not in (None, "none") else path
+    if quantization in (None, "none"):
+        return path
+    return quantize_checkpoint(path, quantization, group_size, symmetric)
 
 
 def default_model_dir(size: str = "tiny", family: str = "llava") -> Path:

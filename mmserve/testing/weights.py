@@ -284,22 +284,31 @@ def write_weights_streamed(
     return sum(math.prod(s) for s in shapes.values())
 
 
+#: ``quantize_checkpoint``'s methods (``make-model --quantization``).
+QUANTIZED_FORMATS = ("int8", "fp8", "int4", "awq", "gptq")
 #: Decoder projections a compressed-tensors checkpoint stores quantized (llm-compressor's
 #: default recipe: every Linear of the language model; the LM head, vision tower and
 #: projector ignored).
 _QUANTIZED_PROJ = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 
 
-def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
+def quantize_checkpoint(
+    model_dir: str | Path, method: str, group: int = 128, symmetric: bool | None = None
+) -> Path:
     """Rewrite ``model_dir``'s decoder projections in the compressed-tensors layout
     llm-compressor writes and vLLM loads: each ``<module>.weight`` as int8 or float8_e4m3fn
     (symmetric, per output channel: :func:`mmserve.model.quant.quantize_per_channel`) with
     its ``<module>.weight_scale`` ``[out, 1]`` in the checkpoint's dtype, and config.json's
     ``quantization_config`` saying so (``ignore``: the LM head, vision tower, projector).
 
+    4-bit methods (:func:`quantize_checkpoint_int4`): "int4" (compressed-tensors
+    pack-quantized W4A16), "awq" (AWQ gemm), "gptq" (GPTQ, v1 zeros), in groups of
+    ``group`` input features, ``symmetric`` or not (None: the format's usual: symmetric
+    for int4, asymmetric for AWQ and GPTQ; AWQ is always asymmetric).
+
     Args:
         model_dir: an unquantized checkpoint (:func:`make_checkpoint`), rewritten in place.
-        method: "int8" or "fp8".
+        method: "int8", "fp8", "int4", "awq" or "gptq".
 
     Raises:
         ValueError: for another method or an already quantized checkpoint.
@@ -309,12 +318,17 @@ def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
     from mmserve.model.quant import quantize_per_channel, scale_key
     from mmserve.model.weights import weight_files
 
-    if method not in ("int8", "fp8"):
-        raise ValueError(f"unknown quantization {method!r}; expected int8 or fp8")
+    if method not in QUANTIZED_FORMATS:
+        raise ValueError(
+            f"unknown quantization {method!r}; expected {', '.join(QUANTIZED_FORMATS)}"
+        )
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("quantization_config"):
         raise ValueError(f"{model_dir} is already quantized")
+    if method in ("int4", "awq", "gptq"):
+        sym = method == "int4" if symmetric is None else symmetric
+        return quantize_checkpoint_int4(model_dir, cfg, method, group, sym)
     for path in weight_files(model_dir):
         tensors = load_file(path)
         out = {}
@@ -342,6 +356,62 @@ def quantize_checkpoint(model_dir: str | Path, method: str) -> Path:
         },
         "ignore": ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"],
     }
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return model_dir
+
+
+def quantize_checkpoint_int4(
+    model_dir: Path, cfg: dict, method: str, group: int, symmetric: bool
+) -> Path:
+    """:func:`quantize_checkpoint`'s 4-bit formats: each decoder projection quantized in
+    groups (:func:`mmserve.model.int4.quantize_int4`) and stored in ``method``'s layout
+    (:mod:`mmserve.model.int4_formats`: compressed-tensors ``weight_packed`` ...; AWQ and
+    GPTQ ``qweight`` / ``qzeros`` / ``scales``), scales in the checkpoint's dtype, and the
+    ``quantization_config`` those tools write."""
+    from safetensors.torch import load_file
+
+    from mmserve.model import int4_formats as fmts
+    from mmserve.model.int4 import quantize_int4
+    from mmserve.model.weights import weight_files
+
+    symmetric = symmetric and method != "awq"
+    for path in weight_files(model_dir):
+        out = {}
+        for key, t in load_file(path).items():
+            if not ("language_model" in key and key.endswith(_QUANTIZED_PROJ)):
+                out[key] = t
+                continue
+            q, scale, zero = quantize_int4(t, group, symmetric)
+            if method == "int4":
+                parts = fmts.pack_ct(q, scale, zero, symmetric)
+            elif method == "awq":
+                parts = fmts.pack_awq(q, scale, zero)
+            else:
+                parts = fmts.pack_gptq(q, scale, zero, group)
+            prefix = key.removesuffix("weight")
+            for suffix, v in parts.items():
+                out[prefix + suffix] = v.to(t.dtype) if v.is_floating_point() else v
+        specs = [(k, tuple(v.shape), v.dtype, _const(v)) for k, v in sorted(out.items())]
+        write_safetensors(path, specs, metadata={"format": "pt"})
+    if method == "int4":
+        weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group"}
+        weights.update(group_size=group, dynamic=False, actorder=None)
+        qc: dict = {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}
+            },
+            "ignore": ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"],
+        }
+    elif method == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True}
+        qc.update(version="gemm", modules_to_not_convert=["vision_tower", "multi_modal_projector"])
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False}
+        qc.update(sym=symmetric, checkpoint_format="gptq", true_sequential=True)
+    cfg["quantization_config"] = qc
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return model_dir
 
