@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
 from mmserve import cancel
+from mmserve.engine.process import CONTROL_CALLS
 from mmserve.frontend.frontend import Engine
 from mmserve.frontend.output import OutputCollector, StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult, TokenDelta
@@ -229,12 +230,6 @@ class AsyncEngine:
             result = upd.result
         assert result is not None
         return result
-
-
-#: Engine methods a route may call through ``control`` (in-process or over the pipe).
-CONTROL_CALLS = frozenset(
-    {"cache_stats", "stats_snapshot", "flush_cache", "describe", "check_accounting"}
-)
 
 
 def collector_for(front, req: EngineRequest, final_only: bool) -> OutputCollector:
