@@ -6,7 +6,9 @@ FastAPI (tests/test_gpu_bundle.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -20,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.app import ServerSettings, create_app
+from api.app import ServerSettings, create_app, start_engine_process
 from benchmarks.over_http import free_port, server
 from mmserve.frontend.frontend import Engine
 from tests.helpers import MODEL
@@ -124,13 +126,41 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.1)
 
 
+#: Set to 1: :func:`app_client` serves from an engine process started with the given
+#: engine's settings (the process split of ``mmserve serve``) instead of the engine itself.
+ENGINE_PROCESS_ENV = "MMSERVE_TEST_ENGINE_PROCESS"
+
+
+def split_mode() -> bool:
+    """Whether :func:`app_client` runs the engine in its own process
+    (:data:`ENGINE_PROCESS_ENV`)."""
+    return os.environ.get(ENGINE_PROCESS_ENV, "") == "1"
+
+
 @contextmanager
-def app_client(engine: Engine, **settings) -> Iterator[TestClient]:
+def app_client(
+    engine: Engine, engine_process: bool | None = None, **settings
+) -> Iterator[TestClient]:
     """A ``TestClient`` (lifespan run) on ``create_app(engine, ServerSettings(**settings))``;
-    the model is served as ``tests.helpers.MODEL`` unless ``settings`` name another."""
+    the model is served as ``tests.helpers.MODEL`` unless ``settings`` name another.
+
+    With ``engine_process`` (default: :func:`split_mode`) the app is the process-split
+    server's: an engine process loads ``engine``'s checkpoint with its settings
+    (:func:`api.app.start_engine_process`) and ``engine`` itself serves nothing.
+    """
     settings.setdefault("served_model_name", MODEL)
-    with TestClient(create_app(engine, ServerSettings(**settings))) as c:
-        yield c
+    if not (split_mode() if engine_process is None else engine_process):
+        with TestClient(create_app(engine, ServerSettings(**settings))) as c:
+            yield c
+        return
+    # the engine process loads the checkpoint itself: in the dtype ``engine``'s model has
+    config = dataclasses.replace(engine.config, dtype=engine.describe()["dtype"])
+    front, process = start_engine_process(config, restarts=0)
+    try:
+        with TestClient(create_app(front, ServerSettings(**settings), process=process)) as c:
+            yield c
+    finally:
+        process.stop()
 
 
 @contextmanager
