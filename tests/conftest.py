@@ -275,6 +275,14 @@ class SkipGuard:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register :class:`SkipGuard` when ``MMSERVE_FAIL_ON_SKIP=1``."""
+    """Register :class:`SkipGuard` when ``MMSERVE_FAIL_ON_SKIP=1``; with
+    ``MMSERVE_TEST_ENGINE_PROCESS=1`` every app the tests build serves from an engine
+    process (before the test modules import ``create_app``)."""
     if os.environ.get("MMSERVE_FAIL_ON_SKIP") == "1":
         config.pluginmanager.register(SkipGuard(config.rootpath), "mmserve-skip-guard")
+    from tests import live_server
+
+    if live_server.split_mode():
+        import api.app
+
+        api.app.create_app = live_server.split_create_app  # type: ignore[assignment]

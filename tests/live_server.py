@@ -6,6 +6,7 @@ FastAPI (tests/test_gpu_bundle.py)."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -126,8 +127,9 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.1)
 
 
-#: Set to 1: :func:`app_client` serves from an engine process started with the given
-#: engine's settings (the process split of ``mmserve serve``) instead of the engine itself.
+#: Set to 1: :func:`app_client`, and every ``create_app(engine)`` of the tests
+#: (tests/conftest.py swaps in :func:`split_create_app`), serve from an engine process
+#: started with the engine's settings (the process split of ``mmserve serve``).
 ENGINE_PROCESS_ENV = "MMSERVE_TEST_ENGINE_PROCESS"
 
 
@@ -135,6 +137,23 @@ def split_mode() -> bool:
     """Whether :func:`app_client` runs the engine in its own process
     (:data:`ENGINE_PROCESS_ENV`)."""
     return os.environ.get(ENGINE_PROCESS_ENV, "") == "1"
+
+
+def split_create_app(engine, settings=None, tracing=None, process=None) -> FastAPI:
+    """:func:`api.app.create_app` as the process-split server builds it: for an in-process
+    ``Engine``, an engine process loads its checkpoint with its settings (in its model's
+    dtype) and ``engine`` serves nothing; the app's shutdown stops that process (and so
+    does this interpreter's exit, for an app never started). Anything else is passed on.
+    """
+    if process is not None or not isinstance(engine, Engine):
+        return _create_app(engine, settings, tracing, process=process)
+    config = dataclasses.replace(engine.config, dtype=engine.describe()["dtype"])
+    front, process = start_engine_process(config, restarts=0)
+    atexit.register(process.stop)
+    return _create_app(front, settings, tracing, process=process)
+
+
+_create_app = create_app
 
 
 @contextmanager
@@ -145,22 +164,13 @@ def app_client(
     the model is served as ``tests.helpers.MODEL`` unless ``settings`` name another.
 
     With ``engine_process`` (default: :func:`split_mode`) the app is the process-split
-    server's: an engine process loads ``engine``'s checkpoint with its settings
-    (:func:`api.app.start_engine_process`) and ``engine`` itself serves nothing.
+    server's (:func:`split_create_app`).
     """
     settings.setdefault("served_model_name", MODEL)
-    if not (split_mode() if engine_process is None else engine_process):
-        with TestClient(create_app(engine, ServerSettings(**settings))) as c:
-            yield c
-        return
-    # the engine process loads the checkpoint itself: in the dtype ``engine``'s model has
-    config = dataclasses.replace(engine.config, dtype=engine.describe()["dtype"])
-    front, process = start_engine_process(config, restarts=0)
-    try:
-        with TestClient(create_app(front, ServerSettings(**settings), process=process)) as c:
-            yield c
-    finally:
-        process.stop()
+    split = split_mode() if engine_process is None else engine_process
+    build = split_create_app if split else _create_app
+    with TestClient(build(engine, ServerSettings(**settings))) as c:
+        yield c
 
 
 @contextmanager
