@@ -139,6 +139,21 @@ SLOW_TESTS: dict[str, str] = {
         "a server subprocess killed and restarted mid-batch"
     ),
     "test_chat_prompts::test_serve_shows_the_end_user_line": "a server subprocess",
+    "test_engine_process::test_engine_process_killed_mid_stream_restarts": (
+        "a server subprocess whose engine process is killed and started again"
+    ),
+    "test_engine_process::test_engine_process_killed_idle_without_restarts_left_exits_nonzero": (
+        "a server subprocess whose engine process is killed"
+    ),
+    "test_engine_process::test_api_process_killed_the_engine_process_exits": (
+        "a server subprocess killed"
+    ),
+    "test_engine_process::test_batch_job_resumes_after_an_engine_restart": (
+        "a server subprocess running a batch while its engine process is killed and restarted"
+    ),
+    "test_engine_process::test_split_server_gives_the_in_process_tokens": (
+        "an engine process loads the model; every answer twice"
+    ),
     "test_cli::test_serve_logs_its_choices_by_default": "a server subprocess",
     "test_concurrency": "32 clients against a live server",
     "test_fuzz": "hypothesis inputs against a live server",
