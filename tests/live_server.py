@@ -108,6 +108,14 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def parent_pid(pid: int) -> int | None:
+    """``pid``'s parent's pid (None once it is gone; Linux ``/proc``)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (Linux ``/proc``)."""
     try:

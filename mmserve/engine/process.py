@@ -12,8 +12,8 @@ cross pickled lists of messages, each list one ``send_bytes``:
   ``("out", deltas, consecutive_failed_steps, fatal_error)`` with every request's
   :class:`~mmserve.types.TokenDelta` s of the step, and ``("reply", call_id, ok, value)``.
 
-The engine thread is this process's main thread; a reader thread only unpickles what
-arrives into an inbox, drained before every step. The process ends when the API process
+The engine thread is this process's main thread; it reads what arrives before every
+step (waiting on the pipe only while idle). The process ends when the API process
 asks (``stop``: live requests aborted, KV written to the disk tier, tensor-parallel ranks
 stopped) or when it goes away (its pipe closes, or it is no longer this process's
 parent): nothing outlives the API process.
@@ -25,7 +25,6 @@ import logging
 import os
 import pickle
 import sys
-import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -91,31 +90,30 @@ class EngineLoop:
         self.rx = rx
         self.tx = tx
         self.parent = parent
-        self._inbox: list[tuple] = []
-        self._cv = threading.Condition()
         self._gone = False  # the API process closed its end or asked to stop
-        self._send_lock = threading.Lock()
         core.on_outputs = self._send_outputs
 
     def run(self) -> None:
-        """Step while there is work; return when stopped or orphaned."""
-        threading.Thread(target=self._read, name="mmserve-engine-rx", daemon=True).start()
+        """Step while there is work; return when stopped or orphaned. Messages are read
+        on this thread (no hand-off between threads on the way to a step): blocking
+        while idle, without waiting before each step while busy."""
         core = self.core
-        while True:
-            with self._cv:
-                while not self._inbox and not self._gone and not core.has_work():
-                    self._cv.wait(PARENT_CHECK_SECONDS)
-                    if os.getppid() != self.parent:  # the API process died (reparented)
-                        self._gone = True
-                if self._gone:  # nobody reads the outputs any more
-                    break
-                inbox, self._inbox = self._inbox, []
-            for msg in inbox:
-                if msg[0] == "stop":
-                    core.abort_all("abort")
+        while not self._gone:
+            if not core.has_work() and not self.rx.poll(PARENT_CHECK_SECONDS):
+                if os.getppid() != self.parent:  # the API process died (reparented)
                     return
-                self._handle(msg)
-            if core.has_work():
+                continue
+            while not self._gone and self.rx.poll(0):
+                try:
+                    msgs = pickle.loads(self.rx.recv_bytes())
+                except (EOFError, OSError):  # the API process is gone
+                    return
+                for msg in msgs:
+                    if msg[0] == "stop":
+                        core.abort_all("abort")
+                        return
+                    self._handle(msg)
+            if core.has_work() and not self._gone:
                 try:
                     core.step()  # a failing batch is contained inside step
                 except Exception as e:
@@ -123,7 +121,6 @@ class EngineLoop:
                     core.stats.failed_steps += 1
                     core.stats.consecutive_failed_steps += 1
                     self._abort_all(f"{type(e).__name__} in the engine")
-        core.abort_all("abort")
 
     def _abort_all(self, message: str) -> None:
         try:
@@ -158,33 +155,15 @@ class EngineLoop:
                 reply = ("reply", cid, False, (type(e).__name__, str(e)))
             self._send([reply])
 
-    def _read(self) -> None:
-        """Reader thread: unpickle each incoming list into the inbox."""
-        while True:
-            try:
-                data = self.rx.recv_bytes()
-            except (EOFError, OSError):  # the API process is gone
-                break
-            msgs = pickle.loads(data)
-            with self._cv:
-                self._inbox.extend(msgs)
-                self._cv.notify()
-        with self._cv:
-            self._gone = True
-            self._cv.notify()
-
     def _send_outputs(self, deltas: list[TokenDelta]) -> None:
         core = self.core
         self._send([("out", deltas, core.stats.consecutive_failed_steps, core.fatal_error())])
 
     def _send(self, msgs: list[tuple]) -> None:
-        data = pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            try:
-                self.tx.send_bytes(data)
-            except OSError:  # the API process is gone; the loop ends at its next check
-                with self._cv:
-                    self._gone = True
+        try:
+            self.tx.send_bytes(pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the API process is gone; the loop ends at its next check
+            self._gone = True
 
 
 def _with_grammar(req: EngineRequest, grammar: object) -> EngineRequest:

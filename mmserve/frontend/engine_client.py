@@ -10,11 +10,11 @@ disconnects work as in one process. Text is built here, in each request's
 :class:`~mmserve.frontend.async_engine.Slot`, from the step's deltas.
 
 Messages going in are batched: everything submitted in one turn of the event loop
-crosses in one pickled list. Each step's outputs arrive as one message; a reader thread
-receives and unpickles them and hands each to the event loop in one
-``call_soon_threadsafe``. Pixel tensors cross through shared memory (torch's
-``ForkingPickler`` reductions: the tensor is moved into shared memory once, then only a
-file descriptor crosses; it is freed when both processes have dropped it).
+crosses in one pickled list. Each step's outputs arrive as one message, read and
+unpickled on the event loop (``loop.add_reader`` on the pipe: no thread hop). Pixel
+tensors cross through shared memory (torch's ``ForkingPickler`` reductions: the tensor
+is moved into shared memory once, then only a file descriptor crosses; it is freed when
+both processes have dropped it).
 
 When the engine process dies (killed, out of memory, a CUDA error), every request in
 flight ends at once with finish reason "error" naming the engine process, requests
@@ -32,9 +32,8 @@ import logging
 import multiprocessing
 import os
 import pickle
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler  # tensors -> shared memory
 from typing import Any
@@ -112,6 +111,8 @@ class EngineProcessClient:
         self._ctx = multiprocessing.get_context("spawn")
         self._proc: Any = None
         self._tx: Connection | None = None
+        self._rx: Connection | None = None
+        self._watched: Connection | None = None  # the pipe end the event loop reads
         self._gen = 0  # which engine process the reader threads report for
         self._ready = False
         self._stopping = False
@@ -153,14 +154,11 @@ class EngineProcessClient:
         except BaseException:
             _end(proc)
             raise
-        self._proc, self._tx = proc, tx_parent
+        self._proc, self._tx, self._rx = proc, tx_parent, rx_parent
         self._gen += 1
         self.info = first
         self._failures, self._engine_fatal, self._why = 0, None, None
         self._ready = True
-        threading.Thread(
-            target=self._read, args=(rx_parent, self._gen), name="mmserve-engine-rx", daemon=True
-        ).start()
         log.info("engine process %d ready", first["pid"])
         return first
 
@@ -212,6 +210,16 @@ class EngineProcessClient:
         self._ready_event = asyncio.Event()
         if self._ready:
             self._ready_event.set()
+        self._watch()
+
+    def _watch(self) -> None:
+        """Read the current engine's outputs on the event loop (``add_reader``: no thread
+        between the pipe and the slots)."""
+        rx, loop = self._rx, self._loop
+        if rx is None or loop is None or rx is self._watched:
+            return
+        self._watched = rx
+        loop.add_reader(rx.fileno(), self._readable, rx, self._gen)
 
     # ---- health ----------------------------------------------------------------------
     def unavailable(self) -> str | None:
@@ -245,28 +253,16 @@ class EngineProcessClient:
             raise EngineUnavailable(self._fatal)
 
     # ---- messages ----------------------------------------------------------------------
-    def _read(self, rx: Connection, gen: int) -> None:
-        """Reader thread: one event-loop call per message (per engine step)."""
-        while True:
-            try:
-                msgs = pickle.loads(rx.recv_bytes())
-            except (EOFError, OSError):
-                break
-            self._post(self._on_messages, msgs)
-        rx.close()
-        self._post(self._died, gen)
-
-    def _post(self, fn: Callable, arg: object) -> None:
-        loop = self._loop
-        if loop is None:  # no request was ever made: only a death matters
-            if fn == self._died:
-                self._ready = False
-                self._why = "the engine process died before serving"
-            return
+    def _readable(self, rx: Connection, gen: int) -> None:
+        """The engine's pipe has data (one message per engine step) or was closed."""
         try:
-            loop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:  # the loop is closed: the server is shutting down
-            pass
+            while rx.poll(0):
+                self._on_messages(pickle.loads(rx.recv_bytes()))
+        except (EOFError, OSError):
+            assert self._loop is not None
+            self._loop.remove_reader(rx.fileno())
+            rx.close()
+            self._died(gen)
 
     def _on_messages(self, msgs: list[tuple]) -> None:
         for msg in msgs:
@@ -324,6 +320,7 @@ class EngineProcessClient:
     async def _restart(self) -> None:
         try:
             await asyncio.to_thread(self.start)
+            self._watch()
         except Exception as e:  # noqa: BLE001 - the server cannot serve: it exits non-zero
             self._fatal = f"the engine process could not be restarted: {e}"
             log.error("%s", self._fatal)
