@@ -42,7 +42,7 @@ import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
 
 from mmserve import cancel
 from mmserve.config import EngineConfig
-from mmserve.engine.process import CONTROL_CALLS, engine_main
+from mmserve.engine.process import CONTROL_CALLS, engine_main, unpack_deltas
 from mmserve.frontend.async_engine import Slot, collector_for
 from mmserve.frontend.output import StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult
@@ -268,9 +268,9 @@ class EngineProcessClient:
         for msg in msgs:
             kind = msg[0]
             if kind == "out":
-                _, deltas, self._failures, self._engine_fatal = msg
+                _, rows, self._failures, self._engine_fatal = msg
                 slots = self._slots
-                for d in deltas:
+                for d in unpack_deltas(rows):
                     slot = slots.get(d.rid)
                     if slot is not None:
                         slot.push(d)
