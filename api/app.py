@@ -151,16 +151,18 @@ def start_engine_process(
     Raises:
         EngineStartError: the engine process could not start (``bad_setting`` for a
             refused setting or checkpoint).
+        ValueError: a ``--tp`` the model cannot be split by (before any process starts).
         CheckpointError: the checkpoint's front-end files are missing.
     """
     client = EngineProcessClient(config, restarts, log_level=log_level)
+    assert config.model_path is not None  # EngineProcessClient checked it
+    model = load_frontend_model(config.model_path)
+    if config.tp > 1:  # refused here, before any process starts
+        from mmserve.distributed.layout import check_tp
+
+        check_tp(model.decoder.shape, config.tp, config.device)
     info = client.start()
-    try:
-        assert config.model_path is not None  # EngineProcessClient checked it
-        front = FrontEnd(config, load_frontend_model(config.model_path), info["pool_tokens"])
-    except BaseException:
-        client.stop()
-        raise
+    front = FrontEnd(config, model, info["pool_tokens"])
     client.front = front
     return front, client
 
