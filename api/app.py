@@ -38,18 +38,26 @@ from api.settings import ServerSettings
 from api.state import ServerState
 from api.submit import EngineClient
 from api.video_store import VideoStore
+from mmserve.config import EngineConfig
 from mmserve.frontend.async_engine import AsyncEngine
-from mmserve.frontend.frontend import Engine
+from mmserve.frontend.engine_client import EngineProcessClient
+from mmserve.frontend.frontend import Engine, FrontEnd, load_frontend_model
 
 if TYPE_CHECKING:  # api.tracing imports opentelemetry: only when tracing is on
     from api.tracing import RequestTracing
 
-__all__ = ["ServerSettings", "assemble_app", "create_app", "server_state"]
+__all__ = [
+    "ServerSettings",
+    "assemble_app",
+    "create_app",
+    "server_state",
+    "start_engine_process",
+]
 
 
 def server_state(
-    engine: Engine,
-    aengine: AsyncEngine,
+    engine: Engine | FrontEnd,
+    aengine: AsyncEngine | EngineProcessClient,
     client: EngineClient,
     metrics: Metrics,
     settings: ServerSettings,
@@ -128,21 +136,64 @@ def assemble_app(
     return app
 
 
+def start_engine_process(
+    config: EngineConfig, restarts: int = 3, log_level: str = "info"
+) -> tuple[FrontEnd, EngineProcessClient]:
+    """Start the engine core in its own process (model, ``--tp`` ranks and kernel warm-up
+    there; blocks until it is ready) and build this process's weightless front end over
+    the checkpoint (:func:`~mmserve.frontend.frontend.load_frontend_model`, as the replica
+    ingress does), sized by the engine's KV pool. Pass both to :func:`create_app`.
+
+    The front end has no embedding cache here: every image's pixels are made (decode and
+    preprocess in this process) and cross in shared memory; the engine still skips the
+    vision tower for images its cache holds.
+
+    Raises:
+        EngineStartError: the engine process could not start (``bad_setting`` for a
+            refused setting or checkpoint).
+        ValueError: a ``--tp`` the model cannot be split by (before any process starts).
+        CheckpointError: the checkpoint's front-end files are missing.
+    """
+    client = EngineProcessClient(config, restarts, log_level=log_level)
+    assert config.model_path is not None  # EngineProcessClient checked it
+    model = load_frontend_model(config.model_path)
+    if config.tp > 1:  # refused here, before any process starts
+        from mmserve.distributed.layout import check_tp
+
+        check_tp(model.decoder.shape, config.tp, config.device)
+    info = client.start()
+    front = FrontEnd(config, model, info["pool_tokens"])
+    client.front = front
+    return front, client
+
+
 def create_app(
-    engine: Engine, settings: ServerSettings | None = None, tracing: RequestTracing | None = None
+    engine: Engine | FrontEnd,
+    settings: ServerSettings | None = None,
+    tracing: RequestTracing | None = None,
+    process: EngineProcessClient | None = None,
 ) -> FastAPI:
-    """Build the FastAPI app around ``engine`` (its thread starts and stops with the app).
+    """Build the FastAPI app around ``engine``: an in-process :class:`Engine` (its thread
+    starts and stops with the app), or with ``process`` (the engine core in its own
+    process, :func:`start_engine_process`) the front end it returned; the app's shutdown
+    stops that process.
 
     ``tracing`` makes the spans (tests pass one with an in-memory exporter); without it,
     ``settings.otlp_traces_endpoint`` (when set) gives OTLP tracing.
 
     Raises:
-        ValueError: for settings out of range.
+        ValueError: for settings out of range, or a ``FrontEnd`` without ``process``.
     """
     settings = settings or ServerSettings()
     settings.validate()
     model_name = settings.served_model_name or Path(engine.config.model_path or "mmserve").name
-    aengine = AsyncEngine(engine)
+    aengine: AsyncEngine | EngineProcessClient
+    if process is not None:
+        aengine = process
+    elif isinstance(engine, Engine):
+        aengine = AsyncEngine(engine)
+    else:
+        raise ValueError("a front end without an engine process: pass process=")
     metrics = Metrics()
     client = EngineClient(
         aengine, metrics, settings.max_queued_requests, settings.retry_after_seconds, tracing
@@ -154,19 +205,30 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        # every GPU kernel the model runs is built (first start on a host: FlashInfer's
-        # JIT, minutes) or loaded before the engine thread starts and /health says ok
-        await asyncio.to_thread(engine.warm_up_kernels)
-        state.kernels_ready = True
-        aengine.start()
-        state.batches.start()  # resumes unfinished batches
-        yield
-        await state.batches.stop()
-        # after uvicorn's grace period: whatever still runs is aborted, pages freed
-        aengine.call(lambda: engine.abort_all("abort"))
-        aengine.stop()
-        # the engine thread is gone: KV pages to the disk tier (if on), TP workers stopped
-        engine.close()
+        if isinstance(aengine, EngineProcessClient):
+            # the engine process built its kernels before it said ready
+            aengine.attach()
+            state.kernels_ready = True
+            state.batches.start()  # resumes unfinished batches
+            yield
+            await state.batches.stop()
+            # live requests aborted, KV pages to the disk tier, TP ranks stopped there
+            await asyncio.to_thread(aengine.stop)
+        else:
+            assert isinstance(engine, Engine)
+            # every GPU kernel the model runs is built (first start on a host: FlashInfer's
+            # JIT, minutes) or loaded before the engine thread starts and /health says ok
+            await asyncio.to_thread(engine.warm_up_kernels)
+            state.kernels_ready = True
+            aengine.start()
+            state.batches.start()  # resumes unfinished batches
+            yield
+            await state.batches.stop()
+            # after uvicorn's grace period: whatever still runs is aborted, pages freed
+            aengine.call(lambda: engine.abort_all("abort"))
+            aengine.stop()
+            # the engine thread is gone: KV pages to the disk tier (if on), TP workers stopped
+            engine.close()
         if client.tracing is not None:  # export the spans still buffered
             client.tracing.shutdown()
 
@@ -176,12 +238,19 @@ def create_app(
     async def health() -> dict:
         """200 while the engine steps; 503 after ``unhealthy_after_failed_steps`` failed
         steps in a row, so a supervisor restarts the process (never needs the API key);
-        503 ``warming_up`` while the start-up kernel warm-up runs."""
+        503 ``warming_up`` while the start-up kernel warm-up runs; 503
+        ``engine_unhealthy`` from the moment the engine process dies until a new one is
+        ready."""
         if not state.kernels_ready:
             raise APIError(
                 503, "warming up: building GPU kernels", "server_error", code="warming_up"
             )
-        fatal = engine.fatal_error()
+        down = aengine.unavailable() if isinstance(aengine, EngineProcessClient) else None
+        if down is not None:
+            raise APIError(
+                503, f"engine unavailable: {down}", "server_error", code="engine_unhealthy"
+            )
+        fatal = aengine.fatal_error()
         if fatal is not None:  # a tensor-parallel rank died or hung: nothing can run
             raise APIError(
                 503, f"engine unhealthy: {fatal}", "server_error", code="engine_unhealthy"

@@ -43,7 +43,8 @@ from mmserve.fleet.settings import ROUTERS, ReplicaSettings
 from mmserve.vision.image import ImageLimits
 
 if TYPE_CHECKING:
-    from mmserve.frontend.frontend import Engine
+    from mmserve.frontend.engine_client import EngineProcessClient
+    from mmserve.frontend.frontend import Engine, FrontEnd
 
 log = logging.getLogger("api.cli")  # not __main__ under python -m api.cli
 
@@ -59,8 +60,13 @@ class LaunchSettings:
             running requests get this long to finish before the rest are aborted (seconds).
         log_level: uvicorn's log level.
         fatal_exit_seconds: after a fault the engine cannot recover from (a
-            tensor-parallel rank died or hung), keep answering (``/health`` 503, requests
-            with errors) this long, then shut down and exit 1 (seconds).
+            tensor-parallel rank died or hung, or the engine process died with no restart
+            left), keep answering (``/health`` 503, requests with errors) this long, then
+            shut down and exit 1 (seconds).
+        engine_in_process: run the engine core on a thread of the HTTP process (one
+            process, for debugging) instead of in its own process.
+        engine_restarts: times a dead engine process (killed, out of memory, a CUDA
+            error) is replaced by a new one before the server gives up and exits 1.
     """
 
     host: str = "127.0.0.1"
@@ -68,6 +74,8 @@ class LaunchSettings:
     shutdown_grace_seconds: float = 30.0
     log_level: str = "info"
     fatal_exit_seconds: float = 5.0
+    engine_in_process: bool = False
+    engine_restarts: int = 3
 
 
 #: Flag choices for string settings that take one of a few values.
@@ -191,7 +199,8 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
         "observability & process",
         (
             "log_level", "otlp_traces_endpoint", "unhealthy_after_failed_steps",
-            "shutdown_grace_seconds", "fatal_exit_seconds",
+            "shutdown_grace_seconds", "fatal_exit_seconds", "engine_in_process",
+            "engine_restarts",
         ),
     ),
 ]  # fmt: skip
@@ -294,6 +303,8 @@ def settings_from_args(
     server.validate()
     if launch.shutdown_grace_seconds < 0 or launch.fatal_exit_seconds < 0:
         raise ValueError("shutdown_grace_seconds and fatal_exit_seconds must be >= 0")
+    if launch.engine_restarts < 0:
+        raise ValueError("engine_restarts must be >= 0")
     return launch, engine, server
 
 
@@ -336,8 +347,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from api.app import create_app
+    from api.app import create_app, start_engine_process
     from mmserve.distributed.group import TPGroupError
+    from mmserve.frontend.engine_client import EngineStartError
     from mmserve.frontend.frontend import Engine
     from mmserve.kernels.select import BackendUnavailableError, resolve_attention_backend
     from mmserve.testing.checkpoints import ensure_model
@@ -352,16 +364,24 @@ def _serve(args: argparse.Namespace) -> int:
     except BackendUnavailableError as e:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2
+    front: Engine | FrontEnd
+    process: EngineProcessClient | None = None
     try:  # a checkpoint it cannot load, a KV budget too small, a --tp it cannot split
-        engine = Engine(config)
+        if launch.engine_in_process:
+            front = Engine(config)
+        else:  # the engine core in its own process (model, TP ranks, kernels there)
+            front, process = start_engine_process(config, launch.engine_restarts, launch.log_level)
     except (ValueError, TPGroupError) as e:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, server)
+    except EngineStartError as e:
+        print(f"mmserve serve: error: {e}", file=sys.stderr)
+        return 2 if e.bad_setting else 1
+    app = create_app(front, server, process=process)
     # the start-up lines print at --log-level from here on (uvicorn applies the same
     # configuration again); configured this late so that a refused start changes nothing
     logging.config.dictConfig(log_config(launch.log_level))
-    log_startup(engine, launch, server)
+    log_startup(front, launch, server, process.info["describe"] if process else None)
     uv = uvicorn.Config(
         app,
         host=launch.host,
@@ -376,9 +396,14 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     userver = uvicorn.Server(uv)
-    _exit_on_fatal(engine, userver, launch.fatal_exit_seconds)
-    userver.run()
-    return 1 if engine.fatal_error() else 0
+    watched = process if process is not None else front
+    _exit_on_fatal(watched, userver, launch.fatal_exit_seconds)
+    try:
+        userver.run()
+    finally:
+        if process is not None:  # the app's shutdown stops it; a failed start did not
+            process.stop()
+    return 1 if watched.fatal_error() else 0
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -407,19 +432,30 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettings) -> list[str]:
+def startup_summary(
+    engine: Engine | FrontEnd,
+    launch: LaunchSettings,
+    server: ServerSettings,
+    described: dict | None = None,
+) -> list[str]:
     """The lines ``mmserve serve`` logs once the engine is built: the model (family,
     parameters, dtype and why), its weights (quantization, bytes, the LM head), the KV
     pool (pages, tokens, bytes, where the size came from), the KV scales (where from and
     their range), the attention backend and decode mode, the KV tiers, the URL, and a
     note when the chat template renders media after text
-    (:meth:`~mmserve.frontend.prompt.PromptBuilder.renders_media_after_text`)."""
+    (:meth:`~mmserve.frontend.prompt.PromptBuilder.renders_media_after_text`).
+    ``described``: what the engine process said it runs (``engine`` is then its front
+    end), else ``engine.describe()``."""
     from pathlib import Path
 
     from mmserve.config import auto_dtype
     from mmserve.model.hub import source_of
 
-    cfg, d = engine.config, engine.describe()
+    cfg = engine.config
+    if described is not None:
+        d = described
+    else:  # an in-process Engine (a front end alone comes with its description)
+        d = engine.describe()  # type: ignore[union-attr]
     why = f"--dtype auto: {auto_dtype(cfg.device)[1]}" if cfg.dtype == "auto" else "--dtype"
     tp = f", tensor-parallel over {cfg.tp} ranks" if cfg.tp > 1 else ""
     name = server.served_model_name or Path(cfg.model_path or "mmserve").name
@@ -466,9 +502,14 @@ def startup_summary(engine: Engine, launch: LaunchSettings, server: ServerSettin
     return lines
 
 
-def log_startup(engine: Engine, launch: LaunchSettings, server: ServerSettings) -> None:
+def log_startup(
+    engine: Engine | FrontEnd,
+    launch: LaunchSettings,
+    server: ServerSettings,
+    described: dict | None = None,
+) -> None:
     """Log :func:`startup_summary`'s lines at INFO on the ``api.cli`` logger."""
-    for line in startup_summary(engine, launch, server):
+    for line in startup_summary(engine, launch, server, described):
         log.info("%s", line)
 
 
@@ -488,7 +529,7 @@ def log_config(level: str) -> dict:
     return config
 
 
-def _exit_on_fatal(engine: Engine, userver: object, delay: float) -> None:
+def _exit_on_fatal(engine: Engine | EngineProcessClient, userver: object, delay: float) -> None:
     """Shut ``userver`` down ``delay`` seconds after ``engine`` reports a fatal fault
     (uvicorn's graceful shutdown: the app's lifespan ends the requests and the workers)."""
 

@@ -14,14 +14,10 @@ from api.state import State
 router = APIRouter()
 
 
-class _Busy(Exception):
-    pass
-
-
 @router.get("/metrics", response_class=Response)
 async def metrics(st: State) -> Response:
     """Prometheus text format: requests, tokens, cache, vision tower, KV pool, latencies."""
-    stats = await st.aengine.run_on_engine(st.engine.cache_stats)
+    stats = await st.aengine.control("cache_stats")
     media = media_stats(st.engine.processor.decode_budget, st.store, st.media.transient)
     return Response(st.metrics.render(stats, media), media_type=CONTENT_TYPE_LATEST)
 
@@ -34,7 +30,7 @@ async def cache_stats(st: State) -> dict:
     pages = pool size) when no request is live, else null.
     """
 
-    stats = await st.aengine.run_on_engine(st.engine.stats_snapshot)
+    stats = await st.aengine.control("stats_snapshot")
     return {**stats, **st.metrics.summary(), "stored_images": len(st.store)}
 
 
@@ -46,15 +42,9 @@ async def flush_cache(request: Request, st: State) -> dict:
     """
     await refuse_body(request)
 
-    def flush() -> dict:
-        try:
-            return {"flushed": True, "freed_pages": st.engine.flush_cache()}
-        except RuntimeError:
-            raise _Busy from None
-
     try:
-        return await st.aengine.run_on_engine(flush)
-    except _Busy:
+        return {"flushed": True, "freed_pages": await st.aengine.control("flush_cache")}
+    except RuntimeError:  # requests are live (the engine's refusal, here or over the pipe)
         raise APIError(
             409,
             "cannot flush the cache while requests are running; retry when idle",

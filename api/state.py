@@ -16,7 +16,8 @@ from api.submit import EngineClient
 from api.thumbnails import Thumbnails
 from api.video_store import VideoStore
 from mmserve.frontend.async_engine import AsyncEngine
-from mmserve.frontend.frontend import Engine
+from mmserve.frontend.engine_client import EngineProcessClient
+from mmserve.frontend.frontend import Engine, FrontEnd
 
 
 @dataclass
@@ -24,8 +25,9 @@ class ServerState:
     """The objects behind one app (``app.state.mm``).
 
     Attributes:
-        engine: the engine (touched only on its thread, or through ``aengine``).
-        aengine: the thread that drives it.
+        engine: the engine (touched only on its thread, or through ``aengine``), or the
+            front end alone when the engine runs in its own process (or on replicas).
+        aengine: the thread that drives it, or the engine process's client.
         client: submission with the queue limit and metrics.
         store: uploaded images.
         media: turns ``image_url`` values into images.
@@ -39,8 +41,8 @@ class ServerState:
         thumbnails: the stored images' and videos' thumbnails (:mod:`api.thumbnails`).
     """
 
-    engine: Engine
-    aengine: AsyncEngine
+    engine: Engine | FrontEnd
+    aengine: AsyncEngine | EngineProcessClient
     client: EngineClient
     store: ImageStore
     media: MediaResolver

@@ -16,6 +16,7 @@ except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
 from benchmarks import (
+    engine_process,
     experiments,
     graph_decode,
     hub_load,
@@ -79,6 +80,12 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
     "structured": (experiments.structured, "full", "small", "llava", [
         (("--requests",), dict(type=int, help="per run (default 32; 16 with --quick)")),
         (("--max-tokens",), dict(type=int, default=256)),
+    ]),
+    "engine-process": (engine_process.engine_process, "quick", "tiny", "llava", [
+        (("--rounds",), dict(type=int, default=5, help="interleaved rounds")),
+        (("--ttft-probes",), dict(type=int, default=5, help="single requests per round")),
+        (("--concurrency",), dict(type=int, default=128, help="streams per burst")),
+        (("--tokens",), dict(type=int, default=64, help="tokens per stream")),
     ]),
     "tracing": (tracing_overhead.tracing_overhead, "quick", "tiny", "llava", [
         (("--repeats",), dict(type=int, default=8, help="off/on pairs")),

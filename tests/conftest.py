@@ -147,6 +147,21 @@ SLOW_TESTS: dict[str, str] = {
     "test_chat_prompts::test_serve_shows_the_end_user_line": "a server subprocess",
     "test_hub_models::test_serve_by_hub_id_logs_where_from": "a server subprocess",
     "test_hub_models::test_make_model_hub_cache": "make-model in a subprocess",
+    "test_engine_process::test_engine_process_killed_mid_stream_restarts": (
+        "a server subprocess whose engine process is killed and started again"
+    ),
+    "test_engine_process::test_engine_process_killed_idle_without_restarts_left_exits_nonzero": (
+        "a server subprocess whose engine process is killed"
+    ),
+    "test_engine_process::test_api_process_killed_the_engine_process_exits": (
+        "a server subprocess killed"
+    ),
+    "test_engine_process::test_batch_job_resumes_after_an_engine_restart": (
+        "a server subprocess running a batch while its engine process is killed and restarted"
+    ),
+    "test_engine_process::test_split_server_gives_the_in_process_tokens": (
+        "an engine process loads the model; every answer twice"
+    ),
     "test_cli::test_serve_logs_its_choices_by_default": "a server subprocess",
     "test_concurrency": "32 clients against a live server",
     "test_fuzz": "hypothesis inputs against a live server",
@@ -284,6 +299,14 @@ class SkipGuard:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register :class:`SkipGuard` when ``MMSERVE_FAIL_ON_SKIP=1``."""
+    """Register :class:`SkipGuard` when ``MMSERVE_FAIL_ON_SKIP=1``; with
+    ``MMSERVE_TEST_ENGINE_PROCESS=1`` every app the tests build serves from an engine
+    process (before the test modules import ``create_app``)."""
     if os.environ.get("MMSERVE_FAIL_ON_SKIP") == "1":
         config.pluginmanager.register(SkipGuard(config.rootpath), "mmserve-skip-guard")
+    from tests import live_server
+
+    if live_server.split_mode():
+        import api.app
+
+        api.app.create_app = live_server.split_create_app  # type: ignore[assignment]

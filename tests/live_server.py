@@ -6,7 +6,10 @@ FastAPI (tests/test_gpu_bundle.py)."""
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -20,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.app import ServerSettings, create_app
+from api.app import ServerSettings, create_app, start_engine_process
 from benchmarks.over_http import free_port, server
 from mmserve.frontend.frontend import Engine
 from tests.helpers import MODEL
@@ -105,6 +108,14 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def parent_pid(pid: int) -> int | None:
+    """``pid``'s parent's pid (None once it is gone; Linux ``/proc``)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (Linux ``/proc``)."""
     try:
@@ -124,12 +135,49 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.1)
 
 
+#: Set to 1: :func:`app_client`, and every ``create_app(engine)`` of the tests
+#: (tests/conftest.py swaps in :func:`split_create_app`), serve from an engine process
+#: started with the engine's settings (the process split of ``mmserve serve``).
+ENGINE_PROCESS_ENV = "MMSERVE_TEST_ENGINE_PROCESS"
+
+
+def split_mode() -> bool:
+    """Whether :func:`app_client` runs the engine in its own process
+    (:data:`ENGINE_PROCESS_ENV`)."""
+    return os.environ.get(ENGINE_PROCESS_ENV, "") == "1"
+
+
+def split_create_app(engine, settings=None, tracing=None, process=None) -> FastAPI:
+    """:func:`api.app.create_app` as the process-split server builds it: for an in-process
+    ``Engine``, an engine process loads its checkpoint with its settings (in its model's
+    dtype) and ``engine`` serves nothing; the app's shutdown stops that process (and so
+    does this interpreter's exit, for an app never started). Anything else is passed on.
+    """
+    if process is not None or not isinstance(engine, Engine):
+        return _create_app(engine, settings, tracing, process=process)
+    config = dataclasses.replace(engine.config, dtype=engine.describe()["dtype"])
+    front, process = start_engine_process(config, restarts=0)
+    atexit.register(process.stop)
+    return _create_app(front, settings, tracing, process=process)
+
+
+_create_app = create_app
+
+
 @contextmanager
-def app_client(engine: Engine, **settings) -> Iterator[TestClient]:
+def app_client(
+    engine: Engine, engine_process: bool | None = None, **settings
+) -> Iterator[TestClient]:
     """A ``TestClient`` (lifespan run) on ``create_app(engine, ServerSettings(**settings))``;
-    the model is served as ``tests.helpers.MODEL`` unless ``settings`` name another."""
+    the model is served as ``tests.helpers.MODEL`` unless ``settings`` name another.
+
+    With ``engine_process`` (default: :func:`split_mode`) the app is the process-split
+    server's (:func:`split_create_app`).
+    """
     settings.setdefault("served_model_name", MODEL)
-    with TestClient(create_app(engine, ServerSettings(**settings))) as c:
+    split = split_mode() if engine_process is None else engine_process
+    build = split_create_app if split else _create_app
+    with TestClient(build(engine, ServerSettings(**settings))) as c:
         yield c
 
 

@@ -26,7 +26,14 @@ from mmserve.model.llama import LlamaShape
 from mmserve.structured.spec import GuidedSpec
 from mmserve.types import SamplingParams
 from tests.helpers import ANY_PORT, TINY_FAMILIES, greedy, tp_engine, user, workload
-from tests.live_server import child_pids, cmdline, live_server_process, pid_alive, wait_gone
+from tests.live_server import (
+    child_pids,
+    cmdline,
+    live_server_process,
+    parent_pid,
+    pid_alive,
+    wait_gone,
+)
 
 TP_LOGIT_RTOL = 1e-4
 CHOICES = ["a red bicycle", "a green tram", "two blue boats"]
@@ -226,10 +233,13 @@ def test_server_tp2_answers_then_a_dead_rank_ends_it_cleanly(model_dir: Path) ->
     with live_server_process(
         model_dir, "--tp", "2", "--fatal-exit-seconds", "8", "--tp-timeout-seconds", "30"
     ) as (url, proc):
+        # the server's child is the engine process; rank 1 is the engine's child
         workers = [
             p
             for p in child_pids(proc.pid)
-            if "spawn_main" in cmdline(p) and "resource_tracker" not in cmdline(p)
+            if "spawn_main" in cmdline(p)
+            and "resource_tracker" not in cmdline(p)
+            and parent_pid(p) != proc.pid
         ]
         assert len(workers) == 1, [cmdline(p) for p in child_pids(proc.pid)]
         everyone = child_pids(proc.pid)

@@ -19,7 +19,9 @@ A batch is an uploaded JSONL file (``/v1/files``, purpose ``batch``) of requests
 4. **Durable** (:mod:`api.batch.job`): after a crash or restart an unfinished batch
    resumes; lines whose result is on disk are not run again (a torn last line is cut
    off and its request rerun), so every ``custom_id`` appears once in the output and
-   error files. All file IO runs on one IO thread, in order, off the event loop.
+   error files. All file IO runs on one IO thread, in order, off the event loop. When
+   the engine process dies under a line and a new one starts, the line runs again on
+   it (it is not recorded as failed); lines wait while no engine process runs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from api.errors import APIError, error_body
 from api.ids import BATCH
 from api.state import ServerState
 from api.submit import Submission
+from mmserve.frontend.engine_client import EngineUnavailable
 from mmserve.types import EngineRequest
 
 log = logging.getLogger(__name__)
@@ -393,16 +396,24 @@ class BatchManager:
         """Run one line through its endpoint's handler and append its record."""
         record_id = f"batch_req_{uuid.uuid4().hex}"
         usage: Usage | None = None
-        try:
-            answer = await handler.run_line(self.st, line.body, self._submit)
-            body, request_id, status, usage = answer.body, answer.request_id, 200, answer.usage
-        except APIError as e:
-            body = error_body(e.message, e.type, e.param, e.code)
-            request_id, status = f"req_{uuid.uuid4().hex}", e.status
-        except Exception:  # recorded as failed, never silently lost
-            log.exception("batch %s: line %s failed", job.id, line.custom_id)
-            body = error_body("internal error; see the server log", "server_error", None, None)
-            request_id, status = f"req_{uuid.uuid4().hex}", 500
+        while True:
+            await self._engine_up()
+            deaths = _engine_deaths(self.st)
+            try:
+                answer = await handler.run_line(self.st, line.body, self._submit)
+                body, request_id, status = answer.body, answer.request_id, 200
+                usage = answer.usage
+            except APIError as e:
+                body = error_body(e.message, e.type, e.param, e.code)
+                request_id, status = f"req_{uuid.uuid4().hex}", e.status
+            except Exception:  # recorded as failed, never silently lost
+                log.exception("batch %s: line %s failed", job.id, line.custom_id)
+                body = error_body("internal error; see the server log", "server_error", None, None)
+                request_id, status = f"req_{uuid.uuid4().hex}", 500
+            if status == 200 or _engine_deaths(self.st) == deaths:
+                break
+            # the engine process died under this line: run it again on the new one
+            log.warning("batch %s: line %s runs again (engine restarted)", job.id, line.custom_id)
         record = {
             "id": record_id,
             "custom_id": line.custom_id,
@@ -423,6 +434,17 @@ class BatchManager:
         written.add_done_callback(landed)
         await asyncio.shield(written)
         self._sync_soon(job, out)
+
+    async def _engine_up(self) -> None:
+        """Wait while the engine process is down and a new one is starting (no wait in
+        one process); returns at once when none will start (the line then fails)."""
+        wait_ready = getattr(self.st.aengine, "wait_ready", None)
+        if wait_ready is None:
+            return
+        try:
+            await wait_ready()
+        except EngineUnavailable:
+            pass
 
     async def _submit(self, reqs: Sequence[EngineRequest]) -> Submission:
         """Submit as background work, waiting while the engine's queue is full."""
@@ -489,6 +511,11 @@ class BatchManager:
             if self.files.publish(fid, job.dir / name, f"{job.id}_{kind}.jsonl"):
                 published.append((kind, fid))
         return published
+
+
+def _engine_deaths(st: ServerState) -> int:
+    """Engine processes that died so far (0 for an engine in this process)."""
+    return getattr(st.aengine, "deaths", 0)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any) -> T:

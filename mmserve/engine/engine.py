@@ -157,6 +157,10 @@ class EngineCore:
         self.stats = EngineStats()
         self._stop_hits: list[str] = []  # requests the front end saw hit a stop string
         self._closed = False
+        #: where each step's deltas go, all requests' in one call (the async engine's and
+        #: the engine process's output path); None: only each request's ``on_update``
+        self.on_outputs: Callable[[list[TokenDelta]], None] | None = None
+        self._outbox: list[tuple[Request, TokenDelta]] = []
 
     def set_feature_source(self, source) -> None:
         """Ask ``source`` for the features of items the embedding cache misses before the
@@ -243,7 +247,8 @@ class EngineCore:
     ) -> None:
         """Queue a request message built by the front end's
         :class:`~mmserve.frontend.processor.InputProcessor`; its progress goes to
-        ``on_update`` as :class:`TokenDelta` messages (on this thread)."""
+        ``on_update`` as :class:`TokenDelta` messages (on this thread, after each step),
+        and to :attr:`on_outputs` with every other request's when that is set."""
         req = self.request_state(msg)
         req.on_update = on_update
         self.scheduler.add(req)
@@ -266,6 +271,11 @@ class EngineCore:
         Returns:
             True if the request was found waiting or running.
         """
+        found = self._abort(rid)
+        self.flush_outputs()
+        return found
+
+    def _abort(self, rid: str) -> bool:
         req = self.scheduler.get(rid)
         if req is None or req.finished:
             return False
@@ -279,6 +289,7 @@ class EngineCore:
         for req in reqs:
             req.error = error
             self._finish(req, reason)
+        self.flush_outputs()
         return reqs
 
     def flush_cache(self) -> int:
@@ -361,6 +372,12 @@ class EngineCore:
         Returns:
             Requests that got a token this step (finished ones included).
         """
+        try:
+            return self._step()
+        finally:  # one batch of every request's deltas per step (failed ones included)
+            self.flush_outputs()
+
+    def _step(self) -> list[Request]:
         self._abort_stopped()
         decode, chunks = schedule_step(self.scheduler, self.config)
         if not chunks and not decode:
@@ -503,13 +520,27 @@ class EngineCore:
         self._emit(req)
 
     def _emit(self, req: Request) -> None:
-        """Hand ``req``'s output since its last delta to its ``on_update`` as a
-        :class:`TokenDelta` (the last one carries the finish reason)."""
-        if req.on_update is None:
+        """Queue ``req``'s output since its last delta as a :class:`TokenDelta` (the last
+        one carries the finish reason) for :meth:`flush_outputs`."""
+        if req.on_update is None and self.on_outputs is None:
             return
         start = req.emitted
         req.emitted = len(req.output_ids)
-        req.on_update(token_delta(req, start))
+        self._outbox.append((req, token_delta(req, start)))
+
+    def flush_outputs(self) -> None:
+        """Hand the deltas queued since the last flush to :attr:`on_outputs` in one call
+        (one list for every request: one message per step across a thread or process),
+        and each to its request's ``on_update`` when it has one (offline :meth:`track`).
+        Called at the end of every :meth:`step`, :meth:`abort` and :meth:`abort_all`."""
+        if not self._outbox:
+            return
+        out, self._outbox = self._outbox, []
+        for req, delta in out:
+            if req.on_update is not None:
+                req.on_update(delta)
+        if self.on_outputs is not None:
+            self.on_outputs([d for _, d in out])
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -523,8 +554,8 @@ class EngineCore:
 
     def _abort_stopped(self) -> None:
         """End the requests whose tracked text hit a stop string (KV kept)."""
-        while self._stop_hits:
-            self.abort(self._stop_hits.pop())
+        while self._stop_hits:  # their deltas go with this step's
+            self._abort(self._stop_hits.pop())
 
     def cache_stats(self) -> dict[str, float]:
         """Pool, tree and hit-rate figures for metrics and ``/v1/cache/stats``

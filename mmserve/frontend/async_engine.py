@@ -2,11 +2,12 @@
 asyncio callers.
 
 Requests from many HTTP handlers land in one inbox; the engine thread drains it
-before every step, so their tokens share batches. The engine thread hands each
-request's :class:`~mmserve.types.TokenDelta` to the caller's
-``asyncio.Queue`` through ``loop.call_soon_threadsafe``; text, stop strings and
-results are built there, on the event loop, by an
-:class:`~mmserve.frontend.output.OutputCollector`, never on the engine thread.
+before every step, so their tokens share batches. After each step the engine thread
+hands the step's :class:`~mmserve.types.TokenDelta` s of every request to the event
+loop in one ``loop.call_soon_threadsafe`` (the engine's ``on_outputs``); there each
+goes into its request's :class:`Slot`, where an
+:class:`~mmserve.frontend.output.OutputCollector` builds text, stop strings and the
+result (never on the engine thread) and updates merge until the consumer takes them.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
 from mmserve import cancel
+from mmserve.engine.process import CONTROL_CALLS
 from mmserve.frontend.frontend import Engine
-from mmserve.frontend.output import StreamUpdate
+from mmserve.frontend.output import OutputCollector, StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult, TokenDelta
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "StreamUpdate"]
+__all__ = ["CONTROL_CALLS", "AsyncEngine", "Slot", "StreamUpdate", "merge_updates"]
 
 
 class AsyncEngine:
@@ -44,6 +46,9 @@ class AsyncEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
         self.error: BaseException | None = None
+        self._slots: dict[str, Slot] = {}  # rid -> its slot, touched on the event loop
+        self._loops: set[asyncio.AbstractEventLoop] = set()
+        engine.on_outputs = self._post  # one batch of deltas per step
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -104,22 +109,77 @@ class AsyncEngine:
             self.engine.abort_all("error", message)
         except Exception:  # state may be broken; still answer every client
             log.exception("abort_all failed")
-            for req in self.engine.live_requests():
-                if req.on_update is not None:
-                    req.on_update(
-                        TokenDelta(
-                            req.rid,
-                            (),
-                            None,
-                            time.perf_counter(),
-                            finish_reason="error",
-                            error=message,
-                        )
-                    )
+            now = time.perf_counter()
+            self._post(
+                [
+                    TokenDelta(req.rid, (), None, now, finish_reason="error", error=message)
+                    for req in self.engine.live_requests()
+                ]
+            )
 
     def consecutive_failures(self) -> int:
         """Engine steps that failed in a row (0 after any step succeeds)."""
         return self.engine.stats.consecutive_failed_steps
+
+    def fatal_error(self) -> str | None:
+        """Why the engine can serve nothing any more (a tensor-parallel rank died), else None."""
+        return self.engine.fatal_error()
+
+    async def control(self, name: str, *args: object) -> object:
+        """Call the engine's control method ``name`` (one of :data:`CONTROL_CALLS`) on the
+        engine thread and await its value: the same call the engine process answers as a
+        message (:class:`~mmserve.frontend.engine_client.EngineProcessClient.control`).
+
+        Raises:
+            ValueError: ``name`` is not a control call; whatever the method raises.
+        """
+        if name not in CONTROL_CALLS:
+            raise ValueError(f"unknown control call {name!r}")
+        fn = getattr(self.engine, name)
+        return await self.run_on_engine(lambda: fn(*args))
+
+    # ---- output path: one post per step, one merging slot per request -----------
+    def _post(self, deltas: list[TokenDelta]) -> None:
+        """The engine's :attr:`~mmserve.engine.engine.EngineCore.on_outputs` (engine
+        thread): one ``call_soon_threadsafe`` per step and event loop, whatever the batch."""
+        for loop in list(self._loops):
+            try:
+                loop.call_soon_threadsafe(self._dispatch, deltas)
+            except RuntimeError:  # that loop is closed: nobody waits there any more
+                self._loops.discard(loop)
+
+    def _dispatch(self, deltas: list[TokenDelta]) -> None:
+        """Each delta into its request's slot (on the event loop)."""
+        slots = self._slots
+        for d in deltas:
+            slot = slots.get(d.rid)
+            if slot is not None:
+                slot.push(d)
+
+    def _open(self, req: EngineRequest, slot: Slot) -> Callable[[], None] | None:
+        """Register ``slot`` and queue ``req`` on the engine thread; returns the cancel
+        token's unhook (None without a token)."""
+        self._loops.add(asyncio.get_running_loop())
+        self._slots[req.rid] = slot
+        token = cancel.current()
+
+        def add() -> None:  # on the engine thread, between steps
+            self.engine.add_request(req)
+            if token is not None and token.cancelled:
+                self.engine.abort(req.rid)  # its client left on the way: it never runs
+
+        self.call(add)
+        if token is None:
+            return None
+        return token.on_cancel(lambda: self.call(lambda: self.engine.abort(req.rid)))
+
+    def _close(self, rid: str, slot: Slot, unhook: Callable[[], None] | None) -> None:
+        if unhook is not None:
+            unhook()
+        if self._slots.get(rid) is slot:
+            del self._slots[rid]
+        if not slot.engine_done:  # consumer gone early, or a stop string: abort (KV kept)
+            self.call(lambda: self.engine.abort(rid))
 
     async def deltas(self, req: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         """Submit ``req`` and yield its :class:`TokenDelta` messages, the last with its
@@ -130,64 +190,146 @@ class AsyncEngine:
         before the engine's next step, and one whose token is cancelled by the time the
         engine thread takes it in is aborted before any step: never scheduled, no tower
         run, no token."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        token = cancel.current()
-
-        def on_update(delta: TokenDelta) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
-
-        def add() -> None:  # on the engine thread, between steps
-            self.engine.add_request(req, on_update)
-            if token is not None and token.cancelled:
-                self.engine.abort(req.rid)  # its client left on the way: it never runs
-
-        self.call(add)
-        unhook = (
-            token.on_cancel(lambda: self.call(lambda: self.engine.abort(req.rid)))
-            if token is not None
-            else None
-        )
-        done = False
+        slot = Slot(None)
+        unhook = self._open(req, slot)
         try:
-            while not done:
-                delta = await queue.get()
-                done = delta.finished
-                yield delta
+            while True:
+                for delta in await slot.take_deltas():
+                    yield delta
+                    if delta.finished:
+                        return
         finally:
-            if unhook is not None:
-                unhook()
-            if not done:
-                self.call(lambda: self.engine.abort(req.rid))
+            self._close(req.rid, slot, unhook)
 
-    async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
+    async def stream(
+        self, req: EngineRequest, final_only: bool = False
+    ) -> AsyncIterator[StreamUpdate]:
         """Submit ``req`` and yield its updates (text and new ids); the last one carries
-        the result.
+        the result. Updates that arrive while the consumer is busy are merged into one
+        (:func:`merge_updates`); with ``final_only`` only the last (merged) one is yielded.
 
         A stop string found in the text ends the request in the engine (an abort that
         keeps its KV). If the consumer stops early (client disconnect), the request is
-        aborted.
+        aborted. Cancellation under a token as :meth:`deltas`.
         """
-        col = self.engine.collector(req)
-        deltas = self.deltas(req)
+        slot = Slot(collector_for(self.engine, req, final_only), final_only)
+        unhook = self._open(req, slot)
         try:
-            async for delta in deltas:
-                upd = col.add(delta)
-                if upd is None:
-                    continue
+            while True:
+                upd = await slot.take()
                 yield upd
                 if upd.result is not None:
                     return
         finally:
-            await deltas.aclose()  # aborts the engine request unless it had finished
+            self._close(req.rid, slot, unhook)
 
     async def generate(self, req: EngineRequest) -> GenerateResult:
-        """Submit ``req`` and wait for its result."""
+        """Submit ``req`` and wait for its result (final-only: no per-token text)."""
         result = None
-        async for upd in self.stream(req):
+        async for upd in self.stream(req, final_only=True):
             result = upd.result
         assert result is not None
         return result
+
+
+def collector_for(front, req: EngineRequest, final_only: bool) -> OutputCollector:
+    """``front.collector(req)`` in final-only mode when asked and supported."""
+    if final_only:
+        try:
+            return front.collector(req, final_only=True)
+        except TypeError:  # a collector without the final-only mode: the full one
+            pass
+    return front.collector(req)
+
+
+def merge_updates(a: StreamUpdate, b: StreamUpdate) -> StreamUpdate:
+    """Two consecutive updates of one request as one: text, ids and logprobs of both,
+    the later one's totals and result (``StreamUpdate.merged`` where it exists)."""
+    merged = getattr(a, "merged", None)
+    if merged is not None:
+        return merged(b)
+    lps = None
+    if a.delta_logprobs is not None or b.delta_logprobs is not None:
+        lps = (a.delta_logprobs or ()) + (b.delta_logprobs or ())
+    return StreamUpdate(
+        text=b.text,
+        delta_text=a.delta_text + b.delta_text,
+        delta_ids=a.delta_ids + b.delta_ids,
+        delta_logprobs=lps,
+        num_ids=b.num_ids,
+        result=b.result,
+    )
+
+
+class Slot:
+    """One request's mailbox on the event loop: deltas (or, with a collector, the updates
+    they make) merge here until the consumer takes them, so a slow consumer wakes once
+    for everything since its last look (no per-token queue).
+
+    Args:
+        collector: turns deltas into updates (None: raw deltas are kept, for replicas).
+        final_only: wake the consumer only for the result.
+
+    Attributes:
+        engine_done: the engine has finished the request (its last delta arrived).
+    """
+
+    def __init__(self, collector: OutputCollector | None, final_only: bool = False) -> None:
+        self.collector = collector
+        self.final_only = final_only
+        self.engine_done = False
+        self._update: StreamUpdate | None = None
+        self._deltas: list[TokenDelta] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, delta: TokenDelta) -> None:
+        """Take ``delta`` (on the event loop)."""
+        if delta.finished:
+            self.engine_done = True
+        col = self.collector
+        if col is None:
+            self._deltas.append(delta)
+            ready = True
+        else:
+            upd = col.add(delta)
+            if upd is None:
+                return
+            self._update = upd if self._update is None else merge_updates(self._update, upd)
+            ready = upd.result is not None or not self.final_only
+        if ready and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def fail(self, error: str) -> None:
+        """End the request with an error (the engine is gone)."""
+        self.engine_done = True
+        if self.collector is None:
+            return
+        if self.collector.result is None:
+            upd = self.collector.fail(error)
+            self._update = upd if self._update is None else merge_updates(self._update, upd)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def take(self) -> StreamUpdate:
+        """Everything merged since the last call (waits for at least one update)."""
+        while self._update is None or (self.final_only and self._update.result is None):
+            await self._wait()
+        upd, self._update = self._update, None
+        return upd
+
+    async def take_deltas(self) -> list[TokenDelta]:
+        """Every delta since the last call (waits for at least one)."""
+        while not self._deltas:
+            await self._wait()
+        out, self._deltas = self._deltas, []
+        return out
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

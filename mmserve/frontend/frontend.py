@@ -157,6 +157,7 @@ class Engine(EngineCore):
                 raise RuntimeError(f"engine idle with unfinished requests {stuck}")
             self.step()
         self._abort_stopped()
+        self.flush_outputs()  # the stopped requests' last deltas (their collectors are done)
         results: list[GenerateResult] = []
         for c in collectors:
             assert c.result is not None  # the loop above ran until every one finished

@@ -1,0 +1,444 @@
+"""The API process's side of the engine process: what ``mmserve serve`` streams from.
+
+:class:`EngineProcessClient` spawns the engine core in its own process
+(:func:`mmserve.engine.process.engine_main`: model, ``--tp`` ranks and kernel warm-up
+there) and has the methods of :class:`~mmserve.frontend.async_engine.AsyncEngine` the
+routes use (:meth:`~EngineProcessClient.stream`, :meth:`~EngineProcessClient.generate`,
+:meth:`~EngineProcessClient.control`, :meth:`~EngineProcessClient.consecutive_failures`,
+:meth:`~EngineProcessClient.fatal_error`), so the app, queue limit, metrics and
+disconnects work as in one process. Text is built here, in each request's
+:class:`~mmserve.frontend.async_engine.Slot`, from the step's deltas.
+
+Messages going in are batched: everything submitted in one turn of the event loop
+crosses in one pickled list. Each step's outputs arrive as one message, read and
+unpickled on the event loop (``loop.add_reader`` on the pipe: no thread hop). Pixel
+tensors cross through shared memory (torch's ``ForkingPickler`` reductions: the tensor
+is moved into shared memory once, then only a file descriptor crosses; it is freed when
+both processes have dropped it).
+
+When the engine process dies (killed, out of memory, a CUDA error), every request in
+flight ends at once with finish reason "error" naming the engine process, requests
+submitted meanwhile do too, :meth:`~EngineProcessClient.unavailable` says why (the
+server's ``/health`` answers 503) and a new engine process is started, at most
+``restarts`` times; after that :meth:`~EngineProcessClient.fatal_error` is set and the
+server exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler  # tensors -> shared memory
+from typing import Any
+
+import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
+
+from mmserve import cancel
+from mmserve.config import EngineConfig
+from mmserve.engine.process import CONTROL_CALLS, engine_main, unpack_deltas
+from mmserve.frontend.async_engine import Slot, collector_for
+from mmserve.frontend.output import StreamUpdate
+from mmserve.types import EngineRequest, GenerateResult
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineError", "EngineProcessClient", "EngineStartError", "EngineUnavailable"]
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start.
+
+    Attributes:
+        bad_setting: the engine refused its settings (a ``ValueError`` there: a bad
+            checkpoint, a KV budget too small, a ``--tp`` it cannot split).
+    """
+
+    def __init__(self, message: str, bad_setting: bool = False) -> None:
+        super().__init__(message)
+        self.bad_setting = bad_setting
+
+
+class EngineUnavailable(Exception):
+    """No engine process is running now (it died; a new one may be starting)."""
+
+
+class EngineError(Exception):
+    """A control call raised in the engine process (the message says what)."""
+
+
+class EngineProcessClient:
+    """Runs an :class:`~mmserve.engine.engine.EngineCore` in a spawned process and
+    streams from it (see the module docstring).
+
+    Args:
+        config: engine settings (``model_path`` set: the process loads the model).
+        restarts: how many times a dead engine process is replaced (then fatal).
+        front: the front end whose collectors build text (:meth:`FrontEnd.collector`);
+            set before the first request (:meth:`start` does not need it).
+        start_timeout: seconds the engine may take to load and warm up.
+        log_level: the engine process's log level.
+
+    Attributes:
+        info: what the engine said when ready: ``describe`` (:meth:`EngineCore.describe`),
+            ``pool_tokens``, ``pid``.
+        deaths: engine processes that died (not counting a requested stop).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        restarts: int = 3,
+        front: Any = None,
+        start_timeout: float = 900.0,
+        log_level: str = "info",
+    ) -> None:
+        if config.model_path is None:
+            raise ValueError("the engine process loads the model: set config.model_path")
+        self.config = config
+        self.restarts_left = restarts
+        self.front = front
+        self.start_timeout = start_timeout
+        self.log_level = log_level
+        self.info: dict = {}
+        self.deaths = 0
+        self._ctx = multiprocessing.get_context("spawn")
+        self._proc: Any = None
+        self._tx: Connection | None = None
+        self._rx: Connection | None = None
+        self._watched: Connection | None = None  # the pipe end the event loop reads
+        self._gen = 0  # which engine process the reader threads report for
+        self._ready = False
+        self._stopping = False
+        self._fatal: str | None = None
+        self._why: str | None = None  # why no engine runs now
+        self._failures = 0
+        self._engine_fatal: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots: dict[str, Slot] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._outbox: list[tuple] = []
+        self._ready_event: asyncio.Event | None = None
+
+    # ---- the process ---------------------------------------------------------------
+    def start(self) -> dict:
+        """Spawn the engine process and wait until it is ready (blocking: model load and
+        kernel warm-up, up to ``start_timeout`` seconds).
+
+        Returns:
+            :attr:`info`.
+
+        Raises:
+            EngineStartError: the process failed to start (its message) or timed out.
+        """
+        rx_child, tx_parent = self._ctx.Pipe(duplex=False)
+        rx_parent, tx_child = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(
+            target=engine_main,
+            args=(self.config, rx_child, tx_child, os.getpid(), self.log_level),
+            name="mmserve-engine-core",
+            daemon=False,  # it starts the tensor-parallel ranks: a daemon may not
+        )
+        proc.start()
+        rx_child.close()  # only the child holds these: its death closes the pipes
+        tx_child.close()
+        try:
+            first = self._first_message(proc, rx_parent)
+        except BaseException:
+            _end(proc)
+            raise
+        self._proc, self._tx, self._rx = proc, tx_parent, rx_parent
+        self._gen += 1
+        self.info = first
+        self._failures, self._engine_fatal, self._why = 0, None, None
+        self._ready = True
+        log.info("engine process %d ready", first["pid"])
+        return first
+
+    def _first_message(self, proc, rx: Connection) -> dict:
+        deadline = time.monotonic() + self.start_timeout
+        while not rx.poll(0.2):
+            if not proc.is_alive():
+                proc.join()
+                raise EngineStartError(f"the engine process exited with code {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"the engine was not ready in {self.start_timeout} s")
+        try:
+            msg = pickle.loads(rx.recv_bytes())[0]
+        except (EOFError, OSError):
+            proc.join(5)
+            raise EngineStartError(f"the engine process exited with code {proc.exitcode}") from None
+        if msg[0] == "failed":
+            proc.join(30)
+            raise EngineStartError(msg[1], bad_setting=msg[2])
+        return msg[1]
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the engine process: live requests aborted, KV written to the disk tier,
+        tensor-parallel ranks stopped; killed if it takes over ``timeout`` seconds."""
+        self._stopping = True
+        proc = self._proc
+        if proc is None:
+            return
+        if self._tx is not None:
+            try:
+                self._tx.send_bytes(pickle.dumps([("stop",)]))
+            except OSError:
+                pass
+        proc.join(timeout)
+        _end(proc)
+        if self._tx is not None:
+            self._tx.close()
+        self._ready = False
+
+    @property
+    def pid(self) -> int | None:
+        """The running engine process's pid (None before start)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def attach(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Deliver outputs to ``loop`` (default: the running one); the app's startup
+        calls it, the first request does otherwise."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._ready_event = asyncio.Event()
+        if self._ready:
+            self._ready_event.set()
+        self._watch()
+
+    def _watch(self) -> None:
+        """Read the current engine's outputs on the event loop (``add_reader``: no thread
+        between the pipe and the slots)."""
+        rx, loop = self._rx, self._loop
+        if rx is None or loop is None or rx is self._watched:
+            return
+        self._watched = rx
+        loop.add_reader(rx.fileno(), self._readable, rx, self._gen)
+
+    # ---- health ----------------------------------------------------------------------
+    def unavailable(self) -> str | None:
+        """Why no engine serves requests now (died, restarting, gone for good), else None."""
+        return self._fatal or self._why
+
+    def fatal_error(self) -> str | None:
+        """Why this server can serve nothing any more (the engine died and no restart is
+        left, or a tensor-parallel rank of the engine died), else None."""
+        return self._fatal or self._engine_fatal
+
+    def consecutive_failures(self) -> int:
+        """The engine's failed steps in a row (from its last output message)."""
+        return self._failures
+
+    async def wait_ready(self) -> None:
+        """Wait until an engine process is ready (at once when one is).
+
+        Raises:
+            EngineUnavailable: no engine will start again (restarts used up).
+        """
+        if self._loop is None:
+            self.attach()
+        assert self._ready_event is not None
+        while not self._ready:
+            if self._fatal is not None:
+                raise EngineUnavailable(self._fatal)
+            self._ready_event.clear()
+            await self._ready_event.wait()
+        if self._fatal is not None:
+            raise EngineUnavailable(self._fatal)
+
+    # ---- messages ----------------------------------------------------------------------
+    def _readable(self, rx: Connection, gen: int) -> None:
+        """The engine's pipe has data (one message per engine step) or was closed."""
+        try:
+            while rx.poll(0):
+                self._on_messages(pickle.loads(rx.recv_bytes()))
+        except (EOFError, OSError):
+            assert self._loop is not None
+            self._loop.remove_reader(rx.fileno())
+            rx.close()
+            self._died(gen)
+
+    def _on_messages(self, msgs: list[tuple]) -> None:
+        for msg in msgs:
+            kind = msg[0]
+            if kind == "out":
+                _, rows, self._failures, self._engine_fatal = msg
+                slots = self._slots
+                for d in unpack_deltas(rows):
+                    slot = slots.get(d.rid)
+                    if slot is not None:
+                        slot.push(d)
+            elif kind == "reply":
+                _, cid, ok, value = msg
+                fut = self._calls.pop(cid, None)
+                if fut is None or fut.done():
+                    continue
+                if ok:
+                    fut.set_result(value)
+                else:
+                    name, text = value
+                    fut.set_exception(
+                        RuntimeError(text) if name == "RuntimeError" else EngineError(text)
+                    )
+
+    def _died(self, gen: int) -> None:
+        """The engine process ``gen`` closed its pipe: fail everything in flight, then
+        restart (or give up)."""
+        if gen != self._gen or self._stopping:
+            return
+        proc = self._proc
+        proc.join(5)
+        code = proc.exitcode
+        self._ready = False
+        self.deaths += 1
+        why = f"the engine process (pid {proc.pid}) died (exit code {code})"
+        log.error("%s; failing %d requests in flight", why, len(self._slots))
+        for slot in self._slots.values():
+            slot.fail(why)
+        self._slots.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(why))
+        self._calls.clear()
+        self._outbox.clear()
+        if self.restarts_left <= 0:
+            self._fatal = f"{why}; no restart left (--engine-restarts)"
+            log.error("%s", self._fatal)
+            if self._ready_event is not None:
+                self._ready_event.set()
+            return
+        self.restarts_left -= 1
+        self._why = f"{why}; a new engine process is starting"
+        asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        try:
+            await asyncio.to_thread(self.start)
+            self._watch()
+        except Exception as e:  # noqa: BLE001 - the server cannot serve: it exits non-zero
+            self._fatal = f"the engine process could not be restarted: {e}"
+            log.error("%s", self._fatal)
+        if self._ready_event is not None:
+            self._ready_event.set()
+
+    def _send(self, msg: tuple) -> None:
+        """Queue ``msg``; everything queued in this turn of the loop crosses as one list."""
+        if not self._outbox:
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+        self._outbox.append(msg)
+
+    def _flush(self) -> None:
+        out, self._outbox = self._outbox, []
+        if not out or not self._ready or self._tx is None:
+            return
+        try:
+            self._tx.send_bytes(ForkingPickler.dumps(out, protocol=5))
+        except OSError:  # the engine is gone: its reader reports the death
+            pass
+
+    # ---- the async engine's interface -------------------------------------------------
+    async def control(self, name: str, *args: object) -> object:
+        """Call the engine's control method ``name`` (:data:`CONTROL_CALLS`) in the
+        engine process and await its value.
+
+        Raises:
+            ValueError: an unknown name. EngineUnavailable: no engine process runs (or
+            it died before answering). RuntimeError / EngineError: what the method raised
+            there (``flush_cache`` while requests are live raises RuntimeError).
+        """
+        if name not in CONTROL_CALLS:
+            raise ValueError(f"unknown control call {name!r}")
+        if self._loop is None:
+            self.attach()
+        if not self._ready:
+            raise EngineUnavailable(self.unavailable() or "the engine process is not running")
+        assert self._loop is not None
+        cid = next(self._ids)
+        fut = self._loop.create_future()
+        self._calls[cid] = fut
+        self._send(("call", cid, name, args))
+        return await fut
+
+    async def stream(
+        self, req: EngineRequest, final_only: bool = False
+    ) -> AsyncIterator[StreamUpdate]:
+        """Submit ``req`` to the engine process and yield its updates, the last with the
+        result (merged while the consumer is busy; only the last with ``final_only``).
+
+        Closing early (client gone, a stop string) aborts the request in the engine; a
+        cancelled :class:`~mmserve.cancel.CancelToken` aborts it at once. While no engine
+        runs, or when it dies, the result has finish reason "error" naming the engine.
+        """
+        if self._loop is None:
+            self.attach()
+        assert self.front is not None, "set EngineProcessClient.front first"
+        slot = Slot(collector_for(self.front, req, final_only), final_only)
+        unhook = None
+        if not self._ready:
+            slot.fail(self.unavailable() or "the engine process is not running")
+        else:
+            self._slots[req.rid] = slot
+            self._send(("add", _wire(req)))
+            token = cancel.current()
+            if token is not None:
+                if token.cancelled:
+                    self._send(("abort", req.rid))
+                loop = self._loop
+                assert loop is not None
+                unhook = token.on_cancel(lambda: loop.call_soon_threadsafe(self._abort, req.rid))
+        try:
+            while True:
+                upd = await slot.take()
+                yield upd
+                if upd.result is not None:
+                    return
+        finally:
+            if unhook is not None:
+                unhook()
+            if self._slots.get(req.rid) is slot:
+                del self._slots[req.rid]
+            if not slot.engine_done:
+                self._abort(req.rid)
+
+    def _abort(self, rid: str) -> None:
+        if self._ready:
+            self._send(("abort", rid))
+
+    async def generate(self, req: EngineRequest) -> GenerateResult:
+        """Submit ``req`` and wait for its result (final-only: no per-token text)."""
+        result = None
+        async for upd in self.stream(req, final_only=True):
+            result = upd.result
+        assert result is not None
+        return result
+
+
+def _wire(req: EngineRequest) -> EngineRequest:
+    """``req`` as it crosses: no compiled grammar (the engine compiles its own from the
+    spec), and its images without the decoded picture or file (only what the engine
+    reads: key, mode, size, pixels or features)."""
+    import dataclasses
+
+    spans = req.spans
+    if spans:
+        spans = tuple(
+            dataclasses.replace(s, image=dataclasses.replace(s.image, image=None, source=None))
+            for s in spans
+        )
+    if req.grammar is None and spans is req.spans:
+        return req
+    return dataclasses.replace(req, grammar=None, spans=spans)
+
+
+def _end(proc) -> None:
+    """Make sure ``proc`` is gone and reaped (killed if still running)."""
+    if proc.is_alive():
+        proc.kill()
+    proc.join(10)
