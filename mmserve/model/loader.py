@@ -46,8 +46,7 @@ from mmserve.model.llama import DecoderStack, LlamaDecoder, LlamaShape
 from mmserve.model.weights import CheckpointError, fused_sources, split_weights
 from mmserve.model.weights import short_error as _short
 
-#: Key suffixes of quantized tensors (8-bit scales; 4-bit packed weights of each format).
-_QUANT_KEYS = ("weight_scale", "weight_packed", "qweight")
+_QUANT_KEYS = ("weight_scale", "weight_packed", "qweight")  # quantized tensors' suffixes
 #: Decoder ``model_type`` values our Llama decoder runs (Mistral and Qwen2 without a
 #: sliding window; Qwen2 with its q/k/v biases).
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -506,9 +505,8 @@ def load_model(
 
 
 def quantization_source(flag: str, stored: str, qc: dict | None = None) -> str:
-    """Where the served quantization comes from, in words: the checkpoint's stored
-    weights (``stored``, its format from ``qc``: compressed-tensors, awq, gptq), or
-    ``--quantization`` (``flag``) at load; "" for none."""
+    """Where the served quantization comes from, in words: stored weights (``stored``, in
+    ``qc``'s format) or ``--quantization`` (``flag``) at load; "" for none."""
     if stored != "none":
         fmt = dict(qc or {}).get("quant_method", "compressed-tensors")
         return f"the checkpoint's {fmt} {stored} weights"
@@ -546,16 +544,13 @@ def read_front_end(model_dir: Path) -> tuple[PretrainedConfig, Any, ModelFamily]
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     config = _load_config(model_dir)
-    try:  # settings the family would otherwise ignore, named with their file
-        _family_class(config).check_checkpoint(model_dir)
+    cls = _family_class(config)
+    try:  # settings the family does not implement, named with their file or field
+        cls.check_checkpoint(model_dir)
+        processor = _family_processor(model_dir, config)
+        return config, processor, cls(config, processor)
     except ValueError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
-    processor = _family_processor(model_dir, config)
-    try:  # a family refuses settings it does not implement, naming the field
-        family = _family_class(config)(config, processor)
-    except ValueError as e:
-        raise CheckpointError(f"{model_dir}: {e}") from None
-    return config, processor, family
 
 
 def assemble(
