@@ -18,7 +18,15 @@ from mmserve.engine.spec_decode import accept_greedy, accept_sampled
 from mmserve.frontend.frontend import Engine
 from mmserve.structured.spec import GuidedSpec
 from mmserve.types import SamplingParams
-from tests.helpers import QUOTE, TINY_FAMILIES, quoting_loaded, user
+from tests.helpers import (
+    QUOTE,
+    TINY_FAMILIES,
+    ChatDefaults,
+    chat_json,
+    quoting_loaded,
+    stream_chunks,
+    user,
+)
 
 SPEC = {"speculative": "ngram", "num_speculative_tokens": 4}
 #: the question quotes the passage, so its answer (the passage) can be looked up
@@ -293,3 +301,45 @@ def test_config_is_validated_with_clear_errors() -> None:
         with pytest.raises(ValueError, match=words.replace("'", ".")):
             EngineConfig(**kw).validate()
     EngineConfig(**SPEC).validate()
+
+
+# ---- through the API ---------------------------------------------------------------------
+def test_api_answers_equal_and_metrics_report_speculation(families, quoting) -> None:
+    """n > 1, logprobs, stop strings, streaming and JSON output through
+    ``/v1/chat/completions`` give the same answers with speculation on; ``/metrics``
+    reports drafted and accepted tokens and the accepted length."""
+    from tests.live_server import app_client
+
+    model = quoting("llava")
+    bodies = [
+        {"max_tokens": 20, "logprobs": True, "top_logprobs": 2},
+        {"max_tokens": 20, "n": 2, "temperature": 0},
+        {"max_tokens": 30, "stop": ["mat."]},
+        {"max_tokens": 12, "response_format": {"type": "json_object"}},
+    ]
+    answers = {}
+    for spec in ("off", "ngram"):
+        eng = engine(families, "llava", model, speculative=spec)
+        with app_client(eng) as client:
+            got = []
+            for body in bodies:
+                out = chat_json(client, QUESTION, **body)
+                got.append([(c["message"]["content"], c["finish_reason"]) for c in out["choices"]])
+                if "logprobs" in body:
+                    got.append([c["logprobs"] for c in out["choices"]])
+            streamed = stream_chunks(client, ChatDefaults(QUESTION, 16).body())
+            got.append("".join(c["choices"][0]["delta"].get("content") or "" for c in streamed))
+            answers[spec] = got
+            text = client.get("/metrics").text
+        if spec == "ngram":
+            assert eng.stats.spec_accepted_tokens > 0
+            line = next(x for x in text.splitlines() if x.startswith("mmserve_spec_decode_accepted_tokens_total"))
+            assert float(line.split()[-1]) == eng.stats.spec_accepted_tokens
+            assert "mmserve_spec_decode_accepted_length " in text
+    assert answers["ngram"][:1] == answers["off"][:1]
+    off_lp, on_lp = answers["off"][1][0]["content"], answers["ngram"][1][0]["content"]
+    for a, b in zip(off_lp, on_lp, strict=True):
+        assert a["token"] == b["token"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+    assert answers["ngram"][2:] == answers["off"][2:]
+    assert len(answers["ngram"][2]) == 2  # n = 2
+    assert answers["ngram"][3][0][1] == "stop" and "mat." not in answers["ngram"][3][0][0]

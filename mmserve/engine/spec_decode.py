@@ -49,6 +49,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.ngram import NgramIndex, usable_prefix
 from mmserve.engine.request import Request
 from mmserve.engine.sampling import batch_logprobs, is_greedy, sampling_probs
+from mmserve.engine.scheduler.spec_pages import grow_for_draft, trim_after_verify
 from mmserve.engine.step import Chunks, logit_rows, record_vision
 
 if TYPE_CHECKING:
@@ -285,33 +286,13 @@ class NgramSpeculator:
 
     @staticmethod
     def _grow(sched: Scheduler, req: Request, k: int) -> int:
-        """Give ``req`` pages for its last token and ``k`` drafted ones, as far as free or
-        evictable pages (not promised to other requests) allow; returns the drafted
-        tokens that fit."""
-        P = sched.page_size
-        c, have = req.computed_len, len(req.pages)
-        need = -(-(c + 1 + k) // P) - have
-        if need > 0:
-            avail = max(0, sched.kv.available(sched.reserved_pages() - req.reserved_pages))
-            if need > avail:
-                k = max(0, (have + avail) * P - c - 1)
-                need = -(-(c + 1 + k) // P) - have
-            if need > 0:
-                sched.kv.grow(req, need)
-        return k
+        """Pages for ``req``'s last token and ``k`` drafts; returns the drafts that fit."""
+        return grow_for_draft(sched.kv, req, k, sched.reserved_pages)
 
     @staticmethod
     def _trim(sched: Scheduler, req: Request, plan: _Plan) -> None:
-        """Free the pages grown for ``req``'s draft past its sequence (prompt, output) and
-        give its decode reservation back what the kept pages did not use."""
-        if req.finished:  # released: its pages are the pool's or the tree's already
-            return
-        P = sched.page_size
-        keep = max(plan.pages, -(-req.seq_len // P))
-        dropped = req.pages.truncate(keep)
-        if dropped:
-            sched.kv.alloc.free(dropped)
-        req.reserved_pages = max(0, plan.reserved - (len(req.pages) - plan.pages))
+        """Free the draft's pages past ``req``'s sequence, restore its reservation."""
+        trim_after_verify(sched.kv, req, plan.pages, plan.reserved)
 
 
 def make_speculator(config: EngineConfig, vocab_size: int) -> NgramSpeculator | None:
