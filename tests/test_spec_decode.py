@@ -333,7 +333,8 @@ def test_api_answers_equal_and_metrics_report_speculation(families, quoting) -> 
             text = client.get("/metrics").text
         if spec == "ngram":
             assert eng.stats.spec_accepted_tokens > 0
-            line = next(x for x in text.splitlines() if x.startswith("mmserve_spec_decode_accepted_tokens_total"))
+            name = "mmserve_spec_decode_accepted_tokens_total "
+            line = next(x for x in text.splitlines() if x.startswith(name))
             assert float(line.split()[-1]) == eng.stats.spec_accepted_tokens
             assert "mmserve_spec_decode_accepted_length " in text
     assert answers["ngram"][:1] == answers["off"][:1]

@@ -51,6 +51,7 @@ from mmserve.engine.request import Request
 from mmserve.engine.sampling import batch_logprobs, is_greedy, sampling_probs
 from mmserve.engine.scheduler.spec_pages import grow_for_draft, trim_after_verify
 from mmserve.engine.step import Chunks, logit_rows, record_vision
+from mmserve.types import TokenLogprob
 
 if TYPE_CHECKING:
     from mmserve.engine.engine import EngineCore
@@ -221,7 +222,7 @@ class NgramSpeculator:
         failed_before = stats.failed_steps
         try:
             logits = core.runner.prefill(reqs, [1] * len(decode) + [n for _, n in chunks], drafts)
-        except Exception:  # noqa: BLE001 - the ordinary step runs (and contains it)
+        except Exception:
             log.warning("verify step failed; running it without drafts", exc_info=True)
             for i, plan in plans.items():
                 self._trim(sched, decode[i], plan)
@@ -274,7 +275,7 @@ class NgramSpeculator:
         if st.verifies >= self.window and st.accepted < self.min_accepted * st.verifies:
             st.off = True
             stats.spec_requests_off += 1
-        lps = [None] * len(out)
+        lps: list[TokenLogprob | None] = [None] * len(out)
         if p.logprobs is not None:
             lps = batch_logprobs(rows[: len(out)], out, [p.logprobs] * len(out))
         for j, tok in enumerate(out):

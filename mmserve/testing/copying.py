@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -36,14 +37,14 @@ def quoting_model(model: LoadedModel, passage: list[int], start: int) -> LoadedM
     Returns:
         The edited :class:`LoadedModel` (``model`` itself is unchanged).
     """
-    dec = copy.deepcopy(model.decoder)
-    for layer in dec.layers:  # type: ignore[union-attr]
+    dec: Any = copy.deepcopy(model.decoder)  # a LlamaDecoder (nn.Module attributes)
+    for layer in dec.layers:
         for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
             lin.weight.zero_()
             if lin.bias is not None:
                 lin.bias.zero_()
-    emb = dec.embed_tokens.weight  # type: ignore[union-attr]
-    head = dec.lm_head  # type: ignore[union-attr]
+    emb = dec.embed_tokens.weight
+    head = dec.lm_head
     if head.weight is emb:  # tied: untie, the embeddings stay as they are
         head.weight = torch.nn.Parameter(emb.detach().clone())
     w = head.weight
