@@ -1,0 +1,177 @@
+"""``spec``: n-gram speculative decoding (``--speculative ngram``) on a prompt-copying
+workload, on against off.
+
+The workload is document QA whose answer quotes the document: a ~150-token passage, a
+question asking for it verbatim, ``--tokens`` answer tokens (``ignore_eos``). A random
+checkpoint never quotes its prompt, so two models are measured:
+
+- **quoting**: the checkpoint edited by :func:`mmserve.testing.copying.quoting_model`
+  (every layer's output projections zeroed, the LM head a bigram table of the passage):
+  its greedy answer copies the passage, as a real model's quote would, and then cycles
+  through a bigram loop of it (also text it has seen). Every layer still runs at full
+  size, so a step costs what the random checkpoint's does;
+- **random**: the unedited checkpoint, whose answer repeats nothing: what speculation
+  costs when drafts are (nearly) never found or kept.
+
+Per model and batch size ``B`` (``--batches``; ``B`` copies of the prompt decoded
+together; the prompt's KV is cached by a warm-up round, so the rounds time decode):
+``off``, ``on`` (the default switches: at ``B`` above ``speculative_max_batch`` it turns
+itself off) and ``forced`` (``speculative_max_batch`` 64: always drafting, which measures
+where the default threshold belongs). Configurations run interleaved in each round, in
+rotated order; the figures are medians over ``--rounds`` rounds: tokens/s, the ratio to
+off in the same round, forward steps, accepted length (tokens per verify: 1 + kept
+drafts) and the share of drafted tokens kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.report import emit, fmt, loadavg, md_table
+from mmserve.config import EngineConfig
+from mmserve.frontend.frontend import Engine
+from mmserve.model.loader import load_model
+from mmserve.testing.copying import quoting_model
+from mmserve.types import SamplingParams
+
+DOCUMENT = (
+    "Invoice 2291 was issued on 14 March by Harbour Lane Supplies to the Riverside school "
+    "district for forty-two replacement desks, sixteen whiteboards and the installation of "
+    "new lighting in the east wing. Payment is due within thirty days of delivery; a late "
+    "fee of two percent per month applies to any balance left unpaid after that date. "
+    "Questions about this invoice should be sent to the accounts office, which answers "
+    "within two working days and keeps a record of every payment received."
+)
+QUESTION = "What does the invoice say about payment and late fees? Quote the document."
+
+OPTIONS = [
+    (("--tokens",), dict(type=int, default=64, help="answer tokens per request")),
+    (("--rounds",), dict(type=int, default=5, help="interleaved rounds")),
+    (("--batches",), dict(default="1,2,4,8", help="decode batch sizes")),
+    (("--k",), dict(type=int, default=4, help="--num-speculative-tokens")),
+    (("--models",), dict(default="quoting,random")),
+    (("--dtype",), dict(default="auto")),
+]
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "off": {},
+    "on": {"speculative": "ngram"},
+    "forced": {"speculative": "ngram", "speculative_max_batch": 64},
+}
+
+
+def _messages() -> list[dict]:
+    text = f"Document:\n{DOCUMENT}\n\nQuestion: {QUESTION}"
+    return [{"role": "user", "content": [{"type": "text", "text": text}]}]
+
+
+def _round(eng: Engine, batch: int, tokens: int) -> tuple[float, dict[str, int]]:
+    """Seconds to answer ``batch`` copies of the prompt, and the engine counters it moved."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    reqs = [
+        eng.processor.make_request(messages=_messages(), images=[], params=params)
+        for _ in range(batch)
+    ]
+    s = eng.stats
+    keys = ("decode_steps", "spec_verifies", "spec_drafted_tokens", "spec_accepted_tokens")
+    before = {k: getattr(s, k) for k in keys}
+    t0 = time.perf_counter()
+    eng.generate(reqs)
+    dt = time.perf_counter() - t0
+    return dt, {k: getattr(s, k) - before[k] for k in keys}
+
+
+def run(args: argparse.Namespace, model_dir: str | None) -> int:
+    """``spec``: speculation on a prompt-copying workload, on against off."""
+    assert model_dir is not None
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    loaded = load_model(model_dir, dtype=dtype) if dtype is not None else load_model(model_dir)
+    base = Engine(EngineConfig(model_path=model_dir), model=loaded)
+    prompt = base.processor.make_request(messages=_messages(), images=[])
+    passage = loaded.tokenizer.encode(DOCUMENT, add_special_tokens=False)
+    models = {"quoting": quoting_model(loaded, passage, prompt.input_ids[-1]), "random": loaded}
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict[str, Any] = {
+        "model": model_dir,
+        "size": args.size,
+        "prompt_tokens": len(prompt.input_ids),
+        "passage_tokens": len(passage),
+        "tokens": args.tokens,
+        "k": args.k,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "loadavg_before": loadavg(),
+        "rows": [],
+    }
+    rows = []
+    for name in args.models.split(","):
+        model = models[name]
+        engines = {
+            c: Engine(
+                EngineConfig(
+                    model_path=model_dir, num_speculative_tokens=args.k, max_total_tokens=65536, **kw
+                ),
+                model=model,
+            )
+            for c, kw in CONFIGS.items()
+        }
+        for batch in batches:
+            for eng in engines.values():  # warm-up: the prompt's KV cached, first-call costs
+                _round(eng, batch, 4)
+            secs: dict[str, list[float]] = {c: [] for c in engines}
+            ratio: dict[str, list[float]] = {c: [] for c in engines}
+            moved: dict[str, dict[str, int]] = {c: {} for c in engines}
+            order = list(engines)
+            for r in range(args.rounds):
+                got = {}
+                for c in order[r % len(order) :] + order[: r % len(order)]:
+                    got[c], counts = _round(engines[c], batch, args.tokens)
+                    for k, v in counts.items():
+                        moved[c][k] = moved[c].get(k, 0) + v
+                for c in engines:
+                    secs[c].append(got[c])
+                    ratio[c].append(got["off"] / got[c])
+            for c in engines:
+                m = moved[c]
+                verifies = m["spec_verifies"]
+                row = {
+                    "model": name,
+                    "batch": batch,
+                    "config": c,
+                    "tok_s": batch * args.tokens / statistics.median(secs[c]),
+                    "speedup": statistics.median(ratio[c]),
+                    "steps_per_round": m["decode_steps"] / args.rounds,
+                    "accepted_length": 1 + m["spec_accepted_tokens"] / verifies
+                    if verifies
+                    else None,
+                    "kept_share": m["spec_accepted_tokens"] / m["spec_drafted_tokens"]
+                    if m["spec_drafted_tokens"]
+                    else None,
+                }
+                rows.append(row)
+                print(row, flush=True)
+    results["rows"] = rows
+    results["loadavg_after"] = loadavg()
+    table = md_table(
+        "model | B | config | tok/s | vs off (median ratio) | decode steps | accepted length "
+        "| drafts kept",
+        [
+            [
+                r["model"], r["batch"], r["config"], fmt(r["tok_s"]), fmt(r["speedup"]),
+                fmt(r["steps_per_round"]), fmt(r["accepted_length"]), fmt(r["kept_share"]),
+            ]
+            for r in rows
+        ],
+    )  # fmt: skip
+    md = (
+        f"spec: {args.size} ({results['prompt_tokens']}-token prompt, "
+        f"{results['passage_tokens']}-token passage), {args.tokens} tokens, k={args.k}, "
+        f"{args.rounds} interleaved rounds, {results['threads']} thread(s), load "
+        f"{results['loadavg_before']} -> {results['loadavg_after']}\n\n{table}"
+    )
+    return emit(args.out, "spec", results, md)
