@@ -56,6 +56,7 @@ OPTIONS = [
     (("--k",), dict(type=int, default=4, help="--num-speculative-tokens")),
     (("--models",), dict(default="quoting,random")),
     (("--dtype",), dict(default="auto")),
+    (("--device",), dict(default="cpu")),
 ]
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -89,9 +90,9 @@ def _round(eng: Engine, batch: int, tokens: int) -> tuple[float, dict[str, int]]
 def run(args: argparse.Namespace, model_dir: str | None) -> int:
     """``spec``: speculation on a prompt-copying workload, on against off."""
     assert model_dir is not None
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    loaded = load_model(model_dir, dtype=dtype) if dtype is not None else load_model(model_dir)
-    base = Engine(EngineConfig(model_path=model_dir), model=loaded)
+    dtype = EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()
+    loaded = load_model(model_dir, device=args.device, dtype=dtype)
+    base = Engine(EngineConfig(model_path=model_dir, device=args.device), model=loaded)
     prompt = base.processor.make_request(messages=_messages(), images=[])
     passage = loaded.tokenizer.encode(DOCUMENT, add_special_tokens=False)
     models = {"quoting": quoting_model(loaded, passage, prompt.input_ids[-1]), "random": loaded}
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
         "k": args.k,
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
+        "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
         "loadavg_before": loadavg(),
         "rows": [],
     }
@@ -114,7 +117,8 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
         engines = {
             c: Engine(
                 EngineConfig(
-                    model_path=model_dir, num_speculative_tokens=args.k, max_total_tokens=65536, **kw
+                    model_path=model_dir, device=args.device, num_speculative_tokens=args.k,
+                    max_total_tokens=65536, **kw,
                 ),
                 model=model,
             )
@@ -169,7 +173,8 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
         ],
     )  # fmt: skip
     md = (
-        f"spec: {args.size} ({results['prompt_tokens']}-token prompt, "
+        f"spec: {args.size} {results['dtype']} on {args.device} "
+        f"({results['prompt_tokens']}-token prompt, "
         f"{results['passage_tokens']}-token passage), {args.tokens} tokens, k={args.k}, "
         f"{args.rounds} interleaved rounds, {results['threads']} thread(s), load "
         f"{results['loadavg_before']} -> {results['loadavg_after']}\n\n{table}"

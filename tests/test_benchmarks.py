@@ -452,3 +452,20 @@ def test_graph_decode_tiny(model_dir: Path, tmp_path: Path) -> None:
     for prof in res["profile"].values():
         assert prof["steps"] >= 2 and 0 <= prof["host_share"] < 1
         assert prof["model_ms"] > 0 and prof["step_ms"] >= prof["model_ms"]
+
+
+def test_spec_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    """``spec``: the quoting checkpoint's drafts are kept (fewer decode steps, accepted
+    length > 1); the random one's rows report what they did; every configuration is there."""
+    from benchmarks.__main__ import main
+
+    argv = ["spec", "--model", str(model_dir), "--out", str(tmp_path), "--rounds", "1"]
+    assert main([*argv, "--tokens", "12", "--batches", "1,2"]) == 0
+    res = json.loads((tmp_path / "spec.json").read_text())
+    rows = {(r["model"], r["batch"], r["config"]): r for r in res["rows"]}
+    assert set(rows) == {
+        (m, b, c) for m in ("quoting", "random") for b in (1, 2) for c in ("off", "on", "forced")
+    }
+    on, off = rows[("quoting", 1, "on")], rows[("quoting", 1, "off")]
+    assert on["accepted_length"] > 1 and on["steps_per_round"] < off["steps_per_round"]
+    assert off["accepted_length"] is None and all(r["tok_s"] > 0 for r in rows.values())
