@@ -344,3 +344,21 @@ def test_api_answers_equal_and_metrics_report_speculation(families, quoting) -> 
     assert answers["ngram"][2:] == answers["off"][2:]
     assert len(answers["ngram"][2]) == 2  # n = 2
     assert answers["ngram"][3][0][1] == "stop" and "mat." not in answers["ngram"][3][0][0]
+
+
+def test_kv_host_tier_holds_only_kept_tokens(families, quoting) -> None:
+    """With a host KV tier behind a pool too small for the workload, pages evicted to the
+    tier and loaded back give the answers of speculation off (a rejected token's K/V in
+    a tier page would change them)."""
+    model = quoting("llava")
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+    prompts = [((f"Variant {k}. {QUESTION}",), []) for k in range(4)]
+    cfg = {"page_size": 4, "max_total_tokens": 256, "kv_host_bytes": 64 << 20}
+    base = run(engine(families, "llava", model, **cfg), prompts, params)
+    eng = engine(families, "llava", model, **cfg, **SPEC)
+    for _ in range(2):  # the second pass loads evicted pages back from the host tier
+        for p in prompts:
+            got = run(eng, [p], params)
+            assert_same(got, [base[prompts.index(p)]], f"tier {p}")
+    figures = eng.cache_stats()
+    assert figures["tier_host_hit_tokens"] > 0 and eng.stats.spec_accepted_tokens > 0
