@@ -10,6 +10,11 @@ checkpoint never quotes its prompt, so two models are measured:
   its greedy answer copies the passage, as a real model's quote would, and then cycles
   through a bigram loop of it (also text it has seen). Every layer still runs at full
   size, so a step costs what the random checkpoint's does;
+- **rejected**: the same edit with the passage's bigrams reversed (its answer walks the
+  passage backwards), so a 1-gram lookup always finds a draft (the forward continuation)
+  and the target always rejects it: the worst case, what a verify costs with nothing
+  kept (its ``forced`` row also sets ``speculative_min_accepted`` 0, so the request's own
+  switch never stops it);
 - **random**: the unedited checkpoint, whose answer repeats nothing: what speculation
   costs when drafts are (nearly) never found or kept.
 
@@ -19,8 +24,9 @@ together; the prompt's KV is cached by a warm-up round, so the rounds time decod
 itself off) and ``forced`` (``speculative_max_batch`` 64: always drafting, which measures
 where the default threshold belongs). Configurations run interleaved in each round, in
 rotated order; the figures are medians over ``--rounds`` rounds: tokens/s, the ratio to
-off in the same round, forward steps, accepted length (tokens per verify: 1 + kept
-drafts) and the share of drafted tokens kept.
+off in the same round by wall time and by this process's CPU time (less sensitive to
+other jobs on a shared machine), forward steps, accepted length (tokens per verify: 1 +
+kept drafts) and the share of drafted tokens kept.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ OPTIONS = [
     (("--rounds",), dict(type=int, default=5, help="interleaved rounds")),
     (("--batches",), dict(default="1,2,4,8", help="decode batch sizes")),
     (("--k",), dict(type=int, default=4, help="--num-speculative-tokens")),
-    (("--models",), dict(default="quoting,random")),
+    (("--models",), dict(default="quoting,rejected,random")),
     (("--dtype",), dict(default="auto")),
     (("--device",), dict(default="cpu")),
 ]
@@ -71,8 +77,9 @@ def _messages() -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": text}]}]
 
 
-def _round(eng: Engine, batch: int, tokens: int) -> tuple[float, dict[str, int]]:
-    """Seconds to answer ``batch`` copies of the prompt, and the engine counters it moved."""
+def _round(eng: Engine, batch: int, tokens: int) -> tuple[float, float, dict[str, int]]:
+    """Wall and CPU seconds to answer ``batch`` copies of the prompt, and the engine
+    counters it moved."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     reqs = [
         eng.processor.make_request(messages=_messages(), images=[], params=params)
@@ -81,10 +88,10 @@ def _round(eng: Engine, batch: int, tokens: int) -> tuple[float, dict[str, int]]
     s = eng.stats
     keys = ("decode_steps", "spec_verifies", "spec_drafted_tokens", "spec_accepted_tokens")
     before = {k: getattr(s, k) for k in keys}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     eng.generate(reqs)
-    dt = time.perf_counter() - t0
-    return dt, {k: getattr(s, k) - before[k] for k in keys}
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    return dt, dc, {k: getattr(s, k) - before[k] for k in keys}
 
 
 def run(args: argparse.Namespace, model_dir: str | None) -> int:
@@ -95,7 +102,12 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
     base = Engine(EngineConfig(model_path=model_dir, device=args.device), model=loaded)
     prompt = base.processor.make_request(messages=_messages(), images=[])
     passage = loaded.tokenizer.encode(DOCUMENT, add_special_tokens=False)
-    models = {"quoting": quoting_model(loaded, passage, prompt.input_ids[-1]), "random": loaded}
+    start = prompt.input_ids[-1]
+    models = {
+        "quoting": quoting_model(loaded, passage, start),
+        "rejected": quoting_model(loaded, passage[::-1], start),
+        "random": loaded,
+    }
     batches = [int(b) for b in args.batches.split(",")]
     results: dict[str, Any] = {
         "model": model_dir,
@@ -114,32 +126,40 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
     rows = []
     for name in args.models.split(","):
         model = models[name]
+        configs = {c: dict(kw) for c, kw in CONFIGS.items()}
+        if name == "rejected":  # the worst case: drafting never stops
+            configs["forced"].update(speculative_min_accepted=0.0, ngram_min=1)
         engines = {
             c: Engine(
                 EngineConfig(
-                    model_path=model_dir, device=args.device, num_speculative_tokens=args.k,
-                    max_total_tokens=65536, **kw,
+                    model_path=model_dir,
+                    device=args.device,
+                    num_speculative_tokens=args.k,
+                    max_total_tokens=65536,
+                    **kw,
                 ),
                 model=model,
             )
-            for c, kw in CONFIGS.items()
+            for c, kw in configs.items()
         }
         for batch in batches:
             for eng in engines.values():  # warm-up: the prompt's KV cached, first-call costs
                 _round(eng, batch, 4)
             secs: dict[str, list[float]] = {c: [] for c in engines}
             ratio: dict[str, list[float]] = {c: [] for c in engines}
+            cpu_ratio: dict[str, list[float]] = {c: [] for c in engines}
             moved: dict[str, dict[str, int]] = {c: {} for c in engines}
             order = list(engines)
             for r in range(args.rounds):
-                got = {}
+                got, cpu = {}, {}
                 for c in order[r % len(order) :] + order[: r % len(order)]:
-                    got[c], counts = _round(engines[c], batch, args.tokens)
+                    got[c], cpu[c], counts = _round(engines[c], batch, args.tokens)
                     for k, v in counts.items():
                         moved[c][k] = moved[c].get(k, 0) + v
                 for c in engines:
                     secs[c].append(got[c])
                     ratio[c].append(got["off"] / got[c])
+                    cpu_ratio[c].append(cpu["off"] / cpu[c])
             for c in engines:
                 m = moved[c]
                 verifies = m["spec_verifies"]
@@ -149,6 +169,7 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
                     "config": c,
                     "tok_s": batch * args.tokens / statistics.median(secs[c]),
                     "speedup": statistics.median(ratio[c]),
+                    "speedup_cpu": statistics.median(cpu_ratio[c]),
                     "steps_per_round": m["decode_steps"] / args.rounds,
                     "accepted_length": 1 + m["spec_accepted_tokens"] / verifies
                     if verifies
@@ -162,11 +183,12 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
     results["rows"] = rows
     results["loadavg_after"] = loadavg()
     table = md_table(
-        "model | B | config | tok/s | vs off (median ratio) | decode steps | accepted length "
-        "| drafts kept",
+        "model | B | config | tok/s | vs off (wall) | vs off (CPU) | decode steps "
+        "| accepted length | drafts kept",
         [
             [
                 r["model"], r["batch"], r["config"], fmt(r["tok_s"]), fmt(r["speedup"]),
+                fmt(r["speedup_cpu"]),
                 fmt(r["steps_per_round"]), fmt(r["accepted_length"]), fmt(r["kept_share"]),
             ]
             for r in rows
