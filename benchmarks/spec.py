@@ -32,6 +32,7 @@ kept drafts) and the share of drafted tokens kept.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from typing import Any
@@ -103,11 +104,16 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
     prompt = base.processor.make_request(messages=_messages(), images=[])
     passage = loaded.tokenizer.encode(DOCUMENT, add_special_tokens=False)
     start = prompt.input_ids[-1]
-    models = {
-        "quoting": quoting_model(loaded, passage, start),
-        "rejected": quoting_model(loaded, passage[::-1], start),
-        "random": loaded,
-    }
+    del base, loaded
+    edits = {"quoting": passage, "rejected": passage[::-1]}
+
+    def model_for(name: str) -> Any:
+        """A fresh load, edited in place (one copy of the weights in memory at a time)."""
+        fresh = load_model(model_dir, device=args.device, dtype=dtype)
+        if name == "random":
+            return fresh
+        return quoting_model(fresh, edits[name], start, copy_decoder=False)
+
     batches = [int(b) for b in args.batches.split(",")]
     results: dict[str, Any] = {
         "model": model_dir,
@@ -124,8 +130,10 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
         "rows": [],
     }
     rows = []
+    # room for every batch's prompts and answers (engines are kept across batch sizes)
+    pool = (len(prompt.input_ids) + args.tokens + 64) * max(batches) + 1024
     for name in args.models.split(","):
-        model = models[name]
+        model = model_for(name)
         configs = {c: dict(kw) for c, kw in CONFIGS.items()}
         if name == "rejected":  # the worst case: drafting never stops
             configs["forced"].update(speculative_min_accepted=0.0, ngram_min=1)
@@ -135,7 +143,7 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
                     model_path=model_dir,
                     device=args.device,
                     num_speculative_tokens=args.k,
-                    max_total_tokens=65536,
+                    max_total_tokens=pool,
                     **kw,
                 ),
                 model=model,
@@ -143,7 +151,8 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
             for c, kw in configs.items()
         }
         for batch in batches:
-            for eng in engines.values():  # warm-up: the prompt's KV cached, first-call costs
+            for eng in engines.values():  # the same empty tree, then a warm-up round: the
+                eng.flush_cache()  # prompt's KV cached, first-call costs paid
                 _round(eng, batch, 4)
             secs: dict[str, list[float]] = {c: [] for c in engines}
             ratio: dict[str, list[float]] = {c: [] for c in engines}
@@ -180,6 +189,8 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
                 }
                 rows.append(row)
                 print(row, flush=True)
+        del engines, model  # before the next model's weights are loaded
+        gc.collect()
     results["rows"] = rows
     results["loadavg_after"] = loadavg()
     table = md_table(

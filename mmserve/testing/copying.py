@@ -24,7 +24,9 @@ from mmserve.model.loader import LoadedModel
 
 
 @torch.no_grad()
-def quoting_model(model: LoadedModel, passage: list[int], start: int) -> LoadedModel:
+def quoting_model(
+    model: LoadedModel, passage: list[int], start: int, copy_decoder: bool = True
+) -> LoadedModel:
     """A copy of ``model`` (decoder deep-copied; vision and processor shared) whose
     greedy output after token ``start`` is ``passage`` (where the passage repeats a
     token with different successors, the last one wins from there on).
@@ -33,11 +35,15 @@ def quoting_model(model: LoadedModel, passage: list[int], start: int) -> LoadedM
         model: a loaded, unquantized model with a :class:`~mmserve.model.llama.LlamaDecoder`.
         passage: the token ids to quote (text ids of the vocabulary).
         start: the token that precedes the quote (the prompt's last token).
+        copy_decoder: False edits ``model``'s decoder in place (a real-shape benchmark
+            that cannot hold two copies).
 
     Returns:
-        The edited :class:`LoadedModel` (``model`` itself is unchanged).
+        The edited :class:`LoadedModel` (``model`` itself is unchanged unless
+        ``copy_decoder`` is False).
     """
-    dec: Any = copy.deepcopy(model.decoder)  # a LlamaDecoder (nn.Module attributes)
+    # a LlamaDecoder (nn.Module attributes)
+    dec: Any = copy.deepcopy(model.decoder) if copy_decoder else model.decoder
     for layer in dec.layers:
         for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
             lin.weight.zero_()
