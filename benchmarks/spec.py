@@ -11,8 +11,9 @@ checkpoint never quotes its prompt, so two models are measured:
   through a bigram loop of it (also text it has seen). Every layer still runs at full
   size, so a step costs what the random checkpoint's does;
 - **rejected**: the same edit with the passage's bigrams reversed (its answer walks the
-  passage backwards), so a 1-gram lookup always finds a draft (the forward continuation)
-  and the target always rejects it: the worst case, what a verify costs with nothing
+  passage backwards), so a 1-gram lookup finds a draft (the forward continuation) at
+  nearly every step and the target rejects most of them (where the passage's bigram
+  loops agree, some are kept): near the worst case, what a verify costs with little
   kept (its ``forced`` row also sets ``speculative_min_accepted`` 0, so the request's own
   switch never stops it);
 - **random**: the unedited checkpoint, whose answer repeats nothing: what speculation
