@@ -37,6 +37,7 @@ from mmserve.config import (
     KV_CACHE_DTYPES,
     POLICIES,
     QUANTIZATIONS,
+    SPECULATIVE_METHODS,
     EngineConfig,
 )
 from mmserve.fleet.settings import ROUTERS, ReplicaSettings
@@ -85,6 +86,7 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "policy": POLICIES,
     "quantization": QUANTIZATIONS,
+    "speculative": SPECULATIVE_METHODS,
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
     "replica_router": ROUTERS,
     "batch_order": BATCH_ORDERS,
@@ -164,6 +166,13 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
     (
         "GPU/performance",
         ("attention_backend", "disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_twin"),
+    ),
+    (
+        "speculative decoding",
+        (
+            "speculative", "num_speculative_tokens", "ngram_min", "ngram_max",
+            "speculative_max_batch", "speculative_min_accepted", "speculative_window",
+        ),
     ),
     (
         "media limits (images/video)",

@@ -52,6 +52,30 @@ _COUNTERS = (
         "Image embeddings not in the vision-embedding cache.",
         True,
     ),
+    (
+        "mmserve_spec_decode_draft_tokens",
+        "spec_drafted_tokens",
+        "Tokens drafted by speculative decoding (--speculative).",
+        True,
+    ),
+    (
+        "mmserve_spec_decode_accepted_tokens",
+        "spec_accepted_tokens",
+        "Drafted tokens the target model accepted.",
+        True,
+    ),
+    (
+        "mmserve_spec_decode_verifies",
+        "spec_verifies",
+        "Request-steps that verified a draft (each gives 1 + accepted tokens).",
+        True,
+    ),
+    (
+        "mmserve_spec_decode_accepted_length",
+        "spec_accepted_length",
+        "Mean tokens per verify since start (1 + accepted / verifies; 0 before any).",
+        False,
+    ),
 )
 
 

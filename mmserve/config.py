@@ -34,6 +34,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 #: K/V in the model's dtype; "fp8_e4m3" (alias "fp8", as vLLM) in float8_e4m3fn with
 #: per-layer scales (:mod:`mmserve.cache.kv_pool`).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
+#: Accepted values of ``EngineConfig.speculative`` / ``--speculative``
+#: (:mod:`mmserve.engine.spec_decode`).
+SPECULATIVE_METHODS = ("off", "ngram")
 
 
 @dataclass
@@ -151,6 +154,20 @@ class EngineConfig:
             where nothing is captured (the CPU, or the torch backend on CUDA): the CPU twin
             that tests hold token-equal to eager decode. Off by default (padding costs
             compute where launches are cheap); ``disable_cuda_graph`` wins.
+        speculative: speculative decoding: "off", or "ngram" (prompt lookup: drafts
+            copied from the request's own prompt and output, verified in one forward;
+            greedy output unchanged, sampled output follows the same distribution; see
+            :mod:`mmserve.engine.spec_decode`).
+        num_speculative_tokens: most drafted tokens verified per request and step (1..16).
+        ngram_min: shortest suffix n-gram looked up in the prompt and output (tokens, >= 1).
+        ngram_max: longest suffix n-gram looked up (tokens, >= ngram_min, <= 16).
+        speculative_max_batch: decode batches with more requests than this run without
+            speculation (checking drafts stops paying once a step is bound by compute).
+        speculative_min_accepted: a request whose drafts have had accepted tokens per
+            verify below this, after its first ``speculative_window`` verifies, decodes
+            without speculation from then on (tokens, >= 0; 0 never turns it off).
+        speculative_window: verifies per request before ``speculative_min_accepted`` is
+            checked (>= 1).
     """
 
     model_path: str | None = None
@@ -192,6 +209,13 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 0
     cuda_graph_twin: bool = False
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    speculative_max_batch: int = 4
+    speculative_min_accepted: float = 0.3
+    speculative_window: int = 8
 
     def mixed_step_tokens(self) -> int:
         """``max_num_batched_tokens`` with 0 resolved for ``device`` (tokens)."""
@@ -265,6 +289,34 @@ class EngineConfig:
             raise ValueError(
                 f"unknown quantization {self.quantization!r}; "
                 f"choose one of {', '.join(QUANTIZATIONS)}"
+            )
+
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        """Raises ValueError for a speculative-decoding setting out of range."""
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"unknown --speculative {self.speculative!r}; choose one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"--num-speculative-tokens must be in 1..16, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError(
+                "--ngram-min and --ngram-max must satisfy 1 <= ngram_min <= ngram_max <= 16, "
+                f"got ngram_min {self.ngram_min}, ngram_max {self.ngram_max}"
+            )
+        if self.speculative_max_batch < 1 or self.speculative_window < 1:
+            raise ValueError(
+                "--speculative-max-batch and --speculative-window must be >= 1, got "
+                f"{self.speculative_max_batch} and {self.speculative_window}"
+            )
+        if self.speculative_min_accepted < 0:
+            raise ValueError(
+                f"--speculative-min-accepted must be >= 0, got {self.speculative_min_accepted}"
             )
 
     def kv_fp8(self) -> bool:

@@ -1054,3 +1054,19 @@ def fake_hub(status: int, error_code: str) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+#: the passage the quoting checkpoints copy (tests/test_spec_decode.py, benchmarks spec)
+QUOTE = "The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat."
+
+
+def quoting_loaded(loaded, model_dir: Path, passage: str = QUOTE):
+    """``loaded`` edited by :func:`mmserve.testing.copying.quoting_model` so that its greedy
+    answer to any chat prompt quotes ``passage`` (the start token is the chat template's
+    last prompt token)."""
+    from mmserve.testing.copying import quoting_model
+
+    eng = Engine(EngineConfig(model_path=str(model_dir)), model=loaded)
+    start = eng.processor.make_request(messages=user("x"), images=[]).input_ids[-1]
+    ids = loaded.tokenizer.encode(passage, add_special_tokens=False)
+    return quoting_model(loaded, ids, start)

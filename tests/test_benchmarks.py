@@ -475,3 +475,25 @@ def test_hub_load_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert len(out["seconds"]["path"]) == len(out["seconds"]["hub_id"]) == 2
     assert 0 < out["median_s"]["resolve"] < out["median_s"]["hub_id"]
     assert out["ratio_hub_over_path"] > 0
+
+
+def test_spec_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    """``spec``: the quoting checkpoint's drafts are kept (fewer decode steps, accepted
+    length > 1), the reversed one's never are; every configuration is there."""
+    from benchmarks.__main__ import main
+
+    argv = ["spec", "--model", str(model_dir), "--out", str(tmp_path), "--rounds", "1"]
+    assert main([*argv, "--tokens", "12", "--batches", "1,2"]) == 0
+    res = json.loads((tmp_path / "spec.json").read_text())
+    rows = {(r["model"], r["batch"], r["config"]): r for r in res["rows"]}
+    assert set(rows) == {
+        (m, b, c)
+        for m in ("quoting", "rejected", "random")
+        for b in (1, 2)
+        for c in ("off", "on", "forced")
+    }
+    on, off = rows[("quoting", 1, "on")], rows[("quoting", 1, "off")]
+    assert on["accepted_length"] > 1 and on["steps_per_round"] < off["steps_per_round"]
+    assert off["accepted_length"] is None and all(r["tok_s"] > 0 for r in rows.values())
+    worst = rows[("rejected", 1, "forced")]  # drafts always found, never kept
+    assert worst["accepted_length"] == 1.0 and worst["kept_share"] == 0.0

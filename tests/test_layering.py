@@ -202,7 +202,7 @@ def test_api_imports_the_checkpoint_writer_only_when_it_builds_the_default_model
 SPLIT_PACKAGES = {
     "mmserve/cache/kv_tiers": ("keys", "disk", "tiers"),
     "mmserve/vision/video": ("select", "orientation", "probe", "decode"),
-    "mmserve/testing": ("hub_cache", "tokenizer", "weights", "checkpoints"),
+    "mmserve/testing": ("hub_cache", "tokenizer", "weights", "checkpoints", "copying"),
 }
 
 

@@ -82,6 +82,14 @@ class PageTable:
         self._buf[self._n : need] = torch.tensor(pages, dtype=torch.int32, device=self.device)
         self._n = need
 
+    def truncate(self, n: int) -> list[int]:
+        """Drop every page id after the first ``n``; returns the dropped ids (the caller
+        frees them)."""
+        n = max(0, min(n, self._n))
+        dropped = self._buf[n : self._n].tolist()
+        self._n = n
+        return dropped
+
     def reset(self, pages: Iterable[int] = ()) -> None:
         """Replace every page id by ``pages``."""
         self._n = 0

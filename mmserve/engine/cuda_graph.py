@@ -19,7 +19,10 @@ buckets up to 256) where one holds ``max_bs x vocab x 4`` (~156 MB).
 The padded path is not CUDA-only: where nothing is captured (the CPU, or a backend whose
 kernels cannot be captured) the same runner fills the same buffers and runs the
 padded batch eagerly (the CPU twin, ``EngineConfig.cuda_graph_twin``), which is how the
-tests pin its tokens to the eager path's. Prefill and mixed steps always run eagerly.
+tests pin its tokens to the eager path's. Prefill and mixed steps always run eagerly, and
+so does speculative decoding's verify step (:mod:`mmserve.engine.spec_decode`: ``1 + k``
+tokens per drafted request, through the prefill path); a step in which no request has a
+draft is an ordinary decode step and uses the buckets.
 
 The design follows SGLang's ``CudaGraphRunner`` (bucket list and default largest bucket
 by GPU memory: ``python/sglang/srt/server_args.py``) and FlashInfer's CUDA-graph decode

@@ -34,6 +34,7 @@ from mmserve.engine.sampling import (
     token_logprob,
 )
 from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree, needs_extend
+from mmserve.engine.spec_decode import make_speculator
 from mmserve.engine.stats import EngineStats, cache_figures
 from mmserve.engine.step import (
     Chunks,
@@ -155,6 +156,8 @@ class EngineCore:
         )
         self.processors = LogitsProcessors(shape.vocab_size, model.eos_token_ids, config.device)
         self.stats = EngineStats()
+        #: n-gram speculative decoding (None: off; see mmserve.engine.spec_decode)
+        self.speculator = make_speculator(config, shape.vocab_size)
         self._stop_hits: list[str] = []  # requests the front end saw hit a stop string
         self._closed = False
         #: where each step's deltas go, all requests' in one call (the async engine's and
@@ -382,6 +385,10 @@ class EngineCore:
         decode, chunks = schedule_step(self.scheduler, self.config)
         if not chunks and not decode:
             return []
+        if self.speculator is not None:  # drafts verified in this step's forward
+            done = self.speculator.step(self, decode, chunks)
+            if done is not None:
+                return done
         logits = self._forward(decode, chunks)
         if logits is None:
             return []
@@ -474,10 +481,12 @@ class EngineCore:
         tok: int,
         logprob: TokenLogprob | None,
         now: float,
+        emit: bool = True,
     ) -> None:
         """Append ``req``'s sampled token ``tok`` (from ``logits``, fp32 ``[vocab]``),
         advance its grammar, end it on EOS, grammar end or ``max_tokens``, and emit the
-        delta. Text and stop strings are the front end's (:mod:`mmserve.frontend.output`).
+        delta (unless not ``emit``: a later token of the same step emits). Text and stop
+        strings are the front end's (:mod:`mmserve.frontend.output`).
 
         The engine is the only writer of ``output_ids``/``logprobs``/``logits``: a
         grammar's jump-forward comes back as an :class:`~mmserve.structured.decode.Advance`
@@ -517,7 +526,8 @@ class EngineCore:
             return
         if needs_extend(req):  # jumped: K/V of several new tokens
             self.scheduler.extend(req)
-        self._emit(req)
+        if emit:  # speculation emits a step's tokens once, with the last
+            self._emit(req)
 
     def _emit(self, req: Request) -> None:
         """Queue ``req``'s output since its last delta as a :class:`TokenDelta` (the last

@@ -219,7 +219,9 @@ class ModelRunner:
         return found
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request], extends: list[int]) -> torch.Tensor:
+    def prefill(
+        self, reqs: list[Request], extends: list[int], drafts: list[list[int]] | None = None
+    ) -> torch.Tensor:
         """Compute tokens ``[computed_len, computed_len + extend)`` of each request.
 
         The tokens are the prompt followed by any output already produced (a
@@ -229,31 +231,43 @@ class ModelRunner:
         Args:
             reqs: requests of the batch.
             extends: new tokens per request (>= 1).
+            drafts: speculative decoding's verify step (:mod:`mmserve.engine.spec_decode`):
+                per request, drafted text tokens computed after its own new tokens (their
+                K/V is written too; the caller keeps only the accepted ones); None: none.
 
         Returns:
             fp32 logits ``[B, vocab]`` of each request's last new token, with
-            never-sampled ids at ``-inf``.
+            never-sampled ids at ``-inf``; with ``drafts``, ``[B + sum(len(d)), vocab]``:
+            request ``i``'s last ``1 + len(drafts[i])`` positions, in order.
         """
         starts = [r.computed_len for r in reqs]
         ends = [s + e for s, e in zip(starts, extends, strict=True)]
         feats = self._features(reqs, starts, ends)
         ids_all: list[int] = []
-        for r, s, e in zip(reqs, starts, ends, strict=True):
+        news = list(extends)
+        for i, (r, s, e) in enumerate(zip(reqs, starts, ends, strict=True)):
             ids_all.extend(r.ids_slice(s, e))
-        meta = self._metadata(reqs, starts, list(extends), ids_all)
+            if drafts is not None:
+                ids_all.extend(drafts[i])
+                news[i] += len(drafts[i])
+        meta = self._metadata(reqs, starts, news, ids_all)
+        if drafts is not None:  # every drafted position's logits, not only the last
+            last = torch.cumsum(torch.tensor(news), 0).tolist()
+            rows = [q for n, d in zip(last, drafts, strict=True) for q in range(n - 1 - len(d), n)]
+            meta.logit_rows = torch.tensor(rows, dtype=torch.int64).to(self.device)
         ids = meta.input_ids
         assert ids is not None  # given to build_metadata
         embeds = token_embedding(self.model.decoder)(ids.clamp(min=0))
         for tid, vec in self.fixed_embeddings.items():
             embeds[ids == tid] = vec.to(embeds.dtype)
         offset = 0
-        for r, s, e in zip(reqs, starts, ends, strict=True):
+        for r, s, e, n in zip(reqs, starts, ends, news, strict=True):
             for span in r.spans:
                 lo, hi = max(span.start, s), min(span.end, e)
                 if lo < hi:
                     f = feats[span.image.key][lo - span.start : hi - span.start]
                     embeds[offset + lo - s : offset + hi - s] = f.to(embeds.dtype)
-            offset += e - s
+            offset += n
         return self._run(meta, embeds)
 
     @torch.inference_mode()

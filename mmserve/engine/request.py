@@ -16,6 +16,7 @@ from mmserve.types import SamplingParams, TokenLogprob, new_rid
 if TYPE_CHECKING:
     from mmserve.cache.radix_cache import TreeNode
     from mmserve.engine.sampling import ProcessorState
+    from mmserve.engine.spec_decode import SpecState
     from mmserve.structured.compile import GrammarState
     from mmserve.types import TokenDelta
     from mmserve.vision.inputs import ImageSpan
@@ -79,6 +80,7 @@ class Request:
         self.grammar: GrammarState | None = None
         self.processed = params.has_logits_processors()
         self.processor_state: ProcessorState | None = None
+        self.spec: SpecState | None = None  # speculative decoding's (made on first draft)
 
     @property
     def prompt_len(self) -> int:

@@ -68,6 +68,23 @@ def _sample_tensor(
     logits' device (no host-device sync)."""
     if is_greedy(params):
         return torch.argmax(logits).reshape(1)
+    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled (non-greedy) request draws its token from: softmax of
+    ``logits / temperature`` restricted to top-k, then to top-p (renormalized by
+    ``torch.multinomial``'s caller or, for speculation, by
+    :mod:`mmserve.engine.spec_decode`).
+
+    Args:
+        logits: fp32 ``[vocab]`` (never-sampled ids at ``-inf``).
+        params: sampling parameters with ``temperature`` above the greedy threshold.
+
+    Returns:
+        fp32 ``[vocab]`` non-negative weights (summing to 1 without top-p; to the kept
+        mass with it).
+    """
     scaled = logits / params.temperature
     if params.top_k > 0 and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -81,7 +98,7 @@ def _sample_tensor(
         drop[0] = False  # a top_p below fp32's range would otherwise drop every token
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator)
+    return probs
 
 
 def sample_batch(

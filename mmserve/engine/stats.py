@@ -16,7 +16,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class EngineStats:
-    """Cumulative counters since start; token counts are of finished (or aborted) requests."""
+    """Cumulative counters since start; token counts are of finished (or aborted) requests.
+
+    Speculative decoding (:mod:`mmserve.engine.spec_decode`): ``spec_steps`` forwards
+    that verified drafts; ``spec_verifies`` request-steps that did; ``spec_drafted_tokens``
+    and ``spec_accepted_tokens`` tokens drafted and kept; ``spec_requests_off`` requests
+    whose low acceptance turned speculation off; ``spec_batch_off_steps`` decode steps
+    too large to speculate.
+    """
 
     requests_finished: int = 0
     prompt_tokens: int = 0
@@ -30,6 +37,12 @@ class EngineStats:
     failed_steps: int = 0
     consecutive_failed_steps: int = 0
     requests_failed: int = 0
+    spec_steps: int = 0
+    spec_verifies: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_requests_off: int = 0
+    spec_batch_off_steps: int = 0
 
     def count_finish(self, req: Request) -> None:
         """Count a finished (or aborted) request's tokens."""
@@ -84,5 +97,15 @@ def cache_figures(engine: EngineCore) -> dict[str, float]:
         "failed_steps": s.failed_steps,
         "consecutive_failed_steps": s.consecutive_failed_steps,
         "requests_failed": s.requests_failed,
+        "spec_drafted_tokens": s.spec_drafted_tokens,
+        "spec_accepted_tokens": s.spec_accepted_tokens,
+        "spec_verifies": s.spec_verifies,
+        "spec_steps": s.spec_steps,
+        "spec_requests_off": s.spec_requests_off,
+        "spec_batch_off_steps": s.spec_batch_off_steps,
+        # tokens each verify gave (kept drafts plus the one the target always gives)
+        "spec_accepted_length": (
+            1 + s.spec_accepted_tokens / s.spec_verifies if s.spec_verifies else 0.0
+        ),
         **(engine.tiers.stats() if engine.tiers is not None else {}),
     }

@@ -13,5 +13,13 @@ from mmserve.testing.checkpoints import (
     ensure_model,
     make_checkpoint,
 )
+from mmserve.testing.copying import quoting_model
 
-__all__ = ["CORPUS_PATH", "FAMILY_NAMES", "SIZES", "ensure_model", "make_checkpoint"]
+__all__ = [
+    "CORPUS_PATH",
+    "FAMILY_NAMES",
+    "SIZES",
+    "ensure_model",
+    "make_checkpoint",
+    "quoting_model",
+]
