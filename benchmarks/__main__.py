@@ -18,6 +18,7 @@ except ImportError:
 from benchmarks import (
     experiments,
     graph_decode,
+    host,
     kv_fp8,
     model_identity,
     real_shapes,
@@ -66,6 +67,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--bandwidth-gb",), dict(type=float, default=1.0, help="tensor read for GB/s (GiB)")),
         (("--quality-positions",), dict(type=int, default=2000, help="quant: teacher-forced")),
     ]),
+    "host": (host.host, "full", "tiny", "llava", host.OPTIONS),
     "graph-decode": (graph_decode.run, "full", "small", "llava", graph_decode.OPTIONS),
     "replicas": (experiments.replicas, "full", "tiny", "llava", [
         (("--port",), dict(type=int, default=8470, help="HTTP port of the endpoint")),
