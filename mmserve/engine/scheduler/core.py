@@ -154,10 +154,13 @@ class Scheduler:
         a big request is not overtaken forever."""
         P = self.page_size
         admitted: list[Request] = []
+        active = self.active()
+        n_active, promised = len(active), sum(r.reserved_pages for r in active)
+        top = None  # the class of the first admitted request (classes come in order)
         for req, _ in admission_order(self.waiting, self.kv.match, self.config, self._rng):
-            if not left.has_slot(len(self.active()) + len(admitted)):
+            if not left.has_slot(n_active + len(admitted)):
                 break
-            if admitted and req.priority > min(r.priority for r in admitted):
+            if top is not None and req.priority > top:
                 # a lower class never shares a prefill with a higher one: its prompt
                 # would lengthen the step that gives the interactive request its TTFT
                 break
@@ -166,7 +169,8 @@ class Scheduler:
             cap = left.cap(req)
             if cap <= 0:
                 continue  # background chunks used up this step's share; others go on
-            # match again: an eviction for an earlier admission may have cut the old match
+            # the match made for the order, carried: looked up again only when an
+            # earlier admission's eviction (or insert) changed the tree since
             m = self.kv.match(req)
             extend = req.seq_len - m.length  # before any tier load, as admission has it
             if extend > cap and (admitted or self.prefilling or batch):
@@ -180,7 +184,6 @@ class Scheduler:
                 continue
             self.kv.lock(m.last_node)
             reserve = decode_reserve(req, P, self.config.decode_reserve_ratio)
-            promised = self.reserved_pages() + sum(r.reserved_pages for r in admitted)
             if ceil_div(req.seq_len, P) - len(m.pages) + reserve > self.kv.available(promised):
                 self.kv.unlock(m.last_node)
                 break  # keep order: a big request is not overtaken forever
@@ -190,6 +193,8 @@ class Scheduler:
                 continue
             self.kv.forget(req)
             self._start(req, loaded, reserve)
+            promised += req.reserved_pages
+            top = req.priority if top is None else min(top, req.priority)
             n = chunk_len(req, loaded.length, cap)
             if n < extend:
                 self.prefilling = req
@@ -198,8 +203,11 @@ class Scheduler:
             batch.append((req, n))
             if self.prefilling is req or left.tokens <= 0:
                 break
-        for req in admitted:
-            self.waiting.remove(req)
+        if admitted:  # one pass over the queue, not one search per admitted request
+            gone = {id(r) for r in admitted}
+            kept = [r for r in self.waiting if id(r) not in gone]
+            self.waiting.clear()
+            self.waiting.extend(kept)
 
     def _start(self, req: Request, m: MatchResult, reserve: int) -> None:
         """Give admitted ``req`` its pages (match ``m`` plus new ones) and count the
@@ -219,22 +227,19 @@ class Scheduler:
         """
         P = self.page_size
         retracted: list[Request] = []
-
-        def needs(r: Request) -> bool:
-            return r.computed_len // P >= len(r.pages)
-
-        while True:
-            short = sum(needs(r) for r in self.running)
+        # one pass over the batch; the pages come in one allocation (kv.grow_each)
+        short = [r for r in self.running if r.computed_len // P >= len(r.pages)]
+        while len(short) > self.kv.available(0):
             candidates = self.active()
-            if short <= self.kv.available(0) or len(candidates) <= 1:
+            if len(candidates) <= 1:
                 break
             # background work first, then the newest admitted
             victim = max(candidates, key=lambda r: (r.priority, r.admitted_at, r.arrival))
             self.retract(victim)
             retracted.append(victim)
-        for r in self.running:
-            if needs(r):
-                self.kv.grow(r, 1)
+            short = [r for r in short if r is not victim]
+        if short:
+            self.kv.grow_each(short)
         return retracted
 
     def retract(self, req: Request) -> None:
