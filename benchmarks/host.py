@@ -8,8 +8,9 @@ interleaved pairs (engine, streamed, plain; then again), medians reported:
   process ("api") and its child processes ("engine": where the engine core runs once it
   has its own process; 0 while it runs inside the API process), from ``/proc/<pid>/stat``;
 - the engine's host microseconds per generated token outside the forward (schedule,
-  sample, update, emit: the step's wall time less the model runner's ``decode`` and
-  ``prefill``), in decode-only steps at each batch.
+  sample, update, emit: the step's time less the model runner's ``decode`` and
+  ``prefill``, both as the engine thread's CPU time, with one torch thread), in
+  decode-only steps at each batch.
 
 Writes ``host.json`` in the shape of :data:`benchmarks.plot.HOST_SHAPE` (``python -m
 benchmarks plot`` draws ``host.png``). What it measures and the results:
@@ -94,11 +95,11 @@ class EngineAlone:
             fn = getattr(eng.runner, name)
 
             def timed(*a: Any, _fn: Any = fn, **kw: Any) -> Any:
-                t = time.perf_counter()
+                t = time.thread_time()
                 try:
                     return _fn(*a, **kw)
                 finally:
-                    forward[0] += time.perf_counter() - t
+                    forward[0] += time.thread_time() - t
 
             setattr(eng.runner, name, timed)
         got: list[Any] = []
@@ -106,14 +107,16 @@ class EngineAlone:
         for r in reqs:
             eng.add_request(r, got.append)
         tokens_out = 0
+        # the engine thread's CPU time (one torch thread: the forward runs on it too), which
+        # other processes on a loaded machine change less than wall time
         decode_wall = decode_fwd = 0.0
         decode_tokens = 0
         while eng.has_work():
             only_decode = not eng.scheduler.waiting and eng.scheduler.prefilling is None
-            f0, s0 = forward[0], time.perf_counter()
+            f0, s0 = forward[0], time.thread_time()
             n = len(eng.step())
             if only_decode:
-                decode_wall += time.perf_counter() - s0
+                decode_wall += time.thread_time() - s0
                 decode_fwd += forward[0] - f0
                 decode_tokens += n
             tokens_out += n
