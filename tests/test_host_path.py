@@ -5,6 +5,8 @@ tests of test_scheduling.py and test_cache_equivalence.py cover them)."""
 
 from __future__ import annotations
 
+import time
+
 from mmserve.engine.request import Request
 from mmserve.types import SamplingParams
 from tests.helpers import user
@@ -94,3 +96,73 @@ def test_a_decode_step_allocates_its_pages_at_once(make_engine) -> None:
     kv.allocate = lambda n: allocs.append(n) or allocate(n)
     eng.step()  # one decode step, page size 1: a page per running request
     assert allocs == [8]
+
+
+class SlowSource:
+    """A feature source that takes ``seconds`` to answer (a remote encoder's fetch),
+    giving ``features`` by key (None: not there, the tower runs)."""
+
+    def __init__(self, seconds: float, features: dict) -> None:
+        self.seconds, self.features = seconds, features
+        self.calls: list[list[bytes]] = []
+        self.answered: float | None = None
+
+    def __call__(self, items: list) -> list:
+        self.calls.append([im.key for im in items])
+        time.sleep(self.seconds)
+        self.answered = time.perf_counter()
+        return [self.features.get(im.key) for im in items]
+
+
+def test_a_slow_feature_fetch_does_not_stall_other_requests(make_engine, photos) -> None:
+    data = photos["astronaut.png"]
+    # the features an encoder would give: this model's tower's, for the same image
+    ref = make_engine()
+    ask = user("What is this?", None)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    ref_img = ref.processor.prepare_image(data)
+    want = ref.generate([ref.processor.make_request(messages=ask, images=[ref_img], params=greedy)])
+    feats = ref.embedding_cache.peek(ref_img.key)
+    assert feats is not None and want[0].vision_tower_runs == 1
+    eng = make_engine()
+    img = eng.processor.prepare_image(data)
+    assert img.key == ref_img.key
+    source = SlowSource(1.5, {img.key: feats})
+    eng.set_feature_source(source)
+    text = eng.processor.make_request(
+        prompt="count", params=SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    )
+    image = eng.processor.make_request(messages=ask, images=[img], params=greedy)
+    eng.add_request(image)
+    eng.add_request(text)
+    times: dict[str, list[float]] = {text.rid: [], image.rid: []}
+    done: dict[str, object] = {}
+    t0 = time.perf_counter()
+    while eng.has_work() and time.perf_counter() - t0 < 60:
+        for req in eng.step():
+            times[req.rid].append(time.perf_counter())
+            if req.finished:
+                done[req.rid] = req
+    assert source.answered is not None and len(source.calls) == 1
+    # the text request decoded all its tokens while the fetch was in flight
+    assert len(times[text.rid]) == 30
+    assert times[text.rid][-1] < source.answered
+    # the image request waited ("loading"), then ran on the fetched features: no tower
+    img_req = done[image.rid]
+    assert times[image.rid][0] > source.answered
+    assert img_req.output_ids == want[0].output_ids
+    assert img_req.vision_tower_runs == 0 and eng.remote_feature_images == 1
+    eng.check_accounting()
+    eng.close()
+
+
+def test_a_fetch_that_gives_nothing_runs_the_tower(make_engine, photos) -> None:
+    eng = make_engine()
+    img = eng.processor.prepare_image(photos["astronaut.png"])
+    source = SlowSource(0.2, {})
+    eng.set_feature_source(source)
+    msg = eng.processor.make_request(messages=user("What?", None), images=[img])
+    res = eng.generate([msg])[0]
+    assert len(source.calls) == 1 and res.vision_tower_runs == 1
+    assert eng.remote_feature_images == 0
+    eng.close()

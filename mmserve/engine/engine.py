@@ -34,6 +34,7 @@ from mmserve.engine.sampling import (
     token_logprob,
 )
 from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree, needs_extend
+from mmserve.engine.scheduler.features import FeatureLoads
 from mmserve.engine.stats import EngineStats, cache_figures
 from mmserve.engine.step import (
     Chunks,
@@ -157,10 +158,21 @@ class EngineCore:
 
     def set_feature_source(self, source) -> None:
         """Ask ``source`` for the features of items the embedding cache misses before the
-        vision tower runs here (:attr:`ModelRunner.feature_source`: called on the engine
-        thread with the items, returns one ``[tokens, text_hidden]`` tensor or None per
-        item; None for an item: the tower runs here). ``source`` None: always the tower."""
-        self.runner.feature_source = source
+        vision tower runs here: called with the items, returns one ``[tokens,
+        text_hidden]`` tensor or None per item (None for an item: the tower runs here).
+        ``source`` None: always the tower.
+
+        ``source`` may block (a remote fetch): it runs on a worker thread while the
+        request waits "loading" (:class:`~mmserve.engine.scheduler.features.FeatureLoads`),
+        never inside a step, so other requests keep decoding."""
+        if self.scheduler.features is not None:
+            self.scheduler.features.close()
+        if source is None:
+            self.scheduler.features = self.runner.feature_source = None
+            return
+        loads = FeatureLoads(source, self.embedding_cache.__contains__)
+        self.scheduler.features = loads
+        self.runner.feature_source = loads  # what the loads fetched; never waits
 
     @property
     def remote_feature_images(self) -> int:
@@ -306,6 +318,8 @@ class EngineCore:
         if self._closed:
             return 0
         self._closed = True
+        if self.scheduler.features is not None:
+            self.scheduler.features.close()
         written = 0
         if self.tiers is not None:
             written = self.scheduler.flush_tiers(timeout)

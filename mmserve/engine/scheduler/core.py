@@ -13,7 +13,9 @@ After each prefill the computed full pages go into the tree, so followers hit be
 the first request finishes; at finish the prompt and output go in and the request's
 lock is dropped. With KV tiers, pages on disk are read by a loader thread while the
 request waits ("loading", skipped by admission) and are taken from memory at its next
-admission attempt.
+admission attempt; image features from an encoder service load the same way
+(:mod:`.features`). A waiting request's prefix match is carried from step to step and
+looked up again only when the tree changed (:meth:`.KVManager.match`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mmserve.engine.scheduler.admission import (
     shares_uncached_prefix,
 )
 from mmserve.engine.scheduler.extend import schedule_extends
+from mmserve.engine.scheduler.features import FeatureLoads
 from mmserve.engine.scheduler.kv_manager import KVManager, ceil_div
 
 
@@ -76,6 +79,8 @@ class Scheduler:
         self.extend_batches = 0
         self.retractions = 0
         self._rng = random.Random(config.policy_seed)
+        #: remote image features fetched off the step (None: no feature source)
+        self.features: FeatureLoads | None = None
 
     @property
     def tree_seconds(self) -> float:
@@ -130,6 +135,8 @@ class Scheduler:
         if left.tokens <= 0:
             return []
         self.kv.poll_tiers()
+        if self.features is not None:
+            self.features.poll()
         batch: list[tuple[Request, int]] = []
         if self.extending:
             batch += schedule_extends(
@@ -145,7 +152,10 @@ class Scheduler:
             return batch  # nothing to admit: skip matching every waiting request
         self._admit(batch, left)
         if not batch and not self.running:
-            self.kv.wait_for_loads()  # only disk loads are left: sleep instead of spinning
+            # only disk loads or feature fetches are left: sleep instead of spinning
+            self.kv.wait_for_loads()
+            if self.features is not None and self.features.pending():
+                self.features.wait(0.02)
         return batch
 
     def _admit(self, batch: list[tuple[Request, int]], left: PrefillBudget) -> None:
@@ -166,6 +176,10 @@ class Scheduler:
                 break
             if self.kv.is_loading(req):
                 continue  # its disk pages are being read; others go on
+            if self.features is not None and (
+                self.features.is_loading(req) or self.features.start(req)
+            ):
+                continue  # its image features are being fetched; others go on
             cap = left.cap(req)
             if cap <= 0:
                 continue  # background chunks used up this step's share; others go on
@@ -191,7 +205,7 @@ class Scheduler:
             if loaded is None:  # reading its pages from disk: admit it later
                 self.kv.unlock(m.last_node)
                 continue
-            self.kv.forget(req)
+            self._forget(req)
             self._start(req, loaded, reserve)
             promised += req.reserved_pages
             top = req.priority if top is None else min(top, req.priority)
@@ -208,6 +222,13 @@ class Scheduler:
             kept = [r for r in self.waiting if id(r) not in gone]
             self.waiting.clear()
             self.waiting.extend(kept)
+
+    def _forget(self, req: Request, left: bool = False) -> None:
+        """Drop the loads' state of ``req``: admitted, or ``left`` (its fetched features
+        too)."""
+        self.kv.forget(req)
+        if self.features is not None:
+            (self.features.drop if left else self.features.forget)(req)
 
     def _start(self, req: Request, m: MatchResult, reserve: int) -> None:
         """Give admitted ``req`` its pages (match ``m`` plus new ones) and count the
@@ -287,6 +308,8 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         """``req`` is done: its prompt and output KV go to the tree, the rest is freed."""
         self.live.pop(req.rid, None)
+        if self.features is not None:
+            self.features.drop(req)
         self.release(req)
 
     def abort(self, req: Request, cache: bool = True) -> None:
@@ -297,7 +320,7 @@ class Scheduler:
                 writes are not trusted: only pages already in the tree stay there).
         """
         self.live.pop(req.rid, None)
-        self.kv.forget(req)
+        self._forget(req, left=True)
         if req in self.waiting:
             self.waiting.remove(req)
             return
@@ -311,7 +334,7 @@ class Scheduler:
         reqs = list(self.live.values())
         self.live.clear()
         for req in reqs:
-            self.kv.forget(req)
+            self._forget(req, left=True)
         self.waiting.clear()
         for req in self.active():
             self.release(req)
