@@ -497,3 +497,39 @@ def test_spec_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert off["accepted_length"] is None and all(r["tok_s"] > 0 for r in rows.values())
     worst = rows[("rejected", 1, "forced")]  # drafts always found, never kept
     assert worst["accepted_length"] == 1.0 and worst["kept_share"] == 0.0
+
+
+def test_host_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    from benchmarks.plot import HOST_SHAPE
+
+    argv = ["host", "--model", str(model_dir), "--scale", "ci", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "host.json").read_text())
+    assert set(HOST_SHAPE["meta"]) <= set(out["meta"])
+    runs = out["runs"]
+    assert {(r["concurrency"], r["mode"]) for r in runs} == {(4, "streamed"), (4, "plain")}
+    for r in runs:
+        assert set(HOST_SHAPE["runs"][0]) <= set(r)
+        assert r["ratio"] > 0 and r["server_tokens_per_s"] > 0 and r["engine_tokens_per_s"] > 0
+        # today one server process: all its CPU is the API process's
+        assert r["server_processes"] >= 1 and r["api_cpu_us_per_token"] > 0
+        assert r["engine_host_us_per_token"] > 0
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "host.png").stat().st_size > 0
+
+
+def test_host_benchmark_counts_a_servers_child_processes() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.host import cpu_by_process, process_tree
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in process_tree(os.getpid())
+        cpu = cpu_by_process(os.getpid())
+        assert os.getpid() in cpu and child.pid in cpu and cpu[os.getpid()] > 0
+    finally:
+        child.kill()
+        child.wait()

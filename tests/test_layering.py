@@ -4,6 +4,10 @@ the scheduler, tree or allocator, and only the scheduler changes its queues."""
 from __future__ import annotations
 
 import ast
+import fnmatch
+import glob
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -203,6 +207,14 @@ SPLIT_PACKAGES = {
     "mmserve/cache/kv_tiers": ("keys", "disk", "tiers"),
     "mmserve/vision/video": ("select", "orientation", "probe", "decode"),
     "mmserve/testing": ("hub_cache", "tokenizer", "weights", "checkpoints", "copying"),
+    "mmserve/engine/scheduler": (
+        "kv_manager",
+        "features",
+        "spec_pages",
+        "admission",
+        "extend",
+        "core",
+    ),
 }
 
 
@@ -397,3 +409,169 @@ def test_no_source_file_is_longer_than_a_newcomer_can_hold() -> None:
         rel(p): n for p in CORE + API if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
     }
     assert not long, long
+
+
+# ---- the may-import table of docs/architecture.md, section 4 ----------------------------
+#: The doc whose table is checked.
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+@dataclass
+class Row:
+    """One row of the table: a folder or module and what its files may import.
+
+    ``allowed``: units (``mmserve/cache``, ``mmserve/config.py``, ``api/routes_*``) any
+    import may reach; ``typing``: units only ``TYPE_CHECKING`` blocks may reach;
+    ``body``: units only function bodies may reach; ``never``: units excluded from all
+    three (``except`` and ``never`` clauses).
+    """
+
+    unit: str
+    allowed: list[str] = field(default_factory=list)
+    typing: list[str] = field(default_factory=list)
+    body: list[str] = field(default_factory=list)
+    never: list[str] = field(default_factory=list)
+
+
+#: A unit in a may-import cell: a backticked path under mmserve/ or api/ (other backticked
+#: words are prose).
+UNIT = re.compile(r"`((?:mmserve|api)/[^`]*)`")
+
+
+def layering_table(text: str) -> dict[str, Row]:
+    """The rows of the ``| Folder | Role | May import |`` table by unit.
+
+    A may-import cell is clauses split by ``;``; in each, backticked units before
+    ``except`` (or after ``never``) are allowed (excluded; only paths under
+    ``mmserve/`` or ``api/`` are units); a clause saying "type hints
+    only" allows its units in ``TYPE_CHECKING`` blocks only, one saying "function body"
+    in function bodies only; words outside backticks are prose.
+    """
+    rows: dict[str, Row] = {}
+    lines = text.splitlines()
+    start = lines.index("| Folder | Role | May import |")
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        folder, _, may = (c.strip() for c in line.strip("|").split(" | "))
+        row = Row(folder.strip("`").rstrip("/") or folder)
+        for clause in may.split(";"):
+            kind = (
+                row.typing
+                if "type hints only" in clause
+                else row.body
+                if "function body" in clause
+                else row.allowed
+            )
+            head, _, rest = clause.partition("except")
+            if "never" in head:
+                head, _, never = head.partition("never")
+                row.never += UNIT.findall(never)
+            kind += UNIT.findall(head)
+            row.never += UNIT.findall(rest)
+        rows[row.unit] = row
+    return rows
+
+
+def _covers(unit: str, path: str) -> bool:
+    """Whether ``unit`` (a folder, module or ``routes_*``-style glob) holds ``path``."""
+    unit = unit.rstrip("/")
+    if "*" in unit:
+        return fnmatch.fnmatch(path, unit + "*")
+    return path == unit or path.startswith(unit + "/")
+
+
+def _module_path(module: str) -> str:
+    """``mmserve.cache.kv_pool`` -> ``mmserve/cache/kv_pool.py`` (a package: its folder)."""
+    p = module.replace(".", "/")
+    return p if (ROOT / p).is_dir() else p + ".py"
+
+
+def _row_of(rows: dict[str, Row], path: str) -> Row | None:
+    """The most specific row holding ``path``."""
+    best = [u for u in rows if _covers(u, path)]
+    return rows[max(best, key=len)] if best else None
+
+
+def _placed_imports(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, module path, where)`` of every ``mmserve``/``api`` import of ``path``;
+    where: "typing" (a ``TYPE_CHECKING`` block), "body" (a function body) or "top"."""
+    tree = parse(path)
+    where: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for n in ast.walk(node):
+                where.setdefault(id(n), "body")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for n in ast.walk(node):
+                where[id(n)] = "typing"
+    out = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+            if node.module in {"mmserve", "api"}:  # from mmserve import types
+                names = [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] in {"mmserve", "api"}:
+                out.append((node.lineno, _module_path(name), where.get(id(node), "top")))
+    return out
+
+
+def _table_verdicts() -> tuple[dict[str, Row], list[str], dict[str, set[str]]]:
+    """The table, the imports it does not allow, and the units each row's files use."""
+    rows = layering_table(ARCHITECTURE.read_text())
+    bad: list[str] = []
+    used: dict[str, set[str]] = {u: set() for u in rows}
+    for path in CORE + API:
+        name = rel(path)
+        row = _row_of(rows, name)
+        imports = _placed_imports(path)
+        if row is None:
+            bad += [f"{name}: in no row of the table" for _ in imports[:1]]
+            continue
+        for line, target, where in imports:
+            if _covers(row.unit, target):
+                continue  # a folder imports its own modules
+            if any(_covers(u, target) for u in row.never):
+                bad.append(f"{name}:{line} {target} (excluded for {row.unit})")
+                continue
+            kinds = [row.allowed] + ([row.typing] if where == "typing" else [])
+            kinds += [row.body] if where == "body" else []
+            units = [u for k in kinds for u in k if _covers(u, target)]
+            if not units:
+                bad.append(f"{name}:{line} {target} ({where}) not allowed for {row.unit}")
+            used[row.unit] |= set(units)
+    return rows, bad, used
+
+
+def test_the_may_import_table_names_real_units() -> None:
+    rows = layering_table(ARCHITECTURE.read_text())
+    assert {"api", "mmserve/engine", "mmserve/cache", "mmserve/engine/scheduler"} <= set(rows)
+    missing = [
+        f"{row.unit}: {u}"
+        for row in rows.values()
+        for u in [row.unit, *row.allowed, *row.typing, *row.body, *row.never]
+        if not (glob.glob(str(ROOT / u.rstrip("/"))) or glob.glob(str(ROOT / u) + "*"))
+    ]
+    assert not missing, missing
+
+
+def test_every_import_is_allowed_by_the_may_import_table() -> None:
+    _, bad, _ = _table_verdicts()
+    assert not bad, bad
+
+
+def test_every_allowed_import_in_the_table_is_used() -> None:
+    # the table is true both ways: a row allows nothing its files never import
+    rows, _, used = _table_verdicts()
+    unused = [
+        f"{row.unit}: {u}"
+        for row in rows.values()
+        for u in [*row.allowed, *row.typing, *row.body]
+        if u not in used[row.unit]
+    ]
+    assert not unused, unused

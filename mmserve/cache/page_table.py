@@ -26,6 +26,9 @@ class PageTable:
     def __init__(self, pages: Iterable[int] = (), device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._buf = torch.empty(16, dtype=torch.int32, device=self.device)
+        # on the CPU a numpy view of the buffer: writes through it cost ~0.5 us, not the
+        # ~8 us of a torch index write (a decode step appends one page per request)
+        self._host = self._buf.numpy() if self.device.type == "cpu" else None
         self._n = 0
         self.extend(pages)
 
@@ -78,8 +81,11 @@ class PageTable:
             cap = max(need, 2 * self._buf.numel())
             buf = torch.empty(cap, dtype=torch.int32, device=self.device)
             buf[: self._n] = self._buf[: self._n]
-            self._buf = buf
-        self._buf[self._n : need] = torch.tensor(pages, dtype=torch.int32, device=self.device)
+            self._set_buf(buf)
+        if self._host is not None:
+            self._host[self._n : need] = pages
+        else:
+            self._buf[self._n : need] = torch.tensor(pages, dtype=torch.int32, device=self.device)
         self._n = need
 
     def truncate(self, n: int) -> list[int]:
@@ -89,6 +95,22 @@ class PageTable:
         dropped = self._buf[n : self._n].tolist()
         self._n = n
         return dropped
+
+    def _set_buf(self, buf: torch.Tensor) -> None:
+        self._buf = buf
+        self._host = buf.numpy() if self._host is not None else None
+
+    def append(self, page: int) -> None:
+        """Append one page id (a decode step's new page: one scalar write, no list)."""
+        if self._n == self._buf.numel():
+            buf = torch.empty(2 * self._n, dtype=torch.int32, device=self.device)
+            buf[: self._n] = self._buf
+            self._set_buf(buf)
+        if self._host is not None:
+            self._host[self._n] = page
+        else:
+            self._buf[self._n] = page
+        self._n += 1
 
     def reset(self, pages: Iterable[int] = ()) -> None:
         """Replace every page id by ``pages``."""

@@ -34,6 +34,7 @@ from mmserve.engine.sampling import (
     token_logprob,
 )
 from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree, needs_extend
+from mmserve.engine.scheduler.features import FeatureLoads
 from mmserve.engine.spec_decode import make_speculator
 from mmserve.engine.stats import EngineStats, cache_figures
 from mmserve.engine.step import (
@@ -158,6 +159,7 @@ class EngineCore:
         self.stats = EngineStats()
         #: n-gram speculative decoding (None: off; see mmserve.engine.spec_decode)
         self.speculator = make_speculator(config, shape.vocab_size)
+        self._eos = frozenset(model.eos_token_ids)  # the per-token end check
         self._stop_hits: list[str] = []  # requests the front end saw hit a stop string
         self._closed = False
         #: where each step's deltas go, all requests' in one call (the async engine's and
@@ -167,10 +169,21 @@ class EngineCore:
 
     def set_feature_source(self, source) -> None:
         """Ask ``source`` for the features of items the embedding cache misses before the
-        vision tower runs here (:attr:`ModelRunner.feature_source`: called on the engine
-        thread with the items, returns one ``[tokens, text_hidden]`` tensor or None per
-        item; None for an item: the tower runs here). ``source`` None: always the tower."""
-        self.runner.feature_source = source
+        vision tower runs here: called with the items, returns one ``[tokens,
+        text_hidden]`` tensor or None per item (None for an item: the tower runs here).
+        ``source`` None: always the tower.
+
+        ``source`` may block (a remote fetch): it runs on a worker thread while the
+        request waits "loading" (:class:`~mmserve.engine.scheduler.features.FeatureLoads`),
+        never inside a step, so other requests keep decoding."""
+        if self.scheduler.features is not None:
+            self.scheduler.features.close()
+        if source is None:
+            self.scheduler.features = self.runner.feature_source = None
+            return
+        loads = FeatureLoads(source, self.embedding_cache.__contains__)
+        self.scheduler.features = loads
+        self.runner.feature_source = loads  # what the loads fetched; never waits
 
     @property
     def remote_feature_images(self) -> int:
@@ -323,6 +336,8 @@ class EngineCore:
         if self._closed:
             return 0
         self._closed = True
+        if self.scheduler.features is not None:
+            self.scheduler.features.close()
         written = 0
         if self.tiers is not None:
             written = self.scheduler.flush_tiers(timeout)
@@ -430,16 +445,58 @@ class EngineCore:
             sampled = tokens, batch_logprobs(rows, tokens, [r.params.logprobs for r in batch])
         except Exception:  # noqa: BLE001 - row by row below, failing only the bad row
             sampled = None
+        if sampled is not None:
+            self._update_batch(batch, rows, sampled[0], sampled[1], now)
+            return
         for i, req in enumerate(batch):
             try:
-                tok, lp = (
-                    self._sample_row(req, rows[i])
-                    if sampled is None
-                    else (sampled[0][i], sampled[1][i])
-                )
+                tok, lp = self._sample_row(req, rows[i])
                 self._append_token(req, rows[i], tok, lp, now)
             except Exception:  # noqa: BLE001 - sampling or its bookkeeping failed for this one
                 self._fail([req], "while sampling its next token")
+
+    def _update_batch(
+        self,
+        batch: list[Request],
+        rows: torch.Tensor,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        now: float,
+    ) -> None:
+        """Append a whole batch's sampled ``tokens`` and check each request's end in one
+        pass: a request without a grammar or kept logits takes the short path (append,
+        EOS, ``max_tokens``), the others :meth:`_append_token`; a request whose
+        bookkeeping raises fails alone."""
+        eos = self._eos
+        for i, req in enumerate(batch):
+            try:
+                tok = tokens[i]
+                if req.grammar is not None or req.logits is not None:
+                    self._append_token(req, rows[i], tok, logprobs[i], now)
+                    continue
+                out = req.output_ids
+                out.append(tok)
+                if req.logprobs is not None:
+                    lp = logprobs[i]
+                    assert lp is not None  # both there when params.logprobs is set
+                    req.logprobs.append(lp)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                p = req.params
+                if tok in eos and not p.ignore_eos:
+                    self._end(req, "stop")
+                elif len(out) >= p.max_tokens:
+                    self._end(req, "length")
+                else:
+                    self._emit(req)
+            except Exception:  # noqa: BLE001 - its bookkeeping failed for this one
+                self._fail([req], "while sampling its next token")
+
+    def _end(self, req: Request, reason: str) -> None:
+        """``req`` ends with ``reason`` after its newest token: pages to the tree, the
+        last delta out."""
+        self.scheduler.finish(req)
+        self._finish(req, reason)
 
     @staticmethod
     def _sample_row(req: Request, row: torch.Tensor) -> tuple[int, TokenLogprob | None]:
@@ -511,7 +568,7 @@ class EngineCore:
                 assert logprob is not None  # both there when params.logprobs is set
                 req.logprobs.append(logprob)
             req.output_ids.append(tok)
-            if tok in self.model.eos_token_ids and not p.ignore_eos:
+            if tok in self._eos and not p.ignore_eos:
                 reason = reason or "stop"
         if forced:  # not sampled: probability 1 (the grammar allowed nothing else)
             req.output_ids.extend(forced)
@@ -521,8 +578,7 @@ class EngineCore:
         if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(req)
-            self._finish(req, reason)
+            self._end(req, reason)
             return
         if needs_extend(req):  # jumped: K/V of several new tokens
             self.scheduler.extend(req)

@@ -128,11 +128,15 @@ def logit_rows(
     """
     batch: list[Request] = []
     rows = []
-    live_decode = [i for i, r in enumerate(decode) if not r.finished]
-    if live_decode:
-        sched.on_decoded([decode[i] for i in live_decode])
-        batch += [decode[i] for i in live_decode]
-        rows.append(logits[live_decode])
+    live = [r for r in decode if not r.finished]
+    if live:
+        sched.on_decoded(live)
+        batch += live
+        if len(live) == len(decode):  # the usual case: a view, no index list to convert
+            rows.append(logits[: len(decode)])
+        else:
+            keep = [i for i, r in enumerate(decode) if not r.finished]
+            rows.append(logits[torch.tensor(keep, device=logits.device)])
     for i, (req, n) in enumerate(chunks):
         if req.finished:  # its part of the batch failed
             continue

@@ -291,7 +291,9 @@ class KeyAffinityRouter(RequestRouter):
 class EncoderClient:
     """A replica's side of the encoders: :attr:`ModelRunner.feature_source`.
 
-    Called on the engine's thread (never an event loop): each item is asked of the
+    Called on a feature-load worker thread (never the engine's step, never an event
+    loop: :class:`~mmserve.engine.scheduler.features.FeatureLoads`), several at once:
+    the request waits "loading" while other requests decode. Each item is asked of the
     encoders and its features fetched; any failure or a wait beyond ``timeout`` gives
     None for that item, so the replica runs its own tower for it.
 
@@ -313,6 +315,7 @@ class EncoderClient:
         self.model = model
         self.fetched = 0
         self.fallbacks = 0
+        self._count = threading.Lock()  # calls run on several worker threads at once
 
     def __call__(self, items: list) -> list:
         """Features ``[tokens, text_hidden]`` (CPU) or None per item (``RemoteImage`` s)."""
@@ -336,10 +339,12 @@ class EncoderClient:
                 if got.model != self.model:
                     raise ValueError("features of another model")
                 out.append(ray.get(got.ref, timeout=max(0.1, deadline - time.monotonic())))
-                self.fetched += 1
+                with self._count:
+                    self.fetched += 1
             except Exception as e:  # noqa: BLE001 - any failure: the replica's own tower
                 resp.cancel()
-                self.fallbacks += 1
+                with self._count:
+                    self.fallbacks += 1
                 log.warning(
                     "image %s: no features from the encoders (%s); own tower",
                     im.key.hex(),

@@ -13,7 +13,9 @@ After each prefill the computed full pages go into the tree, so followers hit be
 the first request finishes; at finish the prompt and output go in and the request's
 lock is dropped. With KV tiers, pages on disk are read by a loader thread while the
 request waits ("loading", skipped by admission) and are taken from memory at its next
-admission attempt.
+admission attempt; image features from an encoder service load the same way
+(:mod:`.features`). A waiting request's prefix match is carried from step to step and
+looked up again only when the tree changed (:meth:`.KVManager.match`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mmserve.engine.scheduler.admission import (
     shares_uncached_prefix,
 )
 from mmserve.engine.scheduler.extend import schedule_extends
+from mmserve.engine.scheduler.features import FeatureLoads
 from mmserve.engine.scheduler.kv_manager import KVManager, ceil_div
 
 
@@ -76,6 +79,8 @@ class Scheduler:
         self.extend_batches = 0
         self.retractions = 0
         self._rng = random.Random(config.policy_seed)
+        #: remote image features fetched off the step (None: no feature source)
+        self.features: FeatureLoads | None = None
 
     @property
     def tree_seconds(self) -> float:
@@ -130,6 +135,8 @@ class Scheduler:
         if left.tokens <= 0:
             return []
         self.kv.poll_tiers()
+        if self.features is not None:
+            self.features.poll()
         batch: list[tuple[Request, int]] = []
         if self.extending:
             batch += schedule_extends(
@@ -145,7 +152,10 @@ class Scheduler:
             return batch  # nothing to admit: skip matching every waiting request
         self._admit(batch, left)
         if not batch and not self.running:
-            self.kv.wait_for_loads()  # only disk loads are left: sleep instead of spinning
+            # only disk loads or feature fetches are left: sleep instead of spinning
+            self.kv.wait_for_loads()
+            if self.features is not None and self.features.pending():
+                self.features.wait(0.02)
         return batch
 
     def _admit(self, batch: list[tuple[Request, int]], left: PrefillBudget) -> None:
@@ -154,19 +164,27 @@ class Scheduler:
         a big request is not overtaken forever."""
         P = self.page_size
         admitted: list[Request] = []
+        active = self.active()
+        n_active, promised = len(active), sum(r.reserved_pages for r in active)
+        top = None  # the class of the first admitted request (classes come in order)
         for req, _ in admission_order(self.waiting, self.kv.match, self.config, self._rng):
-            if not left.has_slot(len(self.active()) + len(admitted)):
+            if not left.has_slot(n_active + len(admitted)):
                 break
-            if admitted and req.priority > min(r.priority for r in admitted):
+            if top is not None and req.priority > top:
                 # a lower class never shares a prefill with a higher one: its prompt
                 # would lengthen the step that gives the interactive request its TTFT
                 break
             if self.kv.is_loading(req):
                 continue  # its disk pages are being read; others go on
+            if self.features is not None and (
+                self.features.is_loading(req) or self.features.start(req)
+            ):
+                continue  # its image features are being fetched; others go on
             cap = left.cap(req)
             if cap <= 0:
                 continue  # background chunks used up this step's share; others go on
-            # match again: an eviction for an earlier admission may have cut the old match
+            # the match made for the order, carried: looked up again only when an
+            # earlier admission's eviction (or insert) changed the tree since
             m = self.kv.match(req)
             extend = req.seq_len - m.length  # before any tier load, as admission has it
             if extend > cap and (admitted or self.prefilling or batch):
@@ -180,7 +198,6 @@ class Scheduler:
                 continue
             self.kv.lock(m.last_node)
             reserve = decode_reserve(req, P, self.config.decode_reserve_ratio)
-            promised = self.reserved_pages() + sum(r.reserved_pages for r in admitted)
             if ceil_div(req.seq_len, P) - len(m.pages) + reserve > self.kv.available(promised):
                 self.kv.unlock(m.last_node)
                 break  # keep order: a big request is not overtaken forever
@@ -188,8 +205,10 @@ class Scheduler:
             if loaded is None:  # reading its pages from disk: admit it later
                 self.kv.unlock(m.last_node)
                 continue
-            self.kv.forget(req)
+            self._forget(req)
             self._start(req, loaded, reserve)
+            promised += req.reserved_pages
+            top = req.priority if top is None else min(top, req.priority)
             n = chunk_len(req, loaded.length, cap)
             if n < extend:
                 self.prefilling = req
@@ -198,8 +217,18 @@ class Scheduler:
             batch.append((req, n))
             if self.prefilling is req or left.tokens <= 0:
                 break
-        for req in admitted:
-            self.waiting.remove(req)
+        if admitted:  # one pass over the queue, not one search per admitted request
+            gone = {id(r) for r in admitted}
+            kept = [r for r in self.waiting if id(r) not in gone]
+            self.waiting.clear()
+            self.waiting.extend(kept)
+
+    def _forget(self, req: Request, left: bool = False) -> None:
+        """Drop the loads' state of ``req``: admitted, or ``left`` (its fetched features
+        too)."""
+        self.kv.forget(req)
+        if self.features is not None:
+            (self.features.drop if left else self.features.forget)(req)
 
     def _start(self, req: Request, m: MatchResult, reserve: int) -> None:
         """Give admitted ``req`` its pages (match ``m`` plus new ones) and count the
@@ -219,22 +248,19 @@ class Scheduler:
         """
         P = self.page_size
         retracted: list[Request] = []
-
-        def needs(r: Request) -> bool:
-            return r.computed_len // P >= len(r.pages)
-
-        while True:
-            short = sum(needs(r) for r in self.running)
+        # one pass over the batch; the pages come in one allocation (kv.grow_each)
+        short = [r for r in self.running if r.computed_len // P >= len(r.pages)]
+        while len(short) > self.kv.available(0):
             candidates = self.active()
-            if short <= self.kv.available(0) or len(candidates) <= 1:
+            if len(candidates) <= 1:
                 break
             # background work first, then the newest admitted
             victim = max(candidates, key=lambda r: (r.priority, r.admitted_at, r.arrival))
             self.retract(victim)
             retracted.append(victim)
-        for r in self.running:
-            if needs(r):
-                self.kv.grow(r, 1)
+            short = [r for r in short if r is not victim]
+        if short:
+            self.kv.grow_each(short)
         return retracted
 
     def retract(self, req: Request) -> None:
@@ -282,6 +308,8 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         """``req`` is done: its prompt and output KV go to the tree, the rest is freed."""
         self.live.pop(req.rid, None)
+        if self.features is not None:
+            self.features.drop(req)
         self.release(req)
 
     def abort(self, req: Request, cache: bool = True) -> None:
@@ -292,7 +320,7 @@ class Scheduler:
                 writes are not trusted: only pages already in the tree stay there).
         """
         self.live.pop(req.rid, None)
-        self.kv.forget(req)
+        self._forget(req, left=True)
         if req in self.waiting:
             self.waiting.remove(req)
             return
@@ -306,7 +334,7 @@ class Scheduler:
         reqs = list(self.live.values())
         self.live.clear()
         for req in reqs:
-            self.kv.forget(req)
+            self._forget(req, left=True)
         self.waiting.clear()
         for req in self.active():
             self.release(req)

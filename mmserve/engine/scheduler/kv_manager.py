@@ -108,15 +108,40 @@ class KVManager:
         self.tiers = tiers if tree.reuses_prefixes else None
         self.page_size = pool.page_size
         self.tree_seconds = 0.0
+        #: the tree's version: bumped by every change that can make a match stale (an
+        #: eviction or reset cuts one; an insert that adds tokens can lengthen one)
+        self.tree_version = 0
+        #: tree lookups made by :meth:`match` (carried matches not counted)
+        self.matches = 0
+        # rid -> (tree state, seq_len, match) of a waiting request: its match is carried
+        # from step to step until the tree or its tokens change (dropped by forget)
+        self._carried: dict[str, tuple[tuple[int, int], int, MatchResult]] = {}
+
+    def _tree_state(self) -> tuple[int, int]:
+        """What a carried match is valid for: the version and the tree's size (an
+        eviction or insert made outside this manager, by a test, changes the size)."""
+        return self.tree_version, self.tree.total_size()
 
     # ---- matching and locks ----------------------------------------------------
     def match(self, req: Request) -> MatchResult:
         """The tree's longest cached prefix of ``req``'s tokens, one token short of all
-        of them (its logits give the next output token)."""
+        of them (its logits give the next output token).
+
+        The match is carried forward: asked again while the tree has not changed
+        (:attr:`tree_version`) and ``req`` has the same tokens, it is not looked up
+        again (a waiting request is matched once, not once per step, and a match made
+        for the admission order is the one admission uses unless an earlier admission's
+        eviction changed the tree). No copy of the whole sequence is made.
+        """
+        n, state = req.seq_len, self._tree_state()
+        got = self._carried.get(req.rid)
+        if got is not None and got[0] == state and got[1] == n:
+            return got[2]
         t0 = time.perf_counter()
-        ids = req.all_ids()
-        m = self.tree.match_prefix(ids[: len(ids) - 1])
+        m = self.tree.match_prefix(req.ids_slice(0, n - 1))
         self.tree_seconds += time.perf_counter() - t0
+        self.matches += 1
+        self._carried[req.rid] = (self._tree_state(), n, m)
         return m
 
     def lock(self, node: TreeNode) -> None:
@@ -145,7 +170,8 @@ class KVManager:
         short = n - self.alloc.num_free
         if short > 0:
             t0 = time.perf_counter()
-            self.tree.evict(short * self.page_size)
+            if self.tree.evict(short * self.page_size):
+                self.tree_version += 1
             self.tree_seconds += time.perf_counter() - t0
         pages = self.alloc.alloc(n)
         if pages is None:
@@ -156,6 +182,13 @@ class KVManager:
         """Append ``n`` new pages to ``req``'s, taken from its decode reservation first."""
         req.pages.extend(self.allocate(n))
         req.reserved_pages = max(0, req.reserved_pages - n)
+
+    def grow_each(self, reqs: list[Request]) -> None:
+        """One new page for each of ``reqs`` (a decode step's), in one allocation."""
+        for req, page in zip(reqs, self.allocate(len(reqs)), strict=True):
+            req.pages.append(page)
+            if req.reserved_pages:
+                req.reserved_pages -= 1
 
     def assign(self, req: Request, m: MatchResult, reserve: int) -> None:
         """Give ``req`` (being admitted) the pages of its locked match ``m`` plus new ones
@@ -173,8 +206,10 @@ class KVManager:
         P = self.page_size
         n = (kv_len // P) * P
         t0 = time.perf_counter()
-        done = self.tree.insert_prefix(req.all_ids()[:n], req.pages[: n // P])
+        done = self.tree.insert_prefix(req.ids_slice(0, n), req.pages[: n // P])
         self.tree_seconds += time.perf_counter() - t0
+        if done.cached < done.length:
+            self.tree_version += 1  # new tokens in the tree: waiting matches may lengthen
         # our pages for [tree_len, cached) duplicate KV the tree already holds
         dup = req.pages[req.tree_len // P : done.cached // P]
         if dup:
@@ -211,6 +246,7 @@ class KVManager:
         """Drop every tree page (no request may hold a lock); returns pages freed."""
         before = self.alloc.num_free
         self.tree.reset()
+        self.tree_version += 1
         return self.alloc.num_free - before
 
     # ---- tiers -----------------------------------------------------------------------
@@ -224,7 +260,9 @@ class KVManager:
         return self.tiers is not None and self.tiers.is_loading(req.rid)
 
     def forget(self, req: Request) -> None:
-        """Drop the tiers' state for ``req`` (a load in flight, staged pages)."""
+        """Drop ``req``'s carried match and the tiers' state for it (a load in flight,
+        staged pages): it was admitted, or left."""
+        self._carried.pop(req.rid, None)
         if self.tiers is not None:
             self.tiers.forget(req.rid)
 
@@ -248,7 +286,7 @@ class KVManager:
         if self.tiers is None:
             return m
         P = self.page_size
-        ids = req.all_ids()
+        ids = req.ids_slice(0, req.seq_len)
         limit = len(ids) - 1  # one token is always computed
         t0 = time.perf_counter()
         parent = self.tree.last_page_key(m.last_node)
@@ -272,6 +310,7 @@ class KVManager:
         end = m.length + len(pages) * P
         t0 = time.perf_counter()
         done = self.tree.insert_prefix(ids[:end], list(m.pages) + new)
+        self.tree_version += 1
         # the match was locked, so the tree held exactly m.length tokens of this prefix
         dup = new[: max(0, done.cached - m.length) // P]
         if dup:

@@ -1,0 +1,288 @@
+"""``python -m benchmarks host`` (issue 41): the host path around the forward, on the tiny
+model. The same chat requests (``ignore_eos``, greedy) run on the engine alone in this
+process and on ``mmserve serve`` over HTTP (streamed and plain), at each concurrency, in
+interleaved pairs (engine, streamed, plain; then again), medians reported:
+
+- tokens/s of each, and the ratio server / engine of the same pair;
+- the server's CPU microseconds per generated token by process: the server's own
+  process ("api") and its child processes ("engine": where the engine core runs once it
+  has its own process; 0 while it runs inside the API process), from ``/proc/<pid>/stat``;
+- the engine's host microseconds per generated token outside the forward (schedule,
+  sample, update, emit: the step's time less the model runner's ``decode`` and
+  ``prefill``, both as the engine thread's CPU time, with one torch thread), in
+  decode-only steps at each batch.
+
+Writes ``host.json`` in the shape of :data:`benchmarks.plot.HOST_SHAPE` (``python -m
+benchmarks plot`` draws ``host.png``). What it measures and the results:
+``benchmarks/README.md``, "Host path".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import over_http as http
+from mmserve.config import EngineConfig
+from mmserve.engine.engine import EngineCore
+from mmserve.frontend.frontend import FrontEnd
+from mmserve.model.loader import load_model
+from mmserve.types import EngineRequest, SamplingParams
+
+#: ``--scale`` -> (concurrencies, tokens per answer, pairs).
+SCALES: dict[str, tuple[tuple[int, ...], int, int]] = {
+    "full": ((64, 128, 256), 128, 3),
+    "quick": ((8, 16), 8, 1),
+    "ci": ((4,), 4, 1),
+}
+#: The server's and the in-process engine's settings beside the defaults: room for every
+#: request at once (no retraction, no queueing behind ``max_running_requests``).
+MAX_RUNNING = 512
+
+
+def prompts(n: int) -> list[list[dict]]:
+    """``n`` short chats, each its own (no two share a prompt, so no answer is a cache
+    hit), of about the same length."""
+    ask = "Question {}: say something about {}."
+    return [[{"role": "user", "content": ask.format(i, i * 7)}] for i in range(n)]
+
+
+def pool_tokens(concurrency: int, tokens: int) -> int:
+    """A KV pool with room for every request's prompt and answer at once."""
+    return concurrency * (tokens + 64) + 4096
+
+
+class EngineAlone:
+    """The engine core in this process on one loaded model, with the front end's
+    ``make_request`` (templates, tokenizing) done before the clock starts."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.model = load_model(model_dir)
+        self.front: FrontEnd | None = None
+
+    def _engine(self, concurrency: int, tokens: int) -> EngineCore:
+        cfg = EngineConfig(
+            model_path=self.model_dir,
+            max_running_requests=MAX_RUNNING,
+            max_total_tokens=pool_tokens(concurrency, tokens),
+        )
+        return EngineCore(cfg, model=self.model)
+
+    def requests(self, eng: EngineCore, concurrency: int, tokens: int) -> list[EngineRequest]:
+        """The chat requests of one run, as the front end builds them."""
+        if self.front is None:
+            self.front = FrontEnd(eng.config, self.model, grammars=eng.grammars)
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        proc = self.front.processor
+        return [proc.make_request(messages=m, params=params) for m in prompts(concurrency)]
+
+    def run(self, concurrency: int, tokens: int) -> dict[str, float]:
+        """tokens/s, CPU us per token (this process, all threads) and host us per token
+        outside the forward in decode-only steps."""
+        eng = self._engine(concurrency, tokens)
+        reqs = self.requests(eng, concurrency, tokens)
+        forward = [0.0]
+        for name in ("decode", "prefill"):
+            fn = getattr(eng.runner, name)
+
+            def timed(*a: Any, _fn: Any = fn, **kw: Any) -> Any:
+                t = time.thread_time()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    forward[0] += time.thread_time() - t
+
+            setattr(eng.runner, name, timed)
+        got: list[Any] = []
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for r in reqs:
+            eng.add_request(r, got.append)
+        tokens_out = 0
+        # the engine thread's CPU time (one torch thread: the forward runs on it too), which
+        # other processes on a loaded machine change less than wall time
+        decode_wall = decode_fwd = 0.0
+        decode_tokens = 0
+        while eng.has_work():
+            only_decode = not eng.scheduler.waiting and eng.scheduler.prefilling is None
+            f0, s0 = forward[0], time.thread_time()
+            n = len(eng.step())
+            if only_decode:
+                decode_wall += time.thread_time() - s0
+                decode_fwd += forward[0] - f0
+                decode_tokens += n
+            tokens_out += n
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        eng.close()
+        return {
+            "tokens": tokens_out,
+            "tokens_per_s": tokens_out / wall,
+            "cpu_us_per_token": cpu / tokens_out * 1e6,
+            "host_us_per_token": (decode_wall - decode_fwd) / max(1, decode_tokens) * 1e6,
+            "forward_us_per_token": decode_fwd / max(1, decode_tokens) * 1e6,
+        }
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live descendant of it (from ``/proc/*/stat``'s parent ids)."""
+    parents: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += parents.get(p, [])
+    return out
+
+
+def cpu_by_process(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system, all threads) of ``pid`` and each descendant."""
+    return {p: c for p in process_tree(pid) if (c := http.cpu_seconds(p)) is not None}
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict, stream: bool) -> int:
+    """Completion tokens of one chat request (from its usage); raises on an error."""
+    if not stream:
+        r = await client.post(url, json=body)
+        r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
+    n = None
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"])[:300])
+            if chunk.get("usage"):
+                n = int(chunk["usage"]["completion_tokens"])
+    if n is None:
+        raise RuntimeError("no usage chunk")
+    return n
+
+
+def over_http(url: str, pid: int, concurrency: int, tokens: int, stream: bool) -> dict[str, Any]:
+    """All ``concurrency`` chats at once against the server at ``url`` (process ``pid``):
+    tokens/s and the server's CPU us per token, its own process and its children apart."""
+    base: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    if stream:
+        base |= {"stream": True, "stream_options": {"include_usage": True}}
+    bodies = [{"messages": m, **base} for m in prompts(concurrency)]
+
+    async def go() -> list[int]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            chat = url + "/v1/chat/completions"
+            return await asyncio.gather(*(_one(client, chat, b, stream) for b in bodies))
+
+    before = cpu_by_process(pid)
+    t0 = time.perf_counter()
+    counts = asyncio.run(go())
+    wall = time.perf_counter() - t0
+    after = cpu_by_process(pid)
+    n = sum(counts)
+    per = {p: (c - before.get(p, 0.0)) / n * 1e6 for p, c in after.items()}
+    api = per.pop(pid, 0.0)
+    return {
+        "tokens": n,
+        "tokens_per_s": n / wall,
+        "api_cpu_us_per_token": api,
+        "engine_cpu_us_per_token": sum(per.values()),
+        "processes": 1 + len(per),
+    }
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def host(args: argparse.Namespace, model_dir: str) -> int:
+    """``host``: the engine alone against the server over HTTP (streamed and plain) at
+    each concurrency, interleaved pairs, medians; writes ``host.json``."""
+    concurrencies, tokens, pairs = SCALES[args.scale]
+    if args.concurrency:
+        concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+    tokens = args.tokens or tokens
+    pairs = args.pairs or pairs
+    alone = EngineAlone(model_dir)
+    flags = ["--max-running-requests", str(MAX_RUNNING)]
+    flags += ["--max-total-tokens", str(pool_tokens(max(concurrencies), tokens))]
+    runs: list[dict[str, Any]] = []
+    with http.mmserve_server(model_dir, flags, threads=args.threads or 1) as (url, proc):
+        alone.run(4, 4)  # warm-up: first-call costs stay out of the pairs
+        over_http(url, proc.pid, 4, 4, True)
+        for c in concurrencies:
+            eng_runs: list[dict[str, Any]] = []
+            by_mode: dict[str, list[dict[str, Any]]] = {"streamed": [], "plain": []}
+            ratios: dict[str, list[float]] = {"streamed": [], "plain": []}
+            for _ in range(pairs):
+                e = alone.run(c, tokens)
+                eng_runs.append(e)
+                for mode in by_mode:
+                    s = over_http(url, proc.pid, c, tokens, mode == "streamed")
+                    by_mode[mode].append(s)
+                    ratios[mode].append(s["tokens_per_s"] / e["tokens_per_s"])
+                print(f"host: c={c} engine {e['tokens_per_s']:.0f} tok/s", flush=True)
+            for mode, srv in by_mode.items():
+                runs.append(
+                    {
+                        "concurrency": c,
+                        "mode": mode,
+                        "engine_tokens_per_s": _median(eng_runs, "tokens_per_s"),
+                        "server_tokens_per_s": _median(srv, "tokens_per_s"),
+                        "ratio": statistics.median(ratios[mode]),
+                        "api_cpu_us_per_token": _median(srv, "api_cpu_us_per_token"),
+                        "engine_cpu_us_per_token": _median(srv, "engine_cpu_us_per_token"),
+                        "server_processes": max(s["processes"] for s in srv),
+                        "engine_alone_cpu_us_per_token": _median(eng_runs, "cpu_us_per_token"),
+                        "engine_host_us_per_token": _median(eng_runs, "host_us_per_token"),
+                        "engine_forward_us_per_token": _median(eng_runs, "forward_us_per_token"),
+                    }
+                )
+    out = {
+        "meta": {
+            "model": args.size or str(args.model),
+            "cpus": os.cpu_count(),
+            "threads": args.threads,
+            "tokens": tokens,
+            "pairs": pairs,
+            "load": os.getloadavg()[0],
+        },
+        "runs": runs,
+    }
+    path = args.out / "host.json"
+    path.write_text(json.dumps(out, indent=1))
+    for r in runs:
+        print(
+            f"c={r['concurrency']:4d} {r['mode']:8s} ratio {r['ratio']:.2f}  server "
+            f"{r['server_tokens_per_s']:.0f} / engine {r['engine_tokens_per_s']:.0f} tok/s  "
+            f"api {r['api_cpu_us_per_token']:.0f} us/tok, engine proc "
+            f"{r['engine_cpu_us_per_token']:.0f}, engine host {r['engine_host_us_per_token']:.1f}"
+        )
+    print(f"wrote {path}")
+    return 0
+
+
+#: ``host``'s options beside the common ones.
+OPTIONS: list[tuple[tuple[str, ...], dict]] = [
+    (("--concurrency",), dict(default="", help="comma-separated (default by --scale)")),
+    (("--tokens",), dict(type=int, default=0, help="tokens per answer (default by --scale)")),
+    (("--pairs",), dict(type=int, default=0, help="interleaved rounds (default by --scale)")),
+]
