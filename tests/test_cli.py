@@ -204,7 +204,7 @@ def test_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys) -> Non
 
 
 def test_startup_summary_names_model_pool_backend_tiers_and_url(loaded, tmp_path) -> None:
-    from api.cli import startup_summary
+    from api.startup import startup_summary
     from mmserve.frontend.frontend import Engine
 
     config = EngineConfig(

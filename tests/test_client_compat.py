@@ -188,7 +188,8 @@ def test_a_question_before_the_picture_reuses_the_picture(families, shapes, fami
 def _log_startup(engine, caplog) -> list[str]:
     import logging
 
-    from api.cli import LaunchSettings, log_startup
+    from api.cli import LaunchSettings
+    from api.startup import log_startup
     from api.settings import ServerSettings
 
     with caplog.at_level(logging.INFO, logger="api.cli"):

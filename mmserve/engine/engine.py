@@ -36,7 +36,7 @@ from mmserve.engine.sampling import (
 from mmserve.engine.scheduler import Scheduler, make_kv_tiers, make_tree, needs_extend
 from mmserve.engine.scheduler.features import FeatureLoads
 from mmserve.engine.spec_decode import make_speculator
-from mmserve.engine.stats import EngineStats, cache_figures
+from mmserve.engine.stats import EngineStats, cache_figures, engine_summary
 from mmserve.engine.step import (
     Chunks,
     logit_rows,
@@ -53,7 +53,6 @@ from mmserve.model.loader import LoadedModel, load_model
 from mmserve.model.quant import (
     check_quantization,
     kv_cache_scheme,
-    weight_bytes,
     weights_summary,
 )
 from mmserve.structured.compile import GrammarCache, new_state
@@ -191,41 +190,9 @@ class EngineCore:
         return self.runner.remote_feature_images
 
     def describe(self) -> dict:
-        """What this engine runs, for ``mmserve serve``'s start-up summary.
-
-        Returns:
-            ``family``; ``parameters`` (decoder + vision, on this rank); ``dtype`` (the
-            model's) and ``kv_dtype`` (torch dtype names); ``pool_pages``, ``page_size``,
-            ``pool_tokens``, ``pool_bytes`` (K and V buffers, bytes); ``bytes_per_token``
-            and ``pool_sized_by`` (None for a pool not sized by ``for_model``);
-            ``kv_scales`` (where the fp8 KV scales come from and their range, in words);
-            ``quantization`` (the decoder weights' method), ``weight_bytes`` (parameters
-            and buffers, bytes) and ``weights`` (both and the LM head, in words);
-            ``attention_backend``; ``decode`` (CUDA graphs or eager, and why).
-        """
-        model, pool = self.model, self.pool
-        modules = [m for m in (model.decoder, model.vision) if hasattr(m, "parameters")]
-        plan = pool.plan
-        return {
-            "family": model.family.name,
-            "parameters": sum(p.numel() for m in modules for p in m.parameters()),
-            "dtype": str(token_embedding(model.decoder).weight.dtype).removeprefix("torch."),
-            "kv_dtype": kv_dtype_name(pool.dtype),
-            "pool_pages": pool.num_pages,
-            "page_size": pool.page_size,
-            "pool_tokens": pool.size_tokens,
-            "pool_bytes": sum(
-                b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers
-            ),
-            "bytes_per_token": plan.bytes_per_token if plan else None,
-            "pool_sized_by": plan.reason if plan else None,
-            "kv_scales": self.kv_scales.source,
-            "quantization": model.quantization,
-            "weight_bytes": weight_bytes(model),
-            "weights": self.weights_summary,
-            "attention_backend": self.runner.backend.name,
-            "decode": self.decode_mode,
-        }
+        """What this engine runs, for ``mmserve serve``'s start-up summary
+        (:func:`~mmserve.engine.stats.engine_summary`)."""
+        return engine_summary(self)
 
     def warm_up_kernels(self) -> list[tuple[str, float]]:
         """Build or load every GPU kernel module this engine's model runs (FlashInfer's

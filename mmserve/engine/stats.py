@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mmserve.cache.kv_pool import kv_dtype_name
 from mmserve.engine.request import Request
+from mmserve.model.llama import token_embedding
+from mmserve.model.quant import weight_bytes
 from mmserve.vision.inputs import media_tokens
 
 if TYPE_CHECKING:
@@ -108,4 +111,40 @@ def cache_figures(engine: EngineCore) -> dict[str, float]:
             1 + s.spec_accepted_tokens / s.spec_verifies if s.spec_verifies else 0.0
         ),
         **(engine.tiers.stats() if engine.tiers is not None else {}),
+    }
+
+
+def engine_summary(engine: EngineCore) -> dict:
+    """What ``engine`` runs, for ``mmserve serve``'s start-up summary.
+
+    Returns:
+        ``family``; ``parameters`` (decoder + vision, on this rank); ``dtype`` (the
+        model's) and ``kv_dtype`` (torch dtype names); ``pool_pages``, ``page_size``,
+        ``pool_tokens``, ``pool_bytes`` (K and V buffers, bytes); ``bytes_per_token``
+        and ``pool_sized_by`` (None for a pool not sized by ``for_model``);
+        ``kv_scales`` (where the fp8 KV scales come from and their range, in words);
+        ``quantization`` (the decoder weights' method), ``weight_bytes`` (parameters
+        and buffers, bytes) and ``weights`` (both and the LM head, in words);
+        ``attention_backend``; ``decode`` (CUDA graphs or eager, and why).
+    """
+    model, pool = engine.model, engine.pool
+    modules = [m for m in (model.decoder, model.vision) if hasattr(m, "parameters")]
+    plan = pool.plan
+    return {
+        "family": model.family.name,
+        "parameters": sum(p.numel() for m in modules for p in m.parameters()),
+        "dtype": str(token_embedding(model.decoder).weight.dtype).removeprefix("torch."),
+        "kv_dtype": kv_dtype_name(pool.dtype),
+        "pool_pages": pool.num_pages,
+        "page_size": pool.page_size,
+        "pool_tokens": pool.size_tokens,
+        "pool_bytes": sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers),
+        "bytes_per_token": plan.bytes_per_token if plan else None,
+        "pool_sized_by": plan.reason if plan else None,
+        "kv_scales": engine.kv_scales.source,
+        "quantization": model.quantization,
+        "weight_bytes": weight_bytes(model),
+        "weights": engine.weights_summary,
+        "attention_backend": engine.runner.backend.name,
+        "decode": engine.decode_mode,
     }
