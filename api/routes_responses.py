@@ -53,7 +53,7 @@ async def delete(response_id: str, request: Request, st: State) -> dict:
     an unknown id or another tenant's."""
     await _record(st, request, response_id)  # the caller's own, or 404
     rs = stores(st, "response_id")
-    task = rs.running.pop(response_id, None)
+    task = rs.tasks.pop(response_id, None)
     if task is not None:
         task.cancel()
     if not await rs.responses.run(rs.responses.delete, owner_of(request), response_id):

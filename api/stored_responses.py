@@ -59,11 +59,11 @@ RUNNING = ("queued", "in_progress")
 @dataclass
 class ResponseStores:
     """The stored responses and conversations of one server, and the background
-    responses running now (``running``: response id -> its task)."""
+    responses running now (``tasks``: response id -> its task)."""
 
     responses: JsonStore
     conversations: JsonStore
-    running: dict[str, asyncio.Task] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, settings: ServerSettings) -> ResponseStores | None:
@@ -367,7 +367,7 @@ class _Turn:
         task = asyncio.get_running_loop().create_task(
             self._background(), context=contextvars.Context()
         )
-        rs.running[call.id] = task
+        rs.tasks[call.id] = task
         return obj
 
     async def _background(self) -> None:
@@ -396,7 +396,7 @@ class _Turn:
             error = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
             await store.run(store.update, self.owner, call.id, _set_status("failed", error))
         finally:
-            rs.running.pop(call.id, None)
+            rs.tasks.pop(call.id, None)
 
 
 def _set_status(status: str, error: dict | None = None) -> Any:
@@ -432,7 +432,7 @@ async def cancel_response(st: ServerState, owner: str, rid: str) -> dict:
             "responses can be cancelled",
             param="response_id",
         )
-    task = rs.running.pop(rid, None)
+    task = rs.tasks.pop(rid, None)
     if task is not None:
         task.cancel()
     new = await rs.responses.run(rs.responses.update, owner, rid, _set_status("cancelled"))
