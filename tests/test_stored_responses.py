@@ -57,9 +57,7 @@ def test_three_turns_by_previous_response_id_cache_the_earlier_turns(client, pho
     kw = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
     first = client.responses.create(input=_image_turn(photos["astronaut.png"], "What is it?"), **kw)
     assert first.store is True and first.status in ("completed", "incomplete")
-    second = client.responses.create(
-        previous_response_id=first.id, input="And its colour?", **kw
-    )
+    second = client.responses.create(previous_response_id=first.id, input="And its colour?", **kw)
     assert second.previous_response_id == first.id
     third = client.responses.create(previous_response_id=second.id, input="Why?", **kw)
     # the earlier turns (the image's 576 positions included) come from the prefix cache
@@ -273,3 +271,97 @@ def test_disk_store_survives_a_restart(make_engine, tmp_path: Path) -> None:
             model=MODEL, input="Again", previous_response_id=first.id, max_output_tokens=1
         )
         assert nxt.usage.input_tokens > first.usage.input_tokens
+
+
+def test_a_stream_is_stored_when_it_ends(client) -> None:
+    kw = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    events = list(client.responses.create(input="Say a word.", stream=True, **kw))
+    final = events[-1].response
+    assert final.store is True
+    got = client.responses.retrieve(final.id)
+    assert got.output_text == final.output_text and got.status == final.status
+    nxt = client.responses.create(previous_response_id=final.id, input="Again.", **kw)
+    assert nxt.usage.input_tokens_details.cached_tokens >= final.usage.input_tokens - 1
+
+
+def test_batch_lines_refuse_the_stored_fields() -> None:
+    from types import SimpleNamespace
+
+    from api.endpoints.responses import RESPONSES
+    from api.errors import APIError
+    from api.schemas import ResponsesRequest
+
+    st = SimpleNamespace(model_name=MODEL)
+    stored = [("store", True), ("background", True),
+              ("previous_response_id", "resp_1"), ("conversation", "conv_1")]  # fmt: skip
+    for field, value in stored:
+        body = ResponsesRequest.model_validate({"input": "x", field: value})
+        with pytest.raises(APIError) as exc:
+            RESPONSES.check(st, body, batch=True)  # type: ignore[arg-type]
+        assert exc.value.status == 400 and exc.value.param == field
+    RESPONSES.check(st, ResponsesRequest.model_validate({"input": "x"}), batch=True)  # type: ignore[arg-type]
+
+
+def test_byte_bound_evicts_oldest_first_and_owners_are_apart(tmp_path: Path) -> None:
+    from api.response_store import JsonStore
+
+    for directory in (None, tmp_path):
+        js = JsonStore("response", 100, 300, 200, directory)
+        for i in range(4):  # ~90 bytes each: the fourth pushes the first out
+            js.put({"id": f"r{i}", "owner": "a" if i % 2 else "b", "pad": "x" * 50})
+        assert js.get("b", "r0") is None and js.get("a", "r1") is not None
+        assert js.total_bytes <= 300 and len(js) == 3
+        assert js.get("b", "r1") is None and not js.delete("b", "r1")  # a's, not b's
+        assert js.delete("a", "r1") and js.get("a", "r1") is None
+        with pytest.raises(Exception) as exc:
+            js.put({"id": "big", "owner": "a", "pad": "x" * 300}, "input")
+        assert exc.value.status == 400 and exc.value.param == "input"  # type: ignore[attr-defined]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r2.json", "r3.json"]
+
+
+class _Tenant:
+    """ASGI middleware: the ``x-tenant`` header as ``request.state.tenant`` (what a
+    tenant-aware auth layer sets)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            scope.setdefault("state", {})["tenant"] = headers.get(b"x-tenant", b"").decode()
+        await self.app(scope, receive, send)
+
+
+def test_another_owner_gets_404_everywhere(make_engine) -> None:
+    app = create_app(make_engine(), ServerSettings(served_model_name=MODEL))
+    app.add_middleware(_Tenant)
+    with uvicorn_thread(app) as url:
+        a, b = (
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                          default_headers={"x-tenant": t})
+            for t in ("alice", "bob")
+        )  # fmt: skip
+        resp = a.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+        conv = a.conversations.create(items=[{"role": "user", "content": "Hi"}])
+        item = a.conversations.items.list(conv.id).data[0]
+        calls = [
+            lambda: b.responses.retrieve(resp.id),
+            lambda: b.responses.input_items.list(resp.id),
+            lambda: b.responses.cancel(resp.id),
+            lambda: b.responses.delete(resp.id),
+            lambda: b.responses.create(model=MODEL, input="x", previous_response_id=resp.id),
+            lambda: b.responses.create(model=MODEL, input="x", conversation=conv.id),
+            lambda: b.conversations.retrieve(conv.id),
+            lambda: b.conversations.update(conv.id, metadata={"k": "v"}),
+            lambda: b.conversations.items.list(conv.id),
+            lambda: b.conversations.items.create(conv.id, items=[{"role": "user", "content": "x"}]),
+            lambda: b.conversations.items.retrieve(item.id, conversation_id=conv.id),
+            lambda: b.conversations.items.delete(item.id, conversation_id=conv.id),
+            lambda: b.conversations.delete(conv.id),
+        ]
+        for call in calls:
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert a.responses.retrieve(resp.id).id == resp.id  # still there for its owner
+        assert len(a.conversations.items.list(conv.id).data) == 1
