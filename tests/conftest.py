@@ -197,6 +197,7 @@ SLOW_TESTS: dict[str, str] = {
     # benchmarks and installs
     "test_benchmarks::test_tracing_benchmark_tiny": "server subprocesses with and without tracing",
     "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",
+    "test_benchmarks::test_conversation_benchmark_tiny": "a server subprocess, cache flushes",
     "test_kv_fp8::test_kv_fp8_benchmark_tiny": "a benchmark run",
     "test_checkpoint::test_make_model_choices_come_from_the_registry_when_used": (
         "command-line subprocesses writing checkpoints"

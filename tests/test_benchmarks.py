@@ -461,3 +461,14 @@ def test_hub_load_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert len(out["seconds"]["path"]) == len(out["seconds"]["hub_id"]) == 2
     assert 0 < out["median_s"]["resolve"] < out["median_s"]["hub_id"]
     assert out["ratio_hub_over_path"] > 0
+
+
+def test_conversation_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["conversation", "--model", str(model_dir), "--rounds", "1", "--max-tokens", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "conversation.json").read_text())
+    two, three = out["turns"]
+    # the chain's later turns find every earlier turn, the photo included, in the cache
+    assert two["cached_tokens"] >= 576 and three["cached_tokens"] > two["cached_tokens"]
+    assert three["input_tokens"] > two["input_tokens"]
+    assert two["ratio_chain_over_resend"] > 0 and len(out["raw"]["resend"]) == 1
