@@ -380,6 +380,13 @@ class _Turn:
             sub = st.client.submit(call.reqs, background=True)
             await store.run(store.update, self.owner, call.id, _set_status("in_progress"))
             results = await sub.answers()
+            if any(r.finish_reason == "abort" for r in results):  # the server stops
+                raise APIError(
+                    503,
+                    "the server aborted this background response (it was stopping); "
+                    "create it again",
+                    code="aborted",
+                )
             obj = RESPONSES.answer(st, self.body, call, results).body
             obj["background"] = True
             if await store.run(store.get, self.owner, call.id) is not None:
