@@ -253,6 +253,14 @@ async def create_response(st: ServerState, body: ResponsesRequest, http: Request
         prev = await rs.run(rs.get, owner, body.previous_response_id)
         if prev is None:
             raise not_found("response", body.previous_response_id, "previous_response_id")
+        if prev["response"]["status"] in RUNNING:
+            raise APIError(
+                400,
+                f"previous_response_id: {body.previous_response_id!r} is still "
+                f"{prev['response']['status']}; wait until it has finished",
+                param="previous_response_id",
+                code="response_not_finished",
+            )
         history = prev["input_items"] + prev["response"]["output"]
     if body.conversation is not None:
         cs = stores(st, "conversation").conversations

@@ -115,6 +115,12 @@ def test_delete_and_unknown_ids_are_404(client) -> None:
     with pytest.raises(openai.NotFoundError) as exc:
         client.responses.create(model=MODEL, input="Hi", previous_response_id=resp.id)
     assert _bad(exc)["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as exc:  # ids are at most 128 characters
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="r" * 129)
+    assert _bad(exc)["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model=MODEL, input="Hi", conversation={"name": "x"})
+    assert _bad(exc)["param"] == "conversation.id"
 
 
 def test_count_bound_evicts_the_oldest(client) -> None:
@@ -223,8 +229,15 @@ def test_background_answers_queued_then_polls_to_completed(client) -> None:
 
 def test_background_cancel(client) -> None:
     queued = client.responses.create(
-        model=MODEL, input="Tell a long story.", background=True, max_output_tokens=2000
+        model=MODEL,
+        input="Tell a long story.",
+        background=True,
+        max_output_tokens=2000,
+        temperature=0,
     )
+    with pytest.raises(openai.BadRequestError) as exc:  # no output to continue from yet
+        client.responses.create(model=MODEL, input="x", previous_response_id=queued.id)
+    assert _bad(exc)["param"] == "previous_response_id"
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled"
     assert _poll(client, queued.id).status == "cancelled"
