@@ -71,6 +71,18 @@ def test_three_turns_by_previous_response_id_cache_the_earlier_turns(client, pho
     assert items[0].content[0].image_url.startswith("img-")
     got = client.responses.retrieve(third.id)
     assert got.id == third.id and got.output_text == third.output_text
+    # an uploaded image's id in a later turn: kept as given, the history still cached
+    info = client.post(
+        "/images", body={"data": base64.b64encode(photos["cat.png"]).decode()}, cast_to=object
+    )
+    part = {"type": "input_image", "image_url": info["id"]}
+    fourth = client.responses.create(
+        previous_response_id=third.id, input=[{"role": "user", "content": [part]}], **kw
+    )
+    assert fourth.usage.input_tokens_details.image_tokens == 2 * 576
+    assert fourth.usage.input_tokens_details.cached_tokens >= third.usage.input_tokens
+    last = client.responses.input_items.list(fourth.id, limit=1).data[0]
+    assert last.content[0].image_url == info["id"]
 
 
 def test_the_same_history_resent_gives_the_same_answer(client) -> None:
