@@ -11,6 +11,7 @@ commits follow :mod:`api.commit` (one section per id, atomic writes, durable unl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -129,8 +130,6 @@ class JsonStore:
         """``fn(*args)``, in a worker thread when the store has files (else inline)."""
         if self.directory is None:
             return fn(*args)
-        import asyncio
-
         return await asyncio.to_thread(fn, *args)
 
     def check_size(self, size: int, param: str) -> None:
