@@ -19,6 +19,7 @@ from api import (
     routes_batches,
     routes_cache,
     routes_chat,
+    routes_conversations,
     routes_images,
     routes_page,
     routes_responses,
@@ -36,6 +37,7 @@ from api.media import MediaResolver
 from api.metrics import Metrics
 from api.settings import ServerSettings
 from api.state import ServerState
+from api.stored_responses import ResponseStores
 from api.submit import EngineClient
 from api.video_store import VideoStore
 from mmserve.config import EngineConfig
@@ -91,6 +93,7 @@ def server_state(
         settings=settings,
         model_name=model_name,
         videos=VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
+        responses=ResponseStores.from_settings(settings),
     )
 
 
@@ -269,6 +272,7 @@ def create_app(
         health_router,
         routes_chat.router,
         routes_responses.router,
+        routes_conversations.router,
         routes_batches.router,
         routes_images.router,
         routes_videos.router,

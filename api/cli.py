@@ -30,7 +30,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from api.settings import BATCH_ORDERS, ServerSettings
+from api.settings import BATCH_ORDERS, RESPONSE_STORES, ServerSettings
 from api.startup import log_startup
 from mmserve.config import (
     ATTENTION_BACKENDS,
@@ -91,6 +91,7 @@ _CHOICES = {
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
     "replica_router": ROUTERS,
     "batch_order": BATCH_ORDERS,
+    "responses_store": RESPONSE_STORES,
 }
 #: Flag names that differ from the field name (``--model`` is the checkpoint directory).
 _RENAMED = {("engine", "model_path"): "model"}
@@ -202,6 +203,13 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
         (
             "data_dir", "max_batch_file_bytes", "max_batch_lines", "max_stored_file_bytes",
             "batch_max_in_flight", "batch_in_flight_with_online", "batch_order",
+        ),
+    ),
+    (
+        "stored responses & conversations",
+        (
+            "responses_store", "max_stored_responses", "max_stored_response_bytes",
+            "max_stored_object_bytes",
         ),
     ),
     ("replicas (Ray Serve)", ()),  # every ReplicaSettings field

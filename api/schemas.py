@@ -516,13 +516,8 @@ class TextConfig(BaseModel):
 _RESPONSES_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((None, []), "no tools are run by this server"),
     "max_tool_calls": ((None,), "no tools are run by this server"),
-    "previous_response_id": ((None,), "responses are not stored; send the history as input"),
-    "conversation": ((None,), "conversations are not stored; send the history as input"),
-    "store": ((None, False), "responses are not stored"),
-    "background": ((None, False), "no background responses; use /v1/batches for offline work"),
     "reasoning": ((None,), "the model has no reasoning setting"),
     "include": ((None, []), "no extra output items are produced"),
-    "metadata": ((None, {}), "responses are not stored"),
     "prompt": ((None,), "no stored prompt templates"),
     "prompt_cache_key": ((None,), "the prefix cache needs no key"),
     "prompt_cache_retention": ((None,), "the prefix cache needs no key"),
@@ -558,13 +553,13 @@ class ResponsesRequest(ChatTemplateFields, EndUserFields):
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     max_tool_calls: Any = None
-    previous_response_id: Any = None
-    conversation: Any = None
-    store: Any = None
-    background: Any = None
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=128)
+    conversation: str | dict[str, str] | None = None
+    store: bool | None = None
+    background: bool | None = None
     reasoning: Any = None
     include: Any = None
-    metadata: Any = None
+    metadata: dict[str, str] | None = None
     prompt: Any = None
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None

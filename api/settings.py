@@ -14,6 +14,8 @@ from mmserve.vision.video import VideoLimits
 API_KEY_ENV = "MMSERVE_API_KEY"
 #: Orders a batch's requests may run in (``--batch-order``).
 BATCH_ORDERS = ("cache", "submitted")
+#: Where stored responses and conversations live (``--responses-store``).
+RESPONSE_STORES = ("memory", "disk", "off")
 
 
 @dataclass
@@ -81,6 +83,18 @@ class ServerSettings:
             to which every /v1/ request's spans are sent (OpenTelemetry; needs
             pip install 'mmserve[tracing]'). None: no tracing, and the OpenTelemetry SDK
             is never imported.
+        responses_store: where stored responses (``store``, ``previous_response_id``,
+            background responses) and conversations live: "memory" (lost at exit),
+            "disk" (under ``data_dir``/responses and /conversations, kept across
+            restarts) or "off" (nothing stored; the fields that need it get a 400 naming
+            this flag).
+        max_stored_responses: most stored responses, and most conversations, kept
+            (oldest evicted first).
+        max_stored_response_bytes: most bytes all stored responses, and all
+            conversations, take (their JSON; oldest evicted first).
+        max_stored_object_bytes: most bytes one stored response or conversation may take
+            (its JSON: input items, output and history); a request that would exceed it
+            gets a 400.
     """
 
     served_model_name: str | None = None
@@ -115,6 +129,10 @@ class ServerSettings:
     batch_in_flight_with_online: int = 1
     batch_order: str = "cache"
     otlp_traces_endpoint: str | None = None
+    responses_store: str = "memory"
+    max_stored_responses: int = 10_000
+    max_stored_response_bytes: int = 1 << 30
+    max_stored_object_bytes: int = 16 << 20
 
     def video_limits(self) -> VideoLimits:
         """The video bounds these settings give."""
@@ -165,6 +183,9 @@ class ServerSettings:
             "max_stored_file_bytes",
             "batch_max_in_flight",
             "batch_in_flight_with_online",
+            "max_stored_responses",
+            "max_stored_response_bytes",
+            "max_stored_object_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -172,6 +193,10 @@ class ServerSettings:
             raise ValueError(f"max_video_tokens must be >= 1, got {self.max_video_tokens}")
         if self.batch_order not in BATCH_ORDERS:
             raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {self.batch_order!r}")
+        if self.responses_store not in RESPONSE_STORES:
+            raise ValueError(
+                f"responses_store must be one of {RESPONSE_STORES}, got {self.responses_store!r}"
+            )
         if self.retry_after_seconds < 0 or self.remote_image_timeout <= 0:
             raise ValueError("retry_after_seconds must be >= 0 and remote_image_timeout > 0")
         if self.max_json_depth > 512:  # deeper meets Python's recursion limit first

@@ -39,6 +39,9 @@ class ServerState:
         kernels_ready: False until the start-up kernel warm-up has finished
             (``/health`` answers 503 ``warming_up`` before).
         thumbnails: the stored images' and videos' thumbnails (:mod:`api.thumbnails`).
+        responses: the stored responses and conversations
+            (:class:`~api.stored_responses.ResponseStores`), None with
+            ``--responses-store off``.
     """
 
     engine: Engine | FrontEnd
@@ -53,6 +56,7 @@ class ServerState:
     batches: Any = None
     kernels_ready: bool = False
     thumbnails: Thumbnails = field(default_factory=Thumbnails)
+    responses: Any = None
 
     def check_model(self, name: str | None) -> None:
         """Accept ``None`` (the served model) or the served model's name.

@@ -16,6 +16,7 @@ except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
 from benchmarks import (
+    conversation,
     engine_process,
     experiments,
     graph_decode,
@@ -126,6 +127,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
     "model-identity": (model_identity.model_identity, "full", "onevision-0.5b",
                        "llava-onevision", model_identity.OPTIONS),
     "hub-load": (hub_load.hub_load, "full", "small", "llava", hub_load.OPTIONS),
+    "conversation": (conversation.conversation, "full", "small", "llava", conversation.OPTIONS),
     "video-qa": (experiments.video_qa, "full", "small", "llava", [
         (("--num-frames",), dict(type=int, default=8)),
         (("--max-tokens",), dict(type=int, default=16)),

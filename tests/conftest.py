@@ -224,6 +224,7 @@ SLOW_TESTS: dict[str, str] = {
         "two models x five engines per family, each run twice"
     ),
     "test_benchmarks::test_host_benchmark_tiny": "a server subprocess against the engine alone",
+    "test_benchmarks::test_conversation_benchmark_tiny": "a server subprocess, cache flushes",
     "test_kv_fp8::test_kv_fp8_benchmark_tiny": "a benchmark run",
     "test_checkpoint::test_make_model_choices_come_from_the_registry_when_used": (
         "command-line subprocesses writing checkpoints"

@@ -533,3 +533,14 @@ def test_host_benchmark_counts_a_servers_child_processes() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_conversation_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["conversation", "--model", str(model_dir), "--rounds", "1", "--max-tokens", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "conversation.json").read_text())
+    two, three = out["turns"]
+    # the chain's later turns find every earlier turn, the photo included, in the cache
+    assert two["cached_tokens"] >= 576 and three["cached_tokens"] > two["cached_tokens"]
+    assert three["input_tokens"] > two["input_tokens"]
+    assert two["ratio_chain_over_resend"] > 0 and len(out["raw"]["resend"]) == 1

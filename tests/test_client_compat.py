@@ -189,8 +189,8 @@ def _log_startup(engine, caplog) -> list[str]:
     import logging
 
     from api.cli import LaunchSettings
-    from api.startup import log_startup
     from api.settings import ServerSettings
+    from api.startup import log_startup
 
     with caplog.at_level(logging.INFO, logger="api.cli"):
         log_startup(engine, LaunchSettings(), ServerSettings())

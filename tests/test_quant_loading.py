@@ -71,8 +71,8 @@ def test_int8_log_names_the_quantization_weight_bytes_and_untied_head(families, 
 
 def test_startup_summary_carries_the_weights_and_kv_scales(families) -> None:
     from api.cli import LaunchSettings
-    from api.startup import startup_summary
     from api.settings import ServerSettings
+    from api.startup import startup_summary
 
     fam = families["llava"]
     model = load_model(fam.model_dir, quantization="int8")

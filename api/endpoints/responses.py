@@ -7,8 +7,9 @@ and runs through the shared input path (:func:`api.endpoints.inputs.engine_reque
 upload ids, data URLs, allowed files and remote URLs resolve as in chat).
 ``text.format`` goes through the structured-output machinery. Streaming sends the
 Responses event sequence (``response.created`` ... ``response.completed``), each event
-with its ``sequence_number`` (``stream_options``: :func:`response_stream`). Responses are
-not stored (``store`` must be false or absent).
+with its ``sequence_number`` (``stream_options``: :func:`response_stream`). Storing,
+``previous_response_id``, ``conversation`` and ``background`` are
+:mod:`api.stored_responses`'s (around this handler); a batch line is never stored.
 """
 
 from __future__ import annotations
@@ -47,6 +48,25 @@ class ResponsesEndpoint(Endpoint[ResponsesRequest, ResponseCall]):
 
     path = "/v1/responses"
     body_type = ResponsesRequest
+
+    def check(self, st: ServerState, body: ResponsesRequest, batch: bool = False) -> None:
+        """As :meth:`Endpoint.check`; a batch line also may not ask for storing
+        (``store: true``, ``previous_response_id``, ``conversation``, ``background``).
+
+        Raises:
+            APIError: 400 naming the field.
+        """
+        super().check(st, body, batch)
+        if not batch:
+            return
+        for name in ("previous_response_id", "conversation", "background", "store"):
+            if getattr(body, name) not in (None, False):
+                raise APIError(
+                    400,
+                    f"{name}: not available in a batch (batch lines are not stored; "
+                    "use POST /v1/responses)",
+                    param=name,
+                )
 
     async def prepare(self, st: ServerState, body: ResponsesRequest) -> ResponseCall:
         """The engine request of ``body`` (one) and the ids of its answer.
@@ -248,7 +268,7 @@ def response_object(
         "object": "response",
         "created_at": int(created),
         "status": status,
-        "background": False,
+        "background": bool(body.background),
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": body.instructions,
@@ -256,10 +276,10 @@ def response_object(
         "model": st.model_name,
         "output": output,
         "parallel_tool_calls": False,
-        "previous_response_id": None,
+        "previous_response_id": body.previous_response_id,
         "reasoning": None,
         "service_tier": "default",
-        "store": False,
+        "store": bool(body.store),
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": _text_config(body),
         "tool_choice": "none",
@@ -267,7 +287,8 @@ def response_object(
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": "disabled",
         "usage": response_usage(result) if result is not None else None,
-        "metadata": {},
+        "metadata": body.metadata or {},
+        "conversation": {"id": body.conversation} if isinstance(body.conversation, str) else None,
     }
 
 

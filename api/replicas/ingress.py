@@ -41,6 +41,7 @@ from ray import serve
 from api import (
     routes_batches,
     routes_chat,
+    routes_conversations,
     routes_images,
     routes_page,
     routes_responses,
@@ -434,6 +435,7 @@ def create_ingress_app(
         fleet_routes,
         routes_chat.router,
         routes_responses.router,
+        routes_conversations.router,
         routes_batches.router,
         routes_images.router,
         routes_videos.router,
