@@ -187,6 +187,7 @@ class EngineProcessClient:
         proc = self._proc
         if proc is None:
             return
+        self._ready = False  # requests from now on fail at once; those in flight at EOF
         if self._tx is not None:
             try:
                 self._tx.send_bytes(pickle.dumps([("stop",)]))
@@ -196,7 +197,8 @@ class EngineProcessClient:
         _end(proc)
         if self._tx is not None:
             self._tx.close()
-        self._ready = False
+        if self._rx is not None and self._rx is not self._watched:
+            self._rx.close()  # no event loop reads it (never attached)
 
     @property
     def pid(self) -> int | None:
@@ -290,23 +292,19 @@ class EngineProcessClient:
     def _died(self, gen: int) -> None:
         """The engine process ``gen`` closed its pipe: fail everything in flight, then
         restart (or give up)."""
-        if gen != self._gen or self._stopping:
+        if gen != self._gen:
             return
         proc = self._proc
+        self._ready = False
+        if self._stopping:  # stop() joins it; what the engine left unanswered ends here
+            self._fail_in_flight(f"the engine process (pid {proc.pid}) was stopped")
+            return
         proc.join(5)
         code = proc.exitcode
-        self._ready = False
         self.deaths += 1
         why = f"the engine process (pid {proc.pid}) died (exit code {code})"
         log.error("%s; failing %d requests in flight", why, len(self._slots))
-        for slot in self._slots.values():
-            slot.fail(why)
-        self._slots.clear()
-        for fut in self._calls.values():
-            if not fut.done():
-                fut.set_exception(EngineUnavailable(why))
-        self._calls.clear()
-        self._outbox.clear()
+        self._fail_in_flight(why)
         if self.restarts_left <= 0:
             self._fatal = f"{why}; no restart left (--engine-restarts)"
             log.error("%s", self._fatal)
@@ -316,6 +314,18 @@ class EngineProcessClient:
         self.restarts_left -= 1
         self._why = f"{why}; a new engine process is starting"
         asyncio.ensure_future(self._restart())
+
+    def _fail_in_flight(self, why: str) -> None:
+        """End every request (finish reason "error") and control call
+        (:class:`EngineUnavailable`) waiting on the engine process that is gone."""
+        for slot in self._slots.values():
+            slot.fail(why)
+        self._slots.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(why))
+        self._calls.clear()
+        self._outbox.clear()
 
     async def _restart(self) -> None:
         try:
