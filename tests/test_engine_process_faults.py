@@ -83,3 +83,31 @@ def test_stop_ends_the_calls_and_requests_the_engine_left_unanswered(make_engine
     # after the stop, a call fails at once instead of queueing for no one
     with pytest.raises(EngineUnavailable):
         asyncio.run(asyncio.wait_for(process.control("cache_stats"), timeout=5))
+
+
+def test_pixels_sent_to_an_engine_process_that_died_are_not_leaked(make_engine, photos) -> None:
+    from multiprocessing import resource_sharer
+
+    front, process = _split(make_engine(max_total_tokens=4096))
+    image = front.processor.prepare_image(photos["astronaut.png"], front.processor.image_mode(1))
+    req = front.processor.make_request(
+        messages=user(None, "Describe it."), images=[image], params=greedy(4)
+    )
+    lent = resource_sharer._resource_sharer._cache  # fds lent until their receiver takes them
+
+    async def run() -> tuple[int, str | None]:
+        process.attach()
+        os.kill(process.pid, signal.SIGSTOP)  # the add stays in the pipe, unread
+        gen = asyncio.ensure_future(process.generate(req))
+        await asyncio.sleep(0.3)
+        sent = len(lent)
+        os.kill(process.pid, signal.SIGKILL)
+        res = await asyncio.wait_for(gen, timeout=10)
+        return sent, res.finish_reason
+
+    try:
+        sent, finish = asyncio.run(run())
+    finally:
+        process.stop()
+    assert sent >= 1 and finish == "error"  # the pixels crossed as a lent fd, then it died
+    assert len(lent) == 0, "the dead engine's shared memory is still held"

@@ -126,6 +126,7 @@ class EngineProcessClient:
         self._ids = itertools.count()
         self._outbox: list[tuple] = []
         self._ready_event: asyncio.Event | None = None
+        self._lent: set[int] = set()  # resource_sharer keys of fds not yet fetched
 
     # ---- the process ---------------------------------------------------------------
     def start(self) -> dict:
@@ -199,6 +200,7 @@ class EngineProcessClient:
             self._tx.close()
         if self._rx is not None and self._rx is not self._watched:
             self._rx.close()  # no event loop reads it (never attached)
+        self._release_lent()
 
     @property
     def pid(self) -> int | None:
@@ -326,6 +328,22 @@ class EngineProcessClient:
                 fut.set_exception(EngineUnavailable(why))
         self._calls.clear()
         self._outbox.clear()
+        self._release_lent()
+
+    def _release_lent(self) -> None:
+        """Close the shared-memory file descriptors of pixels sent to an engine process
+        that never took them (it died or was stopped with them in the pipe): torch's
+        reduction lends each one through ``multiprocessing.resource_sharer`` until the
+        receiver fetches it, which a dead process never does (one leaked tensor each)."""
+        from multiprocessing import resource_sharer
+
+        sharer = resource_sharer._resource_sharer  # CPython's one instance
+        lent, self._lent = self._lent, set()
+        with sharer._lock:
+            entries = [sharer._cache.pop(key, None) for key in lent]
+        for entry in entries:
+            if entry is not None:
+                entry[1]()  # its close()
 
     async def _restart(self) -> None:
         try:
@@ -348,8 +366,14 @@ class EngineProcessClient:
         out, self._outbox = self._outbox, []
         if not out or not self._ready or self._tx is None:
             return
+        before = _lent_fds()
+        data = ForkingPickler.dumps(out, protocol=5)
+        now = _lent_fds()  # pixels' shared memory lent to the engine, until it takes it
+        if len(self._lent) > 256:  # those the engine took are no longer lent
+            self._lent &= now
+        self._lent |= now - before
         try:
-            self._tx.send_bytes(ForkingPickler.dumps(out, protocol=5))
+            self._tx.send_bytes(data)
         except OSError:  # the engine is gone: its reader reports the death
             pass
 
@@ -445,6 +469,18 @@ def _wire(req: EngineRequest) -> EngineRequest:
     if req.grammar is None and spans is req.spans:
         return req
     return dataclasses.replace(req, grammar=None, spans=spans)
+
+
+def _lent_fds() -> set[int]:
+    """The keys of the file descriptors this process lends now (through
+    ``multiprocessing.resource_sharer``, until their receiver fetches them)."""
+    from multiprocessing import resource_sharer
+
+    sharer = resource_sharer._resource_sharer
+    if sharer._listener is None:
+        return set()
+    with sharer._lock:
+        return set(sharer._cache)
 
 
 def _end(proc) -> None:
