@@ -271,9 +271,6 @@ IN_PROCESS_ENGINE_TESTS: dict[str, str] = {
     "test_video_api::test_engine_failure_during_video_qa_is_an_error_event": (
         "patches the in-process engine's runner to fail its prefill"
     ),
-    "test_batches_api::test_batch_requests_reach_the_engine_at_background_priority": (
-        "spies on the in-process engine's add_request"
-    ),
     # Counters reads the in-process engine's live requests and tower count mid-request
     "test_disconnect::test_hang_up_while_pictures_are_prepared_stops_the_work": (
         "reads the in-process engine's counters while the request runs"
