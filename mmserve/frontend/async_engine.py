@@ -160,15 +160,17 @@ class AsyncEngine:
             if not done:
                 self.call(lambda: self.engine.abort(req.rid))
 
-    async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
-        """Submit ``req`` and yield its updates (text and new ids); the last one carries
-        the result.
+    async def stream(
+        self, req: EngineRequest, final_only: bool = False
+    ) -> AsyncIterator[StreamUpdate]:
+        """Submit ``req`` and yield its updates (new text and ids); the last one carries
+        the result. ``final_only``: only that one (its collector skips per-token text work).
 
         A stop string found in the text ends the request in the engine (an abort that
         keeps its KV). If the consumer stops early (client disconnect), the request is
         aborted.
         """
-        col = self.engine.collector(req)
+        col = self.engine.collector(req, final_only)
         deltas = self.deltas(req)
         try:
             async for delta in deltas:
@@ -181,10 +183,10 @@ class AsyncEngine:
         finally:
             await deltas.aclose()  # aborts the engine request unless it had finished
 
-    async def generate(self, req: EngineRequest) -> GenerateResult:
-        """Submit ``req`` and wait for its result."""
+    async def generate(self, req: EngineRequest, final_only: bool = False) -> GenerateResult:
+        """Submit ``req`` and wait for its result (``final_only``: as :meth:`stream`)."""
         result = None
-        async for upd in self.stream(req):
+        async for upd in self.stream(req, final_only):
             result = upd.result
         assert result is not None
         return result
