@@ -145,9 +145,19 @@ class IncrementalDetokenizer:
         # the last piece, the rest to it and to what is still pending
         self._window: list[int] = list(context)
         self._read = len(self._window)
-        self._stream = self._new_stream(self._window)
+        # the decoder starts empty and takes the context with the first ids; what it
+        # emits then begins with the context's text, which is not the answer's (a
+        # decoder given the context up front shows it again when that text ends inside
+        # a character)
+        self._lead = list(context)
+        self._skip_chars = len(self._decode(self._lead)) if self._lead else 0
+        self._stream = self._new_stream([])
         #: the last piece, the ids before it in its window and the ids it covers
-        self._last: tuple[list[int], list[int], str] = ([], [], "")
+        #: (before, covered, piece, skipped, first): the last piece, the ids before it
+        #: in its window and those it covers, the context characters cut from its start,
+        #: and whether it was the first (its text then counts from the context's start)
+        self._last: tuple[list[int], list[int], str, int, bool] = ([], [], "", 0, True)
+        self._moved = False  # a piece was emitted: the window no longer starts the text
         self._pieces: list[str] = []
 
     def _new_stream(self, context: list[int]) -> DecodeStream | _WindowDecoder:
@@ -177,55 +187,67 @@ class IncrementalDetokenizer:
 
     def _step(self, ids: list[int]) -> str:
         self._window.extend(ids)
+        if self._lead:
+            ids, self._lead = self._lead + ids, []
         try:
-            piece = self._stream.step(self._backend, ids if len(ids) > 1 else ids[0])
+            raw = self._stream.step(self._backend, ids if len(ids) > 1 else ids[0])
         except Exception:  # noqa: BLE001 - the decoder's text changed before its end
-            piece = self._recover()
-        if not piece:
-            return ""
+            raw = self._recover()
+        return self._emit(raw) if raw else ""
+
+    def _emit(self, raw: str) -> str:
+        """Record ``raw`` (the text after the last piece's window) as the next piece,
+        less what is left of the context's text."""
+        skip = min(self._skip_chars, len(raw))
+        self._skip_chars -= skip
+        piece = raw[skip:]
         w, r = self._window, self._read
-        self._last = (w[:r], w[r:], piece)
+        self._last = (w[:r], w[r:], piece, skip, not self._moved)
+        self._moved = True
         self._window = w[r:]
         self._read = len(self._window)
-        self._pieces.append(piece)
+        if piece:
+            self._pieces.append(piece)
         return piece
 
     def _recover(self) -> str | None:
         """After a decoder error (text before the window's end changed: not seen with
         the bundled tokenizers), emit what the window adds and start a new stream."""
-        piece = self._pending()
-        if piece is None or piece.endswith(REPLACEMENT):
+        raw = self._pending()
+        if raw is None or raw.endswith(REPLACEMENT):
             return None
         self._stream = self._new_stream(self._window)
-        return piece
+        self._lead = []
+        return raw
 
     def _pending(self) -> str | None:
-        """What the ids after the last piece add to the text (None: nothing pending)."""
+        """What the ids after the last piece add to the text (None: nothing pending),
+        as :meth:`_emit` takes it (the context's text included while it is skipped)."""
         ids = self._window + self._held
         if len(ids) <= self._read:
             return None
-        before = self._decode(ids[: self._read])
+        # until a piece is emitted the window's head is the context, whose text is what
+        # _skip_chars counts: decode from the start of the ids then
+        head = self._read if self._moved else 0
+        before = self._decode(ids[:head]) if head else ""
         text = self._decode(ids)
         return text[len(before) :] if len(text) > len(before) else ""
 
     def peek(self) -> str:
         """The text the ids not yet shown would add if the answer ended now (U+FFFD for
         an incomplete character); nothing is consumed."""
-        return self._pending() or ""
+        return (self._pending() or "")[self._skip_chars :]
 
     def flush(self) -> str:
         """Text still held back at the end (an incomplete character decodes as U+FFFD,
         as one-shot decoding writes it)."""
-        piece = self._pending()
+        raw = self._pending()
         self._window.extend(self._held)
         self._held = []
-        if piece:
-            r = self._read
-            self._last = (self._window[:r], self._window[r:], piece)
-            self._pieces.append(piece)
-        self._window = []
-        self._read = 0
-        return piece or ""
+        self._lead = []
+        piece = self._emit(raw) if raw else ""
+        self._window, self._read = [], 0
+        return piece
 
     def ids_behind(self, chars: int) -> tuple[int, int]:
         """``(needed, covered)``: of the ``covered`` ids whose text the last piece is
@@ -235,8 +257,8 @@ class IncrementalDetokenizer:
         Decodes the piece's window once per id until they do, so it costs
         ``covered`` decodes of a short window; it is called only when a stop string
         ends inside a piece."""
-        before, covered, piece = self._last
-        base = len(self._decode(before))
+        before, covered, piece, skip, first = self._last
+        base = (0 if first else len(self._decode(before))) + skip
         for k in range(1, len(covered)):
             text = self._decode(before + covered[:k])
             if text[base : base + chars] == piece[:chars]:
