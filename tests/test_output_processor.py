@@ -46,7 +46,7 @@ def _ids(tok) -> st.SearchStrategy[list[int]]:
     return st.lists(st.one_of(pools), min_size=0, max_size=30)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_decode_stream_text_equals_one_shot_decode(tok, data) -> None:
     """Pieces join to ``tokenizer.decode`` of the ids after the context, whatever the
@@ -63,18 +63,8 @@ def test_decode_stream_text_equals_one_shot_decode(tok, data) -> None:
     assert text == whole[len(tok.decode(ctx, skip_special_tokens=True)) :]
 
 
-def test_detokenizer_state_does_not_grow_with_the_answer(tok) -> None:
-    """A counting test: the ids kept for decoding stay few however long the answer is."""
-    dt = IncrementalDetokenizer(tok)
-    ids = tok.encode("the quick brown fox jumps over the lazy dog " * 100, add_special_tokens=False)
-    kept = []
-    for i in ids:
-        dt.push([i])
-        kept.append(len(dt._window) + len(dt._held))
-    assert len(ids) > 500 and max(kept) <= 8, max(kept)
-
-
 # ---- StreamUpdate.merged ------------------------------------------------------------------
+
 
 def _result(text: str, ids: list[int], reason: str = "stop") -> GenerateResult:
     return GenerateResult("r", text, ids, reason, 1, 0, len(ids), 0, 0, 0.0, 0.0)
@@ -191,9 +181,8 @@ def test_streamed_updates_carry_no_copies_of_the_text(families) -> None:
     ((ups, _),) = _run_both(eng, [msg])
     text = ups[-1].result.text
     assert len(ups) >= 90 and len(text) >= 90
-    carried = sum(
-        len(v) for u in ups for f in dataclasses.fields(u) if isinstance(v := getattr(u, f.name), str)
-    )
+    values = [getattr(u, f.name) for u in ups for f in dataclasses.fields(u)]
+    carried = sum(len(v) for v in values if isinstance(v, str))
     assert carried == len(text)
 
 
@@ -235,7 +224,7 @@ def test_chat_stream_sends_each_delta_text_as_it_is(families) -> None:
     class Sub:
         reqs = [None]
 
-        class client:  # noqa: N801 - the attribute chat_stream reads
+        class client:  # the attribute chat_stream reads
             @staticmethod
             def failure(_result: GenerateResult) -> None:
                 return None
@@ -288,7 +277,7 @@ def test_submission_merges_a_slow_readers_updates(families) -> None:
 
     got, made = asyncio.run(run(False))
     assert [i for i, _ in got] == [0, 1]  # one merged update per request
-    for (i, u), t in zip(got, texts, strict=True):
+    for (_, u), t in zip(got, texts, strict=True):
         assert u.delta_text == t == u.result.text
         assert list(u.delta_ids) == u.result.output_ids
     assert made == [("q0", False), ("q1", False)]
