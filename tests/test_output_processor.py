@@ -61,6 +61,25 @@ def test_decode_stream_text_equals_one_shot_decode(tok, data) -> None:
     text = "".join(pieces) + dt.flush()
     whole = tok.decode(ctx + ids, skip_special_tokens=True)
     assert text == whole[len(tok.decode(ctx, skip_special_tokens=True)) :]
+    # a tokenizer without a Rust backend: the same algorithm in Python, the same text
+    py = IncrementalDetokenizer(_PythonOnly(tok), context=ctx)
+    py_pieces = [py.push(ids[i : i + step]) for i in range(0, len(ids), step)]
+    assert "".join(py_pieces) + py.flush() == text
+
+
+class _PythonOnly:
+    """A tokenizer seen without its Rust backend (only ``decode`` and its vocabulary)."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.all_special_ids = tok.all_special_ids
+        self.added_tokens_decoder = tok.added_tokens_decoder
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tok.get_vocab()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 # ---- StreamUpdate.merged ------------------------------------------------------------------

@@ -26,11 +26,13 @@ as a list of pieces: no step copies the text so far.
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
@@ -70,12 +72,12 @@ def token_classes(tokenizer: object) -> tuple[frozenset[int], frozenset[int]]:
     return out
 
 
-def _backend(tokenizer: object) -> object | None:
+def _backend(tokenizer: object) -> RustTokenizer | None:
     """The Rust ``tokenizers.Tokenizer`` behind a transformers tokenizer, when decoding
     through it gives the same text (no ``clean_up_tokenization_spaces``)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     backend = backend or getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "decode"):
+    if not isinstance(backend, RustTokenizer):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
@@ -93,7 +95,7 @@ class _WindowDecoder:
         self._prefix = decode(self._ids) if self._ids else ""
         self._start = 0
 
-    def step(self, _backend: object, ids: int | list[int]) -> str | None:
+    def step(self, _backend: RustTokenizer | None, ids: int | list[int]) -> str | None:
         self._ids.extend(ids if isinstance(ids, list) else [ids])
         text = self._decode(self._ids)
         if len(text) <= len(self._prefix) or text.endswith(REPLACEMENT):
@@ -129,12 +131,10 @@ class IncrementalDetokenizer:
         self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()
     ) -> None:
         skip = skip_special_tokens
-        self._backend = _backend(tokenizer)
-        if self._backend is not None:
-            be = self._backend
-            self._decode: Callable[[list[int]], str] = lambda ids: be.decode(  # type: ignore[attr-defined]
-                ids, skip_special_tokens=skip
-            )
+        self._backend = be = _backend(tokenizer)
+        self._decode: Callable[[list[int]], str]
+        if be is not None:
+            self._decode = lambda ids: be.decode(ids, skip_special_tokens=skip)
         else:
             self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
         self._skip = skip
@@ -161,9 +161,15 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
 
     def _new_stream(self, context: list[int]) -> DecodeStream | _WindowDecoder:
-        if self._backend is None:
-            return _WindowDecoder(self._decode, context)
-        return DecodeStream(list(context), skip_special_tokens=self._skip)
+        """A decoder that continues after ``context``; :attr:`_next` steps it."""
+        be = self._backend
+        if be is None:
+            py = _WindowDecoder(self._decode, context)
+            self._next: Callable[[int | list[int]], str | None] = functools.partial(py.step, None)
+            return py
+        rust = DecodeStream(list(context), skip_special_tokens=self._skip)
+        self._next = functools.partial(rust.step, be)
+        return rust
 
     @property
     def text(self) -> str:
@@ -190,7 +196,7 @@ class IncrementalDetokenizer:
         if self._lead:
             ids, self._lead = self._lead + ids, []
         try:
-            raw = self._stream.step(self._backend, ids if len(ids) > 1 else ids[0])
+            raw = self._next(ids if len(ids) > 1 else ids[0])
         except Exception:  # noqa: BLE001 - the decoder's text changed before its end
             raw = self._recover()
         return self._emit(raw) if raw else ""
