@@ -452,3 +452,15 @@ def test_graph_decode_tiny(model_dir: Path, tmp_path: Path) -> None:
     for prof in res["profile"].values():
         assert prof["steps"] >= 2 and 0 <= prof["host_share"] < 1
         assert prof["model_ms"] > 0 and prof["step_ms"] >= prof["model_ms"]
+
+
+def test_output_benchmark_round(model_dir: Path) -> None:
+    """One in-process round of ``output`` (the worker's): every token of every request
+    reaches the answer, streamed and plain, with and without a stop string."""
+    import asyncio
+
+    from benchmarks import output
+
+    for _case, streamed, stop in output.CASES:
+        got = asyncio.run(output._one_round(str(model_dir), 4, 12, streamed, stop))
+        assert got["us_per_token"] > 0 and got["chars"] > 4 * 12
