@@ -61,6 +61,8 @@ def test_decode_stream_text_equals_one_shot_decode(tok, data) -> None:
     text = "".join(pieces) + dt.flush()
     whole = tok.decode(ctx + ids, skip_special_tokens=True)
     assert text == whole[len(tok.decode(ctx, skip_special_tokens=True)) :]
+    # final-only: one decode of all the ids gives the same text
+    assert IncrementalDetokenizer(tok, context=ctx).decode_whole(ids) == text
     # a tokenizer without a Rust backend: the same algorithm in Python, the same text
     py = IncrementalDetokenizer(_PythonOnly(tok), context=ctx)
     py_pieces = [py.push(ids[i : i + step]) for i in range(0, len(ids), step)]

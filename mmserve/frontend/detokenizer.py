@@ -255,6 +255,15 @@ class IncrementalDetokenizer:
         self._window, self._read = [], 0
         return piece
 
+    def decode_whole(self, ids: Sequence[int]) -> str:
+        """The text of all of ``ids`` in one decode, for a detokenizer nothing was pushed
+        to (a final-only answer without stop strings): what :meth:`push` and
+        :meth:`flush` would give piece by piece (one-shot decoding after the context)."""
+        piece = self._decode(self._lead + list(ids))[self._skip_chars :]
+        self._lead, self._skip_chars, self._window, self._read = [], 0, [], 0
+        self._pieces.append(piece)
+        return piece
+
     def ids_behind(self, chars: int) -> tuple[int, int]:
         """``(needed, covered)``: of the ``covered`` ids whose text the last piece is
         (several after a run of byte tokens or an incomplete character), the first
@@ -337,6 +346,14 @@ class TextStream:
             if piece:
                 self._add(piece)
         return self._release(final=self.stopped)
+
+    def push_whole(self, ids: Sequence[int]) -> str:
+        """All the output ids at once, in one decode, when there are no stop strings
+        (:meth:`IncrementalDetokenizer.decode_whole`); returns the text."""
+        assert not self.stop and not self.num_tokens
+        self.num_tokens = len(ids)
+        self._held = self.detok.decode_whole(ids)
+        return self._release(final=True)
 
     def finish(self) -> str:
         """The rest of the text at the end of the request (held-back text included)."""

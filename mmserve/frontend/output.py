@@ -171,7 +171,7 @@ class OutputCollector:
             return None
         if reason is not None:
             if self._decode_at_end:
-                stream.push(self.ids)
+                stream.push_whole(self.ids)
             new_text += stream.finish()
             if reason == "length" and stream.stopped:
                 # the last token's text, held back until now (a run of byte tokens),
@@ -198,7 +198,7 @@ class OutputCollector:
 
         The update adds no text or ids (in final-only mode: the whole answer so far)."""
         if self._decode_at_end and self.ids:
-            self.stream.push(self.ids)  # the result's text: the ids kept so far
+            self.stream.push_whole(self.ids)  # the result's text: the ids kept so far
             self._decode_at_end = False
         self.result = self._result("error", error, time.perf_counter())
         if not self.final_only:
