@@ -46,7 +46,7 @@ def _ids(tok) -> st.SearchStrategy[list[int]]:
     return st.lists(st.one_of(pools), min_size=0, max_size=30)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_decode_stream_text_equals_one_shot_decode(tok, data) -> None:
     """Pieces join to ``tokenizer.decode`` of the ids after the context, whatever the
