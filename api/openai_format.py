@@ -195,17 +195,20 @@ async def chat_stream(
     ``sub``.
     """
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+    # the fields every chunk repeats, serialized once: a chunk's JSON is this head, its
+    # choice and the tail, the bytes json.dumps of the whole object would give
+    head = "data: " + json.dumps(base)[:-1] + ', "choices": ['
+    tail = ', "usage": null' if include_usage else ""
 
     def chunk(index: int, delta: dict, finish: str | None = None, lps: list | None = None) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         if lps is not None:
             choice["logprobs"] = {"content": lps}
-        body = {**base, "choices": [choice]}
-        if include_usage:
-            body["usage"] = None
+        extra = tail
         if obfuscate and (delta.get("content") or delta.get("tool_calls")):
-            body["obfuscation"] = obfuscation(delta.get("content") or json.dumps(delta))
-        return f"data: {json.dumps(body)}\n\n"
+            pad = obfuscation(delta.get("content") or json.dumps(delta))
+            extra += ', "obfuscation": ' + json.dumps(pad)
+        return f"{head}{json.dumps(choice)}]{extra}}}\n\n"
 
     n = len(sub.reqs)
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent
