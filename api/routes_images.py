@@ -103,7 +103,7 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
         reqs += await make_requests(
             processor, msgs, [image], params, 1, st.settings.default_max_tokens, details=[detail]
         )
-    sub = st.client.submit(reqs)
+    sub = st.client.submit(reqs, final_only=True)  # answers are not streamed
     results = await sub.answers(request)
     answers = [
         {

@@ -158,7 +158,7 @@ async def video_qa(
             except APIError as e:
                 raise await _clip_too_long(st, frames, system, q, params, e, part) from None
             jobs.append((None, qi))
-    sub = st.client.submit(reqs)
+    sub = st.client.submit(reqs, final_only=True)  # each answer is sent whole when done
     sse = body.stream_format == "sse" or (
         body.stream_format is None and "text/event-stream" in request.headers.get("accept", "")
     )

@@ -24,6 +24,7 @@ from benchmarks import (
     hub_load,
     kv_fp8,
     model_identity,
+    output,
     quant_rows,
     real_shapes,
     spec,
@@ -143,6 +144,12 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
     "quant-rows": (quant_rows.quant_rows, "full", None, "llava", [
         (("--rows",), dict(default="1,2,4,8,16,32,64", help="row counts (M)")),
         (("--rounds",), dict(type=int, default=15, help="interleaved rounds")),
+    ]),
+    "output": (output.output, "full", "tiny", "llava", [
+        (("--repo",), dict(action="append", type=Path, help="another checkout to compare")),
+        (("--rounds",), dict(type=int, default=5, help="interleaved rounds (full scale)")),
+        (("--requests",), dict(type=int, default=128, help="concurrent requests")),
+        (("--tokens",), dict(type=int, default=128, help="tokens per answer")),
     ]),
     "image-detail": (experiments.image_detail, "full", None, "llava-next", [
         (("--families",), dict(default="llava-onevision,llava-next")),

@@ -544,3 +544,15 @@ def test_conversation_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert two["cached_tokens"] >= 576 and three["cached_tokens"] > two["cached_tokens"]
     assert three["input_tokens"] > two["input_tokens"]
     assert two["ratio_chain_over_resend"] > 0 and len(out["raw"]["resend"]) == 1
+
+
+def test_output_benchmark_round(model_dir: Path) -> None:
+    """One in-process round of ``output`` (the worker's): every token of every request
+    reaches the answer, streamed and plain, with and without a stop string."""
+    import asyncio
+
+    from benchmarks import output
+
+    for _case, streamed, stop in output.CASES:
+        got = asyncio.run(output._one_round(str(model_dir), 4, 12, streamed, stop))
+        assert got["us_per_token"] > 0 and got["chars"] > 4 * 12

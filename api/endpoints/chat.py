@@ -100,9 +100,8 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
         self, st: ServerState, body: ChatCompletionRequest, call: ChatCall, sub: Submission
     ) -> AsyncIterator[str]:
         """``chat.completion.chunk`` events (:func:`api.openai_format.chat_stream`); a
-        stop string is never partly sent."""
+        stop string is never partly sent (the output collector holds it back)."""
         opts = body.stream_options or StreamOptions()
-        holdback = max((len(s) for s in call.params.stop), default=1) - 1
         created = int(call.created)
         return chat_stream(
             sub,
@@ -111,7 +110,6 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
             st.model_name,
             call.tokens,
             opts.include_usage,
-            holdback,
             call.tools,
             opts.include_obfuscation,
         )

@@ -332,7 +332,6 @@ async def response_stream(
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
     empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
     yield event("response.content_part.added", **where, part=empty)
-    sent = ""
     async for _, upd in sub.updates():
         res = upd.result
         failed = st.client.failure(res) if res is not None else None
@@ -340,10 +339,8 @@ async def response_stream(
             err = error_body(failed.message, "server_error")["error"]
             yield event("error", code="engine_error", message=err["message"], param=None)
             return
-        text = upd.text if res is not None else upd.text.rstrip("\ufffd")
-        if text.startswith(sent) and len(text) > len(sent):
-            yield event("response.output_text.delta", **where, delta=text[len(sent) :], logprobs=[])
-            sent = text
+        if upd.delta_text:  # held back by the collector where it could be a stop string
+            yield event("response.output_text.delta", **where, delta=upd.delta_text, logprobs=[])
         if res is None:
             continue
         final = response_object(st, body, rid, msg_id, created, res)

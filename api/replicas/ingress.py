@@ -74,9 +74,12 @@ class ReplicaEngineClient(EngineClient):
     """:class:`EngineClient` that also remembers each HTTP request's submissions, so that
     a request cancelled by Ray Serve (client gone) cancels them (see :class:`CancelGuard`)."""
 
-    def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
-        """As :meth:`EngineClient.submit` (``background``: batch-job lines)."""
-        sub = super().submit(reqs, background)
+    def submit(
+        self, reqs: Sequence[EngineRequest], background: bool = False, final_only: bool = False
+    ) -> Submission:
+        """As :meth:`EngineClient.submit` (``background``: batch-job lines;
+        ``final_only``: an answer that is not streamed)."""
+        sub = super().submit(reqs, background, final_only)
         subs = SUBMISSIONS.get()
         if subs is not None:
             subs.append(sub)

@@ -140,8 +140,11 @@ class ReplicaClient:
             model=self.model,
         )
 
-    async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
-        """Run ``req`` on a replica; yields its updates, the last one with the result.
+    async def stream(
+        self, req: EngineRequest, final_only: bool = False
+    ) -> AsyncIterator[StreamUpdate]:
+        """Run ``req`` on a replica; yields its updates, the last one with the result
+        (``final_only``: only that one, as :meth:`AsyncEngine.stream`).
 
         The replica sends token deltas; text, stop strings and the result are built
         here by an :class:`OutputCollector`, as in a single-process server. A stop
@@ -160,6 +163,7 @@ class ReplicaClient:
                 req.arrival,
                 req.text_context,
                 req.media_tokens,
+                final_only,
             )
             gen = _detached(
                 self.handle.options(method_name="generate", stream=True).remote, payload
@@ -181,6 +185,7 @@ class ReplicaClient:
                     assert isinstance(msg, TokenDelta)
                     upd = col.add(msg)
                     if upd is None:
+                        # nothing for the client yet (final-only) or any more
                         continue
                     if upd.result is not None:
                         self._finished(req, upd.result, replica)
