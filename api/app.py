@@ -24,7 +24,7 @@ from api import (
     routes_responses,
     routes_videos,
 )
-from api.auth import APIKeyMiddleware
+from api.auth import APIKeyMiddleware, TenantMiddleware
 from api.batch.runner import BatchManager
 from api.batch.store import FileStore
 from api.body_limit import BodyLimitMiddleware
@@ -118,9 +118,12 @@ def assemble_app(
     for cls in middleware:
         app.add_middleware(cls)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.settings.max_request_bytes)
-    key = state.settings.resolved_api_key()
-    if key:
-        app.add_middleware(APIKeyMiddleware, api_key=key)
+    keys = state.settings.tenant_keys()
+    app.state.tenant_keys = keys  # the SIGHUP reload replaces its keys in place
+    if keys is not None:
+        app.add_middleware(APIKeyMiddleware, keys=keys)
+    else:
+        app.add_middleware(TenantMiddleware)
     if tracing is not None:
         from api.tracing import TracingMiddleware
 

@@ -114,7 +114,7 @@ class KVManager:
         """The tree's longest cached prefix of ``req``'s tokens, one token short of all
         of them (its logits give the next output token)."""
         t0 = time.perf_counter()
-        ids = req.all_ids()
+        ids = req.key_ids()
         m = self.tree.match_prefix(ids[: len(ids) - 1])
         self.tree_seconds += time.perf_counter() - t0
         return m
@@ -173,7 +173,7 @@ class KVManager:
         P = self.page_size
         n = (kv_len // P) * P
         t0 = time.perf_counter()
-        done = self.tree.insert_prefix(req.all_ids()[:n], req.pages[: n // P])
+        done = self.tree.insert_prefix(req.key_ids()[:n], req.pages[: n // P])
         self.tree_seconds += time.perf_counter() - t0
         # our pages for [tree_len, cached) duplicate KV the tree already holds
         dup = req.pages[req.tree_len // P : done.cached // P]
@@ -248,7 +248,7 @@ class KVManager:
         if self.tiers is None:
             return m
         P = self.page_size
-        ids = req.all_ids()
+        ids = req.key_ids()
         limit = len(ids) - 1  # one token is always computed
         t0 = time.perf_counter()
         parent = self.tree.last_page_key(m.last_node)
