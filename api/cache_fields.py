@@ -9,12 +9,15 @@ requests with different effective salts share no cached state
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from api.errors import APIError
 from api.tenants import DEFAULT_TENANT, current_tenant
 from mmserve.cache.salt import MAX_SALT_CHARS, combine
+from mmserve.types import EngineRequest
 
 #: Most characters of a ``prompt_cache_key`` (OpenAI documents no bound; 64 is its
 #: ``user``-like identifiers' size, with room).
@@ -57,3 +60,32 @@ def effective_salt(cache_salt: str | None, shared_cache: bool) -> str:
     tenant = current_tenant()
     own = None if shared_cache or tenant == DEFAULT_TENANT else tenant
     return combine(own, cache_salt)
+
+
+def cache_options(body: PromptCacheFields, kv_disk_dir: str | None) -> dict[str, str]:
+    """The :class:`~mmserve.types.EngineRequest` fields ``body``'s ``prompt_cache_key``
+    and ``prompt_cache_retention`` give (``dataclasses.replace`` them in).
+
+    Raises:
+        APIError: 400 naming ``prompt_cache_retention`` for ``"24h"`` on a server
+            without a disk KV tier (``--kv-disk-dir``): nothing would keep the prefix.
+    """
+    retention = body.prompt_cache_retention or ""
+    if retention == "24h" and not kv_disk_dir:
+        raise APIError(
+            400,
+            'prompt_cache_retention: "24h" needs the disk KV tier, and this server has none '
+            '(start it with --kv-disk-dir); send "in_memory" or leave it out',
+            param="prompt_cache_retention",
+        )
+    return {
+        "prompt_cache_key": body.prompt_cache_key or "",
+        "prompt_cache_retention": retention,
+    }
+
+
+def with_cache_options(reqs: list[EngineRequest], options: dict[str, str]) -> list[EngineRequest]:
+    """``reqs`` carrying ``options`` (:func:`cache_options`); the same list when empty."""
+    if not any(options.values()):
+        return reqs
+    return [replace(r, **options) for r in reqs]

@@ -293,6 +293,11 @@ class EngineRequest:
             tenant and the request's ``cache_salt``; a plain string so that it crosses a
             process boundary): requests with different salts share no cached state,
             ``""`` keys as unsalted. The front end has already re-keyed the images.
+        prompt_cache_key: OpenAI's ``prompt_cache_key`` (``""``: none): under
+            ``--replicas`` requests with the same key (and salt) go to the same replica.
+        prompt_cache_retention: ``"24h"``: the request's cached pages are written to the
+            disk KV tier when it ends (not only at eviction); ``""`` or ``"in_memory"``:
+            the usual cache.
     """
 
     input_ids: tuple[int, ...]
@@ -304,6 +309,8 @@ class EngineRequest:
     priority: int = INTERACTIVE
     text_context: tuple[int, ...] = ()
     cache_salt: str = ""
+    prompt_cache_key: str = ""
+    prompt_cache_retention: str = ""
 
     @property
     def prompt_len(self) -> int:

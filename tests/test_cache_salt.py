@@ -3,13 +3,16 @@ KV, image features, tier pages); the same salt shares as no salt does."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
 from api.app import ServerSettings, create_app
 from mmserve.cache.salt import combine, namespace, salted_ids, salted_image_key
-from tests.helpers import MODEL, chat_json, data_url, image_part, png_bytes
+from tests.helpers import MODEL, chat_json, data_url, greedy, image_part, png_bytes, user
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +127,65 @@ def test_salt_on_responses_and_ask(client, engine) -> None:
     assert r2.json()["usage"]["input_tokens_details"]["cached_tokens"] == 0
     r3 = client.post("/v1/responses", json={**body, "input": inp, "cache_salt": "a"})
     assert r3.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+# ---- the disk tier: salted pages across a restart, prompt_cache_retention ---------------
+
+
+def _gen(eng, img, salt: str = "", retention: str = ""):
+    req = eng.processor.make_request(
+        messages=user(None, "Describe it."), images=[img], params=greedy(4), cache_salt=salt
+    )
+    if retention:
+        req = replace(req, prompt_cache_retention=retention)
+    out = eng.generate([req])[0]
+    eng.scheduler.check_accounting()
+    return out
+
+
+def test_salted_pages_survive_a_restart_only_for_their_salt(
+    make_engine, photos, tmp_path: Path
+) -> None:
+    first = make_engine(kv_disk_dir=str(tmp_path))
+    img = first.processor.prepare_image(next(iter(photos.values())))
+    a = _gen(first, img, "alice")
+    assert first.close() > 0  # shutdown writes the tree's (salted) pages
+    second = make_engine(kv_disk_dir=str(tmp_path))
+    other = _gen(second, img, "bob")
+    assert other.cached_tokens == 0 and other.vision_tower_runs == 1
+    assert second.cache_stats()["tier_disk_hit_tokens"] == 0
+    plain = _gen(second, img)
+    assert plain.cached_tokens == 0 and second.cache_stats()["tier_disk_hit_tokens"] == 0
+    again = _gen(second, img, "alice")
+    assert again.cached_tokens == again.prompt_tokens - 1  # from disk, alice's salt
+    assert again.output_ids == a.output_ids
+    second.close()
+
+
+def test_retention_24h_writes_through_to_disk(make_engine, photos, tmp_path: Path) -> None:
+    eng = make_engine(kv_disk_dir=str(tmp_path))
+    img = eng.processor.prepare_image(next(iter(photos.values())))
+    _gen(eng, img, "x")
+    eng.tiers.disk.flush(30)
+    assert len(eng.tiers.disk) == 0  # in_memory (default): nothing written while cached
+    r = _gen(eng, img, "y", retention="24h")
+    eng.tiers.disk.flush(30)
+    pages = r.prompt_tokens // eng.config.page_size
+    assert len(eng.tiers.disk) >= pages  # the whole prompt is on disk at once
+    eng.close(timeout=30)
+
+
+def test_retention_24h_without_disk_tier_is_a_400(client) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = client.post("/v1/chat/completions", json={**body, "prompt_cache_retention": "24h"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_retention"
+    assert "--kv-disk-dir" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={**body, "prompt_cache_retention": "1h"})
+    assert r.status_code == 400 and "prompt_cache_retention" in r.text
+    r = client.post("/v1/chat/completions", json={**body, "prompt_cache_retention": "in_memory"})
+    assert r.status_code == 200
+    r = client.post(
+        "/v1/responses",
+        json={"model": MODEL, "input": "hi", "max_output_tokens": 1, "prompt_cache_key": "k"},
+    )
+    assert r.status_code == 200, r.text

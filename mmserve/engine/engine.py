@@ -256,6 +256,7 @@ class EngineCore:
         req.arrival = msg.arrival
         req.priority = msg.priority
         req.cache_ns = namespace(msg.cache_salt)
+        req.write_through = msg.prompt_cache_retention == "24h"
         if msg.grammar is not None:
             assert msg.params.guided is not None  # the grammar is compiled from it
             req.grammar = new_state(msg.grammar, msg.params.guided)

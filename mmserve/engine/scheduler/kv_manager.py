@@ -198,7 +198,10 @@ class KVManager:
         to the pool, its lock and reservation are dropped."""
         keep = 0
         if req.last_node is not None:
-            keep = self._insert(req, req.computed_len).length // self.page_size
+            done = self._insert(req, req.computed_len)
+            keep = done.length // self.page_size
+            if req.write_through and self.tiers is not None and done.length:
+                self._write_through(done.last_node)
             self.tree.dec_lock_ref(req.last_node)
         rest = req.pages[keep:]
         if rest:
@@ -206,6 +209,17 @@ class KVManager:
         req.pages.reset()
         req.reserved_pages = 0
         req.last_node = None
+
+    def _write_through(self, node: TreeNode) -> None:
+        """Queue the pages from the root to ``node`` (locked) for the disk tier."""
+        assert self.tiers is not None
+        keys: list[bytes] = []
+        pages: list[int] = []
+        while node is not None and node.parent is not None:  # up to the root (excluded)
+            keys[:0] = self.tree.page_keys(node)
+            pages[:0] = list(node.pages)
+            node = node.parent
+        self.tiers.write_through(keys, pages)
 
     def flush(self) -> int:
         """Drop every tree page (no request may hold a lock); returns pages freed."""
