@@ -37,6 +37,7 @@ from api.metrics import Metrics
 from api.settings import ServerSettings
 from api.state import ServerState
 from api.submit import EngineClient
+from api.tenant_stores import split_by_tenant
 from api.video_store import VideoStore
 from mmserve.frontend.async_engine import AsyncEngine
 from mmserve.frontend.frontend import Engine
@@ -121,6 +122,8 @@ def assemble_app(
     keys = state.settings.tenant_keys()
     app.state.tenant_keys = keys  # the SIGHUP reload replaces its keys in place
     if keys is not None:
+        state.metrics.tenants.set_function(lambda: keys.tenants)
+    if keys is not None:
         app.add_middleware(APIKeyMiddleware, keys=keys)
     else:
         app.add_middleware(TenantMiddleware)
@@ -154,6 +157,9 @@ def create_app(
     state.batches = BatchManager(
         state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)
     )
+    keys = settings.tenant_keys()
+    if keys is not None and keys.path is not None:  # --api-keys: each tenant its own stores
+        split_by_tenant(state, sorted({t for _, t in keys.keys}))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
