@@ -16,6 +16,7 @@ except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
 from benchmarks import (
+    cache_salt,
     experiments,
     graph_decode,
     hub_load,
@@ -123,6 +124,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--max-video-frames",), dict(type=int, default=64)),
         (("--max-total-tokens",), dict(type=int, default=16384, help="KV pool")),
     ]),
+    "salt": (cache_salt.cache_salt, "full", "tiny", "llava", cache_salt.OPTIONS),
     "image-detail": (experiments.image_detail, "full", None, "llava-next", [
         (("--families",), dict(default="llava-onevision,llava-next")),
         (("--photo",), dict(default="1024x768", help="WxH of the photo")),
