@@ -118,7 +118,8 @@ class TenantBatches(PerTenant[Any]):
 def split_by_tenant(state: Any, tenants: list[str]) -> None:
     """Give every tenant its own stores in ``state`` (a :class:`~api.state.ServerState`
     whose stores and batch manager are built): ``state.store``, ``state.media.store``,
-    ``state.media.transient``, ``state.videos`` and ``state.batches`` become
+    ``state.media.transient``, ``state.videos``, ``state.thumbnails`` and
+    ``state.batches`` become
     :class:`PerTenant` stand-ins whose ``default`` instances are the built ones.
 
     Args:
@@ -128,6 +129,7 @@ def split_by_tenant(state: Any, tenants: list[str]) -> None:
     from api.batch.runner import BatchManager
     from api.batch.store import FileStore
     from api.image_store import ImageStore
+    from api.thumbnails import Thumbnails
     from api.video_store import VideoStore
 
     settings = state.settings
@@ -153,6 +155,8 @@ def split_by_tenant(state: Any, tenants: list[str]) -> None:
         state.videos,
         lambda _t: VideoStore(settings.max_stored_videos, settings.max_stored_video_bytes),
     )
+    # a thumbnail made for one tenant is not served faster to another
+    state.thumbnails = PerTenant(state.thumbnails, lambda _t: Thumbnails())
     batches = state.batches
 
     def manager(tenant: str) -> BatchManager:

@@ -152,6 +152,8 @@ def test_images_belong_to_their_tenant(client) -> None:
     a = client.post("/v1/images", files=files, headers=A).json()
     iid = a["id"]
     assert client.get(f"/v1/images/{iid}", headers=B).status_code == 404
+    assert client.get(f"/v1/images/{iid}/thumbnail", headers=B).status_code == 404
+    assert client.get(f"/v1/images/{iid}/thumbnail", headers=A).status_code == 200
     assert client.get("/v1/images", headers=B).json()["data"] == []
     assert [i["id"] for i in client.get("/v1/images", headers=A).json()["data"]] == [iid]
     r = client.post(
@@ -186,6 +188,7 @@ def test_videos_belong_to_their_tenant(client) -> None:
     files = {"file": ("v.mp4", data, "video/mp4")}
     vid = client.post("/v1/videos", files=files, headers=A).json()["id"]
     assert client.get(f"/v1/videos/{vid}", headers=B).status_code == 404
+    assert client.get(f"/v1/videos/{vid}/thumbnail", headers=B).status_code == 404
     assert client.get("/v1/videos", headers=B).json()["data"] == []
     assert (
         client.post(f"/v1/videos/{vid}/qa", json={"questions": ["?"]}, headers=B).status_code == 404
@@ -239,3 +242,15 @@ def test_one_key_is_the_default_tenant(engine) -> None:
         h = {"Authorization": "Bearer k1"}
         assert c.get("/v1/models", headers=h).status_code == 200
         assert "mmserve_tenants 1.0" in c.get("/metrics", headers=h).text
+
+
+def test_vision_files_belong_to_their_tenant(client) -> None:
+    files = {"file": ("cat.png", _photo(9), "image/png")}
+    f = client.post("/v1/files", data={"purpose": "vision"}, files=files, headers=A)
+    assert f.status_code == 200, f.text
+    fid = f.json()["id"]
+    assert client.get(f"/v1/files/{fid}", headers=B).status_code == 404
+    assert fid not in [x["id"] for x in client.get("/v1/files", headers=B).json()["data"]]
+    assert fid in [x["id"] for x in client.get("/v1/files", headers=A).json()["data"]]
+    assert client.delete(f"/v1/files/{fid}", headers=B).status_code == 404
+    assert client.get(f"/v1/files/{fid}", headers=A).status_code == 200
