@@ -8,15 +8,17 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from PIL import Image
 
 from api.app import ServerSettings, create_app
-from api.tenants import TenantFileError, TenantKeys, parse_keys
+from api.auth import APIKeyMiddleware, TenantMiddleware
+from api.tenants import TenantFileError, TenantKeys, current_tenant, parse_keys
 from tests.helpers import MODEL, data_url, image_part, png_bytes
 from tests.videos import encode_mp4, rgb_frames
 
-KEYS = "# tenants\nkey-alice-0001 alice\n\nkey-bob-000002 bob  # trailing\n"
+KEYS = "# tenants\nkey-alice-0001 alice\n\n  key-bob-000002   bob\n"
 A = {"Authorization": "Bearer key-alice-0001"}
 B = {"Authorization": "Bearer key-bob-000002"}
 
@@ -29,7 +31,7 @@ def engine(make_engine):
 def _settings(tmp_path: Path, **kw) -> ServerSettings:
     keys = tmp_path / "keys.txt"
     if not keys.exists():
-        keys.write_text(KEYS.replace("  # trailing", ""))
+        keys.write_text(KEYS)
     return ServerSettings(
         served_model_name=MODEL,
         api_keys=str(keys),
@@ -254,3 +256,28 @@ def test_vision_files_belong_to_their_tenant(client) -> None:
     assert fid in [x["id"] for x in client.get("/v1/files", headers=A).json()["data"]]
     assert client.delete(f"/v1/files/{fid}", headers=B).status_code == 404
     assert client.get(f"/v1/files/{fid}", headers=A).status_code == 200
+
+
+def test_request_state_carries_the_tenant(tmp_path) -> None:
+    """``request.state.tenant`` (what stored responses record as their owner) and the
+    context variable, for a key of the file, for one key, and without keys."""
+
+    def app_with(middleware, **kw) -> TestClient:
+        app = FastAPI()
+
+        @app.get("/who")
+        def who(request: Request) -> dict:
+            return {"state": request.state.tenant, "var": current_tenant()}
+
+        app.add_middleware(middleware, **kw)
+        return TestClient(app)
+
+    path = tmp_path / "k.txt"
+    path.write_text(KEYS)
+    with app_with(APIKeyMiddleware, keys=TenantKeys.from_file(path)) as c:
+        assert c.get("/who", headers=B).json() == {"state": "bob", "var": "bob"}
+    with app_with(APIKeyMiddleware, api_key="only-key") as c:
+        got = c.get("/who", headers={"Authorization": "Bearer only-key"}).json()
+        assert got == {"state": "default", "var": "default"}
+    with app_with(TenantMiddleware) as c:
+        assert c.get("/who").json() == {"state": "default", "var": "default"}
