@@ -16,6 +16,7 @@ except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
 from benchmarks import (
+    cache_salt,
     conversation,
     engine_process,
     experiments,
@@ -151,6 +152,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--requests",), dict(type=int, default=128, help="concurrent requests")),
         (("--tokens",), dict(type=int, default=128, help="tokens per answer")),
     ]),
+    "salt": (cache_salt.cache_salt, "full", "tiny", "llava", cache_salt.OPTIONS),
     "image-detail": (experiments.image_detail, "full", None, "llava-next", [
         (("--families",), dict(default="llava-onevision,llava-next")),
         (("--photo",), dict(default="1024x768", help="WxH of the photo")),

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
+from api.cache_fields import cache_options, effective_salt, with_cache_options
 from api.endpoints.base import Answer, Call, Endpoint, Usage
 from api.endpoints.inputs import MediaRef, engine_requests
 from api.errors import APIError, error_body
@@ -86,7 +87,10 @@ class ResponsesEndpoint(Endpoint[ResponsesRequest, ResponseCall]):
             params = replace(params, guided=spec)
         messages, urls = _messages(body, st.engine.config.max_images_per_request)
         template = template_options(body, messages)
-        reqs = await engine_requests(st, messages, urls, params, 1, template)
+        salt = effective_salt(body.cache_salt, st.settings.shared_cache)
+        options = cache_options(body, st.engine.config.kv_disk_dir)
+        reqs = await engine_requests(st, messages, urls, params, 1, template, salt)
+        reqs = with_cache_options(reqs, options)
         log_end_user(body, reqs)
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         return ResponseCall(reqs, rid, time.time(), msg_id)

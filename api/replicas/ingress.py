@@ -57,6 +57,7 @@ from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from api.state import State
 from api.submit import EngineClient, Submission
+from api.tenant_stores import split_by_tenant
 from mmserve.config import EngineConfig
 from mmserve.fleet.client import STREAMED, ReplicaClient
 from mmserve.frontend.frontend import FrontEnd, load_frontend_model
@@ -426,6 +427,9 @@ def create_ingress_app(
         FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes),
         ready=a_replica_is_up,
     )
+    keys = settings.tenant_keys()
+    if keys is not None and keys.path is not None:  # --api-keys: each tenant its own stores
+        split_by_tenant(state, sorted({t for _, t in keys.keys}))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

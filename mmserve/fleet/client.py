@@ -138,6 +138,9 @@ class ReplicaClient:
             req.params,
             priority=req.priority,
             model=self.model,
+            cache_salt=req.cache_salt,
+            prompt_cache_key=req.prompt_cache_key,
+            prompt_cache_retention=req.prompt_cache_retention,
         )
 
     async def stream(
@@ -240,7 +243,9 @@ class ReplicaClient:
         """The replica's tree in the router gains the output tokens."""
         router = find_router(self.app_name, self.deployment)
         if router is not None and replica is not None and result.finish_reason != "error":
-            router.record_output(replica, [*req.input_ids, *result.output_ids], self.model)
+            router.record_output(
+                replica, [*req.input_ids, *result.output_ids], self.model, req.cache_salt
+            )
 
     # ---- control calls ---------------------------------------------------------
     async def call(self, kind: str, target: str | None = None, timeout: float = 10.0) -> dict:
