@@ -16,6 +16,7 @@ except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
 from benchmarks import (
+    determinism,
     experiments,
     graph_decode,
     kv_fp8,
@@ -66,6 +67,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--bandwidth-gb",), dict(type=float, default=1.0, help="tensor read for GB/s (GiB)")),
         (("--quality-positions",), dict(type=int, default=2000, help="quant: teacher-forced")),
     ]),
+    "determinism": (determinism.determinism, "full", "tiny", "llava", determinism.OPTIONS),
     "graph-decode": (graph_decode.run, "full", "small", "llava", graph_decode.OPTIONS),
     "replicas": (experiments.replicas, "full", "tiny", "llava", [
         (("--port",), dict(type=int, default=8470, help="HTTP port of the endpoint")),

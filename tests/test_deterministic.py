@@ -10,7 +10,7 @@ from mmserve.config import EngineConfig
 from mmserve.frontend.frontend import Engine
 from mmserve.kernels.batch_invariant import BLOCK_KEYS, attend_invariant
 from mmserve.model.loader import load_model
-from tests.helpers import QUESTIONS, greedy, user
+from tests.helpers import QUESTIONS, check_against_reference, greedy, tp_engine, user
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +128,22 @@ def test_without_the_flag_bf16_depends_on_the_cache(make_bf16, img) -> None:
         (warm,) = _gen(eng, cases)
         differ += warm != base
     assert differ > 0
+
+
+def test_tp2_cache_and_batch_change_no_bit(model_dir, img) -> None:
+    """Under tensor parallelism each rank's attention is the invariant kernel too, so a
+    tp=2 group answers the same bits cold, warm and among other requests."""
+    with tp_engine(model_dir, 2, dtype="bfloat16", deterministic=True, page_size=16) as eng:
+        (cold,) = _gen(eng, [_target(img)])
+        _gen(eng, _others(img)[:1])
+        (warm,) = _gen(eng, [_target(img)])
+        mixed = _gen(eng, [*_others(img), _target(img)])
+    assert warm == cold and mixed[-1] == cold
+
+
+def test_fp32_still_equals_transformers(make_engine, ref_model, photos) -> None:
+    eng = make_engine(deterministic=True, page_size=16, max_prefill_tokens=100)
+    img = eng.processor.prepare_image(next(iter(photos.values())))
+    check_against_reference(eng, ref_model, user(None, QUESTIONS[0]), [img], "deterministic")
+    # and again with the image's prefix cached: the same tokens
+    check_against_reference(eng, ref_model, user(None, QUESTIONS[0]), [img], "cached")
