@@ -11,9 +11,11 @@ Algorithm: the flash-attention recurrence (Dao et al., "FlashAttention", arXiv
 absolute positions**: keys ``[b * BLOCK_KEYS, (b + 1) * BLOCK_KEYS)``, each block padded
 to exactly :data:`BLOCK_KEYS` (padding and keys after the query masked to ``-inf``),
 visited in order ``b = 0, 1, ...``. Within a block all arithmetic is fp32 and
-elementwise or a reduction over a fixed-length axis (``D`` for a score, ``BLOCK_KEYS``
-for the softmax sum and the value sum), so no reduction's order depends on the batch's
-shape, unlike a GEMM, whose blocking (and on CPU, gemv vs gemm path) follows ``M``, or
+elementwise, a reduction over a fixed-length axis (``BLOCK_KEYS`` for the softmax sum),
+or a batched matmul whose every item has one fixed shape (``[G, D] x [D, BLOCK_KEYS]``
+for scores, ``[G, BLOCK_KEYS] x [BLOCK_KEYS, D]`` for values: one item per query row and
+K/V head), so no reduction's order depends on the batch's shape, unlike one GEMM over
+all rows, whose blocking (and on CPU, gemv vs gemm path) follows ``M``, or
 torch's CPU flash kernel, whose key split follows the key count. A block wholly after a
 query's position leaves its running state unchanged exactly (``x * 1 + 0``), so a
 decode step, which stops at its own block, equals a prefill row that saw more blocks.
@@ -65,27 +67,33 @@ def attend_invariant(
     if padded > last:
         pad = kf.new_zeros(padded - last, hkv, d)
         kf, vf = torch.cat([kf, pad]), torch.cat([vf, pad])
-    # [blocks, Hkv, 1, BLOCK_KEYS, D]: broadcast over the G query heads of a K/V head
-    kb = kf.view(blocks, BLOCK_KEYS, hkv, d).permute(0, 2, 1, 3)[:, :, None]
-    vb = vf.view(blocks, BLOCK_KEYS, hkv, d).permute(0, 2, 1, 3)[:, :, None]
+    # [blocks, Hkv, D, BLOCK_KEYS] and [blocks, Hkv, BLOCK_KEYS, D]
+    kb = kf.view(blocks, BLOCK_KEYS, hkv, d).permute(0, 2, 3, 1)
+    vb = vf.view(blocks, BLOCK_KEYS, hkv, d).permute(0, 2, 1, 3)
     key_pos = torch.arange(padded, device=q.device).view(blocks, BLOCK_KEYS)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     for lo in range(0, n, QUERY_ROWS):
         hi = min(n, lo + QUERY_ROWS)
-        qf = q[lo:hi].float().view(hi - lo, hkv, g, 1, d)
+        r = hi - lo
+        qf = q[lo:hi].float().reshape(r * hkv, g, d)
         pos = q_pos[lo:hi]
-        m = torch.full((hi - lo, hkv, g), float("-inf"), device=q.device)
-        den = torch.zeros(hi - lo, hkv, g, device=q.device)
-        acc = torch.zeros(hi - lo, hkv, g, d, device=q.device)
+        m = torch.full((r, hkv, g), float("-inf"), device=q.device)
+        den = torch.zeros(r, hkv, g, device=q.device)
+        acc = torch.zeros(r, hkv, g, d, device=q.device)
         for b in range(-(-(int(pos.max()) + 1) // BLOCK_KEYS)):
-            s = (qf * kb[b]).sum(-1) * sm  # [r, Hkv, G, BLOCK_KEYS]
+            # one [G, D] x [D, BLOCK_KEYS] product per (row, K/V head): every item of the
+            # batched matmul has the same shape whatever r is, so the same kernel and order
+            kr = kb[b][None].expand(r, hkv, d, BLOCK_KEYS).reshape(r * hkv, d, BLOCK_KEYS)
+            s = torch.bmm(qf, kr).view(r, hkv, g, BLOCK_KEYS) * sm
             hidden = key_pos[b][None, :] > pos[:, None]  # [r, BLOCK_KEYS]
             s = s.masked_fill(hidden[:, None, None, :], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
             corr = torch.exp(m - m_new)
             den = den * corr + p.sum(-1)
-            acc = acc * corr[..., None] + (p[..., None] * vb[b]).sum(-2)
+            vr = vb[b][None].expand(r, hkv, BLOCK_KEYS, d).reshape(r * hkv, BLOCK_KEYS, d)
+            pv = torch.bmm(p.view(r * hkv, g, BLOCK_KEYS), vr).view(r, hkv, g, d)
+            acc = acc * corr[..., None] + pv
             m = m_new
-        out[lo:hi] = (acc / den[..., None]).reshape(hi - lo, hq, d).to(q.dtype)
+        out[lo:hi] = (acc / den[..., None]).reshape(r, hq, d).to(q.dtype)
     return out
