@@ -27,9 +27,9 @@ import torch
 
 #: Keys per fixed attention block (absolute positions ``[b * 64, (b + 1) * 64)``).
 BLOCK_KEYS = 64
-#: Query rows per call of the block loop: bounds the ``[rows, Hq, BLOCK_KEYS, D]`` fp32
-#: temporaries (rows are independent, so the split changes no result).
-QUERY_ROWS = 32
+#: Query rows x padded keys per pass: bounds the fp32 temporaries (the expanded keys are
+#: ``rows x Hkv x keys x D``); rows are independent, so the split changes no result.
+QUERY_KEYS = 1 << 15
 
 
 def attend_invariant(
@@ -67,33 +67,40 @@ def attend_invariant(
     if padded > last:
         pad = kf.new_zeros(padded - last, hkv, d)
         kf, vf = torch.cat([kf, pad]), torch.cat([vf, pad])
-    # [blocks, Hkv, D, BLOCK_KEYS] and [blocks, Hkv, BLOCK_KEYS, D]
-    kb = kf.view(blocks, BLOCK_KEYS, hkv, d).permute(0, 2, 3, 1)
-    vb = vf.view(blocks, BLOCK_KEYS, hkv, d).permute(0, 2, 1, 3)
+    # [Hkv, blocks, D, BLOCK_KEYS] and [Hkv, blocks, BLOCK_KEYS, D]
+    kb = kf.view(blocks, BLOCK_KEYS, hkv, d).permute(2, 0, 3, 1)
+    vb = vf.view(blocks, BLOCK_KEYS, hkv, d).permute(2, 0, 1, 3)
     key_pos = torch.arange(padded, device=q.device).view(blocks, BLOCK_KEYS)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
-    for lo in range(0, n, QUERY_ROWS):
-        hi = min(n, lo + QUERY_ROWS)
+    step = max(1, QUERY_KEYS // padded)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
         r = hi - lo
-        qf = q[lo:hi].float().reshape(r * hkv, g, d)
-        pos = q_pos[lo:hi]
-        m = torch.full((r, hkv, g), float("-inf"), device=q.device)
-        den = torch.zeros(r, hkv, g, device=q.device)
-        acc = torch.zeros(r, hkv, g, d, device=q.device)
-        for b in range(-(-(int(pos.max()) + 1) // BLOCK_KEYS)):
-            # one [G, D] x [D, BLOCK_KEYS] product per (row, K/V head): every item of the
-            # batched matmul has the same shape whatever r is, so the same kernel and order
-            kr = kb[b][None].expand(r, hkv, d, BLOCK_KEYS).reshape(r * hkv, d, BLOCK_KEYS)
-            s = torch.bmm(qf, kr).view(r, hkv, g, BLOCK_KEYS) * sm
-            hidden = key_pos[b][None, :] > pos[:, None]  # [r, BLOCK_KEYS]
-            s = s.masked_fill(hidden[:, None, None, :], float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
-            p = torch.exp(s - m_new[..., None])
-            corr = torch.exp(m - m_new)
-            den = den * corr + p.sum(-1)
-            vr = vb[b][None].expand(r, hkv, BLOCK_KEYS, d).reshape(r * hkv, BLOCK_KEYS, d)
-            pv = torch.bmm(p.view(r * hkv, g, BLOCK_KEYS), vr).view(r, hkv, g, d)
-            acc = acc * corr[..., None] + pv
+        # only the nb up to this pass's last row (a causal prefill's later rows need more)
+        nb = -(-(int(q_pos[lo:hi].max()) + 1) // BLOCK_KEYS)
+        items = r * hkv * nb
+        # one [G, D] x [D, BLOCK_KEYS] product per (row, K/V head, block): every item of
+        # the batched matmul has the same shape whatever r and L are, so the same kernel
+        qf = q[lo:hi].float().view(r, hkv, 1, g, d).expand(r, hkv, nb, g, d)
+        kr = kb[None, :, :nb].expand(r, hkv, nb, d, BLOCK_KEYS)
+        s = torch.bmm(qf.reshape(items, g, d), kr.reshape(items, d, BLOCK_KEYS)) * sm
+        s = s.view(r, hkv, nb, g, BLOCK_KEYS)
+        hidden = key_pos[None, :nb] > q_pos[lo:hi, None, None]  # [r, nb, BLOCK_KEYS]
+        s = s.masked_fill(hidden[:, None, :, None, :], float("-inf"))
+        m_b = s.amax(-1)  # [r, Hkv, nb, G]; -inf for a block after the row
+        p = torch.exp(s - torch.where(m_b == float("-inf"), 0.0, m_b)[..., None])
+        l_b = p.sum(-1)  # a fixed-length (BLOCK_KEYS) sum
+        vr = vb[None, :, :nb].expand(r, hkv, nb, BLOCK_KEYS, d)
+        o_b = torch.bmm(p.view(items, g, BLOCK_KEYS), vr.reshape(items, BLOCK_KEYS, d))
+        o_b = o_b.view(r, hkv, nb, g, d)
+        # merge the nb in order b = 0, 1, ...: a block after the row has l_b = 0,
+        # o_b = 0 and weight exp(-inf) = 0, so it leaves m, den and acc exactly as they are
+        m, den, acc = m_b[:, :, 0], l_b[:, :, 0], o_b[:, :, 0]
+        for b in range(1, nb):
+            m_new = torch.maximum(m, m_b[:, :, b])
+            c_old, c_b = torch.exp(m - m_new), torch.exp(m_b[:, :, b] - m_new)
+            den = den * c_old + l_b[:, :, b] * c_b
+            acc = acc * c_old[..., None] + o_b[:, :, b] * c_b[..., None]
             m = m_new
         out[lo:hi] = (acc / den[..., None]).reshape(r, hq, d).to(q.dtype)
     return out
