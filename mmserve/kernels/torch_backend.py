@@ -289,7 +289,8 @@ class TorchAttentionBackend(AttentionBackend):
             pos = torch.arange(seq - q_len, seq, device=q.device)
             ki = _gather(k_all, slots).to(q.dtype)
             vi = _gather(v_all, slots).to(q.dtype)
-            out[qo[i] : qo[i + 1]] = attend_invariant(q[qo[i] : qo[i + 1]], ki, vi, pos, self._scale)
+            rows = slice(qo[i], qo[i + 1])
+            out[rows] = attend_invariant(q[rows], ki, vi, pos, self._scale)
         return out
 
     def _float_mask(self, key: int, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
