@@ -167,7 +167,10 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "GPU/performance",
-        ("attention_backend", "disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_twin"),
+        (
+            "attention_backend", "deterministic", "disable_cuda_graph", "cuda_graph_max_bs",
+            "cuda_graph_twin",
+        ),
     ),
     (
         "speculative decoding",

@@ -18,6 +18,7 @@ except ImportError:
 from benchmarks import (
     cache_salt,
     conversation,
+    determinism,
     engine_process,
     experiments,
     graph_decode,
@@ -79,6 +80,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
                                   help="quant: the image-sensitivity check")),
     ]),
     "host": (host.host, "full", "tiny", "llava", host.OPTIONS),
+    "determinism": (determinism.determinism, "full", "tiny", "llava", determinism.OPTIONS),
     "graph-decode": (graph_decode.run, "full", "small", "llava", graph_decode.OPTIONS),
     "spec": (spec.run, "full", "small", "llava", spec.OPTIONS),
     "replicas": (experiments.replicas, "full", "tiny", "llava", [

@@ -137,6 +137,7 @@ class EngineCore:
             config.device,
             config.attention_backend,
             tiers=self.tiers,
+            deterministic=config.deterministic,
         )
         bind = getattr(model.decoder, "bind", None)
         if bind is not None:  # tensor parallel: broadcasts each batch's plan
