@@ -25,7 +25,7 @@ from api import (
     routes_responses,
     routes_videos,
 )
-from api.auth import APIKeyMiddleware
+from api.auth import APIKeyMiddleware, TenantMiddleware
 from api.batch.runner import BatchManager
 from api.batch.store import FileStore
 from api.body_limit import BodyLimitMiddleware
@@ -39,6 +39,7 @@ from api.settings import ServerSettings
 from api.state import ServerState
 from api.stored_responses import ResponseStores
 from api.submit import EngineClient
+from api.tenant_stores import split_by_tenant
 from api.video_store import VideoStore
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_engine import AsyncEngine
@@ -129,9 +130,14 @@ def assemble_app(
     for cls in middleware:
         app.add_middleware(cls)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.settings.max_request_bytes)
-    key = state.settings.resolved_api_key()
-    if key:
-        app.add_middleware(APIKeyMiddleware, api_key=key)
+    keys = state.settings.tenant_keys()
+    app.state.tenant_keys = keys  # the SIGHUP reload replaces its keys in place
+    if keys is not None:
+        state.metrics.tenants.set_function(lambda: keys.tenants)
+    if keys is not None:
+        app.add_middleware(APIKeyMiddleware, keys=keys)
+    else:
+        app.add_middleware(TenantMiddleware)
     if tracing is not None:
         from api.tracing import TracingMiddleware
 
@@ -205,6 +211,9 @@ def create_app(
     state.batches = BatchManager(
         state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)
     )
+    keys = settings.tenant_keys()
+    if keys is not None and keys.path is not None:  # --api-keys: each tenant its own stores
+        split_by_tenant(state, sorted({t for _, t in keys.keys}))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

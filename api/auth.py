@@ -1,14 +1,18 @@
 """API-key check: ``Authorization: Bearer <key>`` on every route but the open ones
-(``/health`` and the web page's files: the page sends the key the user types)."""
+(``/health`` and the web page's files: the page sends the key the user types).
+
+The key names the caller's tenant (:mod:`api.tenants`): it is set on
+``request.state.tenant`` and in :data:`api.tenants.CURRENT_TENANT` for every request
+(``default`` with one key or none, :class:`TenantMiddleware`)."""
 
 from __future__ import annotations
 
 import json
-import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import error_body
+from api.tenants import CURRENT_TENANT, DEFAULT_TENANT, TenantKeys
 
 # the web page (api/routes_page.py) holds no data: it asks for the key itself
 OPEN_PATHS = ("/health", "/", "/static/app.js", "/static/style.css")
@@ -19,24 +23,35 @@ class APIKeyMiddleware:
 
     Args:
         app: the wrapped app.
-        api_key: the key clients must send.
+        api_key: the key clients must send (one tenant, ``default``); or
+        keys: the tenants' keys (``--api-keys``; reloaded in place on SIGHUP).
         open_paths: paths answered without a key (``/health``, the page and its files).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = OPEN_PATHS):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None = None,
+        keys: TenantKeys | None = None,
+        open_paths: tuple[str, ...] = OPEN_PATHS,
+    ):
         self.app = app
-        self.expected = api_key.encode()
+        if keys is None:
+            assert api_key, "give api_key or keys"
+            keys = TenantKeys.single(api_key)
+        self.keys = keys
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
-            await self.app(scope, receive, send)
+            await _with_tenant(self.app, DEFAULT_TENANT, scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = got.strip().partition(b" ")
         # the scheme name is case-insensitive (RFC 9110, Section 11.1)
-        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.expected):
-            await self.app(scope, receive, send)
+        tenant = self.keys.lookup(token.strip()) if scheme.lower() == b"bearer" else None
+        if tenant is not None:
+            await _with_tenant(self.app, tenant, scope, receive, send)
             return
         msg = (
             "missing API key: send 'Authorization: Bearer <key>'" if not got else "invalid API key"
@@ -53,3 +68,25 @@ class APIKeyMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": body.encode()})
+
+
+class TenantMiddleware:
+    """Without keys: every request is the ``default`` tenant's (``request.state.tenant``
+    set, as the routes that record an owner read it)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _with_tenant(self.app, DEFAULT_TENANT, scope, receive, send)
+
+
+async def _with_tenant(app: ASGIApp, tenant: str, scope: Scope, receive: Receive, send: Send):
+    """Run ``app`` with ``tenant`` on ``request.state`` and in :data:`CURRENT_TENANT`."""
+    if scope["type"] in ("http", "websocket"):
+        scope.setdefault("state", {})["tenant"] = tenant
+    token = CURRENT_TENANT.set(tenant)
+    try:
+        await app(scope, receive, send)
+    finally:
+        CURRENT_TENANT.reset(token)

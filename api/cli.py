@@ -167,7 +167,10 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "GPU/performance",
-        ("attention_backend", "disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_twin"),
+        (
+            "attention_backend", "deterministic", "disable_cuda_graph", "cuda_graph_max_bs",
+            "cuda_graph_twin",
+        ),
     ),
     (
         "speculative decoding",
@@ -194,7 +197,8 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
     (
         "API & security",
         (
-            "host", "port", "api_key", "max_request_bytes", "max_json_depth",
+            "host", "port", "api_key", "api_keys", "shared_cache", "max_request_bytes",
+            "max_json_depth",
             "max_questions", "max_n", "default_max_tokens",
         ),
     ),
@@ -396,6 +400,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2 if e.bad_setting else 1
     app = create_app(front, server, process=process)
+    keys = app.state.tenant_keys
+    if keys is not None and keys.path is not None:  # SIGHUP: read --api-keys again
+        signal.signal(signal.SIGHUP, lambda *_: keys.reload())
     # the start-up lines print at --log-level from here on (uvicorn applies the same
     # configuration again); configured this late so that a refused start changes nothing
     logging.config.dictConfig(log_config(launch.log_level))

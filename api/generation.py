@@ -157,8 +157,11 @@ async def make_requests(
     videos: Sequence[Sequence[ImageInput]] = (),
     template: ChatTemplateOptions = NEW_TURN,
     details: Sequence[str] = (),
+    cache_salt: str = "",
 ) -> list[EngineRequest]:
     """``n`` engine requests for one prompt; seeds ``seed``, ``seed + 1``, ... when seeded.
+
+    ``cache_salt`` is the effective salt (:func:`api.cache_fields.effective_salt`).
 
     ``videos`` (each its frames) fill the video parts on a model with a video path;
     ``template`` says how the chat template ends the prompt.
@@ -181,7 +184,15 @@ async def make_requests(
             p = replace(params, seed=(params.seed + i) % (1 << 64))
         reqs.append(
             await _make(
-                processor, messages, images, p, videos, template, details, default_max_tokens
+                processor,
+                messages,
+                images,
+                p,
+                videos,
+                template,
+                details,
+                default_max_tokens,
+                cache_salt,
             )
         )
     return reqs
@@ -196,6 +207,7 @@ async def _make(
     template: ChatTemplateOptions = NEW_TURN,
     details: Sequence[str] = (),
     default_max_tokens: int | None = None,
+    cache_salt: str = "",
 ) -> EngineRequest:
     check_cancelled()  # the client left: no template, no tokenizing
     try:  # front-end work on a worker thread, off the event loop and the engine thread
@@ -208,6 +220,7 @@ async def _make(
             template=template,
             details=list(details),
             default_max_tokens=default_max_tokens,
+            cache_salt=cache_salt,
         )
     except RequestError as e:
         raise APIError(400, str(e), param=e.param or "messages") from None

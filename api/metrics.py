@@ -123,6 +123,9 @@ class Metrics:
             "Requests submitted and still waiting for their first token.",
             registry=r,
         )
+        # how many tenants the keys name (1 with one key or none); never their names
+        self.tenants = Gauge("mmserve_tenants", "Tenants the server's API keys name.", registry=r)
+        self.tenants.set(1)
         self._engine = _EngineCollector()
         r.register(self._engine)
 

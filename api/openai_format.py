@@ -169,16 +169,17 @@ async def chat_stream(
     model: str,
     tokens: TokenText | None,
     include_usage: bool,
-    holdback: int,
     tools: ToolCalling | None = None,
     obfuscate: bool = False,
 ) -> AsyncIterator[str]:
     """Server-sent events of ``chat.completion.chunk`` objects, then ``data: [DONE]``.
 
+    Each update's ``delta_text`` is sent as it is: the collector has already held back
+    text that could be part of a stop string, or an incomplete character
+    (:class:`~mmserve.frontend.output.StreamUpdate`), so nothing is held back here.
+
     Args:
-        sub: the running choices.
-        holdback: characters kept back until more text arrives (longest stop string
-            minus one), so that a stop string is never partly sent.
+        sub: the running choices (each choice's updates merged while this writer is busy).
         tools: an enforced tool call, streamed as ``tool_calls`` deltas (content stays
             null): each call is announced (index, id, type, name) as soon as its name is
             known (a named function's in the first chunk) and its arguments stream as they
@@ -194,25 +195,29 @@ async def chat_stream(
     ``sub``.
     """
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+    # the fields every chunk repeats, serialized once: a chunk's JSON is this head, its
+    # choice and the tail, the bytes json.dumps of the whole object would give
+    head = "data: " + json.dumps(base)[:-1] + ', "choices": ['
+    tail = ', "usage": null' if include_usage else ""
 
     def chunk(index: int, delta: dict, finish: str | None = None, lps: list | None = None) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         if lps is not None:
             choice["logprobs"] = {"content": lps}
-        body = {**base, "choices": [choice]}
-        if include_usage:
-            body["usage"] = None
+        extra = tail
         if obfuscate and (delta.get("content") or delta.get("tool_calls")):
-            body["obfuscation"] = obfuscation(delta.get("content") or json.dumps(delta))
-        return f"data: {json.dumps(body)}\n\n"
+            pad = obfuscation(delta.get("content") or json.dumps(delta))
+            extra += ', "obfuscation": ' + json.dumps(pad)
+        return f"{head}{json.dumps(choice)}]{extra}}}\n\n"
 
     n = len(sub.reqs)
-    sent = [""] * n
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent
     lps_sent = [0] * n  # logprobs sent, per choice
     formats = [tokens.choice() for _ in range(n)] if tokens is not None else []
     results: list[GenerateResult | None] = [None] * n
     calls: list[list[str]] = [[] for _ in range(n)]  # per call: the arguments sent
+    # an enforced tool call is parsed from the whole text: kept only then
+    texts = [""] * n
 
     def call_deltas(i: int, text: str) -> list[dict]:
         """Tool-call deltas bringing choice ``i``'s calls up to ``text``."""
@@ -237,12 +242,7 @@ async def chat_stream(
             yield f"data: {json.dumps(error_body(err.message, 'server_error'))}\n\n"
             sub.cancel()
             break
-        text = upd.text
-        if not final:
-            text = text[: max(len(sent[i]), len(text) - holdback)]
-            while text.endswith("\ufffd"):  # an incomplete UTF-8 character
-                text = text[:-1]
-        new_text = text[len(sent[i]) :] if text.startswith(sent[i]) else ""
+        new_text = upd.delta_text
         lps = None
         if tokens is not None:
             pending[i].extend(upd.delta_logprobs or ())
@@ -255,6 +255,7 @@ async def chat_stream(
                 pending[i] = []
         finish = upd.result.finish_reason if final else None
         if tools is not None:
+            text = texts[i] = texts[i] + new_text
             if final and finish == "stop" and tools.parse(text) is not None:
                 finish = "tool_calls"
             deltas = call_deltas(i, text)
@@ -262,7 +263,6 @@ async def chat_stream(
                 yield chunk(i, {"tool_calls": deltas} if deltas else {}, lps=lps)
         elif new_text or lps:
             yield chunk(i, {"content": new_text}, lps=lps)
-        sent[i] += new_text
         if final:
             results[i] = upd.result
             yield chunk(i, {}, finish)

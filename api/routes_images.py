@@ -11,6 +11,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from PIL import Image
 
+from api.cache_fields import effective_salt
 from api.errors import APIError
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import IMAGE
@@ -96,14 +97,22 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
     image = await st.media.resolve(image_id, "image_id", processor.image_mode(1, detail))
     params = sampling_params(body)
     system = [{"role": "system", "content": body.system}] if body.system else []
+    salt = effective_salt(body.cache_salt, st.settings.shared_cache)
     reqs = []
     for q in body.questions:
         content = [{"type": "image"}, {"type": "text", "text": q}]
         msgs = [*system, {"role": "user", "content": content}]
         reqs += await make_requests(
-            processor, msgs, [image], params, 1, st.settings.default_max_tokens, details=[detail]
+            processor,
+            msgs,
+            [image],
+            params,
+            1,
+            st.settings.default_max_tokens,
+            details=[detail],
+            cache_salt=salt,
         )
-    sub = st.client.submit(reqs)
+    sub = st.client.submit(reqs, final_only=True)  # answers are not streamed
     results = await sub.answers(request)
     answers = [
         {

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
+from api.cache_fields import effective_salt
 from api.disconnect import request_token, until_cancelled
 from api.errors import APIError, error_body
 from api.generation import check_questions, make_requests, sampling_params
@@ -136,6 +137,7 @@ async def video_qa(
     )
     system = [{"role": "system", "content": body.system}] if body.system else []
     default_tokens = st.settings.default_max_tokens
+    salt = effective_salt(body.cache_salt, st.settings.shared_cache)
     jobs: list[tuple[int | None, int]] = []  # (position of the frame or None for clip, question)
     reqs: list[EngineRequest] = []
     if body.mode == "per_frame":
@@ -143,7 +145,13 @@ async def video_qa(
             for qi, q in enumerate(body.questions):
                 msgs = [*system, _user([{"type": "image"}, {"type": "text", "text": q}])]
                 reqs += await make_requests(
-                    st.engine.processor, msgs, [fr.image], params, 1, default_tokens
+                    st.engine.processor,
+                    msgs,
+                    [fr.image],
+                    params,
+                    1,
+                    default_tokens,
+                    cache_salt=salt,
                 )
                 jobs.append((k, qi))
     else:
@@ -153,12 +161,19 @@ async def video_qa(
             msgs, images, videos = clip_prompt(st, frames, system, q)
             try:
                 reqs += await make_requests(
-                    st.engine.processor, msgs, images, params, 1, default_tokens, videos
+                    st.engine.processor,
+                    msgs,
+                    images,
+                    params,
+                    1,
+                    default_tokens,
+                    videos,
+                    cache_salt=salt,
                 )
             except APIError as e:
                 raise await _clip_too_long(st, frames, system, q, params, e, part) from None
             jobs.append((None, qi))
-    sub = st.client.submit(reqs)
+    sub = st.client.submit(reqs, final_only=True)  # each answer is sent whole when done
     sse = body.stream_format == "sse" or (
         body.stream_format is None and "text/event-stream" in request.headers.get("accept", "")
     )

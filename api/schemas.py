@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from api.cache_fields import CacheSaltField, PromptCacheFields
 from mmserve.types import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 #: The model config of every request body: unknown fields are refused.
@@ -374,13 +375,12 @@ _CHAT_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning_effort": ((None,), "the model has no reasoning setting"),
     "verbosity": ((None,), "the model has no verbosity setting"),
     "web_search_options": ((None,), "no web search"),
-    "prompt_cache_key": ((None,), "the prefix cache needs no key"),
     "functions": ((None,), "legacy function calling: use tools and tool_choice"),
     "function_call": ((None,), "legacy function calling: use tools and tool_choice"),
 }
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields, EndUserFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, EndUserFields, PromptCacheFields):
     """``POST /v1/chat/completions`` body.
 
     Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is enforced by
@@ -405,14 +405,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, EndUserFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
-    prompt_cache_key: Any = None
     functions: Any = None
     function_call: Any = None
 
     _unsupported = _refusing(_CHAT_DEFAULTS)
 
 
-class AskRequest(SamplingFields):
+class AskRequest(SamplingFields, CacheSaltField):
     """``POST /v1/images/{image_id}/ask`` body: several questions about one image."""
 
     questions: list[str] = Field(min_length=1)
@@ -420,7 +419,7 @@ class AskRequest(SamplingFields):
     detail: Detail | None = Field(default=None, description=DETAIL_HELP)
 
 
-class VideoQARequest(SamplingFields, FrameFields):
+class VideoQARequest(SamplingFields, FrameFields, CacheSaltField):
     """``POST /v1/videos/{video_id}/qa`` body: questions about frames of one video."""
 
     questions: list[str] = Field(min_length=1)
@@ -519,15 +518,13 @@ _RESPONSES_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning": ((None,), "the model has no reasoning setting"),
     "include": ((None, []), "no extra output items are produced"),
     "prompt": ((None,), "no stored prompt templates"),
-    "prompt_cache_key": ((None,), "the prefix cache needs no key"),
-    "prompt_cache_retention": ((None,), "the prefix cache needs no key"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "truncation": ((None, "disabled"), "input is never truncated; a too long input is a 400"),
     "top_logprobs": ((None, 0), "logprobs are not returned by /v1/responses"),
 }
 
 
-class ResponsesRequest(ChatTemplateFields, EndUserFields):
+class ResponsesRequest(ChatTemplateFields, EndUserFields, PromptCacheFields):
     """``POST /v1/responses`` body (text and image input, text output).
 
     ``add_generation_prompt`` and ``continue_final_message`` are the chat route's
@@ -561,8 +558,6 @@ class ResponsesRequest(ChatTemplateFields, EndUserFields):
     include: Any = None
     metadata: dict[str, str] | None = None
     prompt: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
     service_tier: Any = None
     truncation: Any = None
     top_logprobs: Any = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from api.remote_fetch import IPNetwork, parse_networks
+from api.tenants import TenantFileError, TenantKeys
 from mmserve.vision.video import VideoLimits
 
 #: Environment variable read for the API key when ``--api-key`` is not given.
@@ -25,7 +26,14 @@ class ServerSettings:
     Attributes:
         served_model_name: the name clients pass as ``model`` (default: the model dir name).
         api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <key>``
-            (None: read ``MMSERVE_API_KEY``; empty: no key).
+            (None: read ``MMSERVE_API_KEY``; empty: no key). One key is one tenant.
+        api_keys: a file of ``KEY TENANT`` lines (``#`` comments and blank lines skipped):
+            each key's requests are its tenant's; tenants share no cached state (unless
+            ``shared_cache``) and see only their own uploads, files and batches. Read at
+            start (a malformed line refuses to start, naming it) and on SIGHUP (a bad
+            file then keeps the old keys). Not with ``api_key``.
+        shared_cache: tenants share the prefix cache and image features (their requests
+            are not salted with their tenant); ownership of stored objects stays.
         max_stored_images: most images the upload store keeps (LRU beyond it).
         max_stored_image_bytes: most decoded pixel bytes the upload store keeps (bytes).
         image_store_dir: directory where uploads are kept across restarts (None: memory only).
@@ -99,6 +107,8 @@ class ServerSettings:
 
     served_model_name: str | None = None
     api_key: str | None = None
+    api_keys: str | None = None
+    shared_cache: bool = False
     max_stored_images: int = 256
     max_stored_image_bytes: int = 1 << 30
     image_store_dir: str | None = None
@@ -161,8 +171,25 @@ class ServerSettings:
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)
         return key or None
 
+    def tenant_keys(self) -> TenantKeys | None:
+        """The keys to require: the ``api_keys`` file's, else the one ``api_key``
+        (:meth:`resolved_api_key`) as tenant ``default``; None without keys.
+
+        Raises:
+            TenantFileError: (a ValueError) the file is unreadable or malformed, naming
+                the line; or both ``api_key`` and ``api_keys`` were given.
+        """
+        if self.api_keys:
+            if self.api_key:
+                raise TenantFileError("give --api-key or --api-keys, not both")
+            return TenantKeys.from_file(self.api_keys)
+        key = self.resolved_api_key()
+        return TenantKeys.single(key) if key else None
+
     def validate(self) -> None:
-        """Raises ValueError for a setting out of range."""
+        """Raises ValueError for a setting out of range (and TenantFileError, one, for a
+        malformed ``api_keys`` file, naming the line)."""
+        self.tenant_keys()
         for name in (
             "max_stored_images",
             "max_stored_image_bytes",

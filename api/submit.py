@@ -1,9 +1,13 @@
 """Submitting requests to the engine: the queue limit, metrics, disconnects.
 
-Each submitted request is pumped by its own asyncio task into one queue per
-:class:`Submission`, so ``n`` choices (or the questions of one ``/ask``) can
-be merged into one stream, and cancelling the submission (client gone) aborts
-every request in it: the engine hands their KV to the tree and frees the rest.
+Each submitted request is pumped by its own asyncio task into its slot of one
+:class:`Submission`, so ``n`` choices (or the questions of one ``/ask``) can be read as
+one stream, and cancelling the submission (client gone) aborts every request in it: the
+engine hands their KV to the tree and frees the rest. A slot holds at most one
+:class:`StreamUpdate`: updates that arrive while the reader is busy are merged into it
+(:meth:`StreamUpdate.merged`), so a slow reader costs no queue of updates. A submission
+for an answer that is not streamed (``final_only``: plain chat and Responses answers,
+``/ask``, ``/qa``, batch lines) gets only each request's last update.
 
 A submission made for an HTTP request whose client has already left is refused
 (:class:`~api.errors.ClientDisconnected`, nothing is queued); one whose client leaves
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -61,13 +66,17 @@ class EngineClient:
         self.online = 0
         self._freed: list[asyncio.Future[None]] = []
 
-    def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
+    def submit(
+        self, reqs: Sequence[EngineRequest], background: bool = False, final_only: bool = False
+    ) -> Submission:
         """Start ``reqs`` (all or none).
 
         One call is always admitted into an empty queue, so a large ``n`` or many
         questions cannot be refused forever. ``background`` marks batch-job work: it runs
         at the engine's :data:`~mmserve.types.BACKGROUND` priority (admitted
         after waiting interactive requests) and is not counted in :attr:`online`.
+        ``final_only``: the answer is not streamed; each request yields only its last
+        update (:class:`Submission`), and its text is not built token by token.
 
         Runs under the current :class:`~mmserve.cancel.CancelToken` (the HTTP request's):
         cancelling it aborts the submission's requests.
@@ -95,7 +104,7 @@ class EngineClient:
         self._set_queued(self.queued + len(reqs))
         if self.tracing is not None:
             self.tracing.submitted(reqs)
-        return Submission(self, reqs, background)
+        return Submission(self, reqs, background, final_only)
 
     def capacity_freed(self) -> asyncio.Future[None]:
         """A future resolved the next time capacity frees: a queued request starts or
@@ -134,18 +143,36 @@ class EngineClient:
 
 
 class Submission:
-    """Requests running together; their updates arrive as ``(index, StreamUpdate)``."""
+    """Requests running together; their updates arrive as ``(index, StreamUpdate)``.
+
+    Args:
+        client: the engine client that admitted them.
+        reqs: the engine requests (one per choice or question).
+        background: batch-job work (not counted as online).
+        final_only: yield only each request's last update (the answer is not streamed;
+            its collector skips per-token text work).
+    """
 
     def __init__(
-        self, client: EngineClient, reqs: Sequence[EngineRequest], background: bool = False
+        self,
+        client: EngineClient,
+        reqs: Sequence[EngineRequest],
+        background: bool = False,
+        final_only: bool = False,
     ) -> None:
         self.client = client
         self.background = background
+        self.final_only = final_only
         if not background:
             client.online += len(reqs)
         self.reqs = list(reqs)
         self.results: list[GenerateResult | None] = [None] * len(reqs)
-        self._queue: asyncio.Queue[tuple[int, StreamUpdate | BaseException]] = asyncio.Queue()
+        # one slot per request: its updates not yet read, merged; _ready: slots to read,
+        # in the order they were filled
+        self._slots: list[StreamUpdate | None] = [None] * len(reqs)
+        self._ready: deque[int] = deque()
+        self._error: BaseException | None = None
+        self._wake: asyncio.Future[None] | None = None
         self._tasks = [asyncio.ensure_future(self._pump(i, r)) for i, r in enumerate(reqs)]
         token = cancel.current()
         if token is not None:  # the client leaves: abort every request now (the token
@@ -153,10 +180,24 @@ class Submission:
             loop = asyncio.get_running_loop()
             token.on_cancel(lambda: loop.call_soon_threadsafe(self.cancel))
 
+    def _put(self, index: int, upd: StreamUpdate) -> None:
+        held = self._slots[index]
+        if held is None:
+            self._slots[index] = upd
+            self._ready.append(index)
+        else:
+            self._slots[index] = held.merged(upd)
+        self._notify()
+
+    def _notify(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
     async def _pump(self, index: int, req: EngineRequest) -> None:
         waiting = True
         try:
-            async for upd in self.client.aengine.stream(req):
+            async for upd in self.client.aengine.stream(req, self.final_only):
                 if waiting:
                     waiting = False
                     self.client._set_queued(self.client.queued - 1)
@@ -165,9 +206,11 @@ class Submission:
                     self.client.metrics.observe(upd.result)
                     if self.client.tracing is not None:
                         self.client.tracing.finished(req, upd.result)
-                self._queue.put_nowait((index, upd))
+                self._put(index, upd)
         except Exception as e:  # noqa: BLE001 - handed to the consumer
-            self._queue.put_nowait((index, e))
+            if self._error is None:
+                self._error = e
+            self._notify()
         finally:
             if not self.background:
                 self.client.online -= 1
@@ -178,16 +221,27 @@ class Submission:
                 self.client.metrics.requests.labels("abort").inc()
 
     async def updates(self) -> AsyncIterator[tuple[int, StreamUpdate]]:
-        """Every update of every request, in arrival order, until all have finished.
+        """Every request's updates until all have finished: requests in the order their
+        slots filled, each slot's updates merged into one while this reader was busy
+        (the last one read from a slot carries its result).
 
         Closing the iterator early cancels the submission.
         """
         remaining = len(self.reqs)
+        ready, slots = self._ready, self._slots
         try:
             while remaining:
-                index, upd = await self._queue.get()
-                if isinstance(upd, BaseException):
-                    raise upd
+                if self._error is not None:
+                    raise self._error
+                if not ready:
+                    self._wake = asyncio.get_running_loop().create_future()
+                    await self._wake
+                    self._wake = None
+                    continue
+                index = ready.popleft()
+                upd = slots[index]
+                slots[index] = None
+                assert upd is not None
                 if upd.result is not None:
                     remaining -= 1
                 yield index, upd

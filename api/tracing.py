@@ -160,6 +160,8 @@ class RequestTracing:
                 "mmserve.video_tokens": result.video_tokens,
             },
         )
+        if req.prompt_cache_key:  # the client's own routing key (never a tenant or salt)
+            root.set_attribute("mmserve.prompt_cache_key", req.prompt_cache_key)
         if result.finish_reason == "error":
             root.set_status(Status(StatusCode.ERROR, result.error or "engine error"))
         ctx = trace.set_span_in_context(root)

@@ -16,7 +16,9 @@ except ImportError:
     sys.exit('python -m benchmarks needs httpx: pip install -e ".[bench]"')
 
 from benchmarks import (
+    cache_salt,
     conversation,
+    determinism,
     engine_process,
     experiments,
     graph_decode,
@@ -24,6 +26,7 @@ from benchmarks import (
     hub_load,
     kv_fp8,
     model_identity,
+    output,
     quant_rows,
     real_shapes,
     spec,
@@ -77,6 +80,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
                                   help="quant: the image-sensitivity check")),
     ]),
     "host": (host.host, "full", "tiny", "llava", host.OPTIONS),
+    "determinism": (determinism.determinism, "full", "tiny", "llava", determinism.OPTIONS),
     "graph-decode": (graph_decode.run, "full", "small", "llava", graph_decode.OPTIONS),
     "spec": (spec.run, "full", "small", "llava", spec.OPTIONS),
     "replicas": (experiments.replicas, "full", "tiny", "llava", [
@@ -144,6 +148,13 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--rows",), dict(default="1,2,4,8,16,32,64", help="row counts (M)")),
         (("--rounds",), dict(type=int, default=15, help="interleaved rounds")),
     ]),
+    "output": (output.output, "full", "tiny", "llava", [
+        (("--repo",), dict(action="append", type=Path, help="another checkout to compare")),
+        (("--rounds",), dict(type=int, default=5, help="interleaved rounds (full scale)")),
+        (("--requests",), dict(type=int, default=128, help="concurrent requests")),
+        (("--tokens",), dict(type=int, default=128, help="tokens per answer")),
+    ]),
+    "salt": (cache_salt.cache_salt, "full", "tiny", "llava", cache_salt.OPTIONS),
     "image-detail": (experiments.image_detail, "full", None, "llava-next", [
         (("--families",), dict(default="llava-onevision,llava-next")),
         (("--photo",), dict(default="1024x768", help="WxH of the photo")),

@@ -103,6 +103,10 @@ class EngineConfig:
         disable_mixed_steps: run each step as either a prefill batch or a decode batch
             (prefill first), as before mixed steps; for comparison and debugging.
         disable_radix_cache: never reuse KV across requests (SGLang's flag).
+        deterministic: batch- and chunk-invariant computation: the KV of a token and the
+            logits of a step are bit-identical however the request was batched, chunked
+            or split between cached prefix and fresh prefill, in every dtype (attention
+            over fixed key blocks in the torch backend; see docs/architecture.md).
         policy: waiting-queue order (:data:`POLICIES`): "lpm" (longest prefix match
             first), "dfs-weight" (depth-first over the radix tree, heavier subtrees
             first), "fcfs" or "random". Cache-aware ones act as FCFS with the cache off.
@@ -188,6 +192,7 @@ class EngineConfig:
     background_prefill_tokens: int = 128
     disable_mixed_steps: bool = False
     disable_radix_cache: bool = False
+    deterministic: bool = False
     policy: str = "lpm"
     decode_reserve_ratio: float = 0.6
     max_wait_seconds: float = 30.0

@@ -289,6 +289,15 @@ class EngineRequest:
             being continued (``continue_final_message``): the output text is decoded
             after them, so it is exactly what the output adds to the prompt's text (a
             SentencePiece first token keeps its leading space); empty otherwise.
+        cache_salt: the effective cache salt (:func:`mmserve.cache.salt.combine` of the
+            tenant and the request's ``cache_salt``; a plain string so that it crosses a
+            process boundary): requests with different salts share no cached state,
+            ``""`` keys as unsalted. The front end has already re-keyed the images.
+        prompt_cache_key: OpenAI's ``prompt_cache_key`` (``""``: none): under
+            ``--replicas`` requests with the same key (and salt) go to the same replica.
+        prompt_cache_retention: ``"24h"``: the request's cached pages are written to the
+            disk KV tier when it ends (not only at eviction); ``""`` or ``"in_memory"``:
+            the usual cache.
     """
 
     input_ids: tuple[int, ...]
@@ -299,6 +308,9 @@ class EngineRequest:
     grammar: Any = None
     priority: int = INTERACTIVE
     text_context: tuple[int, ...] = ()
+    cache_salt: str = ""
+    prompt_cache_key: str = ""
+    prompt_cache_retention: str = ""
 
     @property
     def prompt_len(self) -> int:

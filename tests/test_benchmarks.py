@@ -289,6 +289,17 @@ def test_kv_tiers_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert t["disk_feature_loads"] == 2 and t["disk_hit_tokens"] >= 2 * 560
 
 
+def test_salt_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["salt", "--model", str(model_dir), "--rounds", "2", "--images", "2"]
+    assert main([*argv, "--questions", "2", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "salt.json").read_text())
+    rows = out["rows"]
+    assert rows["other tenant's image"]["cached_tokens"] == 0
+    assert rows["other tenant's image"]["tower_runs"] == 1
+    assert rows["own image"]["cached_tokens"] == rows["own image"]["prompt_tokens"] - 1
+    assert out["hit_rate"]["no salt"] == out["hit_rate"]["one salt"] > 0
+
+
 def test_model_identity_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     argv = ["model-identity", "--model", str(model_dir), "--repeats", "2", "--out", str(tmp_path)]
     assert main(argv) == 0
@@ -544,3 +555,15 @@ def test_conversation_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert two["cached_tokens"] >= 576 and three["cached_tokens"] > two["cached_tokens"]
     assert three["input_tokens"] > two["input_tokens"]
     assert two["ratio_chain_over_resend"] > 0 and len(out["raw"]["resend"]) == 1
+
+
+def test_output_benchmark_round(model_dir: Path) -> None:
+    """One in-process round of ``output`` (the worker's): every token of every request
+    reaches the answer, streamed and plain, with and without a stop string."""
+    import asyncio
+
+    from benchmarks import output
+
+    for _case, streamed, stop in output.CASES:
+        got = asyncio.run(output._one_round(str(model_dir), 4, 12, streamed, stop))
+        assert got["us_per_token"] > 0 and got["chars"] > 4 * 12

@@ -38,6 +38,11 @@ def _response_events(api, body: dict) -> list[dict]:
     return [json.loads(ln[6:]) for ln in lines]
 
 
+def _runs(types: list[str]) -> list[str]:
+    """``types`` with each run of equal ones as one."""
+    return [t for k, t in enumerate(types) if k == 0 or types[k - 1] != t]
+
+
 RESP = {"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 6, "temperature": 0}
 
 
@@ -62,7 +67,9 @@ def test_responses_include_obfuscation_pads_every_delta_event(api) -> None:
     events = _response_events(
         api, {**RESP, "stream_options": {"include_obfuscation": True, "include_usage": True}}
     )
-    assert [e["type"] for e in events] == [e["type"] for e in plain]
+    # a slow reader gets a request's new text merged into fewer deltas: compare the
+    # sequence with each run of deltas as one
+    assert _runs([e["type"] for e in events]) == _runs([e["type"] for e in plain])
     for e in events:
         if e["type"].endswith(".delta"):
             pad = e["obfuscation"]
@@ -118,7 +125,11 @@ def test_chat_include_obfuscation_pads_text_chunks_only(api) -> None:
     }
     plain = stream_chunks(api, body)
     chunks = stream_chunks(api, {**body, "stream_options": {"include_obfuscation": True}})
-    assert len(chunks) == len(plain)
+
+    def text(cs: list[dict]) -> str:
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in cs)
+
+    assert text(chunks) == text(plain)  # chunk counts may differ: merged while slow
     for c in chunks:
         content = c["choices"][0]["delta"].get("content")
         if content:

@@ -1116,6 +1116,29 @@ class TestEncoders:
             assert fallbacks == 0 and not isinstance(after["encoders"].get(uid), dict)
             assert sum(e["runs"] for e in after["encoders"].values() if isinstance(e, dict)) == 1
 
+    def test_cache_salts_share_no_features_or_prefix_across_the_fleet(
+        self, enc_ep: tuple[str, int]
+    ) -> None:
+        """``cache_salt`` under ``--replicas`` with ``--encoders`` (issue 42): another
+        salt's request about the same image gets no cached tokens and its own tower run
+        on the encoder; the same salt shares as before."""
+        ep, _ = enc_ep
+        messages = [user(image(data_url(png((33, 66, 99)))), "What is it?")]
+
+        def ask(salt: str) -> tuple[int, int]:
+            before = stats(ep)["tower_runs"]
+            r = chat(ep, messages, cache_salt=salt)
+            assert r.status_code == 200, r.text
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return cached, stats(ep)["tower_runs"] - before
+
+        assert ask("alice") == (0, 1)
+        assert ask("bob") == (0, 1)  # bob's features are his own: encoded again
+        cached, runs = ask("alice")
+        assert runs == 0  # alice's features: the encoder's store or a replica's cache
+        # pow2 may send it to the other replica, whose cache is cold (then 0 cached)
+        assert cached == 0 or cached >= 576
+
     def test_files_and_batches_run_through_the_router_and_survive_a_replica_death(
         self, enc_ep: tuple[str, int]
     ) -> None:

@@ -193,7 +193,6 @@ UNSUPPORTED = [
     (["reasoning_effort"], "low"),
     (["verbosity"], "high"),
     (["web_search_options"], {}),
-    (["prompt_cache_key"], "k"),
     (["functions"], [{"name": "f", "parameters": {}}]),
     (["function_call"], "auto"),
     (["messages", 0, "name"], "alice"),
@@ -206,6 +205,9 @@ UNSUPPORTED = [
 DEFAULTS = [
     (["user"], None),
     (["user"], "alice"),  # accepted and logged
+    (["prompt_cache_key"], "k"),  # acted on under --replicas (issue 42)
+    (["prompt_cache_retention"], "in_memory"),
+    (["cache_salt"], "s"),
     (["safety_identifier"], "hash-1"),
     (["metadata"], {}),
     (["store"], False),

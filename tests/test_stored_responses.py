@@ -344,29 +344,15 @@ def test_byte_bound_evicts_oldest_first_and_owners_are_apart(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r2.json", "r3.json"]
 
 
-class _Tenant:
-    """ASGI middleware: the ``x-tenant`` header as ``request.state.tenant`` (what a
-    tenant-aware auth layer sets)."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            scope.setdefault("state", {})["tenant"] = headers.get(b"x-tenant", b"").decode()
-        await self.app(scope, receive, send)
-
-
-def test_another_owner_gets_404_everywhere(make_engine) -> None:
-    app = create_app(make_engine(), ServerSettings(served_model_name=MODEL))
-    app.add_middleware(_Tenant)
+def test_another_owner_gets_404_everywhere(make_engine, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"  # two tenants (--api-keys): the owner is the key's tenant
+    keys.write_text("key-alice-1 alice\nkey-bob-22 bob\n")
+    app = create_app(make_engine(), ServerSettings(served_model_name=MODEL, api_keys=str(keys)))
     with uvicorn_thread(app) as url:
         a, b = (
-            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
-                          default_headers={"x-tenant": t})
-            for t in ("alice", "bob")
-        )  # fmt: skip
+            openai.OpenAI(base_url=f"{url}/v1", api_key=k, max_retries=0)
+            for k in ("key-alice-1", "key-bob-22")
+        )
         resp = a.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
         conv = a.conversations.create(items=[{"role": "user", "content": "Hi"}])
         item = a.conversations.items.list(conv.id).data[0]

@@ -227,3 +227,17 @@ def test_endpoint_setting(monkeypatch, capsys) -> None:
     )
     with pytest.raises(ValueError, match=r"pip install 'mmserve\[tracing\]'"):
         ServerSettings(otlp_traces_endpoint="http://127.0.0.1:4318").validate()
+
+
+def test_prompt_cache_key_is_recorded(traced) -> None:
+    client, exporter = traced
+    r = client.post("/v1/chat/completions", json=CHAT.body(prompt_cache_key="conv-7"))
+    assert r.status_code == 200, r.text
+    _, spans = one_trace(exporter, "POST /v1/chat/completions")
+    (req,) = by_name(spans, "mmserve.request")
+    assert req.attributes["mmserve.prompt_cache_key"] == "conv-7"
+    exporter.clear()
+    assert client.post("/v1/chat/completions", json=CHAT.body()).status_code == 200
+    _, spans = one_trace(exporter, "POST /v1/chat/completions")
+    (req,) = by_name(spans, "mmserve.request")
+    assert "mmserve.prompt_cache_key" not in req.attributes

@@ -447,11 +447,12 @@ class BatchManager:
             pass
 
     async def _submit(self, reqs: Sequence[EngineRequest]) -> Submission:
-        """Submit as background work, waiting while the engine's queue is full."""
+        """Submit as background work, waiting while the engine's queue is full; a line's
+        answer is not streamed, so only each request's result is collected (final-only)."""
         client = self.st.client
         while True:
             try:
-                return client.submit(reqs, background=True)
+                return client.submit(reqs, background=True, final_only=True)
             except APIError as e:
                 if e.status != 503:
                     raise

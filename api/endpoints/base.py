@@ -153,8 +153,10 @@ class Endpoint(Generic[Body, C]):
         """
         self.check(st, body)
         call = await self.prepare(st, body)
-        sub = st.client.submit(call.reqs)
-        if body.stream:  # type: ignore[attr-defined]
+        streamed = bool(body.stream)  # type: ignore[attr-defined]
+        # a plain answer needs only each request's result (no per-token text work)
+        sub = st.client.submit(call.reqs, final_only=not streamed)
+        if streamed:
             events = until_cancelled(self.stream(st, body, call, sub), request_token(http))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         results = await sub.answers(http)

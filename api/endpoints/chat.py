@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
+from api.cache_fields import cache_options, effective_salt, with_cache_options
 from api.endpoints.base import Answer, Call, Endpoint, Usage
 from api.endpoints.inputs import MediaRef, engine_requests
 from api.errors import APIError, field_path
@@ -76,7 +77,10 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
             params = replace(params, guided=tools.spec)
         messages, urls = split_media(body.messages, st.engine.config.max_images_per_request)
         template = template_options(body, messages)
-        reqs = await engine_requests(st, messages, urls, params, body.n or 1, template)
+        salt = effective_salt(body.cache_salt, st.settings.shared_cache)
+        options = cache_options(body, st.engine.config.kv_disk_dir)
+        reqs = await engine_requests(st, messages, urls, params, body.n or 1, template, salt)
+        reqs = with_cache_options(reqs, options)
         log_end_user(body, reqs)
         tokens = None
         if params.logprobs is not None:  # the byte table is built once, off the event loop
@@ -100,9 +104,8 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
         self, st: ServerState, body: ChatCompletionRequest, call: ChatCall, sub: Submission
     ) -> AsyncIterator[str]:
         """``chat.completion.chunk`` events (:func:`api.openai_format.chat_stream`); a
-        stop string is never partly sent."""
+        stop string is never partly sent (the output collector holds it back)."""
         opts = body.stream_options or StreamOptions()
-        holdback = max((len(s) for s in call.params.stop), default=1) - 1
         created = int(call.created)
         return chat_stream(
             sub,
@@ -111,7 +114,6 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
             st.model_name,
             call.tokens,
             opts.include_usage,
-            holdback,
             call.tools,
             opts.include_obfuscation,
         )

@@ -37,6 +37,7 @@ async def engine_requests(
     params: SamplingParams,
     n: int = 1,
     template: ChatTemplateOptions = NEW_TURN,
+    cache_salt: str = "",
 ) -> list[EngineRequest]:
     """Resolve the media of ``messages`` (``urls`` as
     :func:`api.endpoints.chat.split_media` gives them: upload ids, data URLs, allowed
@@ -80,6 +81,7 @@ async def engine_requests(
         videos,
         template,
         details,
+        cache_salt,
     )
 
 

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
+from api.cache_fields import cache_options, effective_salt, with_cache_options
 from api.endpoints.base import Answer, Call, Endpoint, Usage
 from api.endpoints.inputs import MediaRef, engine_requests
 from api.errors import APIError, error_body
@@ -86,7 +87,10 @@ class ResponsesEndpoint(Endpoint[ResponsesRequest, ResponseCall]):
             params = replace(params, guided=spec)
         messages, urls = _messages(body, st.engine.config.max_images_per_request)
         template = template_options(body, messages)
-        reqs = await engine_requests(st, messages, urls, params, 1, template)
+        salt = effective_salt(body.cache_salt, st.settings.shared_cache)
+        options = cache_options(body, st.engine.config.kv_disk_dir)
+        reqs = await engine_requests(st, messages, urls, params, 1, template, salt)
+        reqs = with_cache_options(reqs, options)
         log_end_user(body, reqs)
         rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         return ResponseCall(reqs, rid, time.time(), msg_id)
@@ -332,7 +336,6 @@ async def response_stream(
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
     empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
     yield event("response.content_part.added", **where, part=empty)
-    sent = ""
     async for _, upd in sub.updates():
         res = upd.result
         failed = st.client.failure(res) if res is not None else None
@@ -340,10 +343,8 @@ async def response_stream(
             err = error_body(failed.message, "server_error")["error"]
             yield event("error", code="engine_error", message=err["message"], param=None)
             return
-        text = upd.text if res is not None else upd.text.rstrip("\ufffd")
-        if text.startswith(sent) and len(text) > len(sent):
-            yield event("response.output_text.delta", **where, delta=text[len(sent) :], logprobs=[])
-            sent = text
+        if upd.delta_text:  # held back by the collector where it could be a stop string
+            yield event("response.output_text.delta", **where, delta=upd.delta_text, logprobs=[])
         if res is None:
             continue
         final = response_object(st, body, rid, msg_id, created, res)

@@ -57,6 +57,7 @@ from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from api.state import State
 from api.submit import EngineClient, Submission
+from api.tenant_stores import split_by_tenant
 from mmserve.config import EngineConfig
 from mmserve.fleet.client import STREAMED, ReplicaClient
 from mmserve.frontend.frontend import FrontEnd, load_frontend_model
@@ -74,9 +75,12 @@ class ReplicaEngineClient(EngineClient):
     """:class:`EngineClient` that also remembers each HTTP request's submissions, so that
     a request cancelled by Ray Serve (client gone) cancels them (see :class:`CancelGuard`)."""
 
-    def submit(self, reqs: Sequence[EngineRequest], background: bool = False) -> Submission:
-        """As :meth:`EngineClient.submit` (``background``: batch-job lines)."""
-        sub = super().submit(reqs, background)
+    def submit(
+        self, reqs: Sequence[EngineRequest], background: bool = False, final_only: bool = False
+    ) -> Submission:
+        """As :meth:`EngineClient.submit` (``background``: batch-job lines;
+        ``final_only``: an answer that is not streamed)."""
+        sub = super().submit(reqs, background, final_only)
         subs = SUBMISSIONS.get()
         if subs is not None:
             subs.append(sub)
@@ -423,6 +427,9 @@ def create_ingress_app(
         FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes),
         ready=a_replica_is_up,
     )
+    keys = settings.tenant_keys()
+    if keys is not None and keys.path is not None:  # --api-keys: each tenant its own stores
+        split_by_tenant(state, sorted({t for _, t in keys.keys}))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -125,6 +125,7 @@ class TPGroup:
             page_size=config.page_size,
             timeout_s=config.tp_timeout_seconds,
             threads=torch.get_num_threads(),
+            deterministic=config.deterministic,
         )
         ctx = mp.get_context("spawn")
         self._procs: list[BaseProcess] = []

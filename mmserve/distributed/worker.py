@@ -53,6 +53,7 @@ class WorkerSpec:
     page_size: int
     timeout_s: float
     threads: int
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection, p
             shape.num_kv_heads,
             shape.head_dim,
             spec.dtype,
+            deterministic=spec.deterministic,
         )
         conn.send(("loaded", decoder.weight_bytes()))
         store = dist.TCPStore(

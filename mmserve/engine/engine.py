@@ -21,6 +21,7 @@ import torch
 
 from mmserve.cache.kv_pool import KVPool, fp8_kv_unavailable, kv_dtype_name
 from mmserve.cache.no_prefix_cache import PrefixCache
+from mmserve.cache.salt import namespace
 from mmserve.config import EngineConfig
 from mmserve.engine.cuda_graph import graph_mode
 from mmserve.engine.model_runner import ModelRunner
@@ -136,6 +137,7 @@ class EngineCore:
             config.device,
             config.attention_backend,
             tiers=self.tiers,
+            deterministic=config.deterministic,
         )
         bind = getattr(model.decoder, "bind", None)
         if bind is not None:  # tensor parallel: broadcasts each batch's plan
@@ -242,6 +244,8 @@ class EngineCore:
         req = Request(list(msg.input_ids), list(msg.spans), msg.params, rid=msg.rid)
         req.arrival = msg.arrival
         req.priority = msg.priority
+        req.cache_ns = namespace(msg.cache_salt)
+        req.write_through = msg.prompt_cache_retention == "24h"
         if msg.grammar is not None:
             assert msg.params.guided is not None  # the grammar is compiled from it
             req.grammar = new_state(msg.grammar, msg.params.guided)

@@ -46,6 +46,7 @@ class ModelRunner:
             :func:`~mmserve.kernels.select.make_attention_backend`).
         tiers: the KV tiers (None: off); features the tower computes are queued for their
             disk tier (:meth:`~mmserve.cache.kv_tiers.KVTiers.save_features`).
+        deterministic: batch- and chunk-invariant attention (``--deterministic``).
 
     Raises:
         ValueError, BackendUnavailableError: if ``attention_backend`` is unknown
@@ -71,6 +72,7 @@ class ModelRunner:
         device: str = "cpu",
         attention_backend: str = "auto",
         tiers: KVTiers | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
         self.tiers = tiers
@@ -91,6 +93,7 @@ class ModelRunner:
             shape.head_dim,
             self.dtype,
             kv_dtype=pool.dtype,
+            deterministic=deterministic,
         )
         mask = torch.zeros(model.decoder.shape.vocab_size, dtype=torch.float32)
         mask[model.never_sample_ids] = float("-inf")

@@ -14,7 +14,10 @@ cross pickled lists of messages, each list one ``send_bytes``:
   and ``("reply", call_id, ok, value)``.
 
 The engine thread is this process's main thread; it reads what arrives before every
-step (waiting on the pipe only while idle). The process ends when the API process
+step (waiting on the pipe only while idle); a :class:`PipeSender` thread writes what goes
+out, so a step never waits on a slow reader (messages queued meanwhile go out in one
+write: per step when the reader keeps up, several steps' at once when it does not).
+The process ends when the API process
 asks (``stop``: live requests aborted, KV written to the disk tier, tensor-parallel ranks
 stopped) or when it goes away (its pipe closes, or it is no longer this process's
 parent): nothing outlives the API process.
@@ -27,6 +30,7 @@ import logging
 import os
 import pickle
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -93,14 +97,21 @@ class EngineLoop:
         self.tx = tx
         self.parent = parent
         self._gone = False  # the API process closed its end or asked to stop
+        self._sender = PipeSender(tx)
         core.on_outputs = self._send_outputs
 
     def run(self) -> None:
         """Step while there is work; return when stopped or orphaned. Messages are read
         on this thread (no hand-off between threads on the way to a step): blocking
         while idle, without waiting before each step while busy."""
+        try:
+            self._serve()
+        finally:
+            self._sender.close()
+
+    def _serve(self) -> None:
         core = self.core
-        while not self._gone:
+        while not self._gone and not self._sender.gone:
             if not core.has_work() and not self.rx.poll(PARENT_CHECK_SECONDS):
                 if os.getppid() != self.parent:  # the API process died (reparented)
                     return
@@ -163,10 +174,57 @@ class EngineLoop:
         self._send([("out", out, core.stats.consecutive_failed_steps, core.fatal_error())])
 
     def _send(self, msgs: list[tuple]) -> None:
-        try:
-            self.tx.send_bytes(pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError:  # the API process is gone; the loop ends at its next check
-            self._gone = True
+        self._sender.put(msgs)
+
+
+class PipeSender:
+    """Writes an engine loop's messages to its pipe on a thread of its own, so a step never
+    waits on a slow reader (a full pipe blocks the write, not the next step): messages
+    queued while a write is under way go out together in the next write, in order.
+
+    Args:
+        tx: the outgoing pipe end.
+
+    Attributes:
+        gone: a write failed (the API process closed its end); later messages are dropped.
+    """
+
+    def __init__(self, tx: Connection) -> None:
+        self.tx = tx
+        self.gone = False
+        self._queue: list[tuple] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="mmserve-engine-send", daemon=True)
+        self._thread.start()
+
+    def put(self, msgs: list[tuple]) -> None:
+        """Queue ``msgs`` for the pipe (returns at once)."""
+        with self._cv:
+            self._queue.extend(msgs)
+            self._cv.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then stop the thread (waits up to ``timeout`` seconds)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+            if self.gone:
+                continue
+            try:
+                self.tx.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:  # the API process is gone; the loop ends at its next check
+                self.gone = True
 
 
 #: :class:`TokenDelta`'s fields, in the order :func:`pack_deltas` writes them.

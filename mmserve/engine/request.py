@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmserve.cache.page_table import PageTable
+from mmserve.cache.salt import salted_ids
 from mmserve.types import SamplingParams, TokenLogprob, new_rid
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class Request:
         self.on_update = on_update
         self.arrival = time.perf_counter()
         self.priority = 0
+        self.cache_ns = 0  # cache-salt namespace (mmserve.cache.salt); 0: unsalted
+        self.write_through = False  # prompt_cache_retention "24h": pages to disk at release
+        self._key_input: list[int] | None = None
         self.output_ids: list[int] = []
         self.emitted = 0  # output ids already handed out in a TokenDelta
         self.pages = PageTable()
@@ -101,6 +105,29 @@ class Request:
         """Prompt followed by output ids (a new list: O(length); hot paths use
         :meth:`ids_slice` and :attr:`seq_len`)."""
         return self.input_ids + self.output_ids
+
+    def key_ids(self) -> list[int]:
+        """:meth:`all_ids` as the prefix caches key them: mapped into the request's
+        cache-salt namespace (:func:`mmserve.cache.salt.salted_ids`), the same list
+        unsalted."""
+        if not self.cache_ns:
+            return self.all_ids()
+        if self._key_input is None:
+            self._key_input = salted_ids(self.input_ids, self.cache_ns)
+        return self._key_input + salted_ids(self.output_ids, self.cache_ns)
+
+    def key_slice(self, start: int, end: int) -> list[int]:
+        """``key_ids()[start:end]`` without mapping or copying the rest of the sequence
+        (:meth:`ids_slice` when unsalted)."""
+        if not self.cache_ns:
+            return self.ids_slice(start, end)
+        if self._key_input is None:
+            self._key_input = salted_ids(self.input_ids, self.cache_ns)
+        n = len(self.input_ids)
+        if end <= n:
+            return self._key_input[start:end]
+        out = salted_ids(self.output_ids[max(start - n, 0) : end - n], self.cache_ns)
+        return out if start >= n else self._key_input[start:] + out
 
     def ids_slice(self, start: int, end: int) -> list[int]:
         """``all_ids()[start:end]`` without copying the rest of the sequence."""

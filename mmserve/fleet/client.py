@@ -138,10 +138,16 @@ class ReplicaClient:
             req.params,
             priority=req.priority,
             model=self.model,
+            cache_salt=req.cache_salt,
+            prompt_cache_key=req.prompt_cache_key,
+            prompt_cache_retention=req.prompt_cache_retention,
         )
 
-    async def stream(self, req: EngineRequest) -> AsyncIterator[StreamUpdate]:
-        """Run ``req`` on a replica; yields its updates, the last one with the result.
+    async def stream(
+        self, req: EngineRequest, final_only: bool = False
+    ) -> AsyncIterator[StreamUpdate]:
+        """Run ``req`` on a replica; yields its updates, the last one with the result
+        (``final_only``: only that one, as :meth:`AsyncEngine.stream`).
 
         The replica sends token deltas; text, stop strings and the result are built
         here by an :class:`OutputCollector`, as in a single-process server. A stop
@@ -160,6 +166,7 @@ class ReplicaClient:
                 req.arrival,
                 req.text_context,
                 req.media_tokens,
+                final_only,
             )
             gen = _detached(
                 self.handle.options(method_name="generate", stream=True).remote, payload
@@ -181,6 +188,7 @@ class ReplicaClient:
                     assert isinstance(msg, TokenDelta)
                     upd = col.add(msg)
                     if upd is None:
+                        # nothing for the client yet (final-only) or any more
                         continue
                     if upd.result is not None:
                         self._finished(req, upd.result, replica)
@@ -235,7 +243,9 @@ class ReplicaClient:
         """The replica's tree in the router gains the output tokens."""
         router = find_router(self.app_name, self.deployment)
         if router is not None and replica is not None and result.finish_reason != "error":
-            router.record_output(replica, [*req.input_ids, *result.output_ids], self.model)
+            router.record_output(
+                replica, [*req.input_ids, *result.output_ids], self.model, req.cache_salt
+            )
 
     # ---- control calls ---------------------------------------------------------
     async def call(self, kind: str, target: str | None = None, timeout: float = 10.0) -> dict:

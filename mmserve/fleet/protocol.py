@@ -70,6 +70,9 @@ class ReplicaRequest:
     avoid: str | None = None
     priority: int = 0
     model: bytes = b""
+    cache_salt: str = ""
+    prompt_cache_key: str = ""
+    prompt_cache_retention: str = ""
 
 
 #: Kinds of :class:`ControlCall`.

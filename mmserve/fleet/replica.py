@@ -168,6 +168,9 @@ class EngineReplica:
             rid=rr.rid,
             grammar=grammar,
             priority=rr.priority,
+            cache_salt=rr.cache_salt,
+            prompt_cache_key=rr.prompt_cache_key,
+            prompt_cache_retention=rr.prompt_cache_retention,
         )
 
     async def generate(self, rr: ReplicaRequest) -> AsyncIterator[Hello | TokenDelta]:

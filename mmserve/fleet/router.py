@@ -46,13 +46,17 @@ from typing import Any
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from mmserve.cache.salt import namespace, salted_ids
 from mmserve.fleet import registry
 from mmserve.fleet.prefix_tree import PrefixTree
 from mmserve.fleet.protocol import ControlCall, ReplicaRequest
 from mmserve.lru import LRU
 
 #: Routing reasons counted per replica.
-REASONS = ("prefix", "disk", "no_match", "load", "pow2", "round_robin")
+REASONS = ("affinity", "prefix", "disk", "no_match", "load", "pow2", "round_robin")
+
+#: Most ``prompt_cache_key`` -> replica entries a router remembers (LRU beyond it).
+MAX_AFFINITY_KEYS = 65536
 
 
 def _payload(pr: PendingRequest | None) -> ReplicaRequest | ControlCall | None:
@@ -64,12 +68,22 @@ def _payload(pr: PendingRequest | None) -> ReplicaRequest | ControlCall | None:
     return None
 
 
-def _keyed(model: bytes, ids: Sequence[int]) -> list[int]:
+def _keyed(model: bytes, ids: Sequence[int], salt: str = "") -> list[int]:
     """``ids`` behind one token standing for ``model`` (:attr:`ReplicaRequest.model`): the
     trees then hold each model's sequences apart, and a prefix recorded for one checkpoint
     never matches a request for another (a negative id like an image pseudo-id; 63 bits
-    of the identity)."""
-    return [-1 - (int.from_bytes(model[:8].ljust(8, b"\0"), "little") >> 1), *ids]
+    of the identity). A cache ``salt`` maps the ids into its namespace
+    (:func:`~mmserve.cache.salt.salted_ids`): another salt's prefixes never match."""
+    head = -1 - (int.from_bytes(model[:8].ljust(8, b"\0"), "little") >> 1)
+    return [head, *(salted_ids(ids, namespace(salt)) if salt else ids)]
+
+
+def _affinity_key(payload: ReplicaRequest | ControlCall | None) -> tuple[str, str] | None:
+    """``(salt, prompt_cache_key)`` of a request that names a key, else None (a key is
+    scoped by the salt, so two tenants' equal keys are two keys)."""
+    if isinstance(payload, ReplicaRequest) and payload.prompt_cache_key:
+        return payload.cache_salt, payload.prompt_cache_key
+    return None
 
 
 def _match(tree: PrefixTree | None, keyed: list[int]) -> int:
@@ -128,6 +142,8 @@ class _Tracking:
         # bounded for requests cancelled before being routed
         self._decisions: LRU[str, tuple[set[str], str, int | None]] = LRU(max_items=4096)
         self._owner: dict[str, str] = {}
+        # (salt, prompt_cache_key) -> the replica its requests went to
+        self._affinity: LRU[tuple[str, str], str] = LRU(max_items=MAX_AFFINITY_KEYS)
         dep = self._deployment_id  # type: ignore[attr-defined]  # RequestRouter's (a mixin)
         registry.register(dep.app_name, dep.name, self)
 
@@ -168,7 +184,12 @@ class _Tracking:
             cands = [r for r in cands if _uid(r) != payload.avoid] or cands
         if not cands:
             return []
-        ranked, reason, matched = await self._choose(cands, payload, pending_request)
+        sticky = self._sticky(cands, payload)
+        if sticky is not None:  # affinity before prefix matching, while it is running
+            rest = [r for r in self._by_load(cands) if r is not sticky]
+            ranked, reason, matched = [[sticky], rest], "affinity", None
+        else:
+            ranked, reason, matched = await self._choose(cands, payload, pending_request)
         ranked = [[r for r in rank if r in cands] for rank in ranked]
         ranked = [rank for rank in ranked if rank]
         if pending_request is not None and ranked:
@@ -198,7 +219,10 @@ class _Tracking:
             reason, matched = decision[1], decision[2]
         else:  # not the router's first choice (it was full): a load decision
             reason, matched = "load", None
-        keyed = _keyed(payload.model, payload.input_ids)
+        keyed = _keyed(payload.model, payload.input_ids, payload.cache_salt)
+        affinity = _affinity_key(payload)
+        if affinity is not None:  # the replica it actually went to holds its cache now
+            self._affinity.put(affinity, uid)
         with self._lock:
             approx = self._trees.get(uid)
             if matched is None:
@@ -249,10 +273,12 @@ class _Tracking:
         """Unique ids of the replicas the router may route to now."""
         return sorted(_uid(r) for r in self.curr_replicas.values())  # type: ignore[attr-defined]
 
-    def record_output(self, uid: str, ids: Sequence[int], model: bytes = b"") -> None:
+    def record_output(
+        self, uid: str, ids: Sequence[int], model: bytes = b"", salt: str = ""
+    ) -> None:
         """A finished request's prompt and output are in ``uid``'s cache now (for
-        ``model``, :attr:`ReplicaRequest.model`)."""
-        keyed = _keyed(model, ids)
+        ``model``, :attr:`ReplicaRequest.model`, under cache ``salt``)."""
+        keyed = _keyed(model, ids, salt)
         with self._lock:
             approx = self._trees.get(uid)
             if approx is not None:
@@ -299,6 +325,17 @@ class _Tracking:
         }
 
     # ---- helpers -------------------------------------------------------------
+    def _sticky(
+        self, cands: list[RunningReplica], payload: ReplicaRequest | ControlCall | None
+    ) -> RunningReplica | None:
+        """The replica earlier requests with ``payload``'s ``prompt_cache_key`` went to,
+        when it is still a candidate (running, not avoided), else None."""
+        key = _affinity_key(payload)
+        uid = self._affinity.get(key) if key is not None else None
+        if uid is None:
+            return None
+        return next((r for r in cands if _uid(r) == uid), None)
+
     def _load(self, r: RunningReplica) -> int:
         return self._inflight.get(_uid(r), 0)
 
@@ -322,7 +359,7 @@ class CacheAwareRouter(_Tracking, RequestRouter):
         if not isinstance(payload, ReplicaRequest):
             return [order], "no_match", None
         ids = payload.input_ids
-        keyed = _keyed(payload.model, ids)
+        keyed = _keyed(payload.model, ids, payload.cache_salt)
         with self._lock:
             loads = [self._load(r) for r in order]
             lo, hi = min(loads), max(loads)

@@ -204,7 +204,7 @@ class AsyncEngine:
     async def stream(
         self, req: EngineRequest, final_only: bool = False
     ) -> AsyncIterator[StreamUpdate]:
-        """Submit ``req`` and yield its updates (text and new ids); the last one carries
+        """Submit ``req`` and yield its updates (new text and ids); the last one carries
         the result. Updates that arrive while the consumer is busy are merged into one
         (:func:`merge_updates`); with ``final_only`` only the last (merged) one is yielded.
 
@@ -223,42 +223,24 @@ class AsyncEngine:
         finally:
             self._close(req.rid, slot, unhook)
 
-    async def generate(self, req: EngineRequest) -> GenerateResult:
-        """Submit ``req`` and wait for its result (final-only: no per-token text)."""
+    async def generate(self, req: EngineRequest, final_only: bool = True) -> GenerateResult:
+        """Submit ``req`` and wait for its result (final-only by default: no per-token
+        text work)."""
         result = None
-        async for upd in self.stream(req, final_only=True):
+        async for upd in self.stream(req, final_only):
             result = upd.result
         assert result is not None
         return result
 
 
 def collector_for(front, req: EngineRequest, final_only: bool) -> OutputCollector:
-    """``front.collector(req)`` in final-only mode when asked and supported."""
-    if final_only:
-        try:
-            return front.collector(req, final_only=True)
-        except TypeError:  # a collector without the final-only mode: the full one
-            pass
-    return front.collector(req)
+    """``front.collector(req)``, final-only when asked (one update, with the result)."""
+    return front.collector(req, final_only)
 
 
 def merge_updates(a: StreamUpdate, b: StreamUpdate) -> StreamUpdate:
-    """Two consecutive updates of one request as one: text, ids and logprobs of both,
-    the later one's totals and result (``StreamUpdate.merged`` where it exists)."""
-    merged = getattr(a, "merged", None)
-    if merged is not None:
-        return merged(b)
-    lps = None
-    if a.delta_logprobs is not None or b.delta_logprobs is not None:
-        lps = (a.delta_logprobs or ()) + (b.delta_logprobs or ())
-    return StreamUpdate(
-        text=b.text,
-        delta_text=a.delta_text + b.delta_text,
-        delta_ids=a.delta_ids + b.delta_ids,
-        delta_logprobs=lps,
-        num_ids=b.num_ids,
-        result=b.result,
-    )
+    """Two consecutive updates of one request as one (:meth:`StreamUpdate.merged`)."""
+    return a.merged(b)
 
 
 class Slot:

@@ -88,8 +88,9 @@ class FrontEnd:
             kv_capacity = kv_capacity_tokens(config)
         self.processor = InputProcessor(model, config, kv_capacity, embedding_cache, grammars)
 
-    def collector(self, msg: EngineRequest) -> OutputCollector:
-        """A collector for ``msg``'s deltas (text, stop strings, result)."""
+    def collector(self, msg: EngineRequest, final_only: bool = False) -> OutputCollector:
+        """A collector for ``msg``'s deltas (text, stop strings, result); ``final_only``:
+        it makes only the last update (:class:`OutputCollector`)."""
         return OutputCollector(
             msg.rid,
             self.model.tokenizer,
@@ -98,6 +99,7 @@ class FrontEnd:
             msg.arrival,
             msg.text_context,
             msg.media_tokens,
+            final_only,
         )
 
 
@@ -120,9 +122,10 @@ class Engine(EngineCore):
         )
         self.processor = self.front.processor
 
-    def collector(self, msg: EngineRequest) -> OutputCollector:
-        """A front-end collector for ``msg``'s deltas (text, stop strings, result)."""
-        return self.front.collector(msg)
+    def collector(self, msg: EngineRequest, final_only: bool = False) -> OutputCollector:
+        """A front-end collector for ``msg``'s deltas (text, stop strings, result;
+        :meth:`FrontEnd.collector`)."""
+        return self.front.collector(msg, final_only)
 
     def track(self, msg: EngineRequest) -> OutputCollector:
         """Queue ``msg`` and collect its deltas on this thread (offline use, benchmarks):

@@ -19,24 +19,47 @@ from mmserve.types import GenerateResult, SamplingParams, TokenDelta, TokenLogpr
 
 @dataclass
 class StreamUpdate:
-    """What one delta changed in a request's answer.
+    """What one delta (or several, :meth:`merged`) changed in a request's answer.
+
+    An update carries only what is new: no update holds the answer's text so far (the
+    final one's ``result.text`` is the whole answer). Text that could still be the start
+    of a stop string, and a character not yet complete, are held back by the collector
+    until they cannot be (the one hold-back; consumers send ``delta_text`` as it is).
 
     Attributes:
-        text: the answer shown so far (text that could still be the start of a stop
-            string is held back until it cannot).
-        delta_text: the part of ``text`` this update adds.
+        delta_text: text this update adds to the answer.
         delta_ids: output ids this update adds (those after a stop string excluded).
         delta_logprobs: their logprobs when asked for, else None.
         num_ids: output ids so far.
         result: set on the request's last update.
     """
 
-    text: str
     delta_text: str = ""
     delta_ids: tuple[int, ...] = ()
     delta_logprobs: tuple[TokenLogprob, ...] | None = None
     num_ids: int = 0
     result: GenerateResult | None = None
+
+    def merged(self, later: StreamUpdate) -> StreamUpdate:
+        """This update followed by ``later`` (of the same request) as one update: texts,
+        ids and logprobs concatenated (logprobs None only when both are), ``num_ids``
+        and ``result`` from ``later``.
+
+        A consumer slower than its request's deltas reads one merged update instead of
+        a queue of them; merging is associative, and the merge of every update of a
+        request equals its final-only update (:class:`OutputCollector`).
+        """
+        if self.delta_logprobs is None and later.delta_logprobs is None:
+            lps = None
+        else:
+            lps = (self.delta_logprobs or ()) + (later.delta_logprobs or ())
+        return StreamUpdate(
+            self.delta_text + later.delta_text,
+            self.delta_ids + later.delta_ids,
+            lps,
+            later.num_ids,
+            later.result,
+        )
 
 
 class OutputCollector:
@@ -55,6 +78,14 @@ class OutputCollector:
         text_context: prompt ids the text is decoded after
             (:attr:`~mmserve.types.EngineRequest.text_context`).
         media_tokens: ``(image, video)`` tokens of the prompt (reported in the result).
+        final_only: produce only the last update (non-streamed answers, ``/ask``,
+            ``/qa``, batch lines): :meth:`add` returns None until the result, whose
+            update carries the whole answer (text, ids, logprobs), equal to the merge of
+            every update the streaming collector would have made. Without stop strings
+            no text is decoded before the end (one decode of all the ids then); with stop
+            strings each delta is still decoded incrementally and only its new text,
+            with the few characters held back before it, is searched (the request must
+            end at the token that completes a stop string).
 
     Attributes:
         stop_hit: a stop string ended the answer; the engine's request should be aborted
@@ -70,8 +101,10 @@ class OutputCollector:
         arrival: float,
         text_context: tuple[int, ...] = (),
         media_tokens: tuple[int, int] = (0, 0),
+        final_only: bool = False,
     ) -> None:
         self.rid = rid
+        self.final_only = final_only
         self.media_tokens = media_tokens
         self.params = params
         self.prompt_tokens = prompt_tokens
@@ -79,6 +112,8 @@ class OutputCollector:
         self.stream = TextStream(
             tokenizer, params.stop, getattr(params, "min_tokens", 0), text_context
         )
+        # final-only without stop strings: the text is decoded once, at the end
+        self._decode_at_end = final_only and not self.stream.stop
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.logits: list | None = [] if params.return_logits else None
@@ -97,7 +132,8 @@ class OutputCollector:
         return self.result is not None
 
     def add(self, delta: TokenDelta) -> StreamUpdate | None:
-        """Apply ``delta``; returns the update for the client, or None once finished.
+        """Apply ``delta``; returns the update for the client, or None once finished
+        (and, in final-only mode, before the last delta).
 
         Output ids after the token whose text completed a stop string are dropped
         (with their logprobs), and the result says "stop", also where the stop string
@@ -118,7 +154,8 @@ class OutputCollector:
         if ids and self.first_token_time is None:
             self.first_token_time = now
         had = len(self.ids)
-        new_text = self.stream.push(ids)
+        stream = self.stream
+        new_text = "" if self._decode_at_end else stream.push(ids)
         self.ids.extend(ids)
         with_lps = False
         if self.logprobs is not None and delta.logprobs is not None:
@@ -127,47 +164,54 @@ class OutputCollector:
         if self.logits is not None and delta.logits is not None:
             self.logits.extend(delta.logits[: len(ids)])
         reason = delta.finish_reason
-        if self.stream.stopped:
+        if stream.stopped:
             self.stop_hit = reason is None
             reason = "stop"
+        if reason is None and self.final_only:
+            return None
         if reason is not None:
-            new_text += self.stream.finish()
-            if reason == "length" and self.stream.stopped:
+            if self._decode_at_end:
+                stream.push_whole(self.ids)
+            new_text += stream.finish()
+            if reason == "length" and stream.stopped:
                 # the last token's text, held back until now (a run of byte tokens),
                 # completed a stop string: the stop string, not the budget, ended it
                 reason = "stop"
-        if self.stream.stopped:  # ids up to the one whose text completed the stop string
-            keep = self.stream.num_tokens
+        if stream.stopped:  # ids up to the one whose text completed the stop string
+            keep = stream.num_tokens
             del self.ids[keep:]
             if self.logprobs is not None:
                 del self.logprobs[keep:]
             if self.logits is not None:
                 del self.logits[keep:]
+        if self.final_only:  # the one update: everything
+            had, with_lps = 0, self.logprobs is not None
         if reason is not None:
             self.result = self._result(reason, delta.error, now)
+            if self.final_only:
+                new_text = self.result.text
         lps = tuple(self.logprobs[had:]) if with_lps and self.logprobs is not None else None
-        return StreamUpdate(
-            text=self.stream.text[: self.stream.sent],
-            delta_text=new_text,
-            delta_ids=tuple(self.ids[had:]),
-            delta_logprobs=lps,
-            num_ids=len(self.ids),
-            result=self.result,
-        )
+        return StreamUpdate(new_text, tuple(self.ids[had:]), lps, len(self.ids), self.result)
 
     def fail(self, error: str) -> StreamUpdate:
-        """End the request with finish reason "error" (the engine or a replica is gone)."""
+        """End the request with finish reason "error" (the engine or a replica is gone).
+
+        The update adds no text or ids (in final-only mode: the whole answer so far)."""
+        if self._decode_at_end and self.ids:
+            self.stream.push_whole(self.ids)  # the result's text: the ids kept so far
+            self._decode_at_end = False
         self.result = self._result("error", error, time.perf_counter())
-        return StreamUpdate(
-            self.stream.text[: self.stream.sent], num_ids=len(self.ids), result=self.result
-        )
+        if not self.final_only:
+            return StreamUpdate(num_ids=len(self.ids), result=self.result)
+        lps = tuple(self.logprobs) if self.logprobs is not None else None
+        return StreamUpdate(self.result.text, tuple(self.ids), lps, len(self.ids), self.result)
 
     def _result(self, reason: str, error: str | None, end: float) -> GenerateResult:
         first = self.first_token_time or end
         vision = self.vision_time
         return GenerateResult(
             rid=self.rid,
-            text=self.stream.text,
+            text=self.stream.text,  # joined once, here
             output_ids=list(self.ids),
             finish_reason=reason,
             prompt_tokens=self.prompt_tokens,

@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from mmserve.cache.salt import salted_image_key
 from mmserve.cancel import check_cancelled
 from mmserve.config import EngineConfig
 from mmserve.frontend.prompt import NEW_TURN, ChatTemplateOptions, PromptBuilder, PromptError
@@ -374,9 +375,15 @@ class InputProcessor:
         template: ChatTemplateOptions = NEW_TURN,
         details: Sequence[str] = (),
         default_max_tokens: int | None = None,
+        cache_salt: str = "",
     ) -> EngineRequest:
         """Build a validated, tokenized request message from chat ``messages`` or a raw
         ``prompt``.
+
+        ``cache_salt`` (the effective salt, :func:`mmserve.cache.salt.combine`) re-keys
+        every image and frame (:func:`~mmserve.cache.salt.salted_image_key`) before its
+        pseudo-ids are derived and rides on the request, so that the engine keys its
+        prefix caches in the salt's namespace: nothing cached under another salt is used.
 
         With ``default_max_tokens`` set, ``params.max_tokens == 0`` means "not given": the
         request gets :meth:`default_max_tokens` of the tokenized prompt (checked first
@@ -404,6 +411,9 @@ class InputProcessor:
                 (checked before and after templating and tokenizing, and between images).
         """
         check_cancelled()
+        if cache_salt:
+            images = [_salted(im, cache_salt) for im in images]
+            videos = [[_salted(f, cache_salt) for f in v] for v in videos]
         params = params or SamplingParams()
         default = None if params.max_tokens else default_max_tokens  # None: given (or required)
         try:  # not given: checked as one token, min_tokens once the prompt's length is known
@@ -466,6 +476,7 @@ class InputProcessor:
             rid=rid or new_rid(),
             grammar=grammar,
             text_context=context,
+            cache_salt=cache_salt,
         )
 
     def check_length(
@@ -542,6 +553,11 @@ class InputProcessor:
 #: Prompt ids an output is decoded after when it continues the prompt's text (vLLM's
 #: incremental detokenizer starts this many tokens back too).
 TEXT_CONTEXT_IDS = 5
+
+
+def _salted(item: ImageInput, salt: str) -> ImageInput:
+    """``item`` under its salted key (its features, cached under the unsalted key, dropped)."""
+    return dataclasses.replace(item, key=salted_image_key(item.key, salt), features=None)
 
 
 def text_tail(ids: Sequence[int]) -> tuple[int, ...]:

@@ -99,6 +99,7 @@ def make_attention_backend(
     head_dim: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     """Build the attention backend ``name`` resolves to (see :func:`resolve_attention_backend`).
 
@@ -109,6 +110,10 @@ def make_attention_backend(
         dtype: the model's dtype.
         kv_dtype: the KV pool's dtype (None: ``dtype``; else ``torch.float8_e4m3fn``,
             which both backends read).
+        deterministic: batch- and chunk-invariant attention (``--deterministic``): the
+            torch backend's fixed key blocks
+            (:mod:`mmserve.kernels.batch_invariant`); FlashInfer is not used then
+            (its kernels split keys by the batch's shape), so "auto" resolves to torch.
 
     Returns:
         A :class:`TorchAttentionBackend` or a :class:`FlashInferAttentionBackend`.
@@ -117,6 +122,13 @@ def make_attention_backend(
         ValueError: for an unknown ``name``.
         BackendUnavailableError: for "flashinfer" when it cannot run here.
     """
+    if deterministic:
+        if name == "flashinfer":
+            raise ValueError(
+                "attention_backend 'flashinfer' cannot run --deterministic (its split over "
+                "keys follows the batch); use 'auto' or 'torch'"
+            )
+        return TorchAttentionBackend(deterministic=True)
     if resolve_attention_backend(name, device, dtype) == "flashinfer":
         return FlashInferAttentionBackend(
             num_qo_heads, num_kv_heads, head_dim, device, dtype, kv_dtype=kv_dtype

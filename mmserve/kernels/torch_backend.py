@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from mmserve.cache.kv_pool import KVPool, raw_bytes
 from mmserve.kernels.backend import AttentionBackend
+from mmserve.kernels.batch_invariant import attend_invariant
 from mmserve.kernels.metadata import AttentionMetadata
 
 #: CPU flash-attention kernel that also returns the log-sum-exp of each query row
@@ -77,12 +78,17 @@ class TorchAttentionBackend(AttentionBackend):
         views: take the view path (see the module docstring) for decode tokens and
             extends of at most :data:`MAX_VIEW_EXTEND` tokens when the pool is on CPU;
             False runs everything literally (the executable specification).
+        deterministic: every request's rows attend through
+            :func:`~mmserve.kernels.batch_invariant.attend_invariant` (fixed key blocks,
+            no view path): a row's output is bit-identical however it was batched or
+            chunked (``--deterministic``).
     """
 
     name = "torch"
 
-    def __init__(self, views: bool = True) -> None:
-        self.views = views and _FLASH is not None
+    def __init__(self, views: bool = True, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+        self.views = views and _FLASH is not None and not deterministic
         self._view_reqs: list[int] = []
         self._chunks: list[_Chunk] = []
         self._meta: AttentionMetadata | None = None
@@ -244,6 +250,8 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor
     ) -> torch.Tensor:
         """Attention over the pool's slots, K/V upcast to ``q``'s dtype, unscaled V."""
+        if self.deterministic:
+            return self._attend_invariant(q, k_all, v_all)
         if self._decode_index is not None and not self._loop and not self._view_reqs:
             return self._decode_batched(q, k_all, v_all, self._decode_index)
         out = torch.empty_like(q)
@@ -267,6 +275,22 @@ class TorchAttentionBackend(AttentionBackend):
                 qi, ki, vi, attn_mask=mask, is_causal=causal, enable_gqa=True, scale=self._scale
             )
             out[qo[i] : qo[i + 1]] = oi[0].transpose(0, 1)
+        return out
+
+    def _attend_invariant(
+        self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor
+    ) -> torch.Tensor:
+        """Each request's rows through :func:`attend_invariant` (``--deterministic``)."""
+        meta, qo = self._meta, self._qo
+        assert meta is not None  # planned
+        out = torch.empty_like(q)
+        for i, slots in enumerate(self._slots):
+            seq, q_len = meta.seq_lens[i], meta.extend_lens[i]
+            pos = torch.arange(seq - q_len, seq, device=q.device)
+            ki = _gather(k_all, slots).to(q.dtype)
+            vi = _gather(v_all, slots).to(q.dtype)
+            rows = slice(qo[i], qo[i + 1])
+            out[rows] = attend_invariant(q[rows], ki, vi, pos, self._scale)
         return out
 
     def _float_mask(self, key: int, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

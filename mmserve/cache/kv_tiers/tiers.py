@@ -436,6 +436,26 @@ class KVTiers:
         disk.flush(timeout)
         return n
 
+    def write_through(self, keys: list[bytes], pages: list[int]) -> int:
+        """Queue ``pages`` (pool page ids, content ``keys``) for the disk tier now, not at
+        eviction (``prompt_cache_retention: "24h"``); pages already on disk are skipped,
+        nothing waits for the writer.
+
+        Returns:
+            Pages queued (0 without a writable disk tier).
+        """
+        disk = self._open_disk()
+        if disk is None or not disk.writable:
+            return 0
+        todo = [(k, p) for k, p in zip(keys, pages, strict=True) if k not in disk]
+        n = 0
+        for i in range(0, len(todo), 64):  # bounded host copies at a time
+            part = todo[i : i + 64]
+            host = self._to_host([p for _, p in part])
+            for j, (key, _) in enumerate(part):
+                n += disk.write(key, host[j])
+        return n
+
     def clear_memory(self) -> None:
         """Drop the host tier and staged pages (the disk, shared with others, stays)."""
         self.host.clear()

@@ -111,7 +111,8 @@ def shares_uncached_prefix(
     head = req.input_ids[:end]
     if len(head) < end:
         return False
-    return any(other.input_ids[:end] == head for other in ahead)
+    # another salt's prefill is no cache hit for this one (and must not delay it)
+    return any(other.cache_ns == req.cache_ns and other.input_ids[:end] == head for other in ahead)
 
 
 def admission_order(

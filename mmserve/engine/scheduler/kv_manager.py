@@ -138,7 +138,7 @@ class KVManager:
         if got is not None and got[0] == state and got[1] == n:
             return got[2]
         t0 = time.perf_counter()
-        m = self.tree.match_prefix(req.ids_slice(0, n - 1))
+        m = self.tree.match_prefix(req.key_slice(0, n - 1))
         self.tree_seconds += time.perf_counter() - t0
         self.matches += 1
         self._carried[req.rid] = (self._tree_state(), n, m)
@@ -206,7 +206,7 @@ class KVManager:
         P = self.page_size
         n = (kv_len // P) * P
         t0 = time.perf_counter()
-        done = self.tree.insert_prefix(req.ids_slice(0, n), req.pages[: n // P])
+        done = self.tree.insert_prefix(req.key_slice(0, n), req.pages[: n // P])
         self.tree_seconds += time.perf_counter() - t0
         if done.cached < done.length:
             self.tree_version += 1  # new tokens in the tree: waiting matches may lengthen
@@ -233,7 +233,10 @@ class KVManager:
         to the pool, its lock and reservation are dropped."""
         keep = 0
         if req.last_node is not None:
-            keep = self._insert(req, req.computed_len).length // self.page_size
+            done = self._insert(req, req.computed_len)
+            keep = done.length // self.page_size
+            if req.write_through and self.tiers is not None and done.length:
+                self._write_through(done.last_node)
             self.tree.dec_lock_ref(req.last_node)
         rest = req.pages[keep:]
         if rest:
@@ -241,6 +244,17 @@ class KVManager:
         req.pages.reset()
         req.reserved_pages = 0
         req.last_node = None
+
+    def _write_through(self, node: TreeNode) -> None:
+        """Queue the pages from the root to ``node`` (locked) for the disk tier."""
+        assert self.tiers is not None
+        keys: list[bytes] = []
+        pages: list[int] = []
+        while node is not None and node.parent is not None:  # up to the root (excluded)
+            keys[:0] = self.tree.page_keys(node)
+            pages[:0] = list(node.pages)
+            node = node.parent
+        self.tiers.write_through(keys, pages)
 
     def flush(self) -> int:
         """Drop every tree page (no request may hold a lock); returns pages freed."""
@@ -286,7 +300,7 @@ class KVManager:
         if self.tiers is None:
             return m
         P = self.page_size
-        ids = req.ids_slice(0, req.seq_len)
+        ids = req.key_slice(0, req.seq_len)
         limit = len(ids) - 1  # one token is always computed
         t0 = time.perf_counter()
         parent = self.tree.last_page_key(m.last_node)

@@ -1,0 +1,149 @@
+"""Issue 46: under ``deterministic`` the greedy tokens and logprobs of a request are bit
+for bit the same however it was cached, batched, chunked or paged, in bf16 (and fp16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.frontend.frontend import Engine
+from mmserve.kernels.batch_invariant import BLOCK_KEYS, attend_invariant
+from mmserve.model.loader import load_model
+from tests.helpers import QUESTIONS, check_against_reference, greedy, tp_engine, user
+
+
+@pytest.fixture(scope="module")
+def bf16(model_dir):
+    """The tiny LLaVA-1.5 loaded in bfloat16, shared by this module's engines."""
+    return load_model(model_dir, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def make_bf16(model_dir, bf16):
+    def make(**kw) -> Engine:
+        kw.setdefault("deterministic", True)
+        cfg = EngineConfig(model_path=str(model_dir), dtype="bfloat16", **kw)
+        return Engine(cfg, model=bf16)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def img(make_bf16, photos):
+    return make_bf16().processor.prepare_image(next(iter(photos.values())))
+
+
+def _gen(eng: Engine, cases, n: int = 1, max_tokens: int = 5):
+    """Greedy results of ``cases`` (``(messages, images)``, each ``n`` times) in one
+    batch: per request ``(output_ids, chosen tokens' logprobs, each step's logits as
+    bytes)``, so ``==`` is bit-for-bit equality."""
+    params = greedy(max_tokens, logprobs=0)
+    reqs = [
+        eng.processor.make_request(messages=m, images=i, params=params)
+        for m, i in cases
+        for _ in range(n)
+    ]
+    out = []
+    for r in eng.generate(reqs):
+        logits = torch.stack(list(r.logits)).numpy().tobytes()
+        out.append((list(r.output_ids), [t.logprob for t in r.logprobs], logits))
+    eng.scheduler.check_accounting()
+    return out
+
+
+def _target(img):
+    return (user(None, QUESTIONS[1]), [img])
+
+
+def _others(img):
+    return [
+        (user(None, QUESTIONS[0]), [img]),
+        (user("No image here, just text about a cat."), []),
+        (user(None, QUESTIONS[2] + " Answer briefly."), [img]),
+    ]
+
+
+def test_attention_rows_do_not_depend_on_batch_or_key_count() -> None:
+    torch.manual_seed(0)
+    L, hq, hkv, d = 150, 4, 2, 16
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.randn(L, hq, d).to(dtype)
+        k, v = torch.randn(L, hkv, d).to(dtype), torch.randn(L, hkv, d).to(dtype)
+        full = attend_invariant(q, k, v, torch.arange(L))
+        for p in (0, 63, 64, 100, 149):  # a decode row alone, seeing only keys 0..p
+            alone = attend_invariant(q[p : p + 1], k[: p + 1], v[: p + 1], torch.tensor([p]))
+            assert torch.equal(alone[0], full[p]), (dtype, p)
+        tail = attend_invariant(q[70:], k, v, torch.arange(70, L))  # a chunk after a cached 70
+        assert torch.equal(tail, full[70:])
+        # and it is attention: equal to the fp32 softmax within bf16 rounding
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None],
+            k.float().repeat_interleave(2, 1).transpose(0, 1)[None],
+            v.float().repeat_interleave(2, 1).transpose(0, 1)[None],
+            is_causal=True,
+        )[0].transpose(0, 1)
+        assert torch.allclose(full.float(), ref, atol=2e-2)
+    assert BLOCK_KEYS == 64
+
+
+def test_cache_pages_and_chunking_change_no_bit(make_bf16, img) -> None:
+    cases = [_target(img)]
+    (base,) = _gen(make_bf16(disable_radix_cache=True, page_size=1), cases)
+    # a warm cache: the image and most of the prompt cached by another question
+    for cfg in (
+        {"page_size": 1},
+        {"page_size": 16},
+        {"page_size": 1, "max_prefill_tokens": 37},
+        {"page_size": 16, "max_prefill_tokens": 100},
+        {"page_size": 1, "max_num_batched_tokens": 50, "max_prefill_tokens": 64},
+    ):
+        eng = make_bf16(**cfg)
+        _gen(eng, _others(img)[:1])  # warms the cache with the same image, other question
+        (warm,) = _gen(eng, cases)
+        assert warm == base, cfg
+        (again,) = _gen(eng, cases)  # now the whole prompt is cached
+        assert again == base, cfg
+
+
+def test_concurrent_equals_alone_and_n_choices(make_bf16, img) -> None:
+    (alone,) = _gen(make_bf16(disable_radix_cache=True), [_target(img)])
+    eng = make_bf16(max_num_batched_tokens=64, max_prefill_tokens=80)
+    mixed = _gen(eng, [*_others(img), _target(img)])
+    assert mixed[-1] == alone
+    many = _gen(make_bf16(), [_target(img)], n=3)
+    assert many == [alone] * 3
+
+
+def test_without_the_flag_bf16_depends_on_the_cache(make_bf16, img) -> None:
+    """The kind of fault the flag removes exists here: the torch backend's fast paths
+    (view path, flash kernel splits by key count) round a cached and a fresh prefill
+    differently in bf16, so some logprob differs."""
+    cases = [_target(img)]
+    (base,) = _gen(make_bf16(disable_radix_cache=True, deterministic=False), cases)
+    differ = 0
+    for cfg in ({"page_size": 1}, {"page_size": 1, "max_prefill_tokens": 37}):
+        eng = make_bf16(deterministic=False, **cfg)
+        _gen(eng, _others(img)[:1])
+        (warm,) = _gen(eng, cases)
+        differ += warm != base
+    assert differ > 0
+
+
+def test_tp2_cache_and_batch_change_no_bit(model_dir, img) -> None:
+    """Under tensor parallelism each rank's attention is the invariant kernel too, so a
+    tp=2 group answers the same bits cold, warm and among other requests."""
+    with tp_engine(model_dir, 2, dtype="bfloat16", deterministic=True, page_size=16) as eng:
+        (cold,) = _gen(eng, [_target(img)])
+        _gen(eng, _others(img)[:1])
+        (warm,) = _gen(eng, [_target(img)])
+        mixed = _gen(eng, [*_others(img), _target(img)])
+    assert warm == cold and mixed[-1] == cold
+
+
+def test_fp32_still_equals_transformers(make_engine, ref_model, photos) -> None:
+    eng = make_engine(deterministic=True, page_size=16, max_prefill_tokens=100)
+    img = eng.processor.prepare_image(next(iter(photos.values())))
+    check_against_reference(eng, ref_model, user(None, QUESTIONS[0]), [img], "deterministic")
+    # and again with the image's prefix cached: the same tokens
+    check_against_reference(eng, ref_model, user(None, QUESTIONS[0]), [img], "cached")
