@@ -335,9 +335,7 @@ class EngineProcessClient:
         that never took them (it died or was stopped with them in the pipe): torch's
         reduction lends each one through ``multiprocessing.resource_sharer`` until the
         receiver fetches it, which a dead process never does (one leaked tensor each)."""
-        from multiprocessing import resource_sharer
-
-        sharer = resource_sharer._resource_sharer  # CPython's one instance
+        sharer = _sharer()
         lent, self._lent = self._lent, set()
         with sharer._lock:
             entries = [sharer._cache.pop(key, None) for key in lent]
@@ -471,12 +469,18 @@ def _wire(req: EngineRequest) -> EngineRequest:
     return dataclasses.replace(req, grammar=None, spans=spans)
 
 
+def _sharer() -> Any:
+    """CPython's one ``multiprocessing.resource_sharer._ResourceSharer`` (private: no
+    public way to drop a lent fd whose receiver died)."""
+    from multiprocessing import resource_sharer
+
+    return resource_sharer._resource_sharer  # type: ignore[attr-defined]  # no stub
+
+
 def _lent_fds() -> set[int]:
     """The keys of the file descriptors this process lends now (through
     ``multiprocessing.resource_sharer``, until their receiver fetches them)."""
-    from multiprocessing import resource_sharer
-
-    sharer = resource_sharer._resource_sharer
+    sharer = _sharer()
     if sharer._listener is None:
         return set()
     with sharer._lock:
