@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from mmserve.cancel import Cancelled
+from mmserve.frontend.engine_client import EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,15 @@ def install_error_handlers(app: FastAPI) -> None:
             request.url.path,
         )
         return Response(status_code=499)
+
+    @app.exception_handler(EngineUnavailable)
+    async def _no_engine(_: Request, e: EngineUnavailable) -> JSONResponse:
+        # a control call (/metrics, /v1/cache/*) while no engine process runs: at once,
+        # the same 503 as /health, never a hang or an anonymous 500
+        return JSONResponse(
+            error_body(f"engine unavailable: {e}", "server_error", code="engine_unhealthy"),
+            status_code=503,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -159,6 +159,7 @@ SLOW_TESTS: dict[str, str] = {
     "test_engine_process::test_batch_job_resumes_after_an_engine_restart": (
         "a server subprocess running a batch while its engine process is killed and restarted"
     ),
+    "test_engine_process_faults": "starts an engine process per test (model load, warm-up)",
     "test_engine_process::test_split_server_gives_the_in_process_tokens": (
         "an engine process loads the model; every answer twice"
     ),
@@ -259,11 +260,57 @@ def _slow_keys(item: pytest.Item) -> list[str]:
     return [module] + [f"{module}::{'::'.join(parts[: i + 1])}" for i in range(len(parts))]
 
 
+#: Tests that reach into the in-process engine's objects on purpose (patch its runner,
+#: read its pool or tree), keyed as :data:`SLOW_TESTS` -> why. Marked
+#: ``in_process_engine``; the process-split run (``MMSERVE_TEST_ENGINE_PROCESS=1``,
+#: ``.ci/run``) deselects them (they run in the ordinary run), never skips them.
+IN_PROCESS_ENGINE_TESTS: dict[str, str] = {
+    "test_api::test_engine_failure_answers_500_not_a_hang": (
+        "patches the in-process engine's runner and reads its page allocator "
+        "(the split server's failed step: test_engine_process)"
+    ),
+    "test_video_api::test_engine_failure_during_video_qa_is_an_error_event": (
+        "patches the in-process engine's runner to fail its prefill"
+    ),
+    # Counters reads the in-process engine's live requests and tower count mid-request
+    "test_disconnect::test_hang_up_while_pictures_are_prepared_stops_the_work": (
+        "reads the in-process engine's counters while the request runs"
+    ),
+    "test_disconnect::test_hang_up_mid_prefill_aborts_before_the_next_step": (
+        "reads the in-process engine's counters while the request runs"
+    ),
+    "test_disconnect::test_hang_up_during_ask_never_reaches_the_engine": (
+        "reads the in-process engine's counters while the request runs"
+    ),
+    "test_disconnect::test_hang_up_during_video_qa_never_reaches_the_engine": (
+        "reads the in-process engine's counters while the request runs"
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def in_process_engine_tests() -> dict[str, str]:
+    """:data:`IN_PROCESS_ENGINE_TESTS` (for the test that checks its entries)."""
+    return IN_PROCESS_ENGINE_TESTS
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the tests of :data:`SLOW_TESTS` ``slow``."""
+    """Mark the tests of :data:`SLOW_TESTS` ``slow`` and those of
+    :data:`IN_PROCESS_ENGINE_TESTS` ``in_process_engine``; in the process-split run
+    deselect the latter."""
+    from tests.live_server import split_mode
+
+    deselected = []
     for item in items:
-        if any(key in SLOW_TESTS for key in _slow_keys(item)):
+        keys = _slow_keys(item)
+        if any(key in SLOW_TESTS for key in keys):
             item.add_marker(pytest.mark.slow)
+        if any(key in IN_PROCESS_ENGINE_TESTS for key in keys):
+            item.add_marker(pytest.mark.in_process_engine)
+            deselected.append(item)
+    if deselected and split_mode():
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [i for i in items if i.get_closest_marker("in_process_engine") is None]
 
 
 class SkipGuard:

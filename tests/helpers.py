@@ -1070,3 +1070,17 @@ def quoting_loaded(loaded, model_dir: Path, passage: str = QUOTE):
     start = eng.processor.make_request(messages=user("x"), images=[]).input_ids[-1]
     ids = loaded.tokenizer.encode(passage, add_special_tokens=False)
     return quoting_model(loaded, ids, start)
+
+
+def spy_on_submitted(app, seen) -> None:
+    """Call ``seen(req)`` with every :class:`~mmserve.types.EngineRequest` the app hands
+    its engine (``app.state.mm.aengine.stream``): the same in one process and with the
+    engine in its own process (the request crosses as it is)."""
+    aengine = app.state.mm.aengine
+    stream = aengine.stream
+
+    def spy(req, *args, **kw):
+        seen(req)
+        return stream(req, *args, **kw)
+
+    aengine.stream = spy

@@ -26,6 +26,7 @@ from api.endpoints.responses import RESPONSES
 from api.schemas import ChatCompletionRequest
 from api.settings import ServerSettings
 from mmserve.types import BACKGROUND, INTERACTIVE
+from tests.helpers import spy_on_submitted
 from tests.live_server import live_server, live_server_process
 
 MODEL = "tiny"
@@ -286,15 +287,10 @@ def test_cache_order_is_depth_first_over_prompts() -> None:
 def test_batch_requests_reach_the_engine_at_background_priority(make_engine, tmp_path) -> None:
     engine = make_engine(max_total_tokens=8192)
     seen: dict[str, int] = {}
-    add = engine.add_request
-
-    def spy(msg, on_update=None) -> None:
-        seen[msg.rid] = msg.priority
-        add(msg, on_update)
-
-    engine.add_request = spy
     settings = ServerSettings(served_model_name=MODEL, data_dir=str(tmp_path))
-    with TestClient(create_app(engine, settings)) as c:
+    app = create_app(engine, settings)
+    spy_on_submitted(app, lambda req: seen.__setitem__(req.rid, req.priority))
+    with TestClient(app) as c:
         lines = [_line(f"k{i}", _chat_body(f"Count to {i}.")) for i in range(3)]
         f = c.post(
             "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", "\n".join(lines))}
@@ -321,13 +317,6 @@ def test_lines_wait_for_the_ready_hook(make_engine, tmp_path) -> None:
     does not fail its lines while the replicas load); then it completes."""
     engine = make_engine(max_total_tokens=8192)
     seen: list[str] = []
-    add = engine.add_request
-
-    def spy(msg, on_update=None) -> None:
-        seen.append(msg.rid)
-        add(msg, on_update)
-
-    engine.add_request = spy
     gate = threading.Event()
 
     async def ready() -> None:
@@ -335,6 +324,7 @@ def test_lines_wait_for_the_ready_hook(make_engine, tmp_path) -> None:
             await asyncio.sleep(0.02)
 
     app = create_app(engine, ServerSettings(served_model_name=MODEL, data_dir=str(tmp_path)))
+    spy_on_submitted(app, lambda req: seen.append(req.rid))
     st = app.state.mm
     st.batches = BatchManager(st, st.batches.files, ready=ready)
     with TestClient(app) as c:

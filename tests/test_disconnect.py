@@ -428,17 +428,18 @@ def test_an_upload_whose_client_leaves_during_the_decode_stores_nothing(
     client leaves while its picture decodes stops there: 499, nothing stored (listing and
     directory empty), the decoded-image budget back where it was."""
     eng = make_engine()
-    budget = eng.processor.decode_budget
-    decode = budget.acquire
-
-    def acquire_then_hang_up(n: int) -> None:
-        decode(n)
-        token = current()
-        assert token is not None  # the request's token reached the worker thread
-        token.cancel()
-
     directory = tmp_path / "images"
     with app_client(eng, image_store_dir=str(directory)) as c:
+        # the app's front end decodes (the engine's own, or the split server's)
+        budget = c.app.state.mm.engine.processor.decode_budget
+        decode = budget.acquire
+
+        def acquire_then_hang_up(n: int) -> None:
+            decode(n)
+            token = current()
+            assert token is not None  # the request's token reached the worker thread
+            token.cancel()
+
         budget.acquire = acquire_then_hang_up  # type: ignore[method-assign]
         try:
             extra = {"data": {"purpose": "vision"}} if route == "/v1/files" else {}

@@ -58,6 +58,19 @@ def test_the_slow_table_names_only_tests_that_exist(slow_tests: dict[str, str]) 
     assert any(k.count("::") == 1 and "::test" in k for k in slow_tests)
 
 
+def test_the_in_process_engine_table_names_only_tests_that_exist(
+    in_process_engine_tests: dict[str, str],
+) -> None:
+    modules = _test_modules()
+    gone = []
+    for key, reason in in_process_engine_tests.items():
+        module, _, name = key.partition("::")
+        assert reason.strip(), f"{key}: no reason given"
+        if module not in modules or (name and name not in _test_names(modules[module])):
+            gone.append(key)
+    assert not gone, f"IN_PROCESS_ENGINE_TESTS names tests that do not exist: {gone}"
+
+
 def test_slow_marks_exactly_the_tabled_tests(
     request: pytest.FixtureRequest, slow_tests: dict[str, str]
 ) -> None:

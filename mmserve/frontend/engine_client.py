@@ -126,6 +126,7 @@ class EngineProcessClient:
         self._ids = itertools.count()
         self._outbox: list[tuple] = []
         self._ready_event: asyncio.Event | None = None
+        self._lent: set[int] = set()  # resource_sharer keys of fds not yet fetched
 
     # ---- the process ---------------------------------------------------------------
     def start(self) -> dict:
@@ -187,6 +188,7 @@ class EngineProcessClient:
         proc = self._proc
         if proc is None:
             return
+        self._ready = False  # requests from now on fail at once; those in flight at EOF
         if self._tx is not None:
             try:
                 self._tx.send_bytes(pickle.dumps([("stop",)]))
@@ -196,7 +198,9 @@ class EngineProcessClient:
         _end(proc)
         if self._tx is not None:
             self._tx.close()
-        self._ready = False
+        if self._rx is not None and self._rx is not self._watched:
+            self._rx.close()  # no event loop reads it (never attached)
+        self._release_lent()
 
     @property
     def pid(self) -> int | None:
@@ -290,23 +294,19 @@ class EngineProcessClient:
     def _died(self, gen: int) -> None:
         """The engine process ``gen`` closed its pipe: fail everything in flight, then
         restart (or give up)."""
-        if gen != self._gen or self._stopping:
+        if gen != self._gen:
             return
         proc = self._proc
+        self._ready = False
+        if self._stopping:  # stop() joins it; what the engine left unanswered ends here
+            self._fail_in_flight(f"the engine process (pid {proc.pid}) was stopped")
+            return
         proc.join(5)
         code = proc.exitcode
-        self._ready = False
         self.deaths += 1
         why = f"the engine process (pid {proc.pid}) died (exit code {code})"
         log.error("%s; failing %d requests in flight", why, len(self._slots))
-        for slot in self._slots.values():
-            slot.fail(why)
-        self._slots.clear()
-        for fut in self._calls.values():
-            if not fut.done():
-                fut.set_exception(EngineUnavailable(why))
-        self._calls.clear()
-        self._outbox.clear()
+        self._fail_in_flight(why)
         if self.restarts_left <= 0:
             self._fatal = f"{why}; no restart left (--engine-restarts)"
             log.error("%s", self._fatal)
@@ -316,6 +316,32 @@ class EngineProcessClient:
         self.restarts_left -= 1
         self._why = f"{why}; a new engine process is starting"
         asyncio.ensure_future(self._restart())
+
+    def _fail_in_flight(self, why: str) -> None:
+        """End every request (finish reason "error") and control call
+        (:class:`EngineUnavailable`) waiting on the engine process that is gone."""
+        for slot in self._slots.values():
+            slot.fail(why)
+        self._slots.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(why))
+        self._calls.clear()
+        self._outbox.clear()
+        self._release_lent()
+
+    def _release_lent(self) -> None:
+        """Close the shared-memory file descriptors of pixels sent to an engine process
+        that never took them (it died or was stopped with them in the pipe): torch's
+        reduction lends each one through ``multiprocessing.resource_sharer`` until the
+        receiver fetches it, which a dead process never does (one leaked tensor each)."""
+        sharer = _sharer()
+        lent, self._lent = self._lent, set()
+        with sharer._lock:
+            entries = [sharer._cache.pop(key, None) for key in lent]
+        for entry in entries:
+            if entry is not None:
+                entry[1]()  # its close()
 
     async def _restart(self) -> None:
         try:
@@ -338,8 +364,14 @@ class EngineProcessClient:
         out, self._outbox = self._outbox, []
         if not out or not self._ready or self._tx is None:
             return
+        before = _lent_fds()
+        data = ForkingPickler.dumps(out, protocol=5)
+        now = _lent_fds()  # pixels' shared memory lent to the engine, until it takes it
+        if len(self._lent) > 256:  # those the engine took are no longer lent
+            self._lent &= now
+        self._lent |= now - before
         try:
-            self._tx.send_bytes(ForkingPickler.dumps(out, protocol=5))
+            self._tx.send_bytes(data)
         except OSError:  # the engine is gone: its reader reports the death
             pass
 
@@ -435,6 +467,24 @@ def _wire(req: EngineRequest) -> EngineRequest:
     if req.grammar is None and spans is req.spans:
         return req
     return dataclasses.replace(req, grammar=None, spans=spans)
+
+
+def _sharer() -> Any:
+    """CPython's one ``multiprocessing.resource_sharer._ResourceSharer`` (private: no
+    public way to drop a lent fd whose receiver died)."""
+    from multiprocessing import resource_sharer
+
+    return resource_sharer._resource_sharer  # type: ignore[attr-defined]  # no stub
+
+
+def _lent_fds() -> set[int]:
+    """The keys of the file descriptors this process lends now (through
+    ``multiprocessing.resource_sharer``, until their receiver fetches them)."""
+    sharer = _sharer()
+    if sharer._listener is None:
+        return set()
+    with sharer._lock:
+        return set(sharer._cache)
 
 
 def _end(proc) -> None:
