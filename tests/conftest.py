@@ -19,7 +19,7 @@ from mmserve.frontend.frontend import Engine
 from mmserve.model.loader import load_model
 from mmserve.testing.checkpoints import make_checkpoint
 from tests.cases import write_cases
-from tests.helpers import OWN_FILE_FAMILIES, ROOT, SAMPLES, TINY_FAMILIES, png_bytes
+from tests.helpers import OWN_FILE_FAMILIES, ROOT, SAMPLES, TINY_FAMILIES, png_bytes, split_mode
 
 GPU_TESTS = ROOT / "tests" / "gpu"
 
@@ -298,8 +298,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark the tests of :data:`SLOW_TESTS` ``slow`` and those of
     :data:`IN_PROCESS_ENGINE_TESTS` ``in_process_engine``; in the process-split run
     deselect the latter."""
-    from tests.live_server import split_mode
-
     deselected = []
     for item in items:
         keys = _slow_keys(item)
@@ -358,9 +356,8 @@ def pytest_configure(config: pytest.Config) -> None:
     process (before the test modules import ``create_app``)."""
     if os.environ.get("MMSERVE_FAIL_ON_SKIP") == "1":
         config.pluginmanager.register(SkipGuard(config.rootpath), "mmserve-skip-guard")
-    from tests import live_server
-
-    if live_server.split_mode():
+    if split_mode():
         import api.app
+        from tests import live_server
 
         api.app.create_app = live_server.split_create_app  # type: ignore[assignment]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import random
 import re
 import shutil
@@ -52,6 +53,15 @@ TINY_FAMILIES = ("llava", "llava-next", "llava-onevision")
 #: Families tested in their own files only (tests/test_llava_next_video.py), not in every
 #: cross-family parametrisation: LLaVA-NeXT-Video's images are LLaVA-NeXT's.
 OWN_FILE_FAMILIES = ("llava-next-video",)
+
+ENGINE_PROCESS_ENV = "MMSERVE_TEST_ENGINE_PROCESS"
+
+
+def split_mode() -> bool:
+    """Whether :func:`app_client` runs the engine in its own process
+    (:data:`ENGINE_PROCESS_ENV`)."""
+    return os.environ.get(ENGINE_PROCESS_ENV, "") == "1"
+
 
 # ---- requests ----------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from fastapi.testclient import TestClient
 from api.app import ServerSettings, create_app, start_engine_process
 from benchmarks.over_http import free_port, server
 from mmserve.frontend.frontend import Engine
-from tests.helpers import MODEL
+from tests.helpers import MODEL, split_mode
 
 __all__ = ["free_port", "live_server", "live_server_process", "uvicorn_thread"]
 
@@ -138,15 +137,6 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 #: Set to 1: :func:`app_client`, and every ``create_app(engine)`` of the tests
 #: (tests/conftest.py swaps in :func:`split_create_app`), serve from an engine process
 #: started with the engine's settings (the process split of ``mmserve serve``).
-ENGINE_PROCESS_ENV = "MMSERVE_TEST_ENGINE_PROCESS"
-
-
-def split_mode() -> bool:
-    """Whether :func:`app_client` runs the engine in its own process
-    (:data:`ENGINE_PROCESS_ENV`)."""
-    return os.environ.get(ENGINE_PROCESS_ENV, "") == "1"
-
-
 def split_create_app(engine, settings=None, tracing=None, process=None) -> FastAPI:
     """:func:`api.app.create_app` as the process-split server builds it: for an in-process
     ``Engine``, an engine process loads its checkpoint with its settings (in its model's

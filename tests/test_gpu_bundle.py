@@ -52,6 +52,11 @@ NOT_ON_THE_GPU_PATH = {
     ("mmserve/vision/video/probe.py", "av"): _VIDEOS_ONLY,
     ("mmserve/testing/tokenizer.py", "sentencepiece"): "only --family llava-next",
     ("tests/helpers.py", "hypothesis"): "only page_layout, which tests/gpu does not use",
+    ("tests/conftest.py", "tests.live_server"): (
+        "only with MMSERVE_TEST_ENGINE_PROCESS=1 (the process-split API run), never set by "
+        "the GPU check"
+    ),
+    ("tests/conftest.py", "api"): "likewise: the split run's create_app",
 }
 
 
@@ -129,6 +134,12 @@ def third_party_imports(roots: list[Path]) -> dict[str, list[str]]:
         for module, line in _imports(path):
             top = module.split(".")[0]
             if top in LOCAL_PACKAGES:
+                if any(
+                    module == m or module.startswith(m + ".")
+                    for f, m in NOT_ON_THE_GPU_PATH
+                    if f == rel
+                ):
+                    continue  # a project import in code the GPU check never runs
                 parts = module.split(".")
                 for i in range(1, len(parts) + 1):  # the packages' __init__ files run too
                     if (file := _module_file(".".join(parts[:i]))) is not None:
