@@ -30,9 +30,9 @@ def api(request, families):
         submit = client.submit
         c.submitted = []
 
-        def recording(reqs, background=False):
+        def recording(reqs, *args, **kwargs):
             c.submitted.append(list(reqs))
-            return submit(reqs, background)
+            return submit(reqs, *args, **kwargs)
 
         client.submit = recording
         c.engine = engine
