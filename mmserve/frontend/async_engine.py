@@ -215,11 +215,8 @@ class AsyncEngine:
         slot = Slot(collector_for(self.engine, req, final_only), final_only)
         unhook = self._open(req, slot)
         try:
-            while True:
-                upd = await slot.take()
+            async for upd in slot.updates():
                 yield upd
-                if upd.result is not None:
-                    return
         finally:
             self._close(req.rid, slot, unhook)
 
@@ -305,6 +302,14 @@ class Slot:
             await self._wait()
         upd, self._update = self._update, None
         return upd
+
+    async def updates(self) -> AsyncIterator[StreamUpdate]:
+        """:meth:`take` until the update that carries the result (that one included)."""
+        while True:
+            upd = await self.take()
+            yield upd
+            if upd.result is not None:
+                return
 
     async def take_deltas(self) -> list[TokenDelta]:
         """Every delta since the last call (waits for at least one)."""

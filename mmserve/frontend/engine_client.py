@@ -426,11 +426,8 @@ class EngineProcessClient:
                 assert loop is not None
                 unhook = token.on_cancel(lambda: loop.call_soon_threadsafe(self._abort, req.rid))
         try:
-            while True:
-                upd = await slot.take()
+            async for upd in slot.updates():
                 yield upd
-                if upd.result is not None:
-                    return
         finally:
             if unhook is not None:
                 unhook()
