@@ -322,10 +322,28 @@ def flush(url: str) -> None:
 
 
 def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all threads); None off Linux."""
+    """CPU seconds of process ``pid``, all its threads; None off Linux or when it is gone.
+
+    Sums the nanosecond run time in ``/proc/PID/task/*/schedstat``: ``/proc/PID/stat``
+    counts in clock ticks (10 ms), which rounds a short run's few milliseconds to 0.
+    Threads that exited are not in that sum, so a thread pool that shrinks mid-run
+    under-counts; ``/proc/PID/stat`` (user + system ticks) is the fallback where
+    schedstat is missing (kernels without CONFIG_SCHEDSTATS).
+    """
+    if pid is None:
+        return None
+    if Path(f"/proc/{pid}/schedstat").exists():
+        total, seen = 0, False
+        for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                total += int(task.read_text().split()[0])
+                seen = True
+            except (OSError, IndexError, ValueError):
+                continue  # the thread exited between glob and read
+        return total / 1e9 if seen else None
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, TypeError):
+    except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
