@@ -11,8 +11,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import StreamingResponse
@@ -23,12 +23,12 @@ from api.disconnect import request_token, until_cancelled
 from api.errors import APIError, ClientDisconnected, describe_validation_errors, error_body
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import STREAM
-from api.json_body import JSONBodyRoute
+from api.json_body import JSONBodyRoute, parse_json_object
 from api.openai_format import usage
 from api.routes_videos import clip_prompt
 from api.schemas import STRICT, Detail, SamplingFields
 from api.state import ServerState, State
-from api.stream_frames import Incoming, json_frames, prepare, read_frames
+from api.stream_frames import Incoming, check_timestamps, json_frames, prepare, read_frames
 from api.streams import (
     ASK_ROOM_TOKENS,
     DEFAULT_MAX_FRAMES,
@@ -68,11 +68,14 @@ class StreamWindow(BaseModel):
 
 
 class StreamAskRequest(SamplingFields, CacheSaltField):
-    """``POST /v1/streams/{id}/ask`` body: the body of ``/v1/images/{id}/ask`` (its
-    ``system`` and ``detail`` are the stream's, set when it was made) plus ``window``
-    and ``stream``."""
+    """``POST /v1/streams/{id}/ask`` body: the body of ``/v1/images/{id}/ask`` plus
+    ``window`` and ``stream``. ``system`` defaults to the stream's (another one starts
+    another prompt: the held prefix is not reused); ``detail`` is the stream's (set when
+    it was made), so only that value is accepted."""
 
     questions: list[str] = Field(min_length=1)
+    system: str | None = Field(default=None, description="default: the stream's system")
+    detail: Detail | None = Field(default=None, description="the stream's detail (only)")
     window: int | StreamWindow | None = Field(
         default=None, description="last N frames (an integer, or {frames}) or {seconds}"
     )
@@ -174,8 +177,6 @@ async def post_frames(stream_id: str, request: Request, st: State) -> dict:
 
 def _take(st: ServerState, stream: Stream, frames: list[Incoming]) -> dict:
     """Add prepared ``frames`` to ``stream`` (thinned by its fps) and start its prefill."""
-    from api.stream_frames import check_timestamps
-
     if stream.closed:
         raise STREAM.not_found(stream.id, "stream_id")
     check_timestamps(stream, frames)  # again: another post may have come in meanwhile
@@ -212,8 +213,7 @@ async def ask_stream(
     text as it comes (server-sent events, or ``stream_format: "ndjson"``)."""
     stream = await _stream(st, stream_id)
     stream.touch()
-    frames = _window(stream, body.window)
-    reqs = await _ask_requests(st, stream, body, frames)
+    reqs, frames = await _ask_requests(st, stream, body)
     head = _head(st, stream, frames)
     if body.stream:
         sub = st.client.submit(reqs)
@@ -337,18 +337,32 @@ async def _stream(st: ServerState, stream_id: str) -> Stream:
 
 
 async def _ask_requests(
-    st: ServerState, stream: Stream, body: StreamAskRequest, frames: list[StreamFrame]
-) -> list[EngineRequest]:
-    """One engine request per question: the ``/qa`` clip prompt over ``frames`` (the
-    stream's system message first), under the stream's cache salt unless the ask gives
-    its own ``cache_salt``."""
+    st: ServerState, stream: Stream, body: StreamAskRequest
+) -> tuple[list[EngineRequest], list[StreamFrame]]:
+    """The ask's frames (its ``window``) and one engine request per question: the
+    ``/qa`` clip prompt over them (the system message first), under the stream's cache
+    salt unless the ask gives its own ``cache_salt``.
+
+    Raises:
+        APIError: 400 naming the field at fault (the body's fields are checked before
+            the window).
+    """
     st.check_model(body.model)
     check_questions(body.questions, st.settings.max_questions)
     params = sampling_params(body)
     salt = stream.salt
     if body.cache_salt:
         salt = effective_salt(body.cache_salt, st.settings.shared_cache)
-    system = [{"role": "system", "content": stream.system}] if stream.system else []
+    if body.detail is not None and body.detail != stream.detail:
+        raise APIError(
+            400,
+            f"detail: this stream's frames are prepared with detail {stream.detail!r}, set "
+            "when it was made; leave detail out or send that value",
+            param="detail",
+        )
+    text = body.system if body.system is not None else stream.system
+    system = [{"role": "system", "content": text}] if text else []
+    frames = _window(stream, body.window)
     clip = stream.clip(frames)
     reqs: list[EngineRequest] = []
     for q in body.questions:
@@ -364,7 +378,7 @@ async def _ask_requests(
             details=stream.details(st, len(frames)),
             cache_salt=salt,
         )
-    return reqs
+    return reqs, frames
 
 
 def _head(st: ServerState, stream: Stream, frames: list[StreamFrame]) -> dict:
@@ -415,7 +429,7 @@ async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
         await asyncio.shield(registry(st).delete(st, stream))
 
 
-async def _socket_message(st: ServerState, stream: Stream, msg: dict) -> dict:
+async def _socket_message(st: ServerState, stream: Stream, msg: Mapping[str, Any]) -> dict:
     """One WebSocket message's reply (see :func:`stream_socket`)."""
     if stream.closed:
         raise STREAM.not_found(stream.id, "stream_id")
@@ -423,12 +437,8 @@ async def _socket_message(st: ServerState, stream: Stream, msg: dict) -> dict:
     if msg.get("bytes") is not None:
         frames = [Incoming(msg["bytes"], None, "file", "timestamp")]
         return {"type": "frames", **_take(st, stream, await prepare(st, stream, frames))}
-    try:
-        body = json.loads(msg.get("text") or "")
-    except json.JSONDecodeError:
-        raise APIError(400, "message: not JSON; send a frame as binary or JSON text") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "message: expected a JSON object", param="message")
+    text = msg.get("text") or ""
+    body = parse_json_object(text.encode("utf-8", "surrogatepass"), st.settings.max_json_depth)
     kind = body.pop("type", "frames")
     if kind == "frames":
         frames = await prepare(st, stream, await json_frames(body, st, stream))
@@ -444,14 +454,11 @@ async def _socket_message(st: ServerState, stream: Stream, msg: dict) -> dict:
         raise APIError(
             400, "stream: a WebSocket ask answers whole; leave stream out", param="stream"
         )
-    frames = _window(stream, ask.window)
-    return {"type": "answers", **await _socket_ask(st, stream, ask, frames)}
+    return {"type": "answers", **await _socket_ask(st, stream, ask)}
 
 
-async def _socket_ask(
-    st: ServerState, stream: Stream, body: StreamAskRequest, frames: list[StreamFrame]
-) -> dict:
-    reqs = await _ask_requests(st, stream, body, frames)
+async def _socket_ask(st: ServerState, stream: Stream, body: StreamAskRequest) -> dict:
+    reqs, frames = await _ask_requests(st, stream, body)
     results = await st.client.submit(reqs, final_only=True).answers()
     return {**_head(st, stream, frames), **answers_body(body.questions, results)}
 

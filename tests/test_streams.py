@@ -312,7 +312,9 @@ def test_unknown_ids_fields_and_the_max_streams_bound(client: TestClient) -> Non
     bad = {"questions": ["Hi?"], "window": {"frames": 1, "seconds": 2}}
     assert_error(client.post(f"/v1/streams/{sid}/ask", json=bad), 400, "window")
     body = {"questions": ["Hi?"], "detail": "low"}
-    assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "detail")
+    assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "detail: this stream's")
+    body = {"questions": ["Hi?"], "colour": "red"}
+    assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "colour")
     client.delete(f"/v1/streams/{sid}")
     sids[0] = client.post("/v1/streams", json={}).json()["id"]
     for sid in sids:
