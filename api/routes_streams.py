@@ -135,18 +135,16 @@ async def create_stream(body: StreamCreateRequest, st: State) -> dict:
 
 
 def _most_frames(st: ServerState, layout: str, mode: str) -> int:
-    """Most frames one stream prompt can hold: the frame limit of the layout, and what
-    fits the context (and the KV pool) with room for a question and its answer."""
-    processor = st.engine.processor
+    """Most frames one stream prompt can hold: the frame limit of the layout, the image
+    tokens one request may have (``--max-image-tokens-per-request``), and what fits the
+    context (and the KV pool) with room for a question and its answer."""
+    processor, config = st.engine.processor, st.engine.config
     side = processor.shortest_edge
-    per = st.engine.model.image_tokens(side, side, mode) + FRAME_TEXT_TOKENS
+    run = st.engine.model.image_tokens(side, side, mode)
     room = min(processor.max_context, processor.kv_capacity_tokens) - ASK_ROOM_TOKENS
-    limit = (
-        st.settings.max_video_frames
-        if layout == "video"
-        else st.engine.config.max_images_per_request
-    )
-    return max(1, min(limit, room // per))
+    limit = st.settings.max_video_frames if layout == "video" else config.max_images_per_request
+    runs = config.max_image_tokens_per_request // max(1, run)  # the processor's image budget
+    return max(1, min(limit, runs, room // (run + FRAME_TEXT_TOKENS)))
 
 
 @router.get("/v1/streams/{stream_id}")
