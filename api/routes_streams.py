@@ -347,6 +347,11 @@ async def _ask_requests(
     """
     st.check_model(body.model)
     check_questions(body.questions, st.settings.max_questions)
+    if body.stream_format is not None and not body.stream:
+        raise APIError(
+            400, "stream_format: only with stream: true (the answers are sent whole)",
+            param="stream_format",
+        )  # fmt: skip
     params = sampling_params(body)
     salt = stream.salt
     if body.cache_salt:

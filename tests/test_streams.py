@@ -313,6 +313,8 @@ def test_unknown_ids_fields_and_the_max_streams_bound(client: TestClient) -> Non
     assert_error(client.post(f"/v1/streams/{sid}/ask", json=bad), 400, "window")
     body = {"questions": ["Hi?"], "detail": "low"}
     assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "detail: this stream's")
+    body = {"questions": ["Hi?"], "stream_format": "ndjson"}
+    assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "stream_format")
     body = {"questions": ["Hi?"], "colour": "red"}
     assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "colour")
     client.delete(f"/v1/streams/{sid}")
