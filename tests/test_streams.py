@@ -128,8 +128,12 @@ def test_streamed_ask_and_window(client: TestClient) -> None:
     for i in range(5):  # 3 frames fill the window; the 4th rolls it to the last 1 + itself
         r = post_stream_frames(client, sid, [noise_png(i)], [float(i)])
         assert r.status_code == 200, r.text
-    info = client.get(f"/v1/streams/{sid}").json()
+    info = wait_stream_held(client, sid, 3)
     assert (info["frames_held"], info["segments"], info["window"]["first_frame"]) == (3, 2, 2)
+    # only the current segment's prefix stays locked: the first one was released
+    stats = at_rest(client)
+    assert stats["held_prefixes"] == 1
+    assert stats["locked_pages"] == info["tokens"] // stats["page_size"]
     whole = stream_ask(client, sid, ["Describe it."], **GREEDY)
     last = stream_ask(client, sid, ["Describe it."], window=1, **GREEDY)
     secs = stream_ask(client, sid, ["Describe it."], window={"seconds": 1.0}, **GREEDY)
