@@ -401,10 +401,12 @@ def _head(st: ServerState, stream: Stream, frames: list[StreamFrame]) -> dict:
 @router.websocket("/v1/streams/{stream_id}/ws")
 async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
     """Frames in, answers out, over one connection (docs/api.md): a binary message is
-    one encoded frame; a text message is JSON: ``{"frames": [...]}`` (as ``/frames``) or
-    ``{"type": "ask", ...}`` (an ask's body). Each gets one JSON reply (``stream.frames``,
-    ``stream.answers``, or ``error`` in the API's error shape; the connection stays). The
-    stream lives as long as the connection: closing it deletes the stream."""
+    one encoded frame; a text message is JSON: ``{"frames": [...]}`` (as ``/frames``),
+    ``{"type": "frame", "data", "timestamp"}`` (one frame) or ``{"type": "ask", ...}``
+    (an ask's body; ``type`` may be left out when it has ``questions``). Each gets one
+    JSON reply (``frames``, ``answers``, or ``error`` in the API's error shape; the
+    connection stays). The stream lives as long as the connection: closing it deletes
+    the stream."""
     st: ServerState = websocket.app.state.mm
     try:
         stream = await _stream(st, stream_id)
@@ -442,12 +444,16 @@ async def _socket_message(st: ServerState, stream: Stream, msg: Mapping[str, Any
         return {"type": "frames", **_take(st, stream, await prepare(st, stream, frames))}
     text = msg.get("text") or ""
     body = parse_json_object(text.encode("utf-8", "surrogatepass"), st.settings.max_json_depth)
-    kind = body.pop("type", "frames")
+    kind = body.pop("type", "ask" if "questions" in body else "frames")
+    if kind == "frame":  # one frame: {"type": "frame", "data": ..., "timestamp": ...}
+        kind, body = "frames", {"frames": [body]}
     if kind == "frames":
         frames = await prepare(st, stream, await json_frames(body, st, stream))
         return {"type": "frames", **_take(st, stream, frames)}
     if kind != "ask":
-        raise APIError(400, f'type: {str(kind)[:40]!r}; send "frames" or "ask"', param="type")
+        raise APIError(
+            400, f'type: {str(kind)[:40]!r}; send "frame", "frames" or "ask"', param="type"
+        )
     try:
         ask = StreamAskRequest.model_validate(body)
     except ValidationError as e:

@@ -6,6 +6,7 @@ HTTP, so the file runs as it is against the process-split server too."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import time
@@ -182,13 +183,22 @@ def test_delete_mid_prefill_and_a_closed_websocket_release_locks_and_pages(
         ws.send_bytes(noise_png(3))
         reply = json.loads(ws.receive_text())
         assert (reply["type"], reply["accepted"]) == ("frames", 1)
-        ws.send_text(json.dumps({"type": "ask", "questions": ["Hi?"], **GREEDY}))
+        frame = base64.b64encode(noise_png(4)).decode()
+        ws.send_text(json.dumps({"type": "frame", "data": frame, "timestamp": 5.0}))
+        reply = json.loads(ws.receive_text())
+        assert (reply["type"], reply["frames_held"], reply["frames"][0]["timestamp"]) == (
+            "frames",
+            2,
+            5.0,
+        )
+        ws.send_text(json.dumps({"questions": ["Hi?"], **GREEDY}))
         reply = json.loads(ws.receive_text())
         assert reply["type"] == "answers" and reply["answers"][0]["finish_reason"] == "length"
+        assert reply["window"]["frames"] == 2
         ws.send_text(json.dumps({"frames": [{"data": "!!", "timestamp": 9.0}]}))
         err = json.loads(ws.receive_text())
         assert (err["type"], err["error"]["param"]) == ("error", "frames[0].data")
-        wait_stream_held(client, sid, 1)
+        wait_stream_held(client, sid, 2)
         assert at_rest(client)["held_prefixes"] == 1 and at_rest(client)["locked_pages"] > 0
     deadline = time.time() + 10
     while client.get(f"/v1/streams/{sid}").status_code != 404:
@@ -270,8 +280,6 @@ def big_png() -> bytes:
 def test_bad_frames_get_a_4xx_naming_the_field_and_leave_the_stream_usable(
     client: TestClient, files, data, status, param, words
 ) -> None:
-    import base64
-
     sid = client.post("/v1/streams", json={}).json()["id"]
     assert post_stream_frames(client, sid, [noise_png(1)], [1.0]).status_code == 200
     swap = {"OK": noise_png(2), "BIG": big_png(), "WIDE": noise_png(3, 600, 8)}
