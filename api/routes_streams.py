@@ -23,7 +23,7 @@ from api.disconnect import request_token, until_cancelled
 from api.errors import APIError, ClientDisconnected, describe_validation_errors, error_body
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import STREAM
-from api.json_body import JSONBodyRoute, parse_json_object
+from api.json_body import JSONBodyRoute, parse_json_object, read_json_object
 from api.openai_format import usage
 from api.routes_videos import clip_prompt
 from api.schemas import STRICT, Detail, SamplingFields
@@ -91,9 +91,26 @@ def registry(st: ServerState) -> StreamRegistry:
     return reg
 
 
-@router.post("/v1/streams")
-async def create_stream(body: StreamCreateRequest, st: State) -> dict:
-    """Open a live stream (bounded by ``--max-streams``: 429 beyond)."""
+_CREATE_BODY = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": StreamCreateRequest.model_json_schema()}},
+    }
+}
+
+
+@router.post("/v1/streams", openapi_extra=_CREATE_BODY)
+async def create_stream(request: Request, st: State) -> dict:
+    """Open a live stream (bounded by ``--max-streams``: 429 beyond). The JSON body
+    (:class:`StreamCreateRequest`) may be left out: every field has a default."""
+    fields: dict = {}
+    if (await request.body()).strip():
+        _, fields = await read_json_object(request)
+    try:
+        body = StreamCreateRequest.model_validate(fields)
+    except ValidationError as e:
+        message, param = describe_validation_errors(e.errors())
+        raise APIError(400, message, param=param) from None
     st.check_model(body.model)
     family = st.engine.model.family
     layout = family.stream_layout()

@@ -311,6 +311,10 @@ def test_unknown_ids_fields_and_the_max_streams_bound(client: TestClient) -> Non
         assert_error(r, 404, "no stream with id", "stream_not_found")
     assert_error(client.get("/v1/streams/vid-12"), 404, "malformed", "invalid_stream_id")
     assert_error(client.post("/v1/streams", json={"colour": 1}), 400, "colour")
+    assert_error(client.post("/v1/streams", json={"fps": "2"}), 400, "fps")
+    r = client.post("/v1/streams")  # no body: every field has a default
+    assert r.status_code == 200 and r.json()["object"] == "stream", r.text
+    client.delete(f"/v1/streams/{r.json()['id']}")
     assert_error(client.post("/v1/streams", json={"max_frames": 10**6}), 400, "max_frames")
     sids = [client.post("/v1/streams", json={}).json()["id"] for _ in range(3)]
     err = assert_error(
