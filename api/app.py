@@ -43,7 +43,7 @@ from api.tenant_stores import split_by_tenant
 from api.video_store import VideoStore
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_engine import AsyncEngine
-from mmserve.frontend.engine_client import EngineProcessClient
+from mmserve.frontend.engine_client import CALL_TIMEOUT, EngineProcessClient
 from mmserve.frontend.frontend import Engine, FrontEnd, load_frontend_model
 
 if TYPE_CHECKING:  # api.tracing imports opentelemetry: only when tracing is on
@@ -146,7 +146,10 @@ def assemble_app(
 
 
 def start_engine_process(
-    config: EngineConfig, restarts: int = 3, log_level: str = "info"
+    config: EngineConfig,
+    restarts: int = 3,
+    log_level: str = "info",
+    call_timeout: float = CALL_TIMEOUT,
 ) -> tuple[FrontEnd, EngineProcessClient]:
     """Start the engine core in its own process (model, ``--tp`` ranks and kernel warm-up
     there; blocks until it is ready) and build this process's weightless front end over
@@ -163,7 +166,7 @@ def start_engine_process(
         ValueError: a ``--tp`` the model cannot be split by (before any process starts).
         CheckpointError: the checkpoint's front-end files are missing.
     """
-    client = EngineProcessClient(config, restarts, log_level=log_level)
+    client = EngineProcessClient(config, restarts, log_level=log_level, call_timeout=call_timeout)
     assert config.model_path is not None  # EngineProcessClient checked it
     model = load_frontend_model(config.model_path)
     if config.tp > 1:  # refused here, before any process starts

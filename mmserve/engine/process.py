@@ -6,7 +6,8 @@ cross pickled lists of messages, each list one ``send_bytes``:
 
 - in (API -> engine): ``("add", EngineRequest)`` (pixel tensors in shared memory: only a
   file descriptor crosses), ``("abort", rid)``, ``("call", call_id, name, args)`` (a
-  control call: :data:`CONTROL_CALLS`), ``("stop",)``;
+  control call: :data:`CONTROL_CALLS`, or :data:`PING`), ``("drop", call_id)`` (the API
+  stopped waiting for that call: skipped if not yet read), ``("stop",)``;
 - out (engine -> API): ``("ready", info)`` once the model is loaded and its kernels are
   built, ``("failed", message, bad_setting)`` when it cannot start, then per step one
   ``("out", deltas, consecutive_failed_steps, fatal_error)`` with every request's
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 CONTROL_CALLS = frozenset(
     {"cache_stats", "stats_snapshot", "flush_cache", "describe", "check_accounting"}
 )
+#: The control call that only asks for an answer (the API's check that the engine is not
+#: hung while it is silent).
+PING = "ping"
 #: Seconds between checks that the API process (the parent) is still there.
 PARENT_CHECK_SECONDS = 1.0
 
@@ -116,16 +120,20 @@ class EngineLoop:
                 if os.getppid() != self.parent:  # the API process died (reparented)
                     return
                 continue
+            msgs: list[tuple] = []  # all that waits, so a "drop" skips its call
             while not self._gone and self.rx.poll(0):
                 try:
-                    msgs = pickle.loads(self.rx.recv_bytes())
+                    msgs += pickle.loads(self.rx.recv_bytes())
                 except (EOFError, OSError):  # the API process is gone
                     return
-                for msg in msgs:
-                    if msg[0] == "stop":
-                        core.abort_all("abort")
-                        return
-                    self._handle(msg)
+            dropped = {m[1] for m in msgs if m[0] == "drop"} if msgs else ()
+            for msg in msgs:
+                if msg[0] == "stop":
+                    core.abort_all("abort")
+                    return
+                if msg[0] == "call" and msg[1] in dropped:
+                    continue  # its caller gave up (deadline): a late flush must not run
+                self._handle(msg)
             if core.has_work() and not self._gone:
                 try:
                     core.step()  # a failing batch is contained inside step
@@ -161,9 +169,13 @@ class EngineLoop:
         elif kind == "call":
             _, cid, name, args = msg
             try:
-                if name not in CONTROL_CALLS:
+                if name == PING:
+                    value = None
+                elif name not in CONTROL_CALLS:
                     raise ValueError(f"unknown control call {name!r}")
-                reply = ("reply", cid, True, getattr(core, name)(*args))
+                else:
+                    value = getattr(core, name)(*args)
+                reply = ("reply", cid, True, value)
             except Exception as e:  # noqa: BLE001 - raised again in the API process
                 reply = ("reply", cid, False, (type(e).__name__, str(e)))
             self._send([reply])

@@ -42,14 +42,28 @@ import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
 
 from mmserve import cancel
 from mmserve.config import EngineConfig
-from mmserve.engine.process import CONTROL_CALLS, engine_main, unpack_deltas
+from mmserve.engine.process import CONTROL_CALLS, PING, engine_main, unpack_deltas
 from mmserve.frontend.async_engine import Slot, collector_for
 from mmserve.frontend.output import StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineError", "EngineProcessClient", "EngineStartError", "EngineUnavailable"]
+__all__ = [
+    "EngineError",
+    "EngineProcessClient",
+    "EngineStartError",
+    "EngineTimeout",
+    "EngineUnavailable",
+]
+
+#: Seconds a control call waits for the engine process's answer by default.
+CALL_TIMEOUT = 30.0
+#: ``flush_cache`` may drop a large host KV tier: it gets this many times as long.
+FLUSH_TIMEOUT_FACTOR = 4.0
+#: Seconds without a message from the engine process after which it is pinged (the
+#: ping's deadline is the control calls' one: an unanswered ping marks it not answering).
+PING_SECONDS = 5.0
 
 
 class EngineStartError(RuntimeError):
@@ -69,6 +83,19 @@ class EngineUnavailable(Exception):
     """No engine process is running now (it died; a new one may be starting)."""
 
 
+class EngineTimeout(EngineUnavailable):
+    """The engine process is alive but did not answer a control call within its deadline
+    (stuck in a step, stopped by a signal, swapping).
+
+    Attributes:
+        call: the control call's name.
+    """
+
+    def __init__(self, message: str, call: str) -> None:
+        super().__init__(message)
+        self.call = call
+
+
 class EngineError(Exception):
     """A control call raised in the engine process (the message says what)."""
 
@@ -84,6 +111,12 @@ class EngineProcessClient:
             set before the first request (:meth:`start` does not need it).
         start_timeout: seconds the engine may take to load and warm up.
         log_level: the engine process's log level.
+        call_timeout: seconds a control call waits for its answer before it raises
+            :class:`EngineTimeout` (``flush_cache``: :data:`FLUSH_TIMEOUT_FACTOR` times
+            as long); the engine is then reported not answering
+            (:meth:`unavailable`) until its next message.
+        ping_seconds: an engine process silent this long is pinged (a control call with
+            the same deadline), so a hung engine is noticed with no call in flight.
 
     Attributes:
         info: what the engine said when ready: ``describe`` (:meth:`EngineCore.describe`),
@@ -98,7 +131,11 @@ class EngineProcessClient:
         front: Any = None,
         start_timeout: float = 900.0,
         log_level: str = "info",
+        call_timeout: float = CALL_TIMEOUT,
+        ping_seconds: float = PING_SECONDS,
     ) -> None:
+        if call_timeout <= 0 or ping_seconds <= 0:
+            raise ValueError("call_timeout and ping_seconds must be > 0")
         if config.model_path is None:
             raise ValueError("the engine process loads the model: set config.model_path")
         self.config = config
@@ -106,6 +143,8 @@ class EngineProcessClient:
         self.front = front
         self.start_timeout = start_timeout
         self.log_level = log_level
+        self.call_timeout = call_timeout
+        self.ping_seconds = ping_seconds
         self.info: dict = {}
         self.deaths = 0
         self._ctx = multiprocessing.get_context("spawn")
@@ -127,6 +166,10 @@ class EngineProcessClient:
         self._outbox: list[tuple] = []
         self._ready_event: asyncio.Event | None = None
         self._lent: set[int] = set()  # resource_sharer keys of fds not yet fetched
+        self._silent: str | None = None  # a control call went unanswered past its deadline
+        self._heard = time.monotonic()  # when the engine process last sent anything
+        self._pinging = False
+        self._watchdog: asyncio.TimerHandle | None = None
 
     # ---- the process ---------------------------------------------------------------
     def start(self) -> dict:
@@ -159,6 +202,7 @@ class EngineProcessClient:
         self._gen += 1
         self.info = first
         self._failures, self._engine_fatal, self._why = 0, None, None
+        self._silent, self._heard = None, time.monotonic()
         self._ready = True
         log.info("engine process %d ready", first["pid"])
         return first
@@ -188,6 +232,7 @@ class EngineProcessClient:
         proc = self._proc
         if proc is None:
             return
+        self._silent = None
         self._ready = False  # requests from now on fail at once; those in flight at EOF
         if self._tx is not None:
             try:
@@ -215,6 +260,8 @@ class EngineProcessClient:
         if self._ready:
             self._ready_event.set()
         self._watch()
+        if self._watchdog is None:
+            self._watchdog = self._loop.call_later(self.ping_seconds, self._check_silence)
 
     def _watch(self) -> None:
         """Read the current engine's outputs on the event loop (``add_reader``: no thread
@@ -227,8 +274,31 @@ class EngineProcessClient:
 
     # ---- health ----------------------------------------------------------------------
     def unavailable(self) -> str | None:
-        """Why no engine serves requests now (died, restarting, gone for good), else None."""
-        return self._fatal or self._why
+        """Why no engine serves requests now (died, restarting, gone for good, or alive
+        but not answering: a control call or ping went unanswered past its deadline and
+        nothing came from it since), else None."""
+        return self._fatal or self._why or self._silent
+
+    def _check_silence(self) -> None:
+        """Every ``ping_seconds`` on the event loop: ping an engine process that has said
+        nothing for that long (an unanswered ping marks it not answering)."""
+        loop = self._loop
+        if loop is None or self._stopping or self._fatal is not None:
+            self._watchdog = None
+            return
+        self._watchdog = loop.call_later(self.ping_seconds, self._check_silence)
+        idle = time.monotonic() - self._heard >= self.ping_seconds
+        if idle and self._ready and not self._pinging:
+            self._pinging = True
+            loop.create_task(self._ping())
+
+    async def _ping(self) -> None:
+        try:
+            await self.control(PING)
+        except EngineUnavailable:  # EngineTimeout: marked not answering; or it died
+            pass
+        finally:
+            self._pinging = False
 
     def fatal_error(self) -> str | None:
         """Why this server can serve nothing any more (the engine died and no restart is
@@ -259,6 +329,8 @@ class EngineProcessClient:
     # ---- messages ----------------------------------------------------------------------
     def _readable(self, rx: Connection, gen: int) -> None:
         """The engine's pipe has data (one message per engine step) or was closed."""
+        if gen == self._gen:  # it answers again (a late reply counts)
+            self._heard, self._silent = time.monotonic(), None
         try:
             while rx.poll(0):
                 self._on_messages(pickle.loads(rx.recv_bytes()))
@@ -376,17 +448,27 @@ class EngineProcessClient:
             pass
 
     # ---- the async engine's interface -------------------------------------------------
-    async def control(self, name: str, *args: object) -> object:
+    async def control(self, name: str, *args: object, timeout: float | None = None) -> object:
         """Call the engine's control method ``name`` (:data:`CONTROL_CALLS`) in the
-        engine process and await its value.
+        engine process and await its value, at most ``timeout`` seconds (default
+        :attr:`call_timeout`; ``flush_cache`` :data:`FLUSH_TIMEOUT_FACTOR` times that).
+
+        A call past its deadline is dropped: its future is forgotten (a late reply is
+        ignored), the engine is told to skip it if it has not read it yet, and the engine
+        is reported not answering (:meth:`unavailable`) until it sends anything again.
 
         Raises:
             ValueError: an unknown name. EngineUnavailable: no engine process runs (or
-            it died before answering). RuntimeError / EngineError: what the method raised
-            there (``flush_cache`` while requests are live raises RuntimeError).
+            it died before answering). EngineTimeout: no answer within the deadline.
+            RuntimeError / EngineError: what the method raised there (``flush_cache``
+            while requests are live raises RuntimeError).
         """
-        if name not in CONTROL_CALLS:
+        if name not in CONTROL_CALLS and name != PING:
             raise ValueError(f"unknown control call {name!r}")
+        if timeout is None:
+            timeout = self.call_timeout
+            if name == "flush_cache":
+                timeout *= FLUSH_TIMEOUT_FACTOR
         if self._loop is None:
             self.attach()
         if not self._ready:
@@ -396,7 +478,22 @@ class EngineProcessClient:
         fut = self._loop.create_future()
         self._calls[cid] = fut
         self._send(("call", cid, name, args))
-        return await fut
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            if not self._ready:  # it died or stopped meanwhile: say that, not a timeout
+                raise EngineUnavailable(self.unavailable() or "the engine stopped") from None
+            self._send(("drop", cid))
+            why = (
+                f"the engine process (pid {self.pid}) did not answer the control call "
+                f"{name!r} within {timeout:g} s; it is alive but not answering (stuck in "
+                f"a step or stopped)"
+            )
+            self._silent = why
+            log.error("%s", why)
+            raise EngineTimeout(why, name) from None
+        finally:
+            self._calls.pop(cid, None)  # answered, timed out or its caller gone: forgotten
 
     async def stream(
         self, req: EngineRequest, final_only: bool = False
