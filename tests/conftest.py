@@ -272,19 +272,6 @@ IN_PROCESS_ENGINE_TESTS: dict[str, str] = {
     "test_video_api::test_engine_failure_during_video_qa_is_an_error_event": (
         "patches the in-process engine's runner to fail its prefill"
     ),
-    # Counters reads the in-process engine's live requests and tower count mid-request
-    "test_disconnect::test_hang_up_while_pictures_are_prepared_stops_the_work": (
-        "reads the in-process engine's counters while the request runs"
-    ),
-    "test_disconnect::test_hang_up_mid_prefill_aborts_before_the_next_step": (
-        "reads the in-process engine's counters while the request runs"
-    ),
-    "test_disconnect::test_hang_up_during_ask_never_reaches_the_engine": (
-        "reads the in-process engine's counters while the request runs"
-    ),
-    "test_disconnect::test_hang_up_during_video_qa_never_reaches_the_engine": (
-        "reads the in-process engine's counters while the request runs"
-    ),
 }
 
 
