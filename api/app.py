@@ -156,9 +156,11 @@ def start_engine_process(
     the checkpoint (:func:`~mmserve.frontend.frontend.load_frontend_model`, as the replica
     ingress does), sized by the engine's KV pool. Pass both to :func:`create_app`.
 
-    The front end has no embedding cache here: every image's pixels are made (decode and
-    preprocess in this process) and cross in shared memory; the engine still skips the
-    vision tower for images its cache holds.
+    The front end's embedding cache is the engine's keys
+    (:attr:`~mmserve.frontend.engine_client.EngineProcessClient.feature_keys`): an image
+    whose features the engine holds crosses by key (not preprocessed here, no pixels
+    sent); any other image's pixels are made here and cross in shared memory.
+    ``call_timeout``: the control calls' deadline (seconds; ``--engine-call-timeout``).
 
     Raises:
         EngineStartError: the engine process could not start (``bad_setting`` for a
@@ -174,7 +176,7 @@ def start_engine_process(
 
         check_tp(model.decoder.shape, config.tp, config.device)
     info = client.start()
-    front = FrontEnd(config, model, info["pool_tokens"])
+    front = FrontEnd(config, model, info["pool_tokens"], client.feature_keys)
     client.front = front
     return front, client
 

@@ -160,6 +160,12 @@ SLOW_TESTS: dict[str, str] = {
         "a server subprocess running a batch while its engine process is killed and restarted"
     ),
     "test_engine_process_faults": "starts an engine process per test (model load, warm-up)",
+    "test_engine_process_features::test_a_repeated_image_crosses_by_key_and_answers_the_same": (
+        "an engine process (model load) and image requests against the in-process answers"
+    ),
+    "test_engine_process_features::test_a_key_the_engine_dropped_still_answers_correctly": (
+        "image requests to an engine process, a flush and a resend with pixels"
+    ),
     "test_engine_process::test_split_server_gives_the_in_process_tokens": (
         "an engine process loads the model; every answer twice"
     ),
@@ -220,6 +226,7 @@ SLOW_TESTS: dict[str, str] = {
     ),
     # benchmarks and installs
     "test_benchmarks::test_tracing_benchmark_tiny": "server subprocesses with and without tracing",
+    "test_benchmarks::test_image_repeat_benchmark_tiny": "a server subprocess and its engine",
     "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",
     "test_benchmarks::test_spec_benchmark_tiny": "six engines on two models, timed rounds",
     "test_spec_decode::test_greedy_output_and_logprobs_equal_without_speculation": (

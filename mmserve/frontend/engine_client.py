@@ -14,7 +14,9 @@ crosses in one pickled list. Each step's outputs arrive as one message, read and
 unpickled on the event loop (``loop.add_reader`` on the pipe: no thread hop). Pixel
 tensors cross through shared memory (torch's ``ForkingPickler`` reductions: the tensor
 is moved into shared memory once, then only a file descriptor crosses; it is freed when
-both processes have dropped it).
+both processes have dropped it); an image whose features the engine holds
+(:attr:`~EngineProcessClient.feature_keys`) crosses by key only, and is sent again with
+its pixels should the engine answer that it dropped them meanwhile.
 
 When the engine process dies (killed, out of memory, a CUDA error), every request in
 flight ends at once with finish reason "error" naming the engine process, requests
@@ -44,8 +46,10 @@ from mmserve import cancel
 from mmserve.config import EngineConfig
 from mmserve.engine.process import CONTROL_CALLS, PING, engine_main, unpack_deltas
 from mmserve.frontend.async_engine import Slot, collector_for
+from mmserve.frontend.engine_wire import lent_fds, release_lent, wire_request
 from mmserve.frontend.output import StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult
+from mmserve.vision.embedding_cache import FeatureKeys
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,11 @@ class EngineProcessClient:
         info: what the engine said when ready: ``describe`` (:meth:`EngineCore.describe`),
             ``pool_tokens``, ``pid``.
         deaths: engine processes that died (not counting a requested stop).
+        feature_keys: the image keys whose features the engine's embedding cache holds,
+            as its ``features`` messages report them (the front end's mirror: an image
+            it names crosses by key, no pixels made or sent).
+        resent: requests sent again with pixels after the engine answered a miss (it
+            had dropped features they named by key).
     """
 
     def __init__(
@@ -147,6 +156,9 @@ class EngineProcessClient:
         self.ping_seconds = ping_seconds
         self.info: dict = {}
         self.deaths = 0
+        self.feature_keys = FeatureKeys()
+        self.resent = 0
+        self._by_key: dict[str, tuple[EngineRequest, Slot]] = {}  # sent with images by key
         self._ctx = multiprocessing.get_context("spawn")
         self._proc: Any = None
         self._tx: Connection | None = None
@@ -203,6 +215,7 @@ class EngineProcessClient:
         self.info = first
         self._failures, self._engine_fatal, self._why = 0, None, None
         self._silent, self._heard = None, time.monotonic()
+        self.feature_keys.clear()  # a new engine: an empty embedding cache
         self._ready = True
         log.info("engine process %d ready", first["pid"])
         return first
@@ -362,6 +375,10 @@ class EngineProcessClient:
                     fut.set_exception(
                         RuntimeError(text) if name == "RuntimeError" else EngineError(text)
                     )
+            elif kind == "features":
+                self.feature_keys.apply(*msg[1:])
+            elif kind == "miss":
+                self._missed(msg[1], msg[2])
 
     def _died(self, gen: int) -> None:
         """The engine process ``gen`` closed its pipe: fail everything in flight, then
@@ -395,6 +412,7 @@ class EngineProcessClient:
         for slot in self._slots.values():
             slot.fail(why)
         self._slots.clear()
+        self._by_key.clear()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineUnavailable(why))
@@ -403,17 +421,10 @@ class EngineProcessClient:
         self._release_lent()
 
     def _release_lent(self) -> None:
-        """Close the shared-memory file descriptors of pixels sent to an engine process
-        that never took them (it died or was stopped with them in the pipe): torch's
-        reduction lends each one through ``multiprocessing.resource_sharer`` until the
-        receiver fetches it, which a dead process never does (one leaked tensor each)."""
-        sharer = _sharer()
+        """Close the shared memory of pixels sent to an engine process that never took
+        them (it died or was stopped with them in the pipe)."""
         lent, self._lent = self._lent, set()
-        with sharer._lock:
-            entries = [sharer._cache.pop(key, None) for key in lent]
-        for entry in entries:
-            if entry is not None:
-                entry[1]()  # its close()
+        release_lent(lent)
 
     async def _restart(self) -> None:
         try:
@@ -436,9 +447,9 @@ class EngineProcessClient:
         out, self._outbox = self._outbox, []
         if not out or not self._ready or self._tx is None:
             return
-        before = _lent_fds()
+        before = lent_fds()
         data = ForkingPickler.dumps(out, protocol=5)
-        now = _lent_fds()  # pixels' shared memory lent to the engine, until it takes it
+        now = lent_fds()  # pixels' shared memory lent to the engine, until it takes it
         if len(self._lent) > 256:  # those the engine took are no longer lent
             self._lent &= now
         self._lent |= now - before
@@ -514,7 +525,10 @@ class EngineProcessClient:
             slot.fail(self.unavailable() or "the engine process is not running")
         else:
             self._slots[req.rid] = slot
-            self._send(("add", _wire(req)))
+            wire, by_key = wire_request(req, self.feature_keys)
+            if by_key:  # kept until it ends, in case the engine dropped those features
+                self._by_key[req.rid] = (req, slot)
+            self._send(("add", wire))
             token = cancel.current()
             if token is not None:
                 if token.cancelled:
@@ -530,8 +544,31 @@ class EngineProcessClient:
                 unhook()
             if self._slots.get(req.rid) is slot:
                 del self._slots[req.rid]
+            self._by_key.pop(req.rid, None)
             if not slot.engine_done:
                 self._abort(req.rid)
+
+    def _missed(self, rid: str, keys: list[bytes]) -> None:
+        """The engine did not take request ``rid``: it no longer holds the features of
+        ``keys``, which it named by key. Forget them and send it again with every image's
+        pixels (made on a worker thread: decode and preprocess)."""
+        self.feature_keys.discard(keys)
+        sent = self._by_key.pop(rid, None)
+        if sent is not None:
+            assert self._loop is not None
+            self._loop.create_task(self._resend(*sent))
+
+    async def _resend(self, req: EngineRequest, slot: Slot) -> None:
+        try:
+            full = await asyncio.to_thread(self.front.processor.with_pixels, req)
+        except Exception as e:  # noqa: BLE001 - ends this request, not the server
+            log.warning("request %s: its images could not be prepared again: %s", req.rid, e)
+            if self._slots.get(req.rid) is slot:
+                slot.fail(f"its images could not be prepared again: {e}")
+            return
+        if self._slots.get(req.rid) is slot and self._ready:  # still wanted
+            self.resent += 1
+            self._send(("add", wire_request(full, None)[0]))
 
     def _abort(self, rid: str) -> None:
         if self._ready:
@@ -544,41 +581,6 @@ class EngineProcessClient:
             result = upd.result
         assert result is not None
         return result
-
-
-def _wire(req: EngineRequest) -> EngineRequest:
-    """``req`` as it crosses: no compiled grammar (the engine compiles its own from the
-    spec), and its images without the decoded picture or file (only what the engine
-    reads: key, mode, size, pixels or features)."""
-    import dataclasses
-
-    spans = req.spans
-    if spans:
-        spans = tuple(
-            dataclasses.replace(s, image=dataclasses.replace(s.image, image=None, source=None))
-            for s in spans
-        )
-    if req.grammar is None and spans is req.spans:
-        return req
-    return dataclasses.replace(req, grammar=None, spans=spans)
-
-
-def _sharer() -> Any:
-    """CPython's one ``multiprocessing.resource_sharer._ResourceSharer`` (private: no
-    public way to drop a lent fd whose receiver died)."""
-    from multiprocessing import resource_sharer
-
-    return resource_sharer._resource_sharer  # type: ignore[attr-defined]  # no stub
-
-
-def _lent_fds() -> set[int]:
-    """The keys of the file descriptors this process lends now (through
-    ``multiprocessing.resource_sharer``, until their receiver fetches them)."""
-    sharer = _sharer()
-    if sharer._listener is None:
-        return set()
-    with sharer._lock:
-        return set(sharer._cache)
 
 
 def _end(proc) -> None:
