@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
 
@@ -150,6 +150,7 @@ def start_engine_process(
     restarts: int = 3,
     log_level: str = "info",
     call_timeout: float = CALL_TIMEOUT,
+    **options: Any,
 ) -> tuple[FrontEnd, EngineProcessClient]:
     """Start the engine core in its own process (model, ``--tp`` ranks and kernel warm-up
     there; blocks until it is ready) and build this process's weightless front end over
@@ -160,7 +161,8 @@ def start_engine_process(
     (:attr:`~mmserve.frontend.engine_client.EngineProcessClient.feature_keys`): an image
     whose features the engine holds crosses by key (not preprocessed here, no pixels
     sent); any other image's pixels are made here and cross in shared memory.
-    ``call_timeout``: the control calls' deadline (seconds; ``--engine-call-timeout``).
+    ``call_timeout``: the control calls' deadline (seconds; ``--engine-call-timeout``);
+    ``options``: more :class:`EngineProcessClient` arguments.
 
     Raises:
         EngineStartError: the engine process could not start (``bad_setting`` for a
@@ -168,7 +170,9 @@ def start_engine_process(
         ValueError: a ``--tp`` the model cannot be split by (before any process starts).
         CheckpointError: the checkpoint's front-end files are missing.
     """
-    client = EngineProcessClient(config, restarts, log_level=log_level, call_timeout=call_timeout)
+    client = EngineProcessClient(
+        config, restarts, log_level=log_level, call_timeout=call_timeout, **options
+    )
     assert config.model_path is not None  # EngineProcessClient checked it
     model = load_frontend_model(config.model_path)
     if config.tp > 1:  # refused here, before any process starts

@@ -271,15 +271,7 @@ def _slow_keys(item: pytest.Item) -> list[str]:
 #: read its pool or tree), keyed as :data:`SLOW_TESTS` -> why. Marked
 #: ``in_process_engine``; the process-split run (``MMSERVE_TEST_ENGINE_PROCESS=1``,
 #: ``.ci/run``) deselects them (they run in the ordinary run), never skips them.
-IN_PROCESS_ENGINE_TESTS: dict[str, str] = {
-    "test_api::test_engine_failure_answers_500_not_a_hang": (
-        "patches the in-process engine's runner and reads its page allocator "
-        "(the split server's failed step: test_engine_process)"
-    ),
-    "test_video_api::test_engine_failure_during_video_qa_is_an_error_event": (
-        "patches the in-process engine's runner to fail its prefill"
-    ),
-}
+IN_PROCESS_ENGINE_TESTS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="session")

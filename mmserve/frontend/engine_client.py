@@ -35,7 +35,7 @@ import multiprocessing
 import os
 import pickle
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler  # tensors -> shared memory
 from typing import Any
@@ -121,6 +121,8 @@ class EngineProcessClient:
             (:meth:`unavailable`) until its next message.
         ping_seconds: an engine process silent this long is pinged (a control call with
             the same deadline), so a hung engine is noticed with no call in flight.
+        target: the engine process's entry point (:func:`engine_main`'s arguments; a
+            module-level function: tests inject faults there).
 
     Attributes:
         info: what the engine said when ready: ``describe`` (:meth:`EngineCore.describe`),
@@ -142,6 +144,7 @@ class EngineProcessClient:
         log_level: str = "info",
         call_timeout: float = CALL_TIMEOUT,
         ping_seconds: float = PING_SECONDS,
+        target: Callable[..., None] = engine_main,
     ) -> None:
         if call_timeout <= 0 or ping_seconds <= 0:
             raise ValueError("call_timeout and ping_seconds must be > 0")
@@ -154,6 +157,7 @@ class EngineProcessClient:
         self.log_level = log_level
         self.call_timeout = call_timeout
         self.ping_seconds = ping_seconds
+        self.target = target
         self.info: dict = {}
         self.deaths = 0
         self.feature_keys = FeatureKeys()
@@ -197,7 +201,7 @@ class EngineProcessClient:
         rx_child, tx_parent = self._ctx.Pipe(duplex=False)
         rx_parent, tx_child = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(
-            target=engine_main,
+            target=self.target,
             args=(self.config, rx_child, tx_child, os.getpid(), self.log_level),
             name="mmserve-engine-core",
             daemon=False,  # it starts the tensor-parallel ranks: a daemon may not
