@@ -177,10 +177,11 @@ class InputProcessor:
 
     def _cached(self, item: ImageInput, mode: str) -> bool:
         """Whether the engine holds the features of ``item`` in ``mode``."""
-        cache, key = self.embedding_cache, self.model.family.mode_item(item, mode).key
-        if isinstance(cache, FeatureKeys):
-            return key in cache
-        return cache is not None and cache.peek(key) is not None
+        cache = self.embedding_cache
+        if cache is None:
+            return False
+        key = self.model.family.mode_item(item, mode).key
+        return key in cache if isinstance(cache, FeatureKeys) else cache.peek(key) is not None
 
     def _prepared(self, item: ImageInput, im: Image.Image, mode: str) -> ImageInput:
         """``item`` without its decoded image, with its tower input in ``mode`` unless
