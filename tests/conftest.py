@@ -163,6 +163,9 @@ SLOW_TESTS: dict[str, str] = {
     "test_engine_process_features::test_a_repeated_image_crosses_by_key_and_answers_the_same": (
         "an engine process (model load) and image requests against the in-process answers"
     ),
+    "test_engine_process_features::test_a_video_asked_again_sends_its_frames_by_key": (
+        "video questions to an engine process, asked twice"
+    ),
     "test_engine_process_features::test_a_key_the_engine_dropped_still_answers_correctly": (
         "image requests to an engine process, a flush and a resend with pixels"
     ),

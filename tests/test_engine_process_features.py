@@ -17,8 +17,9 @@ from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app, start_engine_process
 from mmserve.vision.embedding_cache import EmbeddingCache, FeatureKeys
-from tests.helpers import MODEL, chat_json, data_url, image_part
+from tests.helpers import MODEL, chat_json, data_url, image_part, video_qa
 from tests.live_server import app_client, pid_alive
+from tests.videos import encode_mp4, rgb_frames
 
 
 def test_the_mirror_follows_the_caches_keys_through_puts_evictions_and_clears() -> None:
@@ -170,3 +171,27 @@ def test_a_key_the_engine_dropped_still_answers_correctly(split, photos) -> None
     _wait_for_keys(process, 2)
     assert set(process.feature_keys) == keys
     assert _answer(c, two) == want[1] and process.resent == resent + 1  # held again
+
+
+def test_a_video_asked_again_sends_its_frames_by_key(split) -> None:
+    """Video frames are preprocessed as they are decoded (no bytes to make them from
+    again): asked again, they cross by key while their pixels stay in the API process,
+    and the answers are the first ones."""
+    c, process, spy, _ = split
+    _flushed(c, process)
+    up = c.post("/v1/videos", files={"file": ("v.mp4", encode_mp4(rgb_frames(4)))})
+    assert up.status_code == 200, up.text
+    body = {"questions": ["What is this?", "Colors?"], "num_frames": 4, "max_tokens": 3}
+
+    def answers() -> list[str]:
+        events = video_qa(c, up.json()["id"], **body)
+        return [e["text"] for e in sorted(events[1:-1], key=lambda e: e["question_index"])]
+
+    n = len(spy.sent)
+    first = answers()
+    assert all(im.pixels is not None for im in spy.sent[n])  # the first request's frames
+    _wait_for_keys(process, 4)
+    tower, n = c.get("/v1/cache/stats").json()["vision_tower_images"], len(spy.sent)
+    assert answers() == first
+    assert len(spy.sent) > n and all(im.pixels is None for sent in spy.sent[n:] for im in sent)
+    assert c.get("/v1/cache/stats").json()["vision_tower_images"] == tower
