@@ -277,8 +277,9 @@ class EngineProcessClient:
         if self._ready:
             self._ready_event.set()
         self._watch()
-        if self._watchdog is None:
-            self._watchdog = self._loop.call_later(self.ping_seconds, self._check_silence)
+        if self._watchdog is not None:  # attached to another loop before
+            self._watchdog.cancel()
+        self._watchdog = self._loop.call_later(self.ping_seconds, self._check_silence)
 
     def _watch(self) -> None:
         """Read the current engine's outputs on the event loop (``add_reader``: no thread
