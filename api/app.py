@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
 
@@ -44,7 +44,7 @@ from api.tenant_stores import split_by_tenant
 from api.video_store import VideoStore
 from mmserve.config import EngineConfig
 from mmserve.frontend.async_engine import AsyncEngine
-from mmserve.frontend.engine_client import EngineProcessClient
+from mmserve.frontend.engine_client import CALL_TIMEOUT, EngineProcessClient
 from mmserve.frontend.frontend import Engine, FrontEnd, load_frontend_model
 
 if TYPE_CHECKING:  # api.tracing imports opentelemetry: only when tracing is on
@@ -147,16 +147,23 @@ def assemble_app(
 
 
 def start_engine_process(
-    config: EngineConfig, restarts: int = 3, log_level: str = "info"
+    config: EngineConfig,
+    restarts: int = 3,
+    log_level: str = "info",
+    call_timeout: float = CALL_TIMEOUT,
+    **options: Any,
 ) -> tuple[FrontEnd, EngineProcessClient]:
     """Start the engine core in its own process (model, ``--tp`` ranks and kernel warm-up
     there; blocks until it is ready) and build this process's weightless front end over
     the checkpoint (:func:`~mmserve.frontend.frontend.load_frontend_model`, as the replica
     ingress does), sized by the engine's KV pool. Pass both to :func:`create_app`.
 
-    The front end has no embedding cache here: every image's pixels are made (decode and
-    preprocess in this process) and cross in shared memory; the engine still skips the
-    vision tower for images its cache holds.
+    The front end's embedding cache is the engine's keys
+    (:attr:`~mmserve.frontend.engine_client.EngineProcessClient.feature_keys`): an image
+    whose features the engine holds crosses by key (not preprocessed here, no pixels
+    sent); any other image's pixels are made here and cross in shared memory.
+    ``call_timeout``: the control calls' deadline (seconds; ``--engine-call-timeout``);
+    ``options``: more :class:`EngineProcessClient` arguments.
 
     Raises:
         EngineStartError: the engine process could not start (``bad_setting`` for a
@@ -164,7 +171,9 @@ def start_engine_process(
         ValueError: a ``--tp`` the model cannot be split by (before any process starts).
         CheckpointError: the checkpoint's front-end files are missing.
     """
-    client = EngineProcessClient(config, restarts, log_level=log_level)
+    client = EngineProcessClient(
+        config, restarts, log_level=log_level, call_timeout=call_timeout, **options
+    )
     assert config.model_path is not None  # EngineProcessClient checked it
     model = load_frontend_model(config.model_path)
     if config.tp > 1:  # refused here, before any process starts
@@ -172,7 +181,7 @@ def start_engine_process(
 
         check_tp(model.decoder.shape, config.tp, config.device)
     info = client.start()
-    front = FrontEnd(config, model, info["pool_tokens"])
+    front = FrontEnd(config, model, info["pool_tokens"], client.feature_keys)
     client.front = front
     return front, client
 

@@ -69,6 +69,11 @@ class LaunchSettings:
             process, for debugging) instead of in its own process.
         engine_restarts: times a dead engine process (killed, out of memory, a CUDA
             error) is replaced by a new one before the server gives up and exits 1.
+        engine_call_timeout: seconds a control call to the engine process (``/metrics``,
+            ``/v1/cache/stats``; ``/v1/cache/flush`` gets four times as long) waits for
+            its answer; past it the route answers 503 ``engine_timeout`` and ``/health``
+            503 until the engine answers again (an engine silent for 5 s is pinged with
+            the same deadline).
     """
 
     host: str = "127.0.0.1"
@@ -78,6 +83,7 @@ class LaunchSettings:
     fatal_exit_seconds: float = 5.0
     engine_in_process: bool = False
     engine_restarts: int = 3
+    engine_call_timeout: float = 30.0
 
 
 #: Flag choices for string settings that take one of a few values.
@@ -223,7 +229,7 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
         (
             "log_level", "otlp_traces_endpoint", "unhealthy_after_failed_steps",
             "shutdown_grace_seconds", "fatal_exit_seconds", "engine_in_process",
-            "engine_restarts",
+            "engine_restarts", "engine_call_timeout",
         ),
     ),
 ]  # fmt: skip
@@ -328,6 +334,8 @@ def settings_from_args(
         raise ValueError("shutdown_grace_seconds and fatal_exit_seconds must be >= 0")
     if launch.engine_restarts < 0:
         raise ValueError("engine_restarts must be >= 0")
+    if launch.engine_call_timeout <= 0:
+        raise ValueError("engine_call_timeout must be > 0")
     return launch, engine, server
 
 
@@ -393,7 +401,9 @@ def _serve(args: argparse.Namespace) -> int:
         if launch.engine_in_process:
             front = Engine(config)
         else:  # the engine core in its own process (model, TP ranks, kernels there)
-            front, process = start_engine_process(config, launch.engine_restarts, launch.log_level)
+            front, process = start_engine_process(
+                config, launch.engine_restarts, launch.log_level, launch.engine_call_timeout
+            )
     except (ValueError, TPGroupError) as e:
         print(f"mmserve serve: error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from mmserve.cancel import Cancelled
-from mmserve.frontend.engine_client import EngineUnavailable
+from mmserve.frontend.engine_client import EngineTimeout, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,15 @@ def install_error_handlers(app: FastAPI) -> None:
         # the same 503 as /health, never a hang or an anonymous 500
         return JSONResponse(
             error_body(f"engine unavailable: {e}", "server_error", code="engine_unhealthy"),
+            status_code=503,
+        )
+
+    @app.exception_handler(EngineTimeout)
+    async def _engine_silent(_: Request, e: EngineTimeout) -> JSONResponse:
+        # the engine process lives but did not answer the control call in time (hung,
+        # stopped): a 503 naming it and the call, never a route that waits forever
+        return JSONResponse(
+            error_body(f"engine not answering: {e}", "server_error", code="engine_timeout"),
             status_code=503,
         )
 

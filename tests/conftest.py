@@ -160,6 +160,15 @@ SLOW_TESTS: dict[str, str] = {
         "a server subprocess running a batch while its engine process is killed and restarted"
     ),
     "test_engine_process_faults": "starts an engine process per test (model load, warm-up)",
+    "test_engine_process_features::test_a_repeated_image_crosses_by_key_and_answers_the_same": (
+        "an engine process (model load) and image requests against the in-process answers"
+    ),
+    "test_engine_process_features::test_a_video_asked_again_sends_its_frames_by_key": (
+        "video questions to an engine process, asked twice"
+    ),
+    "test_engine_process_features::test_a_key_the_engine_dropped_still_answers_correctly": (
+        "image requests to an engine process, a flush and a resend with pixels"
+    ),
     "test_engine_process::test_split_server_gives_the_in_process_tokens": (
         "an engine process loads the model; every answer twice"
     ),
@@ -224,6 +233,7 @@ SLOW_TESTS: dict[str, str] = {
     ),
     # benchmarks and installs
     "test_benchmarks::test_tracing_benchmark_tiny": "server subprocesses with and without tracing",
+    "test_benchmarks::test_image_repeat_benchmark_tiny": "a server subprocess and its engine",
     "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",
     "test_benchmarks::test_spec_benchmark_tiny": "six engines on two models, timed rounds",
     "test_spec_decode::test_greedy_output_and_logprobs_equal_without_speculation": (
@@ -268,28 +278,7 @@ def _slow_keys(item: pytest.Item) -> list[str]:
 #: read its pool or tree), keyed as :data:`SLOW_TESTS` -> why. Marked
 #: ``in_process_engine``; the process-split run (``MMSERVE_TEST_ENGINE_PROCESS=1``,
 #: ``.ci/run``) deselects them (they run in the ordinary run), never skips them.
-IN_PROCESS_ENGINE_TESTS: dict[str, str] = {
-    "test_api::test_engine_failure_answers_500_not_a_hang": (
-        "patches the in-process engine's runner and reads its page allocator "
-        "(the split server's failed step: test_engine_process)"
-    ),
-    "test_video_api::test_engine_failure_during_video_qa_is_an_error_event": (
-        "patches the in-process engine's runner to fail its prefill"
-    ),
-    # Counters reads the in-process engine's live requests and tower count mid-request
-    "test_disconnect::test_hang_up_while_pictures_are_prepared_stops_the_work": (
-        "reads the in-process engine's counters while the request runs"
-    ),
-    "test_disconnect::test_hang_up_mid_prefill_aborts_before_the_next_step": (
-        "reads the in-process engine's counters while the request runs"
-    ),
-    "test_disconnect::test_hang_up_during_ask_never_reaches_the_engine": (
-        "reads the in-process engine's counters while the request runs"
-    ),
-    "test_disconnect::test_hang_up_during_video_qa_never_reaches_the_engine": (
-        "reads the in-process engine's counters while the request runs"
-    ),
-}
+IN_PROCESS_ENGINE_TESTS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="session")

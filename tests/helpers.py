@@ -63,6 +63,33 @@ def split_mode() -> bool:
     return os.environ.get(ENGINE_PROCESS_ENV, "") == "1"
 
 
+def failing_while(flag: Path, fn):
+    """``fn`` that raises ``RuntimeError("injected /secret/path")`` while the file ``flag``
+    exists (a fault a test turns on and off)."""
+
+    def wrapped(*args, **kw):
+        if flag.exists():
+            raise RuntimeError("injected /secret/path")
+        return fn(*args, **kw)
+
+    return wrapped
+
+
+def fail_prefill_engine_main(config, rx, tx, parent, log_level, flag: str) -> None:
+    """``mmserve.engine.process.engine_main`` whose engine's prefills fail while the file
+    ``flag`` exists (:func:`failing_while`): an engine process's entry point
+    (``EngineProcessClient(target=functools.partial(this, flag=...))``)."""
+    from mmserve.engine import process
+
+    class FailingPrefill(process.EngineCore):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            self.runner.prefill = failing_while(Path(flag), self.runner.prefill)
+
+    process.EngineCore = FailingPrefill  # type: ignore[misc]
+    process.engine_main(config, rx, tx, parent, log_level)
+
+
 # ---- requests ----------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from fastapi.testclient import TestClient
 from api.app import ServerSettings, create_app, start_engine_process
 from benchmarks.over_http import free_port, server
 from mmserve.frontend.frontend import Engine
-from tests.helpers import MODEL, split_mode
+from tests.helpers import MODEL, fail_prefill_engine_main, failing_while, split_mode
 
 __all__ = ["free_port", "live_server", "live_server_process", "uvicorn_thread"]
 
@@ -137,21 +138,36 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 #: Set to 1: :func:`app_client`, and every ``create_app(engine)`` of the tests
 #: (tests/conftest.py swaps in :func:`split_create_app`), serve from an engine process
 #: started with the engine's settings (the process split of ``mmserve serve``).
-def split_create_app(engine, settings=None, tracing=None, process=None) -> FastAPI:
+def split_create_app(engine, settings=None, tracing=None, process=None, **options) -> FastAPI:
     """:func:`api.app.create_app` as the process-split server builds it: for an in-process
     ``Engine``, an engine process loads its checkpoint with its settings (in its model's
     dtype) and ``engine`` serves nothing; the app's shutdown stops that process (and so
     does this interpreter's exit, for an app never started). Anything else is passed on.
+    ``options``: more :class:`~mmserve.frontend.engine_client.EngineProcessClient`
+    arguments.
     """
     if process is not None or not isinstance(engine, Engine):
         return _create_app(engine, settings, tracing, process=process)
     config = dataclasses.replace(engine.config, dtype=engine.describe()["dtype"])
-    front, process = start_engine_process(config, restarts=0)
+    front, process = start_engine_process(config, restarts=0, **options)
     atexit.register(process.stop)
     return _create_app(front, settings, tracing, process=process)
 
 
 _create_app = create_app
+
+
+def app_failing_prefill(engine: Engine, flag: Path, **settings) -> FastAPI:
+    """The app of ``engine`` (:func:`app_client`'s settings) whose prefills raise
+    ``RuntimeError("injected /secret/path")`` while the file ``flag`` exists: the
+    in-process engine's runner patched, or in the process-split run (:func:`split_mode`)
+    an engine process started with :func:`tests.helpers.fail_prefill_engine_main`."""
+    settings.setdefault("served_model_name", MODEL)
+    if not split_mode():
+        engine.runner.prefill = failing_while(flag, engine.runner.prefill)
+        return _create_app(engine, ServerSettings(**settings))
+    target = functools.partial(fail_prefill_engine_main, flag=str(flag))
+    return split_create_app(engine, ServerSettings(**settings), target=target)
 
 
 @contextmanager

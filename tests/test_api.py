@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
 from tests.helpers import assert_healthy, chat, stream_chunks, upload, user
+from tests.live_server import app_failing_prefill
 
 MODEL = "llava-tiny"
 
@@ -144,19 +145,16 @@ def test_models_and_health(client) -> None:
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
 
 
-def test_engine_failure_answers_500_not_a_hang(make_engine) -> None:
+def test_engine_failure_answers_500_not_a_hang(make_engine, tmp_path) -> None:
     engine = make_engine(max_total_tokens=4096)
-
-    def boom(*args):
-        raise RuntimeError("injected /secret/path")
-
-    engine.runner.prefill = boom
-    app = create_app(engine, ServerSettings(served_model_name=MODEL))
-    with TestClient(app) as c:
+    flag = tmp_path / "fail"
+    flag.touch()  # prefills fail (in the engine process, in the process-split run)
+    with TestClient(app_failing_prefill(engine, flag, served_model_name=MODEL)) as c:
         r = chat(c, "hello")
         err = r.json()["error"]
         assert r.status_code == 500 and "RuntimeError" in err["message"], err
         assert "req-" in err["message"] and "/secret" not in err["message"]
         assert err["type"] == "server_error"
         assert c.get("/health").status_code == 200  # one failed step is not a dead engine
-        assert engine.pool.allocator.num_free == engine.pool.num_pages
+        stats = c.get("/v1/cache/stats").json()
+        assert stats["free_pages"] == stats["pool_pages"] and stats["live_requests"] == 0

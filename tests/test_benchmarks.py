@@ -529,6 +529,16 @@ def test_host_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert (tmp_path / "host.png").stat().st_size > 0
 
 
+def test_image_repeat_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["image-repeat", "--model", str(model_dir), "--scale", "ci", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "image_repeat.json").read_text())
+    assert set(out["rows"]) == {"this checkout, data URL", "this checkout, image id"}
+    for row in out["rows"].values():
+        assert row["api_cpu_ms"] > 0 and row["engine_cpu_ms"] > 0 and row["wall_ms"] > 0
+    assert out["tower_runs"] == {"this checkout": 1}  # the warm-up's only
+
+
 def test_host_benchmark_counts_a_servers_child_processes() -> None:
     import os
     import subprocess

@@ -1,13 +1,16 @@
 """A client that hangs up stops its work at once (issue 45, item 2).
 
-A real uvicorn on 127.0.0.1 (in this process, so the engine's counters can be read
-while it runs) gets requests with many large pictures (or many frames, or many
-questions) from a raw socket that closes 0.05 s or 0.5 s in (the pictures are still
-being fetched, decoded, hashed and preprocessed then) or once the prefill has started.
+A real uvicorn on 127.0.0.1 (in this process, so the front end's figures can be read
+while it runs; the engine's are asked of it over ``/v1/cache/stats``, so the same tests
+run against the in-process engine and the engine process) gets requests with many
+large pictures (or many frames, or many questions) from a raw socket that closes 0.05 s
+or 0.5 s in (the pictures are still being fetched, decoded, hashed and preprocessed
+then) or once the prefill has started.
 After the hang-up: no vision-tower run and no generated token, a request still being
 prepared never reaches the engine, at most the picture in hand when the client left is
 finished, and the decoded-image bytes are back to their baseline within 1 s (and stay
-there).
+there); the engine ends idle with every page back (accounting holds, every tree page
+unlocked).
 """
 
 from __future__ import annotations
@@ -104,27 +107,54 @@ def responses_body(seed: int, stream: bool = False) -> dict:
 
 
 class Counters:
-    """The engine and front-end figures a hang-up must leave alone, read in-process."""
+    """The engine and front-end figures a hang-up must leave alone: the front end's read
+    in this process (the API process's own objects), the engine's asked of the engine over
+    HTTP (``/v1/cache/stats``: its control call), so the same test runs against the
+    in-process engine and the engine process (``MMSERVE_TEST_ENGINE_PROCESS=1``)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, url: str) -> None:
         self.st = app.state.mm
+        self.url = url
+
+    def engine(self) -> dict:
+        """The engine's ``/v1/cache/stats``."""
+        r = httpx.get(f"{self.url}/v1/cache/stats", timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def decoded(self) -> int:
+        """Decoded-image bytes the front end holds now."""
+        return self.st.engine.processor.decode_budget.in_use
 
     def snapshot(self) -> dict[str, int]:
-        eng = self.st.engine
+        """Tower runs, tokens generated (finished requests'), requests the engine took
+        in, requests live there, pictures prepared and decoded bytes held."""
+        eng = self.engine()
         return {
-            "tower": eng.runner.vision_tower_images,
-            "tokens": eng.stats.completion_tokens
-            + sum(len(r.output_ids) for r in eng.live_requests()),
-            "engine_requests": eng.stats.requests_finished + len(eng.live_requests()),
+            "tower": eng["vision_tower_images"],
+            "tokens": eng["completion_tokens"],
+            "engine_requests": eng["requests_finished"] + eng["live_requests"],
+            "live": eng["live_requests"],
             "prepared_images": len(self.st.media.transient),
-            "decoded_bytes": eng.processor.decode_budget.in_use,
+            "decoded_bytes": self.decoded(),
         }
 
-    def idle(self, timeout: float = 60) -> None:
+    def idle(self, timeout: float = 60) -> dict:
+        """Wait until no request is queued in the app or live in the engine; then the
+        engine's pages are all back (accounting holds, every tree page unlocked).
+        Returns the engine's stats."""
         deadline = time.time() + timeout
-        while self.st.engine.live_requests() or self.st.client.queued or self.st.client.online:
+        while True:
+            if not (self.st.client.queued or self.st.client.online):
+                stats = self.engine()
+                if stats["live_requests"] == 0:
+                    break
             assert time.time() < deadline, "requests still live after the hang-up"
             time.sleep(0.02)
+        assert stats["accounting"] is not None and stats["accounting"]["ok"], stats
+        assert stats["evictable_pages"] == stats["tree_pages"], stats  # lock_ref back to 0
+        assert stats["running_requests"] == stats["waiting_requests"] == 0, stats
+        return stats
 
 
 def send_then_hang_up(url: str, path: str, body: dict, when: Callable[[], bool]) -> float:
@@ -156,13 +186,13 @@ def after(seconds: float) -> Callable[[], bool]:
 def assert_released_within(counters: Counters, hung_up: float, baseline: int) -> float:
     """The decoded-image bytes back to ``baseline`` within 1 s of ``hung_up`` and still
     there 0.3 s later (no picture decoded after); returns how long it took (s)."""
-    while counters.snapshot()["decoded_bytes"] != baseline:
+    while counters.decoded() != baseline:
         assert time.monotonic() - hung_up < 1.0, "decoded images still held 1 s after"
         time.sleep(0.005)
     took = time.monotonic() - hung_up
     end = time.monotonic() + 0.3
     while time.monotonic() < end:
-        assert counters.snapshot()["decoded_bytes"] == baseline
+        assert counters.decoded() == baseline
         time.sleep(0.005)
     return took
 
@@ -181,7 +211,7 @@ def test_hang_up_while_pictures_are_prepared_stops_the_work(
     served, kind, path, build, delay
 ) -> None:
     url, app = served
-    counters = Counters(app)
+    counters = Counters(app, url)
     seed = 1000 * PREPARING.index((kind, path, build)) + int(delay * 100)
     body = build(seed)
     before = counters.snapshot()
@@ -202,13 +232,13 @@ def test_hang_up_while_pictures_are_prepared_stops_the_work(
 
 def test_hang_up_mid_prefill_aborts_before_the_next_step(served) -> None:
     url, app = served
-    counters = Counters(app)
+    counters = Counters(app, url)
     for k, stream in enumerate((False, True)):
         before = counters.snapshot()
         body = chat_body(5000 + k, stream=stream)
 
         def prefilling(start: int = before["tower"]) -> bool:  # the first picture ran
-            return counters.snapshot()["tower"] > start
+            return counters.engine()["vision_tower_images"] > start
 
         send_then_hang_up(url, "/v1/chat/completions", body, prefilling)
         at_hang_up = counters.snapshot()
@@ -238,7 +268,7 @@ def hang_up_before_the_engine(url: str, counters: Counters, path: str, body: dic
 
 def test_hang_up_during_ask_never_reaches_the_engine(served) -> None:
     url, app = served
-    counters = Counters(app)
+    counters = Counters(app, url)
     up = httpx.post(
         f"{url}/v1/images", files={"file": ("big.png", picture(7777), "image/png")}, timeout=60
     )
@@ -250,7 +280,7 @@ def test_hang_up_during_ask_never_reaches_the_engine(served) -> None:
 
 def test_hang_up_during_video_qa_never_reaches_the_engine(served) -> None:
     url, app = served
-    counters = Counters(app)
+    counters = Counters(app, url)
     rng = np.random.default_rng(3)
     base = np.kron(rng.integers(0, 256, (90, 160, 3), dtype=np.uint8), np.ones((8, 8, 1), np.uint8))
     frames = []

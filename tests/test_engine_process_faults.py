@@ -14,14 +14,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app, start_engine_process
-from mmserve.frontend.engine_client import EngineUnavailable
+from mmserve.frontend.engine_client import EngineProcessClient, EngineUnavailable
 from tests.helpers import MODEL, greedy, user
 from tests.live_server import pid_alive
 
 
-def _split(engine):
+def _split(engine, **kw):
     config = dataclasses.replace(engine.config, dtype=engine.describe()["dtype"])
-    return start_engine_process(config, restarts=0)
+    return start_engine_process(config, restarts=0, **kw)
 
 
 def test_control_calls_fail_fast_with_503_once_the_engine_process_is_gone(make_engine) -> None:
@@ -111,3 +111,90 @@ def test_pixels_sent_to_an_engine_process_that_died_are_not_leaked(make_engine, 
         process.stop()
     assert sent >= 1 and finish == "error"  # the pixels crossed as a lent fd, then it died
     assert len(lent) == 0, "the dead engine's shared memory is still held"
+
+
+def test_control_calls_to_a_hung_engine_process_answer_503_at_their_deadline(make_engine) -> None:
+    """An engine process alive but answering nothing (SIGSTOP): each control call answers
+    503 ``engine_timeout`` naming the engine and the call at its deadline (flush: four
+    times it), the waiting futures are dropped, ``/health`` says it is not answering; once
+    it runs again the late replies are ignored, the dropped flush never runs, and
+    ``/health`` is 200 again."""
+    front, process = _split(make_engine(max_total_tokens=4096), call_timeout=0.5)
+    pid = process.pid
+    stopped = False
+    try:
+        with TestClient(
+            create_app(front, ServerSettings(served_model_name=MODEL), process=process)
+        ) as c:
+            hi = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            assert c.post("/v1/chat/completions", json={**hi, "max_tokens": 2}).status_code == 200
+            cached = c.get("/v1/cache/stats").json()["tree_pages"]
+            assert cached > 0
+            os.kill(pid, signal.SIGSTOP)
+            stopped = True
+            for method, path, call, deadline in (
+                ("GET", "/v1/cache/stats", "stats_snapshot", 0.5),
+                ("GET", "/metrics", "cache_stats", 0.5),
+                ("POST", "/v1/cache/flush", "flush_cache", 2.0),
+            ):
+                start = time.monotonic()
+                r = c.request(method, path)
+                took = time.monotonic() - start
+                assert deadline <= took < deadline + 3, (path, took)
+                assert r.status_code == 503, (path, r.text)
+                err = r.json()["error"]
+                assert err["code"] == "engine_timeout" and err["type"] == "server_error", err
+                assert f"engine process (pid {pid})" in err["message"], err
+                assert repr(call) in err["message"], err
+            assert process._calls == {}  # no future left waiting
+            h = c.get("/health")
+            assert h.status_code == 503 and h.json()["error"]["code"] == "engine_unhealthy"
+            assert "not answering" in h.json()["error"]["message"]
+            os.kill(pid, signal.SIGCONT)
+            stopped = False
+            deadline = time.time() + 10
+            while c.get("/health").status_code != 200:  # its next message clears it
+                assert time.time() < deadline, "/health stayed 503 after the engine resumed"
+                time.sleep(0.05)
+            stats = c.get("/v1/cache/stats").json()
+            assert stats["tree_pages"] == cached, "the dropped flush ran late"
+            assert process._calls == {}
+            r = c.post("/v1/chat/completions", json={**hi, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        process.stop()
+    assert not pid_alive(pid)
+
+
+def test_a_silent_hung_engine_process_is_noticed_by_its_ping(make_engine) -> None:
+    """No control call in flight: the client pings an engine silent for ``ping_seconds``;
+    a stopped one is reported not answering within ping + deadline."""
+    engine = make_engine(max_total_tokens=4096)
+    config = dataclasses.replace(engine.config, dtype=engine.describe()["dtype"])
+
+    process = EngineProcessClient(config, restarts=0, call_timeout=0.3, ping_seconds=0.2)
+    process.start()
+    pid = process.pid
+
+    async def run() -> tuple[str | None, str | None, str | None]:
+        process.attach()
+        await asyncio.sleep(0.5)
+        before = process.unavailable()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.5)
+            during = process.unavailable()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(0.8)
+        return before, during, process.unavailable()
+
+    try:
+        before, during, after = asyncio.run(run())
+    finally:
+        process.stop()
+    assert before is None and after is None
+    assert during is not None and "'ping'" in during and f"pid {pid}" in during
+    assert not pid_alive(pid)

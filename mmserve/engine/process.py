@@ -6,12 +6,17 @@ cross pickled lists of messages, each list one ``send_bytes``:
 
 - in (API -> engine): ``("add", EngineRequest)`` (pixel tensors in shared memory: only a
   file descriptor crosses), ``("abort", rid)``, ``("call", call_id, name, args)`` (a
-  control call: :data:`CONTROL_CALLS`), ``("stop",)``;
+  control call: :data:`CONTROL_CALLS`, or :data:`PING`), ``("drop", call_id)`` (the API
+  stopped waiting for that call: skipped if not yet read), ``("stop",)``;
 - out (engine -> API): ``("ready", info)`` once the model is loaded and its kernels are
   built, ``("failed", message, bad_setting)`` when it cannot start, then per step one
   ``("out", deltas, consecutive_failed_steps, fatal_error)`` with every request's
   :class:`~mmserve.types.TokenDelta` s of the step (as tuples: :func:`pack_deltas`),
-  and ``("reply", call_id, ok, value)``.
+  ``("reply", call_id, ok, value)``, ``("features", added, dropped, cleared)`` when the
+  embedding cache's keys changed (the API's
+  :class:`~mmserve.vision.embedding_cache.FeatureKeys` mirror) and ``("miss", rid,
+  keys)`` for an added request that named images by key whose features the cache no
+  longer holds (not taken in; the API sends it again with pixels).
 
 The engine thread is this process's main thread; it reads what arrives before every
 step (waiting on the pipe only while idle); a :class:`PipeSender` thread writes what goes
@@ -37,6 +42,8 @@ from multiprocessing.connection import Connection
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import EngineCore
 from mmserve.types import EngineRequest, TokenDelta
+from mmserve.vision.embedding_cache import EmbeddingCache
+from mmserve.vision.inputs import ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,9 @@ log = logging.getLogger(__name__)
 CONTROL_CALLS = frozenset(
     {"cache_stats", "stats_snapshot", "flush_cache", "describe", "check_accounting", "release_hold"}
 )
+#: The control call that only asks for an answer (the API's check that the engine is not
+#: hung while it is silent).
+PING = "ping"
 #: Seconds between checks that the API process (the parent) is still there.
 PARENT_CHECK_SECONDS = 1.0
 
@@ -99,6 +109,7 @@ class EngineLoop:
         self._gone = False  # the API process closed its end or asked to stop
         self._sender = PipeSender(tx)
         core.on_outputs = self._send_outputs
+        core.embedding_cache.record_changes()  # its keys, mirrored by the API process
 
     def run(self) -> None:
         """Step while there is work; return when stopped or orphaned. Messages are read
@@ -116,16 +127,20 @@ class EngineLoop:
                 if os.getppid() != self.parent:  # the API process died (reparented)
                     return
                 continue
+            msgs: list[tuple] = []  # all that waits, so a "drop" skips its call
             while not self._gone and self.rx.poll(0):
                 try:
-                    msgs = pickle.loads(self.rx.recv_bytes())
+                    msgs += pickle.loads(self.rx.recv_bytes())
                 except (EOFError, OSError):  # the API process is gone
                     return
-                for msg in msgs:
-                    if msg[0] == "stop":
-                        core.abort_all("abort")
-                        return
-                    self._handle(msg)
+            dropped = {m[1] for m in msgs if m[0] == "drop"} if msgs else ()
+            for msg in msgs:
+                if msg[0] == "stop":
+                    core.abort_all("abort")
+                    return
+                if msg[0] == "call" and msg[1] in dropped:
+                    continue  # its caller gave up (deadline): a late flush must not run
+                self._handle(msg)
             if core.has_work() and not self._gone:
                 try:
                     core.step()  # a failing batch is contained inside step
@@ -134,6 +149,9 @@ class EngineLoop:
                     core.stats.failed_steps += 1
                     core.stats.consecutive_failed_steps += 1
                     self._abort_all(f"{type(e).__name__} in the engine")
+            changes = core.embedding_cache.take_changes()
+            if changes is not None:
+                self._send([("features", *changes)])
 
     def _abort_all(self, message: str) -> None:
         try:
@@ -152,7 +170,10 @@ class EngineLoop:
         core = self.core
         kind = msg[0]
         if kind == "add":
-            req: EngineRequest = msg[1]
+            req: EngineRequest | None = _features_by_key(msg[1], core.embedding_cache)
+            if req is None:  # named features the cache dropped since: the API resends
+                self._send([("miss", msg[1].rid, _missing(msg[1], core.embedding_cache))])
+                return
             if req.params.guided is not None:  # compiled once per spec here too
                 req = _with_grammar(req, core.grammars.compile(req.params.guided))
             core.add_request(req)
@@ -161,9 +182,13 @@ class EngineLoop:
         elif kind == "call":
             _, cid, name, args = msg
             try:
-                if name not in CONTROL_CALLS:
+                if name == PING:
+                    value = None
+                elif name not in CONTROL_CALLS:
                     raise ValueError(f"unknown control call {name!r}")
-                reply = ("reply", cid, True, getattr(core, name)(*args))
+                else:
+                    value = getattr(core, name)(*args)
+                reply = ("reply", cid, True, value)
             except Exception as e:  # noqa: BLE001 - raised again in the API process
                 reply = ("reply", cid, False, (type(e).__name__, str(e)))
             self._send([reply])
@@ -246,6 +271,37 @@ def unpack_deltas(rows: list[tuple]) -> list[TokenDelta]:
         d.__dict__.update(zip(names, row, strict=True))
         out.append(d)
     return out
+
+
+def _by_key(item: ImageInput) -> bool:
+    """Whether ``item`` crossed by key only (no features, pixels or picture with it)."""
+    return not item.ready and item.image is None
+
+
+def _features_by_key(req: EngineRequest, cache: EmbeddingCache) -> EngineRequest | None:
+    """``req`` with the cached features of each image it names by key only (a
+    reference: the request keeps them if the cache evicts them before its prefill), or
+    None when the cache no longer holds one of them."""
+    if not req.spans or not any(_by_key(s.image) for s in req.spans):
+        return req
+    spans = []
+    for span in req.spans:
+        if _by_key(span.image):
+            feats = cache.peek(span.image.key)
+            if feats is None:
+                return None
+            span = dataclasses.replace(span, image=dataclasses.replace(span.image, features=feats))
+        spans.append(span)
+    return dataclasses.replace(req, spans=tuple(spans))
+
+
+def _missing(req: EngineRequest, cache: EmbeddingCache) -> list[bytes]:
+    """The keys ``req`` names by key only that ``cache`` does not hold."""
+    return list(
+        dict.fromkeys(
+            s.image.key for s in req.spans if _by_key(s.image) and s.image.key not in cache
+        )
+    )
 
 
 def _with_grammar(req: EngineRequest, grammar: object) -> EngineRequest:

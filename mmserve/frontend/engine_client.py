@@ -14,7 +14,9 @@ crosses in one pickled list. Each step's outputs arrive as one message, read and
 unpickled on the event loop (``loop.add_reader`` on the pipe: no thread hop). Pixel
 tensors cross through shared memory (torch's ``ForkingPickler`` reductions: the tensor
 is moved into shared memory once, then only a file descriptor crosses; it is freed when
-both processes have dropped it).
+both processes have dropped it); an image whose features the engine holds
+(:attr:`~EngineProcessClient.feature_keys`) crosses by key only, and is sent again with
+its pixels should the engine answer that it dropped them meanwhile.
 
 When the engine process dies (killed, out of memory, a CUDA error), every request in
 flight ends at once with finish reason "error" naming the engine process, requests
@@ -33,7 +35,7 @@ import multiprocessing
 import os
 import pickle
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler  # tensors -> shared memory
 from typing import Any
@@ -42,14 +44,30 @@ import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
 
 from mmserve import cancel
 from mmserve.config import EngineConfig
-from mmserve.engine.process import CONTROL_CALLS, engine_main, unpack_deltas
+from mmserve.engine.process import CONTROL_CALLS, PING, engine_main, unpack_deltas
 from mmserve.frontend.async_engine import Slot, collector_for
+from mmserve.frontend.engine_wire import lent_fds, release_lent, wire_request
 from mmserve.frontend.output import StreamUpdate
 from mmserve.types import EngineRequest, GenerateResult
+from mmserve.vision.embedding_cache import FeatureKeys
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineError", "EngineProcessClient", "EngineStartError", "EngineUnavailable"]
+__all__ = [
+    "EngineError",
+    "EngineProcessClient",
+    "EngineStartError",
+    "EngineTimeout",
+    "EngineUnavailable",
+]
+
+#: Seconds a control call waits for the engine process's answer by default.
+CALL_TIMEOUT = 30.0
+#: ``flush_cache`` may drop a large host KV tier: it gets this many times as long.
+FLUSH_TIMEOUT_FACTOR = 4.0
+#: Seconds without a message from the engine process after which it is pinged (the
+#: ping's deadline is the control calls' one: an unanswered ping marks it not answering).
+PING_SECONDS = 5.0
 
 
 class EngineStartError(RuntimeError):
@@ -69,6 +87,19 @@ class EngineUnavailable(Exception):
     """No engine process is running now (it died; a new one may be starting)."""
 
 
+class EngineTimeout(EngineUnavailable):
+    """The engine process is alive but did not answer a control call within its deadline
+    (stuck in a step, stopped by a signal, swapping).
+
+    Attributes:
+        call: the control call's name.
+    """
+
+    def __init__(self, message: str, call: str) -> None:
+        super().__init__(message)
+        self.call = call
+
+
 class EngineError(Exception):
     """A control call raised in the engine process (the message says what)."""
 
@@ -84,11 +115,24 @@ class EngineProcessClient:
             set before the first request (:meth:`start` does not need it).
         start_timeout: seconds the engine may take to load and warm up.
         log_level: the engine process's log level.
+        call_timeout: seconds a control call waits for its answer before it raises
+            :class:`EngineTimeout` (``flush_cache``: :data:`FLUSH_TIMEOUT_FACTOR` times
+            as long); the engine is then reported not answering
+            (:meth:`unavailable`) until its next message.
+        ping_seconds: an engine process silent this long is pinged (a control call with
+            the same deadline), so a hung engine is noticed with no call in flight.
+        target: the engine process's entry point (:func:`engine_main`'s arguments; a
+            module-level function: tests inject faults there).
 
     Attributes:
         info: what the engine said when ready: ``describe`` (:meth:`EngineCore.describe`),
             ``pool_tokens``, ``pid``.
         deaths: engine processes that died (not counting a requested stop).
+        feature_keys: the image keys whose features the engine's embedding cache holds,
+            as its ``features`` messages report them (the front end's mirror: an image
+            it names crosses by key, no pixels made or sent).
+        resent: requests sent again with pixels after the engine answered a miss (it
+            had dropped features they named by key).
     """
 
     def __init__(
@@ -98,7 +142,12 @@ class EngineProcessClient:
         front: Any = None,
         start_timeout: float = 900.0,
         log_level: str = "info",
+        call_timeout: float = CALL_TIMEOUT,
+        ping_seconds: float = PING_SECONDS,
+        target: Callable[..., None] = engine_main,
     ) -> None:
+        if call_timeout <= 0 or ping_seconds <= 0:
+            raise ValueError("call_timeout and ping_seconds must be > 0")
         if config.model_path is None:
             raise ValueError("the engine process loads the model: set config.model_path")
         self.config = config
@@ -106,8 +155,14 @@ class EngineProcessClient:
         self.front = front
         self.start_timeout = start_timeout
         self.log_level = log_level
+        self.call_timeout = call_timeout
+        self.ping_seconds = ping_seconds
+        self.target = target
         self.info: dict = {}
         self.deaths = 0
+        self.feature_keys = FeatureKeys()
+        self.resent = 0
+        self._by_key: dict[str, tuple[EngineRequest, Slot]] = {}  # sent with images by key
         self._ctx = multiprocessing.get_context("spawn")
         self._proc: Any = None
         self._tx: Connection | None = None
@@ -127,6 +182,10 @@ class EngineProcessClient:
         self._outbox: list[tuple] = []
         self._ready_event: asyncio.Event | None = None
         self._lent: set[int] = set()  # resource_sharer keys of fds not yet fetched
+        self._silent: str | None = None  # a control call went unanswered past its deadline
+        self._heard = time.monotonic()  # when the engine process last sent anything
+        self._pinging = False
+        self._watchdog: asyncio.TimerHandle | None = None
 
     # ---- the process ---------------------------------------------------------------
     def start(self) -> dict:
@@ -142,7 +201,7 @@ class EngineProcessClient:
         rx_child, tx_parent = self._ctx.Pipe(duplex=False)
         rx_parent, tx_child = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(
-            target=engine_main,
+            target=self.target,
             args=(self.config, rx_child, tx_child, os.getpid(), self.log_level),
             name="mmserve-engine-core",
             daemon=False,  # it starts the tensor-parallel ranks: a daemon may not
@@ -159,6 +218,8 @@ class EngineProcessClient:
         self._gen += 1
         self.info = first
         self._failures, self._engine_fatal, self._why = 0, None, None
+        self._silent, self._heard = None, time.monotonic()
+        self.feature_keys.clear()  # a new engine: an empty embedding cache
         self._ready = True
         log.info("engine process %d ready", first["pid"])
         return first
@@ -188,6 +249,7 @@ class EngineProcessClient:
         proc = self._proc
         if proc is None:
             return
+        self._silent = None
         self._ready = False  # requests from now on fail at once; those in flight at EOF
         if self._tx is not None:
             try:
@@ -215,6 +277,9 @@ class EngineProcessClient:
         if self._ready:
             self._ready_event.set()
         self._watch()
+        if self._watchdog is not None:  # attached to another loop before
+            self._watchdog.cancel()
+        self._watchdog = self._loop.call_later(self.ping_seconds, self._check_silence)
 
     def _watch(self) -> None:
         """Read the current engine's outputs on the event loop (``add_reader``: no thread
@@ -227,8 +292,31 @@ class EngineProcessClient:
 
     # ---- health ----------------------------------------------------------------------
     def unavailable(self) -> str | None:
-        """Why no engine serves requests now (died, restarting, gone for good), else None."""
-        return self._fatal or self._why
+        """Why no engine serves requests now (died, restarting, gone for good, or alive
+        but not answering: a control call or ping went unanswered past its deadline and
+        nothing came from it since), else None."""
+        return self._fatal or self._why or self._silent
+
+    def _check_silence(self) -> None:
+        """Every ``ping_seconds`` on the event loop: ping an engine process that has said
+        nothing for that long (an unanswered ping marks it not answering)."""
+        loop = self._loop
+        if loop is None or self._stopping or self._fatal is not None:
+            self._watchdog = None
+            return
+        self._watchdog = loop.call_later(self.ping_seconds, self._check_silence)
+        idle = time.monotonic() - self._heard >= self.ping_seconds
+        if idle and self._ready and not self._pinging:
+            self._pinging = True
+            loop.create_task(self._ping())
+
+    async def _ping(self) -> None:
+        try:
+            await self.control(PING)
+        except EngineUnavailable:  # EngineTimeout: marked not answering; or it died
+            pass
+        finally:
+            self._pinging = False
 
     def fatal_error(self) -> str | None:
         """Why this server can serve nothing any more (the engine died and no restart is
@@ -259,6 +347,8 @@ class EngineProcessClient:
     # ---- messages ----------------------------------------------------------------------
     def _readable(self, rx: Connection, gen: int) -> None:
         """The engine's pipe has data (one message per engine step) or was closed."""
+        if gen == self._gen:  # it answers again (a late reply counts)
+            self._heard, self._silent = time.monotonic(), None
         try:
             while rx.poll(0):
                 self._on_messages(pickle.loads(rx.recv_bytes()))
@@ -290,6 +380,10 @@ class EngineProcessClient:
                     fut.set_exception(
                         RuntimeError(text) if name == "RuntimeError" else EngineError(text)
                     )
+            elif kind == "features":
+                self.feature_keys.apply(*msg[1:])
+            elif kind == "miss":
+                self._missed(msg[1], msg[2])
 
     def _died(self, gen: int) -> None:
         """The engine process ``gen`` closed its pipe: fail everything in flight, then
@@ -323,6 +417,7 @@ class EngineProcessClient:
         for slot in self._slots.values():
             slot.fail(why)
         self._slots.clear()
+        self._by_key.clear()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineUnavailable(why))
@@ -331,17 +426,10 @@ class EngineProcessClient:
         self._release_lent()
 
     def _release_lent(self) -> None:
-        """Close the shared-memory file descriptors of pixels sent to an engine process
-        that never took them (it died or was stopped with them in the pipe): torch's
-        reduction lends each one through ``multiprocessing.resource_sharer`` until the
-        receiver fetches it, which a dead process never does (one leaked tensor each)."""
-        sharer = _sharer()
+        """Close the shared memory of pixels sent to an engine process that never took
+        them (it died or was stopped with them in the pipe)."""
         lent, self._lent = self._lent, set()
-        with sharer._lock:
-            entries = [sharer._cache.pop(key, None) for key in lent]
-        for entry in entries:
-            if entry is not None:
-                entry[1]()  # its close()
+        release_lent(lent)
 
     async def _restart(self) -> None:
         try:
@@ -364,9 +452,9 @@ class EngineProcessClient:
         out, self._outbox = self._outbox, []
         if not out or not self._ready or self._tx is None:
             return
-        before = _lent_fds()
+        before = lent_fds()
         data = ForkingPickler.dumps(out, protocol=5)
-        now = _lent_fds()  # pixels' shared memory lent to the engine, until it takes it
+        now = lent_fds()  # pixels' shared memory lent to the engine, until it takes it
         if len(self._lent) > 256:  # those the engine took are no longer lent
             self._lent &= now
         self._lent |= now - before
@@ -376,17 +464,27 @@ class EngineProcessClient:
             pass
 
     # ---- the async engine's interface -------------------------------------------------
-    async def control(self, name: str, *args: object) -> object:
+    async def control(self, name: str, *args: object, timeout: float | None = None) -> object:
         """Call the engine's control method ``name`` (:data:`CONTROL_CALLS`) in the
-        engine process and await its value.
+        engine process and await its value, at most ``timeout`` seconds (default
+        :attr:`call_timeout`; ``flush_cache`` :data:`FLUSH_TIMEOUT_FACTOR` times that).
+
+        A call past its deadline is dropped: its future is forgotten (a late reply is
+        ignored), the engine is told to skip it if it has not read it yet, and the engine
+        is reported not answering (:meth:`unavailable`) until it sends anything again.
 
         Raises:
             ValueError: an unknown name. EngineUnavailable: no engine process runs (or
-            it died before answering). RuntimeError / EngineError: what the method raised
-            there (``flush_cache`` while requests are live raises RuntimeError).
+            it died before answering). EngineTimeout: no answer within the deadline.
+            RuntimeError / EngineError: what the method raised there (``flush_cache``
+            while requests are live raises RuntimeError).
         """
-        if name not in CONTROL_CALLS:
+        if name not in CONTROL_CALLS and name != PING:
             raise ValueError(f"unknown control call {name!r}")
+        if timeout is None:
+            timeout = self.call_timeout
+            if name == "flush_cache":
+                timeout *= FLUSH_TIMEOUT_FACTOR
         if self._loop is None:
             self.attach()
         if not self._ready:
@@ -396,7 +494,22 @@ class EngineProcessClient:
         fut = self._loop.create_future()
         self._calls[cid] = fut
         self._send(("call", cid, name, args))
-        return await fut
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            if not self._ready:  # it died or stopped meanwhile: say that, not a timeout
+                raise EngineUnavailable(self.unavailable() or "the engine stopped") from None
+            self._send(("drop", cid))
+            why = (
+                f"the engine process (pid {self.pid}) did not answer the control call "
+                f"{name!r} within {timeout:g} s; it is alive but not answering (stuck in "
+                f"a step or stopped)"
+            )
+            self._silent = why
+            log.error("%s", why)
+            raise EngineTimeout(why, name) from None
+        finally:
+            self._calls.pop(cid, None)  # answered, timed out or its caller gone: forgotten
 
     async def stream(
         self, req: EngineRequest, final_only: bool = False
@@ -417,7 +530,10 @@ class EngineProcessClient:
             slot.fail(self.unavailable() or "the engine process is not running")
         else:
             self._slots[req.rid] = slot
-            self._send(("add", _wire(req)))
+            wire, by_key = wire_request(req, self.feature_keys)
+            if by_key:  # kept until it ends, in case the engine dropped those features
+                self._by_key[req.rid] = (req, slot)
+            self._send(("add", wire))
             token = cancel.current()
             if token is not None:
                 if token.cancelled:
@@ -433,8 +549,31 @@ class EngineProcessClient:
                 unhook()
             if self._slots.get(req.rid) is slot:
                 del self._slots[req.rid]
+            self._by_key.pop(req.rid, None)
             if not slot.engine_done:
                 self._abort(req.rid)
+
+    def _missed(self, rid: str, keys: list[bytes]) -> None:
+        """The engine did not take request ``rid``: it no longer holds the features of
+        ``keys``, which it named by key. Forget them and send it again with every image's
+        pixels (made on a worker thread: decode and preprocess)."""
+        self.feature_keys.discard(keys)
+        sent = self._by_key.pop(rid, None)
+        if sent is not None:
+            assert self._loop is not None
+            self._loop.create_task(self._resend(*sent))
+
+    async def _resend(self, req: EngineRequest, slot: Slot) -> None:
+        try:
+            full = await asyncio.to_thread(self.front.processor.with_pixels, req)
+        except Exception as e:  # noqa: BLE001 - ends this request, not the server
+            log.warning("request %s: its images could not be prepared again: %s", req.rid, e)
+            if self._slots.get(req.rid) is slot:
+                slot.fail(f"its images could not be prepared again: {e}")
+            return
+        if self._slots.get(req.rid) is slot and self._ready:  # still wanted
+            self.resent += 1
+            self._send(("add", wire_request(full, None)[0]))
 
     def _abort(self, rid: str) -> None:
         if self._ready:
@@ -447,41 +586,6 @@ class EngineProcessClient:
             result = upd.result
         assert result is not None
         return result
-
-
-def _wire(req: EngineRequest) -> EngineRequest:
-    """``req`` as it crosses: no compiled grammar (the engine compiles its own from the
-    spec), and its images without the decoded picture or file (only what the engine
-    reads: key, mode, size, pixels or features)."""
-    import dataclasses
-
-    spans = req.spans
-    if spans:
-        spans = tuple(
-            dataclasses.replace(s, image=dataclasses.replace(s.image, image=None, source=None))
-            for s in spans
-        )
-    if req.grammar is None and spans is req.spans:
-        return req
-    return dataclasses.replace(req, grammar=None, spans=spans)
-
-
-def _sharer() -> Any:
-    """CPython's one ``multiprocessing.resource_sharer._ResourceSharer`` (private: no
-    public way to drop a lent fd whose receiver died)."""
-    from multiprocessing import resource_sharer
-
-    return resource_sharer._resource_sharer  # type: ignore[attr-defined]  # no stub
-
-
-def _lent_fds() -> set[int]:
-    """The keys of the file descriptors this process lends now (through
-    ``multiprocessing.resource_sharer``, until their receiver fetches them)."""
-    sharer = _sharer()
-    if sharer._listener is None:
-        return set()
-    with sharer._lock:
-        return set(sharer._cache)
 
 
 def _end(proc) -> None:

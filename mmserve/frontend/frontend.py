@@ -26,7 +26,7 @@ from mmserve.model.llama import LlamaShape
 from mmserve.model.loader import LoadedModel, text_shape
 from mmserve.structured.compile import GrammarCache
 from mmserve.types import EngineRequest, GenerateResult, TokenDelta
-from mmserve.vision.embedding_cache import EmbeddingCache
+from mmserve.vision.embedding_cache import EmbeddingCache, FeatureKeys
 
 
 @dataclass
@@ -68,8 +68,8 @@ class FrontEnd:
         model: a loaded model, or one from :func:`load_frontend_model` (no weights).
         kv_capacity: tokens the KV pool holds (None: from ``config``, as a replica's
             pool would be sized; :func:`kv_capacity_tokens`).
-        embedding_cache: the engine's image-feature cache, only peeked at (None: no
-            engine in this process).
+        embedding_cache: the engine's image-feature cache, only peeked at; or its keys
+            (the engine in its own process); None: no engine to ask.
         grammars: the engine's compiled-grammar cache (None: a new one).
     """
 
@@ -78,7 +78,7 @@ class FrontEnd:
         config: EngineConfig,
         model: LoadedModel,
         kv_capacity: int | None = None,
-        embedding_cache: EmbeddingCache | None = None,
+        embedding_cache: EmbeddingCache | FeatureKeys | None = None,
         grammars: GrammarCache | None = None,
     ) -> None:
         self.config = config

@@ -38,7 +38,7 @@ from mmserve.structured.compile import GrammarCache
 from mmserve.structured.spec import GrammarError
 from mmserve.types import EngineRequest, ParamError, SamplingParams, new_rid
 from mmserve.vision.budget import DecodeBudget, RequestPixels, decoded_bytes
-from mmserve.vision.embedding_cache import EmbeddingCache
+from mmserve.vision.embedding_cache import EmbeddingCache, FeatureKeys
 from mmserve.vision.hashing import image_key, processor_fingerprint
 from mmserve.vision.image import ImageError, decode_image
 from mmserve.vision.inputs import Frame, ImageInput, ImageSpan
@@ -81,8 +81,9 @@ class InputProcessor:
         model: the loaded checkpoint (tokenizer, image processor, tokens per image).
         config: engine settings (image limits, images per request, device).
         kv_capacity_tokens: tokens the KV pool holds; a request must fit in it.
-        embedding_cache: the engine's cache of image features, only peeked at (None: a
-            front end without an engine, which always prepares pixels).
+        embedding_cache: the engine's cache of image features, only peeked at; or its
+            keys (:class:`FeatureKeys`: an engine process, sent such images by key);
+            None: a front end without an engine, which always prepares pixels.
         grammars: the engine's compiled-grammar cache, filled here (None: a new one).
 
     Attributes:
@@ -95,7 +96,7 @@ class InputProcessor:
         model: LoadedModel,
         config: EngineConfig,
         kv_capacity_tokens: int,
-        embedding_cache: EmbeddingCache | None = None,
+        embedding_cache: EmbeddingCache | FeatureKeys | None = None,
         grammars: GrammarCache | None = None,
     ) -> None:
         self.model = model
@@ -162,7 +163,7 @@ class InputProcessor:
             if pixels is not None:
                 pixels.charge(known.width, known.height)
             base = dataclasses.replace(known, image=None, pixels=None, features=None, source=data)
-            if mode is None or self._cached(base, mode) is not None:
+            if mode is None or self._cached(base, mode):
                 return base
             return self._decoded(data, None, lambda im: self._prepared(base, im, mode))
 
@@ -174,16 +175,18 @@ class InputProcessor:
 
         return self._decoded(data, pixels, use)
 
-    def _cached(self, item: ImageInput, mode: str):
-        """The cached features of ``item`` in ``mode``, or None."""
-        if self.embedding_cache is None:
-            return None
-        return self.embedding_cache.peek(self.model.family.mode_item(item, mode).key)
+    def _cached(self, item: ImageInput, mode: str) -> bool:
+        """Whether the engine holds the features of ``item`` in ``mode``."""
+        cache = self.embedding_cache
+        if cache is None:
+            return False
+        key = self.model.family.mode_item(item, mode).key
+        return key in cache if isinstance(cache, FeatureKeys) else cache.peek(key) is not None
 
     def _prepared(self, item: ImageInput, im: Image.Image, mode: str) -> ImageInput:
         """``item`` without its decoded image, with its tower input in ``mode`` unless
         the embedding cache holds its features."""
-        ready = None if self._cached(item, mode) is not None else self._preprocess(im, mode)
+        ready = None if self._cached(item, mode) else self._preprocess(im, mode)
         return dataclasses.replace(item, image=None, pixels=ready, features=None)
 
     def _preprocess(self, im: Image.Image, mode: str) -> Pixels:
@@ -317,11 +320,12 @@ class InputProcessor:
             raise VideoError(undecodable_message(failed, len(failed) + decoded))
         return frames, failed
 
-    def _finish_spans(self, spans: Sequence[ImageSpan]) -> list[ImageSpan]:
+    def _finish_spans(self, spans: Sequence[ImageSpan], by_key: bool = True) -> list[ImageSpan]:
         """Each span's item as the engine gets it: features from the embedding cache (a
         reference), else its tower input for its mode (made here when the item's pixels
         are missing or for another mode, from its decoded image or by decoding its source
-        again); never a decoded image or the encoded source.
+        again); never a decoded image, nor the encoded source but for an item the engine
+        process holds (:class:`FeatureKeys`: by key, kept for :meth:`with_pixels`).
 
         Raises:
             RequestError: an item that has none of these (a frame prepared for another
@@ -333,15 +337,20 @@ class InputProcessor:
             item = span.image
             if item.key not in done:
                 check_cancelled()  # between images
-                done[item.key] = self._finish_item(item)
+                done[item.key] = self._finish_item(item, by_key)
             out.append(dataclasses.replace(span, image=done[item.key]))
         return out
 
-    def _finish_item(self, item: ImageInput) -> ImageInput:
-        feats = self.embedding_cache.peek(item.key) if self.embedding_cache is not None else None
-        if feats is not None:
+    def _finish_item(self, item: ImageInput, by_key: bool = True) -> ImageInput:
+        cache, has_pixels = self.embedding_cache, item.has_pixels
+        if isinstance(cache, FeatureKeys):
+            if by_key and item.key in cache and (has_pixels or item.source is not None):
+                # the engine holds its features: it goes by key; what remakes its pixels
+                # stays here (never a decoded image) in case the engine dropped them since
+                return dataclasses.replace(item, features=None, image=None)
+        elif cache is not None and (feats := cache.peek(item.key)) is not None:
             return dataclasses.replace(item, pixels=None, features=feats, image=None, source=None)
-        if item.pixels is not None and item.pixels.mode == item.mode:
+        if has_pixels:
             return dataclasses.replace(item, features=None, image=None, source=None)
         ready: Pixels | None
         if item.image is not None:
@@ -362,6 +371,11 @@ class InputProcessor:
                 param="messages",
             )
         return dataclasses.replace(item, pixels=ready, features=None, image=None, source=None)
+
+    def with_pixels(self, req: EngineRequest) -> EngineRequest:
+        """``req`` with every image's tower input, made again where it went by key to an
+        engine process that no longer holds its features (RequestError, Cancelled)."""
+        return dataclasses.replace(req, spans=tuple(self._finish_spans(req.spans, False)))
 
     def make_request(
         self,

@@ -44,7 +44,8 @@ class ImageInput:
             ``key``, or None.
         source: the encoded file, kept until the request is built so the front end can
             decode it again if it must prepare another mode; None for video frames and
-            in requests.
+            in requests (but for an image the API process sends the engine process by
+            key: kept there in case the engine no longer holds its features).
         video: a frame sampled from a video (its positions count as video tokens in
             usage, also where the family takes it as an image).
     """
@@ -69,11 +70,14 @@ class ImageInput:
         return "img-" + self.key.hex()
 
     @property
+    def has_pixels(self) -> bool:
+        """Whether it carries its tower input for its own mode."""
+        return self.pixels is not None and self.pixels.mode == self.mode
+
+    @property
     def ready(self) -> bool:
         """Whether the engine can get its features without the decoded image."""
-        return self.features is not None or (
-            self.pixels is not None and self.pixels.mode == self.mode
-        )
+        return self.features is not None or self.has_pixels
 
 
 #: :attr:`ImageSpan.modality` values (with "text", the labels of per-modality counts).

@@ -1,0 +1,75 @@
+"""What crosses the engine process's pipe from the API process: requests as they cross
+(:func:`wire_request`: images by key or with their pixels), and the shared memory of the
+pixels lent to the engine until it takes them (:func:`lent_fds`, :func:`release_lent`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mmserve.types import EngineRequest
+from mmserve.vision.embedding_cache import FeatureKeys
+from mmserve.vision.inputs import ImageInput
+
+
+def wire_request(req: EngineRequest, known: FeatureKeys | None) -> tuple[EngineRequest, bool]:
+    """``req`` as it crosses, and whether an image of it crosses by key only.
+
+    No compiled grammar (the engine compiles its own from the spec); each image without
+    its decoded picture or file. An image the engine holds (its key in ``known``) or one
+    without pixels for its mode (prepared while the engine held it) crosses by key only:
+    the engine takes its features from its cache, or answers a miss. Otherwise its
+    pixels cross (shared memory).
+    """
+    spans = req.spans
+    by_key = False
+    if spans:
+        done: dict[bytes, ImageInput] = {}
+        out = []
+        for s in spans:
+            im = s.image
+            if im.key not in done:
+                has_pixels = im.pixels is not None and im.pixels.mode == im.mode
+                key_only = im.features is None and (
+                    not has_pixels or (known is not None and im.key in known)
+                )
+                by_key |= key_only
+                done[im.key] = dataclasses.replace(
+                    im, image=None, source=None, pixels=None if key_only else im.pixels
+                )
+            out.append(dataclasses.replace(s, image=done[im.key]))
+        spans = tuple(out)
+    if req.grammar is None and spans is req.spans:
+        return req, by_key
+    return dataclasses.replace(req, grammar=None, spans=spans), by_key
+
+
+def sharer() -> Any:
+    """CPython's one ``multiprocessing.resource_sharer._ResourceSharer`` (private: no
+    public way to drop a lent fd whose receiver died)."""
+    from multiprocessing import resource_sharer
+
+    return resource_sharer._resource_sharer  # type: ignore[attr-defined]  # no stub
+
+
+def lent_fds() -> set[int]:
+    """The keys of the file descriptors this process lends now (through
+    ``multiprocessing.resource_sharer``, until their receiver fetches them)."""
+    lender = sharer()
+    if lender._listener is None:
+        return set()
+    with lender._lock:
+        return set(lender._cache)
+
+
+def release_lent(keys: set[int]) -> None:
+    """Close the lent file descriptors ``keys`` (of :func:`lent_fds`) that their receiver
+    never fetched: torch's reduction lends each pixel tensor's shared memory through
+    ``multiprocessing.resource_sharer`` until the receiver fetches it, which a dead
+    process never does (one leaked tensor each)."""
+    lender = sharer()
+    with lender._lock:
+        entries = [lender._cache.pop(key, None) for key in keys]
+    for entry in entries:
+        if entry is not None:
+            entry[1]()  # its close()
