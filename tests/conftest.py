@@ -194,7 +194,9 @@ SLOW_TESTS: dict[str, str] = {
     "test_tensor_parallel::test_tp2_equals_tp1_per_family": "a tp=2 group per family",
     "test_tensor_parallel::test_tp2_cache_on_equals_cache_off": "two tp=2 groups",
     "test_int4::test_tp2_equals_tp1_int4": "a tp=2 group on an int4 checkpoint",
-    "test_deterministic::test_tp2_cache_and_batch_change_no_bit": "a tp=2 group in bf16",
+    "test_deterministic::test_tp2_equals_tp1_bit_for_bit_cached_chunked_and_batched": (
+        "a tp=2 group in bf16"
+    ),
     "test_tensor_parallel::test_workers_exit_when_rank_0_is_killed": "a tp=2 group killed",
     "test_tensor_parallel::test_a_hung_worker_times_out_and_is_killed": "waits out a timeout",
     # long runs of the engine or the tokenizer

@@ -19,9 +19,24 @@ all rows, whose blocking (and on CPU, gemv vs gemm path) follows ``M``, or
 torch's CPU flash kernel, whose key split follows the key count. A block wholly after a
 query's position leaves its running state unchanged exactly (``x * 1 + 0``), so a
 decode step, which stops at its own block, equals a prefill row that saw more blocks.
+
+The mode's second kernel, :func:`split_partials` with :func:`tree_sum`, makes the
+row-parallel linears (``o_proj``, ``down_proj``) give the same bits on one rank as split
+over ``N`` tensor-parallel ranks: the reduction axis is cut into a fixed number
+(:func:`reduction_splits`, a power of two fixed by the model) of equal blocks, each
+block's product is one item of a batched matmul of one fixed shape, and the block
+products are added in fp32 as a fixed balanced binary tree, then rounded once. A rank
+holding ``S / N`` consecutive blocks (``N`` a power of two dividing ``S``) computes a
+whole subtree, so gathering the ``N`` subtree sums and adding them in the same tree gives
+the unsplit result bit for bit, which a plain all-reduce (rank partials rounded to the
+model dtype, summed in the collective's own order) does not.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -30,6 +45,81 @@ BLOCK_KEYS = 64
 #: Query rows x padded keys per pass: bounds the fp32 temporaries (the expanded keys are
 #: ``rows x Hkv x keys x D``); rows are independent, so the split changes no result.
 QUERY_KEYS = 1 << 15
+#: Most blocks a row-parallel reduction is cut into under ``--deterministic`` (so the
+#: largest tensor-parallel size whose ranks hold whole blocks).
+MAX_SPLITS = 8
+#: Elements of one pass's fp32 block products (``splits x rows x out``): bounds the
+#: temporaries of a long prefill; rows are independent, so the split changes no result.
+SPLIT_ELEMS = 1 << 24
+
+_FIXED_SPLITS: ContextVar[bool] = ContextVar("mmserve_fixed_splits", default=False)
+
+
+@contextmanager
+def fixed_splits(on: bool) -> Iterator[None]:
+    """Within the block, row-parallel linears reduce in fixed splits
+    (:func:`split_partials`) when ``on``; the decoder's forward enters it with its
+    attention backend's ``deterministic``."""
+    token = _FIXED_SPLITS.set(on)
+    try:
+        yield
+    finally:
+        _FIXED_SPLITS.reset(token)
+
+
+def fixed_splits_on() -> bool:
+    """Whether the caller runs inside ``fixed_splits(True)``."""
+    return _FIXED_SPLITS.get()
+
+
+def reduction_splits(num_heads: int, intermediate_size: int) -> int:
+    """Blocks a row-parallel reduction is cut into: the largest power of two, at most
+    :data:`MAX_SPLITS`, dividing both the query heads (``o_proj``'s inputs come in whole
+    heads) and the MLP width, so every tensor-parallel size that is a power of two
+    dividing it gives each rank whole blocks. 1 for a model with an odd head count."""
+    both = num_heads | intermediate_size  # lowest set bit: the largest common power of 2
+    return min(MAX_SPLITS, both & -both)
+
+
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` added pairwise as a balanced binary tree in a fixed order:
+    ``((p0 + p1) + (p2 + p3)) + ...``; ``len(parts)`` a power of two.
+
+    So the sum of ``S`` parts equals the tree sum of the ``N`` sums of consecutive
+    ``S / N`` parts, bit for bit (``N`` a power of two dividing ``S``)."""
+    n = len(parts)
+    if n & (n - 1) or n == 0:
+        raise ValueError(f"tree_sum needs a power-of-two count of parts, got {n}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def split_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """``x @ weight.T`` over ``splits`` fixed blocks of the reduction axis, summed in fp32.
+
+    Args:
+        x: ``[T, K]`` activations.
+        weight: ``[out, K]`` (``x``'s dtype), ``K`` a multiple of ``splits``;
+            ``splits`` a power of two.
+        splits: blocks of ``K // splits`` input features each.
+
+    Returns:
+        fp32 ``[T, out]``: :func:`tree_sum` of the block products, each one item of a
+        batched matmul ``[T, K / S] x [K / S, out]`` (in ``x``'s dtype), so a row's
+        result depends on neither how many rows share the call nor on how many blocks
+        (of the same width) the call holds.
+    """
+    t, k = x.shape
+    out = weight.shape[0]
+    kb = k // splits
+    w = weight.t().reshape(splits, kb, out)  # a view: [block, K / S, out]
+    y = torch.empty(t, out, dtype=torch.float32, device=x.device)
+    step = max(1, SPLIT_ELEMS // max(1, splits * out))
+    for lo in range(0, t, step):
+        xb = x[lo : lo + step].reshape(-1, splits, kb).transpose(0, 1)
+        y[lo : lo + step] = tree_sum(list(torch.bmm(xb, w).float().unbind(0)))
+    return y
 
 
 def attend_invariant(
