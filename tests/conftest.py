@@ -224,6 +224,7 @@ SLOW_TESTS: dict[str, str] = {
     "test_benchmarks::test_tracing_benchmark_tiny": "server subprocesses with and without tracing",
     "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",
     "test_benchmarks::test_spec_benchmark_tiny": "six engines on two models, timed rounds",
+    "test_benchmarks::test_determinism_benchmark_tiny": "twelve engines on two models in bf16",
     "test_spec_decode::test_greedy_output_and_logprobs_equal_without_speculation": (
         "two models x five engines per family, each run twice"
     ),
