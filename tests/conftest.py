@@ -183,6 +183,7 @@ SLOW_TESTS: dict[str, str] = {
     "test_replicas::TestRoundRobin": "a Ray Serve fleet",
     "test_replicas::TestCacheRouter": "a Ray Serve fleet",
     "test_replicas::TestEncoders": "a Ray Serve fleet with encoders",
+    "test_replicas::TestDeterministicBf16": "a Ray Serve fleet and a server in bf16",
     (
         "test_replicas::test_a_sigkill_of_the_whole_process_mid_batch_"
         "resumes_without_rerunning_lines"
