@@ -110,7 +110,8 @@ def decode_ms(path: str, dtype: str, repeats: int, tokens: int, context: int) ->
     prefix = _passage(runner.model.tokenizer, context)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
-    def steps(eng: Any, questions: list[str]) -> list[float]:
+    def steps(eng: Any, questions: list[str]) -> tuple[float, float]:
+        """Median ``(wall, CPU)`` ms of the decode steps of ``questions`` run together."""
         cols = [
             eng.track(
                 eng.processor.make_request(
@@ -119,27 +120,35 @@ def decode_ms(path: str, dtype: str, repeats: int, tokens: int, context: int) ->
             )
             for q in questions
         ]
-        times = []
+        wall, cpu = [], []
         while eng.has_work():
-            t0, before = time.perf_counter(), eng.stats.prefill_steps
+            t0, c0, before = time.perf_counter(), time.process_time(), eng.stats.prefill_steps
             eng.step()
             if eng.stats.prefill_steps == before:
-                times.append((time.perf_counter() - t0) * 1e3)
+                wall.append((time.perf_counter() - t0) * 1e3)
+                cpu.append((time.process_time() - c0) * 1e3)
         assert all(c.finished for c in cols)
-        return times
+        return statistics.median(wall), statistics.median(cpu)
 
     for eng in engines.values():  # the prefix's KV, once per engine
         steps(eng, ["Summarize."])
     out: dict[str, Any] = {"context_tokens": context, "load": [os.getloadavg()[0]]}
     for batch in (1, 8):
-        per: dict[str, list[float]] = {"off": [], "on": []}
+        per: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
         for rep in range(repeats):
             qs = [f"{workloads.QUESTIONS[i % 16]} (take {rep}.{i})" for i in range(batch)]
             for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
-                per[mode].append(statistics.median(steps(engines[mode], qs)))
-        med = {k: statistics.median(v) for k, v in per.items()}
-        out[f"batch{batch}"] = med | {"on_over_off": med["on"] / med["off"], "rounds": per}
-        print(f"decode batch {batch} ms/step:", out[f"batch{batch}"], flush=True)
+                per[mode].append(steps(engines[mode], qs))
+        row: dict[str, Any] = {}
+        for k, label in ((0, ""), (1, "_cpu")):
+            for mode in ("off", "on"):
+                row[mode + label] = statistics.median(r[k] for r in per[mode])
+            # the median of the rounds' own on/off ratios: a round's pair ran back to back
+            row["on_over_off" + label] = statistics.median(
+                a[k] / b[k] for a, b in zip(per["on"], per["off"], strict=True)
+            )
+        out[f"batch{batch}"] = row | {"rounds": per}
+        print(f"decode batch {batch} ms/step:", row, flush=True)
     out["load"].append(os.getloadavg()[0])
     return out
 

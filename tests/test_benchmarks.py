@@ -584,4 +584,5 @@ def test_determinism_benchmark_tiny(families, tmp_path: Path) -> None:
         row = res["decode_ms"][batch]
         assert row["off"] > 0 and row["on"] > 0 and len(row["rounds"]["on"]) == 1
         assert row["on_over_off"] == row["on"] / row["off"]
+        assert row["on_over_off_cpu"] == row["on_cpu"] / row["off_cpu"] > 0
     assert res["decode_ms"]["context_tokens"] == 40
