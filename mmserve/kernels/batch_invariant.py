@@ -24,12 +24,12 @@ The mode's second kernel, :func:`split_partials` with :func:`tree_sum`, makes th
 row-parallel linears (``o_proj``, ``down_proj``) give the same bits on one rank as split
 over ``N`` tensor-parallel ranks: the reduction axis is cut into a fixed number
 (:func:`reduction_splits`, a power of two fixed by the model) of equal blocks, each
-block's product is one item of a batched matmul of one fixed shape, and the block
-products are added in fp32 as a fixed balanced binary tree, then rounded once. A rank
-holding ``S / N`` consecutive blocks (``N`` a power of two dividing ``S``) computes a
-whole subtree, so gathering the ``N`` subtree sums and adding them in the same tree gives
-the unsplit result bit for bit, which a plain all-reduce (rank partials rounded to the
-model dtype, summed in the collective's own order) does not.
+block's product is one linear call of one fixed shape, and the block products are
+added in fp32 as a fixed balanced binary tree, then rounded once. A rank holding
+``S / N`` consecutive blocks (``N`` a power of two dividing ``S``) computes a whole
+subtree, so gathering the ``N`` subtree sums and adding them in the same tree gives the
+unsplit result bit for bit, which a plain all-reduce (rank partials rounded to the model
+dtype, summed in the collective's own order) does not.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+import torch.nn.functional as F
 
 #: Keys per fixed attention block (absolute positions ``[b * 64, (b + 1) * 64)``).
 BLOCK_KEYS = 64
@@ -105,20 +106,24 @@ def split_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
         splits: blocks of ``K // splits`` input features each.
 
     Returns:
-        fp32 ``[T, out]``: :func:`tree_sum` of the block products, each one item of a
-        batched matmul ``[T, K / S] x [K / S, out]`` (in ``x``'s dtype), so a row's
-        result depends on neither how many rows share the call nor on how many blocks
-        (of the same width) the call holds.
+        fp32 ``[T, out]``: :func:`tree_sum` of the block products, each one
+        ``[T, K / S] x [K / S, out]`` linear in ``x``'s dtype over views of ``x`` and
+        ``weight`` (no copy), so a row's result depends on neither how many rows share
+        the call nor on how many blocks the layer holds (one rank's, or all of them).
+        A batched matmul over the blocks would do the same arithmetic, but on the CPU
+        its transposed-weight path runs tens of times slower than ``linear``.
     """
     t, k = x.shape
-    out = weight.shape[0]
     kb = k // splits
-    w = weight.t().reshape(splits, kb, out)  # a view: [block, K / S, out]
-    y = torch.empty(t, out, dtype=torch.float32, device=x.device)
-    step = max(1, SPLIT_ELEMS // max(1, splits * out))
+    y = torch.empty(t, weight.shape[0], dtype=torch.float32, device=x.device)
+    step = max(1, SPLIT_ELEMS // max(1, splits * weight.shape[0]))
     for lo in range(0, t, step):
-        xb = x[lo : lo + step].reshape(-1, splits, kb).transpose(0, 1)
-        y[lo : lo + step] = tree_sum(list(torch.bmm(xb, w).float().unbind(0)))
+        rows = x[lo : lo + step]
+        parts = [
+            F.linear(rows[:, b * kb : (b + 1) * kb], weight[:, b * kb : (b + 1) * kb]).float()
+            for b in range(splits)
+        ]
+        y[lo : lo + step] = tree_sum(parts)
     return y
 
 
