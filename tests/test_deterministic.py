@@ -12,6 +12,7 @@ from mmserve.frontend.frontend import Engine
 from mmserve.kernels.batch_invariant import (
     BLOCK_KEYS,
     attend_invariant,
+    linear,
     reduction_splits,
     split_partials,
     tree_sum,
@@ -118,6 +119,22 @@ def test_row_parallel_blocks_sum_to_the_same_bits_on_any_tp_size() -> None:
     assert not torch.equal(reduced, torch.nn.functional.linear(x, w))
     with pytest.raises(ValueError, match="power-of-two"):
         tree_sum([whole] * 3)
+
+
+def test_a_single_row_gets_the_bits_it_gets_among_others() -> None:
+    """A decode step alone has one row; on the CPU a one-row bf16 linear can take another
+    kernel path. Under the flag every linear gives a row the bits it gets in any batch
+    (the first case's plain one-row result differed on the avx512_bf16 CPU measured)."""
+    for k, out, seed in ((1408, 512, 1408), (512, 768, 1), (896, 1152, 2)):
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(out, k, generator=g) * 0.02).bfloat16()
+        x = torch.randn(33, k, generator=g).bfloat16()
+        full = linear(x, w)
+        assert torch.equal(full, torch.nn.functional.linear(x, w))  # many rows: unchanged
+        for rows in (1, 2, 3, 8, 17):
+            assert torch.equal(linear(x[:rows].clone(), w), full[:rows]), (k, out, rows)
+        whole = split_partials(x, w, 8)
+        assert torch.equal(split_partials(x[:1].clone(), w, 8), whole[:1])
 
 
 def test_deterministic_tp_sizes_hold_whole_blocks() -> None:

@@ -31,7 +31,14 @@ from mmserve.kernels import batch_invariant, ops
 from mmserve.model import int4, quant
 from mmserve.model.int4_formats import Int4Format
 from mmserve.model.int4_loading import int4_slice, source_modules, stored_int4
-from mmserve.model.llama import DecoderLayer, DecoderStack, RMSNorm, RowLinear, row_splits
+from mmserve.model.llama import (
+    DecoderLayer,
+    DecoderStack,
+    Linear,
+    RMSNorm,
+    RowLinear,
+    row_splits,
+)
 from mmserve.model.quant import QuantizedLinear
 from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
 
@@ -72,7 +79,7 @@ class RowParallelLinear(RowLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, in / N]`` -> ``[T, out]`` (same dtype), summed over ranks."""
-        if batch_invariant.fixed_splits_on():
+        if batch_invariant.invariant_linears_on():
             mine = batch_invariant.split_partials(x, self.weight, self.splits)
             parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, mine)
@@ -157,7 +164,7 @@ class ShardedDecoder(DecoderStack):
                 layers.append(layer)
             self.layers = nn.ModuleList(layers)
             self.norm = RMSNorm(full.hidden_size, full.rms_norm_eps)
-            self.lm_head = nn.Linear(full.hidden_size, hi - lo, bias=False)
+            self.lm_head = Linear(full.hidden_size, hi - lo, bias=False)
         self._inv_freq_fp32 = ops.rope_inv_freq(full.head_dim, full.rope_theta)
         self._rope_cache = ops.cos_sin_cache(self._inv_freq_fp32, full.max_position_embeddings)
 

@@ -53,24 +53,38 @@ MAX_SPLITS = 8
 #: temporaries of a long prefill; rows are independent, so the split changes no result.
 SPLIT_ELEMS = 1 << 24
 
-_FIXED_SPLITS: ContextVar[bool] = ContextVar("mmserve_fixed_splits", default=False)
+_INVARIANT_LINEARS: ContextVar[bool] = ContextVar("mmserve_invariant_linears", default=False)
 
 
 @contextmanager
-def fixed_splits(on: bool) -> Iterator[None]:
-    """Within the block, row-parallel linears reduce in fixed splits
-    (:func:`split_partials`) when ``on``; the decoder's forward enters it with its
-    attention backend's ``deterministic``."""
-    token = _FIXED_SPLITS.set(on)
+def invariant_linears(on: bool) -> Iterator[None]:
+    """Within the block, the decoder's linears run batch-invariant when ``on``
+    (:func:`linear`; the row-parallel ones in fixed splits, :func:`split_partials`);
+    the decoder's forward enters it with its attention backend's ``deterministic``."""
+    token = _INVARIANT_LINEARS.set(on)
     try:
         yield
     finally:
-        _FIXED_SPLITS.reset(token)
+        _INVARIANT_LINEARS.reset(token)
 
 
-def fixed_splits_on() -> bool:
-    """Whether the caller runs inside ``fixed_splits(True)``."""
-    return _FIXED_SPLITS.get()
+def invariant_linears_on() -> bool:
+    """Whether the caller runs inside ``invariant_linears(True)``."""
+    return _INVARIANT_LINEARS.get()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose rows do not depend on how many rows share the call.
+
+    ``x``: ``[T, in]``, ``weight``: ``[out, in]`` -> ``[T, out]``. A single row is
+    computed as the first of two copies: on the CPU a one-row bf16 linear takes another
+    kernel path (a matrix-vector product) whose sums can round differently from the
+    same row's in a matrix product (measured on avx512_bf16: some values, some shapes),
+    while two or more rows all took one path in every shape measured.
+    """
+    if x.shape[0] == 1:
+        return F.linear(x.repeat(2, 1), weight, bias)[:1]
+    return F.linear(x, weight, bias)
 
 
 def reduction_splits(num_heads: int, intermediate_size: int) -> int:
@@ -119,11 +133,12 @@ def split_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
     step = max(1, SPLIT_ELEMS // max(1, splits * weight.shape[0]))
     for lo in range(0, t, step):
         rows = x[lo : lo + step]
+        rows = rows.repeat(2, 1) if rows.shape[0] == 1 else rows  # see linear()
         parts = [
             F.linear(rows[:, b * kb : (b + 1) * kb], weight[:, b * kb : (b + 1) * kb]).float()
             for b in range(splits)
         ]
-        y[lo : lo + step] = tree_sum(parts)
+        y[lo : lo + step] = tree_sum(parts)[: min(step, t - lo)]
     return y
 
 
