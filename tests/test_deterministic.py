@@ -12,6 +12,7 @@ from mmserve.frontend.frontend import Engine
 from mmserve.kernels.batch_invariant import (
     BLOCK_KEYS,
     attend_invariant,
+    attend_invariant_decode,
     linear,
     reduction_splits,
     split_partials,
@@ -148,6 +149,26 @@ def test_deterministic_tp_sizes_hold_whole_blocks() -> None:
     check_tp(shape, 3)  # fine without the flag
     with pytest.raises(ValueError, match=r"--tp 3 cannot run --deterministic.*choose --tp 1, 2, 4"):
         check_tp(shape, 3, deterministic=True)
+
+
+def test_decode_rows_attended_together_equal_each_alone() -> None:
+    """A decode batch's rows attend in one pass (requests of different lengths, so some
+    get zero blocks after their row); each row keeps the bits it gets alone, and those
+    of the same position in a prefill."""
+    torch.manual_seed(1)
+    hq, hkv, d = 4, 2, 16
+    lens = [5, 64, 65, 200, 130, 1]
+    ks = [torch.randn(n, hkv, d).bfloat16() for n in lens]
+    vs = [torch.randn(n, hkv, d).bfloat16() for n in lens]
+    q = torch.randn(len(lens), hq, d).bfloat16()
+    together = attend_invariant_decode(q, ks, vs)
+    for i, n in enumerate(lens):
+        alone = attend_invariant(q[i : i + 1], ks[i], vs[i], torch.tensor([n - 1]))
+        assert torch.equal(together[i], alone[0]), n
+        qs = torch.randn(n, hq, d).bfloat16()
+        qs[-1] = q[i]
+        prefill = attend_invariant(qs, ks[i], vs[i], torch.arange(n))
+        assert torch.equal(prefill[-1], together[i]), n
 
 
 def test_cache_pages_and_chunking_change_no_bit(make_bf16, img) -> None:

@@ -167,7 +167,6 @@ def attend_invariant(
     if n == 0:
         return q.new_empty(q.shape)
     hkv = k.shape[1]
-    g = hq // hkv
     sm = d**-0.5 if scale is None else scale
     last = int(q_pos.max()) + 1
     blocks = -(-last // BLOCK_KEYS)
@@ -185,32 +184,105 @@ def attend_invariant(
     step = max(1, QUERY_KEYS // padded)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        r = hi - lo
         # only the nb up to this pass's last row (a causal prefill's later rows need more)
         nb = -(-(int(q_pos[lo:hi].max()) + 1) // BLOCK_KEYS)
-        items = r * hkv * nb
-        # one [G, D] x [D, BLOCK_KEYS] product per (row, K/V head, block): every item of
-        # the batched matmul has the same shape whatever r and L are, so the same kernel
-        qf = q[lo:hi].float().view(r, hkv, 1, g, d).expand(r, hkv, nb, g, d)
-        kr = kb[None, :, :nb].expand(r, hkv, nb, d, BLOCK_KEYS)
-        s = torch.bmm(qf.reshape(items, g, d), kr.reshape(items, d, BLOCK_KEYS)) * sm
-        s = s.view(r, hkv, nb, g, BLOCK_KEYS)
-        hidden = key_pos[None, :nb] > q_pos[lo:hi, None, None]  # [r, nb, BLOCK_KEYS]
-        s = s.masked_fill(hidden[:, None, :, None, :], float("-inf"))
-        m_b = s.amax(-1)  # [r, Hkv, nb, G]; -inf for a block after the row
-        p = torch.exp(s - torch.where(m_b == float("-inf"), 0.0, m_b)[..., None])
-        l_b = p.sum(-1)  # a fixed-length (BLOCK_KEYS) sum
-        vr = vb[None, :, :nb].expand(r, hkv, nb, BLOCK_KEYS, d)
-        o_b = torch.bmm(p.view(items, g, BLOCK_KEYS), vr.reshape(items, BLOCK_KEYS, d))
-        o_b = o_b.view(r, hkv, nb, g, d)
-        # merge the nb in order b = 0, 1, ...: a block after the row has l_b = 0,
-        # o_b = 0 and weight exp(-inf) = 0, so it leaves m, den and acc exactly as they are
-        m, den, acc = m_b[:, :, 0], l_b[:, :, 0], o_b[:, :, 0]
-        for b in range(1, nb):
-            m_new = torch.maximum(m, m_b[:, :, b])
-            c_old, c_b = torch.exp(m - m_new), torch.exp(m_b[:, :, b] - m_new)
-            den = den * c_old + l_b[:, :, b] * c_b
-            acc = acc * c_old[..., None] + o_b[:, :, b] * c_b[..., None]
-            m = m_new
-        out[lo:hi] = (acc / den[..., None]).reshape(r, hq, d).to(q.dtype)
+        keys = (kb[None, :, :nb].expand(hi - lo, -1, -1, -1, -1), vb[None, :, :nb])
+        out[lo:hi] = _rows(q[lo:hi], *keys, q_pos[lo:hi], key_pos[:nb], sm).to(q.dtype)
+    return out
+
+
+def _rows(
+    q: torch.Tensor,
+    kr: torch.Tensor,
+    vr: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    sm: float,
+) -> torch.Tensor:
+    """fp32 ``[r, Hq, D]`` attention of ``r`` query rows over their fixed key blocks.
+
+    ``kr``: ``[r | 1, Hkv, nb, D, BLOCK_KEYS]`` and ``vr``: ``[r | 1, Hkv, nb,
+    BLOCK_KEYS, D]`` fp32 (a row's own blocks, or one request's blocks shared by its
+    rows), ``key_pos``: ``[nb, BLOCK_KEYS]`` absolute positions, ``q_pos``: ``[r]``.
+    """
+    r, hq, d = q.shape
+    hkv, nb = kr.shape[1], kr.shape[2]
+    g = hq // hkv
+    items = r * hkv * nb
+    # one [G, D] x [D, BLOCK_KEYS] product per (row, K/V head, block): every item of
+    # the batched matmul has the same shape whatever r and L are, so the same kernel
+    qf = q.float().view(r, hkv, 1, g, d).expand(r, hkv, nb, g, d)
+    kr = kr.expand(r, hkv, nb, d, BLOCK_KEYS)
+    s = torch.bmm(qf.reshape(items, g, d), kr.reshape(items, d, BLOCK_KEYS)) * sm
+    s = s.view(r, hkv, nb, g, BLOCK_KEYS)
+    hidden = key_pos[None] > q_pos[:, None, None]  # [r, nb, BLOCK_KEYS]
+    s = s.masked_fill(hidden[:, None, :, None, :], float("-inf"))
+    m_b = s.amax(-1)  # [r, Hkv, nb, G]; -inf for a block after the row
+    p = torch.exp(s - torch.where(m_b == float("-inf"), 0.0, m_b)[..., None])
+    l_b = p.sum(-1)  # a fixed-length (BLOCK_KEYS) sum
+    vr = vr.expand(r, hkv, nb, BLOCK_KEYS, d)
+    o_b = torch.bmm(p.view(items, g, BLOCK_KEYS), vr.reshape(items, BLOCK_KEYS, d))
+    o_b = o_b.view(r, hkv, nb, g, d)
+    # merge the nb in order b = 0, 1, ...: a block after the row has l_b = 0,
+    # o_b = 0 and weight exp(-inf) = 0, so it leaves m, den and acc exactly as they are
+    m, den, acc = m_b[:, :, 0], l_b[:, :, 0], o_b[:, :, 0]
+    for b in range(1, nb):
+        m_new = torch.maximum(m, m_b[:, :, b])
+        c_old, c_b = torch.exp(m - m_new), torch.exp(m_b[:, :, b] - m_new)
+        den = den * c_old + l_b[:, :, b] * c_b
+        acc = acc * c_old[..., None] + o_b[:, :, b] * c_b[..., None]
+        m = m_new
+    return (acc / den[..., None]).reshape(r, hq, d)
+
+
+def attend_invariant_decode(
+    q: torch.Tensor,
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`attend_invariant` of one decode row per request, all requests in one pass.
+
+    Args:
+        q: ``[R, Hq, D]``, row ``i`` the newest token of request ``i``.
+        ks, vs: request ``i``'s keys/values ``[L_i, Hkv, D]`` (``q``'s dtype), its row at
+            position ``L_i - 1``.
+        scale: softmax scale (None: ``1 / sqrt(D)``).
+
+    Returns:
+        ``[R, Hq, D]`` in ``q``'s dtype, each row bit-identical to
+        ``attend_invariant(q[i:i+1], ks[i], vs[i], [L_i - 1])``: the same fixed-shape
+        items and the same merge order; a request with fewer blocks than the longest
+        gets zero blocks after its row, which leave its state exactly as it was.
+    """
+    n, hq, d = q.shape
+    if n == 0:
+        return q.new_empty(q.shape)
+    hkv = ks[0].shape[1]
+    sm = d**-0.5 if scale is None else scale
+    lens = [k.shape[0] for k in ks]
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    order = sorted(range(n), key=lambda i: lens[i])  # similar lengths share a pass
+    i = 0
+    while i < n:
+        nb = -(-lens[order[i]] // BLOCK_KEYS)
+        step = max(1, QUERY_KEYS // (nb * BLOCK_KEYS))
+        group = order[i : i + step]
+        nb = -(-max(lens[j] for j in group) // BLOCK_KEYS)
+        while len(group) > 1 and len(group) * nb * BLOCK_KEYS > QUERY_KEYS:
+            group = group[:-1]
+            nb = -(-max(lens[j] for j in group) // BLOCK_KEYS)
+        padded = nb * BLOCK_KEYS
+        kf = q.new_zeros(len(group), padded, hkv, d, dtype=torch.float32)
+        vf = torch.zeros_like(kf)
+        for row, j in enumerate(group):
+            kf[row, : lens[j]] = ks[j].float()
+            vf[row, : lens[j]] = vs[j].float()
+        kb = kf.view(len(group), nb, BLOCK_KEYS, hkv, d).permute(0, 3, 1, 4, 2)
+        vb = vf.view(len(group), nb, BLOCK_KEYS, hkv, d).permute(0, 3, 1, 2, 4)
+        key_pos = torch.arange(padded, device=q.device).view(nb, BLOCK_KEYS)
+        idx = torch.tensor(group, device=q.device)
+        pos = torch.tensor([lens[j] - 1 for j in group], device=q.device)
+        out[idx] = _rows(q[idx], kb, vb, pos, key_pos, sm).to(q.dtype)
+        i += len(group)
     return out
