@@ -179,7 +179,7 @@ def start_engine_process(
     if config.tp > 1:  # refused here, before any process starts
         from mmserve.distributed.layout import check_tp
 
-        check_tp(model.decoder.shape, config.tp, config.device)
+        check_tp(model.decoder.shape, config.tp, config.device, config.deterministic)
     info = client.start()
     front = FrontEnd(config, model, info["pool_tokens"], client.feature_keys)
     client.front = front

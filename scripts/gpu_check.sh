@@ -30,12 +30,17 @@
 # precompiled (the flashinfer-jit-cache wheel importable); otherwise `-k "not fp16"`.
 #   install      20 s: checksums, then the offline install of .gpu_bundle/ (skipped without it)
 #   environment  20 s: nvidia-smi; python, torch, CUDA, GPU, nvcc, ninja, flashinfer,
-#                transformers versions; import flashinfer; what backend "auto" picks
+#                transformers versions; import flashinfer; what backend "auto" picks; what
+#                --deterministic runs (the torch backend: it refuses FlashInfer, so there
+#                are no FlashInfer deterministic settings to time; asked of the code)
 #   prebuild    180 s: every FlashInfer module of the shapes below (bf16; fp16 when
 #                precompiled; fp8 KV), one log line per module with its seconds
 #   pytest      115 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
 #                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager,
-#                FlashInfer's fused ops vs mmserve/kernels/ops.py's torch versions) and
+#                FlashInfer's fused ops vs mmserve/kernels/ops.py's torch versions,
+#                --deterministic in bf16 on CUDA: "auto" runs the torch backend, and
+#                bit-identity across cache states and batches, recorded as XPASS or
+#                XFAIL: it is claimed on the CPU only) and
 #                tests/test_reference.py, with MMSERVE_REQUIRE_GPU=1 (a missing GPU or
 #                flashinfer fails, not skips)
 #   quantized    40 s: tests/gpu/test_kv_fp8_gpu.py and tests/gpu/test_quant*_gpu.py
@@ -407,6 +412,13 @@ except Exception as e:  # noqa: BLE001
 from mmserve.kernels.select import resolve_attention_backend  # noqa: E402
 
 v["auto_backend_cuda_bf16"] = resolve_attention_backend("auto", "cuda", torch.bfloat16)
+from mmserve.kernels.select import make_attention_backend  # noqa: E402
+
+try:  # refused before FlashInfer is touched: the same answer with or without a GPU
+    make_attention_backend("flashinfer", "cuda", 8, 2, 64, torch.bfloat16, deterministic=True)
+    v["deterministic"] = "FlashInfer accepted under --deterministic (no step times it yet)"
+except ValueError as e:
+    v["deterministic"] = f"torch backend only: --deterministic refuses FlashInfer ({e})"
 if not setup_only and v["auto_backend_cuda_bf16"] != "flashinfer":
     problems.append(f"backend 'auto' on cuda/bf16 is {v['auto_backend_cuda_bf16']!r}")
 leaked = sorted(m for m in ("fastapi", "pydantic", "decord") if m in sys.modules)
@@ -445,10 +457,10 @@ if [[ $ONLY != setup ]]; then
   gpu_phase "prebuild FlashInfer kernels" "$PREBUILD_TIMEOUT" \
     "$PY" -m mmserve.kernels.warmup --jobs "$(nproc 2>/dev/null || echo 4)" "${SHAPES[@]}"
 
-  # -rs lists every skip with its reason; MMSERVE_REQUIRE_GPU=1 makes a missing
-  # GPU or flashinfer a failure (a skipped GPU test is not a pass).
+  # -rsxX lists every skip, xfail and xpass with its reason; MMSERVE_REQUIRE_GPU=1 makes a
+  # missing GPU or flashinfer a failure (a skipped GPU test is not a pass).
   gpu_phase "pytest tests/gpu + reference" "$PYTEST_TIMEOUT" env MMSERVE_REQUIRE_GPU=1 \
-    "$PY" -m pytest -v -rs --durations=10 -p no:cacheprovider "${K_FP16[@]}" \
+    "$PY" -m pytest -v -rsxX --durations=10 -p no:cacheprovider "${K_FP16[@]}" \
     --junitxml="$OUT_DIR/pytest.xml" --ignore=tests/gpu/test_tp_gpu.py \
     --ignore=tests/gpu/test_kv_fp8_gpu.py --ignore-glob='tests/gpu/test_quant*_gpu.py' \
     tests/gpu tests/test_reference.py

@@ -196,6 +196,7 @@ SLOW_TESTS: dict[str, str] = {
     "test_replicas::TestRoundRobin": "a Ray Serve fleet",
     "test_replicas::TestCacheRouter": "a Ray Serve fleet",
     "test_replicas::TestEncoders": "a Ray Serve fleet with encoders",
+    "test_replicas::TestDeterministicBf16": "a Ray Serve fleet and a server in bf16",
     (
         "test_replicas::test_a_sigkill_of_the_whole_process_mid_batch_"
         "resumes_without_rerunning_lines"
@@ -207,7 +208,9 @@ SLOW_TESTS: dict[str, str] = {
     "test_tensor_parallel::test_tp2_equals_tp1_per_family": "a tp=2 group per family",
     "test_tensor_parallel::test_tp2_cache_on_equals_cache_off": "two tp=2 groups",
     "test_int4::test_tp2_equals_tp1_int4": "a tp=2 group on an int4 checkpoint",
-    "test_deterministic::test_tp2_cache_and_batch_change_no_bit": "a tp=2 group in bf16",
+    "test_deterministic::test_tp2_equals_tp1_bit_for_bit_cached_chunked_and_batched": (
+        "a tp=2 group in bf16"
+    ),
     "test_tensor_parallel::test_workers_exit_when_rank_0_is_killed": "a tp=2 group killed",
     "test_tensor_parallel::test_a_hung_worker_times_out_and_is_killed": "waits out a timeout",
     # long runs of the engine or the tokenizer
@@ -236,6 +239,7 @@ SLOW_TESTS: dict[str, str] = {
     "test_benchmarks::test_image_repeat_benchmark_tiny": "a server subprocess and its engine",
     "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",
     "test_benchmarks::test_spec_benchmark_tiny": "six engines on two models, timed rounds",
+    "test_benchmarks::test_determinism_benchmark_tiny": "twelve engines on two models in bf16",
     "test_spec_decode::test_greedy_output_and_logprobs_equal_without_speculation": (
         "two models x five engines per family, each run twice"
     ),

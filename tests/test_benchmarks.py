@@ -577,3 +577,22 @@ def test_output_benchmark_round(model_dir: Path) -> None:
     for _case, streamed, stop in output.CASES:
         got = asyncio.run(output._one_round(str(model_dir), 4, 12, streamed, stop))
         assert got["us_per_token"] > 0 and got["chars"] > 4 * 12
+
+
+def test_determinism_benchmark_tiny(families, tmp_path: Path) -> None:
+    """``determinism``: one answer with the mode on; decode timed off and on at batch 1 and
+    8 over a cached text context, the dtype named."""
+    ov = families["llava-onevision"].model_dir
+    argv = ["determinism", "--model", str(families["llava"].model_dir), "--out", str(tmp_path)]
+    argv += ["--dtype", "bfloat16", "--parts", "answers,decode", "--repeats", "1"]
+    argv += ["--decode-model", str(ov), "--decode-tokens", "3", "--decode-context", "40"]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "determinism.json").read_text())
+    assert res["dtype"] == res["decode_dtype"] == "bfloat16"
+    assert res["distinct_answers"]["on"] == 1
+    for batch in ("batch1", "batch8"):
+        row = res["decode_ms"][batch]
+        assert row["off"] > 0 and row["on"] > 0 and len(row["rounds"]["on"]) == 1
+        assert row["on_over_off"] == row["on"] / row["off"]
+        assert row["on_over_off_cpu"] == row["on_cpu"] / row["off_cpu"] > 0
+    assert res["decode_ms"]["context_tokens"] == 40

@@ -70,6 +70,8 @@ def test_dry_run_plans_every_phase_within_the_budget(tmp_path: Path) -> None:
     # the versions it ran with
     assert s["ran_with"]["torch"] == torch.__version__
     assert s["ran_with"]["transformers"] == transformers.__version__
+    # what --deterministic runs, asked of the code: FlashInfer refused, so nothing to time
+    assert s["versions"]["deterministic"].startswith("torch backend only: --deterministic refuses")
     assert s["fp16"].startswith("dropped: no precompiled kernels")
 
 

@@ -886,6 +886,77 @@ class TestRoundRobin:
         assert metric(text, name) - rejected == codes.count(503)
 
 
+# ---- bf16 under --deterministic -----------------------------------------------------------
+
+#: The served dtype where answers could differ by rounding, and the mode that removes it.
+DETERMINISTIC_ARGS = ("--dtype", "bfloat16", "--deterministic")
+
+
+@pytest.fixture(scope="class")
+def deterministic_pair(model_dir: Path):
+    """``(one process, two round-robin replicas)``, both bf16 under ``--deterministic``."""
+    with (
+        live_server(model_dir, "--served-model-name", MODEL, *DETERMINISTIC_ARGS) as one,
+        live_server(
+            model_dir, *RAY_ARGS, "--replica-router", "round_robin", *DETERMINISTIC_ARGS,
+            timeout=START_TIMEOUT,
+        ) as url,
+    ):  # fmt: skip
+        yield one, both_replicas_up(url)
+
+
+def _bits(resp: httpx.Response) -> list:
+    """Every choice's text, tokens, logprobs and top logprobs, exactly as served."""
+    assert resp.status_code == 200, resp.text
+    return [
+        (
+            c["message"]["content"],
+            [
+                (t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top_logprobs"]])
+                for t in c["logprobs"]["content"]
+            ],
+        )
+        for c in resp.json()["choices"]
+    ]
+
+
+class TestDeterministicBf16:
+    """Replicas answer one process's bits: each replica is its own process with its own
+    cache history and batches, and the mode makes none of that change a bit."""
+
+    def test_replicas_equal_one_process_bit_for_bit(self, deterministic_pair) -> None:
+        one, ep = deterministic_pair
+        red, green = data_url(png((220, 30, 30))), data_url(png((30, 200, 60), (48, 64)))
+        cases = [
+            [user("Say hello.")],
+            [user(image(red), "Describe it.")],
+            [user(image(red), "What colour is this?")],  # the picture cached on some replica
+            [user(image(green), "Describe it.")],
+            [user(image(green), "Describe it."), {"role": "assistant", "content": "Green."},
+             user(image(red), "And this one?")],
+        ]  # fmt: skip
+        kw = {"logprobs": True, "top_logprobs": 2, "max_tokens": 6}
+        alone = [_bits(chat(one, m, **kw)) for m in cases]  # one at a time, in order
+
+        async def fleet() -> list[list]:
+            # every case twice at once: round robin puts them on both replicas, cold and
+            # warm, in shared batches
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"model": MODEL, "temperature": 0, **kw}
+                sent = [
+                    http.post(f"{ep}/v1/chat/completions", json={**body, "messages": m})
+                    for m in cases + cases
+                ]
+                return [_bits(r) for r in await asyncio.gather(*sent)]
+
+        got = asyncio.run(fleet())
+        assert got == alone + alone
+        n2 = _bits(chat(ep, cases[1], n=2, **kw))
+        assert n2 == alone[1] * 2  # both choices, the alone answer
+        served = stats(ep)["replicas"]
+        assert all(r["prompt_tokens"] > 0 for r in served.values()), served  # both answered
+
+
 # ---- encoders --------------------------------------------------------------------------
 
 

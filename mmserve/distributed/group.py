@@ -266,6 +266,7 @@ class PlanCapture:
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.name = inner.name
+        self.deterministic = inner.deterministic
         self.meta: AttentionMetadata | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -361,7 +362,8 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
         A :class:`LoadedModel` whose ``decoder`` is a :class:`TPDecoder`.
 
     Raises:
-        ValueError: for a ``tp`` the model or machine cannot run (see :func:`check_tp`).
+        ValueError: for a ``tp`` the model or machine cannot run (see :func:`check_tp`),
+            or ``deterministic`` with quantized weights.
         CheckpointError: as :func:`~mmserve.model.loader.load_model`.
         TPGroupError: when a worker fails to start.
     """
@@ -372,7 +374,13 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
     stored = checkpoint_method(getattr(hf_config, "quantization_config", None))
     method = resolve_method(config.quantization, stored)
     check_quantization(method, config.device)  # before any rank starts
-    check_tp(shape, config.tp, config.device)
+    check_tp(shape, config.tp, config.device, config.deterministic)
+    if config.deterministic and method != "none":
+        raise ValueError(
+            f"--deterministic with --tp {config.tp} runs unquantized weights only: the "
+            f"{method} row-parallel layers sum their ranks' rounded partials "
+            "(use --tp 1, or no --quantization)"
+        )
     dtype = config.torch_dtype()
     device = rank_device(config.device, 0)
     group = TPGroup(config, model_dir, shape, dtype)

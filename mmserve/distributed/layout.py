@@ -13,25 +13,28 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mmserve.model.llama import LlamaShape
+from mmserve.model.llama import LlamaShape, row_splits
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_tp(shape: LlamaShape, tp: int, device: str = "cpu") -> None:
+def check_tp(shape: LlamaShape, tp: int, device: str = "cpu", deterministic: bool = False) -> None:
     """Refuse a tensor-parallel size this model or machine cannot run.
 
     Args:
         shape: the full decoder's hyperparameters.
         tp: number of ranks.
         device: "cpu", "cuda" or "cuda:0" (ranks use ``cuda:0 .. cuda:tp-1``).
+        deterministic: ``--deterministic``: each rank must hold whole blocks of the
+            model's fixed reduction splits (:func:`~mmserve.model.llama.row_splits`).
 
     Raises:
         ValueError: when ``tp`` < 1, does not divide the query heads or the MLP width,
-            when K/V heads and ``tp`` divide neither way, or (CUDA) when there are
-            fewer visible devices than ranks or the device is not ``cuda:0``.
+            when K/V heads and ``tp`` divide neither way, under ``deterministic`` when
+            ``tp`` does not divide the fixed splits, or (CUDA) when there are fewer
+            visible devices than ranks or the device is not ``cuda:0``.
     """
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
@@ -49,6 +52,15 @@ def check_tp(shape: LlamaShape, tp: int, device: str = "cpu") -> None:
     if shape.intermediate_size % tp:
         raise ValueError(
             f"--tp {tp} does not divide the model's MLP width {shape.intermediate_size}"
+        )
+    splits = row_splits(shape)
+    if deterministic and splits % tp:
+        ok = ", ".join(str(d) for d in _divisors(splits))
+        raise ValueError(
+            f"--tp {tp} cannot run --deterministic on this model: its row-parallel "
+            f"reductions run in {splits} fixed blocks (the largest power of two, at most 8, "
+            f"dividing its {h} query heads and MLP width {shape.intermediate_size}), and each "
+            f"rank must hold whole blocks; choose --tp {ok}"
         )
     if tp > 1 and device.startswith("cuda"):
         import torch

@@ -4,7 +4,9 @@ The layers are :class:`~mmserve.model.llama.DecoderLayer` built with the rank's
 local shape (its query and K/V heads, its part of the MLP width), with ``o_proj``
 and ``down_proj`` swapped for :class:`RowParallelLinear`, which all-reduces the
 partial sums before adding the bias: two all-reduces per layer, the arithmetic
-otherwise that of :class:`~mmserve.model.llama.LlamaDecoder`. Weights are read with
+otherwise that of :class:`~mmserve.model.llama.LlamaDecoder`. Under ``--deterministic``
+the two all-reduces become all-gathers of fp32 block sums added in a fixed tree, so the
+group's bits are one rank's (:mod:`mmserve.kernels.batch_invariant`). Weights are read with
 ``safe_open(...).get_slice`` so a rank never reads, let alone holds, another rank's
 slice (int4 modules excepted: each source's packed tensors are read whole, as their
 formats pack along either axis); modules are built on the ``meta`` device and take the
@@ -25,11 +27,18 @@ from safetensors import safe_open
 from torch import nn
 
 from mmserve.distributed.layout import TPLayout
-from mmserve.kernels import ops
+from mmserve.kernels import batch_invariant, ops
 from mmserve.model import int4, quant
 from mmserve.model.int4_formats import Int4Format
 from mmserve.model.int4_loading import int4_slice, source_modules, stored_int4
-from mmserve.model.llama import DecoderLayer, DecoderStack, RMSNorm
+from mmserve.model.llama import (
+    DecoderLayer,
+    DecoderStack,
+    Linear,
+    RMSNorm,
+    RowLinear,
+    row_splits,
+)
 from mmserve.model.quant import QuantizedLinear
 from mmserve.model.weights import CheckpointError, fused_sources, split_weights, weight_files
 
@@ -57,15 +66,27 @@ class RowParallelInt4Linear(int4.Int4Linear):
         return y if self.bias is None else y + self.bias
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(RowLinear):
     """``y = all_reduce(x @ W_r^T) + b``: a linear layer whose input features are split
     across ranks (``W_r`` is this rank's column slice ``[out, in / N]``); the bias is
-    whole on every rank and added once, after the sum."""
+    whole on every rank and added once, after the sum.
+
+    Under ``--deterministic`` (``splits``: this rank's ``S / N`` of the model's fixed
+    blocks) each rank tree-sums its blocks in fp32, the ``N`` sums are all-gathered and
+    tree-summed in rank order, then rounded: the bits of
+    :class:`~mmserve.model.llama.RowLinear` on one rank (see
+    :mod:`mmserve.kernels.batch_invariant`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, in / N]`` -> ``[T, out]`` (same dtype), summed over ranks."""
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y)
+        if batch_invariant.invariant_linears_on():
+            mine = batch_invariant.split_partials(x, self.weight, self.splits)
+            parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, mine)
+            y = batch_invariant.tree_sum(parts).to(x.dtype)
+        else:
+            y = F.linear(x, self.weight)
+            dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -125,6 +146,7 @@ class ShardedDecoder(DecoderStack):
         full = layout.full
         self.shape = layout.local_shape()
         lo, hi = layout.vocab_rows()
+        splits = row_splits(full) // layout.world  # whole blocks: check_tp(deterministic=True)
         with torch.device("meta"):
             self.embed_tokens = (
                 nn.Embedding(full.vocab_size, full.hidden_size) if with_embedding else None
@@ -133,14 +155,16 @@ class ShardedDecoder(DecoderStack):
             for i in range(full.num_layers):
                 layer = DecoderLayer(self.shape, i)
                 attn, mlp = layer.self_attn, layer.mlp
-                attn.o_proj = RowParallelLinear(attn.h * attn.d, full.hidden_size, bias=full.o_bias)
+                attn.o_proj = RowParallelLinear(
+                    attn.h * attn.d, full.hidden_size, full.o_bias, max(1, splits)
+                )
                 mlp.down_proj = RowParallelLinear(
-                    self.shape.intermediate_size, full.hidden_size, bias=full.mlp_bias
+                    self.shape.intermediate_size, full.hidden_size, full.mlp_bias, max(1, splits)
                 )
                 layers.append(layer)
             self.layers = nn.ModuleList(layers)
             self.norm = RMSNorm(full.hidden_size, full.rms_norm_eps)
-            self.lm_head = nn.Linear(full.hidden_size, hi - lo, bias=False)
+            self.lm_head = Linear(full.hidden_size, hi - lo, bias=False)
         self._inv_freq_fp32 = ops.rope_inv_freq(full.head_dim, full.rope_theta)
         self._rope_cache = ops.cos_sin_cache(self._inv_freq_fp32, full.max_position_embeddings)
 

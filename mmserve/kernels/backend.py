@@ -29,10 +29,13 @@ class AttentionBackend(ABC):
         name: the backend's ``--attention-backend`` name.
         captures_graphs: whether a padded decode batch planned by :meth:`plan_padded`
             can be captured in a CUDA graph (its kernels read only fixed-address buffers).
+        deterministic: batch-invariant attention (``--deterministic``); the decoder then
+            also runs its row-parallel linears in fixed splits.
     """
 
     name: ClassVar[str]
     captures_graphs: ClassVar[bool] = False
+    deterministic: bool = False
     _meta: AttentionMetadata | None = None
 
     @abstractmethod

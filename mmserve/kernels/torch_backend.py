@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from mmserve.cache.kv_pool import KVPool, raw_bytes
 from mmserve.kernels.backend import AttentionBackend
-from mmserve.kernels.batch_invariant import attend_invariant
+from mmserve.kernels.batch_invariant import attend_invariant, attend_invariant_decode
 from mmserve.kernels.metadata import AttentionMetadata
 
 #: CPU flash-attention kernel that also returns the log-sum-exp of each query row
@@ -280,17 +280,27 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_invariant(
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor
     ) -> torch.Tensor:
-        """Each request's rows through :func:`attend_invariant` (``--deterministic``)."""
+        """Each request's rows through :func:`attend_invariant` (``--deterministic``); the
+        decode rows of all requests through one :func:`attend_invariant_decode`."""
         meta, qo = self._meta, self._qo
         assert meta is not None  # planned
         out = torch.empty_like(q)
+        decode: list[int] = []  # one new token: attended together, the same bits
         for i, slots in enumerate(self._slots):
             seq, q_len = meta.seq_lens[i], meta.extend_lens[i]
+            if q_len == 1:
+                decode.append(i)
+                continue
             pos = torch.arange(seq - q_len, seq, device=q.device)
             ki = _gather(k_all, slots).to(q.dtype)
             vi = _gather(v_all, slots).to(q.dtype)
             rows = slice(qo[i], qo[i + 1])
             out[rows] = attend_invariant(q[rows], ki, vi, pos, self._scale)
+        if decode:
+            ks = [_gather(k_all, self._slots[i]).to(q.dtype) for i in decode]
+            vs = [_gather(v_all, self._slots[i]).to(q.dtype) for i in decode]
+            rows_t = torch.tensor([qo[i] for i in decode], device=q.device)
+            out[rows_t] = attend_invariant_decode(q[rows_t], ks, vs, self._scale)
         return out
 
     def _float_mask(self, key: int, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

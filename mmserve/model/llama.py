@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mmserve.cache.kv_pool import KVPool
-from mmserve.kernels import ops
+from mmserve.kernels import batch_invariant, ops
 from mmserve.kernels.backend import AttentionBackend
 
 
@@ -65,6 +66,49 @@ class RMSNorm(nn.Module):
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear``, batch-invariant under ``--deterministic``
+    (:func:`~mmserve.kernels.batch_invariant.linear`): ``qkv_proj``, ``gate_up_proj``
+    and the LM head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[T, in]`` -> ``[T, out]`` (same dtype)."""
+        if batch_invariant.invariant_linears_on():
+            return batch_invariant.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(nn.Linear):
+    """A linear layer whose reduction ``--deterministic`` cuts into ``splits`` fixed
+    blocks (``o_proj`` and ``down_proj``: the layers tensor parallelism splits by input
+    features), so one rank computes them as ``N`` ranks together do
+    (:func:`~mmserve.kernels.batch_invariant.split_partials`; the model dtype's sum,
+    rounded once, then the bias). Otherwise ``nn.Linear`` exactly.
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        splits: blocks of the input features (a power of two dividing ``in_features``;
+            :func:`~mmserve.kernels.batch_invariant.reduction_splits`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, splits: int) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.splits = splits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[T, in]`` -> ``[T, out]`` (same dtype)."""
+        if not batch_invariant.invariant_linears_on():
+            return F.linear(x, self.weight, self.bias)
+        y = batch_invariant.split_partials(x, self.weight, self.splits).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def row_splits(s: LlamaShape) -> int:
+    """The fixed splits of ``s``'s row-parallel reductions under ``--deterministic``
+    (``s``: the whole decoder's shape)."""
+    return batch_invariant.reduction_splits(s.num_heads, s.intermediate_size)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with GQA and RoPE over the paged pool.
 
@@ -76,8 +120,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.h, self.hkv, self.d = s.num_heads, s.num_kv_heads, s.head_dim
-        self.qkv_proj = nn.Linear(s.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=s.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, s.hidden_size, bias=s.o_bias)
+        self.qkv_proj = Linear(s.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=s.qkv_bias)
+        self.o_proj = RowLinear(self.h * self.d, s.hidden_size, s.o_bias, row_splits(s))
 
     def forward(
         self,
@@ -106,8 +150,8 @@ class MLP(nn.Module):
 
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.gate_up_proj = Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = RowLinear(s.intermediate_size, s.hidden_size, s.mlp_bias, row_splits(s))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -193,8 +237,11 @@ class DecoderStack(nn.Module):
         cache = self.rope_cache(embeds.device)
         x, residual = embeds, None
         # the fused norm/RoPE/SiLU ops follow the attention backend (no FlashInfer
-        # kernel at all under --attention-backend torch)
-        with ops.fused_ops(backend.name == "flashinfer"):
+        # kernel at all under --attention-backend torch), and so do the invariant linears
+        with (
+            ops.fused_ops(backend.name == "flashinfer"),
+            batch_invariant.invariant_linears(getattr(backend, "deterministic", False)),
+        ):
             for layer in self.layers:
                 x, residual = layer(x, residual, positions, cache, backend, pool)
             assert residual is not None  # a decoder has at least one layer
@@ -230,7 +277,7 @@ class LlamaDecoder(DecoderStack):
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor, as transformers ties
         # on the CPU even when the module is built on the meta device (the loader does)
