@@ -29,8 +29,9 @@ asked alternately (which goes first alternates too). Reported:
   frames sent in real time for ``--rate-seconds``, ``fps`` = the rate; the highest rate
   whose held prefix keeps up (:func:`thinning_ramp`).
 
-The dtype is the server's ``--dtype auto`` (``mmserve.config.auto_dtype``); the load
-average is given with the results. Results: ``benchmarks/README.md``, "Live video".
+The dtype is the servers' ``--dtype`` (default auto: what ``mmserve.config.auto_dtype``
+picks on this machine); the load average is given with the results. Results:
+``benchmarks/README.md``, "Live video".
 """
 
 from __future__ import annotations
@@ -304,6 +305,7 @@ def live_video(args: argparse.Namespace, model: str) -> int:
     # the ramp's own frames: none of them in the vision cache from the run before it
     ramp_pngs = decoded_pngs(make_video(int(max(rates) * secs) + 1, seed=args.seed + 1))
     flags = ["--max-total-tokens", str(args.max_total_tokens), "--max-video-frames", str(n)]
+    flags += ["--dtype", args.dtype]
     threads = args.threads or 1
     times = list(range(every, n + 1, every))  # question times (s of video)
     early_t = times[min(range(len(times)), key=lambda k: abs(times[k] - 0.1 * n))]
@@ -369,7 +371,7 @@ def live_video(args: argparse.Namespace, model: str) -> int:
     }
     late_over_early = med["late"]["stream_ttft_s"] / med["early"]["stream_ttft_s"]
     clean = [r["rate"] for r in ramp if r["sustained"]]
-    dtype, why = auto_dtype("cpu")
+    dtype, why = auto_dtype("cpu") if args.dtype == "auto" else (args.dtype, "--dtype")
     summary = {
         "stream_late_over_early": late_over_early,
         "clip_late_over_early": med["late"]["clip_ttft_s"] / med["early"]["clip_ttft_s"],
@@ -451,5 +453,6 @@ OPTIONS: list[tuple[tuple[str, ...], dict]] = [
     (("--max-tokens",), dict(type=int, default=1, help="answer tokens")),
     (("--rates",), dict(default="", help="frames/s of the thinning ramp (by --scale)")),
     (("--rate-seconds",), dict(type=float, default=0, help="seconds per ramp rate")),
+    (("--dtype",), dict(default="auto", help="the servers' --dtype (auto: the machine's)")),
     (("--max-total-tokens",), dict(type=int, default=16384, help="KV pool of each server")),
 ]  # fmt: skip
