@@ -23,6 +23,7 @@ from api import (
     routes_images,
     routes_page,
     routes_responses,
+    routes_streams,
     routes_videos,
 )
 from api.auth import APIKeyMiddleware, TenantMiddleware
@@ -224,6 +225,7 @@ def create_app(
             state.batches.start()  # resumes unfinished batches
             yield
             await state.batches.stop()
+            await routes_streams.close_streams(state)
             # live requests aborted, KV pages to the disk tier, TP ranks stopped there
             await asyncio.to_thread(aengine.stop)
         else:
@@ -236,6 +238,7 @@ def create_app(
             state.batches.start()  # resumes unfinished batches
             yield
             await state.batches.stop()
+            await routes_streams.close_streams(state)
             # after uvicorn's grace period: whatever still runs is aborted, pages freed
             aengine.call(lambda: engine.abort_all("abort"))
             aengine.stop()
@@ -285,6 +288,7 @@ def create_app(
         routes_batches.router,
         routes_images.router,
         routes_videos.router,
+        routes_streams.router,
         routes_cache.router,
         routes_page.router,
     ]

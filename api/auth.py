@@ -1,5 +1,7 @@
 """API-key check: ``Authorization: Bearer <key>`` on every route but the open ones
-(``/health`` and the web page's files: the page sends the key the user types).
+(``/health`` and the web page's files: the page sends the key the user types). A
+WebSocket (``/v1/streams/{id}/ws``) may send the key as its ``api_key`` query parameter
+instead, since a browser cannot set a WebSocket's headers.
 
 The key names the caller's tenant (:mod:`api.tenants`): it is set on
 ``request.state.tenant`` and in :data:`api.tenants.CURRENT_TENANT` for every request
@@ -43,15 +45,21 @@ class APIKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or scope["path"] in self.open_paths:
             await _with_tenant(self.app, DEFAULT_TENANT, scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = got.strip().partition(b" ")
+        if kind == "websocket" and not got:  # a browser cannot set a WebSocket's headers
+            token, scheme = _query_key(scope), b"bearer"
         # the scheme name is case-insensitive (RFC 9110, Section 11.1)
         tenant = self.keys.lookup(token.strip()) if scheme.lower() == b"bearer" else None
         if tenant is not None:
             await _with_tenant(self.app, tenant, scope, receive, send)
+            return
+        if kind == "websocket":  # refused before the handshake completes: HTTP 403
+            await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
             return
         msg = (
             "missing API key: send 'Authorization: Bearer <key>'" if not got else "invalid API key"
@@ -68,6 +76,14 @@ class APIKeyMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": body.encode()})
+
+
+def _query_key(scope: Scope) -> bytes:
+    """The ``api_key`` query parameter of a WebSocket request (b"" if none)."""
+    from urllib.parse import parse_qs
+
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return query.get("api_key", [""])[0].encode("latin-1")
 
 
 class TenantMiddleware:

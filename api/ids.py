@@ -1,9 +1,9 @@
 """The ids the server hands out, and the errors for ids it cannot use.
 
-Four kinds: uploaded images (``img-`` + 32 hex digits, the image key), uploaded videos
-(``vid-`` + 32 hex, xxh3-128 of the bytes), batch files (``file-`` + 24 hex) and
-batches (``batch_`` + 24 hex). Images and videos may also be written as
-``mmserve://images/<id>`` / ``mmserve://videos/<id>``.
+Five kinds: uploaded images (``img-`` + 32 hex digits, the image key), uploaded videos
+(``vid-`` + 32 hex, xxh3-128 of the bytes), batch files (``file-`` + 24 hex),
+batches (``batch_`` + 24 hex) and live video streams (``stream-`` + 32 hex). Images and
+videos may also be written as ``mmserve://images/<id>`` / ``mmserve://videos/<id>``.
 
 An id that is not of its kind's form never names anything, so it is told apart
 from a well-formed id that is unknown (never uploaded, deleted or evicted): the
@@ -156,4 +156,5 @@ IMAGE = IdKind("image", "img-", 32, "mmserve://images/", "POST /v1/images")
 VIDEO = IdKind("video", "vid-", 32, "mmserve://videos/", "POST /v1/videos")
 FILE = IdKind("file", "file-", 24, "", "POST /v1/files")
 BATCH = IdKind("batch", "batch_", 24, "", "POST /v1/batches")
-KINDS = (IMAGE, VIDEO, FILE, BATCH)
+STREAM = IdKind("stream", "stream-", 32, "", "POST /v1/streams")
+KINDS = (IMAGE, VIDEO, FILE, BATCH, STREAM)

@@ -103,6 +103,12 @@ class ServerSettings:
         max_stored_object_bytes: most bytes one stored response or conversation may take
             (its JSON: input items, output and history); a request that would exceed it
             gets a 400.
+        max_streams: most live video streams (``/v1/streams``) open at once, all tenants
+            together; one more gets a 429 (delete one, or wait for an idle one to expire).
+        stream_idle_seconds: a live video stream with no frames, questions or WebSocket
+            for this long (seconds) is deleted and its cached prefix released.
+        max_stream_frames_per_post: most frames one ``/v1/streams/{id}/frames`` call (or
+            one WebSocket message) may carry; more gets a 400.
     """
 
     served_model_name: str | None = None
@@ -143,6 +149,9 @@ class ServerSettings:
     max_stored_responses: int = 10_000
     max_stored_response_bytes: int = 1 << 30
     max_stored_object_bytes: int = 16 << 20
+    max_streams: int = 16
+    stream_idle_seconds: float = 300.0
+    max_stream_frames_per_post: int = 32
 
     def video_limits(self) -> VideoLimits:
         """The video bounds these settings give."""
@@ -213,6 +222,8 @@ class ServerSettings:
             "max_stored_responses",
             "max_stored_response_bytes",
             "max_stored_object_bytes",
+            "max_streams",
+            "max_stream_frames_per_post",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -224,6 +235,8 @@ class ServerSettings:
             raise ValueError(
                 f"responses_store must be one of {RESPONSE_STORES}, got {self.responses_store!r}"
             )
+        if not self.stream_idle_seconds > 0:
+            raise ValueError(f"stream_idle_seconds must be > 0, got {self.stream_idle_seconds}")
         if self.retry_after_seconds < 0 or self.remote_image_timeout <= 0:
             raise ValueError("retry_after_seconds must be >= 0 and remote_image_timeout > 0")
         if self.max_json_depth > 512:  # deeper meets Python's recursion limit first

@@ -42,6 +42,8 @@ class ServerState:
         responses: the stored responses and conversations
             (:class:`~api.stored_responses.ResponseStores`), None with
             ``--responses-store off``.
+        streams: the live video streams (:class:`~api.streams.StreamRegistry`, made on
+            first use).
     """
 
     engine: Engine | FrontEnd
@@ -57,6 +59,7 @@ class ServerState:
     kernels_ready: bool = False
     thumbnails: Thumbnails = field(default_factory=Thumbnails)
     responses: Any = None
+    streams: Any = None
 
     def check_model(self, name: str | None) -> None:
         """Accept ``None`` (the served model) or the served model's name.

@@ -298,6 +298,13 @@ class EngineRequest:
         prompt_cache_retention: ``"24h"``: the request's cached pages are written to the
             disk KV tier when it ends (not only at eviction); ``""`` or ``"in_memory"``:
             the usual cache.
+        hold: a hold id (``""``: none). A held request prefills its prompt and ends after
+            its first sampled token (``max_tokens`` 1; the token is not kept); its
+            prompt's full pages then stay in the radix cache, locked under this id, until
+            the engine's ``release_hold(id)``. A later held request with the same id
+            replaces the prefix (the new one is locked before the old one is released).
+            An aborted or failed held request takes no hold. Live video streams
+            (``/v1/streams``) keep their prefix so.
     """
 
     input_ids: tuple[int, ...]
@@ -311,6 +318,7 @@ class EngineRequest:
     cache_salt: str = ""
     prompt_cache_key: str = ""
     prompt_cache_retention: str = ""
+    hold: str = ""
 
     @property
     def prompt_len(self) -> int:

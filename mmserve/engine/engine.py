@@ -246,6 +246,7 @@ class EngineCore:
         req.priority = msg.priority
         req.cache_ns = namespace(msg.cache_salt)
         req.write_through = msg.prompt_cache_retention == "24h"
+        req.hold = msg.hold
         if msg.grammar is not None:
             assert msg.params.guided is not None  # the grammar is compiled from it
             req.grammar = new_state(msg.grammar, msg.params.guided)
@@ -253,11 +254,8 @@ class EngineCore:
         return req
 
     def abort(self, rid: str) -> bool:
-        """Stop a request; its computed KV goes to the tree and its pages are freed.
-
-        Returns:
-            True if the request was found waiting or running.
-        """
+        """Stop a request (its computed KV to the tree, its pages freed); True if it was
+        found waiting or running."""
         found = self._abort(rid)
         self.flush_outputs()
         return found
@@ -280,14 +278,8 @@ class EngineCore:
         return reqs
 
     def flush_cache(self) -> int:
-        """Drop the prefix cache and the vision-embedding cache.
-
-        Returns:
-            Pages freed.
-
-        Raises:
-            RuntimeError: while any request is live.
-        """
+        """Drop the prefix cache (held prefixes included) and the vision-embedding cache;
+        returns pages freed. Raises RuntimeError while any request is live."""
         if self.scheduler.live or self.has_work():
             raise RuntimeError("requests are live")
         freed = self.scheduler.flush_cache()
@@ -598,3 +590,7 @@ class EngineCore:
         """Pool, tree and hit-rate figures for metrics and ``/v1/cache/stats``
         (:func:`~mmserve.engine.stats.cache_figures`)."""
         return cache_figures(self)
+
+    def release_hold(self, hold: str) -> bool:
+        """Unlock the prefix held under ``hold`` (:attr:`EngineRequest.hold`); False if none."""
+        return self.scheduler.holds.release(hold)

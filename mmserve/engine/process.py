@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 #: Engine methods the API process may call by name (the routes' control calls).
 CONTROL_CALLS = frozenset(
-    {"cache_stats", "stats_snapshot", "flush_cache", "describe", "check_accounting"}
+    {"cache_stats", "stats_snapshot", "flush_cache", "describe", "check_accounting", "release_hold"}
 )
 #: Seconds between checks that the API process (the parent) is still there.
 PARENT_CHECK_SECONDS = 1.0

@@ -59,6 +59,7 @@ class Request:
         self.priority = 0
         self.cache_ns = 0  # cache-salt namespace (mmserve.cache.salt); 0: unsalted
         self.write_through = False  # prompt_cache_retention "24h": pages to disk at release
+        self.hold = ""  # a hold id: its prompt stays locked after it ends (EngineRequest.hold)
         self._key_input: list[int] | None = None
         self.output_ids: list[int] = []
         self.emitted = 0  # output ids already handed out in a TokenDelta

@@ -81,6 +81,9 @@ def cache_figures(engine: EngineCore) -> dict[str, float]:
         "free_pages": engine.pool.allocator.num_free,
         "tree_pages": engine.tree.num_pages(),
         "evictable_pages": engine.tree.evictable_size() // P,
+        # pages pinned against eviction: by live requests and held prefixes (streams)
+        "locked_pages": engine.tree.protected_size() // P,
+        "held_prefixes": len(engine.scheduler.holds),
         "tree_nodes": engine.tree.node_count(),
         # a request awaiting its jump-forward extend is running too
         "running_requests": len(engine.scheduler.running) + len(engine.scheduler.extending),

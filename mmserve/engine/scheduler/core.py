@@ -39,6 +39,7 @@ from mmserve.engine.scheduler.admission import (
 )
 from mmserve.engine.scheduler.extend import schedule_extends
 from mmserve.engine.scheduler.features import FeatureLoads
+from mmserve.engine.scheduler.holds import Holds
 from mmserve.engine.scheduler.kv_manager import KVManager, ceil_div
 
 
@@ -59,6 +60,8 @@ class Scheduler:
         extending: running requests whose newest tokens (jump-forward) await an extend.
         extend_batches: prefill batches that carried at least one extend.
         retractions: requests put back in the queue for lack of pages.
+        holds: prefixes kept locked under hold ids after their held request ended
+            (:mod:`.holds`; live video streams).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class Scheduler:
         self._rng = random.Random(config.policy_seed)
         #: remote image features fetched off the step (None: no feature source)
         self.features: FeatureLoads | None = None
+        self.holds = Holds(tree)
 
     @property
     def tree_seconds(self) -> float:
@@ -310,7 +314,7 @@ class Scheduler:
         self.live.pop(req.rid, None)
         if self.features is not None:
             self.features.drop(req)
-        self.release(req)
+        self.release(req, self.holds if req.hold else None)
 
     def abort(self, req: Request, cache: bool = True) -> None:
         """Remove ``req`` wherever it is (waiting, prefilling or running).
@@ -340,10 +344,11 @@ class Scheduler:
             self.release(req)
         return reqs
 
-    def release(self, req: Request) -> None:
-        """Finish, abort or retract ``req``: cache its computed KV, free the rest, unlock,
-        and take it out of the running, extending and prefilling places."""
-        self.kv.release(req)
+    def release(self, req: Request, holds: Holds | None = None) -> None:
+        """Finish, abort or retract ``req``: cache its computed KV (locked in ``holds``
+        under its hold id when given), free the rest, unlock, and take it out of the
+        running, extending and prefilling places."""
+        self.kv.release(req, holds)
         if req in self.running:
             self.running.remove(req)
         if req in self.extending:
@@ -353,13 +358,15 @@ class Scheduler:
 
     # ---- cache --------------------------------------------------------------------
     def flush_cache(self) -> int:
-        """Drop every tree page (only while no request holds pages); returns pages freed.
+        """Drop every tree page (only while no request holds pages; held prefixes are
+        released); returns pages freed.
 
         Raises:
             RuntimeError: while a request is waiting, prefilling or running.
         """
         if self.has_work():
             raise RuntimeError("cannot flush the cache while requests are live")
+        self.holds.release_all()  # a held prefix is cache too: its holder prefills again
         return self.kv.flush()
 
     def flush_tiers(self, timeout: float = 60.0) -> int:

@@ -24,6 +24,7 @@ from mmserve.model.identity import model_identity
 
 if TYPE_CHECKING:
     from mmserve.cache.kv_tiers import FeatureCache
+    from mmserve.engine.scheduler.holds import Holds
     from mmserve.model.loader import LoadedModel
 
 
@@ -228,15 +229,19 @@ class KVManager:
         req.last_node = done.last_node
         req.tree_len = done.length
 
-    def release(self, req: Request) -> None:
+    def release(self, req: Request, holds: Holds | None = None) -> None:
         """``req`` ends or waits again: its computed KV goes to the tree, its other pages
-        to the pool, its lock and reservation are dropped."""
+        to the pool, its lock and reservation are dropped. With ``holds`` (a held request
+        that finished) the tree node of its computed KV is locked there under
+        ``req.hold`` first (:mod:`.holds`)."""
         keep = 0
         if req.last_node is not None:
             done = self._insert(req, req.computed_len)
             keep = done.length // self.page_size
             if req.write_through and self.tiers is not None and done.length:
                 self._write_through(done.last_node)
+            if holds is not None:
+                holds.take(req.hold, done.last_node, done.length)
             self.tree.dec_lock_ref(req.last_node)
         rest = req.pages[keep:]
         if rest:

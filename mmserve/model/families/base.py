@@ -14,7 +14,7 @@ from transformers import AutoModel
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from mmserve.vision.inputs import ImageInput
+    from mmserve.vision.inputs import ImageInput, ImageSpan
     from mmserve.vision.pixels import Pixels
 
 #: How an image is turned into features. ``IMAGE_MODE``: the family's own processing of
@@ -290,6 +290,24 @@ class ModelFamily:
         runs, then one video newline where :attr:`video_newline` says), or None when the
         family has no video path (a video is then sent as its frames, each an image)."""
         return None
+
+    def stream_layout(self) -> str:
+        """How a live stream's prompt (``/v1/streams``) lays out its frames: as a ``/qa``
+        clip over the same frames does, so the answers are the same.
+
+        "video" on a family with a video path (:meth:`video_frame_tokens` not None): one
+        video part, the frames' runs in order; the video newline (where
+        :attr:`video_newline` says) and the question come at ask time. "images"
+        elsewhere: each frame an image after a ``Frame at 1.5s:`` label, in the mode of
+        an image among several. Either way the prefix a stream keeps prefilled ends with
+        its last frame's run (:meth:`stream_held_end`).
+        """
+        return "video" if self.video_frame_tokens() is not None else "images"
+
+    def stream_held_end(self, spans: Sequence[ImageSpan]) -> int:
+        """Where the prefix a stream keeps prefilled ends in a prompt over its frames
+        whose image runs are ``spans`` (in order): one past the last frame's run."""
+        return spans[-1].end
 
     #: Whether a video on the family's video path ends with one video newline
     #: (:data:`~mmserve.vision.hashing.VIDEO_NEWLINE_ID`): LLaVA-OneVision's layout;

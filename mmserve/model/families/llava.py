@@ -2,7 +2,9 @@
 
 Features follow Liu et al., "Improved Baselines with Visual Instruction Tuning"
 (arXiv 2310.03744, Section 3.1): hidden states of ``vision_feature_layer``, CLS
-dropped for the "default" strategy, a two-layer GELU MLP into the decoder.
+dropped for the "default" strategy, a two-layer GELU MLP into the decoder. A live
+stream's frames (``/v1/streams``) are images, one per frame after its ``Frame at 1.5s:``
+label (:meth:`ModelFamily.stream_layout`).
 """
 
 from __future__ import annotations

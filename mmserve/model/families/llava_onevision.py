@@ -24,6 +24,10 @@ they run on ``LlavaOnevisionModel`` (they read only ``self.config``). Each frame
 encoded, keyed and cached on its own: the tower sees one frame at a time, so a frame's
 features do not depend on the other frames of its video.
 
+A live stream (``/v1/streams``) is laid out as a video (:meth:`ModelFamily.stream_layout`):
+its frames' pooled runs are prefilled as they arrive, and a question adds only the video
+newline and its own text.
+
 Without torchvision (which transformers' video processor needs) the processor is
 assembled here (:func:`load_onevision_processor`) and frames are prepared by
 :func:`mmserve.vision.frames.prepare_frames` from the video processor's settings.

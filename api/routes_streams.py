@@ -1,0 +1,462 @@
+"""``/v1/streams``: live video streams. Frames arrive over time (``/frames``, or a
+WebSocket), each prefilled into the stream's held prefix as it comes; questions
+(``/ask``) prefill only what follows the last frame. The state, the window rule and the
+held prefix are in :mod:`api.streams`, the frame intake in :mod:`api.stream_frames`;
+docs/api.md documents the routes and docs/video.md the window rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+
+from api.cache_fields import CacheSaltField, effective_salt
+from api.disconnect import request_token, until_cancelled
+from api.errors import APIError, ClientDisconnected, describe_validation_errors, error_body
+from api.generation import check_questions, make_requests, sampling_params
+from api.ids import STREAM
+from api.json_body import JSONBodyRoute
+from api.openai_format import usage
+from api.routes_videos import clip_prompt
+from api.schemas import STRICT, Detail, SamplingFields
+from api.state import ServerState, State
+from api.stream_frames import Incoming, json_frames, prepare, read_frames
+from api.streams import (
+    ASK_ROOM_TOKENS,
+    DEFAULT_MAX_FRAMES,
+    FRAME_TEXT_TOKENS,
+    Stream,
+    StreamFrame,
+    StreamRegistry,
+    frame_mode,
+)
+from mmserve.types import EngineRequest
+
+router = APIRouter(route_class=JSONBodyRoute)
+
+
+class StreamCreateRequest(CacheSaltField):
+    """``POST /v1/streams`` body."""
+
+    model_config = STRICT
+    model: str | None = Field(default=None, description="the served model (default: it)")
+    fps: float | None = Field(
+        default=None, gt=0, le=120, description="frames kept per second (default: every frame)"
+    )
+    max_frames: int | None = Field(default=None, ge=1, description="most frames in the window")
+    roll_frames: int | None = Field(
+        default=None, ge=1, description="frames between two rolls of a full window"
+    )
+    detail: Detail | None = Field(default=None, description="frame view, as an image's detail")
+    system: str | None = Field(default=None, description="an optional system message")
+
+
+class StreamWindow(BaseModel):
+    """``window`` of an ask: the last ``frames`` frames or the last ``seconds`` seconds."""
+
+    model_config = STRICT
+    frames: int | None = Field(default=None, ge=1)
+    seconds: float | int | None = Field(default=None, ge=0)
+
+
+class StreamAskRequest(SamplingFields, CacheSaltField):
+    """``POST /v1/streams/{id}/ask`` body: the body of ``/v1/images/{id}/ask`` (its
+    ``system`` and ``detail`` are the stream's, set when it was made) plus ``window``
+    and ``stream``."""
+
+    questions: list[str] = Field(min_length=1)
+    window: int | StreamWindow | None = Field(
+        default=None, description="last N frames (an integer, or {frames}) or {seconds}"
+    )
+    stream: bool = False
+    stream_format: Literal["sse", "ndjson"] | None = None
+
+
+def registry(st: ServerState) -> StreamRegistry:
+    """The app's stream registry (made on first use)."""
+    reg = getattr(st, "streams", None)
+    if reg is None:
+        reg = st.streams = StreamRegistry(st.settings.max_streams, st.settings.stream_idle_seconds)
+    return reg
+
+
+@router.post("/v1/streams")
+async def create_stream(body: StreamCreateRequest, st: State) -> dict:
+    """Open a live stream (bounded by ``--max-streams``: 429 beyond)."""
+    st.check_model(body.model)
+    family = st.engine.model.family
+    layout = family.stream_layout()
+    if layout == "video" and body.detail not in (None, "auto"):
+        raise APIError(
+            400,
+            "detail: this model takes a stream's frames on its video path, which has one "
+            'frame size; leave detail out or send "auto"',
+            param="detail",
+        )
+    detail = body.detail or "auto"
+    mode = frame_mode(st, layout, detail)
+    most = _most_frames(st, layout, mode)
+    max_frames = body.max_frames or min(DEFAULT_MAX_FRAMES, most)
+    if max_frames > most:
+        raise APIError(
+            400,
+            f"max_frames: {max_frames} frames do not fit: at most {most} frames fit one prompt "
+            "of this model (its context, and --max-video-frames or --max-images-per-request)",
+            param="max_frames",
+        )
+    roll = body.roll_frames or max(1, max_frames // 2)
+    if roll > max_frames:
+        raise APIError(
+            400, f"roll_frames: {roll} is more than max_frames ({max_frames})", param="roll_frames"
+        )
+    stream = registry(st).add(
+        st,
+        salt=effective_salt(body.cache_salt, st.settings.shared_cache),
+        layout=layout,
+        mode=mode,
+        fps=body.fps,
+        max_frames=max_frames,
+        roll_frames=roll,
+        detail=detail,
+        system=body.system,
+    )
+    return {**stream.info(), "model": st.model_name}
+
+
+def _most_frames(st: ServerState, layout: str, mode: str) -> int:
+    """Most frames one stream prompt can hold: the frame limit of the layout, and what
+    fits the context (and the KV pool) with room for a question and its answer."""
+    processor = st.engine.processor
+    side = processor.shortest_edge
+    per = st.engine.model.image_tokens(side, side, mode) + FRAME_TEXT_TOKENS
+    room = min(processor.max_context, processor.kv_capacity_tokens) - ASK_ROOM_TOKENS
+    limit = (
+        st.settings.max_video_frames
+        if layout == "video"
+        else st.engine.config.max_images_per_request
+    )
+    return max(1, min(limit, room // per))
+
+
+@router.get("/v1/streams/{stream_id}")
+async def get_stream(stream_id: str, st: State) -> dict:
+    """A stream's frames held, tokens cached, window and counts; 404 if unknown."""
+    return {**(await _stream(st, stream_id)).info(), "model": st.model_name}
+
+
+@router.delete("/v1/streams/{stream_id}")
+async def delete_stream(stream_id: str, st: State) -> dict:
+    """End a stream: its prefill aborted, its held prefix released; 404 if unknown."""
+    stream = await _stream(st, stream_id)
+    removed = await registry(st).delete(st, stream)
+    return STREAM.deleted(stream_id, removed, "stream_id")
+
+
+@router.post("/v1/streams/{stream_id}/frames")
+async def post_frames(stream_id: str, request: Request, st: State) -> dict:
+    """Add frames (multipart ``file`` fields with optional ``timestamp`` fields, JSON
+    ``{"frames": [{"data", "timestamp"}]}``, or ``{"video_id", ...}`` to replay an
+    uploaded video). All are checked and prepared before any joins: a bad one refuses
+    the post (400 naming its field) and the stream stays as it was."""
+    stream = await _stream(st, stream_id)
+    stream.touch()
+    frames = await read_frames(request, st, stream)
+    return _take(st, stream, frames)
+
+
+def _take(st: ServerState, stream: Stream, frames: list[Incoming]) -> dict:
+    """Add prepared ``frames`` to ``stream`` (thinned by its fps) and start its prefill."""
+    from api.stream_frames import check_timestamps
+
+    if stream.closed:
+        raise STREAM.not_found(stream.id, "stream_id")
+    check_timestamps(stream, frames)  # again: another post may have come in meanwhile
+    segment = stream.segment
+    out = []
+    for fr in frames:
+        assert fr.image is not None
+        ts = fr.timestamp if fr.timestamp is not None else stream.default_timestamp()
+        kept = stream.add(ts, fr.image)
+        out.append({"timestamp": ts, "kept": kept, "image_id": fr.image.id})
+        if kept:
+            out[-1]["frame"] = stream.frames[-1].number
+    if any(f["kept"] for f in out):
+        stream.prefill(st)
+    stream.touch()
+    return {
+        "id": stream.id,
+        "object": "stream.frames",
+        "accepted": sum(f["kept"] for f in out),
+        "thinned": sum(not f["kept"] for f in out),
+        "rolled": stream.segment != segment,
+        "frames": out,
+        "frames_held": len(stream.frames),
+        "frames_thinned": stream.thinned,
+    }
+
+
+@router.post("/v1/streams/{stream_id}/ask", response_model=None)
+async def ask_stream(
+    stream_id: str, body: StreamAskRequest, request: Request, st: State
+) -> dict | StreamingResponse:
+    """Answer questions about the stream's window (or its last ``window`` frames or
+    seconds), in the shape of ``/v1/images/{id}/ask``; ``stream: true`` sends the answers'
+    text as it comes (server-sent events, or ``stream_format: "ndjson"``)."""
+    stream = await _stream(st, stream_id)
+    stream.touch()
+    frames = _window(stream, body.window)
+    reqs = await _ask_requests(st, stream, body, frames)
+    head = _head(st, stream, frames)
+    if body.stream:
+        sub = st.client.submit(reqs)
+        events = until_cancelled(_streamed(st, sub, body.questions, head), request_token(request))
+        if body.stream_format == "ndjson":
+            return StreamingResponse(
+                (json.dumps(e) + "\n" async for e in events), media_type="application/x-ndjson"
+            )
+        return StreamingResponse(
+            _sse(events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    sub = st.client.submit(reqs, final_only=True)
+    results = await sub.answers(request)
+    stream.touch()
+    return {**head, **answers_body(body.questions, results)}
+
+
+def answers_body(questions: list[str], results: list) -> dict:
+    """``answers`` and total ``usage`` of an ask, as ``/v1/images/{id}/ask`` has them
+    (each usage also with ``cached_tokens`` at its top level)."""
+    answers = []
+    for i, (q, r) in enumerate(zip(questions, results, strict=True)):
+        u = usage([r])
+        u["cached_tokens"] = u["prompt_tokens_details"]["cached_tokens"]
+        answers.append(
+            {
+                "index": i,
+                "question": q,
+                "answer": r.text,
+                "finish_reason": r.finish_reason,
+                "usage": u,
+            }
+        )
+    total = {
+        k: sum(a["usage"][k] for a in answers)
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
+    }
+    total["prompt_tokens_details"] = {
+        k: sum(a["usage"]["prompt_tokens_details"][k] for a in answers)
+        for k in ("cached_tokens", "image_tokens", "video_tokens")
+    }
+    return {"answers": answers, "usage": total}
+
+
+async def _streamed(st: ServerState, sub, questions: list[str], head: dict) -> AsyncIterator[dict]:
+    """A streamed ask's events: ``stream.answer.delta`` per new text, then the whole
+    answers object (``stream.answers``)."""
+    results: list = [None] * len(questions)
+    async for i, upd in sub.updates():
+        if upd.delta_text:
+            yield {"object": "stream.answer.delta", "index": i, "delta": upd.delta_text}
+        if upd.result is not None:
+            err = st.client.failure(upd.result)
+            if err is not None:
+                yield {"object": "error", **error_body(err.message, err.type, err.param, err.code)}
+                sub.cancel()
+                return
+            results[i] = upd.result
+    yield {**head, **answers_body(questions, results)}
+
+
+async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for e in events:
+        yield f"data: {json.dumps(e)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _window(stream: Stream, window: int | StreamWindow | None) -> list[StreamFrame]:
+    """The frames an ask covers.
+
+    Raises:
+        APIError: 400 naming ``window`` for an empty one (no frames yet, or none in it).
+    """
+    if isinstance(window, StreamWindow) and (window.frames is None) == (window.seconds is None):
+        raise APIError(
+            400,
+            'window: give one of "frames" and "seconds" (or an integer: frames)',
+            param="window",
+        )
+    if isinstance(window, int) and window < 1:
+        raise APIError(400, "window: must be at least 1 frame", param="window")
+    if isinstance(window, int):
+        frames = stream.window(frames=window)
+    elif window is not None:
+        frames = stream.window(window.frames, window.seconds)
+    else:
+        frames = stream.window()
+    if not frames:
+        raise APIError(
+            400,
+            "window: the stream has no frames yet; post frames first "
+            f"(POST /v1/streams/{stream.id}/frames)",
+            param="window",
+            code="stream_empty",
+        )
+    return frames
+
+
+def _window_info(frames: list[StreamFrame]) -> dict:
+    return {
+        "frames": len(frames),
+        "first_frame": frames[0].number,
+        "start": frames[0].timestamp,
+        "end": frames[-1].timestamp,
+    }
+
+
+async def _stream(st: ServerState, stream_id: str) -> Stream:
+    """The current tenant's stream ``stream_id``.
+
+    Raises:
+        APIError: 404 for a malformed, unknown, deleted, expired or another tenant's id.
+    """
+    ident = STREAM.check(stream_id, "stream_id", 404)
+    found = await registry(st).get(st, ident)
+    if found is None:
+        raise STREAM.not_found(ident, "stream_id")
+    return found
+
+
+async def _ask_requests(
+    st: ServerState, stream: Stream, body: StreamAskRequest, frames: list[StreamFrame]
+) -> list[EngineRequest]:
+    """One engine request per question: the ``/qa`` clip prompt over ``frames`` (the
+    stream's system message first), under the stream's cache salt unless the ask gives
+    its own ``cache_salt``."""
+    st.check_model(body.model)
+    check_questions(body.questions, st.settings.max_questions)
+    params = sampling_params(body)
+    salt = stream.salt
+    if body.cache_salt:
+        salt = effective_salt(body.cache_salt, st.settings.shared_cache)
+    system = [{"role": "system", "content": stream.system}] if stream.system else []
+    clip = stream.clip(frames)
+    reqs: list[EngineRequest] = []
+    for q in body.questions:
+        msgs, images, videos = clip_prompt(st, clip, system, q)
+        reqs += await make_requests(
+            st.engine.processor,
+            msgs,
+            images,
+            params,
+            1,
+            st.settings.default_max_tokens,
+            videos,
+            details=stream.details(st, len(frames)),
+            cache_salt=salt,
+        )
+    return reqs
+
+
+def _head(st: ServerState, stream: Stream, frames: list[StreamFrame]) -> dict:
+    return {
+        "id": f"ask-{uuid.uuid4().hex}",
+        "object": "stream.answers",
+        "created": int(time.time()),
+        "model": st.model_name,
+        "stream_id": stream.id,
+        "window": _window_info(frames),
+    }
+
+
+# ---- WebSocket ----------------------------------------------------------------------
+
+
+@router.websocket("/v1/streams/{stream_id}/ws")
+async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
+    """Frames in, answers out, over one connection (docs/api.md): a binary message is
+    one encoded frame; a text message is JSON: ``{"frames": [...]}`` (as ``/frames``) or
+    ``{"type": "ask", ...}`` (an ask's body). Each gets one JSON reply (``stream.frames``,
+    ``stream.answers``, or ``error`` in the API's error shape; the connection stays). The
+    stream lives as long as the connection: closing it deletes the stream."""
+    st: ServerState = websocket.app.state.mm
+    try:
+        stream = await _stream(st, stream_id)
+    except APIError as e:
+        await websocket.close(code=4404, reason=e.message[:120])
+        return
+    await websocket.accept()
+    stream.sockets += 1
+    try:
+        while True:
+            msg = await websocket.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            try:
+                reply = await _socket_message(st, stream, msg)
+            except APIError as e:
+                reply = {"type": "error", **error_body(e.message, e.type, e.param, e.code)}
+            await websocket.send_text(json.dumps(reply))
+    except (WebSocketDisconnect, ClientDisconnected, RuntimeError):
+        return
+    finally:
+        stream.sockets -= 1
+        stream.touch()
+        # the client vanished: the stream ends with it (its prefix released)
+        await asyncio.shield(registry(st).delete(st, stream))
+
+
+async def _socket_message(st: ServerState, stream: Stream, msg: dict) -> dict:
+    """One WebSocket message's reply (see :func:`stream_socket`)."""
+    if stream.closed:
+        raise STREAM.not_found(stream.id, "stream_id")
+    stream.touch()
+    if msg.get("bytes") is not None:
+        frames = [Incoming(msg["bytes"], None, "file", "timestamp")]
+        return {"type": "frames", **_take(st, stream, await prepare(st, stream, frames))}
+    try:
+        body = json.loads(msg.get("text") or "")
+    except json.JSONDecodeError:
+        raise APIError(400, "message: not JSON; send a frame as binary or JSON text") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "message: expected a JSON object", param="message")
+    kind = body.pop("type", "frames")
+    if kind == "frames":
+        frames = await prepare(st, stream, await json_frames(body, st, stream))
+        return {"type": "frames", **_take(st, stream, frames)}
+    if kind != "ask":
+        raise APIError(400, f'type: {str(kind)[:40]!r}; send "frames" or "ask"', param="type")
+    try:
+        ask = StreamAskRequest.model_validate(body)
+    except ValidationError as e:
+        message, param = describe_validation_errors(e.errors())
+        raise APIError(400, message, param=param) from None
+    if ask.stream:
+        raise APIError(
+            400, "stream: a WebSocket ask answers whole; leave stream out", param="stream"
+        )
+    frames = _window(stream, ask.window)
+    return {"type": "answers", **await _socket_ask(st, stream, ask, frames)}
+
+
+async def _socket_ask(
+    st: ServerState, stream: Stream, body: StreamAskRequest, frames: list[StreamFrame]
+) -> dict:
+    reqs = await _ask_requests(st, stream, body, frames)
+    results = await st.client.submit(reqs, final_only=True).answers()
+    return {**_head(st, stream, frames), **answers_body(body.questions, results)}
+
+
+async def close_streams(st: ServerState) -> None:
+    """Delete every live stream (the app's shutdown)."""
+    if st.streams is not None:
+        await st.streams.close(st)
