@@ -483,16 +483,21 @@ function liveStatus(text) {
   $("#live-status").textContent = text;
 }
 
-// The stream's figures as GET /v1/streams/{id} gives them, with this page's counts.
+// The stream's figures as GET /v1/streams/{id} gives them, with this page's counts:
+// frames in its window (and the seconds they span), how many of them are prefilled
+// in its held prefix, its cached tokens, and frames thinned by its fps.
 function showLive(info) {
   const parts = [`${live.id}`, `${plural(live.sent, "frame")} sent`];
   if (live.skipped) parts.push(`${live.skipped} not sent (the previous one was still on its way)`);
   if (info) {
-    const held = info.frames ?? info.num_frames;
-    if (held !== undefined) parts.push(`server: ${plural(held, "frame")} held`);
-    if (info.tokens !== undefined) parts.push(plural(info.tokens, "token"));
-    if (info.thinned) parts.push(`${info.thinned} thinned`);
-    $("#live-status").dataset.held = String(held ?? "");
+    const win = info.window || {};
+    parts.push(
+      `server: ${plural(info.frames_held, "frame")} held (${(win.seconds || 0).toFixed(1)} s), ` +
+        `${info.cached.frames} prefilled, ${plural(info.tokens, "token")} cached`,
+    );
+    if (info.frames_thinned) parts.push(`${info.frames_thinned} thinned by fps`);
+    if (info.cached.error) parts.push(`prefill failed: ${info.cached.error}`);
+    $("#live-status").dataset.held = String(info.frames_held);
   }
   liveStatus(parts.join(" · "));
 }
