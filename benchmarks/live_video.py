@@ -54,12 +54,17 @@ from benchmarks import over_http as http
 from benchmarks import report
 from benchmarks.host import cpu_by_process
 
-#: ``--scale`` -> frames (seconds at 1 frame/s), seconds between questions, real time,
-#: rates of the thinning ramp (frames/s) and seconds per rate.
+#: ``--scale`` -> frames (seconds at 1 frame/s), seconds between questions, the stream's
+#: window (``max_frames``; 0: every frame), real time, rates of the ramp (frames/s) and
+#: seconds per rate. At full scale the window is 200 frames: the server fits at most 219
+#: in the small checkpoint's 8192-token context (25 tokens and 12 of room per frame), so
+#: the 300-frame stream rolls once (at frame 201, to its last 100 frames).
 SCALES: dict[str, dict[str, Any]] = {
-    "full": {"frames": 300, "every": 10, "real_time": True, "rates": "1,2,4,8,16,32", "secs": 10},
-    "quick": {"frames": 120, "every": 10, "real_time": False, "rates": "1,2,4,8,16", "secs": 5},
-    "ci": {"frames": 12, "every": 4, "real_time": False, "rates": "2,8", "secs": 2},
+    "full": {"frames": 300, "every": 10, "window": 200, "real_time": True,
+             "rates": "1,2,4,8,16,32", "secs": 10},
+    "quick": {"frames": 120, "every": 10, "window": 0, "real_time": False,
+              "rates": "1,2,4,8,16", "secs": 5},
+    "ci": {"frames": 12, "every": 4, "window": 0, "real_time": False, "rates": "2,8", "secs": 2},
 }  # fmt: skip
 #: Questions, one per question time in turn (distinct texts: no answer repeats a prompt).
 QUESTIONS = (
@@ -311,7 +316,7 @@ def live_video(args: argparse.Namespace, model: str) -> int:
     every = args.every or sc["every"]
     real_time = sc["real_time"] if args.real_time is None else args.real_time
     rates = [float(r) for r in (args.rates or sc["rates"]).split(",") if r]
-    window = args.window or n
+    window = args.window or sc["window"] or n
     data = make_video(n, seed=args.seed)
     pngs = decoded_pngs(data)
     secs = args.rate_seconds or sc["secs"]
@@ -472,7 +477,7 @@ def live_video(args: argparse.Namespace, model: str) -> int:
 OPTIONS: list[tuple[tuple[str, ...], dict]] = [
     (("--frames",), dict(type=int, default=0, help="seconds of video (default by --scale)")),
     (("--every",), dict(type=int, default=0, help="seconds between questions (by --scale)")),
-    (("--window",), dict(type=int, default=0, help="the stream's max_frames (0: all)")),
+    (("--window",), dict(type=int, default=0, help="the stream's max_frames (by --scale)")),
     (("--real-time",), dict(action=argparse.BooleanOptionalAction, default=None,
                             help="one frame a second (default: at --scale full)")),
     (("--max-tokens",), dict(type=int, default=1, help="answer tokens")),
