@@ -26,8 +26,9 @@ find the first one's whole clip in the cache). Reported:
 - TTFT of the stream's question late (the last 3 question times) / early (the 3 around
   0.1 of the video: minute 0.5 of 5), medians; target <= 1.5;
 - TTFT stream / clip at each question time, and the medians early and late;
-- the stream server's CPU seconds per frame at steady state (process tree, from frame
-  sent to frame held; question intervals after the first, median);
+- the stream server's CPU seconds per frame at steady state (process tree, from the
+  interval's first frame sent to its last held; question intervals after the first,
+  median), less the tree's idle CPU (:func:`idle_cpu_rate`) over the interval, and raw;
 - the frames/s the stream server sustains: a fresh stream per rate of ``--rates``,
   frames sent in real time for ``--rate-seconds``, ``fps`` = the rate; the highest rate
   whose held prefix keeps up (:func:`thinning_ramp`).
@@ -246,6 +247,20 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds so far of process ``pid`` and its descendants (the server's tree)."""
+    return sum(cpu_by_process(pid).values())
+
+
+def idle_cpu_rate(pid: int, seconds: float) -> float:
+    """CPU seconds per second the server's tree spends with nothing to do (its loops and
+    pollers), over ``seconds``: taken out of the per-frame figures, whose intervals last
+    seconds in real time."""
+    cpu0, t0 = tree_cpu(pid), time.perf_counter()
+    time.sleep(seconds)
+    return (tree_cpu(pid) - cpu0) / (time.perf_counter() - t0)
+
+
 def thinning_ramp(
     client: httpx.Client,
     url: str,
@@ -254,6 +269,7 @@ def thinning_ramp(
     rates: list[float],
     secs: float,
     window: int,
+    idle: float = 0.0,
 ) -> list[dict]:
     """Per rate: a fresh stream (``fps`` = the rate, so ``fps`` thins nothing), frames in
     real time for ``secs`` seconds. The stream keeps one prefill running and folds the
@@ -271,7 +287,7 @@ def thinning_ramp(
     for rate in rates:
         s = StreamClient(client, url, {"fps": rate, "max_frames": window})
         n = max(2, int(rate * secs))
-        cpu0, t0 = sum(cpu_by_process(pid).values()), time.perf_counter()
+        cpu0, t0 = tree_cpu(pid), time.perf_counter()
         lags, late = [], 0.0
         for i in range(n):
             wait = t0 + i / rate - time.perf_counter()
@@ -282,7 +298,8 @@ def thinning_ramp(
             lags.append(lag(s.info()))
         last = time.perf_counter()
         info = s.settle()
-        cpu = sum(cpu_by_process(pid).values()) - cpu0
+        cpu = tree_cpu(pid) - cpu0
+        busy = cpu - idle * (time.perf_counter() - t0)
         tail = lags[n // 2 :]
         row = {
             "rate": rate,
@@ -294,7 +311,8 @@ def thinning_ramp(
             "max_lag_frames": max(tail),
             "drain_s": time.perf_counter() - last,
             "client_late_s": late,
-            "cpu_s_per_frame": cpu / n,
+            "cpu_s_per_frame": busy / n,
+            "raw_cpu_s_per_frame": cpu / n,
         }
         row["sustained"] = row["lag_p50_frames"] <= MAX_LAG and not row["thinned"]
         rows.append(row)
@@ -329,6 +347,7 @@ def live_video(args: argparse.Namespace, model: str) -> int:
     early_t = times[min(range(len(times)), key=lambda k: abs(times[k] - 0.1 * n))]
     rows: dict[str, dict] = {}
     steady_cpu: list[float] = []
+    raw_cpu: list[float] = []
     with (
         http.mmserve_server(model, flags, threads=threads) as (s_url, s_proc),
         http.mmserve_server(model, flags, threads=threads) as (c_url, _),
@@ -336,11 +355,12 @@ def live_video(args: argparse.Namespace, model: str) -> int:
     ):
         up = client.post(f"{c_url}/v1/videos", files={"file": ("live.mp4", data, "video/mp4")})
         video_id = up.raise_for_status().json()["id"]
+        idle = idle_cpu_rate(s_proc.pid, args.idle_seconds)
         stream = StreamClient(client, s_url, {"fps": 1, "max_frames": window})
         t0 = time.perf_counter()
         sent = 0
         for k, t in enumerate(times):
-            cpu0 = sum(cpu_by_process(s_proc.pid).values())
+            cpu0, w0 = tree_cpu(s_proc.pid), time.perf_counter()
             for i in range(sent, t):
                 if real_time:
                     time.sleep(max(0.0, t0 + i - time.perf_counter()))
@@ -349,8 +369,9 @@ def live_video(args: argparse.Namespace, model: str) -> int:
             sent = t
             info = stream.settle()
             if k:  # the first interval holds the stream's first prefill: not steady
-                cpu = sum(cpu_by_process(s_proc.pid).values()) - cpu0
-                steady_cpu.append(cpu / frames_in)
+                cpu = tree_cpu(s_proc.pid) - cpu0
+                raw_cpu.append(cpu / frames_in)
+                steady_cpu.append((cpu - idle * (time.perf_counter() - w0)) / frames_in)
             q = QUESTIONS[k % len(QUESTIONS)]
             clip = range(max(0, t - min(window, held(info) or t)), t)
             order = ("stream", "clip") if k % 2 == 0 else ("clip", "stream")
@@ -383,7 +404,7 @@ def live_video(args: argparse.Namespace, model: str) -> int:
             }
             print(f"live-video: {rows[f'{t} s']}", flush=True)
         stream.delete()
-        ramp = thinning_ramp(client, s_url, s_proc.pid, ramp_pngs, rates, secs, window)
+        ramp = thinning_ramp(client, s_url, s_proc.pid, ramp_pngs, rates, secs, window, idle)
     by_t = {r["t"]: r for r in rows.values()}
     ei = times.index(early_t)
     early = [by_t[t] for t in times[max(0, ei - 1) : ei + AROUND - 1]]
@@ -404,6 +425,8 @@ def live_video(args: argparse.Namespace, model: str) -> int:
         "stream_over_clip_early": med["early"]["ratio"],
         "stream_over_clip_late": med["late"]["ratio"],
         "cpu_s_per_frame": _median(steady_cpu),
+        "raw_cpu_s_per_frame": _median(raw_cpu),
+        "idle_cpu_s_per_s": idle,
         "sustained_fps": max(clean) if clean else None,
         "same_answers": sum(r["same_answer"] for r in rows.values()),
         "questions": len(rows),
@@ -438,7 +461,9 @@ def live_video(args: argparse.Namespace, model: str) -> int:
             ("clip TTFT late / early", summary["clip_late_over_early"]),
             ("stream / clip TTFT, early", summary["stream_over_clip_early"]),
             ("stream / clip TTFT, late", summary["stream_over_clip_late"]),
-            ("server CPU s per frame (steady)", summary["cpu_s_per_frame"]),
+            ("server CPU s per frame (steady, less idle)", summary["cpu_s_per_frame"]),
+            ("server CPU s per frame (steady, raw)", summary["raw_cpu_s_per_frame"]),
+            ("server CPU s per s, idle", idle),
             ("frames/s sustained (the held prefix keeps up)", summary["sustained_fps"]),
             ("same answer as the clip", f"{summary['same_answers']} of {len(rows)}"),
         ],
@@ -470,6 +495,7 @@ def live_video(args: argparse.Namespace, model: str) -> int:
     )
     out = {"meta": meta, "summary": summary, "targets": targets, "rows": rows, "ramp": ramp}
     out["steady_cpu_s_per_frame"] = steady_cpu
+    out["raw_cpu_s_per_frame"] = raw_cpu
     return report.emit(args.out, "live_video", out, md)
 
 
@@ -486,5 +512,6 @@ OPTIONS: list[tuple[tuple[str, ...], dict]] = [
     (("--rate-seconds",), dict(type=float, default=0, help="seconds per ramp rate")),
     (("--dtype",), dict(default="auto", help="the servers' --dtype (auto: the machine's)")),
     (("--serve-flags",), dict(default="", help="more `mmserve serve` flags, both servers")),
+    (("--idle-seconds",), dict(type=float, default=3.0, help="the idle CPU baseline (s)")),
     (("--max-total-tokens",), dict(type=int, default=16384, help="KV pool of each server")),
 ]  # fmt: skip
