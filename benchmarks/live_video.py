@@ -368,10 +368,11 @@ def live_video(args: argparse.Namespace, model: str) -> int:
             frames_in = t - sent
             sent = t
             info = stream.settle()
+            cpu = tree_cpu(s_proc.pid) - cpu0
+            interval_cpu = (cpu - idle * (time.perf_counter() - w0)) / frames_in
             if k:  # the first interval holds the stream's first prefill: not steady
-                cpu = tree_cpu(s_proc.pid) - cpu0
                 raw_cpu.append(cpu / frames_in)
-                steady_cpu.append((cpu - idle * (time.perf_counter() - w0)) / frames_in)
+                steady_cpu.append(interval_cpu)
             q = QUESTIONS[k % len(QUESTIONS)]
             clip = range(max(0, t - min(window, held(info) or t)), t)
             order = ("stream", "clip") if k % 2 == 0 else ("clip", "stream")
@@ -401,6 +402,7 @@ def live_video(args: argparse.Namespace, model: str) -> int:
                 "clip_cached": got["clip"]["cached_tokens"],
                 "same_answer": got["stream"]["text"] == got["clip"]["text"],
                 "thinned": thinned(info),
+                "cpu_s_per_frame": interval_cpu,
             }
             print(f"live-video: {rows[f'{t} s']}", flush=True)
         stream.delete()
@@ -473,7 +475,8 @@ def live_video(args: argparse.Namespace, model: str) -> int:
         rows,
         "video time|frames=frames|stream TTFT=stream_ttft_s:ms|clip TTFT=clip_ttft_s:ms"
         "|stream / clip=ratio:.3f|stream cached=stream_cached|stream prompt=stream_prompt"
-        "|clip cached=clip_cached|clip prompt=clip_prompt|same answer=same_answer",
+        "|clip cached=clip_cached|clip prompt=clip_prompt|same answer=same_answer"
+        "|server CPU s/frame=cpu_s_per_frame:.3f",
     )
     md += "\n" + report.md_table(
         "frames/s|sent|held|thinned|prefills|lag p50 (frames)|lag max|drain s|CPU s/frame|kept up",
