@@ -11,8 +11,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import StreamingResponse
@@ -23,12 +23,12 @@ from api.disconnect import request_token, until_cancelled
 from api.errors import APIError, ClientDisconnected, describe_validation_errors, error_body
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import STREAM
-from api.json_body import JSONBodyRoute
+from api.json_body import JSONBodyRoute, parse_json_object, read_json_object
 from api.openai_format import usage
 from api.routes_videos import clip_prompt
 from api.schemas import STRICT, Detail, SamplingFields
 from api.state import ServerState, State
-from api.stream_frames import Incoming, json_frames, prepare, read_frames
+from api.stream_frames import Incoming, check_timestamps, json_frames, prepare, read_frames
 from api.streams import (
     ASK_ROOM_TOKENS,
     DEFAULT_MAX_FRAMES,
@@ -68,11 +68,14 @@ class StreamWindow(BaseModel):
 
 
 class StreamAskRequest(SamplingFields, CacheSaltField):
-    """``POST /v1/streams/{id}/ask`` body: the body of ``/v1/images/{id}/ask`` (its
-    ``system`` and ``detail`` are the stream's, set when it was made) plus ``window``
-    and ``stream``."""
+    """``POST /v1/streams/{id}/ask`` body: the body of ``/v1/images/{id}/ask`` plus
+    ``window`` and ``stream``. ``system`` defaults to the stream's (another one starts
+    another prompt: the held prefix is not reused); ``detail`` is the stream's (set when
+    it was made), so only that value is accepted."""
 
     questions: list[str] = Field(min_length=1)
+    system: str | None = Field(default=None, description="default: the stream's system")
+    detail: Detail | None = Field(default=None, description="the stream's detail (only)")
     window: int | StreamWindow | None = Field(
         default=None, description="last N frames (an integer, or {frames}) or {seconds}"
     )
@@ -88,9 +91,26 @@ def registry(st: ServerState) -> StreamRegistry:
     return reg
 
 
-@router.post("/v1/streams")
-async def create_stream(body: StreamCreateRequest, st: State) -> dict:
-    """Open a live stream (bounded by ``--max-streams``: 429 beyond)."""
+_CREATE_BODY = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": StreamCreateRequest.model_json_schema()}},
+    }
+}
+
+
+@router.post("/v1/streams", openapi_extra=_CREATE_BODY)
+async def create_stream(request: Request, st: State) -> dict:
+    """Open a live stream (bounded by ``--max-streams``: 429 beyond). The JSON body
+    (:class:`StreamCreateRequest`) may be left out: every field has a default."""
+    fields: dict = {}
+    if (await request.body()).strip():
+        _, fields = await read_json_object(request)
+    try:
+        body = StreamCreateRequest.model_validate(fields)
+    except ValidationError as e:
+        message, param = describe_validation_errors(e.errors())
+        raise APIError(400, message, param=param) from None
     st.check_model(body.model)
     family = st.engine.model.family
     layout = family.stream_layout()
@@ -132,18 +152,16 @@ async def create_stream(body: StreamCreateRequest, st: State) -> dict:
 
 
 def _most_frames(st: ServerState, layout: str, mode: str) -> int:
-    """Most frames one stream prompt can hold: the frame limit of the layout, and what
-    fits the context (and the KV pool) with room for a question and its answer."""
-    processor = st.engine.processor
+    """Most frames one stream prompt can hold: the frame limit of the layout, the image
+    tokens one request may have (``--max-image-tokens-per-request``), and what fits the
+    context (and the KV pool) with room for a question and its answer."""
+    processor, config = st.engine.processor, st.engine.config
     side = processor.shortest_edge
-    per = st.engine.model.image_tokens(side, side, mode) + FRAME_TEXT_TOKENS
+    run = st.engine.model.image_tokens(side, side, mode)
     room = min(processor.max_context, processor.kv_capacity_tokens) - ASK_ROOM_TOKENS
-    limit = (
-        st.settings.max_video_frames
-        if layout == "video"
-        else st.engine.config.max_images_per_request
-    )
-    return max(1, min(limit, room // per))
+    limit = st.settings.max_video_frames if layout == "video" else config.max_images_per_request
+    runs = config.max_image_tokens_per_request // max(1, run)  # the processor's image budget
+    return max(1, min(limit, runs, room // (run + FRAME_TEXT_TOKENS)))
 
 
 @router.get("/v1/streams/{stream_id}")
@@ -174,8 +192,6 @@ async def post_frames(stream_id: str, request: Request, st: State) -> dict:
 
 def _take(st: ServerState, stream: Stream, frames: list[Incoming]) -> dict:
     """Add prepared ``frames`` to ``stream`` (thinned by its fps) and start its prefill."""
-    from api.stream_frames import check_timestamps
-
     if stream.closed:
         raise STREAM.not_found(stream.id, "stream_id")
     check_timestamps(stream, frames)  # again: another post may have come in meanwhile
@@ -212,8 +228,7 @@ async def ask_stream(
     text as it comes (server-sent events, or ``stream_format: "ndjson"``)."""
     stream = await _stream(st, stream_id)
     stream.touch()
-    frames = _window(stream, body.window)
-    reqs = await _ask_requests(st, stream, body, frames)
+    reqs, frames = await _ask_requests(st, stream, body)
     head = _head(st, stream, frames)
     if body.stream:
         sub = st.client.submit(reqs)
@@ -337,18 +352,37 @@ async def _stream(st: ServerState, stream_id: str) -> Stream:
 
 
 async def _ask_requests(
-    st: ServerState, stream: Stream, body: StreamAskRequest, frames: list[StreamFrame]
-) -> list[EngineRequest]:
-    """One engine request per question: the ``/qa`` clip prompt over ``frames`` (the
-    stream's system message first), under the stream's cache salt unless the ask gives
-    its own ``cache_salt``."""
+    st: ServerState, stream: Stream, body: StreamAskRequest
+) -> tuple[list[EngineRequest], list[StreamFrame]]:
+    """The ask's frames (its ``window``) and one engine request per question: the
+    ``/qa`` clip prompt over them (the system message first), under the stream's cache
+    salt unless the ask gives its own ``cache_salt``.
+
+    Raises:
+        APIError: 400 naming the field at fault (the body's fields are checked before
+            the window).
+    """
     st.check_model(body.model)
     check_questions(body.questions, st.settings.max_questions)
+    if body.stream_format is not None and not body.stream:
+        raise APIError(
+            400, "stream_format: only with stream: true (the answers are sent whole)",
+            param="stream_format",
+        )  # fmt: skip
     params = sampling_params(body)
     salt = stream.salt
     if body.cache_salt:
         salt = effective_salt(body.cache_salt, st.settings.shared_cache)
-    system = [{"role": "system", "content": stream.system}] if stream.system else []
+    if body.detail is not None and body.detail != stream.detail:
+        raise APIError(
+            400,
+            f"detail: this stream's frames are prepared with detail {stream.detail!r}, set "
+            "when it was made; leave detail out or send that value",
+            param="detail",
+        )
+    text = body.system if body.system is not None else stream.system
+    system = [{"role": "system", "content": text}] if text else []
+    frames = _window(stream, body.window)
     clip = stream.clip(frames)
     reqs: list[EngineRequest] = []
     for q in body.questions:
@@ -364,7 +398,7 @@ async def _ask_requests(
             details=stream.details(st, len(frames)),
             cache_salt=salt,
         )
-    return reqs
+    return reqs, frames
 
 
 def _head(st: ServerState, stream: Stream, frames: list[StreamFrame]) -> dict:
@@ -384,10 +418,12 @@ def _head(st: ServerState, stream: Stream, frames: list[StreamFrame]) -> dict:
 @router.websocket("/v1/streams/{stream_id}/ws")
 async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
     """Frames in, answers out, over one connection (docs/api.md): a binary message is
-    one encoded frame; a text message is JSON: ``{"frames": [...]}`` (as ``/frames``) or
-    ``{"type": "ask", ...}`` (an ask's body). Each gets one JSON reply (``stream.frames``,
-    ``stream.answers``, or ``error`` in the API's error shape; the connection stays). The
-    stream lives as long as the connection: closing it deletes the stream."""
+    one encoded frame; a text message is JSON: ``{"frames": [...]}`` (as ``/frames``),
+    ``{"type": "frame", "data", "timestamp"}`` (one frame) or ``{"type": "ask", ...}``
+    (an ask's body; ``type`` may be left out when it has ``questions``). Each gets one
+    JSON reply (``frames``, ``answers``, or ``error`` in the API's error shape; the
+    connection stays). The stream lives as long as the connection: closing it deletes
+    the stream."""
     st: ServerState = websocket.app.state.mm
     try:
         stream = await _stream(st, stream_id)
@@ -415,7 +451,7 @@ async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
         await asyncio.shield(registry(st).delete(st, stream))
 
 
-async def _socket_message(st: ServerState, stream: Stream, msg: dict) -> dict:
+async def _socket_message(st: ServerState, stream: Stream, msg: Mapping[str, Any]) -> dict:
     """One WebSocket message's reply (see :func:`stream_socket`)."""
     if stream.closed:
         raise STREAM.not_found(stream.id, "stream_id")
@@ -423,18 +459,18 @@ async def _socket_message(st: ServerState, stream: Stream, msg: dict) -> dict:
     if msg.get("bytes") is not None:
         frames = [Incoming(msg["bytes"], None, "file", "timestamp")]
         return {"type": "frames", **_take(st, stream, await prepare(st, stream, frames))}
-    try:
-        body = json.loads(msg.get("text") or "")
-    except json.JSONDecodeError:
-        raise APIError(400, "message: not JSON; send a frame as binary or JSON text") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "message: expected a JSON object", param="message")
-    kind = body.pop("type", "frames")
+    text = msg.get("text") or ""
+    body = parse_json_object(text.encode("utf-8", "surrogatepass"), st.settings.max_json_depth)
+    kind = body.pop("type", "ask" if "questions" in body else "frames")
+    if kind == "frame":  # one frame: {"type": "frame", "data": ..., "timestamp": ...}
+        kind, body = "frames", {"frames": [body]}
     if kind == "frames":
         frames = await prepare(st, stream, await json_frames(body, st, stream))
         return {"type": "frames", **_take(st, stream, frames)}
     if kind != "ask":
-        raise APIError(400, f'type: {str(kind)[:40]!r}; send "frames" or "ask"', param="type")
+        raise APIError(
+            400, f'type: {str(kind)[:40]!r}; send "frame", "frames" or "ask"', param="type"
+        )
     try:
         ask = StreamAskRequest.model_validate(body)
     except ValidationError as e:
@@ -444,14 +480,11 @@ async def _socket_message(st: ServerState, stream: Stream, msg: dict) -> dict:
         raise APIError(
             400, "stream: a WebSocket ask answers whole; leave stream out", param="stream"
         )
-    frames = _window(stream, ask.window)
-    return {"type": "answers", **await _socket_ask(st, stream, ask, frames)}
+    return {"type": "answers", **await _socket_ask(st, stream, ask)}
 
 
-async def _socket_ask(
-    st: ServerState, stream: Stream, body: StreamAskRequest, frames: list[StreamFrame]
-) -> dict:
-    reqs = await _ask_requests(st, stream, body, frames)
+async def _socket_ask(st: ServerState, stream: Stream, body: StreamAskRequest) -> dict:
+    reqs, frames = await _ask_requests(st, stream, body)
     results = await st.client.submit(reqs, final_only=True).answers()
     return {**_head(st, stream, frames), **answers_body(body.questions, results)}
 

@@ -184,8 +184,10 @@ class Stream:
             "detail": self.detail,
             "system": self.system,
             "layout": self.layout,
+            "frames": len(win),
             "frames_received": self.received,
             "frames_thinned": self.thinned,
+            "thinned": self.thinned,
             "frames_held": len(win),
             "segments": self.segment + 1,
             "window": {

@@ -165,6 +165,10 @@ SLOW_TESTS: dict[str, str] = {
     ),
     "test_cli::test_serve_logs_its_choices_by_default": "a server subprocess",
     "test_concurrency": "32 clients against a live server",
+    "test_streams::test_idle_streams_expire_and_release": (
+        "waits out a 3 s stream idle expiry (an app of its own)"
+    ),
+    "test_streams::test_a_stream_belongs_to_its_tenant": "an app of its own (--api-keys)",
     "test_fuzz": "hypothesis inputs against a live server",
     "test_graceful_shutdown": "a server subprocess stopped by SIGTERM mid-stream",
     "test_kv_tiers::test_server_restart_answers_from_disk": "two server subprocesses in turn",

@@ -526,6 +526,37 @@ def video_qa(client, vid: str, **body) -> list[dict]:
     return events
 
 
+def post_stream_frames(client, sid: str, images: Sequence[bytes], timestamps=None, headers=None):
+    """POST encoded ``images`` (with ``timestamps``, seconds, when given) to
+    ``/v1/streams/{sid}/frames`` as multipart ``file`` / ``timestamp`` fields; returns
+    the response."""
+    parts: list[tuple] = [("file", (f"f{i}.png", im)) for i, im in enumerate(images)]
+    parts += [("timestamp", (None, repr(float(t)))) for t in timestamps or ()]
+    return client.post(f"/v1/streams/{sid}/frames", files=parts, headers=headers)
+
+
+def stream_ask(client, sid: str, questions: Sequence[str], **body) -> dict:
+    """POST ``questions`` (and ``body``) to ``/v1/streams/{sid}/ask``; assert a 200 and
+    return its JSON."""
+    r = client.post(f"/v1/streams/{sid}/ask", json={"questions": list(questions), **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_stream_held(client, sid: str, frames: int, timeout: float = 60.0) -> dict:
+    """Wait until the engine holds stream ``sid``'s prefix over ``frames`` frames (its
+    background prefill done); returns ``GET /v1/streams/{sid}``."""
+    deadline = time.time() + timeout
+    while True:
+        info = client.get(f"/v1/streams/{sid}").json()
+        held = info["cached"]
+        if held["frames"] == frames and not held["pending"]:
+            return info
+        assert held["error"] is None, info
+        assert time.time() < deadline, f"stream {sid} never held {frames} frames: {info}"
+        time.sleep(0.05)
+
+
 def assert_healthy(client) -> None:
     """A normal request is answered and the pool accounting holds at rest."""
     r = chat(client, "Say hello.")

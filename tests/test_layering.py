@@ -208,6 +208,7 @@ SPLIT_PACKAGES = {
     "mmserve/vision/video": ("select", "orientation", "probe", "decode"),
     "mmserve/testing": ("hub_cache", "tokenizer", "weights", "checkpoints", "copying"),
     "mmserve/engine/scheduler": (
+        "holds",
         "kv_manager",
         "features",
         "spec_pages",

@@ -1,0 +1,416 @@
+"""Live video streams (/v1/streams): answers equal a /qa clip's over the same frames, the
+question reuses the held prefix, deletion / expiry / a closed WebSocket release every
+lock and page, streams share only content keys, bad frames get a 4xx naming the field
+and leave the stream usable, and --max-streams bounds them. Everything is read over
+HTTP, so the file runs as it is against the process-split server too."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from mmserve.vision.image import ImageLimits
+from mmserve.vision.video import Video, VideoLimits
+from tests.helpers import (
+    MODEL,
+    assert_error,
+    png_bytes,
+    post_stream_frames,
+    stream_ask,
+    upload_video,
+    video_qa,
+    wait_stream_held,
+)
+from tests.live_server import app_client
+from tests.videos import encode_mp4, rgb_frames
+
+pytest.importorskip("av")
+
+Q = "What happens in this clip?"
+GREEDY = {"temperature": 0.0, "max_tokens": 5}
+
+
+def noise_png(seed: int, w: int = 40, h: int = 30) -> bytes:
+    rng = np.random.default_rng(seed)
+    return png_bytes(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+
+
+def at_rest(c: TestClient) -> dict:
+    """The engine's figures once nothing runs, with the pool accounting checked."""
+    deadline = time.time() + 30
+    while True:
+        stats = c.get("/v1/cache/stats").json()
+        if stats["accounting"] is not None or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    acc = stats["accounting"]
+    assert acc is not None and acc["ok"], stats
+    return stats
+
+
+def assert_released(c: TestClient) -> None:
+    """No prefix held, no page locked or used: every page free or evictable, and free
+    again after a flush."""
+    stats = at_rest(c)
+    assert (stats["held_prefixes"], stats["locked_pages"], stats["used_pages"]) == (0, 0, 0)
+    assert stats["free_pages"] + stats["evictable_pages"] == stats["pool_pages"]
+    assert c.post("/v1/cache/flush").status_code == 200
+    stats = at_rest(c)
+    assert stats["free_pages"] == stats["pool_pages"] and stats["tree_pages"] == 0
+
+
+@pytest.fixture(scope="module")
+def clip() -> bytes:
+    return encode_mp4(rgb_frames(8, seed=3), fps=4)
+
+
+@pytest.fixture(scope="module")
+def client(families):
+    limits = ImageLimits(max_bytes=60_000, max_side=512)
+    engine = families["llava"].make_engine(max_total_tokens=16384, image_limits=limits)
+    with app_client(engine, max_streams=3, max_stream_frames_per_post=3) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ov_client(families):
+    with app_client(families["llava-onevision"].make_engine(max_total_tokens=8192)) as c:
+        yield c
+
+
+@pytest.mark.parametrize("family", ["llava", "llava-onevision"])
+def test_stream_answers_equal_a_qa_clip_and_reuse_the_held_prefix(
+    family: str, client: TestClient, ov_client: TestClient, clip: bytes
+) -> None:
+    c = ov_client if family == "llava-onevision" else client
+    n = 6 if family == "llava-onevision" else 3
+    vid = upload_video(c, clip).json()["id"]
+    system = "You describe video."
+    events = video_qa(c, vid, questions=[Q], mode="clip", num_frames=n, system=system, **GREEDY)
+    (want,) = [e for e in events if e["type"] == "answer"]
+    frames = events[0]["frames"]
+    images = Video(clip, VideoLimits()).frames([f["frame_index"] for f in frames])
+    sid = c.post("/v1/streams", json={"system": system}).json()["id"]
+    # the frames as PNGs, posted one at a time at the clip's times
+    for f, im in zip(frames, images, strict=True):
+        r = post_stream_frames(c, sid, [png_bytes(im)], [f["timestamp"]])
+        assert r.status_code == 200 and r.json()["accepted"] == 1, r.text
+    info = wait_stream_held(c, sid, n)
+    assert info["frames_held"] == n and info["tokens"] > 0
+    got = stream_ask(c, sid, [Q], **GREEDY)
+    (ans,) = got["answers"]
+    assert (ans["answer"], ans["finish_reason"]) == (want["text"], want["finish_reason"])
+    assert ans["usage"]["prompt_tokens"] == want["prompt_tokens"]
+    # the question prefilled only what follows the last frame's run
+    cached = ans["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == ans["usage"]["cached_tokens"] >= info["tokens"]
+    assert want["prompt_tokens"] - cached < 40 < info["tokens"]
+    assert got["usage"]["cached_tokens"] == cached and got["window"]["frames"] == n
+    # the same frames replayed from the uploaded video: the same answer
+    sid2 = c.post("/v1/streams", json={"system": system}).json()["id"]
+    r = c.post(f"/v1/streams/{sid2}/frames", json={"video_id": vid, "num_frames": n})
+    assert r.status_code == 200 and r.json()["accepted"] == n, r.text
+    assert [f["image_id"] for f in r.json()["frames"]] == [f["image_id"] for f in frames]
+    assert stream_ask(c, sid2, [Q], **GREEDY)["answers"][0]["answer"] == want["text"]
+    for s in (sid, sid2):
+        assert c.delete(f"/v1/streams/{s}").json()["deleted"] is True
+    assert_released(c)
+
+
+def test_streamed_ask_and_window(client: TestClient) -> None:
+    sid = client.post("/v1/streams", json={"max_frames": 3, "roll_frames": 2}).json()["id"]
+    for i in range(5):  # 3 frames fill the window; the 4th rolls it to the last 1 + itself
+        r = post_stream_frames(client, sid, [noise_png(i)], [float(i)])
+        assert r.status_code == 200, r.text
+    info = wait_stream_held(client, sid, 3)
+    assert (info["frames_held"], info["segments"], info["window"]["first_frame"]) == (3, 2, 2)
+    # only the current segment's prefix stays locked: the first one was released
+    stats = at_rest(client)
+    assert stats["held_prefixes"] == 1
+    assert stats["locked_pages"] == info["tokens"] // stats["page_size"]
+    whole = stream_ask(client, sid, ["Describe it."], **GREEDY)
+    last = stream_ask(client, sid, ["Describe it."], window=1, **GREEDY)
+    secs = stream_ask(client, sid, ["Describe it."], window={"seconds": 1.0}, **GREEDY)
+    assert (whole["window"]["frames"], last["window"]["frames"]) == (3, 1)
+    assert secs["window"] == {"frames": 2, "first_frame": 3, "start": 3.0, "end": 4.0}
+    r = client.post(
+        f"/v1/streams/{sid}/ask", json={"questions": ["Describe it."], "stream": True, **GREEDY}
+    )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    text = "".join(e["delta"] for e in events if e["object"] == "stream.answer.delta")
+    assert events[-1]["object"] == "stream.answers"
+    assert text == events[-1]["answers"][0]["answer"] == whole["answers"][0]["answer"]
+    assert r.text.rstrip().endswith("data: [DONE]")
+    client.delete(f"/v1/streams/{sid}")
+    assert_released(client)
+
+
+def test_fps_thins_frames_and_reports_them(client: TestClient) -> None:
+    sid = client.post("/v1/streams", json={"fps": 1.0}).json()["id"]
+    times = [0.0, 0.4, 0.8, 1.0, 1.5, 2.1]
+    got = []
+    for i in range(0, 6, 3):
+        r = post_stream_frames(client, sid, [noise_png(i + k) for k in range(3)], times[i : i + 3])
+        assert r.status_code == 200, r.text
+        got += [f["kept"] for f in r.json()["frames"]]
+    assert got == [True, False, False, True, False, True]
+    info = client.get(f"/v1/streams/{sid}").json()
+    assert (info["frames_received"], info["frames_thinned"], info["frames_held"]) == (6, 3, 3)
+    client.delete(f"/v1/streams/{sid}")
+
+
+def test_delete_mid_prefill_and_a_closed_websocket_release_locks_and_pages(
+    client: TestClient,
+) -> None:
+    assert_released(client)
+    # deleted while its prefill may still run: the prefill is aborted, nothing stays held
+    sid = client.post("/v1/streams", json={}).json()["id"]
+    assert post_stream_frames(client, sid, [noise_png(1), noise_png(2)]).status_code == 200
+    assert client.delete(f"/v1/streams/{sid}").status_code == 200
+    assert client.get(f"/v1/streams/{sid}").status_code == 404
+    assert_released(client)
+    # a WebSocket client: frames in as binary and JSON, answers out; gone -> stream gone
+    sid = client.post("/v1/streams", json={}).json()["id"]
+    with client.websocket_connect(f"/v1/streams/{sid}/ws") as ws:
+        ws.send_bytes(noise_png(3))
+        reply = json.loads(ws.receive_text())
+        assert (reply["type"], reply["accepted"]) == ("frames", 1)
+        frame = base64.b64encode(noise_png(4)).decode()
+        ws.send_text(json.dumps({"type": "frame", "data": frame, "timestamp": 5.0}))
+        reply = json.loads(ws.receive_text())
+        assert (reply["type"], reply["frames_held"], reply["frames"][0]["timestamp"]) == (
+            "frames",
+            2,
+            5.0,
+        )
+        ws.send_text(json.dumps({"questions": ["Hi?"], **GREEDY}))
+        reply = json.loads(ws.receive_text())
+        assert reply["type"] == "answers" and reply["answers"][0]["finish_reason"] == "length"
+        assert reply["window"]["frames"] == 2
+        ws.send_text(json.dumps({"frames": [{"data": "!!", "timestamp": 9.0}]}))
+        err = json.loads(ws.receive_text())
+        assert (err["type"], err["error"]["param"]) == ("error", "frames[0].data")
+        wait_stream_held(client, sid, 2)
+        assert at_rest(client)["held_prefixes"] == 1 and at_rest(client)["locked_pages"] > 0
+    deadline = time.time() + 10
+    while client.get(f"/v1/streams/{sid}").status_code != 404:
+        assert time.time() < deadline, "the stream outlived its WebSocket"
+        time.sleep(0.05)
+    assert_released(client)
+
+
+def test_idle_streams_expire_and_release(families) -> None:
+    engine = families["llava"].make_engine(max_total_tokens=8192)
+    with app_client(engine, stream_idle_seconds=3.0) as c:
+        sid = c.post("/v1/streams", json={}).json()["id"]
+        assert post_stream_frames(c, sid, [noise_png(5)]).status_code == 200
+        while not (info := c.get(f"/v1/streams/{sid}").json()).get("cached", {}).get("frames"):
+            assert "cached" in info, info
+            stream_ask(c, sid, ["Hi?"], **GREEDY)  # activity, while the prefill runs
+        assert at_rest(c)["held_prefixes"] == 1
+        time.sleep(4.5)  # no frames, no questions: the expiry task deletes it
+        assert at_rest(c)["held_prefixes"] == 0
+        assert_error(c.get(f"/v1/streams/{sid}"), 404, "no stream", "stream_not_found")
+        assert_released(c)
+
+
+def test_two_streams_share_nothing_but_content_keys(client: TestClient) -> None:
+    a = client.post("/v1/streams", json={}).json()["id"]
+    b = client.post("/v1/streams", json={}).json()["id"]
+    same = [noise_png(7), noise_png(8)]
+    for sid in (a, b):
+        assert post_stream_frames(client, sid, same, [0.0, 1.0]).status_code == 200
+        wait_stream_held(client, sid, 2)
+    held = client.get(f"/v1/streams/{a}").json()["tokens"]
+    assert client.get(f"/v1/streams/{b}").json()["tokens"] == held
+    # a frame posted to one is not in the other's window
+    assert post_stream_frames(client, a, [noise_png(9)], [2.0]).status_code == 200
+    assert client.get(f"/v1/streams/{b}").json()["frames_held"] == 2
+    # a's end leaves b's prefix held (the two held the same pages: content keys)
+    client.delete(f"/v1/streams/{a}")
+    stats = at_rest(client)
+    assert stats["held_prefixes"] == 1 and stats["locked_pages"] >= held // stats["page_size"]
+    ans = stream_ask(client, b, ["Hi?"], **GREEDY)["answers"][0]
+    assert ans["usage"]["cached_tokens"] >= held
+    # another cache salt shares nothing with b
+    c = client.post("/v1/streams", json={"cache_salt": "other"}).json()["id"]
+    assert post_stream_frames(client, c, same, [0.0, 1.0]).status_code == 200
+    wait_stream_held(client, c, 2)
+    alone = stream_ask(client, c, ["Hi?"], **GREEDY)["answers"][0]
+    assert alone["usage"]["cached_tokens"] >= held  # its own held prefix
+    assert (
+        stream_ask(client, b, ["Hi?"], cache_salt="x", **GREEDY)["answers"][0]["usage"][
+            "cached_tokens"
+        ]
+        < 16
+    )
+    for sid in (b, c):
+        client.delete(f"/v1/streams/{sid}")
+    assert_released(client)
+
+
+def big_png() -> bytes:
+    return noise_png(11, 200, 200)  # ~120 kB: over this server's 60 kB image limit
+
+
+@pytest.mark.parametrize(
+    ("files", "data", "status", "param", "words"),
+    [
+        ([("file", b"not an image")], None, 400, "file", "file"),
+        ([("file", "BIG")], None, 400, "file", "larger than 60000 bytes"),
+        ([("file", "WIDE")], None, 400, "file", "file"),
+        ([("file", "OK"), ("timestamp", "0.5")], None, 400, "timestamp", "must increase"),
+        ([("file", "OK")] * 4, None, 400, "file", "4 frames in one post; the limit is 3"),
+        ([("file", "OK"), ("colour", "red")], None, 400, "colour", "unknown field"),
+        (None, {"frames": [{"data": "%%%"}]}, 400, "frames[0].data", "not valid base64"),
+        (None, {"frames": [{"data": "OK", "when": 1}]}, 400, "frames[0].when", "unknown field"),
+        (None, {"frames": [{"data": "OK", "timestamp": -1}]}, 400, "frames[0].timestamp", ">= 0"),
+        (None, {"video_id": "vid-" + "0" * 32}, 400, "video_id", "unknown video id"),
+        (None, {"frames": []}, 400, "frames", "empty"),
+    ],
+)
+def test_bad_frames_get_a_4xx_naming_the_field_and_leave_the_stream_usable(
+    client: TestClient, files, data, status, param, words
+) -> None:
+    sid = client.post("/v1/streams", json={}).json()["id"]
+    assert post_stream_frames(client, sid, [noise_png(1)], [1.0]).status_code == 200
+    swap = {"OK": noise_png(2), "BIG": big_png(), "WIDE": noise_png(3, 600, 8)}
+    if files is not None:
+        parts = [(k, ("f.png", swap.get(v, v)) if k == "file" else (None, v)) for k, v in files]
+        r = client.post(f"/v1/streams/{sid}/frames", files=parts)
+    else:
+        if "frames" in data and data["frames"] and data["frames"][0]["data"] == "OK":
+            data["frames"][0]["data"] = base64.b64encode(noise_png(2)).decode()
+        r = client.post(f"/v1/streams/{sid}/frames", json=data)
+    err = assert_error(r, status, words)
+    assert err["param"] == param, err
+    # nothing of the bad post joined; the stream takes the next good frame
+    assert client.get(f"/v1/streams/{sid}").json()["frames_received"] == 1
+    r = post_stream_frames(client, sid, [noise_png(4)], [2.0])
+    assert r.status_code == 200 and r.json()["frames_held"] == 2
+    assert stream_ask(client, sid, ["Hi?"], **GREEDY)["answers"][0]["finish_reason"] == "length"
+    client.delete(f"/v1/streams/{sid}")
+
+
+def test_unknown_ids_fields_and_the_max_streams_bound(client: TestClient) -> None:
+    missing = "stream-" + "0" * 32
+    for r in (
+        client.get(f"/v1/streams/{missing}"),
+        client.post(f"/v1/streams/{missing}/frames", files=[("file", ("a.png", noise_png(1)))]),
+        client.post(f"/v1/streams/{missing}/ask", json={"questions": ["Hi?"]}),
+        client.delete(f"/v1/streams/{missing}"),
+    ):
+        assert_error(r, 404, "no stream with id", "stream_not_found")
+    assert_error(client.get("/v1/streams/vid-12"), 404, "malformed", "invalid_stream_id")
+    assert_error(client.post("/v1/streams", json={"colour": 1}), 400, "colour")
+    assert_error(client.post("/v1/streams", json={"fps": "2"}), 400, "fps")
+    r = client.post("/v1/streams")  # no body: every field has a default
+    assert r.status_code == 200 and r.json()["object"] == "stream", r.text
+    client.delete(f"/v1/streams/{r.json()['id']}")
+    assert_error(client.post("/v1/streams", json={"max_frames": 10**6}), 400, "max_frames")
+    sids = [client.post("/v1/streams", json={}).json()["id"] for _ in range(3)]
+    err = assert_error(
+        client.post("/v1/streams", json={}), 429, "--max-streams", "too_many_streams"
+    )
+    assert "3 are open" in err["message"]
+    sid = sids[0]
+    assert_error(
+        client.post(f"/v1/streams/{sid}/ask", json={"questions": ["Hi?"]}), 400, "no frames"
+    )
+    bad = {"questions": ["Hi?"], "window": {"frames": 1, "seconds": 2}}
+    assert_error(client.post(f"/v1/streams/{sid}/ask", json=bad), 400, "window")
+    body = {"questions": ["Hi?"], "detail": "low"}
+    assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "detail: this stream's")
+    body = {"questions": ["Hi?"], "stream_format": "ndjson"}
+    assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "stream_format")
+    body = {"questions": ["Hi?"], "colour": "red"}
+    assert_error(client.post(f"/v1/streams/{sid}/ask", json=body), 400, "colour")
+    client.delete(f"/v1/streams/{sid}")
+    sids[0] = client.post("/v1/streams", json={}).json()["id"]
+    for sid in sids:
+        client.delete(f"/v1/streams/{sid}")
+
+
+def test_a_stream_belongs_to_its_tenant(families, tmp_path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-alice-0001 alice\nkey-bob-000002 bob\n")
+    alice = {"Authorization": "Bearer key-alice-0001"}
+    bob = {"Authorization": "Bearer key-bob-000002"}
+    engine = families["llava"].make_engine(max_total_tokens=8192)
+    settings = {"api_keys": str(keys), "data_dir": str(tmp_path / "d")}
+    with app_client(engine, **settings) as c:
+        sid = c.post("/v1/streams", json={}, headers=alice).json()["id"]
+        assert c.get(f"/v1/streams/{sid}", headers=alice).status_code == 200
+        for r in (
+            c.get(f"/v1/streams/{sid}", headers=bob),
+            c.post(f"/v1/streams/{sid}/ask", json={"questions": ["Hi?"]}, headers=bob),
+            c.delete(f"/v1/streams/{sid}", headers=bob),
+        ):
+            assert_error(r, 404, "no stream", "stream_not_found")
+        with pytest.raises(Exception):  # noqa: B017 - refused at the handshake
+            with c.websocket_connect(f"/v1/streams/{sid}/ws?api_key=key-bob-000002") as ws:
+                ws.receive_text()
+        with c.websocket_connect(f"/v1/streams/{sid}/ws?api_key=key-alice-0001") as ws:
+            ws.send_bytes(noise_png(1))
+            assert json.loads(ws.receive_text())["accepted"] == 1
+        assert c.get(f"/v1/streams/{sid}", headers=alice).status_code == 404  # socket closed
+        with pytest.raises(Exception):  # noqa: B017 - no key: refused at the handshake
+            with c.websocket_connect(f"/v1/streams/{sid}/ws") as ws:
+                ws.receive_text()
+
+
+def test_image_bytes_of_a_jpeg_frame(client: TestClient) -> None:
+    """A frame in any image format the image routes take (a JPEG here)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 24), (10, 200, 30)).save(buf, "JPEG")
+    sid = client.post("/v1/streams", json={"model": MODEL}).json()["id"]
+    r = post_stream_frames(client, sid, [buf.getvalue()])
+    assert r.status_code == 200 and r.json()["frames"][0]["image_id"].startswith("img-")
+    client.delete(f"/v1/streams/{sid}")
+
+
+# ---- the engine's held prefixes (EngineRequest.hold) ----------------------------------
+
+
+def _held_request(engine, text: str, hold: str):
+    import dataclasses
+
+    from tests.helpers import greedy, user
+
+    req = engine.processor.make_request(messages=user(text), params=greedy(1))
+    return dataclasses.replace(req, hold=hold)
+
+
+def test_a_held_prefix_stays_locked_until_released_and_is_replaced_by_its_id(families) -> None:
+    engine = families["llava"].make_engine(max_total_tokens=4096, page_size=4)
+    short = "The cat sat on the mat and looked at the door."
+    longer = short + " Then the dog came in and sat down beside it."
+    (res,) = engine.generate([_held_request(engine, short, "s1")])
+    pages = res.prompt_tokens // 4
+    stats = engine.cache_stats()
+    assert (stats["held_prefixes"], stats["locked_pages"]) == (1, pages)
+    assert engine.stats_snapshot()["accounting"]["ok"]
+    engine.flush_cache()  # a flush drops held prefixes too
+    assert engine.cache_stats()["held_prefixes"] == engine.cache_stats()["locked_pages"] == 0
+    engine.generate([_held_request(engine, short, "s1")])
+    (res2,) = engine.generate([_held_request(engine, longer, "s1")])  # the same id: replaced
+    stats = engine.cache_stats()
+    assert (stats["held_prefixes"], stats["locked_pages"]) == (1, res2.prompt_tokens // 4)
+    assert res2.cached_tokens > 0  # the old prefix was still held when it ran
+    # an aborted held request takes no hold; releasing twice is harmless
+    req = _held_request(engine, "Something else entirely, quite long enough.", "s2")
+    engine.add_request(req)
+    assert engine.abort(req.rid) and engine.cache_stats()["held_prefixes"] == 1
+    assert engine.release_hold("s1") is True and engine.release_hold("s1") is False
+    assert engine.release_hold("s2") is False
+    stats = engine.stats_snapshot()
+    assert (stats["held_prefixes"], stats["locked_pages"], stats["used_pages"]) == (0, 0, 0)
+    assert stats["accounting"]["ok"] and stats["evictable_pages"] == stats["tree_pages"] > 0
