@@ -475,7 +475,7 @@ def test_live_panel_streams_the_camera_and_answers_from_the_cache(
             >= 0.5 * (info["frames_held"] - 1) - 0.01
         )
         expect(page.locator("#live-status")).to_contain_text(f"{stream_id} · ")
-        expect(page.locator("#live-status")).to_contain_text("frames held")
+        expect(page.locator("#live-status")).to_contain_text("frames held of 32 (")  # default
         page.fill("#live-question", "What just happened?")
         page.click("#live-ask")
         card = page.locator(".live-card").first
@@ -503,13 +503,14 @@ def test_live_panel_streams_the_camera_and_answers_from_the_cache(
             _stream(url, stream_id)
         assert e.value.code == 404
         assert page.evaluate("document.querySelector('#live-video').srcObject") is None
-        # a shared screen works the same way
+        # a shared screen works the same way; the window box sets the stream's max_frames
         page.select_option("#live-source", "screen")
+        page.fill("#live-window", "8")
         page.click("#live-start")
         expect(panel).to_have_attribute("data-stream", re.compile(r"^stream-"))
         screen_id = panel.get_attribute("data-stream")
         assert screen_id != stream_id
-        _wait_frames(url, screen_id, 1)
+        assert _wait_frames(url, screen_id, 1)["max_frames"] == 8
         page.click("#live-stop")
         expect(page.locator("#live-status")).to_have_text(f"stopped; {screen_id} deleted")
         # a frame interval that is not a number of seconds is refused before anything starts

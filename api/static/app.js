@@ -492,7 +492,8 @@ function showLive(info) {
   if (info) {
     const win = info.window || {};
     parts.push(
-      `server: ${plural(info.frames_held, "frame")} held (${(win.seconds || 0).toFixed(1)} s), ` +
+      `server: ${plural(info.frames_held, "frame")} held of ${info.max_frames} ` +
+        `(${(win.seconds || 0).toFixed(1)} s), ` +
         `${info.cached.frames} prefilled, ${plural(info.tokens, "token")} cached`,
     );
     if (info.frames_thinned) parts.push(`${info.frames_thinned} thinned by fps`);
