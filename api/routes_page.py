@@ -2,7 +2,8 @@
 
 The page (``api/static/``: index.html, app.js, style.css; no build step, nothing
 loaded from elsewhere) uploads images and videos, asks several questions at
-once and shows ``/v1/cache/stats``; it sends the API key the user types as a
+once, streams the browser's camera or a shared screen to ``/v1/streams`` and asks
+about it, and shows ``/v1/cache/stats``; it sends the API key the user types as a
 Bearer header on its API calls.
 """
 

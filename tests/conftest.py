@@ -245,6 +245,9 @@ SLOW_TESTS: dict[str, str] = {
     ),
     "test_benchmarks::test_host_benchmark_tiny": "a server subprocess against the engine alone",
     "test_benchmarks::test_conversation_benchmark_tiny": "a server subprocess, cache flushes",
+    "test_benchmarks::test_live_video_benchmark_tiny": (
+        "two server subprocesses, a stream fed in real time for the frames/s ramp"
+    ),
     "test_kv_fp8::test_kv_fp8_benchmark_tiny": "a benchmark run",
     "test_checkpoint::test_make_model_choices_come_from_the_registry_when_used": (
         "command-line subprocesses writing checkpoints"

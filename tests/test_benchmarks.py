@@ -346,6 +346,34 @@ def test_video_followup_benchmark_tiny(families, tmp_path: Path) -> None:
     assert second["ttft_ratio"] == second["ttft_ms"] / first["ttft_ms"]
 
 
+def test_live_video_benchmark_tiny(families, tmp_path: Path) -> None:
+    ov = families["llava-onevision"]
+    per = ov.loaded.family.video_frame_tokens()
+    argv = ["live-video", "--model", str(ov.model_dir), "--scale", "ci", "--dtype", "float32"]
+    argv += ["--idle-seconds", "0.5"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "live_video.json").read_text())
+    rows = out["rows"]
+    assert [r["t"] for r in rows.values()] == [4, 8, 12]  # 12 frames, a question every 4 s
+    for r in rows.values():
+        assert r["frames"] == r["t"] and r["thinned"] == 0
+        # the stream's prompt is the clip's; the frames were prefilled before the question
+        assert r["stream_prompt"] == r["clip_prompt"] > r["frames"] * per
+        assert r["stream_cached"] >= r["frames"] * per
+        assert r["stream_ttft_s"] > 0 and r["clip_ttft_s"] > 0
+    # greedy: the stream answers as the clip does
+    assert out["summary"]["same_answers"] == out["summary"]["questions"] == 3
+    assert out["summary"]["stream_late_over_early"] > 0
+    assert out["summary"]["raw_cpu_s_per_frame"] > 0 and out["summary"]["idle_cpu_s_per_s"] >= 0
+    assert out["meta"]["dtype"] == "float32" and out["meta"]["load"]
+    ramp = out["ramp"]
+    assert ramp and ramp[0]["rate"] == 2.0 and ramp[0]["sent"] == 4
+    # fps = the rate: nothing thinned; 16 frames at 8/s roll the 12-frame window
+    assert all(r["thinned"] == 0 and 0 < r["held"] == min(r["sent"], 12) for r in ramp[:1])
+    assert all(r["thinned"] == 0 and 0 < r["held"] <= 12 for r in ramp)
+    assert out["summary"]["sustained_fps"] in (None, 2.0, 8.0)
+
+
 def test_decode_weight_bytes_counts_a_tied_head_once() -> None:
     from benchmarks.real_shapes import decode_weight_bytes
 

@@ -6,7 +6,8 @@ as cached), runs per-frame video QA to the end of its progress bar, shows a 401'
 message for a wrong key and works with the right one. Key elements must be on
 screen at a desktop and a phone width, and every request the page makes must go
 to the server's own origin. ``MMSERVE_SCREENSHOT_DIR=docs`` also writes the
-README's screenshots (palette PNGs) there.
+README's screenshots (palette PNGs) there. The live panel streams Chromium's fake
+camera and screen to ``/v1/streams`` on a LLaVA-OneVision server and asks about them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -38,6 +40,9 @@ CHROMIUM_ARGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    # a fake camera (a moving test pattern) and screen, granted without a prompt
+    "--use-fake-device-for-media-stream",
+    "--use-fake-ui-for-media-stream",
 ]
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
@@ -72,6 +77,13 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         str(1 << 30),
     )
     with live_server(model_dir, "--max-total-tokens", "8192", *tiers) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def onevision_server(families) -> Iterator[str]:
+    """A server on the tiny LLaVA-OneVision checkpoint (the streams' video path)."""
+    with live_server(families["llava-onevision"].model_dir, "--max-total-tokens", "8192") as url:
         yield url
 
 
@@ -398,3 +410,111 @@ def test_page_lists_images_and_videos_stored_before_it_opened(
         page.click(f'li[data-id="{ids["video"]}"]')  # a listed item can be asked about
         expect(page.locator("#video-options")).to_be_visible()
         expect(page.locator("#ask")).to_be_enabled()
+
+
+def _stream(url: str, stream_id: str) -> dict:
+    with urllib.request.urlopen(f"{url}/v1/streams/{stream_id}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _wait_frames(url: str, stream_id: str, n: int) -> dict:
+    """``GET /v1/streams/{id}`` once the server holds at least ``n`` frames prefilled."""
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while (info := _stream(url, stream_id))["cached"]["frames"] < n:
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)
+    return info
+
+
+def panel_screenshot(page: Page, tmp_path: Path, name: str) -> None:
+    """Screenshot the live panel; also into ``$MMSERVE_SCREENSHOT_DIR`` as a palette PNG."""
+    path = tmp_path / name
+    page.locator("#live-panel").screenshot(path=str(path))
+    with Image.open(path) as im:
+        assert im.size[0] > 300 and im.size[1] > 200
+        if out := os.environ.get("MMSERVE_SCREENSHOT_DIR"):
+            im.convert("RGB").quantize(64).save(Path(out) / name, optimize=True)
+
+
+def test_live_panel_streams_the_camera_and_answers_from_the_cache(
+    browser: Browser, onevision_server: str, tmp_path: Path
+) -> None:
+    url = onevision_server
+    with opened(browser, url, DESKTOP) as page:
+        expect(page.locator("#live-ask")).to_be_disabled()  # no stream yet
+        page.fill("#live-interval", "0.5")
+        page.fill("#max-tokens", "4")
+        # what the page puts in its forms (Playwright cannot read a body built of blobs)
+        page.evaluate(
+            """() => {
+            window.formParts = [];
+            const append = FormData.prototype.append;
+            FormData.prototype.append = function (name, value, filename) {
+              window.formParts.push([name, value instanceof Blob ? value.type : value, filename]);
+              return append.apply(this, arguments);
+            };
+          }"""
+        )
+        page.click("#live-start")
+        panel = page.locator("#live-panel")
+        expect(panel).to_have_attribute("data-stream", re.compile(r"^stream-"))
+        stream_id = panel.get_attribute("data-stream")
+        # the server received frames from the page, one every half second
+        info = _wait_frames(url, stream_id, 3)
+        # each a JPEG of the camera's picture with its seconds since Start
+        parts = page.evaluate("window.formParts")
+        assert parts[:2] == [
+            ["file", "image/jpeg", "frame-0.jpg"],
+            ["timestamp", parts[1][1], None],
+        ]
+        stamps = [float(v) for name, v, _ in parts if name == "timestamp"]
+        assert 0 <= stamps[0] < 5 and stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
+        assert info["window"]["start"] == pytest.approx(stamps[0], abs=1e-3)
+        assert (
+            info["window"]["end"] - info["window"]["start"]
+            >= 0.5 * (info["frames_held"] - 1) - 0.01
+        )
+        expect(page.locator("#live-status")).to_contain_text(f"{stream_id} · ")
+        expect(page.locator("#live-status")).to_contain_text("frames held of 32 (")  # default
+        page.fill("#live-question", "What just happened?")
+        page.click("#live-ask")
+        card = page.locator(".live-card").first
+        expect(card).to_have_attribute("data-state", "done", timeout=WAIT_MS)
+        expect(card.locator(".question")).to_have_text("What just happened?")
+        assert card.locator(".answer").text_content()
+        # the frames were prefilled as they came: the answer found them in the cache
+        cached = int(card.get_attribute("data-cached"))
+        per_frame = 16  # the tiny OneVision checkpoint's pooled frame
+        assert cached >= info["cached"]["frames"] * per_frame, (cached, info)
+        ttft = float(card.get_attribute("data-ttft"))
+        meta = card.locator(".meta").inner_text()
+        assert 0 < ttft < WAIT_MS / 1000 and f"TTFT {ttft:.2f} s here" in meta, meta
+        prompt = int(re.search(r"cached \d+ of (\d+) prompt tokens", meta).group(1))
+        assert f"cached {cached} of {prompt} prompt tokens" in meta and cached < prompt
+        expect(card.locator(".cache-bar .key-cached")).to_have_text(f"{_tokens(cached)} cached")
+        expect(page.locator("#stat-session-cached")).to_have_text(f"{cached:,}")
+        check_on_screen(page, ["#live-video", "#live-status", ".live-card .meta"], True)
+        panel_screenshot(page, tmp_path, "web-page-live.png")
+        # stop: the capture ends and the stream is deleted on the server
+        page.click("#live-stop")
+        expect(page.locator("#live-status")).to_have_text(f"stopped; {stream_id} deleted")
+        expect(page.locator("#live-view")).to_be_hidden()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _stream(url, stream_id)
+        assert e.value.code == 404
+        assert page.evaluate("document.querySelector('#live-video').srcObject") is None
+        # a shared screen works the same way; the window box sets the stream's max_frames
+        page.select_option("#live-source", "screen")
+        page.fill("#live-window", "8")
+        page.click("#live-start")
+        expect(panel).to_have_attribute("data-stream", re.compile(r"^stream-"))
+        screen_id = panel.get_attribute("data-stream")
+        assert screen_id != stream_id
+        assert _wait_frames(url, screen_id, 1)["max_frames"] == 8
+        page.click("#live-stop")
+        expect(page.locator("#live-status")).to_have_text(f"stopped; {screen_id} deleted")
+        # a frame interval that is not a number of seconds is refused before anything starts
+        page.fill("#live-interval", "0")
+        page.click("#live-start")
+        expect(page.locator("#error")).to_contain_text("a frame every")
+        expect(page.locator("#live-status")).to_have_text(f"stopped; {screen_id} deleted")

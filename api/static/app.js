@@ -26,11 +26,12 @@ function headers(json) {
 }
 
 // fetch a path of this server; a non-2xx answer throws its error.message
-async function call(path, { body, form } = {}) {
+async function call(path, { body, form, method } = {}) {
   const opts = { headers: headers(body !== undefined) };
   if (body !== undefined) opts.body = JSON.stringify(body);
   if (form) opts.body = form;
   if (opts.body) opts.method = "POST";
+  if (method) opts.method = method;
   const resp = await fetch(path, opts);
   if (!resp.ok) {
     const err = new APIError(resp.status, await resp.json().catch(() => null));
@@ -471,6 +472,227 @@ async function ask(event) {
   }
 }
 
+// ---- live: the camera or a shared screen, a frame every N seconds to a stream --------
+
+// The stream this page feeds (POST /v1/streams): its id, the capture, the timer that
+// grabs a frame every N seconds, and counts of what was sent.
+const live = { id: null, media: null, timer: null, t0: 0, sent: 0, skipped: 0, busy: false };
+const LIVE_MAX_SIDE = 640; // frames are scaled down to this side before JPEG encoding
+
+function liveStatus(text) {
+  $("#live-status").textContent = text;
+}
+
+// The stream's figures as GET /v1/streams/{id} gives them, with this page's counts:
+// frames in its window (and the seconds they span), how many of them are prefilled
+// in its held prefix, its cached tokens, and frames thinned by its fps.
+function showLive(info) {
+  const parts = [`${live.id}`, `${plural(live.sent, "frame")} sent`];
+  if (live.skipped) parts.push(`${live.skipped} not sent (the previous one was still on its way)`);
+  if (info) {
+    const win = info.window || {};
+    parts.push(
+      `server: ${plural(info.frames_held, "frame")} held of ${info.max_frames} ` +
+        `(${(win.seconds || 0).toFixed(1)} s), ` +
+        `${info.cached.frames} prefilled, ${plural(info.tokens, "token")} cached`,
+    );
+    if (info.frames_thinned) parts.push(`${info.frames_thinned} thinned by fps`);
+    if (info.cached.error) parts.push(`prefill failed: ${info.cached.error}`);
+    $("#live-status").dataset.held = String(info.frames_held);
+  }
+  liveStatus(parts.join(" · "));
+}
+
+async function refreshLive() {
+  if (!live.id) return;
+  try {
+    showLive(await (await call(`/v1/streams/${live.id}`)).json());
+  } catch (err) {
+    if (err.status === 404) liveStop(`the stream ended on the server: ${err.message}`);
+  }
+}
+
+async function capture(source) {
+  if (!navigator.mediaDevices) {
+    throw new Error("the browser allows camera and screen capture only over https or on localhost");
+  }
+  return source === "screen"
+    ? navigator.mediaDevices.getDisplayMedia({ video: true, audio: false })
+    : navigator.mediaDevices.getUserMedia({ video: true, audio: false });
+}
+
+async function liveStart(event) {
+  event.preventDefault();
+  showError(null);
+  const interval = Number($("#live-interval").value);
+  if (!(interval > 0)) {
+    showError(new Error("a frame every: give a number of seconds above 0"));
+    return;
+  }
+  $("#live-start").disabled = true;
+  try {
+    live.media = await capture($("#live-source").value);
+    const video = $("#live-video");
+    video.srcObject = live.media;
+    $("#live-view").hidden = false;
+    await video.play();
+    const body = { fps: 1 / interval };
+    const frames = $("#live-window").value.trim();
+    if (frames) body.max_frames = Number(frames);
+    const info = await (await call("/v1/streams", { body })).json();
+    Object.assign(live, { id: info.id, t0: performance.now(), sent: 0, skipped: 0 });
+    $("#live-panel").dataset.stream = info.id;
+    // the user ending the share from the browser's own bar stops the stream too
+    live.media.getVideoTracks()[0].addEventListener("ended", () => liveStop());
+    $("#live-stop").disabled = false;
+    $("#live-ask").disabled = false;
+    showLive(info);
+    sendFrame();
+    live.timer = setInterval(sendFrame, interval * 1000);
+  } catch (err) {
+    showError(err);
+    liveStop();
+  }
+}
+
+// Grab the video's current picture into the canvas, JPEG it, and POST it with its
+// time since the start; a tick while the previous frame is still on its way is skipped.
+async function sendFrame() {
+  const video = $("#live-video");
+  if (!live.id || !video.videoWidth) return;
+  if (live.busy) {
+    live.skipped++;
+    return;
+  }
+  live.busy = true;
+  const id = live.id;
+  try {
+    const timestamp = (performance.now() - live.t0) / 1000;
+    const scale = Math.min(1, LIVE_MAX_SIDE / Math.max(video.videoWidth, video.videoHeight));
+    const canvas = $("#live-canvas");
+    canvas.width = Math.round(video.videoWidth * scale);
+    canvas.height = Math.round(video.videoHeight * scale);
+    canvas.getContext("2d").drawImage(video, 0, 0, canvas.width, canvas.height);
+    const blob = await new Promise((resolve) => canvas.toBlob(resolve, "image/jpeg", 0.85));
+    const form = new FormData();
+    form.append("file", blob, `frame-${live.sent}.jpg`);
+    form.append("timestamp", timestamp.toFixed(3));
+    await call(`/v1/streams/${id}/frames`, { form });
+    if (live.id === id) live.sent++;
+    await refreshLive();
+  } catch (err) {
+    if (live.id === id) {
+      showError(err);
+      if (err.status === 404) liveStop(`the stream ended on the server: ${err.message}`);
+    }
+  } finally {
+    live.busy = false;
+  }
+}
+
+// Stop grabbing, release the camera or screen, and delete the stream on the server
+// (its frames' KV goes back to the cache as evictable).
+async function liveStop(why) {
+  clearInterval(live.timer);
+  live.timer = null;
+  if (live.media) for (const track of live.media.getTracks()) track.stop();
+  live.media = null;
+  $("#live-video").srcObject = null;
+  $("#live-view").hidden = true;
+  const id = live.id;
+  live.id = null;
+  delete $("#live-panel").dataset.stream;
+  $("#live-stop").disabled = true;
+  $("#live-ask").disabled = true;
+  $("#live-start").disabled = false;
+  liveStatus(why || (id ? `stopped; ${id} deleted` : "stopped"));
+  if (id && !why) {
+    try {
+      await call(`/v1/streams/${id}`, { method: "DELETE" });
+    } catch (err) {
+      showError(err);
+    }
+  }
+  refreshStats();
+}
+
+// One question about the stream, streamed: time to first text measured here, and the
+// server's own figures from the answer's usage when it gives them.
+async function liveAsk(event) {
+  event.preventDefault();
+  const question = $("#live-question").value.trim();
+  if (!live.id || !question) return;
+  showError(null);
+  const body = {
+    questions: [question],
+    max_tokens: Number($("#max-tokens").value),
+    temperature: Number($("#temperature").value),
+    stream: true,
+  };
+  const last = $("#live-ask-window").value.trim();
+  if (last) body.window = { seconds: Number(last) };
+  const card = el("article", "live-card");
+  card.dataset.state = "running";
+  card.append(el("h3", "question", question), el("p", "answer"), el("p", "meta", "waiting…"));
+  $("#live-answers").prepend(card);
+  const answer = card.querySelector(".answer");
+  const meta = card.querySelector(".meta");
+  const t0 = performance.now();
+  const seconds = () => (performance.now() - t0) / 1000;
+  let ttft = null;
+  let usage = null;
+  try {
+    const resp = await call(`/v1/streams/${live.id}/ask`, { body });
+    for await (const raw of lines(resp)) {
+      const line = raw.startsWith("data:") ? raw.slice(5).trim() : raw.trim();
+      if (!line || line === "[DONE]" || raw.startsWith("event:")) continue;
+      const ev = JSON.parse(line);
+      if (ev.error) throw new APIError(500, ev);
+      // a closing event may repeat the whole answer the deltas already gave
+      const text = ev.answers && answer.textContent ? "" : eventText(ev);
+      if (text) {
+        answer.textContent += text;
+        ttft = ttft ?? seconds();
+        meta.textContent = `streaming… first text after ${ttft.toFixed(2)} s`;
+      }
+      usage = eventUsage(ev) || usage;
+    }
+    if (!usage) throw new Error("the answer ended without its usage");
+    ttft = ttft ?? seconds();
+    const details = usage.prompt_tokens_details || {};
+    const cached = details.cached_tokens ?? usage.cached_tokens ?? 0;
+    card.dataset.cached = String(cached);
+    card.dataset.ttft = ttft.toFixed(3);
+    showCache(card, { ...usage, prompt_tokens_details: { image_tokens: 0, ...details, cached_tokens: cached } });
+    const server = usage.ttft ?? usage.ttft_s;
+    meta.textContent =
+      `TTFT ${ttft.toFixed(2)} s here` +
+      (server !== undefined ? `, ${Number(server).toFixed(2)} s on the server` : "") +
+      `; cached ${cached} of ${usage.prompt_tokens} prompt tokens, ` +
+      `${usage.completion_tokens} generated, done in ${seconds().toFixed(2)} s`;
+    card.dataset.state = "done";
+  } catch (err) {
+    card.dataset.state = "error";
+    meta.textContent = err.message; // as the API words it
+  }
+  refreshLive();
+  refreshStats();
+}
+
+// The answer text an event of /ask's stream carries (a chat-style delta or a text field).
+function eventText(ev) {
+  const choice = ev.choices && ev.choices[0];
+  if (choice) return (choice.delta && choice.delta.content) || choice.text || "";
+  if (ev.answers) return ev.answers.map((a) => a.answer || "").join("");
+  return ev.delta || ev.text || "";
+}
+
+// The usage an event carries: its own, or its first answer's.
+function eventUsage(ev) {
+  if (ev.answers && ev.answers[0] && ev.answers[0].usage) return ev.answers[0].usage;
+  return ev.usage || null;
+}
+
 // ---- wiring ----------------------------------------------------------------------
 
 function init() {
@@ -490,6 +712,13 @@ function init() {
     uploadAll([...e.dataTransfer.files]);
   });
   $("#ask-form").addEventListener("submit", ask);
+  $("#live-form").addEventListener("submit", liveStart);
+  $("#live-stop").addEventListener("click", () => liveStop());
+  $("#live-ask-form").addEventListener("submit", liveAsk);
+  // leaving the page deletes its stream (keepalive: the request outlives the page)
+  window.addEventListener("pagehide", () => {
+    if (live.id) fetch(`/v1/streams/${live.id}`, { method: "DELETE", headers: headers(false), keepalive: true });
+  });
   const key = $("#api-key");
   key.value = sessionStorage.getItem("mmserve-api-key") || "";
   if (key.value) $("#key-box").hidden = false;
