@@ -1,0 +1,142 @@
+"""``llamacpp-decode``: batch-1 decode tokens/s of mmserve's int4 / int8 against llama.cpp's
+Q4_0 / Q8_0 on the same weights, side by side (issue 49; what it measures and why:
+``benchmarks/README.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report, workloads
+from benchmarks.in_process import MMServeRunner
+from benchmarks.llamacpp import DEFAULT_DIR
+from benchmarks.workloads import Prompt, Workload
+
+med = statistics.median
+
+#: mmserve quantization -> the llama.cpp type at the same bit width.
+PAIRS = {"int4": "Q4_0", "int8": "Q8_0", "none": "f16"}
+
+OPTIONS: list[tuple[tuple[str, ...], dict]] = [
+    (("--llamacpp-dir",), dict(type=Path, help="setup folder (default .llamacpp)")),
+    (("--pairs",), dict(default="int4,int8", help=f"mmserve methods of {','.join(PAIRS)}")),
+    (("--rounds",), dict(type=int, default=5, help="interleaved rounds")),
+    (("--tokens",), dict(type=int, default=32, help="decode steps per measurement")),
+]
+
+
+def ggufs(d: Path) -> tuple[Path, dict[str, Path]]:
+    """``llama-bench`` and the OneVision language model's GGUFs by type (``Q4_0``, ...) that
+    ``scripts/setup_llamacpp.sh`` left in ``d`` (its ``setup.json``).
+
+    Raises:
+        FileNotFoundError: no setup, no ``llama-bench`` or no OneVision GGUF there.
+    """
+    info_path = d / "setup.json"
+    if not info_path.is_file():
+        raise FileNotFoundError(f"no llama.cpp setup in {d} (run scripts/setup_llamacpp.sh)")
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    bench = d / info.get("bench", "build/bin/llama-bench")
+    models = {q: d / p for q, p in info.get("onevision_gguf", {}).items() if (d / p).is_file()}
+    if not bench.is_file() or not models:
+        raise FileNotFoundError(f"{d}: llama-bench or the OneVision GGUFs missing (rerun setup)")
+    return bench, models
+
+
+def llama_bench(bench: Path, model: Path, threads: int, tokens: int, depth: int) -> dict:
+    """One ``llama-bench`` decode test: ``tokens`` generated one at a time after ``depth``
+    tokens in the KV cache (``-p 0 -n tokens -d depth -r 1``), ``threads`` threads, its
+    warm-up run first (untimed). Returns ``tokens_per_s`` (llama-bench's own figure, wall)
+    and ``wall_s`` of the whole process (load, warm-up and depth prefill included).
+
+    Raises:
+        RuntimeError: llama-bench failed or printed no decode result.
+    """
+    cmd = [str(bench), "-m", str(model), "-p", "0", "-n", str(tokens), "-d", str(depth)]
+    cmd += ["-t", str(threads), "-r", "1", "-o", "json"]
+    t0 = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    wall = time.perf_counter() - t0
+    if out.returncode:
+        raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-2000:]}")
+    rows = [r for r in json.loads(out.stdout) if r.get("n_gen")]
+    if not rows:
+        raise RuntimeError(f"llama-bench printed no decode test: {out.stdout[-2000:]}")
+    return {"tokens_per_s": float(rows[0]["avg_ts"]), "wall_s": wall, "row": rows[0]}
+
+
+def mm_decode(runner: MMServeRunner, tokens: int, tag: str) -> tuple[float, float, int]:
+    """mmserve batch-1 decode of a text-only question (no image, as llama-bench has none):
+    ``(tokens/s per wall second, per CPU second, prompt tokens)`` from the median step
+    over ``tokens`` decode steps (the first token, from prefill, not counted)."""
+    msgs = [{"role": "user", "content": f"{workloads.QUESTIONS[0]} ({tag})"}]
+    wl = Workload("decode", "", {}, [[Prompt(msgs, [])]], tokens + 1)
+    eng = runner.engine()
+    prompt_tokens = len(runner.requests(eng, wl)[0].input_ids)
+    r = runner.run(wl, "decode", check_leaks=False)
+    wall, cpu = zip(*r.decode_times, strict=True)
+    return 1.0 / med(wall), 1.0 / max(med(cpu), 1e-9), prompt_tokens
+
+
+def llamacpp_decode(args: argparse.Namespace, model_dir: str) -> int:
+    """``--rounds`` interleaved rounds (the order of the two systems alternating per round)
+    of batch-1 decode, per ``--pairs`` method: mmserve ``--quantization M`` in process and
+    ``llama-bench`` on the same weights at the same bit width (:data:`PAIRS`), both with
+    ``--threads`` threads and the same number of tokens already in the cache; medians of
+    tokens/s and their ratio. Writes ``llamacpp_decode.json``; returns 0 (1 without a
+    setup)."""
+    try:
+        bench, models = ggufs(Path(args.llamacpp_dir or DEFAULT_DIR))
+    except FileNotFoundError as e:
+        print(f"llamacpp-decode: {e}")
+        return 1
+    threads = args.threads or 1
+    pairs = [m for m in args.pairs.split(",") if m]
+    runners = {m: MMServeRunner.load(model_dir, dtype="bfloat16", quantization=m) for m in pairs}
+    res: dict[str, dict[str, list]] = {m: {"mm": [], "mm_cpu": [], "ll": []} for m in pairs}
+    load = [os.getloadavg()[0]]
+    depth = 0
+    for rnd in range(args.rounds):
+        for m in pairs:
+            gguf = models[PAIRS[m]]
+            sides = ("mm", "ll") if rnd % 2 == 0 else ("ll", "mm")
+            for side in sides:
+                if side == "mm":
+                    tps, tps_cpu, depth = mm_decode(runners[m], args.tokens, f"{m} {rnd}")
+                    res[m]["mm"].append(tps)
+                    res[m]["mm_cpu"].append(tps_cpu)
+                else:  # the same number of tokens already in the cache as mmserve's prompt
+                    res[m]["ll"].append(
+                        llama_bench(bench, gguf, threads, args.tokens, max(depth, 1))
+                    )
+        load.append(os.getloadavg()[0])
+        print(f"round {rnd}: {json.dumps(res)[:400]}", flush=True)
+    out: dict[str, Any] = {"threads": threads, "tokens": args.tokens, "rounds": args.rounds}
+    out.update(depth=depth, loadavg=load, models={m: str(models[PAIRS[m]]) for m in pairs})
+    rows = []
+    for m in pairs:
+        mm, ll = med(res[m]["mm"]), med(r["tokens_per_s"] for r in res[m]["ll"])
+        out[m] = {
+            "mmserve_tokens_per_s": mm,
+            "mmserve_tokens_per_cpu_s": med(res[m]["mm_cpu"]),
+            "llamacpp_type": PAIRS[m],
+            "llamacpp_tokens_per_s": ll,
+            "ratio": mm / ll,
+            "mmserve_rounds": res[m]["mm"],
+            "llamacpp_rounds": [r["tokens_per_s"] for r in res[m]["ll"]],
+        }
+        rows.append(
+            [f"mmserve {m} / llama.cpp {PAIRS[m]}", f"{mm:.2f}", f"{ll:.2f}", f"{mm / ll:.2f}"]
+        )
+    head = ["batch-1 decode", "mmserve tokens/s", "llama.cpp tokens/s", "mmserve / llama.cpp"]
+    out["table"] = report.md_table(head, rows)
+    md = f"{out['table']}\n\n{threads} thread(s), {args.tokens} tokens after {depth} in the "
+    md += f"cache, {args.rounds} interleaved rounds, medians; load average {report.loadavg()}"
+    return report.emit(Path(args.out), "llamacpp_decode", out, md)
