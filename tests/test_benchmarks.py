@@ -671,3 +671,28 @@ def test_llamacpp_decode_tiny(families, tmp_path: Path) -> None:
         assert r["llamacpp_rounds"] == [ts, ts] and len(r["mmserve_rounds"]) == 2
         assert r["ratio"] == pytest.approx(r["mmserve_tokens_per_s"] / ts)
     assert main([*argv[:3], "--llamacpp-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 1
+
+
+def test_spec_as_the_gpu_check_runs_it(model_dir: Path, tmp_path: Path) -> None:
+    """``python -m benchmarks.spec`` (no benchmark CLI, as scripts/gpu_check.sh's speculation
+    phase runs it) takes every flag of that phase's command line and writes the figures the
+    check folds into summary.json: the quoting model's accepted length above 1 at batch 1."""
+    import re
+    import shlex
+
+    from benchmarks import spec
+
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").read_text()
+    line = re.search(r"-m benchmarks\.spec (.*?)--out", script, re.S)
+    assert line is not None
+    flags = shlex.split(line.group(1).replace("\\\n", " "))
+    assert flags[flags.index("--device") + 1] == "cuda" and "--batches" in flags
+    ap_flags = {f for flags_, _ in spec.OPTIONS for f in flags_} | {"--size", "--family"}
+    assert {f for f in flags if f.startswith("--")} <= ap_flags
+    argv = ["--model", str(model_dir), "--models", "quoting", "--batches", "1", "--tokens", "8"]
+    assert spec.main([*argv, "--rounds", "1", "--out", str(tmp_path / "spec")]) == 0
+    res = json.loads((tmp_path / "spec" / "spec.json").read_text())
+    for key in ("size", "device", "dtype", "prompt_tokens", "tokens", "k", "rounds", "rows"):
+        assert key in res
+    on = next(r for r in res["rows"] if r["config"] == "on")
+    assert on["batch"] == 1 and on["accepted_length"] > 1 and on["speedup"] > 0
