@@ -5,21 +5,33 @@ Q4_0 / Q8_0 on the same weights, side by side (issue 49; what it measures and wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from benchmarks import report, workloads
 from benchmarks.in_process import MMServeRunner
 from benchmarks.llamacpp import DEFAULT_DIR
+from benchmarks.real_shapes import decode_weight_bytes, read_bandwidth
 from benchmarks.workloads import Prompt, Workload
 
 med = statistics.median
 
+SPLIT_COLS = (
+    "step_cpu_ms",
+    "step_cpu_ms_without_matmuls",
+    "matmul_cpu_ms",
+    "matmul_gb_per_cpu_s",
+    "bound_cpu_ms",
+)
 #: mmserve quantization -> the llama.cpp type at the same bit width.
 PAIRS = {"int4": "Q4_0", "int8": "Q8_0", "none": "f16"}
 
@@ -28,7 +40,10 @@ OPTIONS: list[tuple[tuple[str, ...], dict]] = [
     (("--pairs",), dict(default="int4,int8", help=f"mmserve methods of {','.join(PAIRS)}")),
     (("--rounds",), dict(type=int, default=5, help="interleaved rounds")),
     (("--tokens",), dict(type=int, default=32, help="decode steps per measurement")),
-]
+    (("--split",), dict(action=argparse.BooleanOptionalAction, default=True,
+                        help="mmserve's step with and without its quantized matmuls")),
+    (("--bandwidth-gb",), dict(type=float, default=1.0, help="--split: tensor read (GiB)")),
+]  # fmt: skip
 
 
 def ggufs(d: Path) -> tuple[Path, dict[str, Path]]:
@@ -85,6 +100,45 @@ def mm_decode(runner: MMServeRunner, tokens: int, tag: str) -> tuple[float, floa
     return 1.0 / med(wall), 1.0 / max(med(cpu), 1e-9), prompt_tokens
 
 
+@contextlib.contextmanager
+def zero_matmuls() -> Iterator[None]:
+    """Within: every int4 and int8 linear returns zeros of its output's shape instead of
+    computing (bias still added), so a step's time is all but its quantized matmuls."""
+    from mmserve.model.int4 import Int4Linear
+    from mmserve.model.quant import QuantizedLinear
+
+    def zeros(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(*x.shape[:-1], self.out_features)
+
+    saved = {c: c.matmul for c in (Int4Linear, QuantizedLinear)}
+    try:
+        for c in saved:
+            c.matmul = zeros  # type: ignore[method-assign]
+        yield
+    finally:
+        for c, f in saved.items():
+            c.matmul = f  # type: ignore[method-assign]
+
+
+def step_split(runner: MMServeRunner, tokens: int, bandwidth_cpu: float) -> dict:
+    """mmserve's batch-1 decode step in CPU ms, whole and with :func:`zero_matmuls`; their
+    difference is the quantized matmuls' time, against the decoder's weight bytes (the
+    effective read rate) and the bound (bytes over ``bandwidth_cpu``, bytes per CPU s)."""
+    whole = 1e3 / mm_decode(runner, tokens, "split")[1]
+    with zero_matmuls():
+        rest = 1e3 / mm_decode(runner, tokens, "split, no matmuls")[1]
+    nbytes = decode_weight_bytes(runner.model.decoder)
+    mm_ms = whole - rest
+    return {
+        "step_cpu_ms": whole,
+        "step_cpu_ms_without_matmuls": rest,
+        "matmul_cpu_ms": mm_ms,
+        "weight_bytes": nbytes,
+        "matmul_gb_per_cpu_s": nbytes / max(mm_ms, 1e-9) / 1e6,
+        "bound_cpu_ms": nbytes / bandwidth_cpu * 1e3,
+    }
+
+
 def llamacpp_decode(args: argparse.Namespace, model_dir: str) -> int:
     """``--rounds`` interleaved rounds (the order of the two systems alternating per round)
     of batch-1 decode, per ``--pairs`` method: mmserve ``--quantization M`` in process and
@@ -137,6 +191,15 @@ def llamacpp_decode(args: argparse.Namespace, model_dir: str) -> int:
         )
     head = ["batch-1 decode", "mmserve tokens/s", "llama.cpp tokens/s", "mmserve / llama.cpp"]
     out["table"] = report.md_table(head, rows)
+    if args.split:
+        bw_cpu = read_bandwidth(int(args.bandwidth_gb * (1 << 30)))[1]
+        out["read_gb_per_cpu_s"] = bw_cpu / 1e9
+        srows = []
+        for m in pairs:
+            sp = out[m]["split"] = step_split(runners[m], args.tokens, bw_cpu)
+            srows.append([m] + [f"{sp[k]:.3g}" for k in SPLIT_COLS])
+        head = ["mmserve, CPU ms", "step", "step without matmuls", "matmuls", "GB/s in matmuls"]
+        out["table"] += "\n\n" + report.md_table([*head, "bound"], srows)
     md = f"{out['table']}\n\n{threads} thread(s), {args.tokens} tokens after {depth} in the "
     md += f"cache, {args.rounds} interleaved rounds, medians; load average {report.loadavg()}"
     return report.emit(Path(args.out), "llamacpp_decode", out, md)

@@ -658,7 +658,8 @@ def test_llamacpp_decode_tiny(families, tmp_path: Path) -> None:
     (d / "setup.json").write_text(json.dumps(info))
     ov = families["llava-onevision"].model_dir
     argv = ["llamacpp-decode", "--model", str(ov), "--llamacpp-dir", str(d), "--rounds", "2"]
-    assert main([*argv, "--tokens", "3", "--threads", "1", "--out", str(tmp_path)]) == 0
+    argv += ["--tokens", "3", "--threads", "1", "--bandwidth-gb", "0.01"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "llamacpp_decode.json").read_text())
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
     assert len(seen) == 4 and res["depth"] > 5
@@ -670,6 +671,12 @@ def test_llamacpp_decode_tiny(families, tmp_path: Path) -> None:
         r = res[m]
         assert r["llamacpp_rounds"] == [ts, ts] and len(r["mmserve_rounds"]) == 2
         assert r["ratio"] == pytest.approx(r["mmserve_tokens_per_s"] / ts)
+        sp = r["split"]  # the step less its quantized matmuls; their bytes and the bound
+        assert sp["matmul_cpu_ms"] == pytest.approx(
+            sp["step_cpu_ms"] - sp["step_cpu_ms_without_matmuls"]
+        )
+        assert sp["weight_bytes"] > 0 and sp["bound_cpu_ms"] > 0
+    assert res["int4"]["split"]["weight_bytes"] < res["int8"]["split"]["weight_bytes"]
     assert main([*argv[:3], "--llamacpp-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 1
 
 
