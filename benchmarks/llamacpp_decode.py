@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import time
@@ -67,24 +68,41 @@ def ggufs(d: Path) -> tuple[Path, dict[str, Path]]:
 def llama_bench(bench: Path, model: Path, threads: int, tokens: int, depth: int) -> dict:
     """One ``llama-bench`` decode test: ``tokens`` generated one at a time after ``depth``
     tokens in the KV cache (``-p 0 -n tokens -d depth -r 1``), ``threads`` threads, its
-    warm-up run first (untimed). Returns ``tokens_per_s`` (llama-bench's own figure, wall)
-    and ``wall_s`` of the whole process (load, warm-up and depth prefill included).
+    warm-up run first (untimed). Returns ``tokens_per_s`` (llama-bench's own figure, wall),
+    and ``wall_s`` and ``cpu_s`` (user + system, all its threads) of the whole process
+    (load, warm-up and depth prefill included).
 
     Raises:
         RuntimeError: llama-bench failed or printed no decode result.
     """
     cmd = [str(bench), "-m", str(model), "-p", "0", "-n", str(tokens), "-d", str(depth)]
     cmd += ["-t", str(threads), "-r", "1", "-o", "json"]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _children_cpu()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
     if out.returncode:
         raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-2000:]}")
     rows = [r for r in json.loads(out.stdout) if r.get("n_gen")]
     if not rows:
         raise RuntimeError(f"llama-bench printed no decode test: {out.stdout[-2000:]}")
-    return {"tokens_per_s": float(rows[0]["avg_ts"]), "wall_s": wall, "row": rows[0]}
+    return {"tokens_per_s": float(rows[0]["avg_ts"]), "wall_s": wall, "cpu_s": cpu, "row": rows[0]}
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def llama_cpu_rate(bench: Path, model: Path, threads: int, tokens: int, depth: int) -> dict:
+    """:func:`llama_bench` of ``tokens`` and of 1 token (the same load, warm-up and
+    prefill): its result, plus ``tokens_per_cpu_s`` = ``(tokens - 1)`` over the CPU seconds
+    between the two (llama-bench reports wall time only; on a shared machine a process's
+    wall time is mostly other jobs')."""
+    long = llama_bench(bench, model, threads, tokens, depth)
+    short = llama_bench(bench, model, threads, 1, depth)
+    extra = long["cpu_s"] - short["cpu_s"]
+    return {**long, "tokens_per_cpu_s": (tokens - 1) / extra if extra > 0 else float("nan")}
 
 
 def mm_decode(runner: MMServeRunner, tokens: int, tag: str) -> tuple[float, float, int]:
@@ -168,7 +186,7 @@ def llamacpp_decode(args: argparse.Namespace, model_dir: str) -> int:
                     res[m]["mm_cpu"].append(tps_cpu)
                 else:  # the same number of tokens already in the cache as mmserve's prompt
                     res[m]["ll"].append(
-                        llama_bench(bench, gguf, threads, args.tokens, max(depth, 1))
+                        llama_cpu_rate(bench, gguf, threads, args.tokens, max(depth, 1))
                     )
         load.append(os.getloadavg()[0])
         print(f"round {rnd}: {json.dumps(res)[:400]}", flush=True)
@@ -177,19 +195,24 @@ def llamacpp_decode(args: argparse.Namespace, model_dir: str) -> int:
     rows = []
     for m in pairs:
         mm, ll = med(res[m]["mm"]), med(r["tokens_per_s"] for r in res[m]["ll"])
+        mm_cpu = med(res[m]["mm_cpu"])
+        ll_cpu = med(r["tokens_per_cpu_s"] for r in res[m]["ll"])
         out[m] = {
             "mmserve_tokens_per_s": mm,
-            "mmserve_tokens_per_cpu_s": med(res[m]["mm_cpu"]),
+            "mmserve_tokens_per_cpu_s": mm_cpu,
             "llamacpp_type": PAIRS[m],
             "llamacpp_tokens_per_s": ll,
+            "llamacpp_tokens_per_cpu_s": ll_cpu,
             "ratio": mm / ll,
+            "ratio_cpu": mm_cpu / ll_cpu,
             "mmserve_rounds": res[m]["mm"],
             "llamacpp_rounds": [r["tokens_per_s"] for r in res[m]["ll"]],
+            "llamacpp_cpu_rounds": [r["tokens_per_cpu_s"] for r in res[m]["ll"]],
         }
-        rows.append(
-            [f"mmserve {m} / llama.cpp {PAIRS[m]}", f"{mm:.2f}", f"{ll:.2f}", f"{mm / ll:.2f}"]
-        )
+        vals = (mm, ll, mm / ll, mm_cpu, ll_cpu, mm_cpu / ll_cpu)
+        rows.append([f"mmserve {m} / llama.cpp {PAIRS[m]}", *(f"{v:.3g}" for v in vals)])
     head = ["batch-1 decode", "mmserve tokens/s", "llama.cpp tokens/s", "mmserve / llama.cpp"]
+    head += ["mmserve tokens/CPU s", "llama.cpp tokens/CPU s", "mmserve / llama.cpp (CPU)"]
     out["table"] = report.md_table(head, rows)
     if args.split:
         bw_cpu = read_bandwidth(int(args.bandwidth_gb * (1 << 30)))[1]

@@ -662,15 +662,21 @@ def test_llamacpp_decode_tiny(families, tmp_path: Path) -> None:
     assert main([*argv, "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "llamacpp_decode.json").read_text())
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert len(seen) == 4 and res["depth"] > 5
+    assert len(seen) == 8 and res["depth"] > 5  # per round and type: 3 tokens, then 1
     for a in seen:
-        assert a[a.index("-t") + 1] == "1" and a[a.index("-n") + 1] == "3"
-        assert a[a.index("-d") + 1] == str(res["depth"]) and a[a.index("-p") + 1] == "0"
-    assert [Path(a[a.index("-m") + 1]).name for a in seen] == ["lm-Q4_0.gguf", "lm-Q8_0.gguf"] * 2
+        assert a[a.index("-t") + 1] == "1" and a[a.index("-p") + 1] == "0"
+        assert a[a.index("-d") + 1] == str(res["depth"])
+    assert [a[a.index("-n") + 1] for a in seen] == ["3", "1"] * 4
+    names = [Path(a[a.index("-m") + 1]).name for a in seen]
+    assert (
+        names
+        == ["lm-Q4_0.gguf"] * 2 + ["lm-Q8_0.gguf"] * 2 + ["lm-Q4_0.gguf"] * 2 + ["lm-Q8_0.gguf"] * 2
+    )
     for m, ts in (("int4", 40.0), ("int8", 20.0)):
         r = res[m]
         assert r["llamacpp_rounds"] == [ts, ts] and len(r["mmserve_rounds"]) == 2
         assert r["ratio"] == pytest.approx(r["mmserve_tokens_per_s"] / ts)
+        assert len(r["llamacpp_cpu_rounds"]) == 2 and "llamacpp_tokens_per_cpu_s" in r
         sp = r["split"]  # the step less its quantized matmuls; their bytes and the bound
         assert sp["matmul_cpu_ms"] == pytest.approx(
             sp["step_cpu_ms"] - sp["step_cpu_ms_without_matmuls"]
