@@ -27,6 +27,7 @@ from benchmarks import (
     image_repeat,
     kv_fp8,
     live_video,
+    llamacpp_decode,
     model_identity,
     output,
     quant_rows,
@@ -81,6 +82,8 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--image-check",), dict(action=argparse.BooleanOptionalAction, default=True,
                                   help="quant: the image-sensitivity check")),
     ]),
+    "llamacpp-decode": (llamacpp_decode.llamacpp_decode, "full", "onevision-0.5b",
+                        "llava-onevision", llamacpp_decode.OPTIONS),
     "host": (host.host, "full", "tiny", "llava", host.OPTIONS),
     "image-repeat": (image_repeat.image_repeat, "full", "tiny", "llava", image_repeat.OPTIONS),
     "determinism": (determinism.determinism, "full", "tiny", "llava", determinism.OPTIONS),
@@ -192,9 +195,15 @@ def parser() -> argparse.ArgumentParser:
         for flags, kw in extra:
             p.add_argument(*flags, **kw)
     ll = sub.add_parser("llamacpp", help="setup helpers of scripts/setup_llamacpp.sh")
-    ll.add_argument("step", choices=("make-checkpoint", "export-lm", "vit-dir"))
-    ll.add_argument("paths", nargs="+", type=Path, help="OUT | HF OUT | HF SURGERY OUT")
+    ll.add_argument(
+        "step", choices=("make-checkpoint", "export-lm", "vit-dir", "export-qwen2", "convert-lm")
+    )
+    ll.add_argument(
+        "paths", nargs="+", type=Path,
+        help="OUT | HF OUT | HF SURGERY OUT | OUT (export-qwen2) | SRC MODEL OUT (convert-lm)",
+    )  # fmt: skip
     ll.add_argument("--size", default="small")
+    ll.add_argument("--outtype", default="f16", help="convert-lm: the GGUF's float type")
     ll.add_argument("--seed", type=int, default=0)
     pl = sub.add_parser("plot", help="PNG plots from the JSON results in RESULTS_DIR")
     pl.add_argument("results", type=Path, metavar="RESULTS_DIR")
@@ -215,8 +224,18 @@ def main(argv: list[str] | None = None) -> int:
         t0, p = time.perf_counter(), args.paths
         if args.step == "make-checkpoint":
             p = [p[0], args.size, args.seed]
-        steps = {"make-checkpoint": llamacpp.make_sp_checkpoint, "vit-dir": llamacpp.write_vit_dir}
-        print(steps.get(args.step, llamacpp.export_language_model)(*p))  # else export-lm
+        elif args.step == "export-qwen2":  # the seeded OneVision checkpoint of --size
+            p = [Path(checkpoint(args.size, "llava-onevision")), p[0]]
+        elif args.step == "convert-lm":
+            p = [*p, args.outtype]
+        steps = {
+            "make-checkpoint": llamacpp.make_sp_checkpoint,
+            "vit-dir": llamacpp.write_vit_dir,
+            "export-lm": llamacpp.export_language_model,
+            "export-qwen2": llamacpp.export_qwen2_lm,
+            "convert-lm": llamacpp.convert_lm,
+        }
+        print(steps[args.step](*p))
         print(f"{args.step}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return 0
     if args.threads:

@@ -141,6 +141,102 @@ def write_vit_dir(hf_dir: Path, surgery_dir: Path, out: Path) -> Path:
     return out
 
 
+def export_qwen2_lm(hf_dir: Path, out: Path) -> Path:
+    """The language model of a LLaVA-OneVision checkpoint (its Qwen2 decoder, with the LM
+    head, tied or not) as a ``Qwen2ForCausalLM`` directory in ``out``: ``config.json``
+    from ``text_config``, the ``language_model.*`` tensors renamed as that class names them
+    (bytes unchanged, same dtype), and the tokenizer files copied.
+
+    Raises:
+        ValueError: if the checkpoint's language model is not Qwen2.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    cfg = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    text = dict(cfg["text_config"])
+    if text.get("model_type") != "qwen2":
+        raise ValueError(f"{hf_dir}: text model {text.get('model_type')!r}, expected qwen2")
+    text["architectures"] = ["Qwen2ForCausalLM"]
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    text.setdefault("torch_dtype", cfg.get("torch_dtype", cfg.get("dtype", "bfloat16")))
+    tensors = {}
+    with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            if k.startswith("language_model.model."):  # transformers' old layout
+                tensors[k[len("language_model.") :]] = f.get_tensor(k)
+            elif k.startswith("model.language_model."):  # transformers 5's layout
+                tensors["model." + k[len("model.language_model.") :]] = f.get_tensor(k)
+            elif k in ("lm_head.weight", "language_model.lm_head.weight"):
+                tensors["lm_head.weight"] = f.get_tensor(k)
+    if text["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(text, indent=2), encoding="utf-8")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (hf_dir / name).is_file():
+            shutil.copy(hf_dir / name, out / name)
+    return out
+
+
+def byte_level_pre_tokenizer(model_dir: Path) -> str | None:
+    """llama.cpp's name for ``model_dir``'s BPE pre-tokenizer when ``tokenizer.json`` says
+    exactly what it is: ``"gpt-2"`` for a lone ``ByteLevel`` pre-tokenizer with its regex
+    (GPT-2's split, which llama.cpp's ``gpt-2`` pre-tokenizer implements); else None."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    tok = json.loads(path.read_text(encoding="utf-8"))
+    pre = tok.get("pre_tokenizer") or {}
+    model = tok.get("model") or {}
+    if model.get("type") == "BPE" and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    return None
+
+
+def convert_lm(src: Path, model_dir: Path, outfile: Path, outtype: str = "f16") -> Path:
+    """Run llama.cpp's ``convert_hf_to_gguf.py`` from the source tree ``src`` on
+    ``model_dir``. The converter names a BPE pre-tokenizer by hashing the token ids of a
+    test string and refuses a hash it does not list (NotImplementedError): our trained
+    tokenizers are in no list. Only then, and only when :func:`byte_level_pre_tokenizer`
+    identifies the pre-tokenizer from ``tokenizer.json``, that name is written instead;
+    any other tokenizer is still refused.
+
+    Raises:
+        NotImplementedError: the converter's refusal, for a pre-tokenizer not identified.
+    """
+    import runpy
+    import sys
+
+    src, path, argv = Path(src), list(sys.path), sys.argv
+    sys.path[:0] = [str(src), str(src / "gguf-py")]
+    from conversion import base  # llama.cpp's converter package, from ``src``
+
+    listed = base.TextModel.get_vocab_base_pre
+
+    def pre(self: Any, tokenizer: Any) -> str:
+        try:
+            return listed(self, tokenizer)
+        except NotImplementedError:
+            name = byte_level_pre_tokenizer(Path(model_dir))
+            if name is None:
+                raise
+            print(f"unlisted BPE pre-tokenizer; tokenizer.json says {name!r}", file=sys.stderr)
+            return name
+
+    base.TextModel.get_vocab_base_pre = pre  # type: ignore[method-assign]
+    sys.argv = [str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype]
+    sys.argv += ["--outfile", str(outfile)]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:  # a second call wraps the listed method again, not this call's wrapper
+        base.TextModel.get_vocab_base_pre = listed  # type: ignore[method-assign]
+        sys.argv, sys.path[:] = argv, path
+    return Path(outfile)
+
+
 # ---- agreement ------------------------------------------------------------------------------
 
 

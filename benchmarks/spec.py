@@ -35,11 +35,14 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.in_process import model_dir as checkpoint
 from benchmarks.report import emit, fmt, loadavg, md_table
 from mmserve.config import EngineConfig
 from mmserve.frontend.frontend import Engine
@@ -214,3 +217,24 @@ def run(args: argparse.Namespace, model_dir: str | None) -> int:
         f"{results['loadavg_before']} -> {results['loadavg_after']}\n\n{table}"
     )
     return emit(args.out, "spec", results, md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.spec``: the subcommand without the benchmark CLI's extras
+    (httpx, matplotlib), as scripts/gpu_check.sh runs it on CUDA."""
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.spec", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--family", default="llava")
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    for flags, kw in OPTIONS:
+        ap.add_argument(*flags, **kw)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return run(args, checkpoint(args.size, args.family, args.model))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

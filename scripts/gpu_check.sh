@@ -16,7 +16,9 @@
 #
 # Time: the phases' limits add up to at most GPU_CHECK_BUDGET (480 s; the script refuses
 # to start over it), leaving 120 s of a 600 s command for start-up and the copy back
-# (the --tp 2 phase, only on a machine with two GPUs, comes on top).
+# (the --tp 2 phase, only on a machine with two GPUs, comes on top). The speculation
+# phase's 40 s came from the prebuild's and pytest's limits (180 -> 165, 115 -> 90 s:
+# 116-130 s and 36 s measured on an H200).
 # FlashInfer compiles its kernels on first use (JIT, into ~/.cache/flashinfer) and a lent
 # machine is fresh every time, so the first GPU phase builds every module the later ones
 # use (`python -m mmserve.kernels.warmup`), each module in its own process so that their
@@ -33,9 +35,9 @@
 #                transformers versions; import flashinfer; what backend "auto" picks; what
 #                --deterministic runs (the torch backend: it refuses FlashInfer, so there
 #                are no FlashInfer deterministic settings to time; asked of the code)
-#   prebuild    180 s: every FlashInfer module of the shapes below (bf16; fp16 when
+#   prebuild    165 s: every FlashInfer module of the shapes below (bf16; fp16 when
 #                precompiled; fp8 KV), one log line per module with its seconds
-#   pytest      115 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
+#   pytest       90 s: tests/gpu (FlashInfer vs the torch backend, both engines, greedy
 #                equality with transformers in fp32 on CUDA, CUDA-graph decode vs eager,
 #                FlashInfer's fused ops vs mmserve/kernels/ops.py's torch versions,
 #                --deterministic in bf16 on CUDA: "auto" runs the torch backend, and
@@ -50,6 +52,12 @@
 #   benchmark    25 s: benchmarks/in_process.py cache_on_off, small model on CUDA
 #   graph decode 65 s: benchmarks/graph_decode.py at OneVision-0.5B shapes (checkpoint
 #                built on first use, ~25 s): decode tokens/s, CUDA graphs on/off, torch
+#   speculation  40 s: benchmarks/spec.py at OneVision-0.5B shapes (the checkpoint above,
+#                edited to quote its prompt): n-gram speculation off / on / forced on the
+#                prompt-copying document QA, batch 1 and 8, 3 rounds of 64 tokens:
+#                accepted length and the speed-up over off (its figures go into
+#                summary.json's "spec": spec.json and spec.md stay out of OUT_DIR, which
+#                holds 8 files already)
 #   --tp 2      150 s, only with two GPUs (else a "skipped" row with the reason):
 #                tests/gpu/test_tp_gpu.py, tp 2 over NCCL against tp 1 (fp32 and bf16)
 #
@@ -59,7 +67,7 @@
 #                their total, the files a full run writes) and rewritten as each phase
 #                ends, so a run cut off midway still leaves its finished phases; then
 #                versions (torch, transformers, flashinfer it ran with), pytest counts,
-#                benchmark and graph-decode figures, "complete" and "passed";
+#                benchmark, graph-decode and speculation figures, "complete" and "passed";
 #   gpu_check.log all output;  pytest.xml, pytest_quantized.xml (JUnit);  benchmark.json;
 #   graph_decode.json + graph_decode.md (graph_decode.partial.json if cut off);
 #   quant_cuda.json.
@@ -69,7 +77,7 @@
 # GPU_CHECK_ONLY=setup (install + environment only, no GPU needed; used by
 # `scripts/gpu_bundle.sh --check PYTHON`), GPU_CHECK_DRY_RUN=1, GPU_CHECK_BUDGET (480),
 # INSTALL_TIMEOUT, ENV_TIMEOUT, PREBUILD_TIMEOUT, PYTEST_TIMEOUT, QUANT_TIMEOUT,
-# QMM_TIMEOUT, BENCH_TIMEOUT, GRAPH_TIMEOUT, TP_TIMEOUT (seconds).
+# QMM_TIMEOUT, BENCH_TIMEOUT, GRAPH_TIMEOUT, SPEC_TIMEOUT, TP_TIMEOUT (seconds).
 set -uo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
@@ -95,12 +103,13 @@ DRY_NOTE=
 BUDGET=${GPU_CHECK_BUDGET:-480}
 INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-20}
 ENV_TIMEOUT=${ENV_TIMEOUT:-20}
-PREBUILD_TIMEOUT=${PREBUILD_TIMEOUT:-180}
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-115}
+PREBUILD_TIMEOUT=${PREBUILD_TIMEOUT:-165}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-90}
 QUANT_TIMEOUT=${QUANT_TIMEOUT:-40}
 QMM_TIMEOUT=${QMM_TIMEOUT:-15}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-25}
 GRAPH_TIMEOUT=${GRAPH_TIMEOUT:-65}
+SPEC_TIMEOUT=${SPEC_TIMEOUT:-40}
 TP_TIMEOUT=${TP_TIMEOUT:-150}
 HAVE_BUNDLE=0
 compgen -G "$BUNDLE/*.whl" >/dev/null && HAVE_BUNDLE=1
@@ -188,6 +197,10 @@ for key, name in (("benchmark", "benchmark.json"), ("graph_decode", "graph_decod
                   ("quant_cuda", "quant_cuda.json")):
     if (out / name).exists():
         s[key] = json.loads((out / name).read_text())
+if (work / "spec" / "spec.json").exists():  # in the work folder: OUT_DIR holds 8 files
+    spec = json.loads((work / "spec" / "spec.json").read_text())
+    s["spec"] = {k: spec.get(k) for k in ("size", "device", "dtype", "prompt_tokens", "tokens",
+                                          "k", "rounds", "rows")}
 if "graph_decode" not in s and (out / "graph_decode.partial.json").exists():
     s["graph_decode"] = {"partial": True,
                          **json.loads((out / "graph_decode.partial.json").read_text())}
@@ -244,6 +257,7 @@ if [[ $ONLY != setup ]]; then
   plan "pytest --tp 2 (2 GPUs)" "$([[ ${NGPU:-0} -ge 2 ]] && echo "$TP_TIMEOUT" || echo 0)"
   plan "benchmark many_questions" "$BENCH_TIMEOUT" benchmark.json
   plan "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "graph_decode.json graph_decode.md"
+  plan "speculation (onevision-0.5b)" "$SPEC_TIMEOUT"
 fi
 TOTAL_LIMIT=$(awk -F'\t' '{ s += $2 } END { print s + 0 }' "$PLAN_TSV")
 [[ ${NGPU:-0} -ge 2 ]] && TOTAL_LIMIT=$((TOTAL_LIMIT - TP_TIMEOUT)) # two GPUs: --tp 2 on top
@@ -501,6 +515,13 @@ with open(sys.argv[1], "w") as f:
   gpu_phase "graph decode (onevision-0.5b)" "$GRAPH_TIMEOUT" "$PY" -m benchmarks.graph_decode \
     --device cuda --size onevision-0.5b --family llava-onevision --batches 1,8,32 --tokens 32 \
     --images 2 --questions 2 --profile-tokens 16 --out "$OUT_DIR"
+
+  # n-gram speculation on the prompt-copying document QA (issue 49): accepted length and
+  # tokens/s against off at batch 1 and 8, the OneVision-0.5B checkpoint built above
+  rm -rf "$WORK/spec"
+  gpu_phase "speculation (onevision-0.5b)" "$SPEC_TIMEOUT" "$PY" -m benchmarks.spec \
+    --device cuda --size onevision-0.5b --family llava-onevision --models quoting \
+    --batches 1,8 --tokens 64 --rounds 3 --out "$WORK/spec"
 fi
 
 # ---- summary ------------------------------------------------------------------------------

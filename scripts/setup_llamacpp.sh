@@ -6,17 +6,26 @@
 # Steps (each skipped when its output is already there, so a rerun is cheap):
 #   1. pip download the llama-cpp-python sdist (LLAMACPP_PY_VERSION, pinned) and unpack
 #      its vendor/llama.cpp into DIR/src
-#   2. build only the llama-server target (CMake, Release, no web UI: LLAMA_BUILD_UI=OFF
-#      and LLAMA_USE_PREBUILT_UI=OFF, so nothing is fetched at build time), -j2 under nice
+#   2. build the llama-quantize and llama-bench targets, then llama-server (CMake, Release,
+#      no web UI: LLAMA_BUILD_UI=OFF and LLAMA_USE_PREBUILT_UI=OFF, so nothing is fetched at
+#      build time), -j2 under nice
 #   3. write the SentencePiece LLaVA-1.5 benchmark checkpoint DIR/model/hf (the `small`
 #      size and seed of `mmserve make-model`, with the SentencePiece tokenizer that
 #      llama.cpp's converter accepts; the default `small` checkpoint is not touched)
 #   4. convert it at full precision (f32): the language model with convert_hf_to_gguf.py,
 #      the CLIP tower and projector with the legacy llava scripts (llava_surgery_v2.py,
 #      convert_image_encoder_to_gguf.py --use-f32)
-#   5. write DIR/setup.json (versions, paths, seconds per step)
+#   5. the OneVision-0.5B-shape language model (issue 49's decode comparison): the Qwen2
+#      decoder of `make-model --size onevision-0.5b` (seed 0, the checkpoint real-shapes
+#      uses) as a Qwen2ForCausalLM folder, converted to f16 GGUF (our trained byte-level BPE
+#      tokenizer is in no list of the converter's pre-tokenizer hashes, which it refuses;
+#      `benchmarks llamacpp convert-lm` names it `gpt-2` from tokenizer.json, else refuses),
+#      then llama-quantize --pure to Q4_0 and Q8_0 (every tensor, the tied head included,
+#      as mmserve's int4/int8 quantize the head); LLAMACPP_SKIP_ONEVISION=1 skips this
+#   6. write DIR/setup.json (versions, paths, seconds per step)
 #
-# Runs outside CI; `python -m benchmarks serve` uses DIR when it exists.
+# Runs outside CI (never from .ci/ or the tests); `python -m benchmarks serve` and
+# `python -m benchmarks llamacpp-decode` use DIR when it exists.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +34,8 @@ DIR="$(mkdir -p "$DIR" && cd "$DIR" && pwd)"
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
 SIZE="${LLAMACPP_MODEL_SIZE:-small}"
 JOBS="${JOBS:-2}"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
+PY="${PYTHON:-${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}"  # else the checkout's .venv
+[ -n "$PY" ] || PY="$ROOT/.venv/bin/python"
 [ -x "$PY" ] || PY=python3
 SRC="$DIR/src"
 LOG="$DIR/setup.log"
@@ -47,20 +57,28 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
 fi
 SECS[source]=$(($(date +%s) - t))
 
-# ---- 2. build llama-server ---------------------------------------------------------
+# ---- 2. build llama-quantize, llama-bench, llama-server -----------------------------
 t=$(date +%s)
 SERVER="$DIR/build/bin/llama-server"
-if [ ! -x "$SERVER" ]; then
+BENCH="$DIR/build/bin/llama-bench"
+QUANTIZE="$DIR/build/bin/llama-quantize"
+if [ ! -f "$DIR/build/build.ninja" ]; then
   step "configuring (Release, no web UI, no tests/examples, static)"
   cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >>"$LOG" 2>&1
+fi
+if [ ! -x "$BENCH" ] || [ ! -x "$QUANTIZE" ]; then
+  step "building llama-quantize and llama-bench with -j$JOBS under nice"
+  nice -n 10 cmake --build "$DIR/build" --target llama-quantize llama-bench -j "$JOBS" >>"$LOG" 2>&1
+fi
+if [ ! -x "$SERVER" ]; then
   step "building llama-server with -j$JOBS under nice (tens of minutes on 2 cores)"
   nice -n 10 cmake --build "$DIR/build" --target llama-server -j "$JOBS" >>"$LOG" 2>&1
 fi
 SECS[build]=$(($(date +%s) - t))
-step "llama-server: $SERVER"
+step "llama-server: $SERVER; llama-bench: $BENCH; llama-quantize: $QUANTIZE"
 
 # ---- 3. the SentencePiece LLaVA-1.5 checkpoint -------------------------------------
 t=$(date +%s)
@@ -120,19 +138,48 @@ PYEOF
 fi
 SECS[convert]=$(($(date +%s) - t))
 
-# ---- 5. setup.json -------------------------------------------------------------------
+# ---- 5. the OneVision-0.5B-shape language model: f16, Q4_0, Q8_0 --------------------
+t=$(date +%s)
+OV="$DIR/onevision"
+if [ "${LLAMACPP_SKIP_ONEVISION:-0}" != 1 ]; then
+  if [ ! -f "$OV/lm-f16.gguf" ]; then
+    step "OneVision-0.5B-shape Qwen2 decoder -> $OV/lm (make-model's seed-0 checkpoint)"
+    rm -rf "$OV/lm"
+    (cd "$ROOT" && nice -n 10 "$PY" -m benchmarks llamacpp export-qwen2 "$OV/lm" \
+      --size onevision-0.5b) >>"$LOG" 2>&1
+    step "-> $OV/lm-f16.gguf (convert_hf_to_gguf.py --outtype f16; pre-tokenizer from tokenizer.json)"
+    (cd "$ROOT" && nice -n 10 "$PY" -m benchmarks llamacpp convert-lm "$SRC" "$OV/lm" \
+      "$OV/lm-f16.gguf.part" --outtype f16) >>"$LOG" 2>&1
+    mv "$OV/lm-f16.gguf.part" "$OV/lm-f16.gguf"
+  fi
+  for q in Q4_0 Q8_0; do
+    if [ ! -f "$OV/lm-$q.gguf" ]; then
+      step "llama-quantize --pure $q -> $OV/lm-$q.gguf"
+      nice -n 10 "$QUANTIZE" --pure "$OV/lm-f16.gguf" "$OV/lm-$q.gguf.part" "$q" "$JOBS" >>"$LOG" 2>&1
+      mv "$OV/lm-$q.gguf.part" "$OV/lm-$q.gguf"
+    fi
+  done
+fi
+SECS[onevision]=$(($(date +%s) - t))
+
+# ---- 6. setup.json -------------------------------------------------------------------
 cp "$ROOT/mmserve/testing/assets/chat_template.jinja" "$DIR/chat_template.jinja"
-"$PY" - "$DIR" "$VERSION" "${SECS[source]}" "${SECS[build]}" "${SECS[checkpoint]}" "${SECS[convert]}" <<'PYEOF'
+"$PY" - "$DIR" "$VERSION" "${SECS[source]}" "${SECS[build]}" "${SECS[checkpoint]}" "${SECS[convert]}" "${SECS[onevision]}" <<'PYEOF'
 import json, os, subprocess, sys
 d, version, *secs = sys.argv[1:]
 info = {
     "llama_cpp_python_sdist": version,
     "server": "build/bin/llama-server",
+    "bench": "build/bin/llama-bench",
+    "quantize": "build/bin/llama-quantize",
+    "onevision_gguf": {q: f"onevision/lm-{q}.gguf" for q in ("f16", "Q4_0", "Q8_0")
+                       if os.path.exists(os.path.join(d, f"onevision/lm-{q}.gguf"))},
     "model_gguf": "model/lm-f32.gguf",
     "mmproj_gguf": "model/vit/mmproj-model-f32.gguf",
     "hf_dir": "model/hf",
     "chat_template": "chat_template.jinja",
-    "seconds": dict(zip(("source", "build", "checkpoint", "convert"), map(int, secs))),
+    "seconds": dict(zip(("source", "build", "checkpoint", "convert", "onevision"),
+                        map(int, secs))),
 }
 try:
     out = subprocess.run([os.path.join(d, info["server"]), "--version"], capture_output=True,

@@ -624,3 +624,145 @@ def test_determinism_benchmark_tiny(families, tmp_path: Path) -> None:
         assert row["on_over_off"] == row["on"] / row["off"]
         assert row["on_over_off_cpu"] == row["on_cpu"] / row["off_cpu"] > 0
     assert res["decode_ms"]["context_tokens"] == 40
+
+
+def test_export_qwen2_lm_is_the_onevision_language_model(families, tmp_path: Path) -> None:
+    """The exported ``Qwen2ForCausalLM`` holds the OneVision checkpoint's decoder bytes: it
+    gives transformers' LLaVA-OneVision language model's logits exactly; the byte-level BPE
+    tokenizer is named ``gpt-2`` for llama.cpp, a SentencePiece one is not named."""
+    from transformers import AutoModelForImageTextToText, Qwen2ForCausalLM
+
+    from benchmarks.llamacpp import byte_level_pre_tokenizer, export_qwen2_lm
+
+    ov = families["llava-onevision"].model_dir
+    out = export_qwen2_lm(ov, tmp_path / "lm")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    lm = Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    full = AutoModelForImageTextToText.from_pretrained(ov, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 30, 7, 2]])
+    with torch.inference_mode():
+        want = full(input_ids=ids).logits
+        got = lm(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert byte_level_pre_tokenizer(out) == "gpt-2"
+    assert byte_level_pre_tokenizer(families["llava-next"].model_dir) is None
+    with pytest.raises(ValueError, match="expected qwen2"):
+        export_qwen2_lm(families["llava"].model_dir, tmp_path / "llama")
+
+
+def _fake_converter(src: Path) -> None:
+    """A stand-in llama.cpp tree: its converter refuses every pre-tokenizer hash (as the real
+    one refuses ours) and writes the name it was given into the output file."""
+    (src / "conversion").mkdir(parents=True)
+    (src / "conversion" / "__init__.py").write_text("")
+    (src / "conversion" / "base.py").write_text(
+        "class TextModel:\n"
+        "    def get_vocab_base_pre(self, tokenizer):\n"
+        "        raise NotImplementedError('BPE pre-tokenizer was not recognized')\n"
+    )
+    (src / "convert_hf_to_gguf.py").write_text(
+        "import sys\nfrom conversion.base import TextModel\n"
+        "out = sys.argv[sys.argv.index('--outfile') + 1]\n"
+        "open(out, 'w').write(TextModel().get_vocab_base_pre(None))\n"
+    )
+
+
+def test_convert_lm_names_only_an_identified_pre_tokenizer(
+    families, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converter's refusal of an unlisted hash is answered with the name read from
+    ``tokenizer.json`` (byte-level BPE: ``gpt-2``) and kept for anything else."""
+    import sys
+
+    from benchmarks.llamacpp import convert_lm
+
+    src = tmp_path / "src"
+    _fake_converter(src)
+    for name in ("conversion", "conversion.base"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    ov, sp = families["llava-onevision"].model_dir, families["llava-next"].model_dir
+    out = convert_lm(src, ov, tmp_path / "ov.gguf")
+    assert out.read_text() == "gpt-2"
+    with pytest.raises(NotImplementedError, match="not recognized"):
+        convert_lm(src, sp, tmp_path / "sp.gguf")
+    for name in ("conversion", "conversion.base"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_llamacpp_decode_tiny(families, tmp_path: Path) -> None:
+    """``llamacpp-decode`` against a stand-in ``llama-bench``: each method meets the GGUF of
+    its bit width, with the same threads and mmserve's prompt length as the cache depth, in
+    every round; the ratio is mmserve's median over llama.cpp's."""
+    import sys
+
+    d = tmp_path / "ll"
+    (d / "onevision").mkdir(parents=True)
+    for q in ("Q4_0", "Q8_0"):
+        (d / "onevision" / f"lm-{q}.gguf").write_text(q)
+    calls = tmp_path / "calls.jsonl"
+    bench = d / "llama-bench"
+    bench.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "m = open(sys.argv[sys.argv.index('-m') + 1]).read()\n"
+        "ts = {'Q4_0': 40.0, 'Q8_0': 20.0}[m]\n"
+        "print(json.dumps([{'n_prompt': 0, 'n_gen': 3, 'avg_ts': ts}]))\n"
+    )
+    bench.chmod(0o755)
+    info = {"bench": "llama-bench", "onevision_gguf": {}}
+    info["onevision_gguf"] = {q: f"onevision/lm-{q}.gguf" for q in ("Q4_0", "Q8_0")}
+    (d / "setup.json").write_text(json.dumps(info))
+    ov = families["llava-onevision"].model_dir
+    argv = ["llamacpp-decode", "--model", str(ov), "--llamacpp-dir", str(d), "--rounds", "2"]
+    argv += ["--tokens", "3", "--threads", "1", "--bandwidth-gb", "0.01"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "llamacpp_decode.json").read_text())
+    seen = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(seen) == 8 and res["depth"] > 5  # per round and type: 3 tokens, then 1
+    for a in seen:
+        assert a[a.index("-t") + 1] == "1" and a[a.index("-p") + 1] == "0"
+        assert a[a.index("-d") + 1] == str(res["depth"])
+    assert [a[a.index("-n") + 1] for a in seen] == ["3", "1"] * 4
+    names = [Path(a[a.index("-m") + 1]).name for a in seen]
+    assert (
+        names
+        == ["lm-Q4_0.gguf"] * 2 + ["lm-Q8_0.gguf"] * 2 + ["lm-Q4_0.gguf"] * 2 + ["lm-Q8_0.gguf"] * 2
+    )
+    for m, ts in (("int4", 40.0), ("int8", 20.0)):
+        r = res[m]
+        assert r["llamacpp_rounds"] == [ts, ts] and len(r["mmserve_rounds"]) == 2
+        assert r["ratio"] == pytest.approx(r["mmserve_tokens_per_s"] / ts)
+        assert len(r["llamacpp_cpu_rounds"]) == 2 and "llamacpp_tokens_per_cpu_s" in r
+        sp = r["split"]  # the step less its quantized matmuls; their bytes and the bound
+        assert sp["matmul_cpu_ms"] == pytest.approx(
+            sp["step_cpu_ms"] - sp["step_cpu_ms_without_matmuls"]
+        )
+        assert sp["weight_bytes"] > 0 and sp["bound_cpu_ms"] > 0
+    assert res["int4"]["split"]["weight_bytes"] < res["int8"]["split"]["weight_bytes"]
+    assert main([*argv[:3], "--llamacpp-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 1
+
+
+def test_spec_as_the_gpu_check_runs_it(model_dir: Path, tmp_path: Path) -> None:
+    """``python -m benchmarks.spec`` (no benchmark CLI, as scripts/gpu_check.sh's speculation
+    phase runs it) takes every flag of that phase's command line and writes the figures the
+    check folds into summary.json: the quoting model's accepted length above 1 at batch 1."""
+    import re
+    import shlex
+
+    from benchmarks import spec
+
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").read_text()
+    line = re.search(r"-m benchmarks\.spec (.*?)--out", script, re.S)
+    assert line is not None
+    flags = shlex.split(line.group(1).replace("\\\n", " "))
+    assert flags[flags.index("--device") + 1] == "cuda" and "--batches" in flags
+    ap_flags = {f for flags_, _ in spec.OPTIONS for f in flags_} | {"--size", "--family"}
+    assert {f for f in flags if f.startswith("--")} <= ap_flags
+    argv = ["--model", str(model_dir), "--models", "quoting", "--batches", "1", "--tokens", "8"]
+    assert spec.main([*argv, "--rounds", "1", "--out", str(tmp_path / "spec")]) == 0
+    res = json.loads((tmp_path / "spec" / "spec.json").read_text())
+    for key in ("size", "device", "dtype", "prompt_tokens", "tokens", "k", "rounds", "rows"):
+        assert key in res
+    on = next(r for r in res["rows"] if r["config"] == "on")
+    assert on["batch"] == 1 and on["accepted_length"] > 1 and on["speedup"] > 0

@@ -38,6 +38,7 @@ GPU_CHECK_ROOTS = [
     ROOT / "tests" / "test_reference.py",
     ROOT / "benchmarks" / "in_process.py",
     ROOT / "benchmarks" / "graph_decode.py",
+    ROOT / "benchmarks" / "spec.py",
     ROOT / "mmserve" / "kernels" / "flashinfer_backend.py",
     ROOT / "mmserve" / "kernels" / "select.py",
     ROOT / "mmserve" / "kernels" / "warmup.py",
@@ -179,6 +180,7 @@ def test_everything_the_gpu_check_imports_is_bundled_or_in_the_image() -> None:
 def test_roots_are_what_gpu_check_runs() -> None:
     script = CHECK_SH.read_text()
     targets = ("tests/gpu", "tests/test_reference.py", "in_process.cache_on_off", "kernels.warmup")
+    targets += ("benchmarks.graph_decode", "benchmarks.spec")
     for target in targets:
         assert target in script
 
