@@ -49,6 +49,9 @@ from mmserve.types import EngineRequest, GenerateResult
 
 log = logging.getLogger(__name__)
 
+#: Bytes read from the engine's pipe per ``os.read``.
+READ_BYTES = 1 << 20
+
 __all__ = ["EngineError", "EngineProcessClient", "EngineStartError", "EngineUnavailable"]
 
 
@@ -113,6 +116,7 @@ class EngineProcessClient:
         self._tx: Connection | None = None
         self._rx: Connection | None = None
         self._watched: Connection | None = None  # the pipe end the event loop reads
+        self._inbuf = bytearray()  # what was read of it and not yet handled
         self._gen = 0  # which engine process the reader threads report for
         self._ready = False
         self._stopping = False
@@ -223,7 +227,12 @@ class EngineProcessClient:
         if rx is None or loop is None or rx is self._watched:
             return
         self._watched = rx
+        self._inbuf = bytearray()
         loop.add_reader(rx.fileno(), self._readable, rx, self._gen)
+        # uvloop's add_reader makes the fd non-blocking (libuv's uv_poll_init); set it so
+        # under any loop: a step's message is read as far as it has arrived, never with
+        # recv_bytes, which raises BlockingIOError on a message still being written
+        os.set_blocking(rx.fileno(), False)
 
     # ---- health ----------------------------------------------------------------------
     def unavailable(self) -> str | None:
@@ -258,13 +267,31 @@ class EngineProcessClient:
 
     # ---- messages ----------------------------------------------------------------------
     def _readable(self, rx: Connection, gen: int) -> None:
-        """The engine's pipe has data (one message per engine step) or was closed."""
-        try:
-            while rx.poll(0):
-                self._on_messages(pickle.loads(rx.recv_bytes()))
-        except (EOFError, OSError):
+        """The engine's pipe has data (one message per engine step) or was closed.
+
+        Reads what has arrived (the fd is non-blocking) and handles every whole message
+        in it; a message still being written stays in the buffer for the next call."""
+        buf, fd = self._inbuf, rx.fileno()
+        closed = False
+        while True:
+            try:
+                chunk = os.read(fd, READ_BYTES)
+            except BlockingIOError:
+                break
+            except OSError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            buf += chunk
+            if len(chunk) < READ_BYTES:
+                break  # drained (an EOF, if any, shows at the next call)
+        for payload in _frames(buf):
+            self._on_messages(pickle.loads(payload))
+        if closed:
             assert self._loop is not None
-            self._loop.remove_reader(rx.fileno())
+            self._loop.remove_reader(fd)
             rx.close()
             self._died(gen)
 
@@ -464,6 +491,28 @@ def _wire(req: EngineRequest) -> EngineRequest:
     if req.grammar is None and spans is req.spans:
         return req
     return dataclasses.replace(req, grammar=None, spans=spans)
+
+
+def _frames(buf: bytearray) -> list[bytes]:
+    """Take the whole messages off the front of ``buf`` (``multiprocessing`` connection
+    framing: a 4-byte big-endian signed size, -1 followed by an 8-byte size for 2 GiB or
+    more, then the bytes) and return their payloads; a partial message stays in ``buf``."""
+    out: list[bytes] = []
+    pos, end = 0, len(buf)
+    while end - pos >= 4:
+        size = int.from_bytes(buf[pos : pos + 4], "big", signed=True)
+        head = 4
+        if size == -1:
+            if end - pos < 12:
+                break
+            size, head = int.from_bytes(buf[pos + 4 : pos + 12], "big"), 12
+        if end - pos < head + size:
+            break
+        out.append(bytes(buf[pos + head : pos + head + size]))
+        pos += head + size
+    if pos:
+        del buf[:pos]
+    return out
 
 
 def _sharer() -> Any:
