@@ -33,7 +33,7 @@ import multiprocessing
 import os
 import pickle
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler  # tensors -> shared memory
 from typing import Any
@@ -43,8 +43,7 @@ import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
 from mmserve import cancel
 from mmserve.config import EngineConfig
 from mmserve.engine.process import CONTROL_CALLS, engine_main, unpack_deltas
-from mmserve.frontend.async_engine import Slot, collector_for
-from mmserve.frontend.output import StreamUpdate
+from mmserve.frontend.async_engine import Slot, SlotStream, collector_for
 from mmserve.types import EngineRequest, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -347,9 +346,9 @@ class EngineProcessClient:
     def _fail_in_flight(self, why: str) -> None:
         """End every request (finish reason "error") and control call
         (:class:`EngineUnavailable`) waiting on the engine process that is gone."""
-        for slot in self._slots.values():
+        slots, self._slots = self._slots, {}  # a slot's reader may close it meanwhile
+        for slot in slots.values():
             slot.fail(why)
-        self._slots.clear()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineUnavailable(why))
@@ -425,11 +424,11 @@ class EngineProcessClient:
         self._send(("call", cid, name, args))
         return await fut
 
-    async def stream(
-        self, req: EngineRequest, final_only: bool = False
-    ) -> AsyncIterator[StreamUpdate]:
+    def stream(self, req: EngineRequest, final_only: bool = False) -> SlotStream:
         """Submit ``req`` to the engine process and yield its updates, the last with the
         result (merged while the consumer is busy; only the last with ``final_only``).
+        Submitted when first iterated or :meth:`~SlotStream.start` ed (as
+        :meth:`AsyncEngine.stream <mmserve.frontend.async_engine.AsyncEngine.stream>`).
 
         Closing early (client gone, a stop string) aborts the request in the engine; a
         cancelled :class:`~mmserve.cancel.CancelToken` aborts it at once. While no engine
@@ -439,29 +438,35 @@ class EngineProcessClient:
             self.attach()
         assert self.front is not None, "set EngineProcessClient.front first"
         slot = Slot(collector_for(self.front, req, final_only), final_only)
-        unhook = None
-        if not self._ready:
-            slot.fail(self.unavailable() or "the engine process is not running")
-        else:
-            self._slots[req.rid] = slot
-            self._send(("add", _wire(req)))
-            token = cancel.current()
-            if token is not None:
-                if token.cancelled:
-                    self._send(("abort", req.rid))
-                loop = self._loop
-                assert loop is not None
-                unhook = token.on_cancel(lambda: loop.call_soon_threadsafe(self._abort, req.rid))
-        try:
-            async for upd in slot.updates():
-                yield upd
-        finally:
-            if unhook is not None:
-                unhook()
-            if self._slots.get(req.rid) is slot:
-                del self._slots[req.rid]
-            if not slot.engine_done:
-                self._abort(req.rid)
+
+        def open_() -> Callable[[], None]:
+            unhook = None
+            if not self._ready:
+                slot.fail(self.unavailable() or "the engine process is not running")
+            else:
+                self._slots[req.rid] = slot
+                self._send(("add", _wire(req)))
+                token = cancel.current()
+                if token is not None:
+                    if token.cancelled:
+                        self._send(("abort", req.rid))
+                    loop = self._loop
+                    assert loop is not None
+                    unhook = token.on_cancel(
+                        lambda: loop.call_soon_threadsafe(self._abort, req.rid)
+                    )
+
+            def close() -> None:
+                if unhook is not None:
+                    unhook()
+                if self._slots.get(req.rid) is slot:
+                    del self._slots[req.rid]
+                if not slot.engine_done:
+                    self._abort(req.rid)
+
+            return close
+
+        return SlotStream(slot, open_)
 
     def _abort(self, rid: str) -> None:
         if self._ready:
