@@ -21,6 +21,7 @@ later is cancelled at once by the request's :class:`~mmserve.cancel.CancelToken`
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 from collections import deque
@@ -192,6 +193,7 @@ class Submission:
         self._error: BaseException | None = None
         self._cancelled = False
         self._wake: asyncio.Future[None] | None = None
+        self._context = contextvars.copy_context()
         for i, r in enumerate(reqs):
             try:
                 stream = client.aengine.stream(r, final_only)
@@ -219,8 +221,9 @@ class Submission:
         if self.results[index] is None:
             self.results[index] = result
             self.client.metrics.observe(result)
-            if self.client.tracing is not None:
-                self.client.tracing.finished(self.reqs[index], result)
+            if self.client.tracing is not None:  # in the HTTP request's context (its span):
+                # a slot's listener runs in the engine output path's
+                self._context.run(self.client.tracing.finished, self.reqs[index], result)
         self._end(index)
 
     def _end(self, index: int) -> None:
