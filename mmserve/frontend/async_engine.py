@@ -384,6 +384,7 @@ class SlotStream:
         finished there (its KV is kept). Later iteration ends; idempotent."""
         self._done = True
         self._open = None
+        self.slot.listener = None  # the reader's callback: no cycle outlives the request
         close, self._close = self._close, None
         if close is not None:
             close()
