@@ -1,13 +1,16 @@
 """Submitting requests to the engine: the queue limit, metrics, disconnects.
 
-Each submitted request is pumped by its own asyncio task into its slot of one
-:class:`Submission`, so ``n`` choices (or the questions of one ``/ask``) can be read as
-one stream, and cancelling the submission (client gone) aborts every request in it: the
-engine hands their KV to the tree and frees the rest. A slot holds at most one
-:class:`StreamUpdate`: updates that arrive while the reader is busy are merged into it
-(:meth:`StreamUpdate.merged`), so a slow reader costs no queue of updates. A submission
-for an answer that is not streamed (``final_only``: plain chat and Responses answers,
-``/ask``, ``/qa``, batch lines) gets only each request's last update.
+The requests of one :class:`Submission` (``n`` choices, or the questions of one
+``/ask``) are read as one stream, and cancelling the submission (client gone) aborts
+every request in it: the engine hands their KV to the tree and frees the rest. Each
+request's updates wait in its slot, at most one :class:`StreamUpdate`: updates that
+arrive while the reader is busy are merged into it (:meth:`StreamUpdate.merged`), so a
+slow reader costs no queue of updates and reads all that is new in one update. The
+engine's output path tells the submission which slots filled (no task per request), and
+the reader takes everything ready at once (:meth:`Submission.batches`): one wake-up per
+engine step at most. A submission for an answer that is not streamed (``final_only``:
+plain chat and Responses answers, ``/ask``, ``/qa``, batch lines) gets only each
+request's last update.
 
 A submission made for an HTTP request whose client has already left is refused
 (:class:`~api.errors.ClientDisconnected`, nothing is queued); one whose client leaves
@@ -18,7 +21,9 @@ later is cancelled at once by the request's :class:`~mmserve.cancel.CancelToken`
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
+import functools
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
@@ -29,7 +34,7 @@ from api.disconnect import cancelled_future, request_token
 from api.errors import APIError, ClientDisconnected
 from api.metrics import Metrics
 from mmserve import cancel
-from mmserve.frontend.async_engine import AsyncEngine, StreamUpdate
+from mmserve.frontend.async_engine import AsyncEngine, SlotStream, StreamUpdate
 from mmserve.types import BACKGROUND, EngineRequest, GenerateResult
 
 if TYPE_CHECKING:  # api.tracing imports opentelemetry: only when tracing is on
@@ -145,6 +150,14 @@ class EngineClient:
 class Submission:
     """Requests running together; their updates arrive as ``(index, StreamUpdate)``.
 
+    A request whose engine stream is a :class:`~mmserve.frontend.async_engine.SlotStream`
+    (the in-process engine's and the engine process's) is read straight from its slot:
+    the engine's output path tells the submission when a slot has an update (no task
+    per request, no future per update), so a reader wakes at most once per engine step
+    for all of its requests, and a reader that is behind finds each request's updates
+    merged into one. Any other stream (a replica client's) is pumped by a task of its own
+    into a slot here, merged the same way.
+
     Args:
         client: the engine client that admitted them.
         reqs: the engine requests (one per choice or question).
@@ -166,88 +179,172 @@ class Submission:
         if not background:
             client.online += len(reqs)
         self.reqs = list(reqs)
-        self.results: list[GenerateResult | None] = [None] * len(reqs)
-        # one slot per request: its updates not yet read, merged; _ready: slots to read,
-        # in the order they were filled
-        self._slots: list[StreamUpdate | None] = [None] * len(reqs)
+        n = len(reqs)
+        self.results: list[GenerateResult | None] = [None] * n
+        # pumped streams' updates not yet read, merged; _ready: requests with an update
+        # to read, in the order they got one (each at most once: _listed)
+        self._slots: list[StreamUpdate | None] = [None] * n
         self._ready: deque[int] = deque()
+        self._listed = [False] * n
+        self._waiting = [True] * n  # no update yet (counted in the client's queue)
+        self._ended = [False] * n  # finished or cancelled: counted out of the client
+        self._streams: list[SlotStream | None] = [None] * n
+        self._tasks: list[asyncio.Future[None]] = []
         self._error: BaseException | None = None
+        self._cancelled = False
         self._wake: asyncio.Future[None] | None = None
-        self._tasks = [asyncio.ensure_future(self._pump(i, r)) for i, r in enumerate(reqs)]
+        self._context = contextvars.copy_context()
+        for i, r in enumerate(reqs):
+            try:
+                stream = client.aengine.stream(r, final_only)
+                if isinstance(stream, SlotStream):
+                    self._streams[i] = stream
+                    stream.start(functools.partial(self._slot_ready, i))
+                else:
+                    self._tasks.append(asyncio.ensure_future(self._pump(i, stream)))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                self._error = self._error or e
+                self._end(i)
         token = cancel.current()
         if token is not None:  # the client leaves: abort every request now (the token
             # lives as long as its HTTP request, so the hook needs no removal)
             loop = asyncio.get_running_loop()
             token.on_cancel(lambda: loop.call_soon_threadsafe(self.cancel))
 
+    # ---- bookkeeping, once per request --------------------------------------------
+    def _started(self, index: int) -> None:
+        if self._waiting[index]:
+            self._waiting[index] = False
+            self.client._set_queued(self.client.queued - 1)
+
+    def _finished(self, index: int, result: GenerateResult) -> None:
+        if self.results[index] is None:
+            self.results[index] = result
+            self.client.metrics.observe(result)
+            if self.client.tracing is not None:  # in the HTTP request's context (its span):
+                # a slot's listener runs in the engine output path's
+                self._context.run(self.client.tracing.finished, self.reqs[index], result)
+        self._end(index)
+
+    def _end(self, index: int) -> None:
+        if self._ended[index]:
+            return
+        self._ended[index] = True
+        if not self.background:
+            self.client.online -= 1
+            self.client._capacity_freed()
+        if self._waiting[index]:
+            self._waiting[index] = False
+            self.client._set_queued(self.client.queued - 1)
+        if self.results[index] is None:  # cancelled: the engine aborts it
+            self.client.metrics.requests.labels("abort").inc()
+
+    def _list(self, index: int) -> None:
+        if not self._listed[index]:
+            self._listed[index] = True
+            self._ready.append(index)
+            self._notify()
+
+    def _slot_ready(self, index: int) -> None:
+        """A :class:`SlotStream`'s slot has an update (called by the engine's output path)."""
+        self._started(index)
+        stream = self._streams[index]
+        assert stream is not None
+        col = stream.slot.collector
+        if col is not None and col.result is not None and self.results[index] is None:
+            self._finished(index, col.result)
+            stream.close()  # unregistered; a stop string's request is aborted now
+        self._list(index)
+
     def _put(self, index: int, upd: StreamUpdate) -> None:
         held = self._slots[index]
-        if held is None:
-            self._slots[index] = upd
-            self._ready.append(index)
-        else:
-            self._slots[index] = held.merged(upd)
-        self._notify()
+        self._slots[index] = upd if held is None else held.merged(upd)
+        self._list(index)
 
     def _notify(self) -> None:
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
 
-    async def _pump(self, index: int, req: EngineRequest) -> None:
-        waiting = True
+    async def _pump(self, index: int, stream: AsyncIterator[StreamUpdate]) -> None:
         try:
-            async for upd in self.client.aengine.stream(req, self.final_only):
-                if waiting:
-                    waiting = False
-                    self.client._set_queued(self.client.queued - 1)
+            async for upd in stream:
+                self._started(index)
                 if upd.result is not None:
-                    self.results[index] = upd.result
-                    self.client.metrics.observe(upd.result)
-                    if self.client.tracing is not None:
-                        self.client.tracing.finished(req, upd.result)
+                    self._finished(index, upd.result)
                 self._put(index, upd)
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             if self._error is None:
                 self._error = e
             self._notify()
         finally:
-            if not self.background:
-                self.client.online -= 1
-                self.client._capacity_freed()
-            if waiting:
-                self.client._set_queued(self.client.queued - 1)
-            if self.results[index] is None:  # cancelled: the engine aborts it
-                self.client.metrics.requests.labels("abort").inc()
+            self._end(index)
 
-    async def updates(self) -> AsyncIterator[tuple[int, StreamUpdate]]:
-        """Every request's updates until all have finished: requests in the order their
-        slots filled, each slot's updates merged into one while this reader was busy
-        (the last one read from a slot carries its result).
+    def _take(self, index: int) -> StreamUpdate | None:
+        self._listed[index] = False
+        stream = self._streams[index]
+        if stream is not None:
+            return stream.poll()
+        upd, self._slots[index] = self._slots[index], None
+        return upd
 
-        Closing the iterator early cancels the submission.
+    # ---- reading ------------------------------------------------------------------
+    async def batches(self) -> AsyncIterator[list[tuple[int, StreamUpdate]]]:
+        """Every request's updates until all have finished, as lists: each list is
+        everything ready when this reader looked (requests in the order their slots
+        filled, each request's updates since its last look merged into one), so a
+        reader writes once per wake-up (the last update read of a request carries its
+        result).
+
+        Closing the iterator early cancels the submission. Raises
+        :class:`~api.errors.ClientDisconnected` once the submission is cancelled (its
+        client left) while requests are unfinished.
         """
         remaining = len(self.reqs)
-        ready, slots = self._ready, self._slots
+        ready = self._ready
         try:
             while remaining:
                 if self._error is not None:
                     raise self._error
+                if self._cancelled:
+                    raise ClientDisconnected("the submission was cancelled")
                 if not ready:
                     self._wake = asyncio.get_running_loop().create_future()
-                    await self._wake
-                    self._wake = None
+                    try:
+                        await self._wake
+                    finally:
+                        self._wake = None
                     continue
-                index = ready.popleft()
-                upd = slots[index]
-                slots[index] = None
-                assert upd is not None
-                if upd.result is not None:
-                    remaining -= 1
-                yield index, upd
+                batch = []
+                while ready:
+                    index = ready.popleft()
+                    upd = self._take(index)
+                    if upd is None:
+                        continue
+                    if upd.result is not None:
+                        remaining -= 1
+                    batch.append((index, upd))
+                if batch:
+                    yield batch
         finally:
             if remaining:
                 self.cancel()
+
+    async def updates(self) -> AsyncIterator[tuple[int, StreamUpdate]]:
+        """Every request's updates until all have finished, one at a time (as
+        :meth:`batches` gives them): requests in the order their slots filled, each
+        slot's updates merged into one while this reader was busy (the last one read
+        from a slot carries its result).
+
+        Closing the iterator early cancels the submission.
+        """
+        batches = self.batches()
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()
 
     async def wait(self, http: HTTPRequest | None = None) -> list[GenerateResult]:
         """All results, in request order; cancels everything if ``http``'s client disconnects
@@ -301,9 +398,17 @@ class Submission:
         return results
 
     def cancel(self) -> None:
-        """Abort every request still running (their pages go to the tree or the free list)."""
+        """Abort every request still running (their pages go to the tree or the free list);
+        a reader waiting in :meth:`batches` raises
+        :class:`~api.errors.ClientDisconnected`."""
+        self._cancelled = True
+        for i, stream in enumerate(self._streams):
+            if stream is not None:
+                stream.close()
+                self._end(i)
         for t in self._tasks:
             t.cancel()
+        self._notify()
 
 
 async def _disconnected(http: HTTPRequest) -> None:

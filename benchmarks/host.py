@@ -6,7 +6,9 @@ interleaved pairs (engine, streamed, plain; then again), medians reported:
 - tokens/s of each, and the ratio server / engine of the same pair;
 - the server's CPU microseconds per generated token by process: the server's own
   process ("api") and its child processes ("engine": where the engine core runs once it
-  has its own process; 0 while it runs inside the API process), from ``/proc/<pid>/stat``;
+  has its own process; 0 while it runs inside the API process), from ``/proc/<pid>/stat``,
+  and the load generator's (this process: httpx, parsing each event), which shares the
+  cores;
 - the engine's host microseconds per generated token outside the forward (schedule,
   sample, update, emit: the step's time less the model runner's ``decode`` and
   ``prefill``, both as the engine thread's CPU time, with one torch thread), in
@@ -155,6 +157,21 @@ def cpu_by_process(pid: int) -> dict[int, float]:
     return {p: c for p in process_tree(pid) if (c := http.cpu_seconds(p)) is not None}
 
 
+def ticks_by_process(pid: int) -> dict[int, float]:
+    """CPU seconds of ``pid`` and each descendant from ``/proc/<pid>/stat``'s clock ticks:
+    10 ms steps, but threads that exited are counted (:func:`cpu_by_process` sums the live
+    threads, so a worker thread that exits between two readings drops out of it, as the
+    front end's idle thread-pool threads do)."""
+    out = {}
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[p] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict, stream: bool) -> int:
     """Completion tokens of one chat request (from its usage); raises on an error."""
     if not stream:
@@ -191,19 +208,25 @@ def over_http(url: str, pid: int, concurrency: int, tokens: int, stream: bool) -
             chat = url + "/v1/chat/completions"
             return await asyncio.gather(*(_one(client, chat, b, stream) for b in bodies))
 
-    before = cpu_by_process(pid)
-    t0 = time.perf_counter()
+    before, ticks = cpu_by_process(pid), ticks_by_process(pid)
+    t0, c0 = time.perf_counter(), time.process_time()
     counts = asyncio.run(go())
-    wall = time.perf_counter() - t0
-    after = cpu_by_process(pid)
+    wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
+    after, ticks_after = cpu_by_process(pid), ticks_by_process(pid)
     n = sum(counts)
-    per = {p: (c - before.get(p, 0.0)) / n * 1e6 for p, c in after.items()}
+    # the larger of the two counts: exact live-thread times, or ticks with exited threads
+    used = {
+        p: max(c - before.get(p, 0.0), ticks_after.get(p, 0.0) - ticks.get(p, 0.0))
+        for p, c in after.items()
+    }
+    per = {p: u / n * 1e6 for p, u in used.items()}
     api = per.pop(pid, 0.0)
     return {
         "tokens": n,
         "tokens_per_s": n / wall,
         "api_cpu_us_per_token": api,
         "engine_cpu_us_per_token": sum(per.values()),
+        "client_cpu_us_per_token": client_cpu / n * 1e6,
         "processes": 1 + len(per),
     }
 
@@ -250,6 +273,7 @@ def host(args: argparse.Namespace, model_dir: str) -> int:
                         "ratio": statistics.median(ratios[mode]),
                         "api_cpu_us_per_token": _median(srv, "api_cpu_us_per_token"),
                         "engine_cpu_us_per_token": _median(srv, "engine_cpu_us_per_token"),
+                        "client_cpu_us_per_token": _median(srv, "client_cpu_us_per_token"),
                         "server_processes": max(s["processes"] for s in srv),
                         "engine_alone_cpu_us_per_token": _median(eng_runs, "cpu_us_per_token"),
                         "engine_host_us_per_token": _median(eng_runs, "host_us_per_token"),
@@ -274,7 +298,8 @@ def host(args: argparse.Namespace, model_dir: str) -> int:
             f"c={r['concurrency']:4d} {r['mode']:8s} ratio {r['ratio']:.2f}  server "
             f"{r['server_tokens_per_s']:.0f} / engine {r['engine_tokens_per_s']:.0f} tok/s  "
             f"api {r['api_cpu_us_per_token']:.0f} us/tok, engine proc "
-            f"{r['engine_cpu_us_per_token']:.0f}, engine host {r['engine_host_us_per_token']:.1f}"
+            f"{r['engine_cpu_us_per_token']:.0f}, load generator "
+            f"{r['client_cpu_us_per_token']:.0f}, engine host {r['engine_host_us_per_token']:.1f}"
         )
     print(f"wrote {path}")
     return 0

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from api.disconnect import request_token, until_cancelled
+from api.disconnect import request_token, until_gone
 from api.errors import APIError
 from api.state import ServerState
 from api.submit import Submission
@@ -157,7 +157,8 @@ class Endpoint(Generic[Body, C]):
         # a plain answer needs only each request's result (no per-token text work)
         sub = st.client.submit(call.reqs, final_only=not streamed)
         if streamed:
-            events = until_cancelled(self.stream(st, body, call, sub), request_token(http))
+            # the submission ends its reader when the client leaves (its token's hook)
+            events = until_gone(self.stream(st, body, call, sub), request_token(http))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         results = await sub.answers(http)
         return self.answer(st, body, call, results).body

@@ -26,7 +26,7 @@ from api.endpoints.inputs import MediaRef, engine_requests
 from api.errors import APIError, field_path
 from api.generation import log_end_user, sampling_params, template_options
 from api.media import check_image_count
-from api.openai_format import TokenText, chat_completion, chat_stream
+from api.openai_format import TokenText, chat_completion, chat_events
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions
 from api.state import ServerState
 from api.structured import ToolCalling, tool_calling
@@ -103,11 +103,12 @@ class ChatEndpoint(Endpoint[ChatCompletionRequest, ChatCall]):
     def stream(
         self, st: ServerState, body: ChatCompletionRequest, call: ChatCall, sub: Submission
     ) -> AsyncIterator[str]:
-        """``chat.completion.chunk`` events (:func:`api.openai_format.chat_stream`); a
-        stop string is never partly sent (the output collector holds it back)."""
+        """``chat.completion.chunk`` events (:func:`api.openai_format.chat_events`: each
+        string all the events ready when the writer woke, one send); a stop string is
+        never partly sent (the output collector holds it back)."""
         opts = body.stream_options or StreamOptions()
         created = int(call.created)
-        return chat_stream(
+        return chat_events(
             sub,
             call.id,
             created,

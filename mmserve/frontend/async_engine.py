@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONTROL_CALLS", "AsyncEngine", "Slot", "StreamUpdate", "merge_updates"]
+__all__ = ["CONTROL_CALLS", "AsyncEngine", "Slot", "SlotStream", "StreamUpdate", "merge_updates"]
 
 
 class AsyncEngine:
@@ -201,24 +201,26 @@ class AsyncEngine:
         finally:
             self._close(req.rid, slot, unhook)
 
-    async def stream(
-        self, req: EngineRequest, final_only: bool = False
-    ) -> AsyncIterator[StreamUpdate]:
+    def stream(self, req: EngineRequest, final_only: bool = False) -> SlotStream:
         """Submit ``req`` and yield its updates (new text and ids); the last one carries
         the result. Updates that arrive while the consumer is busy are merged into one
         (:func:`merge_updates`); with ``final_only`` only the last (merged) one is yielded.
+
+        The request is submitted when the stream is first iterated (or
+        :meth:`SlotStream.start` is called: a reader told of each update instead of
+        awaiting it, as :class:`api.submit.Submission` is).
 
         A stop string found in the text ends the request in the engine (an abort that
         keeps its KV). If the consumer stops early (client disconnect), the request is
         aborted. Cancellation under a token as :meth:`deltas`.
         """
         slot = Slot(collector_for(self.engine, req, final_only), final_only)
-        unhook = self._open(req, slot)
-        try:
-            async for upd in slot.updates():
-                yield upd
-        finally:
-            self._close(req.rid, slot, unhook)
+
+        def open_() -> Callable[[], None]:
+            unhook = self._open(req, slot)
+            return lambda: self._close(req.rid, slot, unhook)
+
+        return SlotStream(slot, open_)
 
     async def generate(self, req: EngineRequest, final_only: bool = True) -> GenerateResult:
         """Submit ``req`` and wait for its result (final-only by default: no per-token
@@ -257,6 +259,9 @@ class Slot:
         self.collector = collector
         self.final_only = final_only
         self.engine_done = False
+        #: called (on the event loop, instead of waking an awaiting :meth:`take`) each
+        #: time an update is ready to be taken with :meth:`poll`
+        self.listener: Callable[[], None] | None = None
         self._update: StreamUpdate | None = None
         self._deltas: list[TokenDelta] = []
         self._waiter: asyncio.Future[None] | None = None
@@ -273,10 +278,14 @@ class Slot:
             upd = col.add(delta)
             if upd is None:
                 return
-            self._update = upd if self._update is None else merge_updates(self._update, upd)
+            held = self._update
+            self._update = upd if held is None else held.merged(upd)
             ready = upd.result is not None or not self.final_only
-        if ready and self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if ready:
+            if self.listener is not None:
+                self.listener()
+            elif self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
 
     def fail(self, error: str) -> None:
         """End the request with an error (the engine is gone)."""
@@ -286,7 +295,9 @@ class Slot:
         if self.collector.result is None:
             upd = self.collector.fail(error)
             self._update = upd if self._update is None else merge_updates(self._update, upd)
-        if self._waiter is not None and not self._waiter.done():
+        if self.listener is not None:
+            self.listener()
+        elif self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def _wait(self) -> None:
@@ -295,6 +306,15 @@ class Slot:
             await self._waiter
         finally:
             self._waiter = None
+
+    def poll(self) -> StreamUpdate | None:
+        """Everything merged since the last call, or None when nothing is ready (with
+        ``final_only``: until the result); never waits."""
+        upd = self._update
+        if upd is None or (self.final_only and upd.result is None):
+            return None
+        self._update = None
+        return upd
 
     async def take(self) -> StreamUpdate:
         """Everything merged since the last call (waits for at least one update)."""
@@ -317,6 +337,84 @@ class Slot:
             await self._wait()
         out, self._deltas = self._deltas, []
         return out
+
+
+class SlotStream:
+    """The updates of one submitted request, read from its :class:`Slot`: what
+    :meth:`AsyncEngine.stream` and
+    :meth:`~mmserve.frontend.engine_client.EngineProcessClient.stream` return.
+
+    Iterate it (``async for``: each update, merged while the consumer was busy, until the
+    one with the result), or :meth:`start` it with a listener and :meth:`poll` when told:
+    the engine's output path then calls the listener (no task, no future per update), so
+    a reader of many requests (:class:`api.submit.Submission`) wakes once per step.
+
+    Args:
+        slot: the request's slot.
+        open_: registers the slot and submits the request; returns what ends it
+            (unregister, and abort unless the engine has finished it).
+    """
+
+    def __init__(self, slot: Slot, open_: Callable[[], Callable[[], None]]) -> None:
+        self.slot = slot
+        self._open: Callable[[], Callable[[], None]] | None = open_
+        self._close: Callable[[], None] | None = None
+        self._done = False
+
+    def start(self, listener: Callable[[], None] | None = None) -> None:
+        """Submit the request (once); ``listener`` is called whenever an update is ready
+        for :meth:`poll` (see :attr:`Slot.listener`)."""
+        if self._open is None:
+            return
+        if listener is not None:
+            self.slot.listener = listener
+        opener, self._open = self._open, None
+        self._close = opener()
+
+    def poll(self) -> StreamUpdate | None:
+        """The update ready now (:meth:`Slot.poll`); the request is closed once it is the
+        one with the result."""
+        upd = self.slot.poll()
+        if upd is not None and upd.result is not None:
+            self.close()
+        return upd
+
+    def close(self) -> None:
+        """End the request: unregister its slot and abort it in the engine unless it
+        finished there (its KV is kept). Later iteration ends; idempotent."""
+        self._done = True
+        self._open = None
+        self.slot.listener = None  # the reader's callback: no cycle outlives the request
+        close, self._close = self._close, None
+        if close is not None:
+            close()
+
+    async def aclose(self) -> None:
+        """:meth:`close` (the async generator's name for it)."""
+        self.close()
+
+    def __aiter__(self) -> SlotStream:
+        return self
+
+    async def __anext__(self) -> StreamUpdate:
+        if self._done:
+            raise StopAsyncIteration
+        self.start()
+        try:
+            upd = await self.slot.take()
+        except BaseException:  # cancelled where it waits: the request is aborted
+            self.close()
+            raise
+        if upd.result is not None:
+            self.close()
+        return upd
+
+    def __del__(self) -> None:  # dropped unfinished (a reader that broke out of a loop)
+        if self._close is not None:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - at collection: the loop may be closed
+                pass
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

@@ -35,7 +35,7 @@ import multiprocessing
 import os
 import pickle
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler  # tensors -> shared memory
 from typing import Any
@@ -45,9 +45,18 @@ import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
 from mmserve import cancel
 from mmserve.config import EngineConfig
 from mmserve.engine.process import CONTROL_CALLS, PING, engine_main, unpack_deltas
-from mmserve.frontend.async_engine import Slot, collector_for
-from mmserve.frontend.engine_wire import lent_fds, release_lent, wire_request
-from mmserve.frontend.output import StreamUpdate
+from mmserve.frontend.async_engine import Slot, SlotStream, collector_for
+from mmserve.frontend.engine_wire import (
+    READ_BYTES,
+    EngineError,
+    EngineStartError,
+    EngineTimeout,
+    EngineUnavailable,
+    frames,
+    lent_fds,
+    release_lent,
+    wire_request,
+)
 from mmserve.types import EngineRequest, GenerateResult
 from mmserve.vision.embedding_cache import FeatureKeys
 
@@ -68,40 +77,6 @@ FLUSH_TIMEOUT_FACTOR = 4.0
 #: Seconds without a message from the engine process after which it is pinged (the
 #: ping's deadline is the control calls' one: an unanswered ping marks it not answering).
 PING_SECONDS = 5.0
-
-
-class EngineStartError(RuntimeError):
-    """The engine process could not start.
-
-    Attributes:
-        bad_setting: the engine refused its settings (a ``ValueError`` there: a bad
-            checkpoint, a KV budget too small, a ``--tp`` it cannot split).
-    """
-
-    def __init__(self, message: str, bad_setting: bool = False) -> None:
-        super().__init__(message)
-        self.bad_setting = bad_setting
-
-
-class EngineUnavailable(Exception):
-    """No engine process is running now (it died; a new one may be starting)."""
-
-
-class EngineTimeout(EngineUnavailable):
-    """The engine process is alive but did not answer a control call within its deadline
-    (stuck in a step, stopped by a signal, swapping).
-
-    Attributes:
-        call: the control call's name.
-    """
-
-    def __init__(self, message: str, call: str) -> None:
-        super().__init__(message)
-        self.call = call
-
-
-class EngineError(Exception):
-    """A control call raised in the engine process (the message says what)."""
 
 
 class EngineProcessClient:
@@ -168,6 +143,7 @@ class EngineProcessClient:
         self._tx: Connection | None = None
         self._rx: Connection | None = None
         self._watched: Connection | None = None  # the pipe end the event loop reads
+        self._inbuf = bytearray()  # what was read of it and not yet handled
         self._gen = 0  # which engine process the reader threads report for
         self._ready = False
         self._stopping = False
@@ -288,7 +264,12 @@ class EngineProcessClient:
         if rx is None or loop is None or rx is self._watched:
             return
         self._watched = rx
+        self._inbuf = bytearray()
         loop.add_reader(rx.fileno(), self._readable, rx, self._gen)
+        # uvloop's add_reader makes the fd non-blocking (libuv's uv_poll_init); set it so
+        # under any loop: a step's message is read as far as it has arrived, never with
+        # recv_bytes, which raises BlockingIOError on a message still being written
+        os.set_blocking(rx.fileno(), False)
 
     # ---- health ----------------------------------------------------------------------
     def unavailable(self) -> str | None:
@@ -346,15 +327,33 @@ class EngineProcessClient:
 
     # ---- messages ----------------------------------------------------------------------
     def _readable(self, rx: Connection, gen: int) -> None:
-        """The engine's pipe has data (one message per engine step) or was closed."""
+        """The engine's pipe has data (one message per engine step) or was closed.
+
+        Reads what has arrived (the fd is non-blocking) and handles every whole message
+        in it; a message still being written stays in the buffer for the next call."""
         if gen == self._gen:  # it answers again (a late reply counts)
             self._heard, self._silent = time.monotonic(), None
-        try:
-            while rx.poll(0):
-                self._on_messages(pickle.loads(rx.recv_bytes()))
-        except (EOFError, OSError):
+        buf, fd = self._inbuf, rx.fileno()
+        closed = False
+        while True:
+            try:
+                chunk = os.read(fd, READ_BYTES)
+            except BlockingIOError:
+                break
+            except OSError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            buf += chunk
+            if len(chunk) < READ_BYTES:
+                break  # drained (an EOF, if any, shows at the next call)
+        for payload in frames(buf):
+            self._on_messages(pickle.loads(payload))
+        if closed:
             assert self._loop is not None
-            self._loop.remove_reader(rx.fileno())
+            self._loop.remove_reader(fd)
             rx.close()
             self._died(gen)
 
@@ -414,9 +413,9 @@ class EngineProcessClient:
     def _fail_in_flight(self, why: str) -> None:
         """End every request (finish reason "error") and control call
         (:class:`EngineUnavailable`) waiting on the engine process that is gone."""
-        for slot in self._slots.values():
+        slots, self._slots = self._slots, {}  # a slot's reader may close it meanwhile
+        for slot in slots.values():
             slot.fail(why)
-        self._slots.clear()
         self._by_key.clear()
         for fut in self._calls.values():
             if not fut.done():
@@ -511,11 +510,11 @@ class EngineProcessClient:
         finally:
             self._calls.pop(cid, None)  # answered, timed out or its caller gone: forgotten
 
-    async def stream(
-        self, req: EngineRequest, final_only: bool = False
-    ) -> AsyncIterator[StreamUpdate]:
+    def stream(self, req: EngineRequest, final_only: bool = False) -> SlotStream:
         """Submit ``req`` to the engine process and yield its updates, the last with the
         result (merged while the consumer is busy; only the last with ``final_only``).
+        Submitted when first iterated or :meth:`~SlotStream.start` ed (as
+        :meth:`AsyncEngine.stream <mmserve.frontend.async_engine.AsyncEngine.stream>`).
 
         Closing early (client gone, a stop string) aborts the request in the engine; a
         cancelled :class:`~mmserve.cancel.CancelToken` aborts it at once. While no engine
@@ -525,33 +524,39 @@ class EngineProcessClient:
             self.attach()
         assert self.front is not None, "set EngineProcessClient.front first"
         slot = Slot(collector_for(self.front, req, final_only), final_only)
-        unhook = None
-        if not self._ready:
-            slot.fail(self.unavailable() or "the engine process is not running")
-        else:
-            self._slots[req.rid] = slot
-            wire, by_key = wire_request(req, self.feature_keys)
-            if by_key:  # kept until it ends, in case the engine dropped those features
-                self._by_key[req.rid] = (req, slot)
-            self._send(("add", wire))
-            token = cancel.current()
-            if token is not None:
-                if token.cancelled:
-                    self._send(("abort", req.rid))
-                loop = self._loop
-                assert loop is not None
-                unhook = token.on_cancel(lambda: loop.call_soon_threadsafe(self._abort, req.rid))
-        try:
-            async for upd in slot.updates():
-                yield upd
-        finally:
-            if unhook is not None:
-                unhook()
-            if self._slots.get(req.rid) is slot:
-                del self._slots[req.rid]
-            self._by_key.pop(req.rid, None)
-            if not slot.engine_done:
-                self._abort(req.rid)
+
+        def open_() -> Callable[[], None]:
+            unhook = None
+            if not self._ready:
+                slot.fail(self.unavailable() or "the engine process is not running")
+            else:
+                self._slots[req.rid] = slot
+                wire, by_key = wire_request(req, self.feature_keys)
+                if by_key:  # kept until it ends, in case the engine dropped those features
+                    self._by_key[req.rid] = (req, slot)
+                self._send(("add", wire))
+                token = cancel.current()
+                if token is not None:
+                    if token.cancelled:
+                        self._send(("abort", req.rid))
+                    loop = self._loop
+                    assert loop is not None
+                    unhook = token.on_cancel(
+                        lambda: loop.call_soon_threadsafe(self._abort, req.rid)
+                    )
+
+            def close() -> None:
+                if unhook is not None:
+                    unhook()
+                if self._slots.get(req.rid) is slot:
+                    del self._slots[req.rid]
+                self._by_key.pop(req.rid, None)
+                if not slot.engine_done:
+                    self._abort(req.rid)
+
+            return close
+
+        return SlotStream(slot, open_)
 
     def _missed(self, rid: str, keys: list[bytes]) -> None:
         """The engine did not take request ``rid``: it no longer holds the features of

@@ -1,6 +1,8 @@
 """What crosses the engine process's pipe from the API process: requests as they cross
-(:func:`wire_request`: images by key or with their pixels), and the shared memory of the
-pixels lent to the engine until it takes them (:func:`lent_fds`, :func:`release_lent`)."""
+(:func:`wire_request`: images by key or with their pixels), the shared memory of the
+pixels lent to the engine until it takes them (:func:`lent_fds`, :func:`release_lent`),
+the pipe's message framing read back (:func:`frames`), and the errors the client raises
+(re-exported by :mod:`mmserve.frontend.engine_client`)."""
 
 from __future__ import annotations
 
@@ -73,3 +75,63 @@ def release_lent(keys: set[int]) -> None:
     for entry in entries:
         if entry is not None:
             entry[1]()  # its close()
+
+
+#: Bytes read from the engine's pipe per ``os.read``.
+READ_BYTES = 1 << 20
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start.
+
+    Attributes:
+        bad_setting: the engine refused its settings (a ``ValueError`` there: a bad
+            checkpoint, a KV budget too small, a ``--tp`` it cannot split).
+    """
+
+    def __init__(self, message: str, bad_setting: bool = False) -> None:
+        super().__init__(message)
+        self.bad_setting = bad_setting
+
+
+class EngineUnavailable(Exception):
+    """No engine process is running now (it died; a new one may be starting)."""
+
+
+class EngineTimeout(EngineUnavailable):
+    """The engine process is alive but did not answer a control call within its deadline
+    (stuck in a step, stopped by a signal, swapping).
+
+    Attributes:
+        call: the control call's name.
+    """
+
+    def __init__(self, message: str, call: str) -> None:
+        super().__init__(message)
+        self.call = call
+
+
+class EngineError(Exception):
+    """A control call raised in the engine process (the message says what)."""
+
+
+def frames(buf: bytearray) -> list[bytes]:
+    """Take the whole messages off the front of ``buf`` (``multiprocessing`` connection
+    framing: a 4-byte big-endian signed size, -1 followed by an 8-byte size for 2 GiB or
+    more, then the bytes) and return their payloads; a partial message stays in ``buf``."""
+    out: list[bytes] = []
+    pos, end = 0, len(buf)
+    while end - pos >= 4:
+        size = int.from_bytes(buf[pos : pos + 4], "big", signed=True)
+        head = 4
+        if size == -1:
+            if end - pos < 12:
+                break
+            size, head = int.from_bytes(buf[pos + 4 : pos + 12], "big"), 12
+        if end - pos < head + size:
+            break
+        out.append(bytes(buf[pos + head : pos + head + size]))
+        pos += head + size
+    if pos:
+        del buf[:pos]
+    return out
