@@ -32,7 +32,6 @@ from api.stream_frames import Incoming, check_timestamps, json_frames, prepare, 
 from api.streams import (
     ASK_ROOM_TOKENS,
     DEFAULT_MAX_FRAMES,
-    FRAME_TEXT_TOKENS,
     Stream,
     StreamFrame,
     StreamRegistry,
@@ -154,14 +153,28 @@ async def create_stream(request: Request, st: State) -> dict:
 def _most_frames(st: ServerState, layout: str, mode: str) -> int:
     """Most frames one stream prompt can hold: the frame limit of the layout, the image
     tokens one request may have (``--max-image-tokens-per-request``), and what fits the
-    context (and the KV pool) with room for a question and its answer."""
+    context (and the KV pool) with room for a question and its answer, each frame
+    counted as its run plus its layout's own text (:func:`frame_text_tokens`)."""
     processor, config = st.engine.processor, st.engine.config
     side = processor.shortest_edge
     run = st.engine.model.image_tokens(side, side, mode)
     room = min(processor.max_context, processor.kv_capacity_tokens) - ASK_ROOM_TOKENS
     limit = st.settings.max_video_frames if layout == "video" else config.max_images_per_request
     runs = config.max_image_tokens_per_request // max(1, run)  # the processor's image budget
-    return max(1, min(limit, runs, room // (run + FRAME_TEXT_TOKENS)))
+    per_frame = run + frame_text_tokens(st, layout)
+    return max(1, min(limit, runs, room // max(1, per_frame)))
+
+
+def frame_text_tokens(st: ServerState, layout: str) -> int:
+    """Text tokens a frame brings beside its run on ``layout``: none on the video layout
+    (the frames' runs follow each other; its one video newline is in the ask's room);
+    on the images layout its ``Frame at 1.5s:`` label, tokenized with a long timestamp
+    (a day of video: a later frame's label is no longer) and one token for the text
+    around its image."""
+    if layout == "video":
+        return 0
+    label = f"Frame at {86400.0:.1f}s: "
+    return len(st.engine.model.tokenizer.encode(label, add_special_tokens=False)) + 1
 
 
 @router.get("/v1/streams/{stream_id}")

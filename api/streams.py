@@ -42,10 +42,8 @@ from mmserve.vision.inputs import Frame, ImageInput
 
 log = logging.getLogger(__name__)
 
-#: Text tokens counted per frame beside its run when a window is checked against the
-#: context (the ``Frame at 1.5s:`` label of the image layout), and tokens kept for the
-#: question and the answer.
-FRAME_TEXT_TOKENS = 12
+#: Tokens kept for the question and the answer when a window is checked against the
+#: context (``api.routes_streams._most_frames``).
 ASK_ROOM_TOKENS = 64
 #: Default ``max_frames`` of a stream (capped by the server's limits).
 DEFAULT_MAX_FRAMES = 32

@@ -57,9 +57,10 @@ from benchmarks.host import cpu_by_process
 
 #: ``--scale`` -> frames (seconds at 1 frame/s), seconds between questions, the stream's
 #: window (``max_frames``; 0: every frame), real time, rates of the ramp (frames/s) and
-#: seconds per rate. At full scale the window is 200 frames: the server fits at most 219
-#: in the small checkpoint's 8192-token context (25 tokens and 12 of room per frame), so
-#: the 300-frame stream rolls once (at frame 201, to its last 100 frames).
+#: seconds per rate. At full scale the window is 200 frames (the server fits 300 here:
+#: 325 of 25 tokens in the small checkpoint's 8192-token context, capped by
+#: ``--max-video-frames``), so the 300-frame stream rolls once (at frame 201, to its
+#: last 100 frames).
 SCALES: dict[str, dict[str, Any]] = {
     "full": {"frames": 300, "every": 10, "window": 200, "real_time": True,
              "rates": "1,2,4,8,16,32", "secs": 10},

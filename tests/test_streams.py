@@ -414,3 +414,54 @@ def test_a_held_prefix_stays_locked_until_released_and_is_replaced_by_its_id(fam
     stats = engine.stats_snapshot()
     assert (stats["held_prefixes"], stats["locked_pages"], stats["used_pages"]) == (0, 0, 0)
     assert stats["accounting"]["ok"] and stats["evictable_pages"] == stats["tree_pages"] > 0
+
+
+@pytest.mark.parametrize("family", ["llava", "llava-onevision"])
+def test_most_frames_counts_the_layouts_own_tokens_per_frame(families, family: str) -> None:
+    """A window is checked against the context with each frame's real tokens: its run
+    only on the video layout (no per-frame text), run plus label on the images layout;
+    two asks one frame apart measure the per-frame tokens the count must cover. The
+    frame limits are raised so that the context decides."""
+
+    engine = families[family].make_engine(
+        max_total_tokens=16384, max_images_per_request=4096, max_image_tokens_per_request=10**6
+    )
+    with app_client(engine, max_video_frames=4096) as c:
+        _check_most_frames(c, family)
+
+
+def _check_most_frames(c: TestClient, family: str) -> None:
+    from api.routes_streams import _most_frames
+    from api.streams import ASK_ROOM_TOKENS
+
+    st = c.app.state.mm
+    stream = c.post("/v1/streams", json={"max_frames": 4}).json()
+    sid, layout = stream["id"], stream["layout"]
+    assert layout == ("video" if family == "llava-onevision" else "images")
+    prompt = []
+    for k in range(2):
+        r = post_stream_frames(c, sid, [noise_png(50 + k)], [1000.0 + k])
+        assert r.status_code == 200, r.text
+        got = stream_ask(c, sid, [Q], temperature=0.0, max_tokens=1)
+        prompt.append(got["usage"]["prompt_tokens"])
+    assert c.delete(f"/v1/streams/{sid}").json()["deleted"] is True
+    proc = st.engine.processor
+    side = proc.shortest_edge
+    mode = "frame" if layout == "video" else st.engine.model.family.detail_mode("auto", 2)
+    run = st.engine.model.image_tokens(side, side, mode)
+    per_frame = prompt[1] - prompt[0]
+    room = min(proc.max_context, proc.kv_capacity_tokens) - ASK_ROOM_TOKENS
+    cfg = st.engine.config
+    limit = st.settings.max_video_frames if layout == "video" else cfg.max_images_per_request
+    bounds = (limit, cfg.max_image_tokens_per_request // run)
+    most = _most_frames(st, layout, mode)
+    if layout == "video":  # the frames' runs follow each other: no text between
+        assert per_frame == run
+        assert most == max(1, min(*bounds, room // run)), (most, bounds, room, run)
+    else:  # each frame's label too, counted with a later frame's (longer) timestamp
+        assert run < per_frame
+        assert most <= max(1, min(*bounds, room // per_frame)), (most, bounds, room, per_frame)
+    # what the server says fits is what it offers
+    r = c.post("/v1/streams", json={"max_frames": most + 1})
+    assert_error(r, 400, "max_frames")
+    assert f"at most {most} frames fit" in r.json()["error"]["message"]
