@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 ASK_ROOM_TOKENS = 64
 #: Default ``max_frames`` of a stream (capped by the server's limits).
 DEFAULT_MAX_FRAMES = 32
+#: Share of the KV pool that every live stream's held prefix may lock together. Held pages
+#: are not evictable: without a bound a few streams (or one long window) could lock the
+#: pool, and every other request would wait for pages that never free. A prefix that would
+#: pass it is not held (asks still answer, prefilling the window themselves).
+HELD_KV_SHARE = 0.5
 
 
 @dataclass
@@ -275,6 +280,23 @@ class Stream:
             self.prefills += 1
             try:
                 req = await self.prefix_request(st, frames)
+                if self.held is not None and self.held.segment != segment:
+                    # rolled: the old segment is released before the new one is prefilled,
+                    # so a roll never locks two windows at once
+                    self.held = None
+                    await st.aengine.control("release_hold", self.id)
+                budget = int(HELD_KV_SHARE * st.engine.processor.kv_capacity_tokens)
+                others = held_elsewhere(st, self)
+                if others + req.prompt_len > budget:
+                    self.held = None
+                    await st.aengine.control("release_hold", self.id)
+                    self.prefill_error = (
+                        f"not held: this window's {req.prompt_len} tokens and the other "
+                        f"streams' {others} held tokens pass the {budget} tokens of KV that "
+                        f"live streams may lock ({HELD_KV_SHARE:g} of the pool); questions "
+                        "still answer, prefilling the window themselves"
+                    )
+                    continue
                 res = await st.aengine.generate(req)
             except asyncio.CancelledError:
                 raise
@@ -321,6 +343,10 @@ class StreamRegistry:
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    def streams(self) -> list[Stream]:
+        """Every open stream (all tenants; for server-wide bounds, never for answers)."""
+        return list(self._streams.values())
 
     def add(self, st: ServerState, **options) -> Stream:
         """A new stream of the current tenant with ``options`` (:class:`Stream` fields).
@@ -388,6 +414,14 @@ class StreamRegistry:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+
+
+def held_elsewhere(st: ServerState, stream: Stream) -> int:
+    """Prompt tokens the other live streams hold now (their current segments)."""
+    reg = getattr(st, "streams", None)
+    if reg is None:
+        return 0
+    return sum(s.held.tokens for s in reg.streams() if s is not stream and s.held is not None)
 
 
 def frame_mode(st: ServerState, layout: str, detail: str) -> str:

@@ -465,3 +465,33 @@ def _check_most_frames(c: TestClient, family: str) -> None:
     r = c.post("/v1/streams", json={"max_frames": most + 1})
     assert_error(r, 400, "max_frames")
     assert f"at most {most} frames fit" in r.json()["error"]["message"]
+
+
+def test_held_prefixes_never_lock_more_than_their_share_of_the_pool(families) -> None:
+    """A window as long as the pool allows, rolled, on a 900-token pool: streams' held
+    pages stay within half the pool (a prefix past it is not held and says so), so a
+    question and an unrelated chat still run instead of waiting for pages that never free."""
+    engine = families["llava-onevision"].make_engine(max_total_tokens=900)
+    with app_client(engine, max_stream_frames_per_post=8) as c:
+        most = c.post("/v1/streams", json={"max_frames": 10**6}).json()["error"]["message"]
+        n = int(most.split("at most ")[1].split()[0])
+        sid = c.post("/v1/streams", json={"max_frames": n}).json()["id"]
+        for i in range(0, n + 1, 8):
+            times = [float(t) for t in range(i, min(i + 8, n + 1))]
+            r = post_stream_frames(c, sid, [noise_png(int(t)) for t in times], times)
+            assert r.status_code == 200, r.text
+        deadline = time.time() + 60
+        while (info := c.get(f"/v1/streams/{sid}").json())["cached"]["pending"]:
+            assert time.time() < deadline, info
+            time.sleep(0.05)
+        stats = c.get("/v1/cache/stats").json()
+        assert stats["locked_pages"] * engine.config.page_size <= 450, (stats, info)
+        assert info["cached"]["tokens"] > 0 or "not held" in (info["cached"]["error"] or "")
+        chat = c.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **GREEDY},
+        )
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 5
+        assert stream_ask(c, sid, [Q], **GREEDY)["answers"][0]["finish_reason"] == "length"
+        assert c.delete(f"/v1/streams/{sid}").status_code == 200
+        assert_released(c)

@@ -13,6 +13,7 @@ result (never on the engine thread) and updates merge until the consumer takes t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -154,7 +155,7 @@ class AsyncEngine:
         for d in deltas:
             slot = slots.get(d.rid)
             if slot is not None:
-                slot.push(d)
+                slot.deliver(d)
 
     def _open(self, req: EngineRequest, slot: Slot) -> Callable[[], None] | None:
         """Register ``slot`` and queue ``req`` on the engine thread; returns the cancel
@@ -286,6 +287,19 @@ class Slot:
                 self.listener()
             elif self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(None)
+
+    def deliver(self, delta: TokenDelta) -> None:
+        """:meth:`push`, and if taking ``delta`` raises (detokenizing, a stop string, the
+        listener's metrics), end this request with that error and not the step's other
+        requests, whose deltas come in the same loop."""
+        try:
+            self.push(delta)
+        except Exception as e:
+            log.exception("request %s: its output could not be processed", delta.rid)
+            running = not delta.finished
+            with contextlib.suppress(Exception):
+                self.fail(f"its output could not be processed: {type(e).__name__}: {e}")
+            self.engine_done = not running  # still running: closing it aborts it
 
     def fail(self, error: str) -> None:
         """End the request with an error (the engine is gone)."""

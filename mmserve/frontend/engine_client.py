@@ -4,10 +4,9 @@
 (:func:`mmserve.engine.process.engine_main`: model, ``--tp`` ranks and kernel warm-up
 there) and has the methods of :class:`~mmserve.frontend.async_engine.AsyncEngine` the
 routes use (:meth:`~EngineProcessClient.stream`, :meth:`~EngineProcessClient.generate`,
-:meth:`~EngineProcessClient.control`, :meth:`~EngineProcessClient.consecutive_failures`,
-:meth:`~EngineProcessClient.fatal_error`), so the app, queue limit, metrics and
-disconnects work as in one process. Text is built here, in each request's
-:class:`~mmserve.frontend.async_engine.Slot`, from the step's deltas.
+:meth:`~EngineProcessClient.control`, ``consecutive_failures``, ``fatal_error``), so the
+app, queue limit, metrics and disconnects work as in one process. Text is built here, in
+each request's :class:`~mmserve.frontend.async_engine.Slot`, from the step's deltas.
 
 Messages going in are batched: everything submitted in one turn of the event loop
 crosses in one pickled list. Each step's outputs arrive as one message, read and
@@ -47,6 +46,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.process import CONTROL_CALLS, PING, engine_main, unpack_deltas
 from mmserve.frontend.async_engine import Slot, SlotStream, collector_for
 from mmserve.frontend.engine_wire import (
+    NEVER_DROPPED,
     READ_BYTES,
     EngineError,
     EngineStartError,
@@ -366,7 +366,7 @@ class EngineProcessClient:
                 for d in unpack_deltas(rows):
                     slot = slots.get(d.rid)
                     if slot is not None:
-                        slot.push(d)
+                        slot.deliver(d)
             elif kind == "reply":
                 _, cid, ok, value = msg
                 fut = self._calls.pop(cid, None)
@@ -385,8 +385,7 @@ class EngineProcessClient:
                 self._missed(msg[1], msg[2])
 
     def _died(self, gen: int) -> None:
-        """The engine process ``gen`` closed its pipe: fail everything in flight, then
-        restart (or give up)."""
+        """Engine process ``gen`` closed its pipe: fail all in flight, restart (or not)."""
         if gen != self._gen:
             return
         proc = self._proc
@@ -498,7 +497,8 @@ class EngineProcessClient:
         except TimeoutError:
             if not self._ready:  # it died or stopped meanwhile: say that, not a timeout
                 raise EngineUnavailable(self.unavailable() or "the engine stopped") from None
-            self._send(("drop", cid))
+            if name not in NEVER_DROPPED:  # else it still runs when the engine gets to it
+                self._send(("drop", cid))
             why = (
                 f"the engine process (pid {self.pid}) did not answer the control call "
                 f"{name!r} within {timeout:g} s; it is alive but not answering (stuck in "

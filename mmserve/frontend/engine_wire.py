@@ -77,6 +77,9 @@ def release_lent(keys: set[int]) -> None:
             entry[1]()  # its close()
 
 
+#: Control calls that still run when their caller stopped waiting (idempotent, and
+#: dropping one would leak: a stream's held prefix would stay locked until a flush).
+NEVER_DROPPED = frozenset({"release_hold"})
 #: Bytes read from the engine's pipe per ``os.read``.
 READ_BYTES = 1 << 20
 
