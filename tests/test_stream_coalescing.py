@@ -176,3 +176,27 @@ def test_engine_pipe_message_read_as_it_arrives(new_loop) -> None:
     assert got == value
     assert ticks >= 3  # the loop ran while the message's second half was on its way
     assert client.deaths == 0 and client.unavailable() is None
+
+
+def test_one_requests_failing_output_leaves_the_steps_others_alone() -> None:
+    """A step's deltas go to every slot even when taking one raises (its listener's
+    metrics, detokenizing): that request ends with the error, the others get theirs,
+    and a still-running one stays abortable (``engine_done`` false)."""
+    from types import SimpleNamespace
+
+    from mmserve.frontend.async_engine import AsyncEngine, Slot
+    from mmserve.types import TokenDelta
+
+    def boom() -> None:
+        raise RuntimeError("listener failed")
+
+    bad, good = Slot(None), Slot(None)
+    bad.listener = boom
+    fake = SimpleNamespace(_slots={"a": bad, "b": good})
+    deltas = [TokenDelta("a", (5,), None, 0.0), TokenDelta("b", (6,), None, 0.0)]
+    AsyncEngine._dispatch(fake, deltas)  # type: ignore[arg-type]
+    assert [d.token_ids for d in good._deltas] == [(6,)]
+    assert bad.engine_done is False
+    fin = TokenDelta("b", (7,), None, 0.0, finish_reason="length")
+    AsyncEngine._dispatch(fake, [TokenDelta("a", (8,), None, 0.0, finish_reason="length"), fin])
+    assert bad.engine_done is True and good.engine_done is True
