@@ -26,7 +26,7 @@ from api import (
     routes_streams,
     routes_videos,
 )
-from api.auth import APIKeyMiddleware, TenantMiddleware
+from api.auth import APIKeyMiddleware, TenantMiddleware, redact_query_keys_in_logs
 from api.batch.runner import BatchManager
 from api.batch.store import FileStore
 from api.body_limit import BodyLimitMiddleware
@@ -137,6 +137,7 @@ def assemble_app(
         state.metrics.tenants.set_function(lambda: keys.tenants)
     if keys is not None:
         app.add_middleware(APIKeyMiddleware, keys=keys)
+        redact_query_keys_in_logs()  # a browser's WebSocket sends its key in the query
     else:
         app.add_middleware(TenantMiddleware)
     if tracing is not None:

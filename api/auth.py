@@ -10,6 +10,8 @@ The key names the caller's tenant (:mod:`api.tenants`): it is set on
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -106,3 +108,30 @@ async def _with_tenant(app: ASGIApp, tenant: str, scope: Scope, receive: Receive
         await app(scope, receive, send)
     finally:
         CURRENT_TENANT.reset(token)
+
+
+_QUERY_KEY = re.compile(r"(api_key=)[^&\s\"']*")
+
+
+class RedactQueryKeys(logging.Filter):
+    """Replaces the value of an ``api_key`` query parameter with ``***`` in a log record
+    (uvicorn logs a WebSocket's path with its query string, where a browser sends its
+    key); installed on uvicorn's loggers by :func:`redact_query_keys_in_logs`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "api_key=" in record.msg:
+            record.msg = _QUERY_KEY.sub(r"\1***", record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                _QUERY_KEY.sub(r"\1***", a) if isinstance(a, str) and "api_key=" in a else a
+                for a in record.args
+            )
+        return True
+
+
+def redact_query_keys_in_logs() -> None:
+    """Install :class:`RedactQueryKeys` on ``uvicorn.error`` and ``uvicorn.access`` (once)."""
+    for name in ("uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactQueryKeys) for f in logger.filters):
+            logger.addFilter(RedactQueryKeys())

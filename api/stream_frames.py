@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -232,7 +233,8 @@ async def _replay(got: JSONFrames, st: ServerState, stream: Stream) -> list[Inco
 
 def check_timestamps(stream: Stream, frames: list[Incoming]) -> None:
     """Refuse timestamps that are not finite, negative, or not after the previous frame's
-    (the post's or the stream's newest).
+    (the post's or the stream's newest). A frame without one counts as timestamped now
+    (:meth:`Stream.default_timestamp`), so a later frame's must come after that.
 
     Raises:
         APIError: 400 ``invalid_timestamp`` naming the timestamp's field.
@@ -240,7 +242,9 @@ def check_timestamps(stream: Stream, frames: list[Incoming]) -> None:
     last = stream.last_timestamp
     for i, fr in enumerate(frames):
         t = fr.timestamp
-        if t is None:
+        if t is None:  # it will take the seconds since the stream began: later ones follow it
+            now = time.monotonic() - stream.started
+            last = now if last is None or now > last else last + 1e-3
             continue
         where = _nth(fr.ts_param, i, len(frames)) if fr.ts_param == "timestamp" else fr.ts_param
         if not math.isfinite(t) or t < 0:

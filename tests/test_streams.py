@@ -495,3 +495,44 @@ def test_held_prefixes_never_lock_more_than_their_share_of_the_pool(families) ->
         assert stream_ask(c, sid, [Q], **GREEDY)["answers"][0]["finish_reason"] == "length"
         assert c.delete(f"/v1/streams/{sid}").status_code == 200
         assert_released(c)
+
+
+def test_a_websocket_query_key_never_reaches_the_logs() -> None:
+    """uvicorn logs a WebSocket's path with its query string: the ``api_key`` value is
+    written as ``***`` (the message's own text and its arguments)."""
+    import logging
+
+    from api.auth import RedactQueryKeys, redact_query_keys_in_logs
+
+    redact_query_keys_in_logs()
+    logger = logging.getLogger("uvicorn.error")
+    assert any(isinstance(f, RedactQueryKeys) for f in logger.filters)
+    rec = logging.LogRecord(
+        "uvicorn.error",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "WebSocket %s" [accepted]',
+        (("127.0.0.1", 5), "/v1/streams/s/ws?x=1&api_key=sk-secret&y=2"),
+        None,
+    )
+    assert RedactQueryKeys().filter(rec)
+    text = rec.getMessage()
+    assert "sk-secret" not in text and "api_key=***&y=2" in text
+
+
+def test_a_frame_without_a_timestamp_counts_as_now(client: TestClient) -> None:
+    """In one JSON post, a frame without a timestamp takes the seconds since the stream
+    began: a later frame stamped before that is refused (400 naming its field), and the
+    stream keeps nothing of the post."""
+    sid = client.post("/v1/streams", json={}).json()["id"]
+    time.sleep(0.3)
+    frames = [
+        {"data": base64.b64encode(noise_png(1)).decode()},
+        {"data": base64.b64encode(noise_png(2)).decode(), "timestamp": 0.1},
+    ]
+    r = client.post(f"/v1/streams/{sid}/frames", json={"frames": frames})
+    err = assert_error(r, 400, "not after")
+    assert err["param"] == "frames[1].timestamp" or err["param"].endswith("timestamp"), err
+    assert client.get(f"/v1/streams/{sid}").json()["frames_received"] == 0
+    client.delete(f"/v1/streams/{sid}")
