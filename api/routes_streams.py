@@ -26,7 +26,7 @@ from api.ids import STREAM
 from api.json_body import JSONBodyRoute, parse_json_object, read_json_object
 from api.openai_format import usage
 from api.routes_videos import clip_prompt
-from api.schemas import STRICT, Detail, SamplingFields
+from api.schemas import STRICT, Detail, NoLogprobsFields, SamplingFields
 from api.state import ServerState, State
 from api.stream_frames import Incoming, check_timestamps, json_frames, prepare, read_frames
 from api.streams import (
@@ -66,7 +66,7 @@ class StreamWindow(BaseModel):
     seconds: float | int | None = Field(default=None, ge=0)
 
 
-class StreamAskRequest(SamplingFields, CacheSaltField):
+class StreamAskRequest(NoLogprobsFields, SamplingFields, CacheSaltField):
     """``POST /v1/streams/{id}/ask`` body: the body of ``/v1/images/{id}/ask`` plus
     ``window`` and ``stream``. ``system`` defaults to the stream's (another one starts
     another prompt: the held prefix is not reused); ``detail`` is the stream's (set when

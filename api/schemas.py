@@ -411,7 +411,21 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, EndUserFields, P
     _unsupported = _refusing(_CHAT_DEFAULTS)
 
 
-class AskRequest(SamplingFields, CacheSaltField):
+class NoLogprobsFields(BaseModel):
+    """Refuses ``logprobs`` and ``top_logprobs`` on routes whose answers carry none
+    (``/ask``, ``/qa``, a stream's ``/ask``): a field the server would not act on."""
+
+    @field_validator("logprobs", "top_logprobs", check_fields=False)
+    @classmethod
+    def _refused(cls, value: Any) -> Any:
+        if value not in (None, False):
+            raise ValueError(
+                "this route's answers carry no logprobs; ask /v1/chat/completions for them"
+            )
+        return value
+
+
+class AskRequest(NoLogprobsFields, SamplingFields, CacheSaltField):
     """``POST /v1/images/{image_id}/ask`` body: several questions about one image."""
 
     questions: list[str] = Field(min_length=1)
@@ -419,7 +433,7 @@ class AskRequest(SamplingFields, CacheSaltField):
     detail: Detail | None = Field(default=None, description=DETAIL_HELP)
 
 
-class VideoQARequest(SamplingFields, FrameFields, CacheSaltField):
+class VideoQARequest(NoLogprobsFields, SamplingFields, FrameFields, CacheSaltField):
     """``POST /v1/videos/{video_id}/qa`` body: questions about frames of one video."""
 
     questions: list[str] = Field(min_length=1)

@@ -225,9 +225,10 @@ async def _replay(got: JSONFrames, st: ServerState, stream: Stream) -> list[Inco
             "the video in several posts (timestamps)",
             param=field,
         )
+    # a time out of order comes from the client's timestamps when it chose them
+    when = "timestamps" if got.timestamps else "time_offset"
     return [
-        Incoming(None, fr.timestamp + got.time_offset, "video_id", "time_offset", fr.image)
-        for fr in frames
+        Incoming(None, fr.timestamp + got.time_offset, "video_id", when, fr.image) for fr in frames
     ]
 
 

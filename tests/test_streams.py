@@ -536,3 +536,32 @@ def test_a_frame_without_a_timestamp_counts_as_now(client: TestClient) -> None:
     assert err["param"] == "frames[1].timestamp" or err["param"].endswith("timestamp"), err
     assert client.get(f"/v1/streams/{sid}").json()["frames_received"] == 0
     client.delete(f"/v1/streams/{sid}")
+
+
+@pytest.mark.parametrize("field", [{"logprobs": True}, {"top_logprobs": 2}])
+def test_routes_whose_answers_carry_no_logprobs_refuse_them(client: TestClient, field) -> None:
+    """``/ask``, ``/qa`` and a stream's ``/ask`` answer without logprobs: asking for them
+    is a 400 naming the field, not a field silently dropped."""
+    sid = client.post("/v1/streams", json={}).json()["id"]
+    assert post_stream_frames(client, sid, [noise_png(3)], [1.0]).status_code == 200
+    img = client.post("/v1/images", files={"file": ("a.png", noise_png(4), "image/png")})
+    assert img.status_code == 200, img.text
+    routes = [f"/v1/streams/{sid}/ask", f"/v1/images/{img.json()['id']}/ask"]
+    for route in routes:
+        r = client.post(route, json={"questions": [Q], **GREEDY, **field})
+        err = assert_error(r, 400, "no logprobs")
+        assert err["param"] == next(iter(field)), err
+    client.delete(f"/v1/streams/{sid}")
+
+
+def test_a_replay_whose_timestamps_go_back_names_them(ov_client: TestClient, clip: bytes) -> None:
+    """Replaying an uploaded video at client-chosen ``timestamps`` that are not after the
+    stream's newest frame is a 400 naming ``timestamps`` (not ``time_offset``)."""
+    vid = upload_video(ov_client, clip).json()["id"]
+    sid = ov_client.post("/v1/streams", json={}).json()["id"]
+    r = ov_client.post(f"/v1/streams/{sid}/frames", json={"video_id": vid, "timestamps": [1.0]})
+    assert r.status_code == 200, r.text
+    r = ov_client.post(f"/v1/streams/{sid}/frames", json={"video_id": vid, "timestamps": [0.5]})
+    err = assert_error(r, 400, "not after")
+    assert err["param"] == "timestamps", err
+    ov_client.delete(f"/v1/streams/{sid}")
