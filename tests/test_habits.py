@@ -45,12 +45,7 @@ def test_the_slow_marker_is_registered(pytestconfig: pytest.Config) -> None:
 def test_the_slow_table_names_only_tests_that_exist(slow_tests: dict[str, str]) -> None:
     modules = _test_modules()
     assert len(modules) > 50 and "test_habits" in modules
-    gone = []
-    for key, reason in slow_tests.items():
-        module, _, name = key.partition("::")
-        assert reason.strip(), f"{key}: no reason given"
-        if module not in modules or (name and name not in _test_names(modules[module])):
-            gone.append(key)
+    gone = _missing_tests(slow_tests)
     assert not gone, f"SLOW_TESTS names tests that do not exist: {gone}"
     # at least a module, a function and a class are in the table: each kind of key is checked
     assert any("::" not in k for k in slow_tests)
@@ -61,14 +56,21 @@ def test_the_slow_table_names_only_tests_that_exist(slow_tests: dict[str, str]) 
 def test_the_in_process_engine_table_names_only_tests_that_exist(
     in_process_engine_tests: dict[str, str],
 ) -> None:
+    gone = _missing_tests(in_process_engine_tests)
+    assert not gone, f"IN_PROCESS_ENGINE_TESTS names tests that do not exist: {gone}"
+
+
+def _missing_tests(table: dict[str, str]) -> list[str]:
+    """The keys of ``table`` (``module`` or ``module::name``, each with a reason) that name
+    no test module or test; asserts every key gives a reason."""
     modules = _test_modules()
     gone = []
-    for key, reason in in_process_engine_tests.items():
+    for key, reason in table.items():
         module, _, name = key.partition("::")
         assert reason.strip(), f"{key}: no reason given"
         if module not in modules or (name and name not in _test_names(modules[module])):
             gone.append(key)
-    assert not gone, f"IN_PROCESS_ENGINE_TESTS names tests that do not exist: {gone}"
+    return gone
 
 
 def test_slow_marks_exactly_the_tabled_tests(
