@@ -280,16 +280,15 @@ class Stream:
             self.prefills += 1
             try:
                 req = await self.prefix_request(st, frames)
-                if self.held is not None and self.held.segment != segment:
-                    # rolled: the old segment is released before the new one is prefilled,
-                    # so a roll never locks two windows at once
-                    self.held = None
-                    await st.aengine.control("release_hold", self.id)
                 budget = int(HELD_KV_SHARE * st.engine.processor.kv_capacity_tokens)
                 others = held_elsewhere(st, self)
-                if others + req.prompt_len > budget:
+                over = others + req.prompt_len > budget
+                if over or (self.held is not None and self.held.segment != segment):
+                    # a roll releases the old segment before the new one is prefilled (never
+                    # two windows locked at once); past the budget nothing stays held
                     self.held = None
                     await st.aengine.control("release_hold", self.id)
+                if over:
                     self.prefill_error = (
                         f"not held: this window's {req.prompt_len} tokens and the other "
                         f"streams' {others} held tokens pass the {budget} tokens of KV that "
