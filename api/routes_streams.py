@@ -20,7 +20,13 @@ from pydantic import BaseModel, Field, ValidationError
 
 from api.cache_fields import CacheSaltField, effective_salt
 from api.disconnect import request_token, until_cancelled
-from api.errors import APIError, ClientDisconnected, describe_validation_errors, error_body
+from api.errors import (
+    APIError,
+    ClientDisconnected,
+    deny_websocket,
+    describe_validation_errors,
+    error_body,
+)
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import STREAM
 from api.json_body import JSONBodyRoute, parse_json_object, read_json_object
@@ -32,6 +38,7 @@ from api.stream_frames import Incoming, check_timestamps, json_frames, prepare, 
 from api.streams import (
     ASK_ROOM_TOKENS,
     DEFAULT_MAX_FRAMES,
+    MAX_TIMESTAMP_S,
     Stream,
     StreamFrame,
     StreamRegistry,
@@ -168,12 +175,12 @@ def _most_frames(st: ServerState, layout: str, mode: str) -> int:
 def frame_text_tokens(st: ServerState, layout: str) -> int:
     """Text tokens a frame brings beside its run on ``layout``: none on the video layout
     (the frames' runs follow each other; its one video newline is in the ask's room);
-    on the images layout its ``Frame at 1.5s:`` label, tokenized with a long timestamp
-    (a day of video: a later frame's label is no longer) and one token for the text
-    around its image."""
+    on the images layout its ``Frame at 1.5s:`` label, tokenized with the longest timestamp
+    a frame may have (:data:`~api.streams.MAX_TIMESTAMP_S`: no label is longer) and one
+    token for the text around its image."""
     if layout == "video":
         return 0
-    label = f"Frame at {86400.0:.1f}s: "
+    label = f"Frame at {MAX_TIMESTAMP_S - 0.1:.1f}s: "
     return len(st.engine.model.tokenizer.encode(label, add_special_tokens=False)) + 1
 
 
@@ -440,8 +447,9 @@ async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
     st: ServerState = websocket.app.state.mm
     try:
         stream = await _stream(st, stream_id)
-    except APIError as e:
-        await websocket.close(code=4404, reason=e.message[:120])
+    except APIError as e:  # refused at the handshake: the HTTP status and the JSON body
+        body = error_body(e.message, e.type, e.param, e.code)
+        await deny_websocket(websocket.scope, websocket.send, e.status, body)
         return
     await websocket.accept()
     stream.sockets += 1

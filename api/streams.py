@@ -52,6 +52,10 @@ DEFAULT_MAX_FRAMES = 32
 #: pool, and every other request would wait for pages that never free. A prefix that would
 #: pass it is not held (asks still answer, prefilling the window themselves).
 HELD_KV_SHARE = 0.5
+#: Largest frame timestamp, in seconds (about 116 days): a timestamp is printed into the
+#: frame's ``Frame at 1.5s:`` label, so an unbounded one (``1e99``) would make a label of
+#: any length; the frame-token bound counts labels this long.
+MAX_TIMESTAMP_S = 1e7
 
 
 @dataclass

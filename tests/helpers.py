@@ -584,6 +584,18 @@ def wait_stream_held(client, sid: str, frames: int, timeout: float = 60.0) -> di
         time.sleep(0.05)
 
 
+def websocket_refusal(client, url: str):
+    """The HTTP response that refuses the WebSocket handshake at ``url`` (a Starlette test
+    client's ``WebSocketDenialResponse``: ``status_code``, ``headers``, ``json()``); fails
+    the test when the handshake is accepted."""
+    from starlette.testclient import WebSocketDenialResponse
+
+    with pytest.raises(WebSocketDenialResponse) as got:
+        with client.websocket_connect(url):
+            pass
+    return got.value
+
+
 def assert_healthy(client) -> None:
     """A normal request is answered and the pool accounting holds at rest."""
     r = chat(client, "Say hello.")

@@ -27,6 +27,7 @@ from tests.helpers import (
     upload_video,
     video_qa,
     wait_stream_held,
+    websocket_refusal,
 )
 from tests.live_server import app_client
 from tests.videos import encode_mp4, rgb_frames
@@ -272,7 +273,23 @@ def big_png() -> bytes:
         ([("file", "OK"), ("colour", "red")], None, 400, "colour", "unknown field"),
         (None, {"frames": [{"data": "%%%"}]}, 400, "frames[0].data", "not valid base64"),
         (None, {"frames": [{"data": "OK", "when": 1}]}, 400, "frames[0].when", "unknown field"),
-        (None, {"frames": [{"data": "OK", "timestamp": -1}]}, 400, "frames[0].timestamp", ">= 0"),
+        (None, {"frames": [{"data": "OK", "timestamp": -1}]}, 400, "frames[0].timestamp", "0 to"),
+        # a timestamp is printed into the frame's label: bounded (1e99 would be ~100 tokens)
+        ([("file", "OK"), ("timestamp", "1e99")], None, 400, "timestamp", "from 0 to 1e+07"),
+        (
+            None,
+            {"frames": [{"data": "OK", "timestamp": 1e7 + 1}]},
+            400,
+            "frames[0].timestamp",
+            "1e+07",
+        ),
+        (
+            None,
+            {"frames": [{"data": "OK", "timestamp": 10**400}]},
+            400,
+            "frames[0].timestamp",
+            "too large",
+        ),
         (None, {"video_id": "vid-" + "0" * 32}, 400, "video_id", "unknown video id"),
         (None, {"frames": []}, 400, "frames", "empty"),
     ],
@@ -310,6 +327,10 @@ def test_unknown_ids_fields_and_the_max_streams_bound(client: TestClient) -> Non
     ):
         assert_error(r, 404, "no stream with id", "stream_not_found")
     assert_error(client.get("/v1/streams/vid-12"), 404, "malformed", "invalid_stream_id")
+    # a WebSocket to an unknown id: refused at the handshake with the same 404 and body
+    r = websocket_refusal(client, f"/v1/streams/{missing}/ws")
+    assert_error(r, 404, "no stream with id", "stream_not_found")
+    assert_error(websocket_refusal(client, "/v1/streams/vid-12/ws"), 404, "malformed")
     assert_error(client.post("/v1/streams", json={"colour": 1}), 400, "colour")
     assert_error(client.post("/v1/streams", json={"fps": "2"}), 400, "fps")
     r = client.post("/v1/streams")  # no body: every field has a default
@@ -355,16 +376,18 @@ def test_a_stream_belongs_to_its_tenant(families, tmp_path) -> None:
             c.delete(f"/v1/streams/{sid}", headers=bob),
         ):
             assert_error(r, 404, "no stream", "stream_not_found")
-        with pytest.raises(Exception):  # noqa: B017 - refused at the handshake
-            with c.websocket_connect(f"/v1/streams/{sid}/ws?api_key=key-bob-000002") as ws:
-                ws.receive_text()
+        # another tenant's stream: refused at the handshake as unknown, with the JSON body
+        r = websocket_refusal(c, f"/v1/streams/{sid}/ws?api_key=key-bob-000002")
+        assert_error(r, 404, "no stream with id", "stream_not_found")
         with c.websocket_connect(f"/v1/streams/{sid}/ws?api_key=key-alice-0001") as ws:
             ws.send_bytes(noise_png(1))
             assert json.loads(ws.receive_text())["accepted"] == 1
         assert c.get(f"/v1/streams/{sid}", headers=alice).status_code == 404  # socket closed
-        with pytest.raises(Exception):  # noqa: B017 - no key: refused at the handshake
-            with c.websocket_connect(f"/v1/streams/{sid}/ws") as ws:
-                ws.receive_text()
+        r = websocket_refusal(c, f"/v1/streams/{sid}/ws")  # no key
+        assert_error(r, 401, "missing API key", "invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer"
+        r = websocket_refusal(c, f"/v1/streams/{sid}/ws?api_key=nobody-000000000")
+        assert_error(r, 401, "invalid API key", "invalid_api_key")
 
 
 def test_image_bytes_of_a_jpeg_frame(client: TestClient) -> None:
@@ -521,6 +544,24 @@ def test_a_websocket_query_key_never_reaches_the_logs() -> None:
     assert "sk-secret" not in text and "api_key=***&y=2" in text
 
 
+def test_a_refused_handshake_is_not_logged_as_an_error(client: TestClient) -> None:
+    """uvicorn logs "returned without completing handshake" after a denial response (the
+    404/401 a refused WebSocket gets): the filter the app installs drops that record only."""
+    import logging
+
+    from api.errors import DeniedHandshakeNoise
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, msg, (), None)
+
+    noise = DeniedHandshakeNoise()
+    assert not noise.filter(record("ASGI callable returned without completing handshake."))
+    assert noise.filter(record("Exception in ASGI application\n"))
+    assert any(
+        isinstance(f, DeniedHandshakeNoise) for f in logging.getLogger("uvicorn.error").filters
+    )
+
+
 def test_a_frame_without_a_timestamp_counts_as_now(client: TestClient) -> None:
     """In one JSON post, a frame without a timestamp takes the seconds since the stream
     began: a later frame stamped before that is refused (400 naming its field), and the
@@ -564,4 +605,8 @@ def test_a_replay_whose_timestamps_go_back_names_them(ov_client: TestClient, cli
     r = ov_client.post(f"/v1/streams/{sid}/frames", json={"video_id": vid, "timestamps": [0.5]})
     err = assert_error(r, 400, "not after")
     assert err["param"] == "timestamps", err
+    # an offset that carries the frames past the largest timestamp names time_offset
+    r = ov_client.post(f"/v1/streams/{sid}/frames", json={"video_id": vid, "time_offset": 1e99})
+    assert assert_error(r, 400, "from 0 to 1e+07")["param"] == "time_offset"
+    assert ov_client.get(f"/v1/streams/{sid}").json()["frames_received"] == 1
     ov_client.delete(f"/v1/streams/{sid}")
