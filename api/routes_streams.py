@@ -17,6 +17,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
+from starlette.types import Message
 
 from api.cache_fields import CacheSaltField, effective_salt
 from api.disconnect import request_token, until_cancelled
@@ -44,6 +45,7 @@ from api.streams import (
     StreamRegistry,
     frame_mode,
 )
+from mmserve import cancel
 from mmserve.types import EngineRequest
 
 router = APIRouter(route_class=JSONBodyRoute)
@@ -453,23 +455,49 @@ async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
         return
     await websocket.accept()
     stream.sockets += 1
+    # cancelled when the client goes: an ask then in flight is aborted in the engine
+    token = cancel.CancelToken()
+    inbox: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=SOCKET_INBOX)
+    reader = asyncio.create_task(_read_socket(websocket, inbox, token))
     try:
-        while True:
-            msg = await websocket.receive()
-            if msg["type"] == "websocket.disconnect":
-                return
-            try:
-                reply = await _socket_message(st, stream, msg)
-            except APIError as e:
-                reply = {"type": "error", **error_body(e.message, e.type, e.param, e.code)}
-            await websocket.send_text(json.dumps(reply))
-    except (WebSocketDisconnect, ClientDisconnected, RuntimeError):
+        with cancel.using(token):
+            while (msg := await inbox.get()) is not None:
+                try:
+                    reply = await _socket_message(st, stream, msg)
+                except APIError as e:
+                    reply = {"type": "error", **error_body(e.message, e.type, e.param, e.code)}
+                await websocket.send_text(json.dumps(reply))
+    except (WebSocketDisconnect, ClientDisconnected, cancel.Cancelled, RuntimeError):
         return
     finally:
+        token.cancel("client disconnected")
+        reader.cancel()
         stream.sockets -= 1
         stream.touch()
         # the client vanished: the stream ends with it (its prefix released)
         await asyncio.shield(registry(st).delete(st, stream))
+
+
+#: Messages a WebSocket reads ahead of the one being answered (the reader keeps reading
+#: so that it sees the client leave during a long ask; past this it waits).
+SOCKET_INBOX = 8
+
+
+async def _read_socket(
+    websocket: WebSocket, inbox: asyncio.Queue[Message | None], token: cancel.CancelToken
+) -> None:
+    """Move the socket's messages into ``inbox`` until the client leaves, then cancel
+    ``token`` (aborting an ask in flight) and put ``None``."""
+    try:
+        while (msg := await websocket.receive())["type"] != "websocket.disconnect":
+            await inbox.put(msg)
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        token.cancel("client disconnected")
+        if inbox.full():  # the client is gone: its unread messages go with it
+            inbox.get_nowait()
+        inbox.put_nowait(None)
 
 
 async def _socket_message(st: ServerState, stream: Stream, msg: Mapping[str, Any]) -> dict:

@@ -11,11 +11,13 @@ import io
 import json
 import time
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from api.app import ServerSettings, create_app
 from mmserve.vision.image import ImageLimits
 from mmserve.vision.video import Video, VideoLimits
 from tests.helpers import (
@@ -29,7 +31,7 @@ from tests.helpers import (
     wait_stream_held,
     websocket_refusal,
 )
-from tests.live_server import app_client
+from tests.live_server import app_client, uvicorn_thread
 from tests.videos import encode_mp4, rgb_frames
 
 pytest.importorskip("av")
@@ -206,6 +208,43 @@ def test_delete_mid_prefill_and_a_closed_websocket_release_locks_and_pages(
         assert time.time() < deadline, "the stream outlived its WebSocket"
         time.sleep(0.05)
     assert_released(client)
+
+
+def test_a_websocket_ask_is_aborted_when_its_client_leaves(families) -> None:
+    """Over a real uvicorn (which, unlike the test client, never cancels the app when a
+    socket closes): a WebSocket that closes while its ask decodes has the ask's engine
+    request aborted at once (not decoded to ``max_tokens``: ~6 s here), and the stream
+    goes with the socket. A refused handshake answers its status and JSON body."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    engine = families["llava"].make_engine(max_total_tokens=16384)
+    app = create_app(engine, ServerSettings(served_model_name=MODEL))
+    long_ask = {"questions": ["Hi?"], "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    with uvicorn_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        ws_url = url.replace("http://", "ws://")
+        with pytest.raises(InvalidStatus) as refused:
+            connect(f"{ws_url}/v1/streams/stream-{'0' * 32}/ws", open_timeout=10)
+        assert refused.value.response.status_code == 404
+        assert json.loads(bytes(refused.value.response.body))["error"]["code"] == "stream_not_found"
+        sid = http.post("/v1/streams", json={}).json()["id"]
+        with connect(f"{ws_url}/v1/streams/{sid}/ws", open_timeout=10) as ws:
+            ws.send(noise_png(3))
+            assert json.loads(ws.recv(timeout=30))["accepted"] == 1
+            ws.send(json.dumps(long_ask))
+            deadline = time.time() + 30
+            while http.get("/v1/cache/stats").json()["running_requests"] == 0:  # decoding
+                assert time.time() < deadline, "the ask never started"
+                time.sleep(0.01)
+        left = time.time()
+        while http.get("/v1/cache/stats").json()["running_requests"]:
+            assert time.time() - left < 1.5, "the ask kept decoding after its client left"
+            time.sleep(0.02)
+        deadline = time.time() + 10
+        while http.get(f"/v1/streams/{sid}").status_code != 404:
+            assert time.time() < deadline, "the stream outlived its WebSocket"
+            time.sleep(0.05)
+        assert http.get("/v1/cache/stats").json()["held_prefixes"] == 0
 
 
 def test_idle_streams_expire_and_release(families) -> None:
