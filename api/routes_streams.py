@@ -217,6 +217,8 @@ def _take(st: ServerState, stream: Stream, frames: list[Incoming]) -> dict:
     if stream.closed:
         raise STREAM.not_found(stream.id, "stream_id")
     check_timestamps(stream, frames)  # again: another post may have come in meanwhile
+    size = max((fr.image.pixels.nbytes for fr in frames if fr.image and fr.image.pixels), default=0)
+    registry(st).reserve_pixels(stream, size, st.settings.max_stream_pixel_bytes)
     segment = stream.segment
     out = []
     for fr in frames:

@@ -234,8 +234,9 @@ async def _replay(got: JSONFrames, st: ServerState, stream: Stream) -> list[Inco
 
 def check_timestamps(stream: Stream, frames: list[Incoming]) -> None:
     """Refuse timestamps that are not finite, negative, over :data:`MAX_TIMESTAMP_S`, or not
-    after the previous frame's (the post's or the stream's newest). A frame without one counts as timestamped now
-    (:meth:`Stream.default_timestamp`), so a later frame's must come after that.
+    after the previous frame's (the post's or the stream's newest). A frame without one
+    counts as timestamped now (:meth:`Stream.default_timestamp`), so a later frame's must
+    come after that.
 
     Raises:
         APIError: 400 ``invalid_timestamp`` naming the timestamp's field.

@@ -125,6 +125,7 @@ class Stream:
     prefills: int = 0
     prefill_error: str | None = None
     sockets: int = 0
+    pixel_bytes: int = 0
     closed: bool = False
     _dirty: bool = False
     _task: asyncio.Task | None = None
@@ -197,6 +198,7 @@ class Stream:
             "thinned": self.thinned,
             "frames_held": len(win),
             "segments": self.segment + 1,
+            "pixel_bytes_reserved": self.pixel_bytes,
             "window": {
                 "frames": len(win),
                 "start": win[0].timestamp if win else None,
@@ -373,6 +375,41 @@ class StreamRegistry:
             with cancel.using(None):
                 self._reaper = asyncio.ensure_future(self._reap(st))
         return stream
+
+    def reserve_pixels(self, stream: Stream, frame_bytes: int, budget: int) -> None:
+        """Reserve room for ``stream``'s whole window of prepared frame pixels,
+        ``max_frames * frame_bytes`` (a window keeps every frame's tower input, for the
+        prefill after a roll), out of ``budget`` bytes for all streams
+        (``--max-stream-pixel-bytes``); done at its first frame and again if a frame is
+        larger (the images layout's tiles follow the frame's size).
+
+        Raises:
+            APIError: 400 naming ``max_frames`` when the window alone needs more than the
+                budget; 429 ``stream_pixels_full`` when other streams hold the rest.
+        """
+        need = stream.max_frames * frame_bytes
+        if need <= stream.pixel_bytes:
+            return
+        if need > budget:
+            raise APIError(
+                400,
+                f"max_frames: a window of {stream.max_frames} frames of {frame_bytes} bytes of "
+                f"pixels each needs {need} bytes; the server keeps at most {budget} for all "
+                "streams (--max-stream-pixel-bytes): make the stream with fewer max_frames",
+                param="max_frames",
+                code="stream_window_too_large",
+            )
+        others = sum(s.pixel_bytes for s in self._streams.values() if s is not stream)
+        if others + need > budget:
+            raise APIError(
+                429,
+                f"the live streams' frames are full: this stream's window needs {need} bytes "
+                f"of pixels and other streams hold {others} of {budget} "
+                "(--max-stream-pixel-bytes); delete a stream or wait for an idle one to expire",
+                "rate_limit_error",
+                code="stream_pixels_full",
+            )
+        stream.pixel_bytes = need
 
     async def get(self, st: ServerState, ident: str) -> Stream | None:
         """The current tenant's stream ``ident`` (None: unknown, another tenant's, deleted

@@ -247,6 +247,34 @@ def test_a_websocket_ask_is_aborted_when_its_client_leaves(families) -> None:
         assert http.get("/v1/cache/stats").json()["held_prefixes"] == 0
 
 
+def test_streams_frame_pixels_are_bounded(client: TestClient, families) -> None:
+    """A stream reserves its window's frame pixels (``max_frames`` times a frame's) at
+    its first frame, out of ``--max-stream-pixel-bytes`` for all streams: 429
+    ``stream_pixels_full`` when others hold the rest, 400 naming ``max_frames`` when the
+    window alone is too large; a deleted stream's reservation is free again."""
+    sid = client.post("/v1/streams", json={"max_frames": 2}).json()["id"]
+    assert client.get(f"/v1/streams/{sid}").json()["pixel_bytes_reserved"] == 0
+    assert post_stream_frames(client, sid, [noise_png(1)]).status_code == 200
+    frame = client.get(f"/v1/streams/{sid}").json()["pixel_bytes_reserved"] // 2
+    client.delete(f"/v1/streams/{sid}")
+    assert frame > 0
+    engine = families["llava"].make_engine(max_total_tokens=8192)
+    with app_client(engine, max_stream_pixel_bytes=5 * frame) as c:
+        a, b, big = (c.post("/v1/streams", json={"max_frames": n}).json()["id"] for n in (3, 3, 6))
+        for i in range(5):  # a rolls within its reservation
+            assert post_stream_frames(c, a, [noise_png(i)], [float(i)]).status_code == 200
+        assert c.get(f"/v1/streams/{a}").json()["pixel_bytes_reserved"] == 3 * frame
+        r = post_stream_frames(c, b, [noise_png(7)], [1.0])
+        assert_error(r, 429, "--max-stream-pixel-bytes", "stream_pixels_full")
+        err = assert_error(post_stream_frames(c, big, [noise_png(8)], [1.0]), 400, "max_frames")
+        assert err["param"] == "max_frames" and err["code"] == "stream_window_too_large"
+        assert c.get(f"/v1/streams/{b}").json()["frames_received"] == 0  # refused whole
+        c.delete(f"/v1/streams/{a}")
+        assert post_stream_frames(c, b, [noise_png(7)], [1.0]).status_code == 200
+        for sid in (b, big):
+            c.delete(f"/v1/streams/{sid}")
+
+
 def test_idle_streams_expire_and_release(families) -> None:
     engine = families["llava"].make_engine(max_total_tokens=8192)
     with app_client(engine, stream_idle_seconds=3.0) as c:
