@@ -52,6 +52,11 @@ DEFAULT_MAX_FRAMES = 32
 #: pool, and every other request would wait for pages that never free. A prefix that would
 #: pass it is not held (asks still answer, prefilling the window themselves).
 HELD_KV_SHARE = 0.5
+#: ``GET``'s ``cached.error`` once the engine process that held a stream's prefix died.
+LOST_HOLD = (
+    "not held: the engine process restarted and lost the held prefix; the next frame "
+    "prefills the window again (questions still answer meanwhile)"
+)
 #: Largest frame timestamp, in seconds (about 116 days): a timestamp is printed into the
 #: frame's ``Frame at 1.5s:`` label, so an unbounded one (``1e99``) would make a label of
 #: any length; the frame-token bound counts labels this long.
@@ -76,11 +81,13 @@ class StreamFrame:
 @dataclass
 class Held:
     """What the engine holds prefilled for a stream: its first ``frames`` frames of
-    segment ``segment`` (``tokens`` prompt tokens in whole pages)."""
+    segment ``segment`` (``tokens`` prompt tokens in whole pages), in the engine process
+    that came after ``engine_life`` deaths (:func:`engine_life`)."""
 
     segment: int
     frames: int
     tokens: int
+    engine_life: int = 0
 
 
 @dataclass
@@ -284,6 +291,8 @@ class Stream:
             if not frames:
                 continue
             self.prefills += 1
+            if self.prefill_error == LOST_HOLD:  # this round prefills the window again
+                self.prefill_error = None
             try:
                 req = await self.prefix_request(st, frames)
                 budget = int(HELD_KV_SHARE * st.engine.processor.kv_capacity_tokens)
@@ -310,10 +319,19 @@ class Stream:
                 log.warning("stream %s: prefill failed: %s", self.id, self.prefill_error)
                 continue
             if res.finish_reason in ("stop", "length"):
-                self.held = Held(segment, len(frames), res.prompt_tokens // page * page)
+                tokens = res.prompt_tokens // page * page
+                self.held = Held(segment, len(frames), tokens, engine_life(st))
                 self.prefill_error = None
             else:
                 self.prefill_error = res.error or f"prefill ended: {res.finish_reason}"
+
+    def forget_lost_hold(self, life: int) -> None:
+        """Drop what the stream thinks is held when the engine process that held it died
+        (``life``: :func:`engine_life` now): a new engine holds nothing, and the next
+        frame prefills the window again."""
+        if self.held is not None and self.held.engine_life != life:
+            self.held = None
+            self.prefill_error = LOST_HOLD
 
     async def close(self, st: ServerState) -> None:
         """End the stream: its prefill aborted (awaited, so that no held request is left
@@ -417,6 +435,7 @@ class StreamRegistry:
         stream = self._streams.get(ident)
         if stream is None or not owned_by(stream.owner):
             return None
+        stream.forget_lost_hold(engine_life(st))
         if stream.idle_for() > self.idle_seconds:
             await self.delete(st, stream)
             return None
@@ -461,7 +480,16 @@ def held_elsewhere(st: ServerState, stream: Stream) -> int:
     reg = getattr(st, "streams", None)
     if reg is None:
         return 0
+    life = engine_life(st)
+    for s in reg.streams():
+        s.forget_lost_hold(life)
     return sum(s.held.tokens for s in reg.streams() if s is not stream and s.held is not None)
+
+
+def engine_life(st: ServerState) -> int:
+    """How many times the server's engine process died (restarted since): a prefix held
+    in an earlier life is gone. Always 0 for an engine in the API process."""
+    return int(getattr(st.aengine, "deaths", 0))
 
 
 def frame_mode(st: ServerState, layout: str, detail: str) -> str:

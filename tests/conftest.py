@@ -178,6 +178,9 @@ SLOW_TESTS: dict[str, str] = {
         "waits out a 3 s stream idle expiry (an app of its own)"
     ),
     "test_streams::test_a_stream_belongs_to_its_tenant": "an app of its own (--api-keys)",
+    "test_streams::test_a_hold_lost_with_the_engine_process_is_reported_and_prefilled_again": (
+        "a server subprocess whose engine process is killed and restarted"
+    ),
     "test_fuzz": "hypothesis inputs against a live server",
     "test_graceful_shutdown": "a server subprocess stopped by SIGTERM mid-stream",
     "test_kv_tiers::test_server_restart_answers_from_disk": "two server subprocesses in turn",

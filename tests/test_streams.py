@@ -31,7 +31,13 @@ from tests.helpers import (
     wait_stream_held,
     websocket_refusal,
 )
-from tests.live_server import app_client, uvicorn_thread
+from tests.live_server import (
+    app_client,
+    engine_pid,
+    live_server_process,
+    uvicorn_thread,
+    wait_health,
+)
 from tests.videos import encode_mp4, rgb_frames
 
 pytest.importorskip("av")
@@ -273,6 +279,35 @@ def test_streams_frame_pixels_are_bounded(client: TestClient, families) -> None:
         assert post_stream_frames(c, b, [noise_png(7)], [1.0]).status_code == 200
         for sid in (b, big):
             c.delete(f"/v1/streams/{sid}")
+
+
+def test_a_hold_lost_with_the_engine_process_is_reported_and_prefilled_again(
+    model_dir,
+) -> None:
+    """The engine process dies after a stream's prefix is held: a new one holds nothing,
+    so ``GET`` stops reporting held tokens (and says why), questions still answer, and the
+    next frame prefills the whole window into a new hold."""
+    import os
+    import signal
+
+    with (
+        live_server_process(model_dir, timeout=180) as (url, srv),
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
+        sid = http.post("/v1/streams", json={}).json()["id"]
+        assert post_stream_frames(http, sid, [noise_png(1)], [1.0]).status_code == 200
+        before = wait_stream_held(http, sid, 1)["cached"]["tokens"]
+        assert before > 0
+        os.kill(engine_pid(srv), signal.SIGKILL)
+        wait_health(url, 503, 30)
+        wait_health(url, 200, 120)
+        info = http.get(f"/v1/streams/{sid}").json()
+        assert (info["cached"]["tokens"], info["cached"]["frames"]) == (0, 0), info
+        assert "restarted" in info["cached"]["error"], info
+        assert stream_ask(http, sid, ["Hi?"], **GREEDY)["answers"][0]["finish_reason"] == "length"
+        assert post_stream_frames(http, sid, [noise_png(2)], [2.0]).status_code == 200
+        assert wait_stream_held(http, sid, 2)["cached"]["tokens"] > before
+        http.delete(f"/v1/streams/{sid}")
 
 
 def test_idle_streams_expire_and_release(families) -> None:
