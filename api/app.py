@@ -31,7 +31,12 @@ from api.batch.runner import BatchManager
 from api.batch.store import FileStore
 from api.body_limit import BodyLimitMiddleware
 from api.disconnect import DisconnectMiddleware
-from api.errors import APIError, install_error_handlers, quiet_denied_handshakes_in_logs
+from api.errors import (
+    APIError,
+    install_error_handlers,
+    no_such_websocket,
+    quiet_denied_handshakes_in_logs,
+)
 from api.image_store import ImageStore
 from api.json_body import JSONBodyRoute
 from api.media import MediaResolver
@@ -126,6 +131,8 @@ def assemble_app(
     install_error_handlers(app)
     for router in routers:
         app.include_router(router)
+    # last: a WebSocket to a path no route serves gets 404 with the JSON body
+    app.add_api_websocket_route("/{path:path}", no_such_websocket)
     # innermost: each request's cancel token, cancelled when its client hangs up
     app.add_middleware(DisconnectMiddleware)
     for cls in middleware:

@@ -136,6 +136,10 @@ async def until_cancelled(events: AsyncIterator[T], token: CancelToken | None) -
                 item = nxt.result()
             except StopAsyncIteration:
                 return
+            except Cancelled:
+                if token.cancelled:  # the hang-up reached ``events`` first: as quiet
+                    return
+                raise
             nxt = None
             yield item
     finally:

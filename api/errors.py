@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope, Send
+from starlette.websockets import WebSocket
 
 from mmserve.cancel import Cancelled
 from mmserve.frontend.engine_client import EngineTimeout, EngineUnavailable
@@ -94,6 +95,21 @@ async def deny_websocket(
         {"type": "websocket.http.response.start", "status": status, "headers": [*hdrs, *headers]}
     )
     await send({"type": "websocket.http.response.body", "body": raw})
+
+
+async def no_such_websocket(websocket: WebSocket) -> None:
+    """The app's last WebSocket route: a path no WebSocket route serves is refused at the
+    handshake with 404 and the JSON error body (Starlette's own refusal is a bare 403)."""
+    path = websocket.url.path
+    shown = path if len(path) <= 100 else path[:100] + "..."
+    body = error_body(
+        f"no WebSocket route at {shown!r}; live video streams take WebSockets at "
+        "/v1/streams/{id}/ws",
+        "not_found_error",
+        None,
+        "not_found",
+    )
+    await deny_websocket(websocket.scope, websocket.send, 404, body)
 
 
 class DeniedHandshakeNoise(logging.Filter):

@@ -34,14 +34,34 @@ log = logging.getLogger(__name__)
 _TOKEN_ID = re.compile(r"0|-?[1-9][0-9]{0,18}")
 
 
-def check_questions(questions: Sequence[str], limit: int) -> None:
-    """Refuse more ``questions`` than ``limit`` (``--max-questions``) in one call.
+def check_questions(
+    questions: Sequence[str],
+    limit: int,
+    processor: InputProcessor | None = None,
+    system: str | None = None,
+) -> None:
+    """Refuse more ``questions`` than ``limit`` (``--max-questions``) in one call, and
+    (given the ``processor``) a question or ``system`` text that holds the model's
+    reserved image or video placeholder (it would make a slot with no picture): routes
+    that take ``questions`` name the question, not ``messages``, which they do not have.
 
     Raises:
-        APIError: 400 naming ``questions``.
+        APIError: 400 naming ``questions``, ``questions[i]`` or ``system``.
     """
     if len(questions) > limit:
         raise APIError(400, f"{len(questions)} questions; the limit is {limit}", param="questions")
+    if processor is None:
+        return
+    texts = [(f"questions[{i}]", q) for i, q in enumerate(questions)]
+    for field, text in [*texts, ("system", system or "")]:
+        for token in processor.prompts.placeholders:
+            if token in text:
+                raise APIError(
+                    400,
+                    f"{field}: contains the model's reserved placeholder {token!r}; the "
+                    "route puts the pictures in the prompt itself: leave it out",
+                    param=field,
+                )
 
 
 def template_options(body: ChatTemplateFields, messages: Sequence[dict]) -> ChatTemplateOptions:

@@ -90,7 +90,7 @@ async def ask(image_id: str, body: AskRequest, request: Request, st: State) -> d
     """
     st.check_model(body.model)
     _entry(st, image_id)
-    check_questions(body.questions, st.settings.max_questions)
+    check_questions(body.questions, st.settings.max_questions, st.engine.processor, body.system)
     # prepared once (decoded again only if its features are not cached), used by each question
     processor = st.engine.processor
     detail = body.detail or "auto"

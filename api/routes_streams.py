@@ -35,7 +35,14 @@ from api.openai_format import usage
 from api.routes_videos import clip_prompt
 from api.schemas import STRICT, Detail, NoLogprobsFields, SamplingFields
 from api.state import ServerState, State
-from api.stream_frames import Incoming, check_timestamps, json_frames, prepare, read_frames
+from api.stream_frames import (
+    Incoming,
+    check_timestamps,
+    json_frames,
+    prepare,
+    read_frames,
+    smallest_frame_bytes,
+)
 from api.streams import (
     ASK_ROOM_TOKENS,
     DEFAULT_MAX_FRAMES,
@@ -43,8 +50,10 @@ from api.streams import (
     Stream,
     StreamFrame,
     StreamRegistry,
+    check_window,
     frame_mode,
 )
+from api.submit import Submission
 from mmserve import cancel
 from mmserve.types import EngineRequest
 
@@ -140,6 +149,8 @@ async def create_stream(request: Request, st: State) -> dict:
             "of this model (its context, and --max-video-frames or --max-images-per-request)",
             param="max_frames",
         )
+    floor = await smallest_frame_bytes(st, mode, registry(st).frame_floor)
+    check_window(max_frames, floor, st.settings.max_stream_pixel_bytes)
     roll = body.roll_frames or max(1, max_frames // 2)
     if roll > max_frames:
         raise APIError(
@@ -256,7 +267,10 @@ async def ask_stream(
     head = _head(st, stream, frames)
     if body.stream:
         sub = st.client.submit(reqs)
-        events = until_cancelled(_streamed(st, sub, body.questions, head), request_token(request))
+        stream.asks.add(sub)
+        events = until_cancelled(
+            _streamed(st, stream, sub, body.questions, head), request_token(request)
+        )
         if body.stream_format == "ndjson":
             return StreamingResponse(
                 (json.dumps(e) + "\n" async for e in events), media_type="application/x-ndjson"
@@ -266,10 +280,27 @@ async def ask_stream(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    sub = st.client.submit(reqs, final_only=True)
-    results = await sub.answers(request)
+    results = await _answers(stream, st.client.submit(reqs, final_only=True), request)
     stream.touch()
     return {**head, **answers_body(body.questions, results)}
+
+
+async def _answers(stream: Stream, sub: Submission, request: Request | None) -> list:
+    """An ask's results; the stream's delete cancels ``sub`` (:meth:`Stream.close`).
+
+    Raises:
+        APIError: 404 ``stream_not_found`` when the stream was deleted meanwhile.
+        ClientDisconnected: ``request``'s client went away first.
+    """
+    stream.asks.add(sub)
+    try:
+        return await sub.answers(request)
+    except cancel.Cancelled:
+        if stream.closed:
+            raise STREAM.not_found(stream.id, "stream_id") from None
+        raise
+    finally:
+        stream.asks.discard(sub)
 
 
 def answers_body(questions: list[str], results: list) -> dict:
@@ -299,20 +330,34 @@ def answers_body(questions: list[str], results: list) -> dict:
     return {"answers": answers, "usage": total}
 
 
-async def _streamed(st: ServerState, sub, questions: list[str], head: dict) -> AsyncIterator[dict]:
+async def _streamed(
+    st: ServerState, stream: Stream, sub: Submission, questions: list[str], head: dict
+) -> AsyncIterator[dict]:
     """A streamed ask's events: ``stream.answer.delta`` per new text, then the whole
-    answers object (``stream.answers``)."""
+    answers object (``stream.answers``); an error event if the stream is deleted first."""
     results: list = [None] * len(questions)
-    async for i, upd in sub.updates():
-        if upd.delta_text:
-            yield {"object": "stream.answer.delta", "index": i, "delta": upd.delta_text}
-        if upd.result is not None:
-            err = st.client.failure(upd.result)
-            if err is not None:
-                yield {"object": "error", **error_body(err.message, err.type, err.param, err.code)}
-                sub.cancel()
-                return
-            results[i] = upd.result
+    try:
+        async for i, upd in sub.updates():
+            if upd.delta_text:
+                yield {"object": "stream.answer.delta", "index": i, "delta": upd.delta_text}
+            if upd.result is not None:
+                err = st.client.failure(upd.result)
+                if err is not None:
+                    yield {
+                        "object": "error",
+                        **error_body(err.message, err.type, err.param, err.code),
+                    }
+                    sub.cancel()
+                    return
+                results[i] = upd.result
+    except cancel.Cancelled:
+        if not stream.closed:
+            raise
+        e = STREAM.not_found(stream.id, "stream_id")
+        yield {"object": "error", **error_body(e.message, e.type, e.param, e.code)}
+        return
+    finally:
+        stream.asks.discard(sub)
     yield {**head, **answers_body(questions, results)}
 
 
@@ -387,7 +432,7 @@ async def _ask_requests(
             the window).
     """
     st.check_model(body.model)
-    check_questions(body.questions, st.settings.max_questions)
+    check_questions(body.questions, st.settings.max_questions, st.engine.processor, body.system)
     if body.stream_format is not None and not body.stream:
         raise APIError(
             400, "stream_format: only with stream: true (the answers are sent whole)",
@@ -536,7 +581,7 @@ async def _socket_message(st: ServerState, stream: Stream, msg: Mapping[str, Any
 
 async def _socket_ask(st: ServerState, stream: Stream, body: StreamAskRequest) -> dict:
     reqs, frames = await _ask_requests(st, stream, body)
-    results = await st.client.submit(reqs, final_only=True).answers()
+    results = await _answers(stream, st.client.submit(reqs, final_only=True), None)
     return {**_head(st, stream, frames), **answers_body(body.questions, results)}
 
 

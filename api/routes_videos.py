@@ -123,7 +123,7 @@ async def video_qa(
     """
     st.check_model(body.model)
     entry = _entry(st, video_id)
-    check_questions(body.questions, st.settings.max_questions)
+    check_questions(body.questions, st.settings.max_questions, st.engine.processor, body.system)
     params = sampling_params(body)
     processor = st.engine.processor
     if body.mode == "per_frame":  # each frame alone in its prompt

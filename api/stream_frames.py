@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import math
 import time
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
+from PIL import Image
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -247,6 +249,14 @@ def check_timestamps(stream: Stream, frames: list[Incoming]) -> None:
         if t is None:  # it will take the seconds since the stream began: later ones follow it
             now = time.monotonic() - stream.started
             last = now if last is None or now > last else last + 1e-3
+            if last > MAX_TIMESTAMP_S:
+                raise APIError(
+                    400,
+                    f"{fr.ts_param}: a frame without one would be stamped {last:.3f} s, past "
+                    f"the largest timestamp ({MAX_TIMESTAMP_S:g} s); start a new stream",
+                    param=fr.ts_param,
+                    code="invalid_timestamp",
+                )
             continue
         where = _nth(fr.ts_param, i, len(frames)) if fr.ts_param == "timestamp" else fr.ts_param
         if not math.isfinite(t) or not 0 <= t <= MAX_TIMESTAMP_S:
@@ -295,6 +305,26 @@ async def prepare(st: ServerState, stream: Stream, frames: list[Incoming]) -> li
         except DecodeBusyError as e:
             raise busy_error(e) from None
     return frames
+
+
+async def smallest_frame_bytes(st: ServerState, mode: str, cache: dict[str, int]) -> int:
+    """Pixel bytes of the smallest frame a stream in ``mode`` can keep (a 64 x 64 frame:
+    one tile, or the fewest an any-resolution layout makes), measured once per mode
+    (``cache``): a window whose ``max_frames`` such frames pass the pixel budget can never
+    hold its frames, so it is refused when made."""
+    if mode not in cache:
+        processor = st.engine.processor
+
+        def measure() -> int:
+            buf = io.BytesIO()
+            Image.new("RGB", (64, 64)).save(buf, format="PNG")
+            item = processor.prepare_image(buf.getvalue())
+            item.video = True
+            (frame,) = processor.prepare_frames([item], mode)
+            return frame.pixels.nbytes if frame.pixels is not None else 0
+
+        cache[mode] = await run_in_threadpool(measure)
+    return cache[mode]
 
 
 def _check_count(n: int, most: int, param: str) -> None:

@@ -34,6 +34,7 @@ from fastapi.concurrency import run_in_threadpool
 from api.errors import APIError
 from api.routes_videos import clip_prompt
 from api.state import ServerState
+from api.submit import Submission
 from api.tenants import current_tenant, owned_by
 from mmserve import cancel
 from mmserve.model.families.base import DETAILS, FRAME_MODE
@@ -106,6 +107,8 @@ class Stream:
         last_timestamp: the newest frame's timestamp (kept or thinned), None before one.
         held: what the engine holds prefilled (None: nothing yet).
         prefills: held prefills run; prefill_error: why the last one failed, if it did.
+        pixel_bytes: the window's frame pixels reserved (:meth:`StreamRegistry.reserve_pixels`).
+        asks: the submissions of asks still answering (cancelled when the stream ends).
     """
 
     id: str
@@ -133,6 +136,7 @@ class Stream:
     prefill_error: str | None = None
     sockets: int = 0
     pixel_bytes: int = 0
+    asks: set[Submission] = field(default_factory=set)
     closed: bool = False
     _dirty: bool = False
     _task: asyncio.Task | None = None
@@ -339,6 +343,8 @@ class Stream:
         if self.closed:
             return
         self.closed = True
+        for ask in list(self.asks):  # asks still answering end with the stream
+            ask.cancel()
         task = self._task
         if task is not None and not task.done():
             task.cancel()
@@ -362,6 +368,8 @@ class StreamRegistry:
         self.max_streams = max_streams
         self.idle_seconds = idle_seconds
         self._streams: dict[str, Stream] = {}
+        #: the smallest frame's pixel bytes by frame mode (``smallest_frame_bytes``)
+        self.frame_floor: dict[str, int] = {}
         self._reaper: asyncio.Task | None = None
 
     def __len__(self) -> int:
@@ -408,15 +416,7 @@ class StreamRegistry:
         need = stream.max_frames * frame_bytes
         if need <= stream.pixel_bytes:
             return
-        if need > budget:
-            raise APIError(
-                400,
-                f"max_frames: a window of {stream.max_frames} frames of {frame_bytes} bytes of "
-                f"pixels each needs {need} bytes; the server keeps at most {budget} for all "
-                "streams (--max-stream-pixel-bytes): make the stream with fewer max_frames",
-                param="max_frames",
-                code="stream_window_too_large",
-            )
+        check_window(stream.max_frames, frame_bytes, budget)
         others = sum(s.pixel_bytes for s in self._streams.values() if s is not stream)
         if others + need > budget:
             raise APIError(
@@ -484,6 +484,25 @@ def held_elsewhere(st: ServerState, stream: Stream) -> int:
     for s in reg.streams():
         s.forget_lost_hold(life)
     return sum(s.held.tokens for s in reg.streams() if s is not stream and s.held is not None)
+
+
+def check_window(max_frames: int, frame_bytes: int, budget: int) -> None:
+    """Refuse a window of ``max_frames`` frames of ``frame_bytes`` pixel bytes each that
+    alone needs more than ``budget`` (``--max-stream-pixel-bytes``).
+
+    Raises:
+        APIError: 400 ``stream_window_too_large`` naming ``max_frames``.
+    """
+    need = max_frames * frame_bytes
+    if need > budget:
+        raise APIError(
+            400,
+            f"max_frames: a window of {max_frames} frames of {frame_bytes} bytes of pixels "
+            f"each needs {need} bytes; the server keeps at most {budget} for all streams "
+            "(--max-stream-pixel-bytes): make the stream with fewer max_frames",
+            param="max_frames",
+            code="stream_window_too_large",
+        )
 
 
 def engine_life(st: ServerState) -> int:

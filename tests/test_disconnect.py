@@ -502,3 +502,29 @@ def test_a_clip_too_long_check_is_no_400_for_a_client_gone(monkeypatch) -> None:
     err = APIError(400, "too long")
     with pytest.raises(Cancelled):
         asyncio.run(routes_videos._clip_too_long(st, [1, 2], [], "Q?", greedy(4), err, part))
+
+
+def test_until_cancelled_ends_quietly_when_the_hang_up_reaches_the_events_first() -> None:
+    """A hang-up can end the events' own wait first (a submission cancelled by the same
+    token raises ``ClientDisconnected`` inside them): the stream still ends quietly; a
+    ``Cancelled`` with no hang-up still raises."""
+    from api.disconnect import until_cancelled
+    from api.errors import ClientDisconnected
+
+    async def events(token: CancelToken):
+        yield 1
+        token.cancel()
+        raise ClientDisconnected("the submission was cancelled")
+
+    async def drain(token: CancelToken, source) -> list[int]:
+        return [x async for x in until_cancelled(source, token)]
+
+    token = CancelToken()
+    assert asyncio.run(drain(token, events(token))) == [1]
+
+    async def fails():
+        yield 1
+        raise ClientDisconnected("not a hang-up")
+
+    with pytest.raises(ClientDisconnected):
+        asyncio.run(drain(CancelToken(), fails()))

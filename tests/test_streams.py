@@ -23,6 +23,7 @@ from mmserve.vision.video import Video, VideoLimits
 from tests.helpers import (
     MODEL,
     assert_error,
+    engine_figures,
     png_bytes,
     post_stream_frames,
     stream_ask,
@@ -266,14 +267,18 @@ def test_streams_frame_pixels_are_bounded(client: TestClient, families) -> None:
     assert frame > 0
     engine = families["llava"].make_engine(max_total_tokens=8192)
     with app_client(engine, max_stream_pixel_bytes=5 * frame) as c:
-        a, b, big = (c.post("/v1/streams", json={"max_frames": n}).json()["id"] for n in (3, 3, 6))
+        # a window that could never hold its frames is refused when made
+        r = c.post("/v1/streams", json={"max_frames": 6})
+        err = assert_error(r, 400, "--max-stream-pixel-bytes", "stream_window_too_large")
+        assert err["param"] == "max_frames"
+        a, b, big = (c.post("/v1/streams", json={"max_frames": n}).json()["id"] for n in (3, 3, 5))
         for i in range(5):  # a rolls within its reservation
             assert post_stream_frames(c, a, [noise_png(i)], [float(i)]).status_code == 200
         assert c.get(f"/v1/streams/{a}").json()["pixel_bytes_reserved"] == 3 * frame
         r = post_stream_frames(c, b, [noise_png(7)], [1.0])
         assert_error(r, 429, "--max-stream-pixel-bytes", "stream_pixels_full")
-        err = assert_error(post_stream_frames(c, big, [noise_png(8)], [1.0]), 400, "max_frames")
-        assert err["param"] == "max_frames" and err["code"] == "stream_window_too_large"
+        r = post_stream_frames(c, big, [noise_png(8)], [1.0])  # fits alone, not beside a
+        assert_error(r, 429, "--max-stream-pixel-bytes", "stream_pixels_full")
         assert c.get(f"/v1/streams/{b}").json()["frames_received"] == 0  # refused whole
         c.delete(f"/v1/streams/{a}")
         assert post_stream_frames(c, b, [noise_png(7)], [1.0]).status_code == 200
@@ -308,6 +313,40 @@ def test_a_hold_lost_with_the_engine_process_is_reported_and_prefilled_again(
         assert post_stream_frames(http, sid, [noise_png(2)], [2.0]).status_code == 200
         assert wait_stream_held(http, sid, 2)["cached"]["tokens"] > before
         http.delete(f"/v1/streams/{sid}")
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_deleting_a_stream_ends_its_asks(client: TestClient, streamed: bool) -> None:
+    """A stream deleted while an ask about it decodes: the ask's engine requests are
+    aborted at once, and the ask answers 404 ``stream_not_found`` (streamed: an error
+    event, then ``[DONE]``) instead of decoding to ``max_tokens`` for a stream that is
+    gone."""
+    import threading
+
+    sid = client.post("/v1/streams", json={}).json()["id"]
+    assert post_stream_frames(client, sid, [noise_png(1)]).status_code == 200
+    body = {"questions": ["Hi?"], "max_tokens": 3000, "ignore_eos": True, "stream": streamed}
+    got: list = []
+    asker = threading.Thread(
+        target=lambda: got.append(client.post(f"/v1/streams/{sid}/ask", json=body))
+    )
+    asker.start()
+    deadline = time.time() + 30
+    while engine_figures(client)["running_requests"] == 0:
+        assert time.time() < deadline, "the ask never started"
+        time.sleep(0.01)
+    assert client.delete(f"/v1/streams/{sid}").status_code == 200
+    asker.join(10)
+    assert not asker.is_alive(), "the ask kept decoding after its stream was deleted"
+    (r,) = got
+    if streamed:
+        events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])
+        assert (err["object"], err["error"]["code"]) == ("error", "stream_not_found")
+    else:
+        assert_error(r, 404, "no stream with id", "stream_not_found")
+    assert_released(client)
 
 
 def test_idle_streams_expire_and_release(families) -> None:
@@ -433,6 +472,8 @@ def test_unknown_ids_fields_and_the_max_streams_bound(client: TestClient) -> Non
     r = websocket_refusal(client, f"/v1/streams/{missing}/ws")
     assert_error(r, 404, "no stream with id", "stream_not_found")
     assert_error(websocket_refusal(client, "/v1/streams/vid-12/ws"), 404, "malformed")
+    for path in ("/v1/streams/a%2Fb/ws", "/v1/streams//ws", f"/v1/streams/{missing}/ws/x", "/v1"):
+        assert_error(websocket_refusal(client, path), 404, "no WebSocket route", "not_found")
     assert_error(client.post("/v1/streams", json={"colour": 1}), 400, "colour")
     assert_error(client.post("/v1/streams", json={"fps": "2"}), 400, "fps")
     r = client.post("/v1/streams")  # no body: every field has a default
@@ -662,6 +703,34 @@ def test_a_refused_handshake_is_not_logged_as_an_error(client: TestClient) -> No
     assert any(
         isinstance(f, DeniedHandshakeNoise) for f in logging.getLogger("uvicorn.error").filters
     )
+
+
+def test_a_frame_stamped_after_the_largest_timestamp_is_refused(client: TestClient) -> None:
+    """After a frame at the largest timestamp, a frame without one (stamped just after
+    the newest) would pass it: 400 ``invalid_timestamp`` naming ``timestamp``."""
+    sid = client.post("/v1/streams", json={}).json()["id"]
+    assert post_stream_frames(client, sid, [noise_png(1)], [1e7]).status_code == 200
+    err = assert_error(post_stream_frames(client, sid, [noise_png(2)]), 400, "largest timestamp")
+    assert (err["param"], err["code"]) == ("timestamp", "invalid_timestamp")
+    assert client.get(f"/v1/streams/{sid}").json()["frames_received"] == 1
+    client.delete(f"/v1/streams/{sid}")
+
+
+def test_a_placeholder_in_a_question_names_the_question(ov_client: TestClient, clip: bytes) -> None:
+    """Routes that take ``questions`` (a stream's ask, an image's ask, a video's ``/qa``)
+    refuse the model's reserved placeholder in a question or ``system`` with a 400 naming
+    that field (they have no ``messages`` field to name)."""
+    c = ov_client
+    sid = c.post("/v1/streams", json={}).json()["id"]
+    assert post_stream_frames(c, sid, [noise_png(1)]).status_code == 200
+    img = c.post("/v1/images", files={"file": ("a.png", noise_png(2))}).json()["id"]
+    vid = upload_video(c, clip).json()["id"]
+    for url in (f"/v1/streams/{sid}/ask", f"/v1/images/{img}/ask", f"/v1/videos/{vid}/qa"):
+        r = c.post(url, json={"questions": ["Hi?", "What is <image> here?"]})
+        assert assert_error(r, 400, "reserved placeholder")["param"] == "questions[1]", url
+        r = c.post(url, json={"questions": ["Hi?"], "system": "Look at <video>."})
+        assert assert_error(r, 400, "reserved placeholder")["param"] == "system", url
+    c.delete(f"/v1/streams/{sid}")
 
 
 def test_a_frame_without_a_timestamp_counts_as_now(client: TestClient) -> None:
