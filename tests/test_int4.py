@@ -464,3 +464,16 @@ def test_tp2_equals_tp1_int4(families, photos, tmp_path) -> None:
         res = two.generate(reqs(two))
     for a, b in zip(res, ref, strict=True):
         assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "tp2 int4")
+
+
+def test_the_shared_buffer_made_under_inference_mode_serves_calls_outside_it() -> None:
+    """The per-thread dequantization buffer first made inside ``torch.inference_mode()``
+    (the engine, a benchmark) does not break a later call outside it (a test, a tool)."""
+    q, s, z = int4.quantize_int4(torch.randn(64, 128), 64, symmetric=False)
+    lin = int4.Int4Linear.from_int(q, s, z, 64).to(dtype=torch.bfloat16)
+    x = torch.randn(int4.CPU_KERNEL_MAX_ROWS + 1, 128).bfloat16()
+    int4._BUFFERS.clear()
+    with torch.inference_mode():
+        inside = lin(x)
+    outside = lin(x)
+    assert torch.equal(outside, inside) and not outside.is_inference()

@@ -319,7 +319,7 @@ class QuantizedLinear(nn.Module):
         self.weight_scale = nn.Parameter(weight_scale.float().reshape(-1), requires_grad=False)
         b = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.register_parameter("bias", b)
-        self._onednn: torch.Tensor | None = None  # the weight prepacked for oneDNN
+        self._onednn = quant_onednn.packed(self.weight, None)  # at load: the KV pool sees it
 
     def _apply(self, fn, recurse: bool = True):
         # ``Module.to(dtype)`` casts every floating tensor: the 8-bit weight and the fp32
@@ -330,8 +330,9 @@ class QuantizedLinear(nn.Module):
                 return out
             return t.to(device=out.device)
 
-        self._onednn = None  # a moved or replaced weight is prepacked again when needed
-        return super()._apply(move, recurse)
+        out = super()._apply(move, recurse)
+        self._onednn = quant_onednn.packed(self.weight, self._onednn)  # dropped off the CPU
+        return out
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ dequantized^T`` (no bias): ``x`` ``[T, in]`` -> ``[T, out]``, ``x.dtype``."""
@@ -343,9 +344,8 @@ class QuantizedLinear(nn.Module):
         if kernel == "scaled_mm":
             return _scaled_mm_w8a8(x, w, s)
         if kernel == "onednn":
-            if self._onednn is None:  # prepacked at the first call that needs it
-                self._onednn = quant_onednn.prepack(w)
-            return quant_onednn.w8a8(x, self._onednn, s)
+            self._onednn = quant_onednn.packed(w, self._onednn)  # again if w was replaced
+            return quant_onednn.w8a8(x, self._onednn[1], s)  # type: ignore[index]
         if kernel == "int_mm":
             return _int_mm_w8a8(x, w, s)
         return _dequant_matmul(x, w, s)

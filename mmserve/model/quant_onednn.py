@@ -12,9 +12,11 @@ reference's bits.
 
 Measured (``python -m benchmarks quant-rows``, benchmarks/README.md), 9728 x 896, one
 thread, AVX-512 VNNI: 1.06 ms at 8 rows and 1.38 at 16 against 1.70 and 2.58 for
-``torch._int_mm``. The weight is prepacked once into oneDNN's blocked layout (a second
-copy of the int8 weight, made at a linear's first call above the row threshold), so a
-server that only ever decodes one request pays no memory for it.
+``torch._int_mm``. The weight is prepacked once, at load, into oneDNN's blocked layout:
+a second copy of the int8 weight (1-4 rows keep the plain one for the weight-only
+kernel), so int8 linears hold twice their int8 bytes on these CPUs (prefill always runs
+more than 4 rows, so a lazy copy would only move the cost to the first request, after
+the KV pool was sized).
 
 Chosen at load time by CPU capability (:func:`available`): AVX-512 (VNNI) machines use
 it; others (AVX2-only, measured on none here) keep ``torch._int_mm``. oneDNN's
@@ -53,6 +55,28 @@ def _probe() -> bool:
         return bool(torch.equal(y, torch.full((1, 16), 16.0, dtype=torch.bfloat16)))
     except (RuntimeError, AttributeError):
         return False
+
+
+#: A weight's prepacked copy and what it was made from: ``((data_ptr, version), packed)``.
+Packed = tuple[tuple[int, int], torch.Tensor]
+
+
+def packed(w: torch.Tensor, cached: Packed | None) -> Packed | None:
+    """``w``'s oneDNN copy: ``cached`` when it was made from this very tensor (same
+    storage, no in-place change since), else a new :func:`prepack`; None (nothing made)
+    when ``w`` is not an int8 CPU weight this path runs (a meta tensor before a
+    tensor-parallel shard is assigned, a device, shapes the W8A8 rules refuse) or oneDNN
+    is not :func:`available`. Made at load (:class:`~mmserve.model.quant.QuantizedLinear`'s
+    constructor) so the KV pool, sized after loading, counts its memory."""
+    key = (w.data_ptr(), w._version)
+    if cached is not None and cached[0] == key:
+        return cached
+    out_f, in_f = w.shape
+    if w.dtype != torch.int8 or w.device.type != "cpu" or in_f % 16 or out_f % 8:
+        return None
+    if not available():
+        return None
+    return key, prepack(w)
 
 
 def prepack(q: torch.Tensor) -> torch.Tensor:
