@@ -6,10 +6,15 @@ milliseconds (interleaved rounds: every kernel once per round) of: the bf16 matm
 int8 weight-only kernel (``_weight_int8pack_mm``, whole and in chunks of 4 rows); the
 int8 weight dequantized into a reusable bf16 buffer then the bf16 matmul (the "dequantize
 once per step" option); int8 W8A8 (per-token int8 activations, ``torch._int_mm``, both
-scales: :func:`mmserve.model.quant.int8_w8a8_ref`'s arithmetic); and the int4 kernel
+scales: :func:`mmserve.model.quant.int8_w8a8_ref`'s arithmetic) through ``torch._int_mm``
+and, where :func:`mmserve.model.quant_onednn.available`, through oneDNN's prepacked
+``qlinear_pointwise``; the int8 layer (:class:`mmserve.model.quant.QuantizedLinear`: the
+weight-only kernel up to 4 rows, W8A8 above); and the int4 kernel
 alone, the int4 weight dequantized into the reusable buffer then the bf16 matmul, and
 the int4 layer (:class:`mmserve.model.int4.Int4Linear`, group 128: the kernel up to
-:data:`~mmserve.model.int4.CPU_KERNEL_MAX_ROWS` rows, the buffer above). Also each
+:data:`~mmserve.model.int4.CPU_KERNEL_MAX_ROWS` rows, the buffer above), and
+``torch.ops.quantized.int4mm_packed_weight_cpu`` (inductor's int4 op) on the same packed
+weight where the build has it. Also each
 kernel's time at ``M`` over its time at one row (what a batch of ``M`` decodes costs
 against one).
 """
@@ -25,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import report
-from mmserve.model import int4, quant
+from mmserve.model import int4, quant, quant_onednn
 
 SHAPES = {  # name: (N, K) at OneVision-0.5B (Qwen2-0.5B decoder)
     "gate_up 9728x896": (9728, 896),
@@ -55,6 +60,17 @@ def _kernels(n: int, k: int) -> dict[str, Callable[[torch.Tensor], object]]:
         xq, xs = quant.quantize_per_token_int8(x)
         return (torch._int_mm(xq, q8.T).float() * xs * s8[None, :]).to(x.dtype)
 
+    extra: dict[str, Callable[[torch.Tensor], object]] = {}
+    if quant_onednn.available():  # oneDNN's prepacked u8 x s8 W8A8 (AVX-512 VNNI)
+        packed = quant_onednn.prepack(q8)
+        extra["int8 w8a8 onednn"] = lambda x: quant_onednn.w8a8(x, packed, s8)
+    sz = i4.scales_zeros.to(torch.bfloat16)
+    if hasattr(torch.ops.quantized, "int4mm_packed_weight_cpu"):  # inductor's int4 op
+        g = torch.tensor(128)
+        extra["int4 quantized op"] = lambda x: torch.ops.quantized.int4mm_packed_weight_cpu(
+            x, i4.weight, g, sz
+        )
+
     return {
         "bf16": lambda x: F.linear(x, wb),
         "int8pack": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8b),
@@ -67,6 +83,7 @@ def _kernels(n: int, k: int) -> dict[str, Callable[[torch.Tensor], object]]:
         ),
         "int4 buffer": lambda x: torch.mm(x, int4.dequant_buffer(i4, x.dtype)),
         "int4 layer": i4,
+        **extra,
     }
 
 

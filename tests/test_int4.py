@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from mmserve.cli import main as cli_main
 from mmserve.config import EngineConfig
 from mmserve.frontend.frontend import Engine
-from mmserve.model import int4, int4_formats, quant
+from mmserve.model import int4, int4_formats, quant, quant_onednn
 from mmserve.model.int4_loading import int4_slice
 from mmserve.model.loader import load_model
 from mmserve.testing.checkpoints import make_checkpoint
@@ -206,8 +206,8 @@ def test_int4_linear_equals_the_dequantized_fp32_linear(out_f, dtype, rows) -> N
 
 def test_batched_rows_take_the_measured_paths(monkeypatch) -> None:
     """Above its measured row counts the CPU int4 layer dequantizes into the shared buffer
-    (the kernel is not called) and int8 runs W8A8 ``_int_mm`` in one call, equal to its
-    twin's exact integer arithmetic."""
+    (the kernel is not called) and int8 runs W8A8 in one call (oneDNN or ``_int_mm``),
+    equal to its twin's exact integer arithmetic."""
     q, s, z = int4.quantize_int4(torch.randn(64, 128), 64, symmetric=False)
     lin = int4.Int4Linear.from_int(q, s, z, 64).to(dtype=torch.bfloat16)
     calls: list[int] = []
@@ -224,17 +224,18 @@ def test_batched_rows_take_the_measured_paths(monkeypatch) -> None:
         got = lin(x).float()
         assert float((got - want).abs().max()) <= 2**-6 * float(want.abs().max())
     assert calls == [int4.CPU_KERNEL_MAX_ROWS]  # the others dequantized once each
-    # int8: the weight-only kernel up to 4 rows, W8A8 above
+    # int8: the weight-only kernel up to 4 rows, W8A8 above (oneDNN's on AVX-512 CPUs)
     w8, s8 = quant.quantize_per_channel(torch.randn(48, 64), "int8")
     layer = quant.QuantizedLinear(w8, s8, None)
+    w8a8 = "onednn" if quant_onednn.available() else "int_mm"
     for rows, kernel_name in (
         (quant.INT8PACK_MAX_ROWS, "int8pack"),
-        (8, "int_mm"),
-        (200, "int_mm"),
+        (8, w8a8),
+        (200, w8a8),
     ):
         x = torch.randn(rows, 64).bfloat16()
         assert quant.kernel_for(w8, x) == kernel_name
-        if kernel_name == "int_mm":
+        if kernel_name == w8a8:
             assert torch.equal(layer(x), quant.int8_w8a8_ref(x, w8, s8))
 
 
@@ -463,3 +464,16 @@ def test_tp2_equals_tp1_int4(families, photos, tmp_path) -> None:
         res = two.generate(reqs(two))
     for a, b in zip(res, ref, strict=True):
         assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "tp2 int4")
+
+
+def test_the_shared_buffer_made_under_inference_mode_serves_calls_outside_it() -> None:
+    """The per-thread dequantization buffer first made inside ``torch.inference_mode()``
+    (the engine, a benchmark) does not break a later call outside it (a test, a tool)."""
+    q, s, z = int4.quantize_int4(torch.randn(64, 128), 64, symmetric=False)
+    lin = int4.Int4Linear.from_int(q, s, z, 64).to(dtype=torch.bfloat16)
+    x = torch.randn(int4.CPU_KERNEL_MAX_ROWS + 1, 128).bfloat16()
+    int4._BUFFERS.clear()
+    with torch.inference_mode():
+        inside = lin(x)
+    outside = lin(x)
+    assert torch.equal(outside, inside) and not outside.is_inference()

@@ -187,7 +187,8 @@ def dequant_buffer(layer: Int4Linear, dtype: torch.dtype) -> torch.Tensor:
     key = (threading.get_ident(), dtype, str(layer.weight.device))
     n = layer.out_features * layer.in_features
     buf = _BUFFERS.get(key)
-    if buf is None or buf.numel() < n:
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or buf.numel() < n or stale:  # (an inference tensor: written outside)
         buf = _BUFFERS[key] = torch.empty(n, dtype=dtype, device=layer.weight.device)
     out = buf[:n].view(layer.in_features, layer.out_features)
     return layer.dequantized_t(dtype, out=out)

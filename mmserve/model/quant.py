@@ -13,10 +13,11 @@ fastest kernel that exists for the case (picked per call, by device, dtype and r
   8 and 11 vs 4.5 at 64 (it does the work of each row again); with fp32 activations
   3-40x slower than fp32 (never used);
 * int8, CPU, bf16 activations, more rows (features multiples of :data:`INT_MM_MULTIPLE`):
-  W8A8 as on CUDA below, ``torch._int_mm`` on the CPU (VNNI), which reads the weight once
-  for all rows: at 9728 x 896, one thread, 1.7 ms at 8 rows against 2.5 for the int8
-  kernel in chunks and 2.5 for bf16, 8.5 vs 16.5 and 17.5 at 64 (``python -m benchmarks
-  quant-rows``, benchmarks/README.md);
+  W8A8 as on CUDA below, which reads the weight once for all rows: oneDNN's prepacked
+  u8 x s8 matmul on AVX-512 CPUs (:mod:`mmserve.model.quant_onednn`: 1.1 ms at 8 rows of
+  9728 x 896 on one thread), else ``torch._int_mm`` (1.7 ms, against 2.5 for the int8
+  kernel in chunks and 2.5 for bf16; ``python -m benchmarks quant-rows``,
+  benchmarks/README.md);
 * fp8 on CUDA with compute capability >= 8.9, bf16 or fp16 activations:
   ``torch._scaled_mm`` with the activations quantized per token on the fly (dynamic
   per-token scales, as vLLM's fp8 W8A8 does); its CPU twin is :func:`fp8_w8a8_ref`;
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.config import QUANTIZATIONS
+from mmserve.model import quant_onednn
 from mmserve.model.int4_formats import SUPPORTED_INT4, Int4Format, Int4FormatError
 
 __all__ = [
@@ -264,8 +266,9 @@ def _scaled_mm_w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.
 def kernel_for(w: torch.Tensor, x: torch.Tensor) -> str:
     """The kernel :meth:`QuantizedLinear.matmul` runs for stored weight ``w`` ``[out, in]``
     and activations ``x`` ``[T, in]``: "int8pack" (CPU weight-only int8), "scaled_mm" (fp8
-    W8A8), "int_mm" (int8 W8A8, CUDA, or the CPU above :data:`INT8PACK_MAX_ROWS` bf16
-    rows) or "dequant" (the dequantized matmul)."""
+    W8A8), "onednn" (int8 W8A8 on the CPU above :data:`INT8PACK_MAX_ROWS` bf16 rows where
+    :func:`quant_onednn.available`), "int_mm" (int8 W8A8, CUDA, or the CPU's above those
+    rows without oneDNN) or "dequant" (the dequantized matmul)."""
     out_f, in_f = w.shape
     if x.dim() != 2:  # the fast kernels are 2-D matmuls
         return "dequant"
@@ -278,8 +281,8 @@ def kernel_for(w: torch.Tensor, x: torch.Tensor) -> str:
     ):
         if x.shape[0] <= INT8PACK_MAX_ROWS:
             return "int8pack"
-        if out_f % INT_MM_MULTIPLE == 0:
-            return "int_mm"  # the CPU's W8A8: every row in one pass over the weight
+        if out_f % INT_MM_MULTIPLE == 0:  # the CPU's W8A8: every row in one weight pass
+            return "onednn" if quant_onednn.available() else "int_mm"
     if w.dtype == torch.float8_e4m3fn and in_f % 16 == 0 and out_f % 16 == 0 and _fp8_mm_ok(x):
         return "scaled_mm"  # 16: _scaled_mm's shape rule
     if (
@@ -316,6 +319,7 @@ class QuantizedLinear(nn.Module):
         self.weight_scale = nn.Parameter(weight_scale.float().reshape(-1), requires_grad=False)
         b = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.register_parameter("bias", b)
+        self._onednn = quant_onednn.packed(self.weight, None)  # at load: the KV pool sees it
 
     def _apply(self, fn, recurse: bool = True):
         # ``Module.to(dtype)`` casts every floating tensor: the 8-bit weight and the fp32
@@ -326,7 +330,9 @@ class QuantizedLinear(nn.Module):
                 return out
             return t.to(device=out.device)
 
-        return super()._apply(move, recurse)
+        out = super()._apply(move, recurse)
+        self._onednn = quant_onednn.packed(self.weight, self._onednn)  # dropped off the CPU
+        return out
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ dequantized^T`` (no bias): ``x`` ``[T, in]`` -> ``[T, out]``, ``x.dtype``."""
@@ -337,6 +343,9 @@ class QuantizedLinear(nn.Module):
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), w, s.to(x.dtype))
         if kernel == "scaled_mm":
             return _scaled_mm_w8a8(x, w, s)
+        if kernel == "onednn":
+            self._onednn = quant_onednn.packed(w, self._onednn)  # again if w was replaced
+            return quant_onednn.w8a8(x, self._onednn[1], s)  # type: ignore[index]
         if kernel == "int_mm":
             return _int_mm_w8a8(x, w, s)
         return _dequant_matmul(x, w, s)
