@@ -151,7 +151,7 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
         "model",
         (
             "model", "revision", "download_dir", "served_model_name", "device", "dtype",
-            "quantization", "tp", "tp_timeout_seconds",
+            "quantization", "disable_int8_onednn", "tp", "tp_timeout_seconds",
         ),
     ),
     (

@@ -126,6 +126,7 @@ class TPGroup:
             timeout_s=config.tp_timeout_seconds,
             threads=torch.get_num_threads(),
             deterministic=config.deterministic,
+            disable_int8_onednn=config.disable_int8_onednn,
         )
         ctx = mp.get_context("spawn")
         self._procs: list[BaseProcess] = []

@@ -28,6 +28,7 @@ from mmserve.distributed.layout import TPLayout
 from mmserve.distributed.shard import ShardedDecoder
 from mmserve.kernels.metadata import AttentionMetadata
 from mmserve.kernels.select import make_attention_backend
+from mmserve.model import quant_onednn
 from mmserve.model.llama import LlamaShape
 
 
@@ -54,6 +55,7 @@ class WorkerSpec:
     timeout_s: float
     threads: int
     deterministic: bool = False
+    disable_int8_onednn: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection, p
         device = rank_device(spec.device, spec.rank)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
+        quant_onednn.enable(not spec.disable_int8_onednn)
         layout = TPLayout(spec.rank, spec.world, spec.shape)
         decoder = ShardedDecoder(layout, with_embedding=False)
         decoder.load(Path(spec.model_dir), device, spec.dtype, spec.quantization)

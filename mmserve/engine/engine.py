@@ -47,6 +47,7 @@ from mmserve.engine.step import (
     token_delta,
 )
 from mmserve.kernels.warmup import KernelShape, kernel_steps, warm_up_kernels
+from mmserve.model import quant_onednn
 from mmserve.model.hub import resolve_config
 from mmserve.model.kv_scales import kv_scale_plan
 from mmserve.model.llama import token_embedding
@@ -91,6 +92,9 @@ class EngineCore:
                 raise ValueError("no model: set EngineConfig.model_path or pass a loaded model")
             resolve_config(config)  # a Hub id: its snapshot (no-op for a directory)
             check_quantization(config.quantization, config.device)  # before the load
+            quant_onednn.enable(
+                not config.disable_int8_onednn
+            )  # int8's prepacked copies, made at load
             if config.tp > 1:  # rank 0 of a tensor-parallel group; starts the other ranks
                 from mmserve.distributed.group import load_tp_model
 

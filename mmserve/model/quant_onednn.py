@@ -31,13 +31,25 @@ import torch
 #: CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) that run the oneDNN path.
 CAPABILITIES = ("AVX512",)
 _AVAILABLE: bool | None = None
+_ENABLED = True
+
+
+def enable(on: bool) -> None:
+    """Allow (the default) or forbid the oneDNN path in this process
+    (``EngineConfig.disable_int8_onednn``, ``--disable-int8-onednn``): set before the model loads,
+    since each int8 linear makes its prepacked copy at load."""
+    global _ENABLED
+    _ENABLED = on
 
 
 def available() -> bool:
-    """Whether this process runs CPU int8 W8A8 through oneDNN: a build with oneDNN and its
-    quantized linear ops, on a CPU whose capability is in :data:`CAPABILITIES`, and a
-    prepack of a small weight that succeeds (checked once, cached)."""
+    """Whether this process runs CPU int8 W8A8 through oneDNN: allowed (:func:`enable`),
+    a build with oneDNN and its quantized linear ops, on a CPU whose capability is in
+    :data:`CAPABILITIES`, and a prepack of a small weight that succeeds (checked once,
+    cached)."""
     global _AVAILABLE
+    if not _ENABLED:
+        return False
     if _AVAILABLE is None:
         _AVAILABLE = _probe()
     return _AVAILABLE
