@@ -37,6 +37,7 @@ from api.json_body import JSONBodyRoute
 from api.media import MediaResolver
 from api.metrics import Metrics
 from api.settings import ServerSettings
+from api.sse import FastSendApp
 from api.state import ServerState
 from api.stored_responses import ResponseStores
 from api.submit import EngineClient
@@ -120,7 +121,14 @@ def assemble_app(
     """
     tracing = state.client.tracing
     telemetry = tracing.fastapi_telemetry() if tracing is not None else None
-    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
+    # streamed answers' body messages skip the send wrappers while tracing is off (api/sse.py)
+    app = FastSendApp(
+        title="mmserve",
+        version="0.1.0",
+        lifespan=lifespan,
+        telemetry=telemetry,
+        fast_send=tracing is None,
+    )
     app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser
     app.state.mm = state
     install_error_handlers(app)

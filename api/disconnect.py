@@ -47,6 +47,9 @@ class DisconnectMiddleware:
         app: the wrapped app.
     """
 
+    #: its send wrapper looks only at the last body message (api.sse.BODY_PASSTHROUGH)
+    mmserve_body_passthrough = True
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
