@@ -31,7 +31,7 @@ from api.batch.runner import BatchManager
 from api.batch.store import FileStore
 from api.body_limit import BodyLimitMiddleware
 from api.disconnect import DisconnectMiddleware
-from api.errors import APIError, install_error_handlers
+from api.errors import APIError, install_error_handlers, quiet_denied_handshakes_in_logs
 from api.image_store import ImageStore
 from api.json_body import JSONBodyRoute
 from api.media import MediaResolver
@@ -143,6 +143,7 @@ def assemble_app(
     app.state.tenant_keys = keys  # the SIGHUP reload replaces its keys in place
     if keys is not None:
         state.metrics.tenants.set_function(lambda: keys.tenants)
+    quiet_denied_handshakes_in_logs()  # a refused WebSocket is answered, not an error
     if keys is not None:
         app.add_middleware(APIKeyMiddleware, keys=keys)
         redact_query_keys_in_logs()  # a browser's WebSocket sends its key in the query

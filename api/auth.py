@@ -15,7 +15,7 @@ import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import error_body
+from api.errors import deny_websocket, error_body
 from api.tenants import CURRENT_TENANT, DEFAULT_TENANT, TenantKeys
 
 # the web page (api/routes_page.py) holds no data: it asks for the key itself
@@ -63,13 +63,15 @@ class APIKeyMiddleware:
         if tenant is not None:
             await _with_tenant(self.app, tenant, scope, receive, send)
             return
-        if kind == "websocket":  # refused before the handshake completes: HTTP 403
-            await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
-            return
+        missing = not got and not (kind == "websocket" and token)
         msg = (
-            "missing API key: send 'Authorization: Bearer <key>'" if not got else "invalid API key"
+            "missing API key: send 'Authorization: Bearer <key>'" if missing else "invalid API key"
         )
-        body = json.dumps(error_body(msg, "invalid_request_error", None, "invalid_api_key"))
+        err = error_body(msg, "invalid_request_error", None, "invalid_api_key")
+        if kind == "websocket":  # refused at the handshake: HTTP 401 with the JSON body
+            await deny_websocket(scope, send, 401, err, [(b"www-authenticate", b"Bearer")])
+            return
+        body = json.dumps(err)
         await send(
             {
                 "type": "http.response.start",

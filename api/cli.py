@@ -199,6 +199,7 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
             "max_video_bytes", "max_video_frames", "max_video_tokens", "max_video_side",
             "max_stored_videos", "max_stored_video_bytes",
             "max_streams", "stream_idle_seconds", "max_stream_frames_per_post",
+            "max_stream_pixel_bytes",
         ),
     ),
     (

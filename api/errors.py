@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Scope, Send
 
 from mmserve.cancel import Cancelled
 from mmserve.frontend.engine_client import EngineTimeout, EngineUnavailable
@@ -59,6 +61,56 @@ class APIError(Exception):
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     """The JSON body of an error response."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+async def deny_websocket(
+    scope: Scope,
+    send: Send,
+    status: int,
+    body: dict,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    """Refuse a WebSocket handshake with an HTTP error response and a JSON body (``body``,
+    :func:`error_body`'s shape), through the ASGI WebSocket Denial Response extension
+    (uvicorn's ``websockets`` protocols and Starlette's test client offer it). A server
+    without the extension gets a close before the handshake completes, which its clients
+    see as HTTP 403 with no body.
+
+    Args:
+        scope: the WebSocket's ASGI scope (not yet accepted).
+        send: its ASGI send.
+        status: the HTTP status (4xx).
+        body: the JSON body.
+        headers: extra response headers (``WWW-Authenticate``).
+    """
+    if "websocket.http.response" not in (scope.get("extensions") or {}):
+        await send(
+            {"type": "websocket.close", "code": 1008, "reason": body["error"]["message"][:120]}
+        )
+        return
+    raw = json.dumps(body).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    await send(
+        {"type": "websocket.http.response.start", "status": status, "headers": [*hdrs, *headers]}
+    )
+    await send({"type": "websocket.http.response.body", "body": raw})
+
+
+class DeniedHandshakeNoise(logging.Filter):
+    """Drops uvicorn's "ASGI callable returned without completing handshake." record,
+    which its sansio and wsproto WebSocket protocols (uvicorn 0.54) log after every
+    denial response of :func:`deny_websocket` although the client got its answer. The
+    app's one WebSocket route always accepts or denies, so the record says nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "ASGI callable returned without completing handshake."
+
+
+def quiet_denied_handshakes_in_logs() -> None:
+    """Install :class:`DeniedHandshakeNoise` on ``uvicorn.error`` (once)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, DeniedHandshakeNoise) for f in logger.filters):
+        logger.addFilter(DeniedHandshakeNoise())
 
 
 def field_path(parts: Sequence[object]) -> str:

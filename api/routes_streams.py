@@ -17,10 +17,17 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
+from starlette.types import Message
 
 from api.cache_fields import CacheSaltField, effective_salt
 from api.disconnect import request_token, until_cancelled
-from api.errors import APIError, ClientDisconnected, describe_validation_errors, error_body
+from api.errors import (
+    APIError,
+    ClientDisconnected,
+    deny_websocket,
+    describe_validation_errors,
+    error_body,
+)
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import STREAM
 from api.json_body import JSONBodyRoute, parse_json_object, read_json_object
@@ -32,11 +39,13 @@ from api.stream_frames import Incoming, check_timestamps, json_frames, prepare, 
 from api.streams import (
     ASK_ROOM_TOKENS,
     DEFAULT_MAX_FRAMES,
+    MAX_TIMESTAMP_S,
     Stream,
     StreamFrame,
     StreamRegistry,
     frame_mode,
 )
+from mmserve import cancel
 from mmserve.types import EngineRequest
 
 router = APIRouter(route_class=JSONBodyRoute)
@@ -168,12 +177,12 @@ def _most_frames(st: ServerState, layout: str, mode: str) -> int:
 def frame_text_tokens(st: ServerState, layout: str) -> int:
     """Text tokens a frame brings beside its run on ``layout``: none on the video layout
     (the frames' runs follow each other; its one video newline is in the ask's room);
-    on the images layout its ``Frame at 1.5s:`` label, tokenized with a long timestamp
-    (a day of video: a later frame's label is no longer) and one token for the text
-    around its image."""
+    on the images layout its ``Frame at 1.5s:`` label, tokenized with the longest timestamp
+    a frame may have (:data:`~api.streams.MAX_TIMESTAMP_S`: no label is longer) and one
+    token for the text around its image."""
     if layout == "video":
         return 0
-    label = f"Frame at {86400.0:.1f}s: "
+    label = f"Frame at {MAX_TIMESTAMP_S - 0.1:.1f}s: "
     return len(st.engine.model.tokenizer.encode(label, add_special_tokens=False)) + 1
 
 
@@ -208,6 +217,8 @@ def _take(st: ServerState, stream: Stream, frames: list[Incoming]) -> dict:
     if stream.closed:
         raise STREAM.not_found(stream.id, "stream_id")
     check_timestamps(stream, frames)  # again: another post may have come in meanwhile
+    size = max((fr.image.pixels.nbytes for fr in frames if fr.image and fr.image.pixels), default=0)
+    registry(st).reserve_pixels(stream, size, st.settings.max_stream_pixel_bytes)
     segment = stream.segment
     out = []
     for fr in frames:
@@ -440,28 +451,55 @@ async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
     st: ServerState = websocket.app.state.mm
     try:
         stream = await _stream(st, stream_id)
-    except APIError as e:
-        await websocket.close(code=4404, reason=e.message[:120])
+    except APIError as e:  # refused at the handshake: the HTTP status and the JSON body
+        body = error_body(e.message, e.type, e.param, e.code)
+        await deny_websocket(websocket.scope, websocket.send, e.status, body)
         return
     await websocket.accept()
     stream.sockets += 1
+    # cancelled when the client goes: an ask then in flight is aborted in the engine
+    token = cancel.CancelToken()
+    inbox: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=SOCKET_INBOX)
+    reader = asyncio.create_task(_read_socket(websocket, inbox, token))
     try:
-        while True:
-            msg = await websocket.receive()
-            if msg["type"] == "websocket.disconnect":
-                return
-            try:
-                reply = await _socket_message(st, stream, msg)
-            except APIError as e:
-                reply = {"type": "error", **error_body(e.message, e.type, e.param, e.code)}
-            await websocket.send_text(json.dumps(reply))
-    except (WebSocketDisconnect, ClientDisconnected, RuntimeError):
+        with cancel.using(token):
+            while (msg := await inbox.get()) is not None:
+                try:
+                    reply = await _socket_message(st, stream, msg)
+                except APIError as e:
+                    reply = {"type": "error", **error_body(e.message, e.type, e.param, e.code)}
+                await websocket.send_text(json.dumps(reply))
+    except (WebSocketDisconnect, ClientDisconnected, cancel.Cancelled, RuntimeError):
         return
     finally:
+        token.cancel("client disconnected")
+        reader.cancel()
         stream.sockets -= 1
         stream.touch()
         # the client vanished: the stream ends with it (its prefix released)
         await asyncio.shield(registry(st).delete(st, stream))
+
+
+#: Messages a WebSocket reads ahead of the one being answered (the reader keeps reading
+#: so that it sees the client leave during a long ask; past this it waits).
+SOCKET_INBOX = 8
+
+
+async def _read_socket(
+    websocket: WebSocket, inbox: asyncio.Queue[Message | None], token: cancel.CancelToken
+) -> None:
+    """Move the socket's messages into ``inbox`` until the client leaves, then cancel
+    ``token`` (aborting an ask in flight) and put ``None``."""
+    try:
+        while (msg := await websocket.receive())["type"] != "websocket.disconnect":
+            await inbox.put(msg)
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        token.cancel("client disconnected")
+        if inbox.full():  # the client is gone: its unread messages go with it
+            inbox.get_nowait()
+        inbox.put_nowait(None)
 
 
 async def _socket_message(st: ServerState, stream: Stream, msg: Mapping[str, Any]) -> dict:

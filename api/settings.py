@@ -109,6 +109,10 @@ class ServerSettings:
             for this long (seconds) is deleted and its cached prefix released.
         max_stream_frames_per_post: most frames one ``/v1/streams/{id}/frames`` call (or
             one WebSocket message) may carry; more gets a 400.
+        max_stream_pixel_bytes: most bytes of prepared frame pixels all live streams may
+            keep (bytes; a stream reserves ``max_frames`` times its frames' size at its
+            first frame): past it a stream's frames get a 429 (400 when one stream's
+            window alone needs more).
     """
 
     served_model_name: str | None = None
@@ -152,6 +156,7 @@ class ServerSettings:
     max_streams: int = 16
     stream_idle_seconds: float = 300.0
     max_stream_frames_per_post: int = 32
+    max_stream_pixel_bytes: int = 2 << 30
 
     def video_limits(self) -> VideoLimits:
         """The video bounds these settings give."""
@@ -224,6 +229,7 @@ class ServerSettings:
             "max_stored_object_bytes",
             "max_streams",
             "max_stream_frames_per_post",
+            "max_stream_pixel_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

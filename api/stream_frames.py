@@ -25,7 +25,7 @@ from api.json_body import json_media_type, read_json_object
 from api.media import busy_error, image_error
 from api.schemas import STRICT, FrameFields
 from api.state import ServerState
-from api.streams import Stream
+from api.streams import MAX_TIMESTAMP_S, Stream
 from api.video_media import VideoPart, expand_video, selection
 from mmserve.vision.budget import DecodeBusyError
 from mmserve.vision.image import ImageError
@@ -233,9 +233,10 @@ async def _replay(got: JSONFrames, st: ServerState, stream: Stream) -> list[Inco
 
 
 def check_timestamps(stream: Stream, frames: list[Incoming]) -> None:
-    """Refuse timestamps that are not finite, negative, or not after the previous frame's
-    (the post's or the stream's newest). A frame without one counts as timestamped now
-    (:meth:`Stream.default_timestamp`), so a later frame's must come after that.
+    """Refuse timestamps that are not finite, negative, over :data:`MAX_TIMESTAMP_S`, or not
+    after the previous frame's (the post's or the stream's newest). A frame without one
+    counts as timestamped now (:meth:`Stream.default_timestamp`), so a later frame's must
+    come after that.
 
     Raises:
         APIError: 400 ``invalid_timestamp`` naming the timestamp's field.
@@ -248,10 +249,10 @@ def check_timestamps(stream: Stream, frames: list[Incoming]) -> None:
             last = now if last is None or now > last else last + 1e-3
             continue
         where = _nth(fr.ts_param, i, len(frames)) if fr.ts_param == "timestamp" else fr.ts_param
-        if not math.isfinite(t) or t < 0:
+        if not math.isfinite(t) or not 0 <= t <= MAX_TIMESTAMP_S:
             raise APIError(
-                400, f"{where}: {t!r} is not a time in seconds >= 0", param=fr.ts_param,
-                code="invalid_timestamp",
+                400, f"{where}: {t!r} is not a time in seconds from 0 to {MAX_TIMESTAMP_S:g}",
+                param=fr.ts_param, code="invalid_timestamp",
             )  # fmt: skip
         if last is not None and t <= last:
             raise APIError(

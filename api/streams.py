@@ -52,6 +52,15 @@ DEFAULT_MAX_FRAMES = 32
 #: pool, and every other request would wait for pages that never free. A prefix that would
 #: pass it is not held (asks still answer, prefilling the window themselves).
 HELD_KV_SHARE = 0.5
+#: ``GET``'s ``cached.error`` once the engine process that held a stream's prefix died.
+LOST_HOLD = (
+    "not held: the engine process restarted and lost the held prefix; the next frame "
+    "prefills the window again (questions still answer meanwhile)"
+)
+#: Largest frame timestamp, in seconds (about 116 days): a timestamp is printed into the
+#: frame's ``Frame at 1.5s:`` label, so an unbounded one (``1e99``) would make a label of
+#: any length; the frame-token bound counts labels this long.
+MAX_TIMESTAMP_S = 1e7
 
 
 @dataclass
@@ -72,11 +81,13 @@ class StreamFrame:
 @dataclass
 class Held:
     """What the engine holds prefilled for a stream: its first ``frames`` frames of
-    segment ``segment`` (``tokens`` prompt tokens in whole pages)."""
+    segment ``segment`` (``tokens`` prompt tokens in whole pages), in the engine process
+    that came after ``engine_life`` deaths (:func:`engine_life`)."""
 
     segment: int
     frames: int
     tokens: int
+    engine_life: int = 0
 
 
 @dataclass
@@ -121,6 +132,7 @@ class Stream:
     prefills: int = 0
     prefill_error: str | None = None
     sockets: int = 0
+    pixel_bytes: int = 0
     closed: bool = False
     _dirty: bool = False
     _task: asyncio.Task | None = None
@@ -193,6 +205,7 @@ class Stream:
             "thinned": self.thinned,
             "frames_held": len(win),
             "segments": self.segment + 1,
+            "pixel_bytes_reserved": self.pixel_bytes,
             "window": {
                 "frames": len(win),
                 "start": win[0].timestamp if win else None,
@@ -278,6 +291,8 @@ class Stream:
             if not frames:
                 continue
             self.prefills += 1
+            if self.prefill_error == LOST_HOLD:  # this round prefills the window again
+                self.prefill_error = None
             try:
                 req = await self.prefix_request(st, frames)
                 budget = int(HELD_KV_SHARE * st.engine.processor.kv_capacity_tokens)
@@ -304,10 +319,19 @@ class Stream:
                 log.warning("stream %s: prefill failed: %s", self.id, self.prefill_error)
                 continue
             if res.finish_reason in ("stop", "length"):
-                self.held = Held(segment, len(frames), res.prompt_tokens // page * page)
+                tokens = res.prompt_tokens // page * page
+                self.held = Held(segment, len(frames), tokens, engine_life(st))
                 self.prefill_error = None
             else:
                 self.prefill_error = res.error or f"prefill ended: {res.finish_reason}"
+
+    def forget_lost_hold(self, life: int) -> None:
+        """Drop what the stream thinks is held when the engine process that held it died
+        (``life``: :func:`engine_life` now): a new engine holds nothing, and the next
+        frame prefills the window again."""
+        if self.held is not None and self.held.engine_life != life:
+            self.held = None
+            self.prefill_error = LOST_HOLD
 
     async def close(self, st: ServerState) -> None:
         """End the stream: its prefill aborted (awaited, so that no held request is left
@@ -370,12 +394,48 @@ class StreamRegistry:
                 self._reaper = asyncio.ensure_future(self._reap(st))
         return stream
 
+    def reserve_pixels(self, stream: Stream, frame_bytes: int, budget: int) -> None:
+        """Reserve room for ``stream``'s whole window of prepared frame pixels,
+        ``max_frames * frame_bytes`` (a window keeps every frame's tower input, for the
+        prefill after a roll), out of ``budget`` bytes for all streams
+        (``--max-stream-pixel-bytes``); done at its first frame and again if a frame is
+        larger (the images layout's tiles follow the frame's size).
+
+        Raises:
+            APIError: 400 naming ``max_frames`` when the window alone needs more than the
+                budget; 429 ``stream_pixels_full`` when other streams hold the rest.
+        """
+        need = stream.max_frames * frame_bytes
+        if need <= stream.pixel_bytes:
+            return
+        if need > budget:
+            raise APIError(
+                400,
+                f"max_frames: a window of {stream.max_frames} frames of {frame_bytes} bytes of "
+                f"pixels each needs {need} bytes; the server keeps at most {budget} for all "
+                "streams (--max-stream-pixel-bytes): make the stream with fewer max_frames",
+                param="max_frames",
+                code="stream_window_too_large",
+            )
+        others = sum(s.pixel_bytes for s in self._streams.values() if s is not stream)
+        if others + need > budget:
+            raise APIError(
+                429,
+                f"the live streams' frames are full: this stream's window needs {need} bytes "
+                f"of pixels and other streams hold {others} of {budget} "
+                "(--max-stream-pixel-bytes); delete a stream or wait for an idle one to expire",
+                "rate_limit_error",
+                code="stream_pixels_full",
+            )
+        stream.pixel_bytes = need
+
     async def get(self, st: ServerState, ident: str) -> Stream | None:
         """The current tenant's stream ``ident`` (None: unknown, another tenant's, deleted
         or expired; an expired one is deleted here)."""
         stream = self._streams.get(ident)
         if stream is None or not owned_by(stream.owner):
             return None
+        stream.forget_lost_hold(engine_life(st))
         if stream.idle_for() > self.idle_seconds:
             await self.delete(st, stream)
             return None
@@ -420,7 +480,16 @@ def held_elsewhere(st: ServerState, stream: Stream) -> int:
     reg = getattr(st, "streams", None)
     if reg is None:
         return 0
+    life = engine_life(st)
+    for s in reg.streams():
+        s.forget_lost_hold(life)
     return sum(s.held.tokens for s in reg.streams() if s is not stream and s.held is not None)
+
+
+def engine_life(st: ServerState) -> int:
+    """How many times the server's engine process died (restarted since): a prefix held
+    in an earlier life is gone. Always 0 for an engine in the API process."""
+    return int(getattr(st.aengine, "deaths", 0))
 
 
 def frame_mode(st: ServerState, layout: str, detail: str) -> str:

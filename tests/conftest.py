@@ -178,6 +178,9 @@ SLOW_TESTS: dict[str, str] = {
         "waits out a 3 s stream idle expiry (an app of its own)"
     ),
     "test_streams::test_a_stream_belongs_to_its_tenant": "an app of its own (--api-keys)",
+    "test_streams::test_a_hold_lost_with_the_engine_process_is_reported_and_prefilled_again": (
+        "a server subprocess whose engine process is killed and restarted"
+    ),
     "test_fuzz": "hypothesis inputs against a live server",
     "test_graceful_shutdown": "a server subprocess stopped by SIGTERM mid-stream",
     "test_kv_tiers::test_server_restart_answers_from_disk": "two server subprocesses in turn",
@@ -285,7 +288,24 @@ def _slow_keys(item: pytest.Item) -> list[str]:
 #: read its pool or tree), keyed as :data:`SLOW_TESTS` -> why. Marked
 #: ``in_process_engine``; the process-split run (``MMSERVE_TEST_ENGINE_PROCESS=1``,
 #: ``.ci/run``) deselects them (they run in the ordinary run), never skips them.
-IN_PROCESS_ENGINE_TESTS: dict[str, str] = {}
+IN_PROCESS_ENGINE_TESTS: dict[str, str] = {
+    "test_fault_containment::test_a_failing_batch_fails_only_its_requests": (
+        "poisons the in-process engine's model; an engine process loads its own"
+    ),
+    "test_fault_containment::test_three_failed_steps_in_a_row_turn_health_503": (
+        "poisons the in-process engine's model; an engine process loads its own"
+    ),
+    "test_fault_containment::test_a_failure_while_sampling_fails_only_that_request": (
+        "poisons the in-process engine's sampler; an engine process has its own"
+    ),
+    "test_kernel_warmup::test_health_is_not_ok_until_the_warm_up_is_done": (
+        "holds the in-process engine thread's warm-up with a hook in this process"
+    ),
+    "test_spec_decode::test_api_answers_equal_and_metrics_report_speculation": (
+        "serves quoting weights set on this process's model; an engine process loads the "
+        "checkpoint's random weights, which never quote"
+    ),
+}
 
 
 @pytest.fixture(scope="session")

@@ -584,6 +584,33 @@ def wait_stream_held(client, sid: str, frames: int, timeout: float = 60.0) -> di
         time.sleep(0.05)
 
 
+def engine_figures(client, headers: dict[str, str] | None = None) -> dict:
+    """``GET /v1/cache/stats`` of the app behind ``client`` (a test client or an httpx
+    client; ``headers``: its API key): the engine's figures (``vision_tower_images``,
+    ``spec_accepted_tokens``...) the same way whether the engine runs in the API process
+    or in its own."""
+    r = client.get("/v1/cache/stats", headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tower_runs(client, headers: dict[str, str] | None = None) -> int:
+    """Images the vision tower of the app behind ``client`` has encoded so far."""
+    return int(engine_figures(client, headers)["vision_tower_images"])
+
+
+def websocket_refusal(client, url: str):
+    """The HTTP response that refuses the WebSocket handshake at ``url`` (a Starlette test
+    client's ``WebSocketDenialResponse``: ``status_code``, ``headers``, ``json()``); fails
+    the test when the handshake is accepted."""
+    from starlette.testclient import WebSocketDenialResponse
+
+    with pytest.raises(WebSocketDenialResponse) as got:
+        with client.websocket_connect(url):
+            pass
+    return got.value
+
+
 def assert_healthy(client) -> None:
     """A normal request is answered and the pool accounting holds at rest."""
     r = chat(client, "Say hello.")

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -138,6 +139,30 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 #: Set to 1: :func:`app_client`, and every ``create_app(engine)`` of the tests
 #: (tests/conftest.py swaps in :func:`split_create_app`), serve from an engine process
 #: started with the engine's settings (the process split of ``mmserve serve``).
+def engine_pid(server: subprocess.Popen) -> int:
+    """The pid of ``server``'s engine process (its one spawned child)."""
+    pids = [p for p in child_pids(server.pid) if "spawn_main" in cmdline(p)]
+    assert len(pids) == 1, [(p, cmdline(p)) for p in child_pids(server.pid)]
+    return pids[0]
+
+
+def wait_health(url: str, code: int, timeout: float) -> float:
+    """Wait until ``url``'s ``/health`` answers ``code``; returns the seconds it took.
+
+    Raises:
+        AssertionError: it did not within ``timeout`` s.
+    """
+    start = time.time()
+    while time.time() - start < timeout:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == code:
+                return time.time() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"/health never answered {code} in {timeout} s")
+
+
 def split_create_app(engine, settings=None, tracing=None, process=None, **options) -> FastAPI:
     """:func:`api.app.create_app` as the process-split server builds it: for an in-process
     ``Engine``, an engine process loads its checkpoint with its settings (in its model's

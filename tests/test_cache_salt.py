@@ -12,7 +12,16 @@ from PIL import Image
 
 from api.app import ServerSettings, create_app
 from mmserve.cache.salt import combine, namespace, salted_ids, salted_image_key
-from tests.helpers import MODEL, chat_json, data_url, greedy, image_part, png_bytes, user
+from tests.helpers import (
+    MODEL,
+    chat_json,
+    data_url,
+    greedy,
+    image_part,
+    png_bytes,
+    tower_runs,
+    user,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +50,6 @@ def _cached(body: dict) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def _tower(engine) -> int:
-    return engine.runner.vision_tower_images
-
-
 def test_salted_ids_keep_length_and_differ_across_salts() -> None:
     ids = [1, 2, 3, 1, -5, -(2**63)]
     a, b = salted_ids(ids, namespace("a")), salted_ids(ids, namespace("b"))
@@ -64,26 +69,26 @@ def test_two_salts_share_nothing_one_salt_shares(client, engine) -> None:
     url = _photo(1)
     first = _ask(client, url, cache_salt="alice")
     assert _cached(first) == 0
-    runs = _tower(engine)
+    runs = tower_runs(client)
     other = _ask(client, url, cache_salt="bob")
     assert _cached(other) == 0  # no prefix of alice's: not even the template's
-    assert _tower(engine) == runs + 1  # the image encoded again, for bob
-    runs = _tower(engine)
+    assert tower_runs(client) == runs + 1  # the image encoded again, for bob
+    runs = tower_runs(client)
     again = _ask(client, url, cache_salt="alice")
     assert _cached(again) > 0 and _cached(again) >= first["usage"]["prompt_tokens"] - 16
-    assert _tower(engine) == runs  # alice's features were cached
+    assert tower_runs(client) == runs  # alice's features were cached
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
     # unsalted requests share neither with a salt
     plain = _ask(client, url)
-    assert _cached(plain) == 0 and _tower(engine) == runs + 1
+    assert _cached(plain) == 0 and tower_runs(client) == runs + 1
 
 
 def test_no_salt_shares_as_before(client, engine) -> None:
     url = _photo(2)
     a = _ask(client, url)
-    runs = _tower(engine)
+    runs = tower_runs(client)
     b = _ask(client, url)
-    assert _cached(b) > 0 and _tower(engine) == runs
+    assert _cached(b) > 0 and tower_runs(client) == runs
     assert a["choices"][0]["message"] == b["choices"][0]["message"]
 
 

@@ -53,6 +53,7 @@ NOT_ON_THE_GPU_PATH = {
     ("mmserve/vision/video/probe.py", "av"): _VIDEOS_ONLY,
     ("mmserve/testing/tokenizer.py", "sentencepiece"): "only --family llava-next",
     ("tests/helpers.py", "hypothesis"): "only page_layout, which tests/gpu does not use",
+    ("tests/helpers.py", "starlette"): "only websocket_refusal, which tests/gpu does not use",
     ("tests/conftest.py", "tests.live_server"): (
         "only with MMSERVE_TEST_ENGINE_PROCESS=1 (the process-split API run), never set by "
         "the GPU check"

@@ -87,3 +87,30 @@ def test_slow_marks_exactly_the_tabled_tests(
             tabled |= key_module == module and (not name or test.startswith(name + "::"))
         assert (item.get_closest_marker("slow") is not None) == tabled, item.nodeid
     assert request.node.get_closest_marker("slow") is None
+
+
+#: Files that build an app but stay out of the process-split run, and why.
+NOT_SPLIT = {
+    "test_engine_process.py": "tests the split itself (both modes, by hand)",
+    "test_engine_process_faults.py": "tests the split itself (engine process faults)",
+    "test_engine_process_features.py": "tests the split itself (feature keys across it)",
+}
+
+
+def test_every_api_test_file_runs_against_the_process_split_server() -> None:
+    """A test file that builds an app (``create_app``, ``app_client``, ``TestClient``) is
+    in ``.ci/run``'s process-split run, unless :data:`NOT_SPLIT` says why not."""
+    import re
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = ci[ci.index("MMSERVE_TEST_ENGINE_PROCESS=1 python -m pytest") :]
+    command = command[: command.index("\n\n")] if "\n\n" in command else command
+    split = set(re.findall(r"tests/(test_\w+\.py)", command))
+    builds = re.compile(r"create_app\(|app_client\(|TestClient\(")
+    api = {
+        path.name for path in (ROOT / "tests").glob("test_*.py") if builds.search(path.read_text())
+    }
+    missing = sorted(api - split - set(NOT_SPLIT))
+    assert not missing, f"add {missing} to .ci/run's process-split run"
+    assert not (set(NOT_SPLIT) - api), "NOT_SPLIT names a file that builds no app"
+    assert not (set(NOT_SPLIT) & split)

@@ -103,7 +103,7 @@ def test_engine_thread_never_runs_the_image_processor(make_engine, monkeypatch) 
         stats = c.get("/v1/cache/stats").json()
     assert len(threads) == 2  # one call per image, each on a front-end worker thread
     assert "mmserve-engine" not in threads
-    assert eng.runner.vision_tower_images == 2  # the tower did run, on pixels
+    assert stats["vision_tower_images"] == 2  # the tower did run, on pixels
     assert stats["running_requests"] == 0
 
 
@@ -224,9 +224,10 @@ def test_server_decode_budget_is_a_503_with_retry_after(make_engine) -> None:
     eng, client = app_client(
         make_engine, max_decoded_image_bytes=2 * size, decoded_image_wait_seconds=0
     )
-    budget = eng.processor.decode_budget
     part = image_part(data_url(png_bytes(noise((40, 30), 40))))
     with client as c:
+        # the API process's budget (its front end's: the engine's own in one process)
+        budget = c.app.state.mm.engine.processor.decode_budget
         budget.acquire(size + 1)  # other requests hold most of it
         r = chat(c, [part, {"type": "text", "text": "Hi"}])
         assert_error(r, 503, "--max-decoded-image-bytes", code="image_decode_busy")

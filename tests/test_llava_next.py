@@ -8,7 +8,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import ServerSettings, create_app
-from tests.helpers import MODEL, ROOT, assert_error, chat, chat_json, data_url, image_part, user
+from tests.helpers import (
+    MODEL,
+    ROOT,
+    assert_error,
+    chat,
+    chat_json,
+    data_url,
+    image_part,
+    tower_runs,
+    user,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +49,7 @@ def test_too_many_image_tokens_is_a_400_before_any_tower_run(make_next_engine, s
             for k in ("wide", "tall")
         ]
         assert f"{sizes[0]}, {sizes[1]} tokens" in err["message"]
-        assert eng.runner.vision_tower_images == 0
+        assert tower_runs(c) == 0
         assert chat_json(c, "hello", max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
@@ -55,4 +65,4 @@ def test_video_per_frame_qa_on_next(make_next_engine) -> None:
         assert r.status_code == 200, r.text
         events = [ln for ln in r.text.splitlines() if ln.strip()]
         assert sum('"answer"' in e for e in events) == 3, events[:4]
-        assert eng.runner.vision_tower_images == 3
+        assert tower_runs(c) == 3

@@ -11,11 +11,13 @@ import io
 import json
 import time
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from api.app import ServerSettings, create_app
 from mmserve.vision.image import ImageLimits
 from mmserve.vision.video import Video, VideoLimits
 from tests.helpers import (
@@ -27,8 +29,15 @@ from tests.helpers import (
     upload_video,
     video_qa,
     wait_stream_held,
+    websocket_refusal,
 )
-from tests.live_server import app_client
+from tests.live_server import (
+    app_client,
+    engine_pid,
+    live_server_process,
+    uvicorn_thread,
+    wait_health,
+)
 from tests.videos import encode_mp4, rgb_frames
 
 pytest.importorskip("av")
@@ -207,6 +216,100 @@ def test_delete_mid_prefill_and_a_closed_websocket_release_locks_and_pages(
     assert_released(client)
 
 
+def test_a_websocket_ask_is_aborted_when_its_client_leaves(families) -> None:
+    """Over a real uvicorn (which, unlike the test client, never cancels the app when a
+    socket closes): a WebSocket that closes while its ask decodes has the ask's engine
+    request aborted at once (not decoded to ``max_tokens``: ~6 s here), and the stream
+    goes with the socket. A refused handshake answers its status and JSON body."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    engine = families["llava"].make_engine(max_total_tokens=16384)
+    app = create_app(engine, ServerSettings(served_model_name=MODEL))
+    long_ask = {"questions": ["Hi?"], "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    with uvicorn_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        ws_url = url.replace("http://", "ws://")
+        with pytest.raises(InvalidStatus) as refused:
+            connect(f"{ws_url}/v1/streams/stream-{'0' * 32}/ws", open_timeout=10)
+        assert refused.value.response.status_code == 404
+        assert json.loads(bytes(refused.value.response.body))["error"]["code"] == "stream_not_found"
+        sid = http.post("/v1/streams", json={}).json()["id"]
+        with connect(f"{ws_url}/v1/streams/{sid}/ws", open_timeout=10) as ws:
+            ws.send(noise_png(3))
+            assert json.loads(ws.recv(timeout=30))["accepted"] == 1
+            ws.send(json.dumps(long_ask))
+            deadline = time.time() + 30
+            while http.get("/v1/cache/stats").json()["running_requests"] == 0:  # decoding
+                assert time.time() < deadline, "the ask never started"
+                time.sleep(0.01)
+        left = time.time()
+        while http.get("/v1/cache/stats").json()["running_requests"]:
+            assert time.time() - left < 1.5, "the ask kept decoding after its client left"
+            time.sleep(0.02)
+        deadline = time.time() + 10
+        while http.get(f"/v1/streams/{sid}").status_code != 404:
+            assert time.time() < deadline, "the stream outlived its WebSocket"
+            time.sleep(0.05)
+        assert http.get("/v1/cache/stats").json()["held_prefixes"] == 0
+
+
+def test_streams_frame_pixels_are_bounded(client: TestClient, families) -> None:
+    """A stream reserves its window's frame pixels (``max_frames`` times a frame's) at
+    its first frame, out of ``--max-stream-pixel-bytes`` for all streams: 429
+    ``stream_pixels_full`` when others hold the rest, 400 naming ``max_frames`` when the
+    window alone is too large; a deleted stream's reservation is free again."""
+    sid = client.post("/v1/streams", json={"max_frames": 2}).json()["id"]
+    assert client.get(f"/v1/streams/{sid}").json()["pixel_bytes_reserved"] == 0
+    assert post_stream_frames(client, sid, [noise_png(1)]).status_code == 200
+    frame = client.get(f"/v1/streams/{sid}").json()["pixel_bytes_reserved"] // 2
+    client.delete(f"/v1/streams/{sid}")
+    assert frame > 0
+    engine = families["llava"].make_engine(max_total_tokens=8192)
+    with app_client(engine, max_stream_pixel_bytes=5 * frame) as c:
+        a, b, big = (c.post("/v1/streams", json={"max_frames": n}).json()["id"] for n in (3, 3, 6))
+        for i in range(5):  # a rolls within its reservation
+            assert post_stream_frames(c, a, [noise_png(i)], [float(i)]).status_code == 200
+        assert c.get(f"/v1/streams/{a}").json()["pixel_bytes_reserved"] == 3 * frame
+        r = post_stream_frames(c, b, [noise_png(7)], [1.0])
+        assert_error(r, 429, "--max-stream-pixel-bytes", "stream_pixels_full")
+        err = assert_error(post_stream_frames(c, big, [noise_png(8)], [1.0]), 400, "max_frames")
+        assert err["param"] == "max_frames" and err["code"] == "stream_window_too_large"
+        assert c.get(f"/v1/streams/{b}").json()["frames_received"] == 0  # refused whole
+        c.delete(f"/v1/streams/{a}")
+        assert post_stream_frames(c, b, [noise_png(7)], [1.0]).status_code == 200
+        for sid in (b, big):
+            c.delete(f"/v1/streams/{sid}")
+
+
+def test_a_hold_lost_with_the_engine_process_is_reported_and_prefilled_again(
+    model_dir,
+) -> None:
+    """The engine process dies after a stream's prefix is held: a new one holds nothing,
+    so ``GET`` stops reporting held tokens (and says why), questions still answer, and the
+    next frame prefills the whole window into a new hold."""
+    import os
+    import signal
+
+    with (
+        live_server_process(model_dir, timeout=180) as (url, srv),
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
+        sid = http.post("/v1/streams", json={}).json()["id"]
+        assert post_stream_frames(http, sid, [noise_png(1)], [1.0]).status_code == 200
+        before = wait_stream_held(http, sid, 1)["cached"]["tokens"]
+        assert before > 0
+        os.kill(engine_pid(srv), signal.SIGKILL)
+        wait_health(url, 503, 30)
+        wait_health(url, 200, 120)
+        info = http.get(f"/v1/streams/{sid}").json()
+        assert (info["cached"]["tokens"], info["cached"]["frames"]) == (0, 0), info
+        assert "restarted" in info["cached"]["error"], info
+        assert stream_ask(http, sid, ["Hi?"], **GREEDY)["answers"][0]["finish_reason"] == "length"
+        assert post_stream_frames(http, sid, [noise_png(2)], [2.0]).status_code == 200
+        assert wait_stream_held(http, sid, 2)["cached"]["tokens"] > before
+        http.delete(f"/v1/streams/{sid}")
+
+
 def test_idle_streams_expire_and_release(families) -> None:
     engine = families["llava"].make_engine(max_total_tokens=8192)
     with app_client(engine, stream_idle_seconds=3.0) as c:
@@ -272,7 +375,23 @@ def big_png() -> bytes:
         ([("file", "OK"), ("colour", "red")], None, 400, "colour", "unknown field"),
         (None, {"frames": [{"data": "%%%"}]}, 400, "frames[0].data", "not valid base64"),
         (None, {"frames": [{"data": "OK", "when": 1}]}, 400, "frames[0].when", "unknown field"),
-        (None, {"frames": [{"data": "OK", "timestamp": -1}]}, 400, "frames[0].timestamp", ">= 0"),
+        (None, {"frames": [{"data": "OK", "timestamp": -1}]}, 400, "frames[0].timestamp", "0 to"),
+        # a timestamp is printed into the frame's label: bounded (1e99 would be ~100 tokens)
+        ([("file", "OK"), ("timestamp", "1e99")], None, 400, "timestamp", "from 0 to 1e+07"),
+        (
+            None,
+            {"frames": [{"data": "OK", "timestamp": 1e7 + 1}]},
+            400,
+            "frames[0].timestamp",
+            "1e+07",
+        ),
+        (
+            None,
+            {"frames": [{"data": "OK", "timestamp": 10**400}]},
+            400,
+            "frames[0].timestamp",
+            "too large",
+        ),
         (None, {"video_id": "vid-" + "0" * 32}, 400, "video_id", "unknown video id"),
         (None, {"frames": []}, 400, "frames", "empty"),
     ],
@@ -310,6 +429,10 @@ def test_unknown_ids_fields_and_the_max_streams_bound(client: TestClient) -> Non
     ):
         assert_error(r, 404, "no stream with id", "stream_not_found")
     assert_error(client.get("/v1/streams/vid-12"), 404, "malformed", "invalid_stream_id")
+    # a WebSocket to an unknown id: refused at the handshake with the same 404 and body
+    r = websocket_refusal(client, f"/v1/streams/{missing}/ws")
+    assert_error(r, 404, "no stream with id", "stream_not_found")
+    assert_error(websocket_refusal(client, "/v1/streams/vid-12/ws"), 404, "malformed")
     assert_error(client.post("/v1/streams", json={"colour": 1}), 400, "colour")
     assert_error(client.post("/v1/streams", json={"fps": "2"}), 400, "fps")
     r = client.post("/v1/streams")  # no body: every field has a default
@@ -355,16 +478,18 @@ def test_a_stream_belongs_to_its_tenant(families, tmp_path) -> None:
             c.delete(f"/v1/streams/{sid}", headers=bob),
         ):
             assert_error(r, 404, "no stream", "stream_not_found")
-        with pytest.raises(Exception):  # noqa: B017 - refused at the handshake
-            with c.websocket_connect(f"/v1/streams/{sid}/ws?api_key=key-bob-000002") as ws:
-                ws.receive_text()
+        # another tenant's stream: refused at the handshake as unknown, with the JSON body
+        r = websocket_refusal(c, f"/v1/streams/{sid}/ws?api_key=key-bob-000002")
+        assert_error(r, 404, "no stream with id", "stream_not_found")
         with c.websocket_connect(f"/v1/streams/{sid}/ws?api_key=key-alice-0001") as ws:
             ws.send_bytes(noise_png(1))
             assert json.loads(ws.receive_text())["accepted"] == 1
         assert c.get(f"/v1/streams/{sid}", headers=alice).status_code == 404  # socket closed
-        with pytest.raises(Exception):  # noqa: B017 - no key: refused at the handshake
-            with c.websocket_connect(f"/v1/streams/{sid}/ws") as ws:
-                ws.receive_text()
+        r = websocket_refusal(c, f"/v1/streams/{sid}/ws")  # no key
+        assert_error(r, 401, "missing API key", "invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer"
+        r = websocket_refusal(c, f"/v1/streams/{sid}/ws?api_key=nobody-000000000")
+        assert_error(r, 401, "invalid API key", "invalid_api_key")
 
 
 def test_image_bytes_of_a_jpeg_frame(client: TestClient) -> None:
@@ -521,6 +646,24 @@ def test_a_websocket_query_key_never_reaches_the_logs() -> None:
     assert "sk-secret" not in text and "api_key=***&y=2" in text
 
 
+def test_a_refused_handshake_is_not_logged_as_an_error(client: TestClient) -> None:
+    """uvicorn logs "returned without completing handshake" after a denial response (the
+    404/401 a refused WebSocket gets): the filter the app installs drops that record only."""
+    import logging
+
+    from api.errors import DeniedHandshakeNoise
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, msg, (), None)
+
+    noise = DeniedHandshakeNoise()
+    assert not noise.filter(record("ASGI callable returned without completing handshake."))
+    assert noise.filter(record("Exception in ASGI application\n"))
+    assert any(
+        isinstance(f, DeniedHandshakeNoise) for f in logging.getLogger("uvicorn.error").filters
+    )
+
+
 def test_a_frame_without_a_timestamp_counts_as_now(client: TestClient) -> None:
     """In one JSON post, a frame without a timestamp takes the seconds since the stream
     began: a later frame stamped before that is refused (400 naming its field), and the
@@ -564,4 +707,8 @@ def test_a_replay_whose_timestamps_go_back_names_them(ov_client: TestClient, cli
     r = ov_client.post(f"/v1/streams/{sid}/frames", json={"video_id": vid, "timestamps": [0.5]})
     err = assert_error(r, 400, "not after")
     assert err["param"] == "timestamps", err
+    # an offset that carries the frames past the largest timestamp names time_offset
+    r = ov_client.post(f"/v1/streams/{sid}/frames", json={"video_id": vid, "time_offset": 1e99})
+    assert assert_error(r, 400, "from 0 to 1e+07")["param"] == "time_offset"
+    assert ov_client.get(f"/v1/streams/{sid}").json()["frames_received"] == 1
     ov_client.delete(f"/v1/streams/{sid}")

@@ -15,7 +15,7 @@ from PIL import Image
 from api.app import ServerSettings, create_app
 from api.auth import APIKeyMiddleware, TenantMiddleware
 from api.tenants import TenantFileError, TenantKeys, current_tenant, parse_keys
-from tests.helpers import MODEL, data_url, image_part, png_bytes
+from tests.helpers import MODEL, data_url, image_part, png_bytes, tower_runs
 from tests.videos import encode_mp4, rgb_frames
 
 KEYS = "# tenants\nkey-alice-0001 alice\n\n  key-bob-000002   bob\n"
@@ -132,9 +132,9 @@ def test_tenants_share_no_cache_unless_shared(client, engine, tmp_path) -> None:
     url = data_url(_photo(1))
     content = [image_part(url), {"type": "text", "text": "What is it?"}]
     _chat(client, A, content)
-    runs = engine.runner.vision_tower_images
+    runs = tower_runs(client, A)
     bob = _chat(client, B, content)
-    assert _cached(bob) == 0 and engine.runner.vision_tower_images == runs + 1
+    assert _cached(bob) == 0 and tower_runs(client, A) == runs + 1
     assert _cached(_chat(client, A, content)) > 0
     # bob sending alice's tenant name as his salt is still bob's namespace
     assert _cached(_chat(client, B, content, cache_salt="alice")) == 0
