@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -55,6 +56,7 @@ __all__ = [
     "ServerSettings",
     "assemble_app",
     "create_app",
+    "freeze_startup_objects",
     "server_state",
     "start_engine_process",
 ]
@@ -154,6 +156,19 @@ def assemble_app(
 
         app.add_middleware(TracingMiddleware)
     return app
+
+
+def freeze_startup_objects() -> None:
+    """Take every object alive now out of the cyclic garbage collector's reach
+    (``gc.collect`` then ``gc.freeze``): called by ``mmserve serve`` once the app is
+    built, before it serves. After start-up the API process holds ~400k objects
+    (modules, the tokenizer, the front end's model parts) that live until it exits; a full
+    collection, which the objects of requests trigger now and then, scanned them all
+    (~320 ms of the event loop on the tiny model) and now scans only what serving made.
+    vLLM's and SGLang's servers do the same after start-up.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def start_engine_process(
