@@ -242,6 +242,7 @@ def create_app(
     client = EngineClient(
         aengine, metrics, settings.max_queued_requests, settings.retry_after_seconds, tracing
     )
+    client.stream_interval = settings.stream_interval
     state = server_state(engine, aengine, client, metrics, settings, model_name)
     state.batches = BatchManager(
         state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)

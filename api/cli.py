@@ -207,7 +207,7 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
         (
             "host", "port", "api_key", "api_keys", "shared_cache", "max_request_bytes",
             "max_json_depth",
-            "max_questions", "max_n", "default_max_tokens",
+            "max_questions", "max_n", "default_max_tokens", "stream_interval",
         ),
     ),
     (

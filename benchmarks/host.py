@@ -263,6 +263,11 @@ def host(args: argparse.Namespace, model_dir: str) -> int:
         servers = {
             "this": stack.enter_context(http.mmserve_server(model_dir, flags, args.threads or 1))
         }
+        if args.stream_interval > 1:  # this checkout again, N tokens per streamed chunk
+            every = [*flags, "--stream-interval", str(args.stream_interval)]
+            servers[f"this-interval{args.stream_interval}"] = stack.enter_context(
+                http.mmserve_server(model_dir, every, args.threads or 1)
+            )
         if args.baseline:
             repo = Path(args.baseline).resolve()
             servers["baseline"] = stack.enter_context(
@@ -307,6 +312,7 @@ def host(args: argparse.Namespace, model_dir: str) -> int:
             "load": os.getloadavg()[0],
             "clients": clients,
             "baseline": args.baseline or None,
+            "stream_interval": args.stream_interval,
         },
         "runs": runs,
         "variants": variants,
@@ -338,6 +344,14 @@ OPTIONS: list[tuple[tuple[str, ...], dict]] = [
             default="aiohttp",
             help="load generators, comma-separated: aiohttp (lines counted, the usage "
             "chunk parsed) and/or httpx (every event parsed)",
+        ),
+    ),
+    (
+        ("--stream-interval",),
+        dict(
+            type=int,
+            default=1,
+            help="N > 1: a third server, this checkout with --stream-interval N",
         ),
     ),
     (
