@@ -13,10 +13,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from api.app import freeze_startup_objects
+from api.metrics import Metrics
 from api.settings import ServerSettings
 from api.sse import EventStreamResponse, FastSendApp
+from api.submit import EngineClient
 from benchmarks.host_client import AnswerError, send_all
 from mmserve.cancel import CancelToken
+from mmserve.frontend.output import StreamUpdate
+from mmserve.types import GenerateResult
 from tests.helpers import ChatDefaults, stream_chunks
 from tests.live_server import app_client
 
@@ -229,3 +233,44 @@ def test_stream_interval_sends_the_same_text_in_fewer_chunks(make_engine) -> Non
 def test_stream_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="stream_interval must be >= 1"):
         ServerSettings(stream_interval=0).validate()
+
+
+class _PumpedEngine:
+    """An engine whose streams are plain async iterators (as a replica client's are, so
+    the submission pumps them): one update per token and loop turn, ``tokens`` tokens,
+    the result on the last."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    async def stream(self, req: object, final_only: bool) -> AsyncIterator[StreamUpdate]:
+        for t in range(self.tokens):
+            done = t == self.tokens - 1
+            result = None
+            if done:
+                ids = list(range(self.tokens))
+                text = "".join(f"{i}," for i in ids)
+                result = GenerateResult("r", text, ids, "length", 1, 0, self.tokens, 0, 0, 0.0, 0.0)
+            yield StreamUpdate(f"{t},", (t,), None, t + 1, result)
+            await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("interval, most_reads", [(1, 10), (3, 5)])
+def test_stream_interval_on_pumped_streams(interval: int, most_reads: int) -> None:
+    """A pumped stream (replicas) keeps the interval too: with 3, a read has the first
+    token, or at least 3 new ones, or the result; the text is whole either way."""
+
+    async def run() -> list[StreamUpdate]:
+        client = EngineClient(_PumpedEngine(10), Metrics(), 100, 1)
+        client.stream_interval = interval
+        sub = client.submit([object()])  # the fake engine reads nothing of the request
+        got = []
+        async for batch in sub.batches():
+            got += [upd for _, upd in batch]  # read at once: one token a read at interval 1
+        return got
+
+    got = asyncio.run(run())
+    assert "".join(u.delta_text for u in got) == "".join(f"{i}," for i in range(10))
+    assert got[-1].result is not None and len(got) <= most_reads
+    if interval > 1:
+        assert all(len(u.delta_ids) >= interval for u in got[1:-1])
