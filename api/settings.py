@@ -115,9 +115,10 @@ class ServerSettings:
             window alone needs more).
         stream_interval: tokens per streamed chunk (vLLM's and SGLang's name): a
             streamed answer's writer wakes for a request once it has this many new
-            tokens (or its first token, or its end), so a chunk carries up to this many
-            tokens and the server writes that many times fewer events (1: every token as
-            soon as it is made). Text is the same either way.
+            tokens (or its first token, or its end), so a chunk carries this many tokens
+            (more when the reader is behind) and the server writes about that many times
+            fewer events (1: every token as soon as it is made). Text is the same either
+            way.
     """
 
     served_model_name: str | None = None

@@ -82,7 +82,8 @@ class EventStreamResponse(Response):
     Args:
         events: the events, already framed (``data: ...\\n\\n``).
         token: the request's cancel token (:func:`api.disconnect.request_token`), or None.
-        headers: extra response headers (default :data:`SSE_HEADERS`).
+        headers: the response's headers beside its content type (default
+            :data:`SSE_HEADERS`).
     """
 
     media_type = "text/event-stream"

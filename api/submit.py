@@ -162,7 +162,8 @@ class Submission:
 
     A streamed submission whose client has ``stream_interval`` N > 1 lists a request for
     its reader at its first update, its last, and whenever N or more new output ids have
-    merged since its last read; so each chunk carries up to N tokens (the same text).
+    merged since its last read; so a chunk carries N tokens (more when its reader is
+    behind), the same text in fewer chunks.
 
     Args:
         client: the engine client that admitted them.
