@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -42,6 +43,7 @@ from api.json_body import JSONBodyRoute
 from api.media import MediaResolver
 from api.metrics import Metrics
 from api.settings import ServerSettings
+from api.sse import FastSendApp
 from api.state import ServerState
 from api.stored_responses import ResponseStores
 from api.submit import EngineClient
@@ -59,6 +61,7 @@ __all__ = [
     "ServerSettings",
     "assemble_app",
     "create_app",
+    "freeze_startup_objects",
     "server_state",
     "start_engine_process",
 ]
@@ -125,7 +128,14 @@ def assemble_app(
     """
     tracing = state.client.tracing
     telemetry = tracing.fastapi_telemetry() if tracing is not None else None
-    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan, telemetry=telemetry)
+    # streamed answers' body messages skip the send wrappers while tracing is off (api/sse.py)
+    app = FastSendApp(
+        title="mmserve",
+        version="0.1.0",
+        lifespan=lifespan,
+        telemetry=telemetry,
+        fast_send=tracing is None,
+    )
     app.router.route_class = JSONBodyRoute  # the routes' one JSON body parser
     app.state.mm = state
     install_error_handlers(app)
@@ -153,6 +163,19 @@ def assemble_app(
 
         app.add_middleware(TracingMiddleware)
     return app
+
+
+def freeze_startup_objects() -> None:
+    """Take every object alive now out of the cyclic garbage collector's reach
+    (``gc.collect`` then ``gc.freeze``): called by ``mmserve serve`` once the app is
+    built, before it serves. After start-up the API process holds ~400k objects
+    (modules, the tokenizer, the front end's model parts) that live until it exits; a full
+    collection, which the objects of requests trigger now and then, scanned them all
+    (~320 ms of the event loop on the tiny model) and now scans only what serving made.
+    vLLM's and SGLang's servers do the same after start-up.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def start_engine_process(
@@ -226,6 +249,7 @@ def create_app(
     client = EngineClient(
         aengine, metrics, settings.max_queued_requests, settings.retry_after_seconds, tracing
     )
+    client.stream_interval = settings.stream_interval
     state = server_state(engine, aengine, client, metrics, settings, model_name)
     state.batches = BatchManager(
         state, FileStore(settings.resolved_data_dir(), settings.max_stored_file_bytes)

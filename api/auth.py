@@ -32,6 +32,9 @@ class APIKeyMiddleware:
         open_paths: paths answered without a key (``/health``, the page and its files).
     """
 
+    #: it passes every send through untouched (api.sse.BODY_PASSTHROUGH)
+    mmserve_body_passthrough = True
+
     def __init__(
         self,
         app: ASGIApp,
@@ -93,6 +96,9 @@ def _query_key(scope: Scope) -> bytes:
 class TenantMiddleware:
     """Without keys: every request is the ``default`` tenant's (``request.state.tenant``
     set, as the routes that record an owner read it)."""
+
+    #: it passes every send through untouched (api.sse.BODY_PASSTHROUGH)
+    mmserve_body_passthrough = True
 
     def __init__(self, app: ASGIApp):
         self.app = app

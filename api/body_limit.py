@@ -18,6 +18,9 @@ class BodyLimitMiddleware:
         max_bytes: largest accepted body (bytes).
     """
 
+    #: it passes every send through untouched (api.sse.BODY_PASSTHROUGH)
+    mmserve_body_passthrough = True
+
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes

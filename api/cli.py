@@ -207,7 +207,7 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
         (
             "host", "port", "api_key", "api_keys", "shared_cache", "max_request_bytes",
             "max_json_depth",
-            "max_questions", "max_n", "default_max_tokens",
+            "max_questions", "max_n", "default_max_tokens", "stream_interval",
         ),
     ),
     (
@@ -379,7 +379,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from api.app import create_app, start_engine_process
+    from api.app import create_app, freeze_startup_objects, start_engine_process
     from mmserve.distributed.group import TPGroupError
     from mmserve.frontend.engine_client import EngineStartError
     from mmserve.frontend.frontend import Engine
@@ -433,6 +433,7 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     userver = uvicorn.Server(uv)
+    freeze_startup_objects()  # full collections skip start-up's objects while serving
     watched = process if process is not None else front
     _exit_on_fatal(watched, userver, launch.fatal_exit_seconds)
     try:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mmserve.cancel import Cancelled, CancelToken, using
+from mmserve.cancel import CancelToken, using
 
 #: The scope key holding the request's token.
 SCOPE_KEY = "mmserve.cancel"
@@ -46,6 +46,9 @@ class DisconnectMiddleware:
     Args:
         app: the wrapped app.
     """
+
+    #: its send wrapper looks only at the last body message (api.sse.BODY_PASSTHROUGH)
+    mmserve_body_passthrough = True
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -150,22 +153,3 @@ async def until_cancelled(events: AsyncIterator[T], token: CancelToken | None) -
             nxt.cancel()  # thrown into ``events`` where it waits: its ``finally`` runs
         elif nxt is None and (aclose := getattr(events, "aclose", None)) is not None:
             await aclose()  # ``events`` is suspended at a yield: closing runs its finally
-
-
-async def until_gone(events: AsyncIterator[T], token: CancelToken | None) -> AsyncIterator[T]:
-    """``events`` until ``token`` is cancelled (the client hung up), for events read from
-    a :class:`~api.submit.Submission` made under ``token``: the token's hook cancels the
-    submission, whose reader then raises :class:`~mmserve.cancel.Cancelled` where it
-    waits, and the stream ends quietly here. The cheap form of :func:`until_cancelled`:
-    no task per item (that one races every item against the token)."""
-    try:
-        async for item in events:
-            if token is not None and token.cancelled:
-                return
-            yield item
-    except Cancelled:
-        if token is None or not token.cancelled:
-            raise
-    finally:
-        if (aclose := getattr(events, "aclose", None)) is not None:
-            await aclose()

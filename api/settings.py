@@ -113,6 +113,12 @@ class ServerSettings:
             keep (bytes; a stream reserves ``max_frames`` times its frames' size at its
             first frame): past it a stream's frames get a 429 (400 when one stream's
             window alone needs more).
+        stream_interval: tokens per streamed chunk (vLLM's and SGLang's name): a
+            streamed answer's writer wakes for a request once it has this many new
+            tokens (or its first token, or its end), so a chunk carries this many tokens
+            (more when the reader is behind) and the server writes about that many times
+            fewer events (1: every token as soon as it is made). Text is the same either
+            way.
     """
 
     served_model_name: str | None = None
@@ -157,6 +163,7 @@ class ServerSettings:
     stream_idle_seconds: float = 300.0
     max_stream_frames_per_post: int = 32
     max_stream_pixel_bytes: int = 2 << 30
+    stream_interval: int = 1
 
     def video_limits(self) -> VideoLimits:
         """The video bounds these settings give."""
@@ -230,6 +237,7 @@ class ServerSettings:
             "max_streams",
             "max_stream_frames_per_post",
             "max_stream_pixel_bytes",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

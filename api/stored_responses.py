@@ -34,7 +34,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from api.disconnect import request_token, until_cancelled
-from api.endpoints.base import SSE_HEADERS
 from api.endpoints.responses import RESPONSES, ResponseCall, response_object
 from api.errors import APIError
 from api.media import decode_data_url, image_error
@@ -47,6 +46,7 @@ from api.response_store import (
 )
 from api.schemas import InputMessage, ResponsesRequest
 from api.settings import ServerSettings
+from api.sse import SSE_HEADERS
 from api.state import ServerState
 from mmserve.vision.image import ImageError
 

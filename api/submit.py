@@ -69,6 +69,8 @@ class EngineClient:
         #: online (not batch-job) requests submitted and not yet finished; batch jobs
         #: (:mod:`api.batch.runner`) shrink their in-flight window while it is above zero
         self.online = 0
+        #: tokens per streamed chunk (``--stream-interval``; :class:`Submission`)
+        self.stream_interval = 1
         self._freed: list[asyncio.Future[None]] = []
 
     def submit(
@@ -158,6 +160,11 @@ class Submission:
     merged into one. Any other stream (a replica client's) is pumped by a task of its own
     into a slot here, merged the same way.
 
+    A streamed submission whose client has ``stream_interval`` N > 1 lists a request for
+    its reader at its first update, its last, and whenever N or more new output ids have
+    merged since its last read; so a chunk carries N tokens (more when its reader is
+    behind), the same text in fewer chunks.
+
     Args:
         client: the engine client that admitted them.
         reqs: the engine requests (one per choice or question).
@@ -189,6 +196,10 @@ class Submission:
         self._waiting = [True] * n  # no update yet (counted in the client's queue)
         self._ended = [False] * n  # finished or cancelled: counted out of the client
         self._streams: list[SlotStream | None] = [None] * n
+        # --stream-interval: a request's reader wakes every `_interval` ids (_read: it
+        # has been listed once, so its first token went out at once)
+        self._interval = 1 if final_only else client.stream_interval
+        self._read = [False] * n
         self._tasks: list[asyncio.Future[None]] = []
         self._error: BaseException | None = None
         self._cancelled = False
@@ -239,7 +250,13 @@ class Submission:
         if self.results[index] is None:  # cancelled: the engine aborts it
             self.client.metrics.requests.labels("abort").inc()
 
-    def _list(self, index: int) -> None:
+    def _list(self, index: int, pending: int = 0) -> None:
+        """Put request ``index`` on the reader's list (once until read), unless
+        ``pending`` (its new ids not yet read) is under the stream interval and it has
+        neither its first update nor its result to give."""
+        if 0 < pending < self._interval and self._read[index] and self.results[index] is None:
+            return
+        self._read[index] = True
         if not self._listed[index]:
             self._listed[index] = True
             self._ready.append(index)
@@ -254,12 +271,12 @@ class Submission:
         if col is not None and col.result is not None and self.results[index] is None:
             self._finished(index, col.result)
             stream.close()  # unregistered; a stop string's request is aborted now
-        self._list(index)
+        self._list(index, stream.slot.pending_ids() if self._interval > 1 else 0)
 
     def _put(self, index: int, upd: StreamUpdate) -> None:
         held = self._slots[index]
-        self._slots[index] = upd if held is None else held.merged(upd)
-        self._list(index)
+        upd = self._slots[index] = upd if held is None else held.merged(upd)
+        self._list(index, len(upd.delta_ids) if self._interval > 1 else 0)
 
     def _notify(self) -> None:
         wake = self._wake

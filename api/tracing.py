@@ -212,6 +212,9 @@ class TracingMiddleware:
         app: the wrapped ASGI app.
     """
 
+    #: it passes every send through untouched (api.sse.BODY_PASSTHROUGH)
+    mmserve_body_passthrough = True
+
     def __init__(self, app: _ASGIApp) -> None:
         self.app = app
 

@@ -7,8 +7,8 @@ interleaved pairs (engine, streamed, plain; then again), medians reported:
 - the server's CPU microseconds per generated token by process: the server's own
   process ("api") and its child processes ("engine": where the engine core runs once it
   has its own process; 0 while it runs inside the API process), from ``/proc/<pid>/stat``,
-  and the load generator's (this process: httpx, parsing each event), which shares the
-  cores;
+  and the load generator's (this process: :mod:`benchmarks.host_client`, aiohttp by
+  default), which shares the cores;
 - the engine's host microseconds per generated token outside the forward (schedule,
   sample, update, emit: the step's time less the model runner's ``decode`` and
   ``prefill``, both as the engine thread's CPU time, with one torch thread), in
@@ -22,17 +22,16 @@ benchmarks plot`` draws ``host.png``). What it measures and the results:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks import over_http as http
+from benchmarks.host_client import CLIENTS, send_all
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import EngineCore
 from mmserve.frontend.frontend import FrontEnd
@@ -172,45 +171,24 @@ def ticks_by_process(pid: int) -> dict[int, float]:
     return out
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict, stream: bool) -> int:
-    """Completion tokens of one chat request (from its usage); raises on an error."""
-    if not stream:
-        r = await client.post(url, json=body)
-        r.raise_for_status()
-        return int(r.json()["usage"]["completion_tokens"])
-    n = None
-    async with client.stream("POST", url, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"])[:300])
-            if chunk.get("usage"):
-                n = int(chunk["usage"]["completion_tokens"])
-    if n is None:
-        raise RuntimeError("no usage chunk")
-    return n
+def over_http(
+    url: str, pid: int, concurrency: int, tokens: int, stream: bool, client: str = "aiohttp"
+) -> dict[str, Any]:
+    """All ``concurrency`` chats at once against the server at ``url`` (process ``pid``),
+    sent by ``client`` (:data:`~benchmarks.host_client.CLIENTS`), every answer's token
+    count checked: tokens/s and the server's CPU us per token, its own process and its
+    children apart, and the load generator's (this process).
 
-
-def over_http(url: str, pid: int, concurrency: int, tokens: int, stream: bool) -> dict[str, Any]:
-    """All ``concurrency`` chats at once against the server at ``url`` (process ``pid``):
-    tokens/s and the server's CPU us per token, its own process and its children apart."""
+    Raises:
+        AnswerError: an answer failed or had the wrong token count.
+    """
     base: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
     if stream:
         base |= {"stream": True, "stream_options": {"include_usage": True}}
     bodies = [{"messages": m, **base} for m in prompts(concurrency)]
-
-    async def go() -> list[int]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            chat = url + "/v1/chat/completions"
-            return await asyncio.gather(*(_one(client, chat, b, stream) for b in bodies))
-
     before, ticks = cpu_by_process(pid), ticks_by_process(pid)
     t0, c0 = time.perf_counter(), time.process_time()
-    counts = asyncio.run(go())
+    counts = send_all(client, url, bodies, stream, tokens)
     wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
     after, ticks_after = cpu_by_process(pid), ticks_by_process(pid)
     n = sum(counts)
@@ -236,50 +214,94 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _row(
+    c: int,
+    mode: str,
+    eng_runs: list[dict[str, Any]],
+    srv: list[dict[str, Any]],
+    ratios: list[float],
+) -> dict[str, Any]:
+    """One result row: medians over the pairs."""
+    return {
+        "concurrency": c,
+        "mode": mode,
+        "engine_tokens_per_s": _median(eng_runs, "tokens_per_s"),
+        "server_tokens_per_s": _median(srv, "tokens_per_s"),
+        "ratio": statistics.median(ratios),
+        "api_cpu_us_per_token": _median(srv, "api_cpu_us_per_token"),
+        "engine_cpu_us_per_token": _median(srv, "engine_cpu_us_per_token"),
+        "client_cpu_us_per_token": _median(srv, "client_cpu_us_per_token"),
+        "server_processes": max(s["processes"] for s in srv),
+        "engine_alone_cpu_us_per_token": _median(eng_runs, "cpu_us_per_token"),
+        "engine_host_us_per_token": _median(eng_runs, "host_us_per_token"),
+        "engine_forward_us_per_token": _median(eng_runs, "forward_us_per_token"),
+    }
+
+
 def host(args: argparse.Namespace, model_dir: str) -> int:
     """``host``: the engine alone against the server over HTTP (streamed and plain) at
-    each concurrency, interleaved pairs, medians; writes ``host.json``."""
+    each concurrency, interleaved pairs, medians; writes ``host.json``.
+
+    With several ``--client`` load generators and a ``--baseline`` checkout (a second
+    server, started beside this checkout's), each pair runs every (server, client)
+    variant of each mode in turn, the order reversed every other pair; ``runs`` holds
+    this checkout's server with the first client, ``variants`` every variant's rows.
+    """
     concurrencies, tokens, pairs = SCALES[args.scale]
     if args.concurrency:
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
     tokens = args.tokens or tokens
     pairs = args.pairs or pairs
+    clients = [c.strip() for c in args.client.split(",") if c.strip()]
+    if not clients or any(c not in CLIENTS for c in clients):
+        raise SystemExit(f"--client: a comma-separated list of {', '.join(CLIENTS)}")
     alone = EngineAlone(model_dir)
     flags = ["--max-running-requests", str(MAX_RUNNING)]
     flags += ["--max-total-tokens", str(pool_tokens(max(concurrencies), tokens))]
-    runs: list[dict[str, Any]] = []
-    with http.mmserve_server(model_dir, flags, threads=args.threads or 1) as (url, proc):
+    variants: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        servers = {
+            "this": stack.enter_context(http.mmserve_server(model_dir, flags, args.threads or 1))
+        }
+        if args.stream_interval > 1:  # this checkout again, N tokens per streamed chunk
+            every = [*flags, "--stream-interval", str(args.stream_interval)]
+            servers[f"this-interval{args.stream_interval}"] = stack.enter_context(
+                http.mmserve_server(model_dir, every, args.threads or 1)
+            )
+        if args.baseline:
+            repo = Path(args.baseline).resolve()
+            servers["baseline"] = stack.enter_context(
+                http.mmserve_server(model_dir, flags, args.threads or 1, repo=repo)
+            )
+        combos = [(name, client) for name in servers for client in clients]
         alone.run(4, 4)  # warm-up: first-call costs stay out of the pairs
-        over_http(url, proc.pid, 4, 4, True)
+        for url, proc in servers.values():
+            for client in clients:
+                over_http(url, proc.pid, 4, 4, True, client)
         for c in concurrencies:
             eng_runs: list[dict[str, Any]] = []
-            by_mode: dict[str, list[dict[str, Any]]] = {"streamed": [], "plain": []}
-            ratios: dict[str, list[float]] = {"streamed": [], "plain": []}
-            for _ in range(pairs):
+            got: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+            ratios: dict[tuple[str, str, str], list[float]] = {}
+            for k in range(pairs):
                 e = alone.run(c, tokens)
                 eng_runs.append(e)
-                for mode in by_mode:
-                    s = over_http(url, proc.pid, c, tokens, mode == "streamed")
-                    by_mode[mode].append(s)
-                    ratios[mode].append(s["tokens_per_s"] / e["tokens_per_s"])
+                for mode in ("streamed", "plain"):
+                    for name, client in combos if k % 2 == 0 else combos[::-1]:
+                        url, proc = servers[name]
+                        s = over_http(url, proc.pid, c, tokens, mode == "streamed", client)
+                        got.setdefault((mode, name, client), []).append(s)
+                        ratios.setdefault((mode, name, client), []).append(
+                            s["tokens_per_s"] / e["tokens_per_s"]
+                        )
                 print(f"host: c={c} engine {e['tokens_per_s']:.0f} tok/s", flush=True)
-            for mode, srv in by_mode.items():
-                runs.append(
-                    {
-                        "concurrency": c,
-                        "mode": mode,
-                        "engine_tokens_per_s": _median(eng_runs, "tokens_per_s"),
-                        "server_tokens_per_s": _median(srv, "tokens_per_s"),
-                        "ratio": statistics.median(ratios[mode]),
-                        "api_cpu_us_per_token": _median(srv, "api_cpu_us_per_token"),
-                        "engine_cpu_us_per_token": _median(srv, "engine_cpu_us_per_token"),
-                        "client_cpu_us_per_token": _median(srv, "client_cpu_us_per_token"),
-                        "server_processes": max(s["processes"] for s in srv),
-                        "engine_alone_cpu_us_per_token": _median(eng_runs, "cpu_us_per_token"),
-                        "engine_host_us_per_token": _median(eng_runs, "host_us_per_token"),
-                        "engine_forward_us_per_token": _median(eng_runs, "forward_us_per_token"),
-                    }
-                )
+            for (mode, name, client), srv in got.items():
+                row = _row(c, mode, eng_runs, srv, ratios[(mode, name, client)])
+                variants.append({**row, "server": name, "client": client})
+    runs = [
+        {k: v for k, v in r.items() if k not in ("server", "client")}
+        for r in variants
+        if r["server"] == "this" and r["client"] == clients[0]
+    ]
     out = {
         "meta": {
             "model": args.size or str(args.model),
@@ -288,17 +310,23 @@ def host(args: argparse.Namespace, model_dir: str) -> int:
             "tokens": tokens,
             "pairs": pairs,
             "load": os.getloadavg()[0],
+            "clients": clients,
+            "baseline": args.baseline or None,
+            "stream_interval": args.stream_interval,
         },
         "runs": runs,
+        "variants": variants,
     }
     path = args.out / "host.json"
     path.write_text(json.dumps(out, indent=1))
-    for r in runs:
+    for r in sorted(
+        variants, key=lambda r: (r["concurrency"], r["mode"], r["server"], r["client"])
+    ):
         print(
-            f"c={r['concurrency']:4d} {r['mode']:8s} ratio {r['ratio']:.2f}  server "
-            f"{r['server_tokens_per_s']:.0f} / engine {r['engine_tokens_per_s']:.0f} tok/s  "
-            f"api {r['api_cpu_us_per_token']:.0f} us/tok, engine proc "
-            f"{r['engine_cpu_us_per_token']:.0f}, load generator "
+            f"c={r['concurrency']:4d} {r['mode']:8s} {r['server']:8s} {r['client']:7s} ratio "
+            f"{r['ratio']:.2f}  server {r['server_tokens_per_s']:.0f} / engine "
+            f"{r['engine_tokens_per_s']:.0f} tok/s  api {r['api_cpu_us_per_token']:.0f} us/tok, "
+            f"engine proc {r['engine_cpu_us_per_token']:.0f}, load generator "
             f"{r['client_cpu_us_per_token']:.0f}, engine host {r['engine_host_us_per_token']:.1f}"
         )
     print(f"wrote {path}")
@@ -310,4 +338,24 @@ OPTIONS: list[tuple[tuple[str, ...], dict]] = [
     (("--concurrency",), dict(default="", help="comma-separated (default by --scale)")),
     (("--tokens",), dict(type=int, default=0, help="tokens per answer (default by --scale)")),
     (("--pairs",), dict(type=int, default=0, help="interleaved rounds (default by --scale)")),
+    (
+        ("--client",),
+        dict(
+            default="aiohttp",
+            help="load generators, comma-separated: aiohttp (lines counted, the usage "
+            "chunk parsed) and/or httpx (every event parsed)",
+        ),
+    ),
+    (
+        ("--stream-interval",),
+        dict(
+            type=int,
+            default=1,
+            help="N > 1: a third server, this checkout with --stream-interval N",
+        ),
+    ),
+    (
+        ("--baseline",),
+        dict(default="", help="a second checkout whose server runs beside this one's"),
+    ),
 ]

@@ -15,17 +15,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
-from api.disconnect import request_token, until_gone
+from api.disconnect import request_token
 from api.errors import APIError
+from api.sse import EventStreamResponse
 from api.state import ServerState
 from api.submit import Submission
 from mmserve.types import EngineRequest, GenerateResult
-
-#: Headers of a server-sent-event answer (no proxy buffering, no caching).
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Usage(NamedTuple):
@@ -158,8 +156,7 @@ class Endpoint(Generic[Body, C]):
         sub = st.client.submit(call.reqs, final_only=not streamed)
         if streamed:
             # the submission ends its reader when the client leaves (its token's hook)
-            events = until_gone(self.stream(st, body, call, sub), request_token(http))
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return EventStreamResponse(self.stream(st, body, call, sub), request_token(http))
         results = await sub.answers(http)
         return self.answer(st, body, call, results).body
 

@@ -91,6 +91,9 @@ class CancelGuard:
     """ASGI middleware: when Ray Serve cancels a request (its client disconnected), every
     submission the request made is cancelled, so its engine requests are aborted."""
 
+    #: it passes every send through untouched (api.sse.BODY_PASSTHROUGH)
+    mmserve_body_passthrough = True
+
     def __init__(self, app) -> None:
         self.app = app
 

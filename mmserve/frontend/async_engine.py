@@ -321,6 +321,11 @@ class Slot:
         finally:
             self._waiter = None
 
+    def pending_ids(self) -> int:
+        """Output ids merged here and not yet taken (raw deltas: how many are held)."""
+        upd = self._update
+        return len(upd.delta_ids) if upd is not None else len(self._deltas)
+
     def poll(self) -> StreamUpdate | None:
         """Everything merged since the last call, or None when nothing is ready (with
         ``final_only``: until the result); never waits."""
