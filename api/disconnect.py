@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mmserve.cancel import CancelToken, using
+from mmserve.cancel import Cancelled, CancelToken, using
 
 #: The scope key holding the request's token.
 SCOPE_KEY = "mmserve.cancel"
