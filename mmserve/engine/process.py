@@ -19,9 +19,11 @@ cross pickled lists of messages, each list one ``send_bytes``:
   longer holds (not taken in; the API sends it again with pixels).
 
 The engine thread is this process's main thread; it reads what arrives before every
-step (waiting on the pipe only while idle); a :class:`PipeSender` thread writes what goes
-out, so a step never waits on a slow reader (messages queued meanwhile go out in one
-write: per step when the reader keeps up, several steps' at once when it does not).
+step (waiting on the pipe only while idle, with no timeout shorter than the parent
+check); it writes what goes out itself while the pipe has room (:class:`PipeSender`: no
+thread hand-off on the way out), and a sender thread finishes a write the pipe had no
+room for, so a step never waits on a slow reader (messages put meanwhile go out in one
+write after it).
 The process ends when the API process
 asks (``stop``: live requests aborted, KV written to the disk tier, tensor-parallel ranks
 stopped) or when it goes away (its pipe closes, or it is no longer this process's
@@ -31,13 +33,17 @@ parent): nothing outlives the API process.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import pickle
+import select
+import struct
 import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import EngineCore
@@ -203,12 +209,19 @@ class EngineLoop:
 
 
 class PipeSender:
-    """Writes an engine loop's messages to its pipe on a thread of its own, so a step never
-    waits on a slow reader (a full pipe blocks the write, not the next step): messages
-    queued while a write is under way go out together in the next write, in order.
+    """Writes an engine loop's messages to its pipe so that a step never waits on a slow
+    reader: the caller's thread writes a message at once when the pipe has room for it
+    (the usual case: no hand-off between threads on the way to the API process), and a
+    thread of its own finishes a write the pipe had no room for; messages put meanwhile
+    go out together after it, in order. After a whole write the caller yields its CPU
+    (``sched_yield``): a pipe wakes its reader on the writer's CPU, where on a busy host
+    it would wait for the rest of the step. The pipe is made non-blocking and as large as the
+    system allows (``F_SETPIPE_SZ``), and written with ``multiprocessing``'s framing (a
+    4-byte big-endian size, or -1 then an 8-byte size; the API side's
+    :func:`~mmserve.frontend.engine_wire.frames`).
 
     Args:
-        tx: the outgoing pipe end.
+        tx: the outgoing pipe end (its fd becomes non-blocking).
 
     Attributes:
         gone: a write failed (the API process closed its end); later messages are dropped.
@@ -217,17 +230,38 @@ class PipeSender:
     def __init__(self, tx: Connection) -> None:
         self.tx = tx
         self.gone = False
+        self._fd = tx.fileno()
+        _grow_pipe(self._fd)
+        os.set_blocking(self._fd, False)
         self._queue: list[tuple] = []
+        self._pending: memoryview | None = None  # the rest of a write the pipe had no room for
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mmserve-engine-send", daemon=True)
         self._thread.start()
 
     def put(self, msgs: list[tuple]) -> None:
-        """Queue ``msgs`` for the pipe (returns at once)."""
+        """Send ``msgs`` (written now as far as the pipe has room; returns at once)."""
         with self._cv:
-            self._queue.extend(msgs)
-            self._cv.notify()
+            if self.gone:
+                return
+            if self._pending is not None or self._queue:  # behind a write under way
+                self._queue.extend(msgs)
+                self._cv.notify()
+                return
+            data = frame(pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL))
+            try:
+                n = os.write(self._fd, data)
+            except BlockingIOError:
+                n = 0
+            except OSError:  # the API process is gone; the loop ends at its next check
+                self.gone = True
+                return
+            if n < len(data):
+                self._pending = memoryview(data)[n:]
+                self._cv.notify()
+            else:  # the reader runs now on a busy CPU, not when this step's rest is done
+                os.sched_yield()
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then stop the thread (waits up to ``timeout`` seconds)."""
@@ -239,17 +273,45 @@ class PipeSender:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while self._pending is None and not self._queue and not self._closed:
                     self._cv.wait()
-                if not self._queue:
-                    return
-                batch, self._queue = self._queue, []
-            if self.gone:
-                continue
+                if self._pending is None:
+                    if not self._queue:
+                        return
+                    batch, self._queue = self._queue, []
+                    data = frame(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+                    self._pending = memoryview(data)
+                buf = self._pending
             try:
-                self.tx.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
-            except OSError:  # the API process is gone; the loop ends at its next check
-                self.gone = True
+                select.select([], [self._fd], [], 1.0)  # room in the pipe (or a timeout)
+                n = os.write(self._fd, buf)
+            except BlockingIOError:
+                n = 0
+            except (OSError, ValueError):  # the API process is gone (or the fd closed)
+                with self._cv:
+                    self.gone, self._pending, self._queue = True, None, []
+                continue
+            with self._cv:
+                self._pending = buf[n:] if n < len(buf) else None
+
+
+def frame(payload: bytes) -> bytes:
+    """``payload`` with ``multiprocessing.connection``'s framing (what ``send_bytes``
+    writes): a 4-byte big-endian signed size, or -1 then an 8-byte size from 2 GiB on."""
+    n = len(payload)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return head + payload
+
+
+def _grow_pipe(fd: int) -> None:
+    """Make the pipe behind ``fd`` as large as an unprivileged process may (Linux: up to
+    ``/proc/sys/fs/pipe-max-size``, 1 MiB by default), so a step's message fits at once."""
+    setsz = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+    try:
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        fcntl.fcntl(fd, setsz, min(limit, 1 << 20))
+    except (OSError, ValueError):  # not Linux, or not a pipe: its default size
+        pass
 
 
 #: :class:`TokenDelta`'s fields, in the order :func:`pack_deltas` writes them.

@@ -9,8 +9,8 @@ app, queue limit, metrics and disconnects work as in one process. Text is built 
 each request's :class:`~mmserve.frontend.async_engine.Slot`, from the step's deltas.
 
 Messages going in are batched: everything submitted in one turn of the event loop
-crosses in one pickled list. Each step's outputs arrive as one message, read and
-unpickled on the event loop (``loop.add_reader`` on the pipe: no thread hop). Pixel
+crosses in one pickled list (to an idle engine at once). Each step's outputs arrive as
+one message, read and unpickled on the event loop (``loop.add_reader``: no thread). Pixel
 tensors cross through shared memory (torch's ``ForkingPickler`` reductions: the tensor
 is moved into shared memory once, then only a file descriptor crosses; it is freed when
 both processes have dropped it); an image whose features the engine holds
@@ -36,7 +36,6 @@ import pickle
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler  # tensors -> shared memory
 from typing import Any
 
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
@@ -52,8 +51,8 @@ from mmserve.frontend.engine_wire import (
     EngineStartError,
     EngineTimeout,
     EngineUnavailable,
+    dumps_lending,
     frames,
-    lent_fds,
     release_lent,
     wire_request,
 )
@@ -440,24 +439,25 @@ class EngineProcessClient:
             self._ready_event.set()
 
     def _send(self, msg: tuple) -> None:
-        """Queue ``msg``; everything queued in this turn of the loop crosses as one list."""
-        if not self._outbox:
-            assert self._loop is not None
-            self._loop.call_soon(self._flush)
+        """Send ``msg``: at once while no other request is in flight (an idle engine: a
+        turn of the loop's wait would only add latency), else queued, and everything
+        queued in this turn of the loop crosses as one list."""
         self._outbox.append(msg)
+        if len(self._outbox) == 1:
+            if len(self._slots) <= 1:
+                self._flush()
+            else:
+                assert self._loop is not None
+                self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         out, self._outbox = self._outbox, []
         if not out or not self._ready or self._tx is None:
             return
-        before = lent_fds()
-        data = ForkingPickler.dumps(out, protocol=5)
-        now = lent_fds()  # pixels' shared memory lent to the engine, until it takes it
-        if len(self._lent) > 256:  # those the engine took are no longer lent
-            self._lent &= now
-        self._lent |= now - before
+        data = dumps_lending(out, self._lent)  # pixels' shared memory lent until taken
         try:
             self._tx.send_bytes(data)
+            os.sched_yield()  # a pipe wakes its reader on this CPU: let it run first
         except OSError:  # the engine is gone: its reader reports the death
             pass
 

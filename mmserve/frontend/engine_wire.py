@@ -64,6 +64,22 @@ def lent_fds() -> set[int]:
         return set(lender._cache)
 
 
+def dumps_lending(msgs: list[tuple], lent: set[int]) -> memoryview:
+    """``msgs`` pickled for the engine's pipe (``ForkingPickler``: a pixel tensor moves
+    into shared memory once and only its file descriptor crosses, lent until the engine
+    fetches it); the keys of the descriptors this lent are added to ``lent`` (past 256
+    kept, those no longer lent are dropped from it)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    before = lent_fds()
+    data = ForkingPickler.dumps(msgs, protocol=5)
+    now = lent_fds()
+    if len(lent) > 256:  # those the engine took are no longer lent
+        lent &= now
+    lent |= now - before
+    return data
+
+
 def release_lent(keys: set[int]) -> None:
     """Close the lent file descriptors ``keys`` (of :func:`lent_fds`) that their receiver
     never fetched: torch's reduction lends each pixel tensor's shared memory through
