@@ -5,9 +5,12 @@ server giving the in-process server's tokens, and each side dying alone."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
+import pickle
 import signal
+import socket
 import subprocess
 import time
 
@@ -343,3 +346,39 @@ def test_engine_restarts_flag_is_checked() -> None:
         settings_from_args(args)
     launch, _, _ = settings_from_args(build_parser().parse_args(["serve"]))
     assert (launch.engine_restarts, launch.engine_in_process) == (3, False)
+
+
+def test_a_pixel_tensor_crosses_as_a_descriptor_sent_ahead_of_its_message(monkeypatch) -> None:
+    """The API pickles a pixel tensor as its shared memory's file descriptor, sent on the
+    engine's socket before the message: the engine maps the same memory as it unpickles,
+    with nothing lent through ``resource_sharer`` (whose fetch is a round trip to the API
+    process, made on the engine's thread)."""
+    from multiprocessing import resource_sharer
+
+    import torch
+
+    import mmserve.engine.process as engine_process
+    from mmserve.frontend.engine_wire import dumps_sending
+
+    api_end, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lent = resource_sharer._resource_sharer._cache
+    before = len(lent)
+    pixels = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    empty = torch.zeros(0)
+    data = dumps_sending([("add", pixels, empty), ("abort", "r1")], api_end)
+    assert len(lent) == before  # nothing lent: the fd went on the socket
+    monkeypatch.setattr(engine_process, "_FD_SOCKET", engine_end)
+    monkeypatch.setattr(engine_process, "_FDS", collections.deque())
+    (kind, got, got_empty), abort = pickle.loads(data)
+    assert kind == "add" and abort == ("abort", "r1")
+    assert torch.equal(got, pixels) and got.is_shared() and got_empty.numel() == 0
+    pixels[1, 2, 3] = -1.0  # one memory in both: no copy per byte
+    assert got[1, 2, 3].item() == -1.0
+    # a burst: more descriptors than one socket message carries, all sent before the
+    # message (the engine reads them as it unpickles), in order
+    many = [torch.full((2,), float(i)) for i in range(300)]
+    data = dumps_sending([("add", t) for t in many], api_end)
+    assert [m[1][0].item() for m in pickle.loads(data)] == [float(i) for i in range(300)]
+    assert not engine_process._FDS  # every descriptor taken (and closed)
+    api_end.close()
+    engine_end.close()

@@ -9,7 +9,9 @@ cross pickled lists of messages, each list one ``send_bytes``:
   control call: :data:`CONTROL_CALLS`, or :data:`PING`), ``("drop", call_id)`` (the API
   stopped waiting for that call: skipped if not yet read), ``("stop",)``;
 - out (engine -> API): ``("ready", info)`` once the model is loaded and its kernels are
-  built, ``("failed", message, bad_setting)`` when it cannot start, then per step one
+  built (with ``info["fds"]``, the API's end of the socket pixel tensors' file
+  descriptors come in on: :func:`rebuild_sent_storage`), ``("failed", message,
+  bad_setting)`` when it cannot start, then per step one
   ``("out", deltas, consecutive_failed_steps, fatal_error)`` with every request's
   :class:`~mmserve.types.TokenDelta` s of the step (as tuples: :func:`pack_deltas`),
   ``("reply", call_id, ok, value)``, ``("features", added, dropped, cleared)`` when the
@@ -32,17 +34,20 @@ parent): nothing outlives the API process.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fcntl
 import logging
 import os
 import pickle
 import select
+import socket
 import struct
 import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from mmserve.config import EngineConfig
@@ -89,12 +94,36 @@ def engine_main(
         log.exception("the engine could not start")
         tx.send_bytes(pickle.dumps([("failed", f"{e}", isinstance(e, ValueError))]))
         return
+    global _FD_SOCKET
+    _FD_SOCKET, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     info = {"describe": core.describe(), "pool_tokens": core.pool.size_tokens, "pid": os.getpid()}
-    tx.send_bytes(pickle.dumps([("ready", info)]))
+    tx.send_bytes(ForkingPickler.dumps([("ready", {**info, "fds": theirs})]))
+    theirs.close()  # the API process fetches a duplicate as it unpickles ready
     try:
         EngineLoop(core, rx, tx, parent).run()
     finally:
         core.close()  # KV pages to the disk tier (if on), tensor-parallel ranks stopped
+
+
+#: The socket the API process sends pixel tensors' file descriptors on, each ahead of
+#: the message whose unpickling takes it (:func:`rebuild_sent_storage`).
+_FD_SOCKET: socket.socket | None = None
+#: Descriptors received on it and not yet taken (in the order they were sent).
+_FDS: collections.deque[int] = collections.deque()
+
+
+def rebuild_sent_storage(cls: type, size: int) -> object:
+    """Unpickle a shared-memory storage of ``size`` bytes whose file descriptor the API
+    process sent ahead on :data:`_FD_SOCKET` (``mmserve.frontend.engine_wire.
+    dumps_sending``): mapped here, the descriptor closed."""
+    assert _FD_SOCKET is not None, "no fd socket from the API process"
+    if not _FDS:  # the next message's descriptors (each send: up to 253, in order)
+        _FDS.extend(socket.recv_fds(_FD_SOCKET, 1, 253)[1])
+    fd = _FDS.popleft()
+    try:
+        return cls._new_shared_fd_cpu(fd, size)  # type: ignore[attr-defined]  # torch's
+    finally:
+        os.close(fd)
 
 
 class EngineLoop:
