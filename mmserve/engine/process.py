@@ -242,9 +242,7 @@ class PipeSender:
     reader: the caller's thread writes a message at once when the pipe has room for it
     (the usual case: no hand-off between threads on the way to the API process), and a
     thread of its own finishes a write the pipe had no room for; messages put meanwhile
-    go out together after it, in order. After a whole write the caller yields its CPU
-    (``sched_yield``): a pipe wakes its reader on the writer's CPU, where on a busy host
-    it would wait for the rest of the step. The pipe is made non-blocking and as large as the
+    go out together after it, in order. The pipe is made non-blocking and as large as the
     system allows (``F_SETPIPE_SZ``), and written with ``multiprocessing``'s framing (a
     4-byte big-endian size, or -1 then an 8-byte size; the API side's
     :func:`~mmserve.frontend.engine_wire.frames`).
@@ -289,8 +287,6 @@ class PipeSender:
             if n < len(data):
                 self._pending = memoryview(data)[n:]
                 self._cv.notify()
-            else:  # the reader runs now on a busy CPU, not when this step's rest is done
-                os.sched_yield()
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then stop the thread (waits up to ``timeout`` seconds)."""

@@ -436,12 +436,14 @@ class EngineProcessClient:
 
     def _send(self, msg: tuple) -> None:
         """Send ``msg``: at once while no other request is in flight (an idle engine: a
-        turn of the loop's wait would only add latency), else queued, and everything
-        queued in this turn of the loop crosses as one list."""
+        turn of the loop's wait would only add latency; then this process yields its
+        CPU to the engine), else queued, and everything queued in this turn of the loop
+        crosses as one list."""
         self._outbox.append(msg)
         if len(self._outbox) == 1:
             if len(self._slots) <= 1:
                 self._flush()
+                os.sched_yield()  # a pipe wakes its reader on this CPU: let it run first
             else:
                 assert self._loop is not None
                 self._loop.call_soon(self._flush)
@@ -453,7 +455,6 @@ class EngineProcessClient:
         data = dumps_sending(out, self._fds)  # pixels' fds ahead, on their socket
         try:
             self._tx.send_bytes(data)
-            os.sched_yield()  # a pipe wakes its reader on this CPU: let it run first
         except OSError:  # the engine is gone: its reader reports the death
             pass
 
