@@ -101,6 +101,7 @@ COMMANDS: dict[str, tuple[Any, str, str | None, str, list[tuple[tuple[str, ...],
         (("--ttft-probes",), dict(type=int, default=5, help="single requests per round")),
         (("--concurrency",), dict(type=int, default=128, help="streams per burst")),
         (("--tokens",), dict(type=int, default=64, help="tokens per stream")),
+        (("--repo",), dict(action="append", help="another checkout to run both servers from")),
     ]),
     "tracing": (tracing_overhead.tracing_overhead, "quick", "tiny", "llava", [
         (("--repeats",), dict(type=int, default=8, help="off/on pairs")),

@@ -240,6 +240,9 @@ SLOW_TESTS: dict[str, str] = {
     # benchmarks and installs
     "test_benchmarks::test_tracing_benchmark_tiny": "server subprocesses with and without tracing",
     "test_benchmarks::test_image_repeat_benchmark_tiny": "a server subprocess and its engine",
+    "test_benchmarks::test_engine_process_benchmark_tiny": (
+        "two server subprocesses (one with its engine process)"
+    ),
     "test_benchmarks::test_batch_api_benchmark_tiny": "a server subprocess under load",
     "test_benchmarks::test_spec_benchmark_tiny": "six engines on two models, timed rounds",
     "test_benchmarks::test_determinism_benchmark_tiny": "twelve engines on two models in bf16",

@@ -567,6 +567,24 @@ def test_image_repeat_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
     assert out["tower_runs"] == {"this checkout": 1}  # the warm-up's only
 
 
+def test_engine_process_benchmark_tiny(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["engine-process", "--model", str(model_dir), "--scale", "ci", "--rounds", "2"]
+    argv += ["--ttft-probes", "2", "--concurrency", "4", "--tokens", "4", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "engine_process.json").read_text())
+    assert set(out["rows"]) == {"split", "in_process"}
+    for row in out["rows"].values():
+        assert row["ttft_ms"] > 0 and row["tokens_per_s"] > 0
+        assert row["many_questions_req_s"] > 0
+    # many_questions (1 photo x 2 questions at the ci scale), every round on both servers
+    assert "1 images x 2 questions" in out["many_questions"]
+    rps = out["many_questions_req_s"]
+    assert len(rps["split"]) == len(rps["in_process"]) == 2
+    ratios = sorted(a / b for a, b in zip(rps["split"], rps["in_process"], strict=True))
+    assert out["many_questions_split_over_in_process"] == pytest.approx(sum(ratios) / 2)
+    assert out["ratios"]["split / in-process"]["ttft"] == out["ttft_split_over_in_process"]
+
+
 def test_host_benchmark_counts_a_servers_child_processes() -> None:
     import os
     import subprocess

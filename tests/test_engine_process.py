@@ -5,9 +5,12 @@ server giving the in-process server's tokens, and each side dying alone."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
+import pickle
 import signal
+import socket
 import subprocess
 import time
 
@@ -343,3 +346,100 @@ def test_engine_restarts_flag_is_checked() -> None:
         settings_from_args(args)
     launch, _, _ = settings_from_args(build_parser().parse_args(["serve"]))
     assert (launch.engine_restarts, launch.engine_in_process) == (3, False)
+
+
+def test_a_pixel_tensor_crosses_as_a_descriptor_sent_ahead_of_its_message(monkeypatch) -> None:
+    """The API pickles a pixel tensor as its shared memory's file descriptor, sent on the
+    engine's socket before the message: the engine maps the same memory as it unpickles,
+    with nothing lent through ``resource_sharer`` (whose fetch is a round trip to the API
+    process, made on the engine's thread)."""
+    from multiprocessing import resource_sharer
+
+    import torch
+
+    import mmserve.engine.process as engine_process
+    from mmserve.frontend.engine_wire import dumps_sending
+
+    api_end, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lent = resource_sharer._resource_sharer._cache
+    before = len(lent)
+    pixels = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    empty = torch.zeros(0)
+    data = dumps_sending([("add", pixels, empty), ("abort", "r1")], api_end)
+    assert len(lent) == before  # nothing lent: the fd went on the socket
+    monkeypatch.setattr(engine_process, "_FD_SOCKET", engine_end)
+    monkeypatch.setattr(engine_process, "_FDS", collections.deque())
+    (kind, got, got_empty), abort = pickle.loads(data)
+    assert kind == "add" and abort == ("abort", "r1")
+    assert torch.equal(got, pixels) and got.is_shared() and got_empty.numel() == 0
+    pixels[1, 2, 3] = -1.0  # one memory in both: no copy per byte
+    assert got[1, 2, 3].item() == -1.0
+    # a burst: more descriptors than one socket message carries, all sent before the
+    # message (the engine reads them as it unpickles), in order
+    many = [torch.full((2,), float(i)) for i in range(300)]
+    data = dumps_sending([("add", t) for t in many], api_end)
+    assert [m[1][0].item() for m in pickle.loads(data)] == [float(i) for i in range(300)]
+    assert not engine_process._FDS  # every descriptor taken (and closed)
+    api_end.close()
+    engine_end.close()
+
+
+def test_the_engine_writes_a_steps_message_itself_while_the_pipe_has_room(monkeypatch) -> None:
+    """No thread hand-off on the way out (idle TTFT): with the sender thread never run,
+    a message that fits is in the pipe when ``put`` returns; one larger than the pipe
+    is finished by the thread, and what is put meanwhile follows it in order."""
+    import multiprocessing
+    import threading
+
+    from mmserve.engine.process import PipeSender
+    from mmserve.frontend.engine_wire import frames
+
+    rx, tx = multiprocessing.Pipe(duplex=False)
+    started = []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self))
+    sender = PipeSender(tx)
+    sender.put([("out", [("r1", (5,))])])
+    assert rx.poll(0)  # written by the caller: the sender thread never ran
+    assert pickle.loads(rx.recv_bytes()) == [("out", [("r1", (5,))])]
+    big = b"x" * (4 << 20)  # more than the pipe holds (1 MiB at most)
+    sender.put([("reply", 1, True, big)])
+    sender.put([("reply", 2, True, None)])  # behind the unfinished write
+    (thread,) = started
+    monkeypatch.undo()
+    thread.start()  # the thread finishes the first write, then sends the second
+    buf, got = bytearray(), list[tuple]()
+    os.set_blocking(rx.fileno(), True)
+    while len(got) < 2:
+        buf += os.read(rx.fileno(), 1 << 20)
+        got += [m for payload in frames(buf) for m in pickle.loads(payload)]
+    assert got == [("reply", 1, True, big), ("reply", 2, True, None)]
+    sender.close()
+    rx.close()
+
+
+def test_a_request_to_an_idle_engine_crosses_without_waiting_for_the_loop(model_dir) -> None:
+    """Idle TTFT: the API writes a message at once when no other request is in flight
+    (no turn of the event loop first); while others are, messages of one turn are
+    batched into one write."""
+    import multiprocessing
+
+    from mmserve.config import EngineConfig
+    from mmserve.frontend.engine_client import EngineProcessClient
+
+    client = EngineProcessClient(EngineConfig(model_path=str(model_dir)))
+    rx, tx = multiprocessing.Pipe(duplex=False)
+    loop = asyncio.new_event_loop()
+    client._loop, client._tx, client._ready = loop, tx, True
+    try:
+        client._send(("abort", "r0"))  # nothing in flight: written now, loop not run
+        assert rx.poll(0) and pickle.loads(rx.recv_bytes()) == [("abort", "r0")]
+        client._slots.update({"a": object(), "b": object()})  # type: ignore[dict-item]
+        client._send(("abort", "r1"))
+        client._send(("abort", "r2"))
+        assert not rx.poll(0)  # busy: queued for the end of this turn of the loop
+        loop.run_until_complete(asyncio.sleep(0))
+        assert pickle.loads(rx.recv_bytes()) == [("abort", "r1"), ("abort", "r2")]
+    finally:
+        loop.close()
+        rx.close()
+        tx.close()

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import os
 import signal
+import socket
+import sys
+import termios
 import time
 
 import pytest
@@ -86,6 +90,10 @@ def test_stop_ends_the_calls_and_requests_the_engine_left_unanswered(make_engine
 
 
 def test_pixels_sent_to_an_engine_process_that_died_are_not_leaked(make_engine, photos) -> None:
+    """A pixel tensor's shared memory crosses as a file descriptor on the engine's socket,
+    ahead of its message (nothing lent through ``resource_sharer``, which a dead engine
+    would never fetch); when the engine dies with it unread, its end of that socket is
+    gone, and with it the descriptors queued there."""
     from multiprocessing import resource_sharer
 
     front, process = _split(make_engine(max_total_tokens=4096))
@@ -95,22 +103,35 @@ def test_pixels_sent_to_an_engine_process_that_died_are_not_leaked(make_engine, 
     )
     lent = resource_sharer._resource_sharer._cache  # fds lent until their receiver takes them
 
-    async def run() -> tuple[int, str | None]:
+    def unread(sock: socket.socket) -> int:  # bytes sent on sock its peer has not read
+        out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")  # SIOCOUTQ
+        return int.from_bytes(out, sys.byteorder)
+
+    async def run() -> tuple[int, int, bytes, str | None]:
         process.attach()
         os.kill(process.pid, signal.SIGSTOP)  # the add stays in the pipe, unread
         gen = asyncio.ensure_future(process.generate(req))
         await asyncio.sleep(0.3)
-        sent = len(lent)
+        fds = process._fds
+        queued = unread(fds)  # the pixels' fd, sent ahead of the message
+        assert len(lent) == 0, "a pixel fd was lent through resource_sharer"
         os.kill(process.pid, signal.SIGKILL)
         res = await asyncio.wait_for(gen, timeout=10)
-        return sent, res.finish_reason
+        try:  # the engine's end: closed (EOF), or reset as it held unread data
+            eof = fds.recv(1, socket.MSG_DONTWAIT)
+        except ConnectionResetError:
+            eof = b""
+        return queued, unread(fds), eof, res.finish_reason
 
     try:
-        sent, finish = asyncio.run(run())
+        queued, left, eof, finish = asyncio.run(run())
     finally:
         process.stop()
-    assert sent >= 1 and finish == "error"  # the pixels crossed as a lent fd, then it died
-    assert len(lent) == 0, "the dead engine's shared memory is still held"
+    assert finish == "error"
+    # the fd waited on the engine's end of the socket; that end is gone (b"": EOF) and
+    # with it what was queued there (the kernel closed the descriptor)
+    assert queued > 0 and left == 0 and eof == b""
+    assert len(lent) == 0
 
 
 def test_control_calls_to_a_hung_engine_process_answer_503_at_their_deadline(make_engine) -> None:

@@ -9,7 +9,9 @@ cross pickled lists of messages, each list one ``send_bytes``:
   control call: :data:`CONTROL_CALLS`, or :data:`PING`), ``("drop", call_id)`` (the API
   stopped waiting for that call: skipped if not yet read), ``("stop",)``;
 - out (engine -> API): ``("ready", info)`` once the model is loaded and its kernels are
-  built, ``("failed", message, bad_setting)`` when it cannot start, then per step one
+  built (with ``info["fds"]``, the API's end of the socket pixel tensors' file
+  descriptors come in on: :func:`rebuild_sent_storage`), ``("failed", message,
+  bad_setting)`` when it cannot start, then per step one
   ``("out", deltas, consecutive_failed_steps, fatal_error)`` with every request's
   :class:`~mmserve.types.TokenDelta` s of the step (as tuples: :func:`pack_deltas`),
   ``("reply", call_id, ok, value)``, ``("features", added, dropped, cleared)`` when the
@@ -19,9 +21,11 @@ cross pickled lists of messages, each list one ``send_bytes``:
   longer holds (not taken in; the API sends it again with pixels).
 
 The engine thread is this process's main thread; it reads what arrives before every
-step (waiting on the pipe only while idle); a :class:`PipeSender` thread writes what goes
-out, so a step never waits on a slow reader (messages queued meanwhile go out in one
-write: per step when the reader keeps up, several steps' at once when it does not).
+step (waiting on the pipe only while idle, with no timeout shorter than the parent
+check); it writes what goes out itself while the pipe has room (:class:`PipeSender`: no
+thread hand-off on the way out), and a sender thread finishes a write the pipe had no
+room for, so a step never waits on a slow reader (messages put meanwhile go out in one
+write after it).
 The process ends when the API process
 asks (``stop``: live requests aborted, KV written to the disk tier, tensor-parallel ranks
 stopped) or when it goes away (its pipe closes, or it is no longer this process's
@@ -30,14 +34,21 @@ parent): nothing outlives the API process.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import fcntl
 import logging
 import os
 import pickle
+import select
+import socket
+import struct
 import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import EngineCore
@@ -83,12 +94,36 @@ def engine_main(
         log.exception("the engine could not start")
         tx.send_bytes(pickle.dumps([("failed", f"{e}", isinstance(e, ValueError))]))
         return
+    global _FD_SOCKET
+    _FD_SOCKET, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     info = {"describe": core.describe(), "pool_tokens": core.pool.size_tokens, "pid": os.getpid()}
-    tx.send_bytes(pickle.dumps([("ready", info)]))
+    tx.send_bytes(ForkingPickler.dumps([("ready", {**info, "fds": theirs})]))
+    theirs.close()  # the API process fetches a duplicate as it unpickles ready
     try:
         EngineLoop(core, rx, tx, parent).run()
     finally:
         core.close()  # KV pages to the disk tier (if on), tensor-parallel ranks stopped
+
+
+#: The socket the API process sends pixel tensors' file descriptors on, each ahead of
+#: the message whose unpickling takes it (:func:`rebuild_sent_storage`).
+_FD_SOCKET: socket.socket | None = None
+#: Descriptors received on it and not yet taken (in the order they were sent).
+_FDS: collections.deque[int] = collections.deque()
+
+
+def rebuild_sent_storage(cls: type, size: int) -> object:
+    """Unpickle a shared-memory storage of ``size`` bytes whose file descriptor the API
+    process sent ahead on :data:`_FD_SOCKET` (``mmserve.frontend.engine_wire.
+    dumps_sending``): mapped here, the descriptor closed."""
+    assert _FD_SOCKET is not None, "no fd socket from the API process"
+    if not _FDS:  # the next message's descriptors (each send: up to 253, in order)
+        _FDS.extend(socket.recv_fds(_FD_SOCKET, 1, 253)[1])
+    fd = _FDS.popleft()
+    try:
+        return cls._new_shared_fd_cpu(fd, size)  # type: ignore[attr-defined]  # torch's
+    finally:
+        os.close(fd)
 
 
 class EngineLoop:
@@ -203,12 +238,17 @@ class EngineLoop:
 
 
 class PipeSender:
-    """Writes an engine loop's messages to its pipe on a thread of its own, so a step never
-    waits on a slow reader (a full pipe blocks the write, not the next step): messages
-    queued while a write is under way go out together in the next write, in order.
+    """Writes an engine loop's messages to its pipe so that a step never waits on a slow
+    reader: the caller's thread writes a message at once when the pipe has room for it
+    (the usual case: no hand-off between threads on the way to the API process), and a
+    thread of its own finishes a write the pipe had no room for; messages put meanwhile
+    go out together after it, in order. The pipe is made non-blocking and as large as the
+    system allows (``F_SETPIPE_SZ``), and written with ``multiprocessing``'s framing (a
+    4-byte big-endian size, or -1 then an 8-byte size; the API side's
+    :func:`~mmserve.frontend.engine_wire.frames`).
 
     Args:
-        tx: the outgoing pipe end.
+        tx: the outgoing pipe end (its fd becomes non-blocking).
 
     Attributes:
         gone: a write failed (the API process closed its end); later messages are dropped.
@@ -217,17 +257,36 @@ class PipeSender:
     def __init__(self, tx: Connection) -> None:
         self.tx = tx
         self.gone = False
+        self._fd = tx.fileno()
+        _grow_pipe(self._fd)
+        os.set_blocking(self._fd, False)
         self._queue: list[tuple] = []
+        self._pending: memoryview | None = None  # the rest of a write the pipe had no room for
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mmserve-engine-send", daemon=True)
         self._thread.start()
 
     def put(self, msgs: list[tuple]) -> None:
-        """Queue ``msgs`` for the pipe (returns at once)."""
+        """Send ``msgs`` (written now as far as the pipe has room; returns at once)."""
         with self._cv:
-            self._queue.extend(msgs)
-            self._cv.notify()
+            if self.gone:
+                return
+            if self._pending is not None or self._queue:  # behind a write under way
+                self._queue.extend(msgs)
+                self._cv.notify()
+                return
+            data = frame(pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL))
+            try:
+                n = os.write(self._fd, data)
+            except BlockingIOError:
+                n = 0
+            except OSError:  # the API process is gone; the loop ends at its next check
+                self.gone = True
+                return
+            if n < len(data):
+                self._pending = memoryview(data)[n:]
+                self._cv.notify()
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then stop the thread (waits up to ``timeout`` seconds)."""
@@ -239,17 +298,45 @@ class PipeSender:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while self._pending is None and not self._queue and not self._closed:
                     self._cv.wait()
-                if not self._queue:
-                    return
-                batch, self._queue = self._queue, []
-            if self.gone:
-                continue
+                if self._pending is None:
+                    if not self._queue:
+                        return
+                    batch, self._queue = self._queue, []
+                    data = frame(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+                    self._pending = memoryview(data)
+                buf = self._pending
             try:
-                self.tx.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
-            except OSError:  # the API process is gone; the loop ends at its next check
-                self.gone = True
+                select.select([], [self._fd], [], 1.0)  # room in the pipe (or a timeout)
+                n = os.write(self._fd, buf)
+            except BlockingIOError:
+                n = 0
+            except (OSError, ValueError):  # the API process is gone (or the fd closed)
+                with self._cv:
+                    self.gone, self._pending, self._queue = True, None, []
+                continue
+            with self._cv:
+                self._pending = buf[n:] if n < len(buf) else None
+
+
+def frame(payload: bytes) -> bytes:
+    """``payload`` with ``multiprocessing.connection``'s framing (what ``send_bytes``
+    writes): a 4-byte big-endian signed size, or -1 then an 8-byte size from 2 GiB on."""
+    n = len(payload)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return head + payload
+
+
+def _grow_pipe(fd: int) -> None:
+    """Make the pipe behind ``fd`` as large as an unprivileged process may (Linux: up to
+    ``/proc/sys/fs/pipe-max-size``, 1 MiB by default), so a step's message fits at once."""
+    setsz = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+    try:
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        fcntl.fcntl(fd, setsz, min(limit, 1 << 20))
+    except (OSError, ValueError):  # not Linux, or not a pipe: its default size
+        pass
 
 
 #: :class:`TokenDelta`'s fields, in the order :func:`pack_deltas` writes them.

@@ -9,11 +9,11 @@ app, queue limit, metrics and disconnects work as in one process. Text is built 
 each request's :class:`~mmserve.frontend.async_engine.Slot`, from the step's deltas.
 
 Messages going in are batched: everything submitted in one turn of the event loop
-crosses in one pickled list. Each step's outputs arrive as one message, read and
-unpickled on the event loop (``loop.add_reader`` on the pipe: no thread hop). Pixel
-tensors cross through shared memory (torch's ``ForkingPickler`` reductions: the tensor
-is moved into shared memory once, then only a file descriptor crosses; it is freed when
-both processes have dropped it); an image whose features the engine holds
+crosses in one pickled list (to an idle engine at once). Each step's outputs arrive as
+one message, read and unpickled on the event loop (``loop.add_reader``: no thread). Pixel
+tensors cross through shared memory (moved there once; only a file descriptor crosses,
+on a socket of its own ahead of the message: :func:`dumps_sending`; freed when both
+processes have dropped it); an image whose features the engine holds
 (:attr:`~EngineProcessClient.feature_keys`) crosses by key only, and is sent again with
 its pixels should the engine answer that it dropped them meanwhile.
 
@@ -36,7 +36,6 @@ import pickle
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler  # tensors -> shared memory
 from typing import Any
 
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
@@ -52,9 +51,8 @@ from mmserve.frontend.engine_wire import (
     EngineStartError,
     EngineTimeout,
     EngineUnavailable,
+    dumps_sending,
     frames,
-    lent_fds,
-    release_lent,
     wire_request,
 )
 from mmserve.types import EngineRequest, GenerateResult
@@ -157,7 +155,7 @@ class EngineProcessClient:
         self._ids = itertools.count()
         self._outbox: list[tuple] = []
         self._ready_event: asyncio.Event | None = None
-        self._lent: set[int] = set()  # resource_sharer keys of fds not yet fetched
+        self._fds: Any = None  # the socket pixels' fds cross on (the engine's, with ready)
         self._silent: str | None = None  # a control call went unanswered past its deadline
         self._heard = time.monotonic()  # when the engine process last sent anything
         self._pinging = False
@@ -190,6 +188,9 @@ class EngineProcessClient:
         except BaseException:
             _end(proc)
             raise
+        if self._fds is not None:
+            self._fds.close()  # the last engine's: descriptors it never took are closed
+        self._fds = first.pop("fds")  # its socket for pixels' fds (dumps_sending)
         self._proc, self._tx, self._rx = proc, tx_parent, rx_parent
         self._gen += 1
         self.info = first
@@ -238,7 +239,8 @@ class EngineProcessClient:
             self._tx.close()
         if self._rx is not None and self._rx is not self._watched:
             self._rx.close()  # no event loop reads it (never attached)
-        self._release_lent()
+        if self._fds is not None:
+            self._fds.close()  # fds of pixels the engine never took go with it
 
     @property
     def pid(self) -> int | None:
@@ -421,13 +423,6 @@ class EngineProcessClient:
                 fut.set_exception(EngineUnavailable(why))
         self._calls.clear()
         self._outbox.clear()
-        self._release_lent()
-
-    def _release_lent(self) -> None:
-        """Close the shared memory of pixels sent to an engine process that never took
-        them (it died or was stopped with them in the pipe)."""
-        lent, self._lent = self._lent, set()
-        release_lent(lent)
 
     async def _restart(self) -> None:
         try:
@@ -440,22 +435,24 @@ class EngineProcessClient:
             self._ready_event.set()
 
     def _send(self, msg: tuple) -> None:
-        """Queue ``msg``; everything queued in this turn of the loop crosses as one list."""
-        if not self._outbox:
-            assert self._loop is not None
-            self._loop.call_soon(self._flush)
+        """Send ``msg``: at once while no other request is in flight (an idle engine: a
+        turn of the loop's wait would only add latency; then this process yields its
+        CPU to the engine), else queued, and everything queued in this turn of the loop
+        crosses as one list."""
         self._outbox.append(msg)
+        if len(self._outbox) == 1:
+            if len(self._slots) <= 1:
+                self._flush()
+                os.sched_yield()  # a pipe wakes its reader on this CPU: let it run first
+            else:
+                assert self._loop is not None
+                self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         out, self._outbox = self._outbox, []
         if not out or not self._ready or self._tx is None:
             return
-        before = lent_fds()
-        data = ForkingPickler.dumps(out, protocol=5)
-        now = lent_fds()  # pixels' shared memory lent to the engine, until it takes it
-        if len(self._lent) > 256:  # those the engine took are no longer lent
-            self._lent &= now
-        self._lent |= now - before
+        data = dumps_sending(out, self._fds)  # pixels' fds ahead, on their socket
         try:
             self._tx.send_bytes(data)
         except OSError:  # the engine is gone: its reader reports the death

@@ -1,13 +1,14 @@
 """What crosses the engine process's pipe from the API process: requests as they cross
-(:func:`wire_request`: images by key or with their pixels), the shared memory of the
-pixels lent to the engine until it takes them (:func:`lent_fds`, :func:`release_lent`),
-the pipe's message framing read back (:func:`frames`), and the errors the client raises
+(:func:`wire_request`: images by key or with their pixels), the pickling that sends the
+pixels' shared memory ahead on a socket of its own (:func:`dumps_sending`), the pipe's
+message framing read back (:func:`frames`), and the errors the client raises
 (re-exported by :mod:`mmserve.frontend.engine_client`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import io
+import socket
 
 from mmserve.types import EngineRequest
 from mmserve.vision.embedding_cache import FeatureKeys
@@ -46,35 +47,40 @@ def wire_request(req: EngineRequest, known: FeatureKeys | None) -> tuple[EngineR
     return dataclasses.replace(req, grammar=None, spans=spans), by_key
 
 
-def sharer() -> Any:
-    """CPython's one ``multiprocessing.resource_sharer._ResourceSharer`` (private: no
-    public way to drop a lent fd whose receiver died)."""
-    from multiprocessing import resource_sharer
-
-    return resource_sharer._resource_sharer  # type: ignore[attr-defined]  # no stub
+#: Most file descriptors one message on a Unix socket carries (Linux's ``SCM_MAX_FD``).
+FDS_PER_SEND = 253
 
 
-def lent_fds() -> set[int]:
-    """The keys of the file descriptors this process lends now (through
-    ``multiprocessing.resource_sharer``, until their receiver fetches them)."""
-    lender = sharer()
-    if lender._listener is None:
-        return set()
-    with lender._lock:
-        return set(lender._cache)
+def dumps_sending(msgs: list[tuple], fds: socket.socket | None) -> memoryview:
+    """``msgs`` pickled for the engine's pipe (``ForkingPickler``). A pixel tensor moves
+    into shared memory once and only its file descriptor crosses: sent now on ``fds``
+    (the socket the engine gave with ``ready``), ahead of the message whose unpickling takes it
+    (:func:`mmserve.engine.process.rebuild_sent_storage`); without ``fds``, torch's own
+    reduction (lent through ``multiprocessing.resource_sharer``: a round trip to this
+    process per descriptor, made while the engine unpickles)."""
+    from multiprocessing.reduction import ForkingPickler
 
+    import torch
 
-def release_lent(keys: set[int]) -> None:
-    """Close the lent file descriptors ``keys`` (of :func:`lent_fds`) that their receiver
-    never fetched: torch's reduction lends each pixel tensor's shared memory through
-    ``multiprocessing.resource_sharer`` until the receiver fetches it, which a dead
-    process never does (one leaked tensor each)."""
-    lender = sharer()
-    with lender._lock:
-        entries = [lender._cache.pop(key, None) for key in keys]
-    for entry in entries:
-        if entry is not None:
-            entry[1]()  # its close()
+    from mmserve.engine.process import rebuild_sent_storage
+
+    sent: list[int] = []
+
+    def reduce_storage(storage: torch.UntypedStorage) -> tuple:
+        if storage.size() == 0:  # cannot be mapped: torch's own reduction
+            return ForkingPickler._extra_reducers[torch.UntypedStorage](storage)  # type: ignore[attr-defined]
+        fd, size = storage._share_fd_cpu_()  # moved into shared memory once
+        sent.append(fd)
+        return rebuild_sent_storage, (type(storage), size)
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf, 5)
+    if fds is not None:
+        pickler.dispatch_table[torch.UntypedStorage] = reduce_storage
+    pickler.dump(msgs)
+    for i in range(0, len(sent), FDS_PER_SEND):  # few sends: the socket's buffer holds them
+        socket.send_fds(fds, [b"f"], sent[i : i + FDS_PER_SEND])  # type: ignore[arg-type]
+    return buf.getbuffer()
 
 
 #: Control calls that still run when their caller stopped waiting (idempotent, and
