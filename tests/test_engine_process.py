@@ -11,7 +11,6 @@ import os
 import pickle
 import signal
 import socket
-import subprocess
 import time
 
 import httpx
@@ -20,7 +19,15 @@ import pytest
 from api.app import ServerSettings, create_app, start_engine_process
 from mmserve.frontend.async_engine import AsyncEngine
 from tests.helpers import MODEL, greedy, user
-from tests.live_server import child_pids, cmdline, live_server_process, pid_alive, wait_gone
+from tests.live_server import (
+    child_pids,
+    cmdline,
+    engine_pid,
+    live_server_process,
+    pid_alive,
+    wait_gone,
+    wait_health,
+)
 
 
 def _requests(engine, n: int, max_tokens: int):
@@ -207,24 +214,6 @@ def test_split_server_gives_the_in_process_tokens(make_engine) -> None:
 # ---- each side dies alone (server subprocesses) -----------------------------------------
 
 
-def _engine_pid(server: subprocess.Popen) -> int:
-    pids = [p for p in child_pids(server.pid) if "spawn_main" in cmdline(p)]
-    assert len(pids) == 1, [(p, cmdline(p)) for p in child_pids(server.pid)]
-    return pids[0]
-
-
-def _wait_health(url: str, code: int, timeout: float) -> float:
-    start = time.time()
-    while time.time() - start < timeout:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == code:
-                return time.time() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"/health never answered {code} in {timeout} s")
-
-
 def _chat(url: str, max_tokens: int = 4, **kw) -> httpx.Response:
     body = {"model": MODEL, "messages": user("hi"), "max_tokens": max_tokens, **kw}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
@@ -232,7 +221,7 @@ def _chat(url: str, max_tokens: int = 4, **kw) -> httpx.Response:
 
 def test_engine_process_killed_mid_stream_restarts(model_dir) -> None:
     with live_server_process(model_dir, "--engine-restarts", "1", timeout=180) as (url, srv):
-        engine = _engine_pid(srv)
+        engine = engine_pid(srv)
         assert _chat(url).status_code == 200
         body = {
             "model": MODEL,
@@ -256,8 +245,8 @@ def test_engine_process_killed_mid_stream_restarts(model_dir) -> None:
         assert "error" in err and "engine process" in err["error"]["message"], err
         # /health turns 503 at once, then 200 once the new engine process is ready
         assert httpx.get(f"{url}/health", timeout=5).status_code == 503
-        _wait_health(url, 200, 120)
-        second = _engine_pid(srv)
+        wait_health(url, 200, 120)
+        second = engine_pid(srv)
         assert second != engine and not pid_alive(engine)
         assert _chat(url).status_code == 200
         kids = child_pids(srv.pid)
@@ -269,10 +258,10 @@ def test_engine_process_killed_idle_without_restarts_left_exits_nonzero(model_di
     with live_server_process(
         model_dir, "--engine-restarts", "0", "--fatal-exit-seconds", "2", timeout=180
     ) as (url, srv):
-        engine = _engine_pid(srv)
+        engine = engine_pid(srv)
         kids = child_pids(srv.pid)
         os.kill(engine, signal.SIGKILL)  # idle: no request in flight
-        _wait_health(url, 503, 10)
+        wait_health(url, 503, 10)
         r = _chat(url)
         assert r.status_code >= 500 and "engine" in r.json()["error"]["message"]
         assert srv.wait(timeout=60) == 1
@@ -326,7 +315,7 @@ def test_batch_job_resumes_after_an_engine_restart(model_dir, tmp_path) -> None:
         while httpx.get(f"{url}/v1/batches/{b['id']}").json()["request_counts"]["completed"] < 2:
             assert time.time() < deadline
             time.sleep(0.05)
-        os.kill(_engine_pid(srv), signal.SIGKILL)
+        os.kill(engine_pid(srv), signal.SIGKILL)
         deadline = time.time() + 240
         while (job := httpx.get(f"{url}/v1/batches/{b['id']}").json())["status"] != "completed":
             assert time.time() < deadline and job["status"] in ("validating", "in_progress"), job
