@@ -129,6 +129,7 @@ async def create_stream(request: Request, st: State) -> dict:
         message, param = describe_validation_errors(e.errors())
         raise APIError(400, message, param=param) from None
     st.check_model(body.model)
+    check_questions([], 0, st.engine.processor, body.system)  # every ask would refuse it
     family = st.engine.model.family
     layout = family.stream_layout()
     if layout == "video" and body.detail not in (None, "auto"):
@@ -193,7 +194,7 @@ def frame_text_tokens(st: ServerState, layout: str) -> int:
     token for the text around its image."""
     if layout == "video":
         return 0
-    label = f"Frame at {MAX_TIMESTAMP_S - 0.1:.1f}s: "
+    label = f"Frame at {MAX_TIMESTAMP_S:.1f}s: "
     return len(st.engine.model.tokenizer.encode(label, add_special_tokens=False)) + 1
 
 
@@ -264,6 +265,8 @@ async def ask_stream(
     stream = await _stream(st, stream_id)
     stream.touch()
     reqs, frames = await _ask_requests(st, stream, body)
+    if stream.closed:  # deleted while the prompts were built: nothing was submitted
+        raise STREAM.not_found(stream.id, "stream_id")
     head = _head(st, stream, frames)
     if body.stream:
         sub = st.client.submit(reqs)
@@ -301,6 +304,7 @@ async def _answers(stream: Stream, sub: Submission, request: Request | None) -> 
         raise
     finally:
         stream.asks.discard(sub)
+        stream.touch()  # an ask is activity until its answer is out
 
 
 def answers_body(questions: list[str], results: list) -> dict:
@@ -358,6 +362,7 @@ async def _streamed(
         return
     finally:
         stream.asks.discard(sub)
+        stream.touch()
     yield {**head, **answers_body(questions, results)}
 
 
@@ -581,6 +586,8 @@ async def _socket_message(st: ServerState, stream: Stream, msg: Mapping[str, Any
 
 async def _socket_ask(st: ServerState, stream: Stream, body: StreamAskRequest) -> dict:
     reqs, frames = await _ask_requests(st, stream, body)
+    if stream.closed:  # deleted while the prompts were built
+        raise STREAM.not_found(stream.id, "stream_id")
     results = await _answers(stream, st.client.submit(reqs, final_only=True), None)
     return {**_head(st, stream, frames), **answers_body(body.questions, results)}
 

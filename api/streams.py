@@ -146,8 +146,9 @@ class Stream:
         self.used = time.monotonic()
 
     def idle_for(self) -> float:
-        """Seconds since the last activity (0 while a WebSocket is open)."""
-        return 0.0 if self.sockets else time.monotonic() - self.used
+        """Seconds since the last activity (0 while a WebSocket is open or an ask is
+        answering: an ask is activity until its answer is out)."""
+        return 0.0 if self.sockets or self.asks else time.monotonic() - self.used
 
     def default_timestamp(self) -> float:
         """A frame's timestamp when the client gives none: seconds since the stream was

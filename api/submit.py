@@ -25,7 +25,7 @@ import contextvars
 import dataclasses
 import functools
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import Request as HTTPRequest
@@ -205,6 +205,7 @@ class Submission:
         self._cancelled = False
         self._wake: asyncio.Future[None] | None = None
         self._context = contextvars.copy_context()
+        self._unhook: Callable[[], None] | None = None
         for i, r in enumerate(reqs):
             try:
                 stream = client.aengine.stream(r, final_only)
@@ -217,10 +218,11 @@ class Submission:
                 self._error = self._error or e
                 self._end(i)
         token = cancel.current()
-        if token is not None:  # the client leaves: abort every request now (the token
-            # lives as long as its HTTP request, so the hook needs no removal)
+        if token is not None and not all(self._ended):  # the client leaves: abort every
+            # request now; removed once all have ended (a WebSocket's token outlives
+            # many submissions, which the hook would otherwise keep alive)
             loop = asyncio.get_running_loop()
-            token.on_cancel(lambda: loop.call_soon_threadsafe(self.cancel))
+            self._unhook = token.on_cancel(lambda: loop.call_soon_threadsafe(self.cancel))
 
     # ---- bookkeeping, once per request --------------------------------------------
     def _started(self, index: int) -> None:
@@ -249,6 +251,9 @@ class Submission:
             self.client._set_queued(self.client.queued - 1)
         if self.results[index] is None:  # cancelled: the engine aborts it
             self.client.metrics.requests.labels("abort").inc()
+        if self._unhook is not None and all(self._ended):
+            self._unhook()
+            self._unhook = None
 
     def _list(self, index: int, pending: int = 0) -> None:
         """Put request ``index`` on the reader's list (once until read), unless

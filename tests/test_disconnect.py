@@ -528,3 +528,24 @@ def test_until_cancelled_ends_quietly_when_the_hang_up_reaches_the_events_first(
 
     with pytest.raises(ClientDisconnected):
         asyncio.run(drain(CancelToken(), fails()))
+
+
+def test_a_long_lived_token_keeps_no_hook_of_a_finished_submission(make_engine) -> None:
+    """A token that outlives many submissions (a WebSocket's, one per connection) holds
+    no cancel hook of a submission whose requests have all ended: the hook would keep
+    the submission (its requests, results and frames) alive as long as the token."""
+    token = CancelToken()
+    with app_client(make_engine()) as c:
+        st = c.app.state.mm
+
+        async def ask_three_times() -> int:
+            with using(token):
+                for k in range(3):
+                    req = st.engine.processor.make_request(
+                        messages=user(f"hello {k}"), params=greedy(2)
+                    )
+                    (res,) = await st.client.submit([req], final_only=True).answers()
+                    assert res.finish_reason == "length"
+            return len(token._callbacks)
+
+        assert c.portal.call(ask_three_times) == 0

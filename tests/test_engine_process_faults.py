@@ -219,3 +219,29 @@ def test_a_silent_hung_engine_process_is_noticed_by_its_ping(make_engine) -> Non
     assert before is None and after is None
     assert during is not None and "'ping'" in during and f"pid {pid}" in during
     assert not pid_alive(pid)
+
+
+def test_a_failed_write_to_a_live_engine_process_restarts_it() -> None:
+    """A write that fails while the engine process lives leaves the two sides out of step
+    (a message or its descriptors not whole): the process is killed, so its death is
+    handled as any other. A failed write to a dead engine kills nothing."""
+    from mmserve.frontend.engine_wire import send_batch
+
+    class Broken:
+        def send_bytes(self, data) -> None:
+            raise OSError("ETOOMANYREFS")
+
+    class Proc:
+        def __init__(self, alive: bool) -> None:
+            self.alive, self.killed = alive, 0
+
+        def is_alive(self) -> bool:
+            return self.alive
+
+        def kill(self) -> None:
+            self.killed += 1
+
+    live, dead = Proc(True), Proc(False)
+    send_batch(Broken(), None, [("call", 1, "ping", ())], live)  # type: ignore[arg-type]
+    send_batch(Broken(), None, [("call", 2, "ping", ())], dead)  # type: ignore[arg-type]
+    assert (live.killed, dead.killed) == (1, 0)

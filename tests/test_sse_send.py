@@ -274,3 +274,17 @@ def test_stream_interval_on_pumped_streams(interval: int, most_reads: int) -> No
     assert got[-1].result is not None and len(got) <= most_reads
     if interval > 1:
         assert all(len(u.delta_ids) >= interval for u in got[1:-1])
+
+
+def test_the_replica_ingress_takes_the_stream_interval(model_dir) -> None:
+    """``--stream-interval`` reaches the ``--replicas`` ingress's client too (it builds its
+    own, not through ``create_app``)."""
+    from api.replicas.ingress import create_ingress_app
+    from api.settings import ServerSettings
+    from mmserve.config import EngineConfig
+    from mmserve.frontend.frontend import FrontEnd, load_frontend_model
+
+    front = FrontEnd(EngineConfig(model_path=str(model_dir)), load_frontend_model(model_dir))
+    settings = ServerSettings(stream_interval=4)
+    app = create_ingress_app(front, object(), settings, "m", 1)  # type: ignore[arg-type]
+    assert app.state.mm.client.stream_interval == 4

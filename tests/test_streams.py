@@ -362,6 +362,15 @@ def test_idle_streams_expire_and_release(families) -> None:
         assert at_rest(c)["held_prefixes"] == 0
         assert_error(c.get(f"/v1/streams/{sid}"), 404, "no stream", "stream_not_found")
         assert_released(c)
+        # an ask that answers for longer than the idle time is activity, not idleness
+        sid = c.post("/v1/streams", json={}).json()["id"]
+        assert post_stream_frames(c, sid, [noise_png(6)]).status_code == 200
+        start = time.time()
+        long = stream_ask(c, sid, ["Hi?"], max_tokens=4000, ignore_eos=True, temperature=0)
+        assert time.time() - start > 3.0, "the ask was too short to test expiry"
+        assert long["answers"][0]["finish_reason"] == "length"
+        assert c.get(f"/v1/streams/{sid}").status_code == 200  # touched when it ended
+        c.delete(f"/v1/streams/{sid}")
 
 
 def test_two_streams_share_nothing_but_content_keys(client: TestClient) -> None:
@@ -725,6 +734,8 @@ def test_a_placeholder_in_a_question_names_the_question(ov_client: TestClient, c
     assert post_stream_frames(c, sid, [noise_png(1)]).status_code == 200
     img = c.post("/v1/images", files={"file": ("a.png", noise_png(2))}).json()["id"]
     vid = upload_video(c, clip).json()["id"]
+    r = c.post("/v1/streams", json={"system": "See <image>."})  # every ask would fail
+    assert assert_error(r, 400, "reserved placeholder")["param"] == "system"
     for url in (f"/v1/streams/{sid}/ask", f"/v1/images/{img}/ask", f"/v1/videos/{vid}/qa"):
         r = c.post(url, json={"questions": ["Hi?", "What is <image> here?"]})
         assert assert_error(r, 400, "reserved placeholder")["param"] == "questions[1]", url

@@ -311,6 +311,7 @@ def create_ingress_app(
     client = ReplicaEngineClient(
         replicas, metrics, settings.max_queued_requests, settings.retry_after_seconds
     )
+    client.stream_interval = settings.stream_interval
     state = server_state(front, replicas, client, metrics, settings, model_name)  # type: ignore[arg-type]
     store = state.store
     fleet_routes = APIRouter(route_class=JSONBodyRoute)

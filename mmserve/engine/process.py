@@ -118,7 +118,12 @@ def rebuild_sent_storage(cls: type, size: int) -> object:
     dumps_sending``): mapped here, the descriptor closed."""
     assert _FD_SOCKET is not None, "no fd socket from the API process"
     if not _FDS:  # the next message's descriptors (each send: up to 253, in order)
-        _FDS.extend(socket.recv_fds(_FD_SOCKET, 1, 253)[1])
+        _, fds, flags, _ = socket.recv_fds(_FD_SOCKET, 1, 253)
+        if flags & socket.MSG_CTRUNC:  # some were dropped: later ones would map wrongly
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError("pixel descriptors lost in transit (MSG_CTRUNC); exiting")
+        _FDS.extend(fds)
     fd = _FDS.popleft()
     try:
         return cls._new_shared_fd_cpu(fd, size)  # type: ignore[attr-defined]  # torch's

@@ -51,8 +51,8 @@ from mmserve.frontend.engine_wire import (
     EngineStartError,
     EngineTimeout,
     EngineUnavailable,
-    dumps_sending,
     frames,
+    send_batch,
     wire_request,
 )
 from mmserve.types import EngineRequest, GenerateResult
@@ -452,11 +452,7 @@ class EngineProcessClient:
         out, self._outbox = self._outbox, []
         if not out or not self._ready or self._tx is None:
             return
-        data = dumps_sending(out, self._fds)  # pixels' fds ahead, on their socket
-        try:
-            self._tx.send_bytes(data)
-        except OSError:  # the engine is gone: its reader reports the death
-            pass
+        send_batch(self._tx, self._fds, out, self._proc)
 
     # ---- the async engine's interface -------------------------------------------------
     async def control(self, name: str, *args: object, timeout: float | None = None) -> object:

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import socket
+from multiprocessing.connection import Connection
+from typing import Any
 
 from mmserve.types import EngineRequest
 from mmserve.vision.embedding_cache import FeatureKeys
 from mmserve.vision.inputs import ImageInput
+
+log = logging.getLogger(__name__)
 
 
 def wire_request(req: EngineRequest, known: FeatureKeys | None) -> tuple[EngineRequest, bool]:
@@ -81,6 +86,21 @@ def dumps_sending(msgs: list[tuple], fds: socket.socket | None) -> memoryview:
     for i in range(0, len(sent), FDS_PER_SEND):  # few sends: the socket's buffer holds them
         socket.send_fds(fds, [b"f"], sent[i : i + FDS_PER_SEND])  # type: ignore[arg-type]
     return buf.getbuffer()
+
+
+def send_batch(tx: Connection, fds: socket.socket | None, msgs: list, proc: Any) -> None:
+    """Send ``msgs`` to the engine process as one message, pixels' descriptors ahead on
+    ``fds`` (:func:`dumps_sending`). A failed write while the process ``proc`` lives
+    leaves it out of step with this side (a message or its descriptors not whole), so
+    the process is killed: its death is handled as any other (requests in flight end
+    with an error, a new engine starts). A dead engine's failure is its reader's to
+    report."""
+    try:
+        tx.send_bytes(dumps_sending(msgs, fds))
+    except OSError as e:
+        if proc is not None and proc.is_alive():
+            log.error("writing to the engine process failed (%s): restarting it", e)
+            proc.kill()
 
 
 #: Control calls that still run when their caller stopped waiting (idempotent, and
