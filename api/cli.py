@@ -34,8 +34,10 @@ from api.settings import BATCH_ORDERS, RESPONSE_STORES, ServerSettings
 from api.startup import log_startup
 from mmserve.config import (
     ATTENTION_BACKENDS,
+    CHECKPOINT_QUANTIZATIONS,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_WRITE_POLICIES,
     POLICIES,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
@@ -91,8 +93,9 @@ _CHOICES = {
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "kv_write_policy": KV_WRITE_POLICIES,
     "policy": POLICIES,
-    "quantization": QUANTIZATIONS,
+    "quantization": QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS,
     "speculative": SPECULATIVE_METHODS,
     "log_level": ("critical", "error", "warning", "info", "debug", "trace"),
     "replica_router": ROUTERS,
@@ -159,7 +162,7 @@ SUBJECTS: list[tuple[str, tuple[str, ...]]] = [
         (
             "page_size", "kv_cache_dtype", "max_total_tokens", "kv_cache_memory",
             "mem_fraction_static", "disable_radix_cache", "kv_host_bytes", "kv_disk_dir",
-            "kv_disk_bytes", "vision_cache_bytes",
+            "kv_disk_bytes", "kv_write_policy", "vision_cache_bytes",
         ),
     ),
     (
@@ -331,12 +334,15 @@ def settings_from_args(
     server = ServerSettings(**values["server"])
     engine.validate()
     server.validate()
-    if launch.shutdown_grace_seconds < 0 or launch.fatal_exit_seconds < 0:
-        raise ValueError("shutdown_grace_seconds and fatal_exit_seconds must be >= 0")
-    if launch.engine_restarts < 0:
-        raise ValueError("engine_restarts must be >= 0")
+    for flag, value, least in (
+        ("--shutdown-grace-seconds", launch.shutdown_grace_seconds, 0),
+        ("--fatal-exit-seconds", launch.fatal_exit_seconds, 0),
+        ("--engine-restarts", launch.engine_restarts, 0),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
     if launch.engine_call_timeout <= 0:
-        raise ValueError("engine_call_timeout must be > 0")
+        raise ValueError(f"--engine-call-timeout must be > 0, got {launch.engine_call_timeout}")
     return launch, engine, server
 
 

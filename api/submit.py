@@ -91,11 +91,23 @@ class EngineClient:
         Raises:
             ClientDisconnected: the token is already cancelled (the client left while
                 the request was prepared): nothing is submitted.
-            APIError: 503 with ``Retry-After`` when the queue is full.
+            APIError: 503 with ``Retry-After`` when the queue is full, or
+                ``engine_unhealthy`` while no engine can take requests (the engine process
+                died and a new one is not ready yet, or none is left).
         """
         token = cancel.current()
         if token is not None and token.cancelled:
             raise ClientDisconnected(token.reason)
+        not_serving = getattr(self.aengine, "not_serving", None)  # a replica client has none
+        down = not_serving() if not_serving is not None else None
+        if down is not None:
+            raise APIError(
+                503,
+                f"engine unavailable: {down}; retry after {self.retry_after} s",
+                "server_error",
+                code="engine_unhealthy",
+                headers={"Retry-After": str(self.retry_after)},
+            )
         if self.queued and self.queued + len(reqs) > self.max_queued:
             self.metrics.rejected.inc()
             raise APIError(

@@ -25,6 +25,13 @@ def pool_tokens(config: EngineConfig) -> int:
 #: Accepted values of ``EngineConfig.quantization`` / ``--quantization``
 #: (:mod:`mmserve.model.quant`).
 QUANTIZATIONS = ("none", "int8", "int4", "fp8")
+#: vLLM's ``--quantization`` names of a quantized checkpoint's format, also accepted: the
+#: checkpoint is served in its own method, and refused when it is not in that format
+#: (:func:`mmserve.model.quant.resolve_method`).
+CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors")
+#: Accepted values of ``EngineConfig.kv_write_policy`` / ``--kv-write-policy`` (SGLang's
+#: HiCache names): when the disk KV tier gets a page.
+KV_WRITE_POLICIES = ("write_back", "write_through")
 #: Accepted values of ``EngineConfig.dtype`` / ``--dtype``.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Accepted values of ``EngineConfig.attention_backend`` / ``--attention-backend``
@@ -60,7 +67,9 @@ class EngineConfig:
             only, groups of 128 input features: :mod:`mmserve.model.int4`) or "fp8" (e4m3
             weights and per-token activations, CUDA with compute capability >= 8.9 only);
             a quantized checkpoint (compressed-tensors, AWQ, GPTQ) is served in its own
-            method (see :mod:`mmserve.model.quant`).
+            method (see :mod:`mmserve.model.quant`), with "none" or with its format's
+            name ("awq", "gptq", "compressed-tensors": refused for a checkpoint in
+            another format, as vLLM's flag).
         disable_int8_onednn: int8 weights on an AVX-512 CPU keep no oneDNN prepacked
             copy. By default they do: it runs batches of more than 4 rows (decode batches,
             prefill) about 1.6x faster with the same results
@@ -149,6 +158,11 @@ class EngineConfig:
             files, dtype, quantization), KV dtype and page size; servers sharing it reuse
             each other's pages, a restarted server its own.
         kv_disk_bytes: most bytes the disk KV tier keeps (least recently used deleted).
+        kv_write_policy: when pages reach the disk KV tier: "write_back" (when the tree
+            evicts them, and at shutdown) or "write_through" (also as every request ends,
+            queued for the disk writer thread, as ``prompt_cache_retention: "24h"`` does for
+            one request), so an engine process that is killed (no shutdown) leaves its
+            cache on disk for the next one. Needs ``kv_disk_dir``.
         tp: tensor-parallel ranks: the decoder is split by heads and MLP columns over
             this many processes (one per GPU on CUDA, gloo on CPU); must divide the
             model's query heads (see :mod:`mmserve.distributed`).
@@ -216,6 +230,7 @@ class EngineConfig:
     kv_host_bytes: int = 0
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 16 << 30
+    kv_write_policy: str = "write_back"
     tp: int = 1
     tp_timeout_seconds: float = 120.0
     disable_cuda_graph: bool = False
@@ -270,6 +285,13 @@ class EngineConfig:
             )
         if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
             raise ValueError("kv_host_bytes and kv_disk_bytes must be >= 0")
+        if self.kv_write_policy not in KV_WRITE_POLICIES:
+            raise ValueError(
+                f"unknown kv_write_policy {self.kv_write_policy!r}; "
+                f"choose one of {', '.join(KV_WRITE_POLICIES)}"
+            )
+        if self.kv_write_policy == "write_through" and not self.kv_disk_dir:
+            raise ValueError("--kv-write-policy write_through needs --kv-disk-dir")
         if self.tp < 1 or self.tp_timeout_seconds <= 0:
             raise ValueError("tp must be >= 1 and tp_timeout_seconds > 0")
         if self.tp > 1 and (self.kv_cache_memory is not None or self.mem_fraction_static):
@@ -297,10 +319,10 @@ class EngineConfig:
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"choose one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        if self.quantization not in QUANTIZATIONS:
+        if self.quantization not in QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS:
             raise ValueError(
                 f"unknown quantization {self.quantization!r}; "
-                f"choose one of {', '.join(QUANTIZATIONS)}"
+                f"choose one of {', '.join(QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)}"
             )
 
         self._validate_speculative()

@@ -180,6 +180,26 @@ def test_retention_24h_writes_through_to_disk(make_engine, photos, tmp_path: Pat
     eng.close(timeout=30)
 
 
+def test_write_through_policy_leaves_the_cache_on_disk_without_a_shutdown(
+    make_engine, photos, tmp_path: Path
+) -> None:
+    """``--kv-write-policy write_through``: every request's pages are queued for disk as
+    it ends, so an engine that is never closed (killed) leaves a warm disk tier."""
+    with pytest.raises(ValueError, match="write_through needs --kv-disk-dir"):
+        make_engine(kv_write_policy="write_through")
+    first = make_engine(kv_disk_dir=str(tmp_path), kv_write_policy="write_through")
+    img = first.processor.prepare_image(next(iter(photos.values())))
+    a = _gen(first, img)
+    first.tiers.disk.flush(30)
+    assert len(first.tiers.disk) >= a.prompt_tokens // first.config.page_size
+    second = make_engine(kv_disk_dir=str(tmp_path))  # ``first`` is not closed
+    again = _gen(second, img)
+    assert again.cached_tokens == again.prompt_tokens - 1 and again.output_ids == a.output_ids
+    assert second.cache_stats()["tier_disk_hit_tokens"] > 0
+    second.close(timeout=30)
+    first.close(timeout=30)
+
+
 def test_retention_24h_without_disk_tier_is_a_400(client) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     r = client.post("/v1/chat/completions", json={**body, "prompt_cache_retention": "24h"})

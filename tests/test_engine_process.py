@@ -263,7 +263,8 @@ def test_engine_process_killed_idle_without_restarts_left_exits_nonzero(model_di
         os.kill(engine, signal.SIGKILL)  # idle: no request in flight
         wait_health(url, 503, 10)
         r = _chat(url)
-        assert r.status_code >= 500 and "engine" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "engine_unhealthy" and r.headers["Retry-After"]
         assert srv.wait(timeout=60) == 1
         assert not wait_gone(kids, 10)
 
@@ -272,6 +273,9 @@ def test_api_process_killed_the_engine_process_exits(model_dir) -> None:
     with live_server_process(model_dir, timeout=180) as (_, srv):
         kids = child_pids(srv.pid)
         assert kids
+        # the engine process is named (its command line is multiprocessing's spawn_main)
+        with open(f"/proc/{engine_pid(srv)}/comm") as f:
+            assert f.read().strip() == "mmserve-engine"
         srv.kill()
         srv.wait(timeout=10)
         assert not wait_gone(kids, 30), [cmdline(p) for p in kids]

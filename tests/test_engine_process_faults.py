@@ -52,6 +52,14 @@ def test_control_calls_fail_fast_with_503_once_the_engine_process_is_gone(make_e
                 err = r.json()["error"]
                 assert err["code"] == "engine_unhealthy" and err["type"] == "server_error", err
                 assert "engine process" in err["message"] and "died" in err["message"], err
+            # a new request, streamed or not, is refused before it starts: a 503 with
+            # Retry-After, as /health, never a 500 or a stream that opens only to fail
+            hi = {"model": MODEL, "messages": user("hi"), "max_tokens": 2}
+            for body in (hi, {**hi, "stream": True}):
+                r = c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "engine_unhealthy", r.text
+                assert "died" in r.json()["error"]["message"] and r.headers["Retry-After"]
     finally:
         process.stop()
     assert not pid_alive(process.pid)

@@ -387,6 +387,24 @@ def test_make_model_cli_writes_each_format_and_it_loads(tmp_path) -> None:
             },
             r"input_activations",
         ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "weights": {
+                            "num_bits": 4,
+                            "type": "int",
+                            "strategy": "group",
+                            "group_size": 128,
+                            "actorder": "group",
+                        },
+                    }
+                },
+            },
+            r"config_groups.group_0.weights.actorder='group'",
+        ),
         ({"quant_method": "bitsandbytes"}, r"'bitsandbytes'.*pack-quantized.*AWQ.*GPTQ"),
     ],
 )
@@ -432,15 +450,45 @@ def test_kv_tier_namespace_includes_int4(families) -> None:
     assert roots[0] != roots[1]
 
 
-def test_a_column_shard_must_fall_on_a_group_boundary() -> None:
-    q, s, z = int4.quantize_int4(torch.randn(16, 256), 64)
-    rq, rs, rz = int4_slice((q, s, z), "col", (128, 256), 64, "layers.0.mlp.down_proj")
-    assert torch.equal(rq, q[:, 128:]) and torch.equal(rs, s[:, 2:]) and torch.equal(rz, z[:, 2:])
+def test_a_column_shard_inside_a_group_regroups_exactly() -> None:
+    """A rank's input columns that split a group keep that group's scale and zero in
+    smaller groups: the slice's weight equals the whole weight's columns bit for bit; a
+    split no group of 32 fits is refused, naming the module, span and group."""
+    q, s, z = int4.quantize_int4(torch.randn(16, 256), 64, symmetric=False)
+    whole = int4.dequantize_int4(q, s, z, 64)
+    (rq, rs, rz), g = int4_slice((q, s, z), "col", (128, 256), 64, "layers.0.mlp.down_proj")
+    assert g == 64 and torch.equal(rq, q[:, 128:]) and torch.equal(rs, s[:, 2:])
+    assert torch.equal(rz, z[:, 2:])
+    (rq, rs, rz), g = int4_slice((q, s, z), "col", (96, 192), 64, "layers.0.mlp.down_proj")
+    assert g == 32 and rs.shape == (16, 3)
+    assert torch.equal(int4.dequantize_int4(rq, rs, rz, 32), whole[:, 96:192])
     with pytest.raises(
         quant.QuantizationError,
-        match=r"down_proj's 256 input features at \[96, 192\).*groups of 64",
+        match=r"down_proj's 256 input features at \[48, 112\).*groups of 64",
     ):
-        int4_slice((q, s, z), "col", (96, 192), 64, "layers.0.mlp.down_proj")
+        int4_slice((q, s, z), "col", (48, 112), 64, "layers.0.mlp.down_proj")
+
+
+def test_tp2_int4_at_load_splits_groups_of_128(families, photos) -> None:
+    """``--quantization int4`` (groups of 128) under ``--tp 2`` on the tiny model, whose
+    o_proj has 128 input features: each rank holds 64 of them in groups of 64 with the
+    group's numbers, and gives tp 1's tokens."""
+    path = families["llava"].model_dir
+    one = Engine(EngineConfig(model_path=str(path)), model=load_model(path, quantization="int4"))
+    imgs = [one.processor.prepare_image(photos[n]) for n in ("cat.png", "coffee.png")]
+
+    def reqs(eng: Engine) -> list:
+        return [
+            eng.processor.make_request(messages=m, images=i, params=greedy(6))
+            for m, i in workload(imgs)[:3]
+        ]
+
+    ref = one.generate(reqs(one))
+    with tp_engine(path, quantization="int4") as two:
+        assert two.model.quantization == "int4"
+        res = two.generate(reqs(two))
+    for a, b in zip(res, ref, strict=True):
+        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "tp2 int4 at load")
 
 
 def test_tp2_equals_tp1_int4(families, photos, tmp_path) -> None:
@@ -477,3 +525,19 @@ def test_the_shared_buffer_made_under_inference_mode_serves_calls_outside_it() -
         inside = lin(x)
     outside = lin(x)
     assert torch.equal(outside, inside) and not outside.is_inference()
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq", "compressed-tensors"])
+def test_quantization_flag_may_name_the_checkpoints_format(families, tmp_path, kind) -> None:
+    """vLLM's ``--quantization awq`` (``gptq``, ``compressed-tensors``) serves a checkpoint
+    in that format with its own weights, and is refused, naming both, for a checkpoint
+    in another format or an unquantized one."""
+    made = "int4" if kind == "compressed-tensors" else kind
+    path = make_checkpoint(tmp_path / kind, "tiny", quantization=made)
+    assert load_model(path, quantization=kind).quantization == "int4"
+    other = "gptq" if kind == "awq" else "awq"
+    with pytest.raises(quant.QuantizationError, match=f"--quantization {other}.*{kind!r}"):
+        load_model(path, quantization=other)
+    with pytest.raises(quant.QuantizationError, match=f"--quantization {kind}.*no quantized"):
+        load_model(families["llava"].model_dir, quantization=kind)
+    assert EngineConfig(model_path=str(path), quantization=kind).quantization == kind

@@ -448,13 +448,15 @@ class BatchManager:
 
     async def _submit(self, reqs: Sequence[EngineRequest]) -> Submission:
         """Submit as background work, waiting while the engine's queue is full; a line's
-        answer is not streamed, so only each request's result is collected (final-only)."""
+        answer is not streamed, so only each request's result is collected (final-only).
+        No engine to take it (``engine_unhealthy``) raises at once: :meth:`_one` runs the
+        line again on the next engine process, or records it failed when none will start."""
         client = self.st.client
         while True:
             try:
                 return client.submit(reqs, background=True, final_only=True)
             except APIError as e:
-                if e.status != 503:
+                if e.status != 503 or e.code == "engine_unhealthy":
                     raise
             await client.capacity_freed()
 

@@ -373,7 +373,9 @@ def load_tp_model(config: EngineConfig) -> LoadedModel:
     hf_config, processor, family = read_front_end(model_dir)
     shape = text_shape(hf_config)
     stored = checkpoint_method(getattr(hf_config, "quantization_config", None))
-    method = resolve_method(config.quantization, stored)
+    method = resolve_method(
+        config.quantization, stored, getattr(hf_config, "quantization_config", None)
+    )
     check_quantization(method, config.device)  # before any rank starts
     check_tp(shape, config.tp, config.device, config.deterministic)
     if config.deterministic and method != "none":

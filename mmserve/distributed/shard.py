@@ -30,7 +30,7 @@ from mmserve.distributed.layout import TPLayout
 from mmserve.kernels import batch_invariant, ops
 from mmserve.model import int4, quant
 from mmserve.model.int4_formats import Int4Format
-from mmserve.model.int4_loading import int4_slice, source_modules, stored_int4
+from mmserve.model.int4_loading import int4_regroup, int4_slice, source_modules, stored_int4
 from mmserve.model.llama import (
     DecoderLayer,
     DecoderStack,
@@ -195,7 +195,7 @@ class ShardedDecoder(DecoderStack):
                 dec["lm_head.weight"] = dec["embed_tokens.weight"]
         qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
         stored = quant.checkpoint_method(qc)
-        method = quant.resolve_method(quantization, stored)
+        method = quant.resolve_method(quantization, stored, qc)
         targets = []
         fmt = quant.int4_format(qc) if method == "int4" else None
         if method == "int4":
@@ -297,8 +297,7 @@ class ShardedDecoder(DecoderStack):
             with safe_open(str(where[dec[n]]), framework="pt") as f:
                 return f.get_tensor(dec[n])
 
-        parts = []
-        group = 0
+        parts, groups = [], []
         for m in source_modules(name):
             axis, span = _slices(self.layout, f"{m}.weight")
             if fmt is not None:
@@ -307,7 +306,11 @@ class ShardedDecoder(DecoderStack):
                 w = get(f"{m}.weight").float()
                 group = int4.group_size_for(w.shape[1])
                 p = int4.quantize_int4(w, group, symmetric=False)
-            parts.append(int4_slice(p, axis, span, group, name))
+            p, group = int4_slice(p, axis, span, group, name)
+            parts.append(p)
+            groups.append(group)
+        group = min(groups)  # fused sources: one group size (each a multiple of the least)
+        parts = [int4_regroup(p, g, group) for p, g in zip(parts, groups, strict=True)]
         q, scale, zero = (torch.cat(ts) for ts in zip(*parts, strict=True))
         old = self.get_submodule(name)
         bias = cast("torch.Tensor | None", old.bias)

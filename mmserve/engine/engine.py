@@ -52,11 +52,8 @@ from mmserve.model.hub import resolve_config
 from mmserve.model.kv_scales import kv_scale_plan
 from mmserve.model.llama import token_embedding
 from mmserve.model.loader import LoadedModel, load_model
-from mmserve.model.quant import (
-    check_quantization,
-    kv_cache_scheme,
-    weights_summary,
-)
+from mmserve.model.quant import check_quantization, kv_cache_scheme
+from mmserve.model.weights_report import weights_summary
 from mmserve.structured.compile import GrammarCache, new_state
 from mmserve.structured.decode import GuidedDecoding
 from mmserve.types import EngineRequest, TokenDelta, TokenLogprob
@@ -246,10 +243,10 @@ class EngineCore:
         """The engine's private state for ``msg`` (not queued; :meth:`add_request` queues
         it): token lists, the grammar matcher, the sampling generator."""
         req = Request(list(msg.input_ids), list(msg.spans), msg.params, rid=msg.rid)
-        req.arrival = msg.arrival
-        req.priority = msg.priority
+        req.arrival, req.priority = msg.arrival, msg.priority
         req.cache_ns = namespace(msg.cache_salt)
-        req.write_through = msg.prompt_cache_retention == "24h"
+        always = self.config.kv_write_policy == "write_through"
+        req.write_through = always or msg.prompt_cache_retention == "24h"
         req.hold = msg.hold
         if msg.grammar is not None:
             assert msg.params.guided is not None  # the grammar is compiled from it

@@ -35,6 +35,7 @@ parent): nothing outlives the API process.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import fcntl
 import logging
@@ -87,6 +88,7 @@ def engine_main(
         format="%(levelname)s:     [engine] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    _set_process_name(PROCESS_NAME)
     try:
         core = EngineCore(config)
         core.warm_up_kernels()
@@ -103,6 +105,21 @@ def engine_main(
         EngineLoop(core, rx, tx, parent).run()
     finally:
         core.close()  # KV pages to the disk tier (if on), tensor-parallel ranks stopped
+
+
+#: The engine process's name (``ps -o comm``, ``psutil.Process.name()``, ``pgrep``): its
+#: command line is multiprocessing's ``spawn_main``, as every spawned helper's.
+PROCESS_NAME = "mmserve-engine"
+
+
+def _set_process_name(name: str) -> None:
+    """Set this process's name (Linux ``prctl(PR_SET_NAME)``, at most 15 bytes); elsewhere,
+    or if libc refuses, the name stays python's."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 #: The socket the API process sends pixel tensors' file descriptors on, each ahead of

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mmserve.cache.kv_pool import kv_dtype_name
 from mmserve.engine.request import Request
 from mmserve.model.llama import token_embedding
-from mmserve.model.quant import weight_bytes
+from mmserve.model.weights_report import weight_bytes
 from mmserve.vision.inputs import media_tokens
 
 if TYPE_CHECKING:

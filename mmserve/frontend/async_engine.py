@@ -126,6 +126,10 @@ class AsyncEngine:
         """Why the engine can serve nothing any more (a tensor-parallel rank died), else None."""
         return self.engine.fatal_error()
 
+    def not_serving(self) -> str | None:
+        """Why a new request cannot start now (as :meth:`fatal_error`), else None."""
+        return self.engine.fatal_error()
+
     async def control(self, name: str, *args: object) -> object:
         """Call the engine's control method ``name`` (one of :data:`CONTROL_CALLS`) on the
         engine thread and await its value: the same call the engine process answers as a

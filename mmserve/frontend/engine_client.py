@@ -301,6 +301,13 @@ class EngineProcessClient:
         finally:
             self._pinging = False
 
+    def not_serving(self) -> str | None:
+        """Why a new request cannot start now (no engine process ready: it died, a new one
+        is starting or none is left; a tensor-parallel rank died), else None."""
+        if not self._ready:
+            return self.unavailable() or "the engine process is not running"
+        return self._engine_fatal
+
     def fatal_error(self) -> str | None:
         """Why this server can serve nothing any more (the engine died and no restart is
         left, or a tensor-parallel rank of the engine died), else None."""

@@ -6,7 +6,9 @@ Served layouts (every other value is refused by name, :class:`Int4Format` ``.par
 
 * compressed-tensors ``format: "pack-quantized"`` (llm-compressor's W4A16): one config
   group of ``num_bits 4``, ``type int``, ``strategy group``, ``group_size`` 32/64/128,
-  symmetric or not, no activation quantization. Per module ``weight_packed`` int32
+  symmetric or not, no activation quantization, ``actorder`` none or ``"static"`` (a
+  ``"group"`` / ``"weight"`` order stores a ``weight_g_idx`` that permutes the input
+  features: refused). Per module ``weight_packed`` int32
   ``[out, in / 8]`` (eight values per int32 along the input, the first in the low bits,
   each stored as ``value + 8``), ``weight_scale`` ``[out, in / group]``, and when
   asymmetric ``weight_zero_point`` (int32 packed the same way along the output rows,
@@ -147,6 +149,9 @@ def _parse_ct(qc: dict) -> Int4Format:
     if w.get("group_size") not in GROUP_SIZES:
         field = f"config_groups.{name}.weights.group_size"
         raise _refuse("compressed-tensors", field, w.get("group_size"))
+    if w.get("actorder") not in (None, False, "static"):  # "group" / "weight": a g_idx
+        field = f"config_groups.{name}.weights.actorder"  # permutes the input features
+        raise _refuse("compressed-tensors", field, w.get("actorder"))
     if group.get("input_activations"):
         field = f"config_groups.{name}.input_activations"
         raise _refuse("compressed-tensors", field, group["input_activations"])

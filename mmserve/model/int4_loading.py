@@ -122,27 +122,45 @@ def load_int4_decoder(decoder: Any, dec_w: dict, fmt: Int4Format | None, to: Any
         quant.replace_module(decoder, name, new)
 
 
+def int4_regroup(parts: Int4Parts, group: int, new_group: int) -> Int4Parts:
+    """``(q, scale, zero)`` in groups of ``new_group`` (a divisor of ``group``): each
+    group's ``scale`` and ``zero`` repeated over its ``group / new_group`` parts, so the
+    weight ``(q - zero) * scale`` is unchanged bit for bit."""
+    q, scale, zero = parts
+    k = group // new_group
+    return q, scale.repeat_interleave(k, dim=1), zero.repeat_interleave(k, dim=1)
+
+
 def int4_slice(
     parts: Int4Parts, axis: str, span: tuple[int, int] | None, group: int, what: str
-) -> Int4Parts:
+) -> tuple[Int4Parts, int]:
     """One tensor-parallel rank's rows (``axis`` "row") or input columns ("col") of
-    ``(q, scale, zero)``; a column span must start and end on a group boundary.
+    ``(q, scale, zero)``, and the group size of the slice. A column span inside a group
+    (``--tp 2`` of 128 input features in groups of 128) regroups exactly first: the largest
+    of :data:`~mmserve.model.int4.GROUP_SIZES` that divides the group and both ends of the
+    span, each part keeping its group's scale and zero (:func:`int4_regroup`).
 
     Raises:
-        QuantizationError: for a column span that splits a group, naming the module, the
-            span and the group size.
+        QuantizationError: for a column span no kernel group size fits, naming the module,
+            the span and the group size.
     """
     q, scale, zero = parts
     if axis == "row" and span is not None:
         lo, hi = span
-        return q[lo:hi], scale[lo:hi], zero[lo:hi]
+        return (q[lo:hi], scale[lo:hi], zero[lo:hi]), group
     if axis == "col" and span is not None:
         lo, hi = span
         if lo % group or hi % group:
-            raise quant.QuantizationError(
-                f"--tp splits {what}'s {q.shape[1]} input features at [{lo}, {hi}), which "
-                f"is not on a boundary of its int4 groups of {group}: use a --tp that "
-                f"divides {q.shape[1] // group} groups evenly, or a checkpoint with smaller groups"
-            )
-        return q[:, lo:hi], scale[:, lo // group : hi // group], zero[:, lo // group : hi // group]
-    return parts
+            fits = [g for g in int4.GROUP_SIZES if not (group % g or lo % g or hi % g)]
+            if not fits:
+                raise quant.QuantizationError(
+                    f"--tp splits {what}'s {q.shape[1]} input features at [{lo}, {hi}), "
+                    f"which no int4 group size of {int4.GROUP_SIZES} fits inside its groups "
+                    f"of {group}: use a --tp that divides {q.shape[1]} input features into "
+                    f"multiples of {min(int4.GROUP_SIZES)}"
+                )
+            q, scale, zero = int4_regroup((q, scale, zero), group, max(fits))
+            group = max(fits)
+        g = group
+        return (q[:, lo:hi], scale[:, lo // g : hi // g], zero[:, lo // g : hi // g]), group
+    return parts, group

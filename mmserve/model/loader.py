@@ -460,10 +460,11 @@ def load_model(
     model_dir = Path(model_dir)
     config, processor, family = read_front_end(model_dir)
     shape = text_shape(config)
-    stored = quant.checkpoint_method(getattr(config, "quantization_config", None))
+    qc = getattr(config, "quantization_config", None)
+    stored = quant.checkpoint_method(qc)
     if quantization not in quant.QUANTIZATIONS:
         quant.check_quantization(quantization, device)  # raises, naming the choices
-    method = quant.resolve_method(quantization, stored)
+    method = quant.resolve_method(quantization, stored, qc)
     weights = read_weights(model_dir)
     dec_w, vision_w = _split_weights(weights, family)
     if shape.tie_word_embeddings:  # transformers ignores a stored head and ties it
@@ -499,7 +500,6 @@ def load_model(
     vision.to(device=device, dtype=dtype).eval()
     loaded = assemble(model_dir, config, processor, family, decoder, vision)
     loaded.quantization = method
-    qc = getattr(config, "quantization_config", None)
     loaded.quantization_source = quantization_source(quantization, stored, qc)
     return loaded
 

@@ -42,13 +42,11 @@ Micikevicius et al., "FP8 Formats for Deep Learning" (arXiv 2209.05433).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.config import QUANTIZATIONS
+from mmserve.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS
 from mmserve.model import quant_onednn
 from mmserve.model.int4_formats import SUPPORTED_INT4, Int4Format, Int4FormatError
 
@@ -57,7 +55,6 @@ __all__ = [
     "QuantizedLinear",
     "QuantizationError",
     "check_quantization",
-    "weights_summary",
 ]
 #: Storage dtype of each method's weights.
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -88,11 +85,10 @@ def check_quantization(method: str, device: str) -> None:
         QuantizationError: for an unknown method, fp8 on the CPU (no fp8 matmul: use int8),
             or fp8 on a CUDA device below compute capability 8.9.
     """
-    if method not in QUANTIZATIONS:
-        raise QuantizationError(
-            f"unknown --quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}"
-        )
-    if method in ("none", "int8", "int4"):
+    if method not in QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS:
+        choices = ", ".join(QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)
+        raise QuantizationError(f"unknown --quantization {method!r}; choose one of {choices}")
+    if method in ("none", "int8", "int4", *CHECKPOINT_QUANTIZATIONS):
         return
     if not str(device).startswith("cuda"):
         raise QuantizationError(
@@ -512,13 +508,25 @@ def kv_cache_scheme(quantization_config: dict | None) -> dict | None:
     return dict(scheme)
 
 
-def resolve_method(flag: str, stored: str) -> str:
+def resolve_method(flag: str, stored: str, qc: dict | None = None) -> str:
     """The method to serve: the checkpoint's (``stored``) when it has one, else ``flag``.
+    A ``flag`` naming a checkpoint format (:data:`CHECKPOINT_QUANTIZATIONS`) asks for the
+    checkpoint's own weights, in that format (``qc``'s ``quant_method``).
 
     Raises:
         QuantizationError: when both are set and differ (re-quantizing quantized weights is
-            not done).
+            not done), or ``flag`` names a format the checkpoint is not in.
     """
+    if flag in CHECKPOINT_QUANTIZATIONS:
+        kind = dict(qc or {}).get("quant_method")
+        if stored == "none" or kind != flag:
+            found = f"{kind!r} weights" if stored != "none" else "no quantized weights"
+            raise QuantizationError(
+                f"--quantization {flag} asks for a {flag} checkpoint, but this one has "
+                f"{found} (config.json quantization_config): drop the flag, or quantize "
+                "at load with --quantization int8 or int4"
+            )
+        return stored
     if stored == "none":
         return flag
     if flag not in ("none", stored):
@@ -535,65 +543,3 @@ def int4_format(qc: dict | None) -> Int4Format | None:
         return Int4Format.parse(qc)
     except Int4FormatError as e:
         raise QuantizationError(str(e)) from None
-
-
-def _tensors(model: Any) -> list[torch.Tensor]:
-    """Every parameter and buffer of ``model``'s decoder and vision module, each tensor
-    once (a tied LM head is the embedding's tensor)."""
-    seen: dict[int, torch.Tensor] = {}
-    for m in (model.decoder, model.vision):
-        if isinstance(m, nn.Module):
-            for t in [*m.parameters(), *m.buffers()]:
-                seen.setdefault(id(t), t)
-    return list(seen.values())
-
-
-def weight_bytes(model: Any) -> int:
-    """Bytes of a :class:`~mmserve.model.loader.LoadedModel`'s parameters and buffers
-    (decoder and vision; on this rank under tensor parallelism), each tensor counted once."""
-    return sum(t.numel() * t.element_size() for t in _tensors(model))
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB"
-
-
-def weights_summary(model: Any) -> str:
-    """The weights of a :class:`~mmserve.model.loader.LoadedModel` in words, for the
-    start-up log: the quantization (method and where it came from), the bytes in all and
-    per dtype, and the LM head (tied to the token embedding, or untied, and when a tied
-    head was untied to be quantized, the parameters and bytes that added)."""
-    by_dtype: dict[str, int] = {}
-    for t in _tensors(model):
-        name = str(t.dtype).removeprefix("torch.")
-        by_dtype[name] = by_dtype.get(name, 0) + t.numel() * t.element_size()
-    total = sum(by_dtype.values())
-    parts = "; ".join(f"{d} {b:,}" for d, b in sorted(by_dtype.items(), key=lambda x: -x[1]))
-    method = getattr(model, "quantization", "none")
-    if method == "none":
-        text = "quantization none"
-    else:
-        source = getattr(model, "quantization_source", "") or method
-        group = next((m.group for m in model.decoder.modules() if hasattr(m, "group")), 0)
-        how = f"groups of {group} input features" if method == "int4" else "per output channel"
-        text = f"quantization {method} ({source}; {how})"
-    text += f"; weight bytes {total:,} = {_mb(total)} ({parts})"
-    decoder = model.decoder
-    head = getattr(decoder, "lm_head", None)
-    embed = getattr(decoder, "embed_tokens", None)
-    shape = getattr(decoder, "shape", None)
-    if head is None or embed is None or shape is None:
-        return text
-    hw = head.weight
-    dtype = "int4" if hasattr(head, "group") else str(hw.dtype).removeprefix("torch.")
-    if hw is embed.weight:
-        return f"{text}; LM head tied to the token embedding ({dtype})"
-    head_bytes = sum(t.numel() * t.element_size() for t in head.parameters())
-    params = head.out_features * head.in_features if hasattr(head, "group") else hw.numel()
-    what = f"{params:,} parameters, {head_bytes:,} bytes"
-    if shape.tie_word_embeddings:
-        return (
-            f"{text}; LM head untied: the checkpoint ties it to the token embedding, and "
-            f"quantizing made a separate {dtype} copy ({what})"
-        )
-    return f"{text}; LM head untied ({dtype}, {what})"
