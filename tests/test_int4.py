@@ -334,6 +334,22 @@ def test_make_model_cli_writes_each_format_and_it_loads(tmp_path) -> None:
 
 
 # ---- refusals --------------------------------------------------------------------------------
+def _pack_quantized(input_activations: dict | None = None, **weights) -> dict:
+    """A compressed-tensors W4A16 ``quantization_config`` (groups of 128) with ``weights``
+    fields added and, if given, ``input_activations``."""
+    group: dict = {
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}
+    }
+    group["weights"].update(weights)
+    if input_activations is not None:
+        group["input_activations"] = input_activations
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": group},
+    }
+
+
 @pytest.mark.parametrize(
     ("qc", "match"),
     [
@@ -369,40 +385,9 @@ def test_make_model_cli_writes_each_format_and_it_loads(tmp_path) -> None:
             },
             r"config_groups.group_0.weights.strategy='channel'",
         ),
+        (_pack_quantized(input_activations={"num_bits": 8}), r"input_activations"),
         (
-            {
-                "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "config_groups": {
-                    "group_0": {
-                        "weights": {
-                            "num_bits": 4,
-                            "type": "int",
-                            "strategy": "group",
-                            "group_size": 128,
-                        },
-                        "input_activations": {"num_bits": 8},
-                    }
-                },
-            },
-            r"input_activations",
-        ),
-        (
-            {
-                "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "config_groups": {
-                    "group_0": {
-                        "weights": {
-                            "num_bits": 4,
-                            "type": "int",
-                            "strategy": "group",
-                            "group_size": 128,
-                            "actorder": "group",
-                        },
-                    }
-                },
-            },
+            _pack_quantized(actorder="group"),
             r"config_groups.group_0.weights.actorder='group'",
         ),
         ({"quant_method": "bitsandbytes"}, r"'bitsandbytes'.*pack-quantized.*AWQ.*GPTQ"),
@@ -469,12 +454,20 @@ def test_a_column_shard_inside_a_group_regroups_exactly() -> None:
         int4_slice((q, s, z), "col", (48, 112), 64, "layers.0.mlp.down_proj")
 
 
-def test_tp2_int4_at_load_splits_groups_of_128(families, photos) -> None:
-    """``--quantization int4`` (groups of 128) under ``--tp 2`` on the tiny model, whose
-    o_proj has 128 input features: each rank holds 64 of them in groups of 64 with the
-    group's numbers, and gives tp 1's tokens."""
-    path = families["llava"].model_dir
-    one = Engine(EngineConfig(model_path=str(path)), model=load_model(path, quantization="int4"))
+@pytest.mark.parametrize("at_load", [False, True], ids=["checkpoint-group32", "at-load-group128"])
+def test_tp2_equals_tp1_int4(families, photos, tmp_path, at_load: bool) -> None:
+    """o_proj's 128 input features split 64 + 64: a compressed-tensors asymmetric group-32
+    checkpoint (two groups a rank), or ``--quantization int4`` at load in groups of 128
+    (each rank holds its half of a group in groups of 64 with the group's numbers):
+    tp 2 gives tp 1's tokens."""
+    if at_load:
+        path, kw = families["llava"].model_dir, {"quantization": "int4"}
+    else:
+        path = make_checkpoint(
+            tmp_path / "q", "tiny", quantization="int4", group_size=32, symmetric=False
+        )
+        kw = {}
+    one = Engine(EngineConfig(model_path=str(path)), model=load_model(path, **kw))
     imgs = [one.processor.prepare_image(photos[n]) for n in ("cat.png", "coffee.png")]
 
     def reqs(eng: Engine) -> list:
@@ -484,30 +477,7 @@ def test_tp2_int4_at_load_splits_groups_of_128(families, photos) -> None:
         ]
 
     ref = one.generate(reqs(one))
-    with tp_engine(path, quantization="int4") as two:
-        assert two.model.quantization == "int4"
-        res = two.generate(reqs(two))
-    for a, b in zip(res, ref, strict=True):
-        assert_same_generation(a.output_ids, b.output_ids, a.logits, b.logits, "tp2 int4 at load")
-
-
-def test_tp2_equals_tp1_int4(families, photos, tmp_path) -> None:
-    """A compressed-tensors asymmetric group-32 checkpoint (o_proj's 128 input features
-    split 64 + 64: two groups a rank): tp 2 gives tp 1's tokens."""
-    path = make_checkpoint(
-        tmp_path / "q", "tiny", quantization="int4", group_size=32, symmetric=False
-    )
-    one = Engine(EngineConfig(model_path=str(path)), model=load_model(path))
-    imgs = [one.processor.prepare_image(photos[n]) for n in ("cat.png", "coffee.png")]
-
-    def reqs(eng: Engine) -> list:
-        return [
-            eng.processor.make_request(messages=m, images=i, params=greedy(6))
-            for m, i in workload(imgs)[:3]
-        ]
-
-    ref = one.generate(reqs(one))
-    with tp_engine(path) as two:
+    with tp_engine(path, **kw) as two:
         assert two.model.quantization == "int4"
         res = two.generate(reqs(two))
     for a, b in zip(res, ref, strict=True):
