@@ -335,7 +335,7 @@ def test_engine_restarts_flag_is_checked() -> None:
     from api.cli import build_parser, settings_from_args
 
     args = build_parser().parse_args(["serve", "--engine-restarts", "-1"])
-    with pytest.raises(ValueError, match="engine_restarts"):
+    with pytest.raises(ValueError, match="--engine-restarts must be >= 0, got -1"):
         settings_from_args(args)
     launch, _, _ = settings_from_args(build_parser().parse_args(["serve"]))
     assert (launch.engine_restarts, launch.engine_in_process) == (3, False)
