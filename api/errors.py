@@ -58,6 +58,10 @@ class APIError(Exception):
         )
         self.headers = headers
 
+    def body(self) -> dict:
+        """This error's OpenAI-shaped body (:func:`error_body`)."""
+        return error_body(self.message, self.type, self.param, self.code)
+
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     """The JSON body of an error response."""
@@ -244,7 +248,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(
-            error_body(e.message, e.type, e.param, e.code),
+            e.body(),
             status_code=e.status,
             headers=e.headers,
         )

@@ -26,7 +26,6 @@ from api.errors import (
     ClientDisconnected,
     deny_websocket,
     describe_validation_errors,
-    error_body,
 )
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import STREAM
@@ -34,6 +33,7 @@ from api.json_body import JSONBodyRoute, parse_json_object, read_json_object
 from api.openai_format import usage
 from api.routes_videos import clip_prompt
 from api.schemas import STRICT, Detail, NoLogprobsFields, SamplingFields
+from api.sse import SSE_HEADERS
 from api.state import ServerState, State
 from api.stream_frames import (
     Incoming,
@@ -281,7 +281,7 @@ async def ask_stream(
         return StreamingResponse(
             _sse(events),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers=SSE_HEADERS,
         )
     results = await _answers(stream, st.client.submit(reqs, final_only=True), request)
     stream.touch()
@@ -349,7 +349,7 @@ async def _streamed(
                 if err is not None:
                     yield {
                         "object": "error",
-                        **error_body(err.message, err.type, err.param, err.code),
+                        **err.body(),
                     }
                     sub.cancel()
                     return
@@ -358,7 +358,7 @@ async def _streamed(
         if not stream.closed:
             raise
         e = STREAM.not_found(stream.id, "stream_id")
-        yield {"object": "error", **error_body(e.message, e.type, e.param, e.code)}
+        yield {"object": "error", **e.body()}
         return
     finally:
         stream.asks.discard(sub)
@@ -502,7 +502,7 @@ async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
     try:
         stream = await _stream(st, stream_id)
     except APIError as e:  # refused at the handshake: the HTTP status and the JSON body
-        body = error_body(e.message, e.type, e.param, e.code)
+        body = e.body()
         await deny_websocket(websocket.scope, websocket.send, e.status, body)
         return
     await websocket.accept()
@@ -517,7 +517,7 @@ async def stream_socket(websocket: WebSocket, stream_id: str) -> None:
                 try:
                     reply = await _socket_message(st, stream, msg)
                 except APIError as e:
-                    reply = {"type": "error", **error_body(e.message, e.type, e.param, e.code)}
+                    reply = {"type": "error", **e.body()}
                 await websocket.send_text(json.dumps(reply))
     except (WebSocketDisconnect, ClientDisconnected, cancel.Cancelled, RuntimeError):
         return

@@ -21,11 +21,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from api.cache_fields import effective_salt
 from api.disconnect import request_token, until_cancelled
-from api.errors import APIError, error_body
+from api.errors import APIError
 from api.generation import check_questions, make_requests, sampling_params
 from api.ids import VIDEO
 from api.json_body import JSONBodyRoute
 from api.schemas import VideoQARequest
+from api.sse import SSE_HEADERS
 from api.state import ServerState, State
 from api.thumbnails import THUMBNAIL_HEADERS, thumbnail_jpeg
 from api.uploads import read_upload, upload_body
@@ -192,7 +193,7 @@ async def video_qa(
         return StreamingResponse(
             (f"data: {json.dumps(e)}\n\n" async for e in events),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers=SSE_HEADERS,
         )
     return StreamingResponse(
         (json.dumps(e) + "\n" async for e in events), media_type="application/x-ndjson"
@@ -223,7 +224,7 @@ async def _events(
             continue
         err = st.client.failure(res)
         if err is not None:
-            yield {"type": "error", **error_body(err.message, err.type, err.param, err.code)}
+            yield {"type": "error", **err.body()}
             sub.cancel()
             return
         done += 1

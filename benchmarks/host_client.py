@@ -72,12 +72,19 @@ async def _aiohttp_one(
                 continue
             if line.startswith(b"data: [DONE]"):
                 break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise AnswerError(str(chunk["error"])[:300])
-            if chunk.get("usage"):
-                n = int(chunk["usage"]["completion_tokens"])
+            n = _usage_tokens(json.loads(line[6:]), n)
         return _check(n, tokens, events)
+
+
+def _usage_tokens(chunk: dict, n: int | None) -> int | None:
+    """The completion tokens a streamed chunk's usage reports, else ``n`` (as before).
+
+    Raises:
+        AnswerError: for an error chunk.
+    """
+    if "error" in chunk:
+        raise AnswerError(str(chunk["error"])[:300])
+    return int(chunk["usage"]["completion_tokens"]) if chunk.get("usage") else n
 
 
 async def _httpx_one(
@@ -94,10 +101,7 @@ async def _httpx_one(
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
             chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise AnswerError(str(chunk["error"])[:300])
-            if chunk.get("usage"):
-                n = int(chunk["usage"]["completion_tokens"])
+            n = _usage_tokens(chunk, n)
             for choice in chunk.get("choices") or ():
                 events += bool((choice.get("delta") or {}).get("content"))
     return _check(n, tokens, events)

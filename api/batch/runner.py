@@ -404,7 +404,7 @@ class BatchManager:
                 body, request_id, status = answer.body, answer.request_id, 200
                 usage = answer.usage
             except APIError as e:
-                body = error_body(e.message, e.type, e.param, e.code)
+                body = e.body()
                 request_id, status = f"req_{uuid.uuid4().hex}", e.status
             except Exception:  # recorded as failed, never silently lost
                 log.exception("batch %s: line %s failed", job.id, line.custom_id)
